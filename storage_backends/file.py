@@ -1,0 +1,759 @@
+"""Hash-indexed file L3 store: one file per page, atomic writes, verified reads, LRU capacity (design §5).
+
+Layout under ``root`` (one directory may be shared by several processes and several namespaces)::
+
+    root/<namespace hex, 32 chars>/<key[0:2]>/<key>.page      one page record: 64-byte header || payload
+    root/<namespace hex>/<key[0:2]>/.tmp.<key>.<pid>.<tid>.<n>  a write in progress (renamed when complete)
+    root/quarantine/                                          records that failed verification (bounded)
+
+The record format is :mod:`tierkv.storage_backends.page_format` (magic, version, namespace, key, length,
+XXH3-64 of header and payload). The namespace digest is in the path as well as in the header, so two engines
+with different model identities (field scenarios R01/R02) never even open each other's files; keys are
+validated hex (:func:`~tierkv.storage_backends.page_format.check_key`), so no key can name a path outside
+``root``.
+
+Where it comes from and what it does differently:
+
+- SGLang HiCache's ``HiCacheFile`` writes one raw ``.bin`` per page to a temporary name and renames it, and seeds an
+  optional LRU evictor from file mtimes. It stores no header or checksum: a truncated page is reported present and
+  then raises, a page corrupted in place is served as a hit. Here every read checks header and payload checksum and a
+  bad record is a miss (counted, quarantined), never data.
+- LMCache's local disk backend lost its index on restart (field scenario R17). Here the index (path -> size, in LRU
+  order) is rebuilt from the directory at start: page files sorted by mtime (reads refresh the mtime with
+  ``futimens`` on the open descriptor, so recency survives restarts), files of the wrong size quarantined, temporary
+  files of dead writers removed. About 1 µs..10 µs per file (one ``stat``); see ``tests/storage/test_file_index.py``.
+- Mooncake's offload tier and DingoCache filled their disk (R20). Here the capacity (bytes of page files, headers
+  included) is enforced by LRU eviction out of the box (default: 90 % of what the filesystem can give us at start),
+  and ``ENOSPC``/``EDQUOT`` on a write evicts ``enospc_evict_pages`` records and retries once; a failed write leaves
+  no file behind.
+
+Concurrency: the object is thread-safe (SGLang calls a store from a read and a write thread at once). Several
+processes may share ``root``: writes are ``write temp; [fsync]; rename``, so a reader sees the old or the new complete
+record, never a torn one; two writers of one key both write complete records and the last rename wins. Each process
+enforces ``capacity_bytes`` on what it has seen (its start-up scan, its own writes, pages it found on disk);
+:meth:`FileStore.rescan` refreshes that view.
+
+Errors: bad keys and wrong buffer sizes raise ``ValueError`` (caller bugs). A root that cannot be created or written
+raises :class:`tierkv.connector.config.ConfigError` at construction (unless ``read_only``), so a misconfigured
+deployment fails at start-up rather than silently caching nothing. Everything at run time (``EIO``, ``EROFS``, disk
+full, files vanishing under another process) becomes a miss / ``False``, a counter in :meth:`FileStore.stats` and a
+rate-limited warning in the ``tierkv.storage.file`` logger.
+"""
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from typing import Any, Literal, Optional, Sequence, Union
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from tierkv.connector.config import ConfigError
+from tierkv.storage_backends.base import Buffer, StorageBackend
+from tierkv.storage_backends.page_format import (
+    HEADER_BYTES,
+    PageFormatError,
+    check_key,
+    decode_header,
+    encode_header,
+    verify_payload,
+)
+
+log = logging.getLogger("tierkv.storage.file")
+
+PAGE_SUFFIX = ".page"
+TMP_PREFIX = ".tmp."
+QUARANTINE_DIR = "quarantine"
+_NS_HEX_LEN = 32
+_HEX = frozenset("0123456789abcdef")
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+
+
+def parse_bytes(value: Union[int, str]) -> int:
+    """``6291456``, ``"6MiB"``, ``"6 MB"``, ``"1.5GiB"`` -> bytes (int). Raises ValueError for anything else."""
+    if isinstance(value, bool):
+        raise ValueError(f"not a byte size: {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        s = value.strip().lower().replace(" ", "").replace("_", "")
+        num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+        unit = s[len(num):]
+        if num and unit in _UNITS:
+            try:
+                return int(float(num) * _UNITS[unit])
+            except ValueError:
+                pass
+    raise ValueError(f"not a byte size: {value!r} (use an int or a string like '6MiB', '10GB')")
+
+
+class FileStoreConfig(BaseModel):
+    """Keys of ``l3.file`` (see ``configs/l3_file.yaml`` for comments). Unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    root: str
+    capacity_bytes: Optional[int] = Field(default=None, gt=0)
+    fsync: bool = False
+    read_only: bool = False
+    quarantine: bool = True
+    quarantine_max_files: int = Field(default=1000, ge=0)
+    scan_verify: Literal["size", "header"] = "size"
+    touch_on_read: bool = True
+    stale_temp_s: float = Field(default=300.0, ge=0)
+    enospc_evict_pages: int = Field(default=8, ge=1)
+    default_capacity_fraction: float = Field(default=0.9, gt=0, le=1.0)
+
+    @field_validator("root")
+    @classmethod
+    def _root(cls, v: str) -> str:
+        if not v:
+            raise ValueError("root must name a directory")
+        return os.path.abspath(os.path.expanduser(v))
+
+    @field_validator("capacity_bytes", mode="before")
+    @classmethod
+    def _cap(cls, v: Any) -> Any:
+        return None if v is None else parse_bytes(v)
+
+
+def config_error(err: ValidationError, prefix: str) -> ConfigError:
+    """A :class:`ConfigError` naming each bad key as ``<prefix>.<key>`` and what is allowed."""
+    lines = []
+    for e in err.errors():
+        key = ".".join([prefix] + [str(p) for p in e["loc"]])
+        if e["type"] == "extra_forbidden":
+            lines.append(f"unknown config key '{key}'")
+        elif e["type"] == "literal_error":
+            lines.append(f"bad value {e.get('input')!r} for '{key}': allowed values are "
+                         f"{e.get('ctx', {}).get('expected', '')}")
+        elif e["type"] == "missing":
+            lines.append(f"missing config key '{key}'")
+        else:
+            lines.append(f"bad value {e.get('input')!r} for '{key}': {e['msg']}")
+    return ConfigError("invalid tierkv config: " + "; ".join(lines))
+
+
+def as_byte_view(buf: Buffer, nbytes: int, writable: bool, what: str = "buffer") -> memoryview:
+    """A flat ``memoryview`` (format ``B``) over ``buf`` without copying.
+
+    Accepts a contiguous CPU ``torch.Tensor`` of any dtype (its bytes), a ``memoryview``, ``bytearray`` or (read
+    only) ``bytes``. Raises ``ValueError`` if the size is not ``nbytes``, the buffer is not contiguous or not on the
+    CPU, or ``writable`` is asked of a read-only buffer.
+    """
+    if isinstance(buf, torch.Tensor):
+        if buf.device.type != "cpu":
+            raise ValueError(f"{what}: tensor on {buf.device}, expected a CPU tensor")
+        if not buf.is_contiguous():
+            raise ValueError(f"{what}: tensor is not contiguous")
+        t = buf.detach()
+        n = t.numel() * t.element_size()
+        if n != nbytes:
+            raise ValueError(f"{what}: {n} bytes, expected page_bytes={nbytes}")
+        if t.dtype != torch.uint8:
+            t = t.reshape(-1).view(torch.uint8)
+        return memoryview(t.reshape(-1).numpy())
+    try:
+        mv = memoryview(buf)
+    except TypeError:
+        raise ValueError(f"{what}: expected a torch.Tensor, memoryview, bytearray or bytes, "
+                         f"got {type(buf).__name__}") from None
+    if not mv.c_contiguous:
+        raise ValueError(f"{what}: buffer is not contiguous")
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    if mv.nbytes != nbytes:
+        raise ValueError(f"{what}: {mv.nbytes} bytes, expected page_bytes={nbytes}")
+    if writable and mv.readonly:
+        raise ValueError(f"{what}: destination is read-only")
+    return mv
+
+
+class _RateLimitedLog:
+    def __init__(self, logger: logging.Logger, every_s: float = 10.0):
+        self._log, self._every, self._last = logger, every_s, {}
+        self._suppressed: dict[str, int] = {}
+
+    def warning(self, kind: str, msg: str, *args) -> None:
+        now = time.monotonic()
+        last = self._last.get(kind)
+        if last is not None and now - last < self._every:
+            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
+            return
+        self._last[kind] = now
+        n = self._suppressed.pop(kind, 0)
+        self._log.warning(msg + (f" (+{n} similar suppressed)" if n else ""), *args)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class FileStore(StorageBackend):
+    """L3 page store on a local (or shared POSIX) directory.
+
+    Args:
+        namespace: 16-byte namespace digest (``ModelNamespace.digest()``), written into and checked against every
+            record, and the name of this store's sub-directory.
+        page_bytes: bytes of one page payload; every buffer passed in must have exactly this size.
+        root: the store directory (created if missing).
+        capacity_bytes: maximum bytes of page files under ``root`` (records of every namespace, 64-byte headers
+            included), int or a string like ``"20GiB"``. ``None``: ``default_capacity_fraction`` of (bytes already
+            stored + free space of the filesystem) at start.
+        fsync: ``fsync`` each record before the rename and its directory after it (durable across power loss;
+            slower). Default off: a crash can lose recent pages but never leaves a torn one visible.
+        read_only: open an existing store for reads only (sets return ``False``); no root write check, nothing is
+            deleted or quarantined.
+        quarantine: move records that fail verification to ``root/quarantine/`` (``False``: delete them).
+        quarantine_max_files: keep at most this many quarantined files; beyond it bad records are deleted.
+        scan_verify: start-up check of each file: ``"size"`` (file size only: catches truncated and extended
+            records of this namespace) or ``"header"`` (also read and check each 64-byte header).
+        touch_on_read: refresh a record's mtime on every hit so LRU order survives a restart.
+        stale_temp_s: temporary files older than this, or whose writer pid is dead, are removed at start-up.
+        enospc_evict_pages: records to evict when the filesystem reports it is full, before the one retry.
+        default_capacity_fraction: see ``capacity_bytes``.
+
+    Raises:
+        ConfigError: bad option values, or ``root`` cannot be created or written (and not ``read_only``).
+        ValueError: ``namespace`` not 16 bytes, ``page_bytes`` not positive.
+    """
+
+    def __init__(self, namespace: bytes, page_bytes: int, root: Optional[str] = None, **cfg: Any):
+        if not isinstance(namespace, (bytes, bytearray)) or len(namespace) != 16:
+            raise ValueError(f"namespace must be a 16-byte digest, got {namespace!r}")
+        if not isinstance(page_bytes, int) or isinstance(page_bytes, bool) or page_bytes <= 0:
+            raise ValueError(f"page_bytes must be a positive int, got {page_bytes!r}")
+        try:
+            self.cfg = FileStoreConfig(root=root, **cfg) if root is not None else FileStoreConfig(**cfg)
+        except ValidationError as e:
+            raise config_error(e, "l3.file") from None
+        self.namespace = bytes(namespace)
+        self.page_bytes = page_bytes
+        self.record_bytes = HEADER_BYTES + page_bytes
+        self.root = self.cfg.root
+        self.ns_dir = os.path.join(self.root, self.namespace.hex())
+        self.quarantine_dir = os.path.join(self.root, QUARANTINE_DIR)
+        self._lock = threading.Lock()
+        self._index: "OrderedDict[str, int]" = OrderedDict()  # path -> file bytes, least recently used first
+        self._usage = 0
+        self._made_dirs: set[str] = set()
+        self._tmp_seq = itertools.count()
+        self._closed = False
+        self._last_stamp = 0
+        self._warn = _RateLimitedLog(log)
+        self._touch = self.cfg.touch_on_read and not self.cfg.read_only
+        self._c = dict(hits=0, misses=0, sets=0, set_failures=0, corrupt=0, errors=0, evictions=0,
+                       forced_evictions=0, enospc=0, quarantined=0, deleted_bad=0, temp_removed=0,
+                       bytes_read=0, bytes_written=0, scan_files=0, scan_seconds=0.0)
+        self._check_root()
+        self._quarantine_count = self._count_quarantine()
+        self.rescan()
+        if self.cfg.capacity_bytes is not None:
+            self.capacity_bytes = self.cfg.capacity_bytes
+        else:
+            self.capacity_bytes = self._default_capacity()
+        if self.capacity_bytes < self.record_bytes:
+            raise ConfigError(f"bad value {self.capacity_bytes!r} for 'l3.file.capacity_bytes': smaller than one "
+                              f"record ({self.record_bytes} bytes = 64-byte header + page_bytes)")
+        if not self.cfg.read_only:
+            with self._lock:
+                victims = self._pick_victims_locked(0)
+            self._unlink_victims(victims, forced=False)
+
+    # ------------------------------------------------------------------ set-up
+    def _check_root(self) -> None:
+        root = self.root
+        if self.cfg.read_only:
+            if not os.path.isdir(root):
+                raise ConfigError(f"bad value {root!r} for 'l3.file.root': not a directory (read_only store)")
+            return
+        try:
+            os.makedirs(root, exist_ok=True)
+            if not os.path.isdir(root):
+                raise NotADirectoryError(errno.ENOTDIR, "not a directory", root)
+            probe = os.path.join(root, f"{TMP_PREFIX}probe.{os.getpid()}.{threading.get_ident()}")
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.close(fd)
+            os.unlink(probe)
+            os.makedirs(self.ns_dir, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"bad value {root!r} for 'l3.file.root': cannot create or write the store directory "
+                              f"({type(e).__name__}: {e.strerror or e}); give a writable directory or set "
+                              f"l3.file.read_only: true") from None
+
+    def _default_capacity(self) -> int:
+        try:
+            st = os.statvfs(self.root)
+            avail = st.f_bavail * st.f_frsize
+        except OSError:
+            avail = 0
+        cap = int((avail + self._usage) * self.cfg.default_capacity_fraction)
+        return max(cap, self.record_bytes)
+
+    def _count_quarantine(self) -> int:
+        try:
+            with os.scandir(self.quarantine_dir) as it:
+                return sum(1 for _ in it)
+        except OSError:
+            return 0
+
+    def rescan(self) -> dict[str, Any]:
+        """Rebuild the index and usage from the directory (done at construction).
+
+        Walks ``root/<ns>/<xx>/``: page files become index entries in mtime order (oldest = least recently used);
+        records of this namespace with the wrong size (or, with ``scan_verify: header``, a bad header) are
+        quarantined; temporary files of dead writers or older than ``stale_temp_s`` are removed; other names are
+        left alone. Returns ``{"files", "seconds", "quarantined", "temp_removed"}``.
+        """
+        t0 = time.perf_counter()
+        entries: list[tuple[float, str, int]] = []
+        n_q = n_tmp = 0
+        now = time.time()
+        rw = not self.cfg.read_only
+        mypid = os.getpid()
+        try:
+            top = list(os.scandir(self.root))
+        except OSError as e:
+            self._warn.warning("scan", "file store %s: cannot scan: %s", self.root, e)
+            top = []
+        for nsent in top:
+            name = nsent.name
+            if len(name) != _NS_HEX_LEN or not set(name) <= _HEX or not nsent.is_dir(follow_symlinks=False):
+                continue
+            own = name == self.namespace.hex()
+            try:
+                subs = list(os.scandir(nsent.path))
+            except OSError:
+                continue
+            for sub in subs:
+                if len(sub.name) != 2 or not sub.is_dir(follow_symlinks=False):
+                    continue
+                try:
+                    files = list(os.scandir(sub.path))
+                except OSError:
+                    continue
+                for f in files:
+                    fname = f.name
+                    try:
+                        st = f.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    if fname.endswith(PAGE_SUFFIX) and len(fname) == 32 + len(PAGE_SUFFIX):
+                        if own and rw:
+                            bad = None
+                            if st.st_size != self.record_bytes:
+                                bad = f"size {st.st_size} != {self.record_bytes}"
+                            elif self.cfg.scan_verify == "header":
+                                bad = self._header_problem(f.path, fname[:32])
+                            if bad is not None:
+                                self._discard_bad(f.path, bad, ino=st.st_ino)
+                                n_q += 1
+                                continue
+                        entries.append((st.st_mtime, f.path, st.st_size))
+                    elif fname.startswith(TMP_PREFIX) and rw:
+                        parts = fname.split(".")
+                        try:
+                            pid = int(parts[3])
+                        except (IndexError, ValueError):
+                            pid = -1
+                        dead = pid != mypid and (pid <= 0 or not _pid_alive(pid))
+                        if dead or now - st.st_mtime > self.cfg.stale_temp_s:
+                            try:
+                                os.unlink(f.path)
+                                n_tmp += 1
+                            except OSError:
+                                pass
+        entries.sort()
+        with self._lock:
+            self._index = OrderedDict((p, s) for _, p, s in entries)
+            self._usage = sum(s for _, _, s in entries)
+            self._c["temp_removed"] += n_tmp
+            self._c["scan_files"] = len(entries)
+            dt = time.perf_counter() - t0
+            self._c["scan_seconds"] = dt
+        if n_q or n_tmp:
+            log.info("file store %s: scan found %d pages, quarantined %d bad records, removed %d temp files (%.3f s)",
+                     self.root, len(entries), n_q, n_tmp, dt)
+        return {"files": len(entries), "seconds": dt, "quarantined": n_q, "temp_removed": n_tmp}
+
+    def _header_problem(self, path: str, key: str) -> Optional[str]:
+        try:
+            with open(path, "rb", buffering=0) as f:
+                head = f.read(HEADER_BYTES)
+            decode_header(head, key, self.namespace, self.page_bytes)
+        except PageFormatError as e:
+            return str(e)
+        except OSError:
+            return None
+        return None
+
+    # ------------------------------------------------------------------ helpers
+    def _stamp(self) -> int:
+        """A strictly increasing wall-clock time in ns for record mtimes (the persisted LRU order)."""
+        with self._lock:
+            t = max(time.time_ns(), self._last_stamp + 1)
+            self._last_stamp = t
+        return t
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.ns_dir, key[:2], key + PAGE_SUFFIX)
+
+    def _check_keys(self, keys: Sequence[str]) -> None:
+        if isinstance(keys, (str, bytes)):
+            raise ValueError("keys must be a sequence of key strings, not a single string")
+        for k in keys:
+            check_key(k)
+
+    def _discard_bad(self, path: str, reason: str, ino: Optional[int] = None) -> None:
+        """Quarantine (or delete) a record that failed verification; never raises."""
+        if self.cfg.read_only:
+            return
+        with self._lock:
+            size = self._index.pop(path, None)
+            if size is not None:
+                self._usage -= size
+        try:
+            if ino is not None and os.stat(path).st_ino != ino:
+                return  # replaced by a fresh record meanwhile: leave that one alone
+            if self.cfg.quarantine and self._quarantine_count < self.cfg.quarantine_max_files:
+                os.makedirs(self.quarantine_dir, exist_ok=True)
+                dst = os.path.join(self.quarantine_dir, f"{os.path.basename(os.path.dirname(os.path.dirname(path)))}-"
+                                   f"{os.path.basename(path)}.{os.getpid()}.{time.time_ns()}.bad")
+                os.rename(path, dst)
+                self._quarantine_count += 1
+                self._c["quarantined"] += 1
+            else:
+                os.unlink(path)
+                self._c["deleted_bad"] += 1
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            self._warn.warning("quarantine", "file store %s: cannot quarantine %s: %s", self.root, path, e)
+        self._warn.warning("corrupt", "file store %s: bad page record %s (%s): treated as a miss", self.root, path,
+                           reason)
+
+    def _forget(self, path: str) -> None:
+        with self._lock:
+            size = self._index.pop(path, None)
+            if size is not None:
+                self._usage -= size
+
+    def _pick_victims_locked(self, need: int) -> list[tuple[str, int]]:
+        """Pop least recently used entries until ``usage + need <= capacity``. Caller holds the lock and then
+        unlinks the returned ``(path, bytes)`` outside it."""
+        victims = []
+        while self._usage + need > self.capacity_bytes and self._index:
+            p, s = self._index.popitem(last=False)
+            self._usage -= s
+            victims.append((p, s))
+        return victims
+
+    def _unlink_victims(self, victims: list[tuple[str, int]], forced: bool) -> None:
+        for p, _ in victims:
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                self._warn.warning("evict", "file store %s: cannot evict %s: %s", self.root, p, e)
+        if victims:
+            with self._lock:
+                self._c["evictions"] += len(victims)
+                if forced:
+                    self._c["forced_evictions"] += len(victims)
+
+    # ------------------------------------------------------------------ interface
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        """Number of leading ``keys`` whose record file is present with the right size.
+
+        Looks at the directory (one ``stat`` per key), so pages written by other processes count. A record whose
+        payload was corrupted in place is only found out by :meth:`batch_get`. Raises ValueError for a bad key."""
+        self._check_keys(keys)
+        if self._closed:
+            return 0
+        n = 0
+        for k in keys:
+            p = self._path(k)
+            try:
+                st = os.stat(p)
+            except OSError:
+                self._forget(p)
+                break
+            if st.st_size != self.record_bytes:
+                break
+            if p not in self._index:
+                self._adopt(p, st.st_size)
+            n += 1
+        return n
+
+    def _adopt(self, path: str, size: int) -> None:
+        """Index a record another process wrote (most recently used end)."""
+        with self._lock:
+            if path not in self._index:
+                self._index[path] = size
+                self._usage += size
+
+    def batch_get(self, keys: Sequence[str], destinations: Sequence[Buffer]) -> list[bool]:
+        """Read pages into ``destinations`` (each a writable contiguous CPU buffer of ``page_bytes`` bytes, e.g. a
+        ``torch.uint8`` host-pool page), directly with ``readv`` (no intermediate copy).
+
+        Returns one bool per key. ``False``: missing (destination untouched), or corrupt/foreign/truncated (counted
+        in ``corrupt``, quarantined; the destination may hold garbage). Raises ValueError for a bad key, a length
+        mismatch between ``keys`` and ``destinations`` or a buffer of the wrong size."""
+        self._check_keys(keys)
+        if len(keys) != len(destinations):
+            raise ValueError(f"{len(keys)} keys but {len(destinations)} destinations")
+        views = [as_byte_view(d, self.page_bytes, writable=True, what=f"destinations[{i}]")
+                 for i, d in enumerate(destinations)]
+        if self._closed:
+            return [False] * len(keys)
+        out = [False] * len(keys)
+        hdr = bytearray(HEADER_BYTES)
+        hits = misses = corrupt = errors = nread = 0
+        for i, (k, mv) in enumerate(zip(keys, views)):
+            p = self._path(k)
+            try:
+                fd = os.open(p, os.O_RDONLY)
+            except FileNotFoundError:
+                self._forget(p)
+                misses += 1
+                continue
+            except OSError as e:
+                errors += 1
+                misses += 1
+                self._warn.warning("read", "file store %s: cannot open %s: %s", self.root, p, e)
+                continue
+            bad = None
+            ino = None
+            try:
+                st = os.fstat(fd)
+                ino = st.st_ino
+                if st.st_size != self.record_bytes:
+                    bad = f"file of {st.st_size} bytes, expected {self.record_bytes}"
+                else:
+                    os.preadv(fd, [hdr], 0)
+                    psum = decode_header(hdr, k, self.namespace, self.page_bytes)
+                    got = os.preadv(fd, [mv], HEADER_BYTES)
+                    while got < self.page_bytes:  # regular files read fully; loop in case of a signal
+                        n = os.preadv(fd, [mv[got:]], HEADER_BYTES + got)
+                        if n <= 0:
+                            break
+                        got += n
+                    if got != self.page_bytes:
+                        bad = f"short read {got} of {self.page_bytes}"
+                    else:
+                        verify_payload(mv, psum)
+                        if self._touch:
+                            try:
+                                t = self._stamp()
+                                os.utime(fd, ns=(t, t))
+                            except OSError:
+                                pass
+            except PageFormatError as e:
+                bad = str(e)
+            except OSError as e:
+                errors += 1
+                misses += 1
+                self._warn.warning("read", "file store %s: cannot read %s: %s", self.root, p, e)
+                os.close(fd)
+                continue
+            os.close(fd)
+            if bad is not None:
+                corrupt += 1
+                misses += 1
+                self._discard_bad(p, bad, ino=ino)
+                continue
+            out[i] = True
+            hits += 1
+            nread += self.page_bytes
+            with self._lock:
+                if p in self._index:
+                    self._index.move_to_end(p)
+                else:
+                    self._index[p] = self.record_bytes
+                    self._usage += self.record_bytes
+        with self._lock:
+            c = self._c
+            c["hits"] += hits
+            c["misses"] += misses
+            c["corrupt"] += corrupt
+            c["errors"] += errors
+            c["bytes_read"] += nread
+        return out
+
+    def batch_set(self, keys: Sequence[str], sources: Sequence[Buffer]) -> list[bool]:
+        """Store pages from ``sources`` (each a contiguous CPU buffer of ``page_bytes`` bytes).
+
+        Each record is written to a temporary file in its final directory, optionally fsynced, and renamed over the
+        key's path (an existing record of the key is replaced). Capacity is made by evicting least recently used
+        records first; on ``ENOSPC`` ``enospc_evict_pages`` more are evicted and the write retried once. Returns one
+        bool per key; ``False`` leaves no file behind. Raises ValueError for a bad key, a length mismatch or a
+        buffer of the wrong size."""
+        self._check_keys(keys)
+        if len(keys) != len(sources):
+            raise ValueError(f"{len(keys)} keys but {len(sources)} sources")
+        views = [as_byte_view(s, self.page_bytes, writable=False, what=f"sources[{i}]")
+                 for i, s in enumerate(sources)]
+        if self._closed or self.cfg.read_only:
+            with self._lock:
+                self._c["set_failures"] += len(keys)
+            return [False] * len(keys)
+        out = [False] * len(keys)
+        dirs: set[str] = set()
+        for i, (k, mv) in enumerate(zip(keys, views)):
+            p = self._path(k)
+            with self._lock:
+                old = self._index.pop(p, None)
+                if old is not None:
+                    self._usage -= old
+                victims = self._pick_victims_locked(self.record_bytes)
+                self._index[p] = self.record_bytes  # reserve at the most recently used end
+                self._usage += self.record_bytes
+            self._unlink_victims(victims, forced=False)
+            ok = self._write_one(k, p, mv)
+            if ok is False:  # out of space below our capacity: forced eviction, then one retry
+                with self._lock:
+                    self._c["enospc"] += 1
+                    forced = []
+                    while len(forced) < self.cfg.enospc_evict_pages and len(self._index) > 1:
+                        q, s = self._index.popitem(last=False)
+                        if q == p:  # only if p was re-inserted at the front meanwhile; keep our reservation
+                            self._index[q] = s
+                            continue
+                        self._usage -= s
+                        forced.append((q, s))
+                self._unlink_victims(forced, forced=True)
+                ok = self._write_one(k, p, mv, last_try=True) if forced else None
+                if not forced:
+                    self._warn.warning("enospc", "file store %s: filesystem full and nothing left to evict; "
+                                       "page %s not stored", self.root, k)
+            if ok:
+                out[i] = True
+                dirs.add(os.path.dirname(p))
+            else:
+                self._forget(p)
+        if self.cfg.fsync:
+            for d in dirs:
+                try:
+                    dfd = os.open(d, os.O_RDONLY)
+                    try:
+                        os.fsync(dfd)
+                    finally:
+                        os.close(dfd)
+                except OSError as e:
+                    self._warn.warning("fsync", "file store %s: cannot fsync directory %s: %s", self.root, d, e)
+        n_ok = sum(out)
+        with self._lock:
+            self._c["sets"] += n_ok
+            self._c["set_failures"] += len(keys) - n_ok
+            self._c["bytes_written"] += n_ok * self.page_bytes
+        return out
+
+    def _write_one(self, key: str, path: str, mv: memoryview, last_try: bool = False) -> Optional[bool]:
+        """Write one record atomically. True: stored. False: out of space (caller may evict and retry).
+        None: other failure (counted, logged). Never leaves the temporary file behind."""
+        d = os.path.dirname(path)
+        tmp = os.path.join(d, f"{TMP_PREFIX}{key}.{os.getpid()}.{threading.get_ident()}.{next(self._tmp_seq)}")
+        head = encode_header(key, self.namespace, mv)
+        fd = -1
+        try:
+            if d not in self._made_dirs:
+                os.makedirs(d, exist_ok=True)
+                self._made_dirs.add(d)
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileNotFoundError:  # the directory was removed (clear() in another process): recreate once
+                os.makedirs(d, exist_ok=True)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            total = HEADER_BYTES + self.page_bytes
+            n = os.writev(fd, [head, mv])
+            while n < total:
+                if n < HEADER_BYTES:
+                    n += os.writev(fd, [memoryview(head)[n:], mv])
+                else:
+                    n += os.write(fd, mv[n - HEADER_BYTES:])
+            t = self._stamp()
+            os.utime(fd, ns=(t, t))  # exact LRU order after a restart (kernel mtimes are jiffy-coarse)
+            if self.cfg.fsync:
+                os.fsync(fd)
+            os.close(fd)
+            fd = -1
+            os.rename(tmp, path)
+            return True
+        except OSError as e:
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            if e.errno in (errno.ENOSPC, errno.EDQUOT) and not last_try:
+                return False
+            with self._lock:
+                self._c["errors"] += 1
+            self._warn.warning("write", "file store %s: cannot store page %s: %s", self.root, key, e)
+            return None
+
+    def clear(self) -> None:
+        """Delete every record of this namespace (records of other namespaces under ``root`` are kept)."""
+        if self.cfg.read_only:
+            return
+        with self._lock:
+            mine = [p for p in self._index if p.startswith(self.ns_dir + os.sep)]
+            for p in mine:
+                self._usage -= self._index.pop(p)
+        for p in mine:
+            try:
+                os.unlink(p)
+            except OSError:
+                pass
+        try:  # records written by other processes that this one never saw
+            for sub in os.scandir(self.ns_dir):
+                if len(sub.name) == 2 and sub.is_dir(follow_symlinks=False):
+                    for f in os.scandir(sub.path):
+                        if f.name.endswith(PAGE_SUFFIX):
+                            try:
+                                os.unlink(f.path)
+                            except OSError:
+                                pass
+        except OSError:
+            pass
+
+    def usage(self) -> dict[str, int]:
+        """``{"bytes", "pages", "capacity_bytes"}`` as this process sees them (``pages`` = indexed files)."""
+        with self._lock:
+            return {"bytes": self._usage, "pages": len(self._index), "capacity_bytes": self.capacity_bytes}
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since construction: ``hits``, ``misses``, ``sets``, ``set_failures``, ``corrupt`` (records that
+        failed verification), ``errors`` (I/O errors), ``evictions`` (of which ``forced_evictions`` on ENOSPC),
+        ``enospc``, ``quarantined``, ``deleted_bad``, ``temp_removed``, ``bytes_read``, ``bytes_written`` (payload
+        bytes), plus ``usage_bytes``, ``usage_pages``, ``capacity_bytes``, ``scan_files``, ``scan_seconds``."""
+        with self._lock:
+            d = dict(self._c)
+            d.update(usage_bytes=self._usage, usage_pages=len(self._index), capacity_bytes=self.capacity_bytes,
+                     backend="file", root=self.root)
+        return d
+
+    def close(self) -> None:
+        """Mark the store closed (later calls miss). Holds no open files between calls. Idempotent."""
+        self._closed = True
+
+    def __repr__(self) -> str:
+        return (f"FileStore(root={self.root!r}, namespace={self.namespace.hex()[:8]}.., page_bytes={self.page_bytes}, "
+                f"capacity_bytes={getattr(self, 'capacity_bytes', None)})")
