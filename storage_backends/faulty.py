@@ -1,0 +1,225 @@
+"""Fault injection around any L3 store, for tests of the layers above (controller, connector).
+
+After SGLang HiCache's ``HiCacheStorageFailureInjector`` (random delay and failure probability from environment
+variables), with what the field scenarios need on top: a seeded, reproducible choice of which keys fail; fixed
+failing keys ("fail the read of page 3"); a *hang* that blocks a call until the test releases it (so timeout paths
+are tested with events, not sleeps); counters of what was injected.
+
+Per key, a failed get is ``False`` with the destination untouched (the inner store is not asked for that key), a
+failed set is ``False`` with nothing stored, a failed exists makes that key absent (the leading run stops there).
+Randomness comes from one ``random.Random(seed)`` drawn in call order (one draw per key per enabled fraction), so
+a single-threaded test sees the same faults on every run.
+"""
+from __future__ import annotations
+
+import random
+import threading
+import time
+from typing import Any, Iterable, Optional, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tierkv.storage_backends.base import Buffer, StorageBackend
+from tierkv.storage_backends.page_format import check_key
+
+_OPS = ("get", "set", "exists")
+
+
+class FaultsConfig(BaseModel):
+    """Keys of ``l3.faults`` (all optional; an empty section means no wrapper). Fractions are per key, delays and
+    hangs per call."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    fail_get: float = Field(default=0.0, ge=0.0, le=1.0)
+    fail_set: float = Field(default=0.0, ge=0.0, le=1.0)
+    fail_exists: float = Field(default=0.0, ge=0.0, le=1.0)
+    delay_get_s: float = Field(default=0.0, ge=0.0)
+    delay_set_s: float = Field(default=0.0, ge=0.0)
+    delay_exists_s: float = Field(default=0.0, ge=0.0)
+    hang_get: bool = False
+    hang_set: bool = False
+    hang_exists: bool = False
+    fail_get_keys: list[str] = Field(default_factory=list)
+    fail_set_keys: list[str] = Field(default_factory=list)
+    fail_exists_keys: list[str] = Field(default_factory=list)
+    seed: int = 0
+
+
+class FaultyBackend(StorageBackend):
+    """Wraps ``inner`` and fails, delays or hangs a chosen share of its calls.
+
+    Args:
+        inner: the store to wrap (any :class:`StorageBackend`); closed with the wrapper.
+        fail_get, fail_set, fail_exists: probability (0..1) that each key of a call fails.
+        delay_get_s, delay_set_s, delay_exists_s: seconds slept before each call of that kind.
+        hang_get, hang_set, hang_exists: block each call of that kind until :meth:`release` (or :meth:`close`);
+            then the call proceeds normally. :meth:`wait_hanging` tells a test that a call is blocked.
+        fail_get_keys, fail_set_keys, fail_exists_keys: keys (text form) that always fail for that operation.
+        seed: seed of the random draws.
+
+    All settings can be changed at run time with :meth:`set_faults`. ``stats()`` is the inner store's counters
+    plus ``injected_{get,set,exists}_failures``, ``injected_delays``, ``injected_hangs``.
+    """
+
+    def __init__(self, inner: StorageBackend, fail_get: float = 0.0, fail_set: float = 0.0,
+                 fail_exists: float = 0.0, delay_get_s: float = 0.0, delay_set_s: float = 0.0,
+                 delay_exists_s: float = 0.0, hang_get: bool = False, hang_set: bool = False,
+                 hang_exists: bool = False, fail_get_keys: Iterable[str] = (), fail_set_keys: Iterable[str] = (),
+                 fail_exists_keys: Iterable[str] = (), seed: int = 0):
+        self.inner = inner
+        self.page_bytes = inner.page_bytes
+        self.namespace = inner.namespace
+        self._lock = threading.Lock()
+        self._release = threading.Event()
+        self._hanging = threading.Condition(self._lock)
+        self._n_hanging = 0
+        self._closed = False
+        self._c = {f"injected_{op}_failures": 0 for op in _OPS}
+        self._c.update(injected_delays=0, injected_hangs=0)
+        self._fail: dict[str, float] = {}
+        self._delay: dict[str, float] = {}
+        self._hang: dict[str, bool] = {}
+        self._fail_keys: dict[str, frozenset] = {}
+        self._rng = random.Random(seed)
+        self.set_faults(fail_get=fail_get, fail_set=fail_set, fail_exists=fail_exists, delay_get_s=delay_get_s,
+                        delay_set_s=delay_set_s, delay_exists_s=delay_exists_s, hang_get=hang_get,
+                        hang_set=hang_set, hang_exists=hang_exists, fail_get_keys=fail_get_keys,
+                        fail_set_keys=fail_set_keys, fail_exists_keys=fail_exists_keys)
+
+    @classmethod
+    def from_config(cls, inner: StorageBackend, cfg: FaultsConfig) -> "FaultyBackend":
+        return cls(inner, **cfg.model_dump())
+
+    def set_faults(self, **kw: Any) -> None:
+        """Change settings (same names as the constructor, except ``inner``; ``seed`` re-seeds). Arming a hang
+        clears an earlier :meth:`release`. Raises ValueError for an unknown name or a fraction outside 0..1."""
+        with self._lock:
+            for name, v in kw.items():
+                if name == "seed":
+                    self._rng = random.Random(v)
+                    continue
+                head, _, op = name.partition("_")
+                op = op.removesuffix("_s").removesuffix("_keys")
+                if op not in _OPS or head not in ("fail", "delay", "hang"):
+                    raise ValueError(f"unknown fault setting {name!r}")
+                if name.endswith("_keys"):
+                    if head != "fail":
+                        raise ValueError(f"unknown fault setting {name!r}")
+                    self._fail_keys[op] = frozenset(v)
+                elif head == "fail":
+                    if not 0.0 <= float(v) <= 1.0:
+                        raise ValueError(f"{name} must be in 0..1, got {v!r}")
+                    self._fail[op] = float(v)
+                elif head == "delay":
+                    if float(v) < 0:
+                        raise ValueError(f"{name} must be >= 0 seconds, got {v!r}")
+                    self._delay[op] = float(v)
+                else:
+                    self._hang[op] = bool(v)
+                    if v:
+                        self._release.clear()
+
+    def release(self) -> None:
+        """Let every hung call (and every later one, until a hang is armed again) proceed."""
+        self._release.set()
+
+    def wait_hanging(self, n: int = 1, timeout: Optional[float] = 10.0) -> bool:
+        """Block until at least ``n`` calls are hung; ``False`` on timeout."""
+        with self._hanging:
+            return self._hanging.wait_for(lambda: self._n_hanging >= n, timeout=timeout)
+
+    @property
+    def hanging(self) -> int:
+        """Calls blocked in a hang right now."""
+        with self._lock:
+            return self._n_hanging
+
+    # ------------------------------------------------------------------ injection
+    def _before(self, op: str) -> None:
+        d = self._delay.get(op, 0.0)
+        if d > 0:
+            with self._lock:
+                self._c["injected_delays"] += 1
+            time.sleep(d)
+        if self._hang.get(op) and not self._closed:
+            with self._hanging:
+                self._n_hanging += 1
+                self._c["injected_hangs"] += 1
+                self._hanging.notify_all()
+            try:
+                self._release.wait()
+            finally:
+                with self._lock:
+                    self._n_hanging -= 1
+
+    def _failing(self, op: str, keys: Sequence[str]) -> list[bool]:
+        p = self._fail.get(op, 0.0)
+        fixed = self._fail_keys.get(op, frozenset())
+        with self._lock:
+            out = [(p > 0 and self._rng.random() < p) or (k in fixed) for k in keys]
+            self._c[f"injected_{op}_failures"] += sum(out)
+        return out
+
+    # ------------------------------------------------------------------ interface
+    @staticmethod
+    def _check(keys: Sequence[str]) -> None:
+        if isinstance(keys, (str, bytes)):
+            raise ValueError("keys must be a sequence of key strings, not a single string")
+        for k in keys:
+            check_key(k)
+
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        self._check(keys)
+        self._before("exists")
+        fail = self._failing("exists", keys)
+        limit = fail.index(True) if True in fail else len(keys)
+        if limit == 0:
+            return 0
+        return self.inner.batch_exists(list(keys[:limit]))
+
+    def batch_get(self, keys: Sequence[str], destinations: Sequence[Buffer]) -> list[bool]:
+        if len(keys) != len(destinations):
+            raise ValueError(f"{len(keys)} keys but {len(destinations)} destinations")
+        self._check(keys)
+        self._before("get")
+        fail = self._failing("get", keys)
+        idx = [i for i, f in enumerate(fail) if not f]
+        out = [False] * len(keys)
+        if idx:
+            res = self.inner.batch_get([keys[i] for i in idx], [destinations[i] for i in idx])
+            for i, r in zip(idx, res):
+                out[i] = r
+        return out
+
+    def batch_set(self, keys: Sequence[str], sources: Sequence[Buffer]) -> list[bool]:
+        if len(keys) != len(sources):
+            raise ValueError(f"{len(keys)} keys but {len(sources)} sources")
+        self._check(keys)
+        self._before("set")
+        fail = self._failing("set", keys)
+        idx = [i for i, f in enumerate(fail) if not f]
+        out = [False] * len(keys)
+        if idx:
+            res = self.inner.batch_set([keys[i] for i in idx], [sources[i] for i in idx])
+            for i, r in zip(idx, res):
+                out[i] = r
+        return out
+
+    def clear(self) -> None:
+        self.inner.clear()
+
+    def stats(self) -> dict[str, Any]:
+        d = dict(self.inner.stats())
+        with self._lock:
+            d.update(self._c)
+        return d
+
+    def close(self) -> None:
+        """Release hung calls and close the inner store. Idempotent."""
+        self._closed = True
+        self._release.set()
+        self.inner.close()
+
+    def __repr__(self) -> str:
+        return f"FaultyBackend({self.inner!r}, fail={self._fail}, delay={self._delay}, hang={self._hang})"
