@@ -37,7 +37,8 @@ class _Strict(BaseModel):
 
 class HostPoolConfig(_Strict):
     """L2 host pool. Give ``size_gb`` (GiB of DRAM) or ``num_pages``; neither = an automatic size
-    (``auto_fraction`` of the machine's available memory, at most ``auto_max_gb``)."""
+    (``auto_fraction`` of the machine's total memory, at most ``auto_max_gb``). The automatic size depends only
+    on MemTotal, so the scheduler and worker processes always agree on the number of slots."""
 
     size_gb: Optional[float] = Field(default=None, gt=0)
     num_pages: Optional[int] = Field(default=None, gt=0)
@@ -92,7 +93,8 @@ class TierKVConfig(_Strict):
         """Bytes of DRAM for L2 given the size of one page (all layers, bytes).
 
         ``num_pages`` wins over ``size_gb``; with neither, ``auto_fraction`` of ``available_bytes``
-        (default: the machine's available memory) capped at ``auto_max_gb`` GiB."""
+        (default: the machine's total memory, a constant, so every process computes the same size) capped at
+        ``auto_max_gb`` GiB."""
         hp = self.host_pool
         if hp.num_pages is not None:
             return hp.num_pages * page_bytes
@@ -107,7 +109,7 @@ def _available_memory_bytes() -> int:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith("MemTotal:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass

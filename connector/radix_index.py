@@ -1,0 +1,413 @@
+"""Radix prefix index over pages: which prefixes live in which tier.
+
+Design after SGLang HiCache's radix tree (``HiRadixCache``), adapted to a plug-in:
+
+- An edge is a run of whole pages. Pages are identified by their chained page keys
+  (:mod:`tierkv.connector.page_hash`), which name the token ids of the page *and* of every page before it
+  *and* the namespace (model, dtype, layout, LoRA, cache salt...). So two sequences share a path exactly
+  when they share a page-aligned token prefix within one namespace, and matching is page-aligned by
+  construction: a tail shorter than a page has no key and never matches (field scenario R12).
+- Children are keyed by the key of their first page.
+- Each node holds, per page, its L2 host slot (``-1`` = not in L2) and whether L3 holds it.
+- ``lock_ref`` counts in-flight users of a node *and every ancestor* (a lock on a node is applied along the
+  path to the root, as in SGLang's ``inc_lock_ref``). Locked pages are never evicted.
+- Eviction takes only unlocked leaves, in LRU order (or LFU: hit count, then LRU), from a lazily-validated
+  heap; a parent whose last child goes becomes a leaf candidate itself.
+- A match that ends inside an edge splits the node at that page boundary; the split divides the per-page
+  lists and copies no page data. The new parent inherits the child's ``lock_ref`` (every lock through the
+  child passes through it).
+
+The index owns no memory: it records slot numbers; :meth:`evict` returns the slots it dropped so the
+caller frees them in its allocator (every slot freed exactly once). It imports no engine and no torch.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Sequence
+
+NO_SLOT = -1
+
+
+class RadixNode:
+    """One edge of the tree: a run of pages. ``keys[i]``/``host_slots[i]``/``in_l3[i]`` describe page i."""
+
+    __slots__ = ("id", "parent", "children", "keys", "host_slots", "in_l3", "lock_ref", "last_access",
+                 "hit_count", "_heap_stamp")
+
+    def __init__(self, node_id: int, parent: Optional["RadixNode"], keys: list[bytes], host_slots: list[int],
+                 in_l3: list[bool]):
+        self.id = node_id
+        self.parent = parent
+        self.children: dict[bytes, RadixNode] = {}
+        self.keys = keys
+        self.host_slots = host_slots
+        self.in_l3 = in_l3
+        self.lock_ref = 0
+        self.last_access = 0
+        self.hit_count = 0
+        self._heap_stamp = -1
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.keys)
+
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    def __repr__(self) -> str:  # pragma: no cover - debugging aid
+        return f"RadixNode(id={self.id}, pages={len(self.keys)}, lock_ref={self.lock_ref}, children={len(self.children)})"
+
+
+@dataclass
+class MatchResult:
+    """Result of :meth:`RadixIndex.match_prefix`.
+
+    ``num_pages``: length of the matched prefix in pages; ``host_slots``: the L2 slot of each matched page
+    (``-1`` for pages not in L2 when matching with ``require_l2=False``); ``in_l3``: per matched page;
+    ``last_node``: the deepest node of the match (lock it to protect the whole prefix), the root if nothing
+    matched.
+    """
+
+    num_pages: int
+    host_slots: list[int]
+    in_l3: list[bool]
+    last_node: RadixNode
+
+
+@dataclass
+class IndexStats:
+    nodes: int = 0
+    pages: int = 0
+    l2_pages: int = 0
+    locked_pages: int = 0
+    evictable_pages: int = 0
+    evicted_pages: int = 0
+    inserted_pages: int = 0
+    splits: int = 0
+
+
+class RadixIndex:
+    """Page-aligned radix prefix index with lock_ref protection and LRU/LFU eviction of unlocked leaves.
+
+    Args:
+        eviction_policy: ``"lru"`` (least recently matched/inserted leaf first) or ``"lfu"`` (fewest hits,
+            then least recent).
+    Accounting (pages): ``total_pages``, ``l2_pages`` (pages with a host slot), ``locked_pages``
+    (pages of nodes with ``lock_ref > 0``); :meth:`check_invariants` recounts them.
+    """
+
+    def __init__(self, eviction_policy: str = "lru"):
+        if eviction_policy not in ("lru", "lfu"):
+            raise ValueError(f"eviction_policy must be 'lru' or 'lfu', got {eviction_policy!r}")
+        self.policy = eviction_policy
+        self._ids = itertools.count()
+        self.root = RadixNode(next(self._ids), None, [], [], [])
+        self.root.lock_ref = 1  # the root is never evicted
+        self._clock = itertools.count(1)
+        self._heap: list[tuple] = []
+        self.total_pages = 0
+        self.l2_pages = 0
+        self.locked_pages = 0
+        self.evicted_pages = 0
+        self.inserted_pages = 0
+        self.splits = 0
+        self.num_nodes = 1
+
+    # ------------------------------------------------------------------ matching
+    def match_prefix(self, keys: Sequence[bytes], *, require_l2: bool = True, split: bool = False,
+                     touch: bool = False) -> MatchResult:
+        """Longest prefix of ``keys`` present in the index.
+
+        Args:
+            keys: page keys of a sequence, in order.
+            require_l2: stop at the first page without an L2 host slot (what can be loaded from L2 now).
+            split: split the last node if the match ends inside it, so that ``last_node`` covers exactly the
+                matched prefix (needed before locking). Without it ``last_node`` is the deepest node fully
+                matched.
+            touch: refresh LRU stamps (and hit counts) along the matched path.
+        """
+        node = self.root
+        slots: list[int] = []
+        l3: list[bool] = []
+        i = 0
+        n = len(keys)
+        path: list[RadixNode] = []
+        while i < n:
+            child = node.children.get(keys[i])
+            if child is None:
+                break
+            # compare the edge page by page
+            j = 0
+            m = child.num_pages
+            while j < m and i + j < n and child.keys[j] == keys[i + j]:
+                if require_l2 and child.host_slots[j] == NO_SLOT:
+                    break
+                j += 1
+            if j == 0:
+                break
+            slots.extend(child.host_slots[:j])
+            l3.extend(child.in_l3[:j])
+            i += j
+            if j < m:
+                if split:
+                    child = self._split(child, j)
+                    path.append(child)
+                    node = child
+                break
+            path.append(child)
+            node = child
+        if touch and path:
+            self._touch(path, hit=True)
+        return MatchResult(num_pages=i, host_slots=slots, in_l3=l3, last_node=node)
+
+    # ------------------------------------------------------------------ insertion
+    def insert(self, keys: Sequence[bytes], host_slots: Sequence[int], *, in_l3: Optional[Sequence[bool]] = None,
+               start: int = 0) -> tuple[RadixNode, list[int]]:
+        """Insert the pages ``keys[start:]`` (whose ancestors ``keys[:start]`` must already be indexed) with
+        their L2 slots ``host_slots`` (``len(keys) - start`` entries; ``-1`` allowed for pages that are only in L3).
+
+        Pages already present keep their slot; if the index already had a slot for such a page, the slot
+        passed for it is returned in ``duplicate_slots`` (the caller frees it); if the page was present
+        without an L2 copy, the new slot fills it.
+
+        Returns:
+            (deepest node of the inserted path, duplicate_slots).
+        Raises:
+            ValueError: ``keys[:start]`` is not fully indexed, or the lengths disagree.
+        """
+        new_keys = list(keys[start:])
+        if len(host_slots) != len(new_keys):
+            raise ValueError(f"insert: {len(new_keys)} pages but {len(host_slots)} host slots")
+        l3_flags = list(in_l3) if in_l3 is not None else [False] * len(new_keys)
+        if len(l3_flags) != len(new_keys):
+            raise ValueError("insert: in_l3 length differs from the page count")
+        m = self.match_prefix(keys[:start], require_l2=False, split=True) if start else None
+        if m is not None and m.num_pages != start:
+            raise ValueError(f"insert: ancestors not indexed ({m.num_pages} of {start} pages present)")
+        node = m.last_node if m is not None else self.root
+        dups: list[int] = []
+        i = 0
+        n = len(new_keys)
+        path: list[RadixNode] = []
+        while i < n:
+            child = node.children.get(new_keys[i])
+            if child is None:
+                leaf = RadixNode(next(self._ids), node, new_keys[i:], list(host_slots[i:]), l3_flags[i:])
+                node.children[new_keys[i]] = leaf
+                self.num_nodes += 1
+                added = n - i
+                self.total_pages += added
+                self.inserted_pages += added
+                self.l2_pages += sum(1 for s in leaf.host_slots if s != NO_SLOT)
+                if node.lock_ref > 0 and node is not self.root:
+                    pass  # locks on ancestors do not extend to new descendants
+                path.append(leaf)
+                node = leaf
+                i = n
+                break
+            j = 0
+            m_pages = child.num_pages
+            while j < m_pages and i + j < n and child.keys[j] == new_keys[i + j]:
+                new_slot = host_slots[i + j]
+                if new_slot != NO_SLOT:
+                    if child.host_slots[j] == NO_SLOT:
+                        child.host_slots[j] = new_slot
+                        self.l2_pages += 1
+                    else:
+                        dups.append(new_slot)
+                if l3_flags[i + j]:
+                    child.in_l3[j] = True
+                j += 1
+            if j < m_pages:
+                child = self._split(child, j)
+            path.append(child)
+            node = child
+            i += j
+        if path:
+            self._touch(path, hit=False)
+        return node, dups
+
+    # ------------------------------------------------------------------ locking
+    def lock(self, node: RadixNode) -> RadixNode:
+        """Increment ``lock_ref`` of ``node`` and every ancestor (not the root). Returns ``node`` as the
+        handle to pass to :meth:`unlock`."""
+        n = node
+        while n is not self.root:
+            if n.lock_ref == 0:
+                self.locked_pages += n.num_pages
+            n.lock_ref += 1
+            n = n.parent
+        return node
+
+    def unlock(self, node: RadixNode) -> None:
+        """Reverse one :meth:`lock` of ``node``. Raises RuntimeError if a lock count would go negative."""
+        n = node
+        while n is not self.root:
+            if n.lock_ref <= 0:
+                raise RuntimeError(f"unlock of node {n.id} with lock_ref {n.lock_ref}")
+            n.lock_ref -= 1
+            if n.lock_ref == 0:
+                self.locked_pages -= n.num_pages
+                if not n.children:
+                    self._push(n)
+            n = n.parent
+
+    # ------------------------------------------------------------------ eviction
+    def evict(self, num_pages: int) -> list[int]:
+        """Evict unlocked leaves (policy order) until at least ``num_pages`` L2 slots were released or no
+        evictable leaf is left. Evicted nodes leave the index.
+
+        Returns the released L2 slots (each exactly once); the caller returns them to its allocator.
+        """
+        freed: list[int] = []
+        while len(freed) < num_pages and self._heap:
+            _prio, _stamp, _nid, node = heapq.heappop(self._heap)
+            if not self._evictable(node) or _stamp != node._heap_stamp:
+                continue
+            freed.extend(s for s in node.host_slots if s != NO_SLOT)
+            self._remove_leaf(node)
+        return freed
+
+    def evictable_leaves(self) -> Iterator[RadixNode]:
+        for node in self._iter_nodes():
+            if self._evictable(node):
+                yield node
+
+    def remove_prefix_from(self, node: RadixNode) -> list[int]:
+        """Drop ``node`` and its whole subtree (e.g. pages found corrupt). Returns the released L2 slots.
+        Raises RuntimeError if any node of the subtree is locked."""
+        stack = [node]
+        sub = []
+        while stack:
+            n = stack.pop()
+            if n.lock_ref:
+                raise RuntimeError(f"cannot remove locked node {n.id}")
+            sub.append(n)
+            stack.extend(n.children.values())
+        freed = []
+        for n in reversed(sub):  # leaves first
+            freed.extend(s for s in n.host_slots if s != NO_SLOT)
+            self._remove_leaf(n)
+        return freed
+
+    def clear(self) -> list[int]:
+        """Drop every unlocked node (locked paths stay). Returns the released slots."""
+        freed: list[int] = []
+        while True:
+            leaves = [n for n in self._iter_nodes() if self._evictable(n)]
+            if not leaves:
+                return freed
+            for leaf in leaves:
+                freed.extend(s for s in leaf.host_slots if s != NO_SLOT)
+                self._remove_leaf(leaf)
+
+    # ------------------------------------------------------------------ accounting
+    def stats(self) -> IndexStats:
+        return IndexStats(nodes=self.num_nodes, pages=self.total_pages, l2_pages=self.l2_pages,
+                          locked_pages=self.locked_pages,
+                          evictable_pages=self.total_pages - self.locked_pages,
+                          evicted_pages=self.evicted_pages, inserted_pages=self.inserted_pages,
+                          splits=self.splits)
+
+    def all_slots(self) -> list[int]:
+        """Every L2 slot referenced by the index."""
+        return [s for n in self._iter_nodes() for s in n.host_slots if s != NO_SLOT]
+
+    def check_invariants(self) -> None:
+        """Recount everything and check the tree's invariants; raises AssertionError on a violation.
+
+        No empty edge; children keyed by their first page key; parents consistent; lock_ref >= 0 and a node's
+        lock_ref >= the sum over... (each child's lock_ref <= its parent's); no slot referenced twice;
+        page counters equal a recount."""
+        pages = l2 = locked = nodes = 0
+        seen: set[int] = set()
+        for n in self._iter_nodes():
+            nodes += 1
+            assert n.num_pages > 0, f"node {n.id} has an empty key"
+            assert len(n.host_slots) == len(n.keys) == len(n.in_l3)
+            assert n.parent is not None and n.parent.children.get(n.keys[0]) is n
+            assert n.lock_ref >= 0
+            if n.parent is not self.root:
+                assert n.lock_ref <= n.parent.lock_ref, "child locked more than its parent"
+            pages += n.num_pages
+            if n.lock_ref:
+                locked += n.num_pages
+            for s in n.host_slots:
+                if s != NO_SLOT:
+                    assert s not in seen, f"slot {s} referenced twice"
+                    seen.add(s)
+                    l2 += 1
+        assert nodes + 1 == self.num_nodes, (nodes + 1, self.num_nodes)
+        assert pages == self.total_pages, (pages, self.total_pages)
+        assert l2 == self.l2_pages, (l2, self.l2_pages)
+        assert locked == self.locked_pages, (locked, self.locked_pages)
+
+    # ------------------------------------------------------------------ internals
+    def _iter_nodes(self) -> Iterator[RadixNode]:
+        stack = list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
+
+    def _evictable(self, node: RadixNode) -> bool:
+        return (node is not self.root and node.parent is not None and not node.children and node.lock_ref == 0
+                and node.parent.children.get(node.keys[0]) is node)
+
+    def _priority(self, node: RadixNode) -> tuple:
+        if self.policy == "lfu":
+            return (node.hit_count, node.last_access)
+        return (node.last_access,)
+
+    def _push(self, node: RadixNode) -> None:
+        if self._evictable(node):
+            if len(self._heap) > 4 * self.num_nodes + 1024:
+                self._compact_heap()
+            stamp = next(self._clock)
+            node._heap_stamp = stamp
+            heapq.heappush(self._heap, (self._priority(node), stamp, node.id, node))
+
+    def _compact_heap(self) -> None:
+        # drop stale entries so the heap stays O(nodes) over long runs (no slow leak, field scenario R21)
+        self._heap = [e for e in self._heap if e[3]._heap_stamp == e[1] and self._evictable(e[3])]
+        heapq.heapify(self._heap)
+
+    def _touch(self, path: list[RadixNode], hit: bool) -> None:
+        # strictly increasing stamps from root to leaf: a leaf is never older than its ancestors
+        for n in path:
+            n.last_access = next(self._clock)
+            if hit:
+                n.hit_count += 1
+        leaf = path[-1]
+        if not leaf.children:
+            self._push(leaf)
+
+    def _split(self, child: RadixNode, j: int) -> RadixNode:
+        """Split ``child`` after its first ``j`` pages; returns the new parent holding those pages."""
+        parent = child.parent
+        top = RadixNode(next(self._ids), parent, child.keys[:j], child.host_slots[:j], child.in_l3[:j])
+        top.lock_ref = child.lock_ref
+        top.last_access = child.last_access
+        top.hit_count = child.hit_count
+        child.keys = child.keys[j:]
+        child.host_slots = child.host_slots[j:]
+        child.in_l3 = child.in_l3[j:]
+        child.parent = top
+        top.children[child.keys[0]] = child
+        parent.children[top.keys[0]] = top
+        self.num_nodes += 1
+        self.splits += 1
+        return top
+
+    def _remove_leaf(self, node: RadixNode) -> None:
+        parent = node.parent
+        del parent.children[node.keys[0]]
+        node.parent = None
+        self.num_nodes -= 1
+        self.total_pages -= node.num_pages
+        self.evicted_pages += node.num_pages
+        self.l2_pages -= sum(1 for s in node.host_slots if s != NO_SLOT)
+        if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            self._push(parent)

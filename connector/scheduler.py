@@ -1,0 +1,239 @@
+"""Scheduler side of the cache: prefix matching over L2, locks, L2 slot allocation, per-step plans.
+
+Engine-free: :class:`tierkv.connector.vllm_connector.TierKVConnector` adapts vLLM's scheduler hooks to the
+methods below, and the tests drive them with a scheduler stub. It never touches tensor data (design §3).
+
+Life of a request (vLLM v1 hook in brackets):
+
+1. :meth:`lookup` [``get_num_new_matched_tokens``]: hash the full pages of the sequence (cached per request),
+   match the radix index over pages resident in L2, answer how many tokens beyond the engine's own
+   (device) prefix hit can be loaded. Capped so at least one token is left to compute. No side effect on
+   the index, so it can be called every step.
+2. :meth:`on_alloc` [``update_state_after_alloc``]: the engine gave blocks. Lock the matched path
+   (``lock_ref``) and record a load order L2 slots -> L1 blocks for this step.
+3. :meth:`schedule_saves` [``build_connector_meta``]: for pages that become full this step (computed, or
+   held in L1 from a device hit) and are not in L2 yet, allocate slots (evicting unlocked LRU leaves),
+   insert them into the index and record save orders L1 blocks -> L2 slots.
+4. :meth:`on_preempted` / :meth:`on_finished` [``build_connector_meta`` preempted ids /
+   ``request_finished``]: release the request's lock; nothing else is held per request.
+
+The worker executes each plan's loads before the forward and its saves after it, both within the step, so
+a slot or block named in step N is free for reuse from step N+1 (vLLM never reuses a block before its
+save finished; no in-flight store outlives a step, which rules out field scenario R08 by construction).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from .host_pool import SlotAllocator
+from .page_hash import ModelNamespace, RequestKeys, request_root
+from .plan import PageOrder, StepPlan
+from .radix_index import NO_SLOT, RadixIndex, RadixNode
+
+logger = logging.getLogger("tierkv.scheduler")
+
+
+@dataclass
+class _RequestState:
+    req_id: str
+    keys: RequestKeys
+    tokens: Sequence[int]                 # live view of all token ids (prompt + output)
+    lock: Optional[RadixNode] = None      # node locked for this request's loads
+    last_num_computed: int = 0            # argument of the last lookup (device prefix hit, tokens)
+    num_indexed: int = 0                  # leading pages known to be in the index with an L2 copy
+    counted: bool = False                 # prompt counted in hit statistics
+
+
+@dataclass
+class SchedulerCounters:
+    """Counters of the scheduler side (tokens unless named otherwise)."""
+
+    requests: int = 0
+    lookup_tokens: int = 0          # page-aligned prefix tokens of admitted requests (what could be reused)
+    device_hit_tokens: int = 0      # of those, already in L1 (engine prefix cache)
+    l2_hit_tokens: int = 0          # of those, loaded from L2
+    load_pages: int = 0
+    save_pages: int = 0
+    save_skipped_pages: int = 0     # pages not saved for lack of L2 space (all locked)
+    evicted_pages: int = 0
+    preemptions: int = 0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class CacheScheduler:
+    """Scheduler-side state of tierkv for one engine.
+
+    Args:
+        namespace: identity of the engine's pages (model, dtype, layout, page size, geometry, TP size).
+        page_size: tokens per page; must equal ``block_size`` (one page = one engine block).
+        block_size: the engine's block size in tokens.
+        num_slots: pages in the L2 host pool (same number on every worker rank).
+        eviction_policy: ``"lru"`` or ``"lfu"`` for the radix index.
+    Raises:
+        ValueError: page_size != block_size, or num_slots < 0.
+    """
+
+    def __init__(self, namespace: ModelNamespace, page_size: int, block_size: int, num_slots: int,
+                 eviction_policy: str = "lru"):
+        if page_size != block_size:
+            raise ValueError(f"page_size ({page_size} tokens) must equal the engine block size ({block_size})")
+        if num_slots < 0:
+            raise ValueError(f"num_slots must be >= 0, got {num_slots}")
+        self.namespace = namespace
+        self.ns_digest = namespace.digest()
+        self.page_size = page_size
+        self.num_slots = num_slots
+        self.index = RadixIndex(eviction_policy)
+        self.allocator = SlotAllocator(num_slots)
+        self.requests: dict[str, _RequestState] = {}
+        self.counters = SchedulerCounters()
+        self._plan = StepPlan()
+        self._step = 0
+
+    # ----------------------------------------------------------------- requests
+    def add_request(self, req_id: str, tokens: Sequence[int], lora: Optional[str] = None,
+                    cache_salt: Optional[str] = None) -> None:
+        """Register a request (idempotent). ``tokens`` is a live sequence of all its token ids."""
+        st = self.requests.get(req_id)
+        if st is None:
+            root = request_root(self.ns_digest, lora, cache_salt)
+            self.requests[req_id] = _RequestState(req_id, RequestKeys(root, self.page_size), tokens)
+            self.counters.requests += 1
+        else:
+            st.tokens = tokens
+
+    def lookup(self, req_id: str, num_computed_tokens: int) -> int:
+        """Tokens beyond ``num_computed_tokens`` (the engine's device hit, page-aligned) loadable from L2.
+
+        At most ``(len(tokens) - 1) // page_size`` pages count, so one token is always left to compute.
+        Side-effect free apart from caching the request's page keys.
+        """
+        st = self.requests[req_id]
+        st.last_num_computed = num_computed_tokens
+        cap_pages = max(0, (len(st.tokens) - 1) // self.page_size)
+        if cap_pages == 0 or self.num_slots == 0:
+            return 0
+        keys = st.keys.extend(st.tokens)[:cap_pages]
+        m = self.index.match_prefix(keys, require_l2=True)
+        return max(0, m.num_pages * self.page_size - num_computed_tokens)
+
+    def on_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """The engine allocated ``block_ids`` (the request's whole table) and will take
+        ``num_external_tokens`` from us: lock the matched path and order the load for this step."""
+        st = self.requests[req_id]
+        c = st.last_num_computed
+        if not st.counted:
+            st.counted = True
+            prefix = max(0, (len(st.tokens) - 1) // self.page_size) * self.page_size
+            self.counters.lookup_tokens += prefix
+            self.counters.device_hit_tokens += c
+            self.counters.l2_hit_tokens += num_external_tokens
+        elif num_external_tokens:
+            self.counters.l2_hit_tokens += num_external_tokens
+        if num_external_tokens <= 0:
+            return
+        first, last = c // self.page_size, (c + num_external_tokens) // self.page_size
+        keys = st.keys.extend(st.tokens)[:last]
+        m = self.index.match_prefix(keys, require_l2=True, split=True, touch=True)
+        if m.num_pages < last:  # cannot happen: nothing evicts between lookup and alloc in one schedule()
+            raise RuntimeError(f"{req_id}: promised {last} pages from L2 but only {m.num_pages} are there")
+        if st.lock is not None:
+            self.index.unlock(st.lock)
+        st.lock = self.index.lock(m.last_node)
+        self._plan.loads.append(PageOrder(req_id, list(block_ids[first:last]), m.host_slots[first:last],
+                                          keys[first:last]))
+        self.counters.load_pages += last - first
+        st.num_indexed = last
+
+    def schedule_saves(self, req_id: str, num_tokens_after_step: int, block_ids: Sequence[int]) -> None:
+        """Order saves for the pages of ``req_id`` that are full once this step has run
+        (``num_tokens_after_step`` = computed + scheduled tokens) and not yet in L2. ``block_ids`` is the
+        request's whole block table."""
+        st = self.requests.get(req_id)
+        if st is None or self.num_slots == 0:
+            return
+        full = min(num_tokens_after_step, len(st.tokens), len(block_ids) * self.page_size) // self.page_size
+        if full <= st.num_indexed:
+            return
+        keys = st.keys.extend(st.tokens)[:full]
+        m = self.index.match_prefix(keys, require_l2=True, split=True, touch=True)
+        have = m.num_pages
+        need = full - have
+        if need <= 0:
+            st.num_indexed = full
+            return
+        guard = self.index.lock(m.last_node) if m.last_node is not self.index.root else None
+        try:
+            if self.allocator.num_free < need:
+                freed = self.index.evict(need - self.allocator.num_free)
+                self.allocator.free(freed)
+                self.counters.evicted_pages += len(freed)
+            k = min(need, self.allocator.num_free)
+            slots = self.allocator.alloc(k) if k else []
+        finally:
+            if guard is not None:
+                self.index.unlock(guard)
+        if k < need:
+            self.counters.save_skipped_pages += need - k
+        if k == 0:
+            return
+        _node, dups = self.index.insert(keys[: have + k], slots, start=have)
+        if dups:
+            self.allocator.free(dups)
+        self._plan.saves.append(PageOrder(req_id, list(block_ids[have : have + k]), slots, keys[have : have + k]))
+        self.counters.save_pages += k
+        st.num_indexed = have + k
+
+    def on_preempted(self, req_id: str) -> None:
+        """The engine freed the request's blocks; it will be looked up again when resumed."""
+        st = self.requests.get(req_id)
+        if st is None:
+            return
+        self.counters.preemptions += 1
+        self._release(st)
+        st.num_indexed = 0
+
+    def on_finished(self, req_id: str) -> None:
+        """Finished, aborted or errored: release everything held for it. Idempotent."""
+        st = self.requests.pop(req_id, None)
+        if st is not None:
+            self._release(st)
+
+    def _release(self, st: _RequestState) -> None:
+        if st.lock is not None:
+            self.index.unlock(st.lock)
+            st.lock = None
+
+    # ----------------------------------------------------------------- plans
+    def build_plan(self) -> StepPlan:
+        """Hand over everything ordered since the last call as one :class:`StepPlan` and start a new one."""
+        self._step += 1
+        plan, self._plan = self._plan, StepPlan(step=self._step + 1)
+        plan.step = self._step
+        return plan
+
+    def reset(self) -> bool:
+        """Drop every unlocked page from the index (``reset_prefix_cache(reset_connector=True)``)."""
+        freed = self.index.clear()
+        self.allocator.free(freed)
+        return True
+
+    def stats(self) -> dict:
+        d = self.counters.as_dict()
+        s = self.index.stats()
+        d.update(index_nodes=s.nodes, index_pages=s.pages, l2_pages=s.l2_pages, locked_pages=s.locked_pages,
+                 free_slots=self.allocator.num_free, num_slots=self.num_slots,
+                 live_requests=len(self.requests))
+        return d
+
+    def check_invariants(self) -> None:
+        """Index invariants plus: slots held by the index + free slots == num_slots (nothing leaked)."""
+        self.index.check_invariants()
+        used = self.index.all_slots()
+        assert len(used) + self.allocator.num_free == self.num_slots, (len(used), self.allocator.num_free)
+        locks = sum(1 for st in self.requests.values() if st.lock is not None)
+        assert locks >= 0

@@ -1,0 +1,65 @@
+"""Config: shipped defaults validate; errors name the key and the allowed values."""
+import pytest
+
+from tierkv.connector.config import ConfigError, TierKVConfig, config_from_extra, load_config, shipped_config_path
+
+
+def test_defaults_serve_with_empty_extra_config():
+    cfg = config_from_extra({})
+    assert isinstance(cfg, TierKVConfig)
+    assert cfg.host_pool.layout == "layer_first" and cfg.l3.backend == "none"
+    # automatic size: a share of MemTotal, capped; identical on every call (scheduler and worker agree)
+    b1, b2 = cfg.host_pool_bytes(1 << 20), cfg.host_pool_bytes(1 << 20)
+    assert b1 == b2 and 0 < b1 <= cfg.host_pool.auto_max_gb * (1 << 30)
+    assert cfg.host_pool_bytes(1 << 20, available_bytes=8 << 30) == 2 << 30
+
+
+def test_sizes():
+    assert config_from_extra({"host_pool": {"num_pages": 10}}).host_pool_bytes(4096) == 40960
+    assert config_from_extra({"host_pool.size_gb": 0.5}).host_pool_bytes(4096) == 1 << 29
+
+
+def test_unknown_key_named():
+    with pytest.raises(ConfigError, match=r"unknown config key 'host_pool.sise_gb'"):
+        config_from_extra({"host_pool": {"sise_gb": 1}})
+    with pytest.raises(ConfigError, match=r"unknown config key 'bogus'"):
+        config_from_extra({"bogus": 1})
+
+
+def test_bad_enum_lists_allowed_values():
+    with pytest.raises(ConfigError) as e:
+        config_from_extra({"host_pool": {"layout": "row_major"}})
+    msg = str(e.value)
+    assert "host_pool.layout" in msg and "'layer_first'" in msg and "'page_first_direct'" in msg
+    with pytest.raises(ConfigError, match="controller.write_policy"):
+        config_from_extra({"controller.write_policy": "sometimes"})
+    with pytest.raises(ConfigError, match="l3.backend"):
+        config_from_extra({"l3": {"backend": "s3"}})
+
+
+def test_bad_numbers():
+    with pytest.raises(ConfigError, match="host_pool.size_gb"):
+        config_from_extra({"host_pool": {"size_gb": -1}})
+    with pytest.raises(ConfigError, match="page_size"):
+        config_from_extra({"page_size": 0})
+
+
+def test_config_file_and_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("host_pool:\n  layout: page_first\n  num_pages: 7\n")
+    cfg = config_from_extra({"config_file": str(f), "host_pool": {"num_pages": 9}})
+    assert cfg.host_pool.layout == "page_first" and cfg.host_pool.num_pages == 9
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(bad)
+
+
+def test_shipped_configs_validate():
+    import glob, os
+    names = [os.path.basename(p) for p in glob.glob(str(shipped_config_path("default.yaml").parent / "*.yaml"))]
+    assert "default.yaml" in names
+    for n in names:
+        load_config(n)
