@@ -1,0 +1,133 @@
+"""Page transfer kernels between L1 (the engine's KV blocks, :class:`~tierkv.connector.device_pool.DevicePool`)
+and L2 (the host pool, :class:`~tierkv.connector.host_pool.HostPool`).
+
+One dispatch API:
+
+* :func:`save_pages` (L1 -> L2, "backup"): block ``block_ids[i]`` of every selected layer -> slot ``slots[i]``.
+* :func:`load_pages` (L2 -> L1, "load_back"): slot ``slots[i]`` -> block ``block_ids[i]``.
+
+``layers`` selects a subset of layer indices (None = all). The implementation is picked by the device of the
+KV tensors: :mod:`tierkv.kernels.torch_impl` on CPU (slice ``copy_`` of merged runs / ``index_select`` gathers;
+never ``index_copy_``, measured ~8x slower for 64 KiB pages), :mod:`tierkv.kernels.triton_impl` on CUDA (one
+Triton gather/scatter launch per part and step on a side stream, reading/writing pinned host memory directly).
+``impl="torch"|"triton"`` forces one (the Triton kernels also run on CPU tensors under ``TRITON_INTERPRET=1``,
+which is how CI tests them).
+
+Every argument is checked before any byte moves; a bad one raises ValueError naming it: ids out of range,
+lengths that differ, a slot or block given twice, unknown layers, or an L1/L2 pair whose layers, dtype, heads,
+head dim, page size or block bytes differ.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+__all__ = ["save_pages", "load_pages", "validate_transfer", "plan_runs"]
+
+
+def _as_int_list(name: str, v) -> list[int]:
+    if isinstance(v, torch.Tensor):
+        if v.dtype.is_floating_point or v.dtype == torch.bool or v.dim() > 1:
+            raise ValueError(f"{name} must be a 1-D integer sequence, got tensor {v.dtype} {tuple(v.shape)}")
+        return v.tolist()
+    if isinstance(v, np.ndarray):
+        if v.dtype.kind not in "iu" or v.ndim > 1:
+            raise ValueError(f"{name} must be a 1-D integer sequence, got array {v.dtype} {v.shape}")
+        return v.tolist()
+    try:
+        out = list(v)
+    except TypeError:
+        raise ValueError(f"{name} must be a sequence of ints, got {type(v).__name__}") from None
+    for x in out:
+        if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+            raise ValueError(f"{name} must hold ints, got {x!r}")
+    return [int(x) for x in out]
+
+
+def _check_range(name: str, ids: list[int], n: int, what: str) -> None:
+    if ids:
+        lo, hi = min(ids), max(ids)
+        if lo < 0 or hi >= n:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"{name}: {what} {bad} out of range [0, {n})")
+    if len(set(ids)) != len(ids):
+        seen = set()
+        for x in ids:
+            if x in seen:
+                raise ValueError(f"{name}: {what} {x} given twice")
+            seen.add(x)
+
+
+def validate_transfer(dev, host, block_ids, slots, layers) -> tuple[list[int], list[int], Optional[list[int]]]:
+    """Check a transfer order; return (block_ids, slots, layers) as int lists (layers None = all).
+    Raises ValueError before any byte moves (see the module docstring)."""
+    host.check_compatible(dev)
+    b = _as_int_list("block_ids", block_ids)
+    s = _as_int_list("slots", slots)
+    if len(b) != len(s):
+        raise ValueError(f"block_ids has {len(b)} entries and slots {len(s)}: one slot per block (page) expected")
+    _check_range("block_ids", b, dev.num_blocks, "block id")
+    _check_range("slots", s, host.num_slots, "slot")
+    ls = None
+    if layers is not None:
+        ls = _as_int_list("layers", layers)
+        _check_range("layers", ls, dev.num_layers, "layer")
+        if len(ls) == dev.num_layers and ls == list(range(dev.num_layers)):
+            ls = None
+    return b, s, ls
+
+
+def plan_runs(block_ids: list[int], slots: list[int]) -> list[tuple[int, int, int]]:
+    """Merge (block, slot) pairs into runs ``(first_block, first_slot, length)`` where both ids are consecutive.
+    Pairs are ordered by block id first (order never matters: ids are unique)."""
+    if not block_ids:
+        return []
+    pairs = sorted(zip(block_ids, slots))
+    runs = []
+    b0, s0 = pairs[0]
+    k = 1
+    for b, s in pairs[1:]:
+        if b == b0 + k and s == s0 + k:
+            k += 1
+        else:
+            runs.append((b0, s0, k))
+            b0, s0, k = b, s, 1
+    runs.append((b0, s0, k))
+    return runs
+
+
+def _impl(dev, impl: Optional[str]):
+    if impl is None:
+        impl = "triton" if dev.device.type == "cuda" else "torch"
+    if impl == "torch":
+        from . import torch_impl
+        return torch_impl
+    if impl == "triton":
+        from . import triton_impl
+        return triton_impl
+    raise ValueError(f"impl must be 'torch' or 'triton', got {impl!r}")
+
+
+def save_pages(dev, host, block_ids: Sequence[int], slots: Sequence[int], layers: Optional[Sequence[int]] = None,
+               *, impl: Optional[str] = None, **kw) -> None:
+    """L1 -> L2: copy block ``block_ids[i]`` (of ``layers``, default all) into host slot ``slots[i]``.
+
+    On CPU the copy is complete on return. On CUDA it runs on the transfer side stream after the current stream's
+    pending work; pass ``sync=False`` to return without waiting (the returned ``torch.cuda.Event`` marks the end).
+    """
+    b, s, ls = validate_transfer(dev, host, block_ids, slots, layers)
+    if not b:
+        return None
+    return _impl(dev, impl).transfer(dev, host, b, s, ls, save=True, **kw)
+
+
+def load_pages(host, dev, slots: Sequence[int], block_ids: Sequence[int], layers: Optional[Sequence[int]] = None,
+               *, impl: Optional[str] = None, **kw) -> None:
+    """L2 -> L1: copy host slot ``slots[i]`` into block ``block_ids[i]`` (of ``layers``, default all).
+    Completion as for :func:`save_pages`."""
+    b, s, ls = validate_transfer(dev, host, block_ids, slots, layers)
+    if not b:
+        return None
+    return _impl(dev, impl).transfer(dev, host, b, s, ls, save=False, **kw)
