@@ -1,0 +1,440 @@
+"""Client of the tierkv ZMQ cache server (:mod:`.zmq_server`): an L3 :class:`StorageBackend`.
+
+One DEALER socket per store, guarded by a lock (thread-safe). Every page travels as a 64-byte
+:mod:`.page_format` header (inside the msgpack request header) plus one raw payload frame sent zero-copy from
+the caller's buffer (e.g. a host-pool page, a ``torch.uint8`` tensor); on read the header and the payload's
+XXH3-64 are checked before the payload is copied into the destination, so a missing, corrupt, truncated or
+foreign page is a miss, never data.
+
+Fault handling (field scenario R13; LMCache issue #3565 is the failure this avoids):
+
+- every request carries a fresh 64-bit id and replies are matched by id: a stale, duplicate, undecodable or
+  wrongly shaped reply is discarded or turned into a miss, and never applied to another request;
+- every exchange is bounded by ``timeout_s`` of silence (the clock restarts when a reply arrives, so a large
+  batch split into several messages is not cut short while the server makes progress); with
+  ``ZMQ_IMMEDIATE`` nothing is queued while the server is down, so a dead or stopped (SIGSTOP) server
+  yields misses/``False`` after ``timeout_s``, never an exception or a hang;
+- after a timeout the socket (and everything queued on it) is discarded; the next call opens a new one,
+  i.e. reconnects without recreating the store. Consecutive failures back off exponentially from
+  ``reconnect_backoff_s`` up to ``max_backoff_s``; during a back-off window calls fail at once (counted
+  ``fast_fails``) instead of each waiting ``timeout_s``.
+
+Batches larger than ``max_message_bytes`` (or :data:`zmq_protocol.MAX_KEYS` keys) are split into several
+messages that are pipelined on the socket.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import random
+import threading
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import zmq
+
+from tierkv.connector.config import ConfigError
+from tierkv.storage_backends import zmq_protocol as P
+from tierkv.storage_backends.base import Buffer, StorageBackend
+from tierkv.storage_backends.page_format import (HEADER_BYTES, PageFormatError, check_key, decode_header,
+                                                 encode_header, verify_payload)
+
+log = logging.getLogger("tierkv.zmq_client")
+
+#: bytes kept free in each message for the msgpack header (per-key costs are added on top).
+_MSG_SLACK = 64 << 10
+#: per-key allowance for the key text, the page header and frame overhead in one message.
+_PER_KEY_OVERHEAD = 256
+
+
+def _byte_view(buf: Any, page_bytes: int, writable: bool, what: str, i: int) -> memoryview:
+    """A flat uint8 memoryview of ``buf`` (torch CPU tensor, memoryview, bytearray, bytes) of ``page_bytes`` bytes.
+
+    Raises:
+        ValueError: wrong size, non-contiguous or non-CPU tensor, read-only destination.
+    """
+    if isinstance(buf, torch.Tensor):
+        if buf.device.type != "cpu":
+            raise ValueError(f"{what}[{i}] must be a CPU tensor, got device {buf.device}")
+        if not buf.is_contiguous():
+            raise ValueError(f"{what}[{i}] must be a contiguous tensor")
+        t = buf.detach()
+        if t.dtype != torch.uint8:
+            t = t.reshape(-1).view(torch.uint8)
+        mv = memoryview(t.reshape(-1).numpy())
+    else:
+        try:
+            mv = memoryview(buf)
+        except TypeError:
+            raise ValueError(f"{what}[{i}] of type {type(buf).__name__} is not a buffer") from None
+        if not mv.contiguous:
+            raise ValueError(f"{what}[{i}] must be contiguous")
+        mv = mv.cast("B") if (mv.format != "B" or mv.ndim != 1) else mv
+    if mv.nbytes != page_bytes:
+        raise ValueError(f"{what}[{i}] has {mv.nbytes} bytes, expected page_bytes={page_bytes}")
+    if writable and mv.readonly:
+        raise ValueError(f"{what}[{i}] is read-only")
+    return mv
+
+
+class ZmqStore(StorageBackend):
+    """L3 store on a tierkv ZMQ cache server.
+
+    Args:
+        namespace: 16-byte namespace digest written into and checked against every page header.
+        page_bytes: bytes of one page payload (> 0).
+        endpoint: server address, ``tcp://HOST:PORT`` (default ``tcp://127.0.0.1:5557``) or ``ipc://PATH``.
+        timeout_s: seconds without a reply after which an exchange fails (> 0).
+        token: shared secret the server was started with (``--token``), or None.
+        max_message_bytes: bound on one message in bytes; batches are split under it; must hold one page.
+        reconnect_backoff_s: first back-off after a failed exchange (seconds, >= 0); doubles per consecutive
+            failure up to ``max_backoff_s``.
+        max_backoff_s: longest back-off (seconds, >= reconnect_backoff_s).
+    Raises:
+        TypeError: an unknown keyword argument (named in the message).
+        ConfigError: (a ValueError) a bad option value; the message names ``l3.zmq.<key>``.
+        ValueError: bad ``namespace`` or ``page_bytes``.
+    """
+
+    def __init__(self, namespace: bytes, page_bytes: int, endpoint: str = "tcp://127.0.0.1:5557",
+                 timeout_s: float = 1.0, token: Optional[str] = None,
+                 max_message_bytes: int = P.DEFAULT_MAX_MESSAGE_BYTES, reconnect_backoff_s: float = 0.05,
+                 max_backoff_s: float = 1.0, **kw: Any):
+        if kw:
+            raise TypeError(f"ZmqStore got unknown option(s) {', '.join(sorted(kw))}; allowed: endpoint, timeout_s, "
+                            "token, max_message_bytes, reconnect_backoff_s, max_backoff_s")
+
+        def bad(key: str, value: Any, want: str) -> ConfigError:
+            return ConfigError(f"bad value {value!r:.80} for 'l3.zmq.{key}': {want}")
+
+        if not isinstance(namespace, (bytes, bytearray)) or len(namespace) != 16:
+            raise ValueError(f"namespace must be a 16-byte digest, got {namespace!r:.60}")
+        if type(page_bytes) is not int or page_bytes <= 0:
+            raise ValueError(f"page_bytes must be a positive int, got {page_bytes!r}")
+        if not isinstance(endpoint, str) or not endpoint.startswith(("tcp://", "ipc://")):
+            raise bad("endpoint", endpoint, "must look like 'tcp://HOST:PORT' or 'ipc://PATH'")
+        for name, v, positive in (("timeout_s", timeout_s, True), ("reconnect_backoff_s", reconnect_backoff_s, False),
+                                  ("max_backoff_s", max_backoff_s, False)):
+            if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
+                    or (positive and v == 0)):
+                raise bad(name, v, f"must be a finite number of seconds {'> 0' if positive else '>= 0'}")
+        if max_backoff_s < reconnect_backoff_s:
+            raise bad("max_backoff_s", max_backoff_s, f"must be >= reconnect_backoff_s ({reconnect_backoff_s})")
+        if token is not None and (not isinstance(token, str) or not token):
+            raise bad("token", "<hidden>", "must be a non-empty string or null")
+        need = page_bytes + _PER_KEY_OVERHEAD + _MSG_SLACK
+        if type(max_message_bytes) is not int or max_message_bytes < need:
+            raise bad("max_message_bytes", max_message_bytes,
+                      f"must be an int >= {need} to hold one page of page_bytes={page_bytes}")
+        self.namespace = bytes(namespace)
+        self.page_bytes = page_bytes
+        self.endpoint = endpoint
+        self.timeout_s = float(timeout_s)
+        self.token = token
+        self.max_message_bytes = max_message_bytes
+        self.reconnect_backoff_s = float(reconnect_backoff_s)
+        self.max_backoff_s = float(max_backoff_s)
+        self.keys_per_message = max(1, min(P.MAX_KEYS, (max_message_bytes - _MSG_SLACK) // (page_bytes + _PER_KEY_OVERHEAD)))
+        self._lock = threading.RLock()
+        self._ctx: Optional[zmq.Context] = zmq.Context()
+        self._sock: Optional[zmq.Socket] = None
+        self._ever_connected = False
+        self._ids = itertools.count(random.getrandbits(48))
+        self._fails = 0
+        self._retry_at = 0.0
+        self._pending = 0
+        self._closed = False
+        self.c = dict(requests=0, hits=0, misses=0, sets=0, set_failures=0, corrupt=0, errors=0, timeouts=0,
+                      reconnects=0, fast_fails=0, stale_replies=0, bad_replies=0, error_replies=0, bytes_in=0,
+                      bytes_out=0, max_pending=0)
+
+    # ----------------------------------------------------------------------------------------- socket
+    def _socket(self) -> zmq.Socket:
+        if self._sock is None:
+            s = self._ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing while disconnected
+            s.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)  # a peer sending a bigger frame is dropped
+            s.setsockopt(zmq.SNDHWM, 10000)
+            s.setsockopt(zmq.RCVHWM, 10000)
+            s.setsockopt(zmq.RECONNECT_IVL, 20)
+            s.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
+            if self.endpoint.startswith("tcp://["):
+                s.setsockopt(zmq.IPV6, 1)
+            s.connect(self.endpoint)
+            if self._ever_connected:
+                self.c["reconnects"] += 1
+            self._ever_connected = True
+            self._sock = s
+        return self._sock
+
+    def _discard_socket(self) -> None:
+        if self._sock is not None:
+            self._sock.close(0)  # drops everything still queued on it (bounded pending queue)
+            self._sock = None
+        self._pending = 0
+
+    def _failed(self, why: str) -> None:
+        self._discard_socket()
+        self._fails += 1
+        back = min(self.reconnect_backoff_s * (2 ** (self._fails - 1)), self.max_backoff_s)
+        self._retry_at = time.monotonic() + back
+        if self._fails == 1:
+            log.warning("tierkv zmq server %s: %s; pages count as misses, reconnecting with back-off", self.endpoint, why)
+        else:
+            log.debug("tierkv zmq server %s: %s (failure %d, back-off %.3fs)", self.endpoint, why, self._fails, back)
+
+    def _exchange(self, msgs: list, on_reply: Callable[[int, dict, list], None]) -> list:
+        """Send ``msgs`` (``(header dict, payload buffers)``), pipelined, and hand each matched, well-formed,
+        ``ok`` reply to ``on_reply(index, header, frames)``. Returns one bool per message (answered ok).
+        Never raises for network faults."""
+        done = [False] * len(msgs)
+        if not msgs:
+            return done
+        with self._lock:
+            if self._closed:
+                self.c["errors"] += len(msgs)
+                return done
+            now = time.monotonic()
+            if now < self._retry_at:
+                self.c["fast_fails"] += len(msgs)
+                return done
+            sock = self._socket()
+            deadline = now + self.timeout_s
+            waiting: dict[int, tuple[int, str]] = {}
+            for i, (h, payloads) in enumerate(msgs):
+                rid = next(self._ids) & P.MAX_ID
+                h = dict(h, v=P.PROTOCOL_VERSION, id=rid)
+                if self.token is not None:
+                    h["token"] = self.token
+                if not sock.poll(max(0, int((deadline - time.monotonic()) * 1000)), zmq.POLLOUT):
+                    self.c["timeouts"] += 1
+                    self._failed("not connected (send timed out)")
+                    return done
+                try:
+                    sock.send_multipart([P.pack(h)] + list(payloads), zmq.NOBLOCK, copy=False)
+                except zmq.ZMQError as e:
+                    self.c["errors"] += 1
+                    self._failed(f"send failed: {e}")
+                    return done
+                self.c["requests"] += 1
+                waiting[rid] = (i, h["op"])
+                self._pending = len(waiting)
+                self.c["max_pending"] = max(self.c["max_pending"], self._pending)
+            while waiting:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
+                    if time.monotonic() < deadline:
+                        continue
+                    self.c["timeouts"] += 1
+                    self._failed(f"no reply within {self.timeout_s}s")
+                    return done
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    continue
+                except zmq.ZMQError as e:
+                    self.c["errors"] += 1
+                    self._failed(f"receive failed: {e}")
+                    return done
+                try:
+                    rh = P.unpack_header(frames[0].buffer, max_map_len=256)
+                except P.ProtocolError as e:
+                    self.c["bad_replies"] += 1
+                    log.debug("discarding undecodable reply: %s", e)
+                    continue
+                rid = rh.get("id")
+                slot = waiting.pop(rid, None) if type(rid) is int else None
+                if slot is None:
+                    self.c["stale_replies"] += 1  # an older request's reply, or one never asked for
+                    continue
+                self._pending = len(waiting)
+                deadline = time.monotonic() + self.timeout_s  # progress: restart the silence clock
+                i, op = slot
+                if rh.get("v") != P.PROTOCOL_VERSION or rh.get("op") != op or not isinstance(rh.get("ok"), bool):
+                    self.c["bad_replies"] += 1
+                    continue
+                if not rh["ok"]:
+                    self.c["error_replies"] += 1
+                    log.warning("tierkv zmq server refused %s: %s: %.200s", op, rh.get("code"), rh.get("err"))
+                    continue
+                try:
+                    on_reply(i, rh, frames[1:])
+                except (P.ProtocolError, TypeError, ValueError, KeyError, IndexError) as e:
+                    self.c["bad_replies"] += 1
+                    log.warning("malformed %s reply from %s discarded: %s", op, self.endpoint, e)
+                    continue
+                done[i] = True
+            self._pending = 0
+            if self._fails:
+                log.info("tierkv zmq server %s reachable again", self.endpoint)
+            self._fails = 0
+            return done
+
+    # ----------------------------------------------------------------------------------------- interface
+    def _chunks(self, n: int, per: int) -> list:
+        return [(s, min(n, s + per)) for s in range(0, n, per)]
+
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        """Number of leading ``keys`` present on the server (0 on any failure)."""
+        for k in keys:
+            check_key(k)
+        lead = 0
+        for s, e in self._chunks(len(keys), P.MAX_KEYS):
+            got: dict = {}
+
+            def on_reply(i, rh, frames, n=e - s):
+                v = rh.get("lead")
+                if frames or type(v) is not int or not 0 <= v <= n:
+                    raise P.ProtocolError("bad_reply", f"exists reply lead={v!r:.40} frames={len(frames)}")
+                got["lead"] = v
+
+            if not self._exchange([({"op": "exists", "keys": list(keys[s:e])}, [])], on_reply)[0]:
+                return lead
+            lead += got["lead"]
+            if got["lead"] < e - s:
+                break
+        return lead
+
+    def batch_get(self, keys: Sequence[str], destinations: Sequence[Buffer]) -> list[bool]:
+        """Fill ``destinations`` (writable ``page_bytes`` buffers) with the pages of ``keys``; one bool per key.
+
+        A page is copied into its destination only after its header (namespace, key, length, header checksum)
+        and payload XXH3-64 are verified; a destination of a miss is left untouched.
+        Raises ValueError for bad keys or buffers (caller bugs)."""
+        if len(keys) != len(destinations):
+            raise ValueError(f"batch_get: {len(keys)} keys but {len(destinations)} destinations")
+        for k in keys:
+            check_key(k)
+        dsts = [_byte_view(d, self.page_bytes, True, "destinations", i) for i, d in enumerate(destinations)]
+        res = [False] * len(keys)
+        chunks = self._chunks(len(keys), self.keys_per_message)
+
+        def on_reply(ci, rh, frames):
+            s, e = chunks[ci]
+            hits, hdrs = rh.get("hits"), rh.get("hdrs")
+            if not isinstance(hits, list) or len(hits) != e - s or not all(isinstance(x, bool) for x in hits):
+                raise P.ProtocolError("bad_reply", "get reply: 'hits' is not one bool per key")
+            nh = sum(hits)
+            if not isinstance(hdrs, list) or len(hdrs) != nh or len(frames) != nh:
+                raise P.ProtocolError("bad_reply", f"get reply: {nh} hits, {len(hdrs) if isinstance(hdrs, list) else hdrs!r:.20} "
+                                                   f"headers, {len(frames)} payload frames")
+            j = 0
+            for off, hit in enumerate(hits):
+                if not hit:
+                    continue
+                idx, hdr, fr = s + off, hdrs[j], frames[j]
+                j += 1
+                try:
+                    if not isinstance(hdr, bytes):
+                        raise PageFormatError("header is not bin")
+                    psum = decode_header(hdr, keys[idx], self.namespace, self.page_bytes)
+                    buf = fr.buffer
+                    if buf.nbytes != self.page_bytes:
+                        raise PageFormatError(f"payload frame of {buf.nbytes} bytes, expected {self.page_bytes}")
+                    verify_payload(buf, psum)
+                except PageFormatError as err:
+                    self.c["corrupt"] += 1
+                    log.warning("page %s from %s is not valid (%s): miss", keys[idx], self.endpoint, err)
+                    continue
+                dsts[idx][:] = buf
+                res[idx] = True
+                self.c["bytes_in"] += self.page_bytes
+
+        self._exchange([({"op": "get", "keys": list(keys[s:e])}, []) for s, e in chunks], on_reply)
+        nh = sum(res)
+        self.c["hits"] += nh
+        self.c["misses"] += len(keys) - nh
+        return res
+
+    def batch_set(self, keys: Sequence[str], sources: Sequence[Buffer]) -> list[bool]:
+        """Store ``sources`` (``page_bytes`` buffers, sent zero-copy) under ``keys``; one bool per key.
+
+        The server stores a message's pages whole or not at all (ZMQ delivers multipart messages atomically).
+        Raises ValueError for bad keys or buffers (caller bugs)."""
+        if len(keys) != len(sources):
+            raise ValueError(f"batch_set: {len(keys)} keys but {len(sources)} sources")
+        for k in keys:
+            check_key(k)
+        srcs = [_byte_view(b, self.page_bytes, False, "sources", i) for i, b in enumerate(sources)]
+        res = [False] * len(keys)
+        chunks = self._chunks(len(keys), self.keys_per_message)
+        msgs = []
+        for s, e in chunks:
+            hdrs = [encode_header(keys[i], self.namespace, srcs[i]) for i in range(s, e)]
+            msgs.append(({"op": "set", "keys": list(keys[s:e]), "hdrs": hdrs}, srcs[s:e]))
+
+        def on_reply(ci, rh, frames):
+            s, e = chunks[ci]
+            st = rh.get("stored")
+            if frames or not isinstance(st, list) or len(st) != e - s or not all(isinstance(x, bool) for x in st):
+                raise P.ProtocolError("bad_reply", "set reply: 'stored' is not one bool per key")
+            res[s:e] = st
+
+        self._exchange(msgs, on_reply)
+        ok = sum(res)
+        self.c["sets"] += ok
+        self.c["set_failures"] += len(keys) - ok
+        self.c["bytes_out"] += ok * self.page_bytes
+        return res
+
+    def batch_delete(self, keys: Sequence[str]) -> int:
+        """Delete ``keys`` on the server; returns how many existed (0 on failure)."""
+        for k in keys:
+            check_key(k)
+        n = [0]
+
+        def on_reply(i, rh, frames):
+            v = rh.get("deleted")
+            if type(v) is not int or v < 0:
+                raise P.ProtocolError("bad_reply", "delete reply: 'deleted' is not a count")
+            n[0] += v
+
+        self._exchange([({"op": "delete", "keys": list(keys[s:e])}, []) for s, e in self._chunks(len(keys), P.MAX_KEYS)],
+                       on_reply)
+        return n[0]
+
+    def clear(self) -> None:
+        """Drop every page on the server (the server is shared: this clears it for every client). A failure is
+        counted and logged, not raised."""
+        if not self._exchange([({"op": "clear", "keys": []}, [])], lambda i, rh, fr: None)[0]:
+            self.c["errors"] += 1
+
+    def ping(self) -> bool:
+        """True when the server answers a ping within ``timeout_s``."""
+        return self._exchange([({"op": "ping", "keys": []}, [])], lambda i, rh, fr: None)[0]
+
+    def server_stats(self) -> Optional[dict]:
+        """The server's counters (see :meth:`zmq_server.CacheServer.stats`), or None when it does not answer."""
+        out: dict = {}
+
+        def on_reply(i, rh, frames):
+            st = rh.get("stats")
+            if not isinstance(st, dict):
+                raise P.ProtocolError("bad_reply", "stats reply without a 'stats' map")
+            out.update(st)
+
+        return out if self._exchange([({"op": "stats", "keys": []}, [])], on_reply)[0] else None
+
+    def stats(self) -> dict:
+        """Client counters: requests, hits, misses, sets, set_failures, corrupt (pages failing verification),
+        errors, timeouts, reconnects, fast_fails (calls skipped during back-off), stale_replies, bad_replies,
+        error_replies, bytes_in/bytes_out (payload bytes), pending (requests awaiting a reply now),
+        max_pending, connected (a socket is open)."""
+        with self._lock:
+            s = dict(self.c)
+            s.update(pending=self._pending, connected=self._sock is not None, backend="zmq", endpoint=self.endpoint)
+            return s
+
+    def close(self) -> None:
+        """Close the socket and the ZMQ context. Idempotent; later calls return misses/False."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._discard_socket()
+            if self._ctx is not None:
+                self._ctx.term()
+                self._ctx = None

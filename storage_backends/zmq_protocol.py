@@ -1,0 +1,169 @@
+"""Wire format shared by the tierkv ZMQ cache server (:mod:`.zmq_server`) and its client (:mod:`.zmq_client`).
+
+Transport: a client **DEALER** socket talks to the server's **ROUTER** socket over TCP (loopback by default).
+Every message is one ZMQ multipart message, which ZMQ delivers whole or not at all (so a writer killed
+mid-send leaves nothing behind and a reader never sees half a reply).
+
+Request ``[header, payload_0, payload_1, ...]``
+    ``header`` is a msgpack map::
+
+        {"v": PROTOCOL_VERSION, "id": <uint64 request id>, "op": <str>, "keys": [<32 hex chars>, ...],
+         "token": <str, optional>, ...op-specific fields}
+
+    op-specific fields:
+
+    - ``exists``: ``"all": bool`` (optional) - also return one bool per key instead of stopping at the first miss;
+    - ``set``: ``"hdrs": [bin, ...]`` - one page record header (:mod:`.page_format`, 64 bytes) per key; then
+      exactly one raw payload frame per key follows the header frame;
+    - ``t_corrupt`` (test builds only, ``--enable-test-ops``): ``"how": "truncate" | "flip" | "foreign_namespace"``.
+
+Reply ``[header, payload_0, ...]``
+    ``{"v", "id", "op", "ok": bool, "err": str (when not ok), "code": str (when not ok), ...}``
+
+    - ``ping``: ``{"server": "tierkv", "proto": PROTOCOL_VERSION}``;
+    - ``exists``: ``{"lead": int, "present": [bool] (with "all")}``;
+    - ``get``: ``{"hits": [bool per key], "hdrs": [bin per hit]}`` then one payload frame per hit, in key order;
+    - ``set``: ``{"stored": [bool per key]}``; ``delete``: ``{"deleted": int}``; ``clear``: ``{}``;
+    - ``stats``: ``{"stats": {str: int | float | str}}``.
+
+A request the server cannot parse gets an error reply (``id`` 0 when the id itself is unreadable) or is
+dropped; the server keeps serving other clients.
+
+Safety (field scenario R19, and the opposite of LMCache's MP server, which unpickles client bytes and does
+not answer a request it rejects): nothing is ever unpickled; headers are decoded with msgpack under strict
+limits (header frame size, string/bin/array/map lengths, the C decoder's bounded nesting, no extension types);
+payloads are raw bytes that the server stores and returns without interpreting them. Pages are checked by
+the *client* (page header + XXH3) on every read.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+
+#: ops every server answers.
+OPS = ("ping", "exists", "get", "set", "delete", "clear", "stats")
+#: ops answered only by a server started with ``--enable-test-ops``.
+TEST_OPS = ("t_corrupt",)
+CORRUPT_HOWS = ("truncate", "flip", "foreign_namespace")
+
+#: largest header frame (msgpack map) in bytes, either direction.
+MAX_HEADER_BYTES = 4 << 20
+#: most keys in one request (the client splits larger batches).
+MAX_KEYS = 16384
+#: largest page record header (bin) carried in a header (a :mod:`.page_format` header is 64 bytes).
+MAX_RECORD_HEADER_BYTES = 256
+#: largest string field (op, key, token, error text).
+MAX_STR_BYTES = 4096
+#: default bound on one whole multipart message (header + payloads), bytes; both sides refuse larger.
+DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
+#: uint64 range of request ids.
+MAX_ID = (1 << 64) - 1
+
+KEY_RE = re.compile(r"^[0-9a-f]{32}$")
+
+
+class ProtocolError(ValueError):
+    """A frame is malformed, oversized, of the wrong type or disagrees with the frame count.
+
+    ``code`` is a short machine-readable reason sent back in error replies (``bad_header``, ``bad_request``,
+    ``too_large``, ``auth``, ``version``, ``unknown_op``)."""
+
+    def __init__(self, code: str, msg: str):
+        super().__init__(msg)
+        self.code = code
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise ProtocolError("bad_header", f"msgpack extension type {code} is not allowed")
+
+
+def pack(obj: dict) -> bytes:
+    """msgpack-encode a header map (``use_bin_type`` so bytes stay bytes)."""
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack_header(frame: Any, *, max_map_len: int = 32, max_array_len: int = MAX_KEYS,
+                  max_header_bytes: int = MAX_HEADER_BYTES) -> dict:
+    """Decode one header frame (bytes-like) into a dict under strict limits.
+
+    Raises:
+        ProtocolError: frame larger than ``max_header_bytes``; not msgpack; trailing bytes; extension types;
+            a bin/str/array/map over its limit; nesting deeper than the decoder's stack; top level not a map
+            with str keys.
+    """
+    mv = memoryview(frame)
+    if mv.nbytes > max_header_bytes:
+        raise ProtocolError("too_large", f"header frame of {mv.nbytes} bytes > limit {max_header_bytes}")
+    try:
+        obj = msgpack.unpackb(
+            mv,
+            raw=False,
+            use_list=True,
+            strict_map_key=True,
+            ext_hook=_no_ext,
+            max_ext_len=0,
+            max_bin_len=MAX_RECORD_HEADER_BYTES,
+            max_str_len=MAX_STR_BYTES,
+            max_array_len=max_array_len,
+            max_map_len=max_map_len,
+        )
+    except ProtocolError:
+        raise
+    except Exception as e:  # msgpack raises ValueError/StackError/ExtraData/FormatError/UnicodeDecodeError...
+        raise ProtocolError("bad_header", f"undecodable header: {type(e).__name__}: {e}"[:300]) from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("bad_header", f"header must be a msgpack map, got {type(obj).__name__}")
+    return obj
+
+
+def get_int(h: dict, name: str, lo: int = 0, hi: int = MAX_ID, default: Optional[int] = None) -> int:
+    """Field ``name`` of header ``h`` as an int in [lo, hi] (bools refused). Raises :class:`ProtocolError`."""
+    v = h.get(name, default)
+    if type(v) is not int or not lo <= v <= hi:
+        raise ProtocolError("bad_request", f"field {name!r} must be an integer in [{lo}, {hi}], got {v!r:.80}")
+    return v
+
+
+def get_str(h: dict, name: str, default: Optional[str] = None) -> str:
+    v = h.get(name, default)
+    if not isinstance(v, str):
+        raise ProtocolError("bad_request", f"field {name!r} must be a string, got {type(v).__name__}")
+    return v
+
+
+def get_bool(h: dict, name: str, default: bool = False) -> bool:
+    v = h.get(name, default)
+    if not isinstance(v, bool):
+        raise ProtocolError("bad_request", f"field {name!r} must be a bool, got {type(v).__name__}")
+    return v
+
+
+def get_keys(h: dict, name: str = "keys") -> list:
+    """The ``keys`` list: each a str of 32 lowercase hex characters. Raises :class:`ProtocolError`."""
+    v = h.get(name, [])
+    if not isinstance(v, list):
+        raise ProtocolError("bad_request", f"field {name!r} must be an array of keys")
+    for k in v:
+        if not isinstance(k, str) or not KEY_RE.match(k):
+            raise ProtocolError("bad_request", f"invalid key {k!r:.80} in {name!r}: expected 32 lowercase hex chars")
+    return v
+
+
+def get_bins(h: dict, name: str, count: int) -> list:
+    """A list of exactly ``count`` non-empty bin fields. Raises :class:`ProtocolError`."""
+    v = h.get(name)
+    if not isinstance(v, list) or len(v) != count:
+        raise ProtocolError("bad_request", f"field {name!r} must be an array of {count} bin values")
+    for b in v:
+        if not isinstance(b, bytes) or not b:
+            raise ProtocolError("bad_request", f"field {name!r} must hold non-empty bin values")
+    return v
+
+
+def error_reply(req_id: int, op: str, code: str, msg: str) -> bytes:
+    """Encoded error reply header."""
+    return pack({"v": PROTOCOL_VERSION, "id": req_id, "op": op, "ok": False, "code": code, "err": msg[:MAX_STR_BYTES]})

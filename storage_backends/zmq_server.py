@@ -1,0 +1,522 @@
+"""tierkv ZMQ cache server: a standalone process that holds L3 pages in memory for several engines.
+
+Run it as ``tierkv server`` or ``python -m tierkv.storage_backends.zmq_server`` (same flags; see
+:func:`add_arguments`). It binds a ZMQ ROUTER socket on ``--host`` (127.0.0.1 unless a wider address is
+given explicitly) and ``--port`` (0 = any free port), prints one line ``tierkv-server ready tcp://HOST:PORT``
+on stdout once it is listening, and exits cleanly on SIGTERM/SIGINT.
+
+Storage: an LRU of records ``key -> (page record header, payload frame)`` bounded by ``--capacity-bytes``
+(header + payload bytes); received payload frames are kept as they came off the wire and sent back with
+zero-copy sends. Evicted records optionally spill to a :class:`tierkv.storage_backends.file.FileStore`
+under ``--spill-dir`` and are read back (and promoted to memory) on a later get. The server never looks
+inside a payload: the client wraps every page with a :mod:`.page_format` header and verifies it on read.
+
+Wire format and safety rules: :mod:`.zmq_protocol` (msgpack headers under strict limits, raw payload frames,
+an error reply for every request it can attribute, no pickle). Design inspired by LMCache's MP cache server
+(DEALER/ROUTER, request ids) and SGLang HiCache's storage semantics (leading-run exists), with the fixes
+field scenarios R13/R15/R19 call for.
+"""
+from __future__ import annotations
+
+import argparse
+import hmac
+import logging
+import os
+import signal
+import struct
+import sys
+import time
+from collections import OrderedDict
+from typing import Any, Optional
+
+import xxhash
+import zmq
+
+from tierkv.storage_backends import zmq_protocol as P
+
+log = logging.getLogger("tierkv.zmq_server")
+
+DEFAULT_PORT = 5557
+DEFAULT_CAPACITY_BYTES = 1 << 30
+#: namespace digest written into spilled records (the spill store holds opaque server records).
+SPILL_NAMESPACE = xxhash.xxh128_digest(b"tierkv/zmq-server/spill/v1")
+_POLL_MS = 100
+_BATCH_RECV = 64
+
+
+def _nbytes(buf: Any) -> int:
+    if isinstance(buf, zmq.Frame):
+        return len(buf)
+    return memoryview(buf).nbytes
+
+
+class _SpillTier:
+    """Evicted records on disk: one FileStore per record length (a FileStore has a fixed page size).
+
+    A spilled record is ``u16 header length || page header || payload``, stored as one FileStore page under
+    :data:`SPILL_NAMESPACE` in ``root/rec-<length>``; stores for lengths seen before a restart are reopened at
+    start. FileStore has no per-key delete, so a deleted spilled key is remembered in memory (a tombstone,
+    dropped when the key is stored again) until the next restart or clear."""
+
+    def __init__(self, root: str, capacity_bytes: Optional[int] = None):
+        from tierkv.storage_backends.file import FileStore  # lazy: spill is optional
+
+        self._cls = FileStore
+        self.root = root
+        self.capacity_bytes = capacity_bytes
+        os.makedirs(root, exist_ok=True)
+        self.stores: dict[int, Any] = {}
+        self.tombstones: set[str] = set()
+        for name in sorted(os.listdir(root)):
+            if name.startswith("rec-") and name[4:].isdigit():
+                self._store(int(name[4:]))
+
+    def _store(self, length: int):
+        st = self.stores.get(length)
+        if st is None:
+            kw = {"capacity_bytes": self.capacity_bytes} if self.capacity_bytes else {}
+            st = self._cls(SPILL_NAMESPACE, length, root=os.path.join(self.root, f"rec-{length}"), **kw)
+            self.stores[length] = st
+        return st
+
+    def put(self, key: str, hdr: bytes, payload: Any) -> bool:
+        if len(hdr) > P.MAX_RECORD_HEADER_BYTES:
+            return False
+        rec = struct.pack("<H", len(hdr)) + hdr + bytes(memoryview(payload))
+        try:
+            ok = bool(self._store(len(rec)).batch_set([key], [rec])[0])
+        except Exception as e:  # a failing disk never takes the server down
+            log.warning("spill of %s failed: %s", key, e)
+            return False
+        if ok:
+            self.tombstones.discard(key)
+        return ok
+
+    def get(self, key: str) -> Optional[tuple[bytes, bytes]]:
+        if key in self.tombstones:
+            return None
+        for length, st in self.stores.items():
+            try:
+                if st.batch_exists([key]) != 1:
+                    continue
+                buf = bytearray(length)
+                if st.batch_get([key], [buf])[0]:
+                    (hl,) = struct.unpack_from("<H", buf)
+                    if 0 < hl <= P.MAX_RECORD_HEADER_BYTES and 2 + hl <= length:
+                        return bytes(buf[2 : 2 + hl]), bytes(buf[2 + hl :])
+            except Exception as e:
+                log.warning("spill read of %s failed: %s", key, e)
+        return None
+
+    def exists(self, key: str) -> bool:
+        if key in self.tombstones:
+            return False
+        for st in self.stores.values():
+            try:
+                if st.batch_exists([key]) == 1:
+                    return True
+            except Exception as e:
+                log.warning("spill lookup of %s failed: %s", key, e)
+        return False
+
+    def delete(self, key: str) -> bool:
+        if self.exists(key):
+            self.tombstones.add(key)
+            return True
+        return False
+
+    def clear(self) -> None:
+        self.tombstones.clear()
+        for st in self.stores.values():
+            try:
+                st.clear()
+            except Exception as e:
+                log.warning("spill clear failed: %s", e)
+
+    def close(self) -> None:
+        for st in self.stores.values():
+            try:
+                st.close()
+            except Exception:
+                pass
+
+
+class CacheServer:
+    """The server state and request handlers (single-threaded; one ROUTER socket).
+
+    Args:
+        host: bind address (default loopback). ``port``: TCP port, 0 = any free one.
+        capacity_bytes: bound on stored bytes (page header + payload per record), LRU eviction.
+        spill_dir: optional directory for evicted records (a FileStore per record length).
+        spill_capacity_bytes: capacity of each spill FileStore (None: the FileStore default, a share of free disk).
+        max_message_bytes: largest accepted multipart message (bytes); a single larger frame makes ZMQ drop
+            the sender's connection (``ZMQ_MAXMSGSIZE``), a larger total gets an error reply.
+        token: optional shared secret every request must carry (compared in constant time).
+        enable_test_ops: answer test-only ops (``t_corrupt``) used by the test-suite.
+    Raises:
+        ValueError: a non-positive capacity or message bound.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, capacity_bytes: int = DEFAULT_CAPACITY_BYTES,
+                 spill_dir: Optional[str] = None, max_message_bytes: int = P.DEFAULT_MAX_MESSAGE_BYTES,
+                 token: Optional[str] = None, enable_test_ops: bool = False,
+                 spill_capacity_bytes: Optional[int] = None):
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
+        if max_message_bytes <= 0:
+            raise ValueError(f"max_message_bytes must be > 0, got {max_message_bytes}")
+        if not 0 <= port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {port}")
+        self.capacity_bytes = int(capacity_bytes)
+        self.max_message_bytes = int(max_message_bytes)
+        self.token = token.encode() if token else None
+        self.enable_test_ops = enable_test_ops
+        self.records: "OrderedDict[str, tuple[bytes, Any]]" = OrderedDict()
+        self.used_bytes = 0
+        self.pending_writes = 0
+        self.c = dict(requests=0, errors=0, auth_failures=0, too_large=0, dropped=0, hits=0, misses=0, sets=0,
+                      set_rejected=0, evictions=0, spilled=0, spill_hits=0, deletes=0, bytes_in=0, bytes_out=0)
+        self.spill = _SpillTier(spill_dir, spill_capacity_bytes) if spill_dir else None
+        self.started = time.time()
+        self._stop = False
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        self.sock.setsockopt(zmq.SNDHWM, 1000)
+        self.sock.setsockopt(zmq.RCVHWM, 1000)
+        if host == "localhost":
+            host = "127.0.0.1"
+        if ":" in host:
+            self.sock.setsockopt(zmq.IPV6, 1)
+            host_fmt = f"[{host}]"
+        else:
+            host_fmt = host
+        self.sock.bind(f"tcp://{host_fmt}:{port if port else '*'}")
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.port = int(self.endpoint.rsplit(":", 1)[1])
+
+    # ----------------------------------------------------------------------------------------- storage
+    def _evict_until(self, need: int) -> None:
+        while self.records and self.used_bytes + need > self.capacity_bytes:
+            key, (hdr, payload) = self.records.popitem(last=False)
+            self.used_bytes -= len(hdr) + _nbytes(payload)
+            self.c["evictions"] += 1
+            if self.spill is not None and self.spill.put(key, hdr, payload):
+                self.c["spilled"] += 1
+
+    def _put(self, key: str, hdr: bytes, payload: Any) -> bool:
+        size = len(hdr) + _nbytes(payload)
+        if size > self.capacity_bytes:
+            return False
+        old = self.records.pop(key, None)
+        if old is not None:
+            self.used_bytes -= len(old[0]) + _nbytes(old[1])
+        self._evict_until(size)
+        if self.spill is not None:
+            self.spill.tombstones.discard(key)
+        self.records[key] = (hdr, payload)
+        self.used_bytes += size
+        return True
+
+    def _lookup(self, key: str) -> Optional[tuple[bytes, Any]]:
+        rec = self.records.get(key)
+        if rec is not None:
+            self.records.move_to_end(key)
+            return rec
+        if self.spill is not None:
+            got = self.spill.get(key)
+            if got is not None:
+                self.c["spill_hits"] += 1
+                self._put(key, got[0], got[1])
+                return got
+        return None
+
+    def _present(self, key: str) -> bool:
+        return key in self.records or (self.spill is not None and self.spill.exists(key))
+
+    # ----------------------------------------------------------------------------------------- requests
+    def handle(self, frames: list) -> Optional[list]:
+        """Answer one request (``frames`` = header frame + payload frames, without the ROUTER identity).
+
+        Returns the reply frames, or None to drop the message. Never raises for bad input."""
+        self.c["requests"] += 1
+        if not frames:
+            self.c["dropped"] += 1
+            return None
+        req_id, op = 0, ""
+        try:
+            total = sum(len(f) for f in frames)
+            self.c["bytes_in"] += total
+            h = P.unpack_header(frames[0].buffer if isinstance(frames[0], zmq.Frame) else frames[0])
+            rid = h.get("id")
+            if type(rid) is int and 0 <= rid <= P.MAX_ID:
+                req_id = rid
+            op = h.get("op") if isinstance(h.get("op"), str) else ""
+            if total > self.max_message_bytes:
+                self.c["too_large"] += 1
+                raise P.ProtocolError("too_large", f"message of {total} bytes > limit {self.max_message_bytes}")
+            req_id = P.get_int(h, "id")
+            if h.get("v") != P.PROTOCOL_VERSION:
+                raise P.ProtocolError("version", f"protocol version {h.get('v')!r:.40} not supported "
+                                                 f"(server speaks {P.PROTOCOL_VERSION})")
+            op = P.get_str(h, "op")
+            if self.token is not None:
+                tok = h.get("token")
+                if not isinstance(tok, str) or not hmac.compare_digest(tok.encode(), self.token):
+                    self.c["auth_failures"] += 1
+                    raise P.ProtocolError("auth", "missing or wrong token")
+            fn = self._OPS.get(op)
+            if fn is None and self.enable_test_ops and op in P.TEST_OPS:
+                fn = CacheServer._op_t_corrupt
+            if fn is None:
+                raise P.ProtocolError("unknown_op", f"unknown op {op[:40]!r}; allowed: {', '.join(P.OPS)}")
+            payloads = frames[1:]
+            if op != "set" and payloads:
+                raise P.ProtocolError("bad_request", f"op {op!r} takes no payload frames, got {len(payloads)}")
+            body, out = fn(self, h, payloads)
+        except P.ProtocolError as e:
+            self.c["errors"] += 1
+            log.debug("request %d (%s) refused: %s", req_id, op, e)
+            return [P.error_reply(req_id, op, e.code, str(e))]
+        except Exception as e:  # a bug must not take down the server
+            self.c["errors"] += 1
+            log.exception("request %d (%s) failed", req_id, op)
+            return [P.error_reply(req_id, op, "internal", f"{type(e).__name__}: {e}")]
+        reply = {"v": P.PROTOCOL_VERSION, "id": req_id, "op": op, "ok": True}
+        reply.update(body)
+        return [P.pack(reply)] + out
+
+    def _op_ping(self, h, payloads):
+        return {"server": "tierkv", "proto": P.PROTOCOL_VERSION}, []
+
+    def _op_exists(self, h, payloads):
+        keys = P.get_keys(h)
+        want_all = P.get_bool(h, "all")
+        present, lead = [], 0
+        for k in keys:
+            p = self._present(k)
+            if not want_all and not p:
+                break
+            present.append(p)
+        for p in present:
+            if not p:
+                break
+            lead += 1
+        body: dict = {"lead": lead}
+        if want_all:
+            body["present"] = present
+        return body, []
+
+    def _op_get(self, h, payloads):
+        keys = P.get_keys(h)
+        hits, hdrs, out = [], [], []
+        for k in keys:
+            rec = self._lookup(k)
+            if rec is None:
+                hits.append(False)
+                self.c["misses"] += 1
+                continue
+            hits.append(True)
+            hdrs.append(rec[0])
+            out.append(rec[1])
+            self.c["hits"] += 1
+            self.c["bytes_out"] += _nbytes(rec[1])
+        return {"hits": hits, "hdrs": hdrs}, out
+
+    def _op_set(self, h, payloads):
+        keys = P.get_keys(h)
+        if len(payloads) != len(keys):
+            raise P.ProtocolError("bad_request", f"set of {len(keys)} keys carries {len(payloads)} payload frames")
+        hdrs = P.get_bins(h, "hdrs", len(keys))
+        self.pending_writes += 1
+        try:
+            stored = []
+            for k, hdr, frame in zip(keys, hdrs, payloads):
+                ok = self._put(k, hdr, frame)
+                stored.append(ok)
+                self.c["sets" if ok else "set_rejected"] += 1
+        finally:
+            self.pending_writes -= 1
+        return {"stored": stored}, []
+
+    def _op_delete(self, h, payloads):
+        n = 0
+        for k in P.get_keys(h):
+            rec = self.records.pop(k, None)
+            if rec is not None:
+                self.used_bytes -= len(rec[0]) + _nbytes(rec[1])
+            spilled = self.spill.delete(k) if self.spill is not None else False
+            n += int(rec is not None or spilled)
+        self.c["deletes"] += n
+        return {"deleted": n}, []
+
+    def _op_clear(self, h, payloads):
+        self.records.clear()
+        self.used_bytes = 0
+        if self.spill is not None:
+            self.spill.clear()
+        return {}, []
+
+    def _op_stats(self, h, payloads):
+        return {"stats": self.stats()}, []
+
+    def _op_t_corrupt(self, h, payloads):
+        """Test-only: damage a stored record in place (``how`` in :data:`zmq_protocol.CORRUPT_HOWS`)."""
+        keys = P.get_keys(h)
+        how = P.get_str(h, "how")
+        if how not in P.CORRUPT_HOWS:
+            raise P.ProtocolError("bad_request", f"how={how!r}: allowed values are {P.CORRUPT_HOWS}")
+        done = 0
+        for k in keys:
+            rec = self.records.get(k)
+            if rec is None:
+                continue
+            hdr, payload = rec
+            data = bytes(memoryview(payload.buffer if isinstance(payload, zmq.Frame) else payload))
+            if how == "truncate":
+                data = data[: len(data) // 2]
+            elif how == "flip":
+                b = bytearray(data)
+                b[len(b) // 2] ^= 0xFF
+                data = bytes(b)
+            else:
+                from tierkv.storage_backends import page_format
+
+                ns = bytes(hdr[8:24])
+                other = bytes(x ^ 0x5A for x in ns)
+                hdr = page_format.encode_header(k, other, data)
+            self.used_bytes -= len(rec[0]) + _nbytes(rec[1])
+            self.records[k] = (hdr, data)
+            self.used_bytes += len(hdr) + len(data)
+            done += 1
+        return {"corrupted": done}, []
+
+    _OPS = {"ping": _op_ping, "exists": _op_exists, "get": _op_get, "set": _op_set, "delete": _op_delete,
+            "clear": _op_clear, "stats": _op_stats}
+
+    def stats(self) -> dict:
+        """Server counters: keys, bytes (stored), capacity_bytes, pending_writes, requests, errors, auth_failures,
+        too_large, hits, misses, sets, set_rejected, evictions, spilled, spill_hits, bytes_in/out, rss_bytes."""
+        s: dict = dict(self.c)
+        s.update(keys=len(self.records), bytes=self.used_bytes, capacity_bytes=self.capacity_bytes,
+                 pending_writes=self.pending_writes, uptime_s=round(time.time() - self.started, 3),
+                 rss_bytes=_rss_bytes(), pid=os.getpid(), spill=bool(self.spill))
+        return s
+
+    # ----------------------------------------------------------------------------------------- loop
+    def stop(self, *_a) -> None:
+        self._stop = True
+
+    def serve_forever(self) -> None:
+        """Serve until :meth:`stop` (or SIGTERM/SIGINT when installed by :func:`main`)."""
+        sock = self.sock
+        while not self._stop:
+            try:
+                if not sock.poll(_POLL_MS, zmq.POLLIN):
+                    continue
+            except zmq.ZMQError as e:
+                if e.errno == zmq.EINTR:
+                    continue
+                raise
+            for _ in range(_BATCH_RECV):
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                except zmq.ZMQError as e:
+                    if e.errno == zmq.EINTR:
+                        break
+                    raise
+                ident, body = frames[0], frames[1:]
+                reply = self.handle(body)
+                if reply is None:
+                    continue
+                try:
+                    sock.send_multipart([ident] + reply, zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    self.c["dropped"] += 1
+                except zmq.ZMQError as e:
+                    self.c["dropped"] += 1
+                    log.warning("reply dropped: %s", e)
+
+    def close(self) -> None:
+        try:
+            self.sock.close(0)
+            self.ctx.term()
+        finally:
+            if self.spill is not None:
+                self.spill.close()
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+def _size(text: str) -> int:
+    """Parse a byte size: an integer, optionally with a K/M/G/T suffix (powers of 1024), e.g. ``512M``."""
+    t = str(text).strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
+    num = t[:-1] if mult != 1 else t
+    try:
+        v = int(float(num) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid byte size {text!r} (e.g. 1073741824, 512M, 4G)") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"byte size must be > 0, got {text!r}")
+    return v
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Server flags (shared by ``tierkv server`` and ``python -m tierkv.storage_backends.zmq_server``)."""
+    p.add_argument("--host", default="127.0.0.1",
+                   help="bind address (default 127.0.0.1; give 0.0.0.0 or an interface address explicitly to expose it)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port, 0 = any free port (default {DEFAULT_PORT})")
+    p.add_argument("--capacity-bytes", type=_size, default=DEFAULT_CAPACITY_BYTES,
+                   help="in-memory capacity in bytes (suffixes K/M/G), LRU eviction (default 1G)")
+    p.add_argument("--spill-dir", default=None, help="spill evicted pages to a file store in this directory (optional)")
+    p.add_argument("--spill-capacity-bytes", type=_size, default=None,
+                   help="capacity of the spill store (per page record size; default: the file store's default)")
+    p.add_argument("--max-message-bytes", type=_size, default=P.DEFAULT_MAX_MESSAGE_BYTES,
+                   help="refuse larger messages (default 64M)")
+    p.add_argument("--token", default=os.environ.get("TIERKV_SERVER_TOKEN"),
+                   help="shared secret clients must present (default: $TIERKV_SERVER_TOKEN, else none)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--enable-test-ops", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start a server from parsed :func:`add_arguments` flags and serve until SIGTERM/SIGINT. Returns 0."""
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("binding %s: the cache server is reachable beyond this machine%s", args.host,
+                    "" if args.token else " and no --token is set")
+    srv = CacheServer(host=args.host, port=args.port, capacity_bytes=args.capacity_bytes, spill_dir=args.spill_dir,
+                      spill_capacity_bytes=args.spill_capacity_bytes,
+                      max_message_bytes=args.max_message_bytes, token=args.token, enable_test_ops=args.enable_test_ops)
+    signal.signal(signal.SIGTERM, srv.stop)
+    signal.signal(signal.SIGINT, srv.stop)
+    print(f"tierkv-server ready {srv.endpoint}", flush=True)
+    log.info("serving on %s, capacity %d bytes, spill %s", srv.endpoint, srv.capacity_bytes, args.spill_dir)
+    try:
+        srv.serve_forever()
+    finally:
+        srv.close()
+        log.info("stopped")
+    return 0
+
+
+def main(argv: Optional[list] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tierkv.storage_backends.zmq_server",
+                                description="tierkv L3 cache server (ZMQ ROUTER, msgpack headers, raw payload frames)")
+    return run(add_arguments(p).parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
