@@ -80,6 +80,7 @@ class TierKVConfig(_Strict):
     eviction_policy: Literal["lru", "lfu"] = "lru"
     l3: L3Config = Field(default_factory=L3Config)
     controller: ControllerConfig = Field(default_factory=ControllerConfig)
+    layerwise_load: bool = False
     verify_checksums: bool = False
     stats_path: Optional[str] = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"

@@ -1,0 +1,252 @@
+"""vLLM v1 KV connector for tierkv: the only module that imports vLLM.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "TierKVConnector",
+                           "kv_connector_module_path": "tierkv.connector.vllm_connector",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"config_file": "default.yaml"}}'
+
+``kv_connector_extra_config`` may name a YAML ``config_file`` and override any key (nested or dotted, see
+:mod:`tierkv.connector.config`); empty = shipped defaults. One class serves both vLLM roles (vLLM builds one
+instance in the scheduler process and one per worker; they share nothing but the per-step
+:class:`ConnectorPlan`):
+
+- scheduler role -> :class:`tierkv.connector.scheduler.CacheScheduler` (radix index over L2, locks, slots),
+- worker role -> :class:`tierkv.connector.worker.CacheWorker` (host pool memory, device pool adapter).
+
+Loads from L2 are synchronous in vLLM's sense (``load_async=False``): they complete before the layers read
+them, inside the same step. Saves complete in ``wait_for_save`` of the step that computed the pages, so
+``request_finished`` never needs to delay freeing blocks. ``requires_kv_delivery`` is False: tierkv is a
+best-effort cache. Recommended: ``"kv_load_failure_policy": "recompute"`` so a page that fails its checksum
+is recomputed rather than failing the request.
+
+Constraints (checked at start-up, clear errors): one KV cache group (vLLM turns the hybrid manager off for
+us), ``page_size`` equal to the engine block size.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                               KVConnectorRole)
+
+from .config import ConfigError, TierKVConfig, config_from_extra
+from .metrics import StatsFile
+from .page_hash import ModelNamespace
+from .plan import StepPlan
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("tierkv.vllm")
+
+
+class ConnectorPlan(StepPlan, KVConnectorMetadata):
+    """The per-step metadata vLLM pickles to every worker: a :class:`StepPlan`."""
+
+
+def _geometry(kv_cache_config) -> tuple[Any, list[str]]:
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", []) or [])
+    if len(groups) != 1:
+        raise ConfigError(f"tierkv supports models with one KV cache group; this model has {len(groups)} "
+                          "(hybrid attention is not supported yet)")
+    return groups[0].kv_cache_spec, list(groups[0].layer_names)
+
+
+def _dtype_name(dt) -> str:
+    return str(dt).replace("torch.", "")
+
+
+class TierKVConnector(KVConnectorBase_V1):
+    """tierkv as a vLLM ``KVConnectorBase_V1`` (see the module docstring)."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.cfg: TierKVConfig = config_from_extra(extra)
+        logging.getLogger("tierkv").setLevel(self.cfg.log_level.upper())
+        cache_config = vllm_config.cache_config
+        self.block_size = int(cache_config.block_size)
+        self.page_size = int(self.cfg.page_size or self.block_size)
+        if self.page_size != self.block_size:
+            raise ConfigError(f"bad value {self.page_size} for 'page_size': with vLLM it must equal the engine "
+                              f"block size ({self.block_size} tokens) or be null")
+        if kv_cache_config is None:
+            raise ConfigError("tierkv needs vLLM's kv_cache_config (vLLM >= 0.32)")
+        self.kv_cache_config = kv_cache_config
+        spec, self.layer_names = _geometry(kv_cache_config)
+        self.spec = spec
+        self.num_blocks = int(kv_cache_config.num_blocks)
+        self.use_mla = type(spec).__name__.startswith("MLA") or "MLA" in type(spec).__name__
+        layer_block_bytes = int(spec.page_size_bytes)
+        self.page_bytes = layer_block_bytes * len(self.layer_names)
+        pool_bytes = self.cfg.host_pool_bytes(self.page_bytes)
+        self.num_slots = pool_bytes // self.page_bytes
+        mc, pc = vllm_config.model_config, vllm_config.parallel_config
+        model_id = self.cfg.model_id or f"{mc.model}@{getattr(mc, 'revision', None) or ''}"
+        self.tp_size = int(pc.tensor_parallel_size)
+        self.namespace = ModelNamespace(
+            model_id=model_id, dtype=_dtype_name(spec.dtype),
+            kv_layout=f"{self.cfg.host_pool.layout}/{cache_config.kv_cache_layout or kv_cache_config.kv_cache_layout}",
+            page_size=self.page_size, num_layers=len(self.layer_names),
+            num_kv_heads=int(getattr(spec, "num_kv_heads", 1)), head_dim=int(getattr(spec, "head_size", 0)),
+            tp_rank=0, tp_size=self.tp_size, pp_rank=0, pp_size=int(pc.pipeline_parallel_size),
+            use_mla=self.use_mla)
+        self._sched = None
+        self._worker = None
+        self._requests: dict[str, "Request"] = {}
+        if role == KVConnectorRole.SCHEDULER:
+            from .scheduler import CacheScheduler
+            if self.num_slots == 0:
+                logger.warning("tierkv: host pool of %d bytes holds no page of %d bytes; serving without L2",
+                               pool_bytes, self.page_bytes)
+            self._sched = CacheScheduler(self.namespace, self.page_size, self.block_size, self.num_slots,
+                                         self.cfg.eviction_policy)
+            max_pages = (int(mc.max_model_len) + self.page_size - 1) // self.page_size
+            if 0 < self.num_slots < max_pages:
+                logger.warning("tierkv: L2 holds %d pages, fewer than one request of max_model_len (%d pages); "
+                               "pages that do not fit are not cached", self.num_slots, max_pages)
+            logger.info("tierkv scheduler: L2 %d pages x %d bytes (%.2f GiB), page %d tokens, namespace %s",
+                        self.num_slots, self.page_bytes, self.num_slots * self.page_bytes / 2**30,
+                        self.page_size, self.namespace.digest().hex())
+            self._stats = StatsFile(self.cfg.stats_path, "scheduler", self._sched.stats)
+        else:
+            self._stats = StatsFile(self.cfg.stats_path, "worker", self._worker_stats)
+        atexit.register(self._stats.maybe_write, True)
+
+    # =========================================================== class-level hooks
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> Optional[str]:
+        return None  # any layout: the device pool adapter reads the one vLLM resolved
+
+    # =========================================================== scheduler side
+    def on_new_request(self, request: "Request") -> None:
+        self._track(request)
+
+    def _track(self, request: "Request") -> None:
+        if request.request_id not in self._requests:
+            self._requests[request.request_id] = request
+            lora = request.lora_request.lora_name if getattr(request, "lora_request", None) else None
+            self._sched.add_request(request.request_id, request.all_token_ids, lora=lora,
+                                    cache_salt=getattr(request, "cache_salt", None))
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        self._track(request)
+        if getattr(request, "skip_reading_prefix_cache", False):
+            self._sched.requests[request.request_id].last_num_computed = num_computed_tokens
+            return 0, False
+        return self._sched.lookup(request.request_id, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: "Request", blocks, num_external_tokens: int) -> None:
+        self._track(request)
+        block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
+        self._sched.on_alloc(request.request_id, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        sched = self._sched
+        for rid in scheduler_output.preempted_req_ids or ():
+            sched.on_preempted(rid)
+        n_sched = scheduler_output.num_scheduled_tokens
+        state = getattr(scheduler_output, "kv_connector_block_state", None)
+        for nr in scheduler_output.scheduled_new_reqs:
+            self._plan_saves(nr.req_id, nr.num_computed_tokens + n_sched.get(nr.req_id, 0), state, nr.block_ids)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            self._plan_saves(rid, cached.num_computed_tokens[i] + n_sched.get(rid, 0), state, None)
+        plan = sched.build_plan()
+        meta = ConnectorPlan(step=plan.step, loads=plan.loads, saves=plan.saves)
+        self._stats.maybe_write()
+        return meta
+
+    def _plan_saves(self, rid: str, tokens_after: int, state, fallback_blocks) -> None:
+        if rid not in self._sched.requests:
+            return
+        ids = state.get_block_ids(rid) if state is not None else None
+        if ids is None:
+            if fallback_blocks is not None:
+                ids = fallback_blocks
+            elif self._kv_cache_manager is not None:
+                ids = self._kv_cache_manager.get_block_ids(rid)
+            else:
+                return
+        self._sched.schedule_saves(rid, tokens_after, ids[0])
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict]]:
+        self._sched.on_finished(request.request_id)
+        self._requests.pop(request.request_id, None)
+        return False, None
+
+    def reset_cache(self) -> Optional[bool]:
+        return self._sched.reset() if self._sched is not None else None
+
+    def shutdown(self) -> None:
+        self._stats.maybe_write(force=True)
+        if self._worker is not None and self._worker._pending is not None:
+            self._worker.finish_loads()
+
+    # =========================================================== worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from .device_pool import DevicePool
+        from .host_pool import HostPool
+        from .worker import CacheWorker
+        layout = self.kv_cache_config.kv_cache_layout or self._vllm_config.cache_config.kv_cache_layout
+        backend = None
+        try:
+            backend = self._vllm_config.attention_config.backend  # may be None (auto)
+            backend = getattr(backend, "name", backend)
+        except AttributeError:
+            pass
+        caches = {n: kv_caches[n] for n in self.layer_names if n in kv_caches} or kv_caches
+        dev = DevicePool.from_vllm(caches, num_blocks=self.num_blocks, block_size=self.block_size,
+                                   kv_cache_layout=layout, backend=backend, use_mla=self.use_mla)
+        if self.num_slots == 0:
+            logger.warning("tierkv worker: no L2 pages; caching disabled")
+            return
+        pin = self.cfg.host_pool.pin_memory == "true" or (self.cfg.host_pool.pin_memory == "auto"
+                                                            and dev.device.type == "cuda")
+        host = HostPool.for_device(dev, self.num_slots, self.cfg.host_pool.layout, pin_memory=pin)
+        if host.page_bytes != self.page_bytes:
+            raise ConfigError(f"tierkv: page of {host.page_bytes} bytes in the worker but {self.page_bytes} "
+                              "bytes from the KV cache spec")
+        self._worker = CacheWorker(dev, host, verify=self.cfg.verify_checksums,
+                                   layerwise=self.cfg.layerwise_load)
+        logger.info("tierkv worker: %r, L2 %s", dev, host)
+
+    def _worker_stats(self) -> dict:
+        return self._worker.stats() if self._worker is not None else {}
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        if self._worker is None:
+            return
+        plan = self._get_connector_metadata()
+        if isinstance(plan, StepPlan) and plan.loads:
+            self._worker.start_loads(plan)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._worker is not None:
+            self._worker.wait_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        return None  # saves run once per step in wait_for_save, after every layer wrote its KV
+
+    def wait_for_save(self) -> None:
+        if self._worker is None:
+            return
+        plan = self._get_connector_metadata()
+        self._worker.finish_loads()
+        if isinstance(plan, StepPlan) and plan.saves:
+            self._worker.run_saves(plan)
+        self._stats.maybe_write()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_failed_blocks() if self._worker is not None else set()

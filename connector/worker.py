@@ -1,0 +1,160 @@
+"""Worker side of the cache: executes each step's plan on the L1 and L2 memory.
+
+Engine-free: :class:`tierkv.connector.vllm_connector.TierKVConnector` calls it from vLLM's worker hooks.
+
+- Loads (L2 -> L1) of a step start in ``start_load_kv`` (before the forward, since tierkv's loads from DRAM
+  are synchronous loads in vLLM's sense). With ``layerwise`` they run layer by layer on a background
+  thread (:class:`tierkv.connector.layer_loader.LayerwiseLoad`) and each attention layer waits only for its
+  own pages (``wait_for_layer_load``), after LMCache's layerwise mode and SGLang HiCache's per-layer
+  load_back; otherwise all layers are copied at once.
+- Saves (L1 -> L2) of a step run in ``wait_for_save``, after the forward wrote the KV, and complete before
+  it returns: vLLM may hand the blocks to another request from the next step on.
+- With ``verify`` the XXH3-64 of every page saved into L2 is kept by page key and checked before the page
+  is loaded again; a mismatch (a slot reused too early, memory corruption) is never loaded: the blocks from
+  the first bad page on are reported as failed (``get_block_ids_with_load_errors``) so vLLM recomputes them.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from .. import kernels
+from .device_pool import DevicePool
+from .host_pool import HostPool
+from .plan import PageOrder, StepPlan
+
+logger = logging.getLogger("tierkv.worker")
+
+
+@dataclass
+class WorkerCounters:
+    load_pages: int = 0
+    load_bytes: int = 0
+    load_seconds: float = 0.0
+    save_pages: int = 0
+    save_bytes: int = 0
+    save_seconds: float = 0.0
+    verified_pages: int = 0
+    checksum_mismatches: int = 0
+    failed_load_blocks: int = 0
+    steps_with_loads: int = 0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class CacheWorker:
+    """Executes :class:`StepPlan` loads and saves between ``dev`` (L1) and ``host`` (L2).
+
+    Args:
+        dev: the engine's KV tensors (:class:`DevicePool`).
+        host: the L2 host pool (:class:`HostPool`), ``host.page_bytes`` bytes per page.
+        verify: keep and check a checksum per saved page (costs one XXH3 pass per page and direction).
+        layerwise: load layer by layer in the background (see module docstring).
+    """
+
+    def __init__(self, dev: DevicePool, host: HostPool, verify: bool = False, layerwise: bool = False):
+        self.dev = dev
+        self.host = host
+        self.verify = verify
+        self.layerwise = layerwise
+        self.layer_index = {name: i for i, name in enumerate(dev.layer_names)}
+        self.counters = WorkerCounters()
+        self._checksums: dict[bytes, int] = {}
+        self._failed_blocks: set[int] = set()
+        self._pending = None  # LayerwiseLoad in flight
+
+    # ----------------------------------------------------------------- loads
+    def start_loads(self, plan: StepPlan) -> None:
+        """Start (or, without ``layerwise``, perform) the plan's L2 -> L1 loads."""
+        if not plan.loads:
+            return
+        t0 = time.perf_counter()
+        blocks, slots = [], []
+        for order in plan.loads:
+            good = self._verified_prefix(order)
+            blocks.extend(order.block_ids[:good])
+            slots.extend(order.slots[:good])
+            if good < len(order.block_ids):
+                self._failed_blocks.update(order.block_ids[good:])
+                self.counters.failed_load_blocks += len(order.block_ids) - good
+        self.counters.steps_with_loads += 1
+        if blocks:
+            try:
+                if self.layerwise:
+                    from .layer_loader import LayerwiseLoad
+                    self._pending = LayerwiseLoad(self.host, self.dev, slots, blocks)
+                    self._pending.start()
+                else:
+                    kernels.load_pages(self.host, self.dev, slots, blocks)
+            except Exception:  # never crash the engine: report the blocks, vLLM recomputes them
+                logger.exception("tierkv: L2 -> L1 load of %d pages failed; reporting them for recompute",
+                                 len(blocks))
+                self._pending = None
+                self._failed_blocks.update(blocks)
+                self.counters.failed_load_blocks += len(blocks)
+                return
+            self.counters.load_pages += len(blocks)
+            self.counters.load_bytes += len(blocks) * self.host.page_bytes
+        self.counters.load_seconds += time.perf_counter() - t0
+
+    def wait_layer(self, layer_name: str) -> None:
+        """Block until this layer's pages of the current step's loads are in L1."""
+        if self._pending is not None:
+            idx = self.layer_index.get(layer_name)
+            if idx is None:
+                self.finish_loads()
+            else:
+                self._pending.wait_layer(idx)
+
+    def finish_loads(self) -> None:
+        """Block until every load of the step is done (re-raises a failure of the background loader)."""
+        if self._pending is not None:
+            p, self._pending = self._pending, None
+            t0 = time.perf_counter()
+            p.wait_all()
+            self.counters.load_seconds += time.perf_counter() - t0
+
+    def _verified_prefix(self, order: PageOrder) -> int:
+        if not self.verify or not order.keys:
+            return len(order.block_ids)
+        for i, (slot, key) in enumerate(zip(order.slots, order.keys)):
+            want = self._checksums.get(key)
+            got = self.host.page_checksum(slot)
+            if want is None or want != got:
+                self.counters.checksum_mismatches += 1
+                logger.error("tierkv: L2 page %s in slot %d fails its checksum; recomputing from there",
+                             key.hex(), slot)
+                return i
+            self.counters.verified_pages += 1
+        return len(order.block_ids)
+
+    # ----------------------------------------------------------------- saves
+    def run_saves(self, plan: StepPlan) -> None:
+        """Perform the plan's L1 -> L2 saves; complete on return."""
+        if not plan.saves:
+            return
+        self.finish_loads()
+        t0 = time.perf_counter()
+        blocks = [b for o in plan.saves for b in o.block_ids]
+        slots = [s for o in plan.saves for s in o.slots]
+        kernels.save_pages(self.dev, self.host, blocks, slots)
+        self.counters.save_pages += len(blocks)
+        self.counters.save_bytes += len(blocks) * self.host.page_bytes
+        if self.verify:
+            for o in plan.saves:
+                for slot, key in zip(o.slots, o.keys):
+                    self._checksums[key] = self.host.page_checksum(slot)
+        self.counters.save_seconds += time.perf_counter() - t0
+
+    def take_failed_blocks(self) -> set[int]:
+        """Block ids whose load failed since the last call (reported once)."""
+        out, self._failed_blocks = self._failed_blocks, set()
+        return out
+
+    def stats(self) -> dict:
+        d = self.counters.as_dict()
+        d.update(num_slots=self.host.num_slots, page_bytes=self.host.page_bytes, layout=self.host.layout)
+        return d
