@@ -1,0 +1,102 @@
+"""Contract-suite fixture for the file store (see conftest.py for the convention every backend follows)."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from typing import Any, Callable, Optional
+
+from tierkv.storage_backends.file import FileStore
+from tierkv.storage_backends.page_format import HEADER_BYTES, encode_header
+
+NAME = "file"
+
+
+class FileHandle:
+    """Handle on one file store directory: ``backend`` (a FileStore), more clients, restart (re-open the
+    directory), corruption of a stored record. No server process, so no stop/cont."""
+
+    name = NAME
+    supports_stop = False
+    persistent = True  # pages survive restart()
+
+    def __init__(self, root: str, page_bytes: int, namespace: bytes, capacity_pages: Optional[int] = None,
+                 **opts: Any):
+        self.root = root
+        self.page_bytes = page_bytes
+        self.namespace = namespace
+        self.capacity_pages = capacity_pages
+        self._cfg = dict(opts)
+        if capacity_pages is not None:
+            self._cfg["capacity_bytes"] = capacity_pages * (HEADER_BYTES + page_bytes)
+        self._clients: list[FileStore] = []
+        self.backend = self._open(namespace)
+
+    def _open(self, namespace: bytes) -> FileStore:
+        s = FileStore(namespace, self.page_bytes, root=self.root, **self._cfg)
+        self._clients.append(s)
+        return s
+
+    def new_client(self, namespace: Optional[bytes] = None) -> FileStore:
+        return self._open(namespace or self.namespace)
+
+    def client_factory(self, namespace: Optional[bytes] = None) -> Callable[[], FileStore]:
+        """A picklable zero-argument callable that opens another client (for spawned processes)."""
+        return functools.partial(FileStore, namespace or self.namespace, self.page_bytes, root=self.root,
+                                 **self._cfg)
+
+    def restart(self) -> FileStore:
+        self.backend.close()
+        self.backend = self._open(self.namespace)
+        return self.backend
+
+    def stop(self) -> None:
+        raise NotImplementedError("file store has no server process")
+
+    cont = stop
+
+    def path(self, key: str, namespace: Optional[bytes] = None) -> str:
+        return os.path.join(self.root, (namespace or self.namespace).hex(), key[:2], key + ".page")
+
+    def corrupt(self, key: str, how: str, namespace: Optional[bytes] = None) -> bool:
+        """Damage the stored record of ``key``: ``truncate`` (to half), ``flip`` (one payload byte),
+        ``foreign_namespace`` (a valid header of another namespace). False if there is no such record."""
+        p = self.path(key, namespace)
+        if not os.path.exists(p):
+            return False
+        if how == "truncate":
+            os.truncate(p, os.path.getsize(p) // 2)
+        elif how == "flip":
+            with open(p, "r+b") as f:
+                off = HEADER_BYTES + self.page_bytes // 2
+                f.seek(off)
+                b = f.read(1)
+                f.seek(off)
+                f.write(bytes([b[0] ^ 0x01]))
+        elif how == "foreign_namespace":
+            with open(p, "r+b") as f:
+                payload = f.read()[HEADER_BYTES:]
+                other = bytes(b ^ 0xFF for b in (namespace or self.namespace))
+                f.seek(0)
+                f.write(encode_header(key, other, payload))
+        else:
+            raise ValueError(f"unknown corruption {how!r}")
+        return True
+
+    def close(self) -> None:
+        for c in self._clients:
+            c.close()
+
+
+@contextlib.contextmanager
+def make_backend(tmp_path, page_bytes: int, namespace: bytes, **opts: Any):
+    """Yield a :class:`FileHandle` on a fresh directory under ``tmp_path``. Options: ``capacity_pages`` and any
+    ``l3.file`` key (``fsync``, ``quarantine``...)."""
+    h = FileHandle(str(tmp_path / "l3"), page_bytes, namespace, **opts)
+    try:
+        yield h
+    finally:
+        h.close()
+
+
+__all__ = ["make_backend", "FileHandle"]

@@ -1,0 +1,81 @@
+"""Fixtures of the L3 storage tests; the contract suite runs once per backend.
+
+Backend fixture convention (``tests/storage/_fixtures_<name>.py``, name in file / zmq / mooncake):
+
+    @contextlib.contextmanager
+    def make_backend(tmp_path, page_bytes: int, namespace: bytes, **opts) -> Iterator[handle]
+
+``tmp_path`` is a fresh, empty directory for this store. ``opts`` may hold ``capacity_pages`` (ask for a store
+that keeps that many pages of ``page_bytes`` before evicting); a fixture ignores options it does not know. On exit
+the fixture stops every process and closes every client it made. The yielded handle ``h`` has:
+
+- ``h.name``: ``"file"`` / ``"zmq"`` / ``"mooncake"``;
+- ``h.backend``: the :class:`~tierkv.storage_backends.base.StorageBackend` under test (may be a new object after
+  ``h.restart()``);
+- ``h.new_client(namespace=None)``: another client on the same store (``namespace`` default: the same one);
+- ``h.client_factory(namespace=None)``: a picklable zero-argument callable that builds such a client inside a
+  spawned process, or ``None`` if the backend cannot (the multi-process test is then skipped for it);
+- ``h.restart()``: restart the server / master (zmq, mooncake) or re-open the directory (file);
+- ``h.persistent``: True if pages survive ``h.restart()``;
+- ``h.supports_stop`` and ``h.stop()`` / ``h.cont()``: SIGSTOP / SIGCONT the server process;
+- ``h.corrupt(key, how)`` with ``how`` in ``"truncate"``, ``"flip"``, ``"foreign_namespace"``: damage the stored
+  page of ``key``; returns False if the backend cannot do that (the case is then skipped for it);
+- ``h.capacity_pages``: pages the store keeps before evicting, least recently used first, exactly; ``None`` if it
+  has no exact LRU capacity (the eviction test is then skipped for it).
+
+A fixture module that is absent generates no parameter; one that fails to import fails its tests.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import itertools
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+KINDS = [k for k in ("file", "zmq", "mooncake") if (HERE / f"_fixtures_{k}.py").exists()]
+
+NS_A = bytes(range(16))
+NS_B = bytes(range(16, 32))
+
+
+def load_fixture_module(kind: str):
+    """Import ``_fixtures_<kind>.py`` (by path, once) and return it."""
+    name = f"_fixtures_{kind}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    try:
+        spec.loader.exec_module(mod)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return mod
+
+
+@pytest.fixture(params=KINDS)
+def backend_kind(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def make_store(backend_kind, tmp_path):
+    """``make_store(page_bytes=4096, namespace=NS_A, **opts)`` -> handle (see module docstring); every store made
+    is torn down after the test."""
+    try:
+        mod = load_fixture_module(backend_kind)
+    except Exception as e:  # noqa: BLE001 - reported as a test failure, not a collection error
+        pytest.fail(f"cannot import tests/storage/_fixtures_{backend_kind}.py: {type(e).__name__}: {e}")
+    counter = itertools.count()
+    with contextlib.ExitStack() as stack:
+        def make(page_bytes: int = 4096, namespace: bytes = NS_A, **opts):
+            d = tmp_path / f"{backend_kind}-{next(counter)}"
+            d.mkdir()
+            return stack.enter_context(mod.make_backend(d, page_bytes, namespace, **opts))
+
+        yield make

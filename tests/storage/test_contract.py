@@ -1,0 +1,278 @@
+"""L3 store contract (design §5, SGLang HiCacheStorage semantics), run against every backend in conftest.KINDS."""
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import numpy as np
+import pytest
+import torch
+
+import _contract_workers as W
+
+KiB = 1024
+NS_A = bytes(range(16))      # the namespace make_store uses by default (conftest.NS_A)
+NS_B = bytes(range(16, 32))
+
+
+def keys_of(n: int, salt: int = 0) -> list[str]:
+    rng = np.random.default_rng(1000 + salt)
+    return [rng.bytes(16).hex() for _ in range(n)]
+
+
+def pages(n: int, page_bytes: int, seed: int = 0) -> list[torch.Tensor]:
+    rng = np.random.default_rng(seed)
+    return [torch.from_numpy(np.frombuffer(rng.bytes(page_bytes), dtype=np.uint8).copy()) for _ in range(n)]
+
+
+def empties(n: int, page_bytes: int, fill: int = 0) -> list[torch.Tensor]:
+    return [torch.full((page_bytes,), fill, dtype=torch.uint8) for _ in range(n)]
+
+
+@pytest.mark.parametrize("page_bytes", [4 * KiB, 64 * KiB, 256 * KiB])
+def test_round_trip(make_store, page_bytes):
+    h = make_store(page_bytes=page_bytes)
+    b = h.backend
+    ks, src = keys_of(6, page_bytes), pages(6, page_bytes, seed=page_bytes)
+    assert b.batch_set(ks, src) == [True] * 6
+    assert b.batch_exists(ks) == 6
+    dst = empties(6, page_bytes)
+    assert b.batch_get(ks, dst) == [True] * 6
+    for s, d in zip(src, dst):
+        assert torch.equal(s, d)
+    # other buffer kinds: bytes / bytearray sources, memoryview / bytearray destinations
+    k2 = keys_of(2, salt=page_bytes + 1)
+    raw = [bytes(src[0].numpy()), bytearray(src[1].numpy().tobytes())]
+    assert b.batch_set(k2, raw) == [True, True]
+    ba, mv = bytearray(page_bytes), memoryview(bytearray(page_bytes))
+    assert b.batch_get(k2, [ba, mv]) == [True, True]
+    assert bytes(ba) == raw[0] and mv.tobytes() == bytes(raw[1])
+
+
+def test_exists_counts_leading_run(make_store):
+    h = make_store()
+    b = h.backend
+    ks = keys_of(8)
+    present = [0, 1, 2, 3, 5, 7]
+    assert b.batch_set([ks[i] for i in present], pages(len(present), 4096)) == [True] * len(present)
+    assert b.batch_exists(ks) == 4          # 0..3 then a hole at 4
+    assert b.batch_exists(ks[5:]) == 1      # 5, hole at 6
+    assert b.batch_exists(ks[4:]) == 0
+    assert b.batch_exists([ks[7], ks[0], ks[6]]) == 2
+    assert b.batch_exists([]) == 0
+    assert b.exists(ks[7]) and not b.exists(ks[6])
+
+
+def test_missing_get_is_a_miss_and_leaves_destination(make_store):
+    h = make_store()
+    b = h.backend
+    ks = keys_of(3)
+    src = pages(1, 4096, seed=3)
+    assert b.batch_set([ks[1]], src) == [True]
+    dst = empties(3, 4096, fill=0xAB)
+    assert b.batch_get(ks, dst) == [False, True, False]
+    assert torch.equal(dst[1], src[0])
+    assert bool((dst[0] == 0xAB).all()) and bool((dst[2] == 0xAB).all())
+    st = b.stats()
+    assert st["misses"] >= 2 and st["hits"] >= 1
+
+
+def test_overwrite_replaces_page(make_store):
+    h = make_store()
+    b = h.backend
+    k = keys_of(1)
+    first, second = pages(2, 4096, seed=9)
+    assert b.batch_set(k, [first]) == [True]
+    assert b.batch_set(k, [second]) == [True]
+    dst = empties(1, 4096)
+    assert b.batch_get(k, dst) == [True]
+    assert torch.equal(dst[0], second)
+
+
+def test_capacity_evicts_least_recently_used(make_store):
+    h = make_store(capacity_pages=8)
+    if h.capacity_pages is None:
+        pytest.skip(f"{h.name}: no exact LRU capacity")
+    b = h.backend
+    cap = h.capacity_pages
+    ks = keys_of(cap + cap // 2)
+    src = pages(len(ks), 4096, seed=5)
+    assert b.batch_set(ks[:cap], src[:cap]) == [True] * cap
+    keep = list(range(cap // 2))                      # read the oldest half: now the most recently used
+    assert b.batch_get([ks[i] for i in keep], empties(len(keep), 4096)) == [True] * len(keep)
+    assert b.batch_set(ks[cap:], src[cap:]) == [True] * (len(ks) - cap)
+    expect_gone = set(range(cap // 2, cap))           # the unread half was least recently used
+    dst = empties(len(ks), 4096)
+    res = b.batch_get(ks, dst)
+    for i, r in enumerate(res):
+        if i in expect_gone:
+            assert not r, f"page {i} should have been evicted"
+        else:
+            assert r, f"page {i} should have survived"
+            assert torch.equal(dst[i], src[i])
+    assert b.stats()["evictions"] >= len(expect_gone)
+
+
+@pytest.mark.parametrize("how", ["truncate", "flip", "foreign_namespace"])
+def test_corrupt_page_is_a_miss_never_data(make_store, how):
+    h = make_store(page_bytes=16 * KiB)
+    b = h.backend
+    ks = keys_of(3)
+    src = pages(3, 16 * KiB, seed=11)
+    assert b.batch_set(ks, src) == [True] * 3
+    before = b.stats()["corrupt"]
+    if not h.corrupt(ks[1], how):
+        pytest.skip(f"{h.name} cannot corrupt a page by {how}")
+    dst = empties(3, 16 * KiB)
+    assert b.batch_get(ks, dst) == [True, False, True]
+    assert torch.equal(dst[0], src[0]) and torch.equal(dst[2], src[2])
+    assert b.stats()["corrupt"] == before + 1
+    assert b.batch_get([ks[1]], empties(1, 16 * KiB)) == [False]   # stays a miss
+    # the key can be stored again and then reads back
+    assert b.batch_set([ks[1]], [src[1]]) == [True]
+    assert b.batch_get([ks[1]], dst[1:2]) == [True] and torch.equal(dst[1], src[1])
+
+
+@pytest.mark.parametrize("bad", ["", "xyz", "0" * 31, "0" * 33, "A" * 32, "../" + "0" * 29, "0" * 30 + "/x",
+                                 b"0" * 32, 123, None])
+def test_bad_keys_raise_value_error(make_store, bad):
+    b = make_store().backend
+    good = keys_of(1)[0]
+    with pytest.raises(ValueError):
+        b.batch_exists([good, bad])
+    with pytest.raises(ValueError):
+        b.batch_get([bad], empties(1, 4096))
+    with pytest.raises(ValueError):
+        b.batch_set([good, bad], pages(2, 4096))
+    assert b.batch_exists([good]) == 0  # nothing was stored by the failed set
+
+
+def test_wrong_buffer_sizes_raise_value_error(make_store):
+    b = make_store().backend
+    ks = keys_of(2)
+    with pytest.raises(ValueError):
+        b.batch_set(ks[:1], [bytes(4095)])
+    with pytest.raises(ValueError):
+        b.batch_set(ks[:1], [torch.zeros(4097, dtype=torch.uint8)])
+    with pytest.raises(ValueError):
+        b.batch_get(ks[:1], [torch.zeros(1000, dtype=torch.uint8)])
+    with pytest.raises(ValueError):
+        b.batch_get(ks, empties(1, 4096))      # fewer destinations than keys
+    with pytest.raises(ValueError):
+        b.batch_set(ks, pages(3, 4096))        # more sources than keys
+    with pytest.raises(ValueError):
+        b.batch_get(ks[:1], [bytes(4096)])     # read-only destination
+    assert b.batch_exists(ks) == 0
+
+
+def test_namespace_isolation(make_store):
+    """R01/R02 at the L3 level: the same key text under another namespace is another page."""
+    h = make_store()
+    a = h.backend
+    other = h.new_client(namespace=NS_B)
+    ks = keys_of(4)
+    pa, pb = pages(4, 4096, seed=21), pages(4, 4096, seed=22)
+    assert a.batch_set(ks, pa) == [True] * 4
+    assert other.batch_exists(ks) == 0
+    dst = empties(4, 4096, fill=7)
+    assert other.batch_get(ks, dst) == [False] * 4
+    assert all(bool((d == 7).all()) for d in dst)
+    assert other.batch_set(ks, pb) == [True] * 4
+    da, db = empties(4, 4096), empties(4, 4096)
+    assert a.batch_get(ks, da) == [True] * 4 and other.batch_get(ks, db) == [True] * 4
+    assert all(torch.equal(x, y) for x, y in zip(da, pa))
+    assert all(torch.equal(x, y) for x, y in zip(db, pb))
+    same = h.new_client(namespace=NS_A)
+    assert same.batch_exists(ks) == 4
+
+
+def test_restart_keeps_or_drops_pages_never_wrong(make_store):
+    h = make_store()
+    ks = keys_of(6)
+    src = pages(6, 4096, seed=31)
+    assert h.backend.batch_set(ks, src) == [True] * 6
+    b = h.restart()
+    assert b is h.backend
+    dst = empties(6, 4096)
+    res = b.batch_get(ks, dst)
+    if getattr(h, "persistent", False):
+        assert res == [True] * 6
+    for r, d, s in zip(res, dst, src):
+        if r:
+            assert torch.equal(d, s)
+    # normal service after the restart
+    k2, s2 = keys_of(2, salt=7), pages(2, 4096, seed=32)
+    assert b.batch_set(k2, s2) == [True, True]
+    d2 = empties(2, 4096)
+    assert b.batch_get(k2, d2) == [True, True] and all(torch.equal(x, y) for x, y in zip(d2, s2))
+
+
+def test_stats_and_close_idempotent(make_store):
+    b = make_store().backend
+    st = b.stats()
+    for k in ("hits", "misses", "sets", "set_failures", "corrupt", "errors", "evictions"):
+        assert k in st, k
+    b.close()
+    b.close()
+
+
+def test_concurrent_writers_and_readers_across_processes(make_store):
+    """Two processes overwrite the same keys while two others read them: every hit is a complete page of the
+    right key (never torn or mixed), and the final pages are from the last round of some writer."""
+    page_bytes = 64 * KiB
+    h = make_store(page_bytes=page_bytes)
+    factory = h.client_factory() if hasattr(h, "client_factory") else None
+    if factory is None:
+        pytest.skip(f"{h.name}: no client factory for spawned processes")
+    ks = keys_of(6, salt=99)
+    rounds = 25
+    ctx = mp.get_context("spawn")
+    out, stop = ctx.Queue(), ctx.Event()
+    writers = [ctx.Process(target=W.writer, args=(factory, ks, w, rounds, page_bytes, out)) for w in (1, 2)]
+    readers = [ctx.Process(target=W.reader, args=(factory, ks, r, page_bytes, stop, out)) for r in (1, 2)]
+    procs = readers + writers
+    try:
+        for p in procs:
+            p.start()
+        results = []
+        for p in writers:
+            p.join(timeout=120)
+            assert p.exitcode == 0, f"writer exit code {p.exitcode}"
+        stop.set()
+        for p in readers:
+            p.join(timeout=120)
+            assert p.exitcode == 0, f"reader exit code {p.exitcode}"
+        while len(results) < 4:
+            results.append(out.get(timeout=10))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    wr = [r for r in results if r[0] == "writer"]
+    rd = [r for r in results if r[0] == "reader"]
+    assert sorted(w[2] for w in wr) == [rounds * len(ks)] * 2
+    assert all(r[3] == 0 for r in rd), f"readers saw bad pages: {rd}"
+    assert sum(r[2] for r in rd) > 0
+    dst = empties(len(ks), page_bytes)
+    assert h.backend.batch_get(ks, dst) == [True] * len(ks)
+    for i, d in enumerate(dst):
+        good, w, r = W.check(d.numpy().tobytes(), i, page_bytes)
+        assert good and w in (1, 2) and r == rounds - 1
+
+
+def test_faulty_wrapper_over_backend(make_store):
+    """The fault wrapper works over every backend: injected failures are per key, inner results pass through."""
+    from tierkv.storage_backends import FaultyBackend
+
+    h = make_store()
+    ks = keys_of(4)
+    src = pages(4, 4096, seed=41)
+    f = FaultyBackend(h.new_client(), fail_set_keys=[ks[2]], fail_get_keys=[ks[0]])
+    assert f.batch_set(ks, src) == [True, True, False, True]
+    assert f.batch_exists(ks) == 2
+    dst = empties(4, 4096, fill=3)
+    assert f.batch_get(ks, dst) == [False, True, False, True]
+    assert bool((dst[0] == 3).all()) and torch.equal(dst[1], src[1]) and torch.equal(dst[3], src[3])
+    assert f.stats()["injected_get_failures"] == 1
+    f.close()
+
