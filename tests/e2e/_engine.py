@@ -1,0 +1,445 @@
+"""Run a real vLLM engine (``vllm.LLM``) on token-id workloads in a *subprocess* and collect the results as JSON.
+
+Why a subprocess: one test or benchmark can run several engine configurations one after the other (no
+connector, ExampleConnector, tierkv, a large L1 ...), each with its own environment (``VLLM_CPU_*`` variables
+are read once per process), and every engine, with its EngineCore and worker processes, is gone before the
+next starts. The child is started in its own session; after it exits, any process left in that session is
+terminated (and counted in ``leaked_processes``), so a crashed engine never outlives the call.
+
+Determinism: greedy sampling (temperature 0, ``ignore_eos``), ``skip_tokenizer_init=True`` (prompts are token
+ids), ``enable_prefix_caching=True``, ``block_size=32``, ``enforce_eager=True`` and, by default,
+``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` so that a run with a connector uses the same OpenMP thread count as a run
+without one (vLLM's CPU backend reserves a core for any connector otherwise, which changes bf16 reduction
+order; see ``shared/reference/vllm-connector-api.md`` section 1.1). In ``sequential`` mode prompts are sent
+one at a time, so batch composition - and with it bf16 rounding - is the same in every configuration.
+
+Public API (parent side, nothing here imports vLLM)::
+
+    res = run_workload(model_dir, [[1, 2, 3, ...], ...], kv_transfer_config=tierkv_kv_config(),
+                       num_gpu_blocks_override=64, max_tokens=8)
+    res["outputs"][i]            # list[int]: generated token ids of prompt i
+    res["num_cached_tokens"][i]  # int | None: prefix tokens vLLM did not compute (L1 hits + connector hits)
+    res["ttft_s"][i], res["latency_s"][i]   # float seconds (sequential mode only; None in batch mode)
+    res["stats"]                 # {file name: JSON} written by the connector under res["stats_dir"]
+    stats_by_role(res)           # {"scheduler": {...summed counters...}, "worker": {...}}
+
+:func:`run_job` runs several named workloads (token-id prompts, or multi-turn chats whose prompts grow by
+the model's own answer plus the next user message) in one engine; the benchmarks use it.
+
+The same file is the child program: ``python _engine.py JOB.json RESULT.json``.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+TIERKV_CONNECTOR = "TierKVConnector"
+TIERKV_MODULE = "tierkv.connector.vllm_connector"
+
+#: Environment every engine subprocess gets unless the caller overrides a key.
+DEFAULT_ENV = {
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",   # same thread count with and without a connector
+    "VLLM_CPU_KVCACHE_SPACE": "1",         # GiB; num_gpu_blocks_override decides the real L1 size
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+#: Engine arguments used unless the caller overrides them in ``extra_engine_args``.
+DEFAULT_ENGINE_ARGS = {
+    "skip_tokenizer_init": True,
+    "enable_prefix_caching": True,
+    "block_size": 32,
+    "enforce_eager": True,
+    "dtype": "bfloat16",
+    "seed": 0,
+    "max_num_seqs": 16,
+}
+
+
+#: Seconds the EngineCore gets to stop (and its connector to flush/dump stats) before vLLM force-kills it.
+SHUTDOWN_TIMEOUT_S = 60.0
+
+
+class EngineRunError(RuntimeError):
+    """The engine subprocess failed, timed out or wrote no result; the message holds the end of its log."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# parent side
+# ----------------------------------------------------------------------------------------------------------
+
+def tierkv_kv_config(extra: Optional[dict] = None, *, load_failure_policy: Optional[str] = None) -> dict:
+    """A ``kv_transfer_config`` dict that loads tierkv's connector out of tree (``kv_both``).
+
+    ``extra`` becomes ``kv_connector_extra_config`` (tierkv config overrides, e.g.
+    ``{"host_pool": {"size_gb": 1}}`` or ``{"config_file": "..."}``); :func:`run_job` adds ``stats_path``.
+    """
+    cfg = {
+        "kv_connector": TIERKV_CONNECTOR,
+        "kv_connector_module_path": TIERKV_MODULE,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": dict(extra or {}),
+    }
+    if load_failure_policy is not None:
+        cfg["kv_load_failure_policy"] = load_failure_policy
+    return cfg
+
+
+def example_kv_config(storage_dir: str | os.PathLike) -> dict:
+    """A ``kv_transfer_config`` dict for vLLM's stock ``ExampleConnector`` storing under ``storage_dir``."""
+    return {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(storage_dir)},
+    }
+
+
+def run_job(
+    model_dir: str | os.PathLike,
+    workloads: list[dict],
+    *,
+    kv_transfer_config: Optional[dict] = None,
+    num_gpu_blocks_override: Optional[int] = None,
+    max_tokens: int = 8,
+    extra_engine_args: Optional[dict] = None,
+    env: Optional[dict] = None,
+    workdir: Optional[str | os.PathLike] = None,
+    timeout_s: float = 900.0,
+) -> dict:
+    """Start one engine in a subprocess, run ``workloads`` in order, shut it down, return the results.
+
+    Each workload is a dict with ``name`` and either
+
+    - ``"prompts": list[list[int]]`` (token ids), optional ``"sequential": bool`` (default True: one request
+      at a time, timed; False: all in one ``LLM.generate`` call), optional ``"max_tokens"``; or
+    - ``"chats": list[list[list[int]]]`` (per chat, the user messages as token ids): turn ``t`` of every
+      chat is sent (chats interleaved, turn-major), its prompt being the chat's previous prompt, the model's
+      previous answer (generated ids) and user message ``t``.
+
+    ``kv_transfer_config`` is passed to ``LLM(kv_transfer_config=...)``; for tierkv's connector a
+    ``stats_path`` inside ``<workdir>/stats`` is added to its extra config unless one is given.
+    ``env`` entries override :data:`DEFAULT_ENV` (a value of None removes the variable).
+
+    Returns a dict: ``workloads`` ({name: per-request lists ``outputs``, ``num_cached_tokens``, ``ttft_s``,
+    ``latency_s``, ``prompt_lens``, ``finish_reasons``, and ``wall_s``}), ``startup_s``, ``shutdown_s``,
+    ``stats`` ({file name: JSON content} of every ``*.json`` under ``stats_dir``), ``stats_dir``,
+    ``log_path``, ``leaked_processes`` (processes of the engine's session still alive after the child exited,
+    which were then killed; should be 0). Raises :class:`EngineRunError` on failure or timeout, or
+    ``ValueError`` for a malformed workload.
+    """
+    for w in workloads:
+        if "name" not in w or ("prompts" in w) == ("chats" in w):
+            raise ValueError(f"workload {w.get('name')!r}: give a name and exactly one of 'prompts' or 'chats'")
+    workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="tierkv-e2e-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    stats_dir = workdir / "stats"
+    stats_dir.mkdir(exist_ok=True)
+
+    kvc = copy.deepcopy(kv_transfer_config) if kv_transfer_config else None
+    if kvc is not None and kvc.get("kv_connector") == TIERKV_CONNECTOR:
+        extra = kvc.setdefault("kv_connector_extra_config", {})
+        extra.setdefault("stats_path", str(stats_dir / "{role}-{pid}.json"))
+
+    engine_args = dict(DEFAULT_ENGINE_ARGS)
+    engine_args.update(extra_engine_args or {})
+    engine_args["model"] = str(model_dir)
+    if num_gpu_blocks_override is not None:
+        engine_args["num_gpu_blocks_override"] = int(num_gpu_blocks_override)
+
+    job = {"engine_args": engine_args, "kv_transfer_config": kvc, "max_tokens": int(max_tokens),
+           "workloads": workloads}
+    job_path, result_path, log_path = workdir / "job.json", workdir / "result.json", workdir / "engine.log"
+    job_path.write_text(json.dumps(job))
+    if result_path.exists():
+        result_path.unlink()
+
+    child_env = dict(os.environ)
+    for k, v in {**DEFAULT_ENV, **(env or {})}.items():
+        if v is None:
+            child_env.pop(k, None)
+        else:
+            child_env[k] = str(v)
+    # The connector must be importable in the EngineCore and worker processes too.
+    child_env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO_ROOT), child_env.get("PYTHONPATH")] if p)
+
+    t0 = time.monotonic()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(job_path), str(result_path)],
+                                stdout=log, stderr=subprocess.STDOUT, env=child_env, cwd=str(workdir),
+                                start_new_session=True)
+        timed_out = False
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            rc = None
+        except BaseException:  # KeyboardInterrupt: never leave the engine behind
+            _kill_session(proc.pid, grace_s=0)
+            proc.wait()
+            raise
+        finally:
+            if timed_out:
+                proc.kill()
+            leaked = _kill_session(proc.pid, grace_s=0 if timed_out else 5.0)
+            if timed_out:
+                proc.wait()
+    elapsed = time.monotonic() - t0
+
+    if timed_out or rc != 0 or not result_path.exists():
+        why = f"timed out after {timeout_s:.0f} s" if timed_out else f"exit code {rc}"
+        raise EngineRunError(f"engine subprocess failed ({why}); log {log_path}:\n{_tail(log_path)}")
+    result = json.loads(result_path.read_text())
+    result["stats"] = read_stats(stats_dir)
+    result["stats_dir"] = str(stats_dir)
+    result["log_path"] = str(log_path)
+    result["leaked_processes"] = len(leaked)
+    result["leaked_cmdlines"] = leaked
+    result["elapsed_s"] = elapsed
+    return result
+
+
+def run_workload(
+    model_dir: str | os.PathLike,
+    prompts: list[list[int]],
+    *,
+    kv_transfer_config: Optional[dict] = None,
+    num_gpu_blocks_override: Optional[int] = None,
+    max_tokens: int = 8,
+    sequential: bool = True,
+    extra_engine_args: Optional[dict] = None,
+    env: Optional[dict] = None,
+    workdir: Optional[str | os.PathLike] = None,
+    timeout_s: float = 900.0,
+) -> dict:
+    """Run one list of token-id prompts through a fresh engine (see :func:`run_job`) and return a flat dict.
+
+    Keys: ``outputs`` (list[list[int]], generated ids per prompt), ``num_cached_tokens`` (list[int | None]),
+    ``ttft_s`` / ``latency_s`` (list of seconds, None in batch mode), ``prompt_lens``, ``finish_reasons``,
+    ``wall_s``, ``startup_s``, ``stats``, ``stats_dir``, ``log_path``, ``leaked_processes``.
+    """
+    res = run_job(model_dir, [{"name": "main", "prompts": [list(map(int, p)) for p in prompts],
+                               "sequential": sequential}],
+                  kv_transfer_config=kv_transfer_config, num_gpu_blocks_override=num_gpu_blocks_override,
+                  max_tokens=max_tokens, extra_engine_args=extra_engine_args, env=env, workdir=workdir,
+                  timeout_s=timeout_s)
+    flat = dict(res.pop("workloads")["main"])
+    flat.update(res)
+    return flat
+
+
+def read_stats(stats_dir: str | os.PathLike) -> dict[str, Any]:
+    """``{file name: parsed JSON}`` for every ``*.json`` file in ``stats_dir`` (unreadable files -> their error)."""
+    out: dict[str, Any] = {}
+    for p in sorted(Path(stats_dir).glob("*.json")):
+        try:
+            out[p.name] = json.loads(p.read_text())
+        except (OSError, ValueError) as e:
+            out[p.name] = {"_error": f"{type(e).__name__}: {e}"}
+    return out
+
+
+def stats_by_role(result_or_stats: dict) -> dict[str, dict]:
+    """Sum numeric counters of the connector's stats files per role.
+
+    File names follow ``{role}-{pid}.json`` (the ``stats_path`` set by :func:`run_job`), so the role is the
+    part before the last ``-``. Numbers are summed across files of the same role (one file per process: the
+    scheduler, and one worker per rank); nested dicts are summed key by key; other values keep the last seen.
+    """
+    stats = result_or_stats.get("stats", result_or_stats) if "stats" in result_or_stats else result_or_stats
+    merged: dict[str, dict] = {}
+    for name, content in stats.items():
+        role = name[:-5].rsplit("-", 1)[0] if name.endswith(".json") else name
+        if isinstance(content, dict):
+            _sum_into(merged.setdefault(role, {}), content)
+    return merged
+
+
+def _sum_into(acc: dict, new: dict) -> None:
+    for k, v in new.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float, dict)):
+            acc[k] = v
+        elif isinstance(v, dict):
+            _sum_into(acc.setdefault(k, {}) if isinstance(acc.get(k), dict) else acc.setdefault(k, {}), v)
+        else:
+            prev = acc.get(k, 0)
+            acc[k] = (prev if isinstance(prev, (int, float)) and not isinstance(prev, bool) else 0) + v
+
+
+def _kill_session(sid: int, grace_s: float = 5.0) -> list[str]:
+    """End every process whose session id is ``sid`` (the child and what it spawned).
+
+    Processes get ``grace_s`` seconds to exit on their own (e.g. multiprocessing's resource tracker after its
+    parent is gone), then SIGTERM, then SIGKILL. Returns ``"pid command line"`` of each process that had to
+    be signalled.
+    """
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and _session_pids(sid):
+        time.sleep(0.1)
+    pids = _session_pids(sid)
+    described = [f"{p} {_cmdline(p)}" for p in pids]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        alive = [p for p in pids if _alive(p)]
+        if not alive:
+            break
+        for p in alive:
+            try:
+                os.kill(p, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline and any(_alive(p) for p in alive):
+            time.sleep(0.1)
+    return described
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
+    except OSError:
+        return "?"
+
+
+def _session_pids(sid: int) -> list[int]:
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        # fields after the command: state ppid pgrp session ...
+        if int(fields[3]) == sid and fields[0] != "Z":
+            pids.append(int(d.name))
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _tail(path: Path, n: int = 6000) -> str:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return "(no log)"
+    return data[-n:].decode(errors="replace")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# child side
+# ----------------------------------------------------------------------------------------------------------
+
+def _child(job_path: str, result_path: str) -> None:
+    job = json.loads(Path(job_path).read_text())
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kwargs = dict(job["engine_args"])
+    if job.get("kv_transfer_config"):
+        kwargs["kv_transfer_config"] = KVTransferConfig(**job["kv_transfer_config"])
+    t0 = time.monotonic()
+    llm = LLM(**kwargs)
+    startup_s = time.monotonic() - t0
+    engine = llm.llm_engine
+    counter = [0]
+
+    def params(max_tokens: int) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+    def one(prompt: list[int], max_tokens: int) -> dict:
+        """Send one request alone and step the engine until it finishes, timing the first token."""
+        counter[0] += 1
+        rid = f"r{counter[0]}"
+        t_start = time.perf_counter()
+        engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params(max_tokens))
+        ttft, final = None, None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id != rid:
+                    continue
+                if ttft is None and out.outputs and len(out.outputs[0].token_ids) > 0:
+                    ttft = time.perf_counter() - t_start
+                if out.finished:
+                    final = out
+        latency = time.perf_counter() - t_start
+        if final is None:
+            raise RuntimeError(f"request {rid} produced no final output")
+        return {"output": list(final.outputs[0].token_ids), "num_cached_tokens": final.num_cached_tokens,
+                "ttft_s": ttft, "latency_s": latency, "finish_reason": final.outputs[0].finish_reason,
+                "prompt_len": len(prompt)}
+
+    def collect(rows: list[dict], wall: float) -> dict:
+        keys = {"outputs": "output", "num_cached_tokens": "num_cached_tokens", "ttft_s": "ttft_s",
+                "latency_s": "latency_s", "finish_reasons": "finish_reason", "prompt_lens": "prompt_len"}
+        res = {k: [r[v] for r in rows] for k, v in keys.items()}
+        res["wall_s"] = wall
+        return res
+
+    results: dict[str, dict] = {}
+    for w in job["workloads"]:
+        max_tokens = int(w.get("max_tokens", job["max_tokens"]))
+        t_w = time.monotonic()
+        if "prompts" in w and w.get("sequential", True):
+            rows = [one(p, max_tokens) for p in w["prompts"]]
+        elif "prompts" in w:
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in w["prompts"]], params(max_tokens),
+                                use_tqdm=False)
+            rows = [{"output": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens,
+                     "ttft_s": None, "latency_s": None, "finish_reason": o.outputs[0].finish_reason,
+                     "prompt_len": len(p)} for o, p in zip(outs, w["prompts"])]
+        else:
+            chats = w["chats"]
+            history = [[] for _ in chats]
+            rows = []
+            for turn in range(max(len(c) for c in chats)):
+                for ci, chat in enumerate(chats):
+                    if turn >= len(chat):
+                        continue
+                    prompt = history[ci] + list(chat[turn])
+                    row = one(prompt, max_tokens)
+                    row.update(chat=ci, turn=turn)
+                    rows.append(row)
+                    history[ci] = prompt + row["output"]
+            res = collect(rows, time.monotonic() - t_w)
+            res["chat"] = [r["chat"] for r in rows]
+            res["turn"] = [r["turn"] for r in rows]
+            results[w["name"]] = res
+            continue
+        results[w["name"]] = collect(rows, time.monotonic() - t_w)
+
+    t_s = time.monotonic()
+    try:
+        engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
+    finally:
+        shutdown_s = time.monotonic() - t_s
+    Path(result_path).write_text(json.dumps({"workloads": results, "startup_s": startup_s,
+                                             "shutdown_s": shutdown_s}))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit(f"usage: {sys.argv[0]} JOB.json RESULT.json")
+    _child(sys.argv[1], sys.argv[2])
+    # Do not linger in interpreter teardown (vLLM's atexit/finalizers can be slow): the result is written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
