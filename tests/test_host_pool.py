@@ -1,0 +1,232 @@
+"""HostPool layouts and SlotAllocator: round trips L1 -> L2 -> (L3 page bytes) -> L2 -> L1 for every host layout and
+every device layout, semantic content against a reference, page bytes API, errors."""
+import random
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tierkv.connector.device_pool import DevicePool
+from tierkv.connector.host_pool import HOST_POOL_LAYOUTS, HostPool, SlotAllocator
+from tierkv.connector.page_hash import ModelNamespace
+from tierkv.kernels import load_pages, save_pages
+from tierkv.kernels.testing import (DEVICE_LAYOUTS, block_bytes_reference, encode_semantic, make_kv_caches,
+                                    random_semantic)
+
+
+def _bits(t):
+    return t.contiguous().view(torch.uint8)
+
+
+def _dev(name, ratio=1, **kw):
+    kv, storage, spec = make_kv_caches(name, num_layers=3, num_blocks=10, block_size=32,
+                                       kernel_block_size=32 // ratio, num_kv_heads=2, head_dim=8, **kw)
+    sem = random_semantic(spec)
+    encode_semantic(kv, spec, sem)
+    dev = DevicePool.from_vllm(kv, num_blocks=spec.num_blocks, block_size=spec.block_size,
+                               kv_cache_layout=spec.kv_cache_layout, backend=spec.backend, use_mla=spec.use_mla)
+    return dev, storage, spec, sem, kv
+
+
+# ---------------------------------------------------------------- SlotAllocator
+def test_allocator_all_or_nothing_and_ascending():
+    a = SlotAllocator(5)
+    assert a.alloc(3) == [0, 1, 2]
+    assert a.num_free == 2 and a.num_used == 3
+    assert a.alloc(3) is None and a.num_free == 2  # nothing taken
+    assert a.alloc(0) == []
+    a.free([1])
+    assert a.alloc(3) == [1, 3, 4]
+    assert a.num_free == 0 and a.alloc(1) is None
+
+
+def test_allocator_errors_leave_state_unchanged():
+    a = SlotAllocator(4)
+    got = a.alloc(2)
+    with pytest.raises(ValueError, match="out of range"):
+        a.free([0, 4])
+    with pytest.raises(ValueError, match="double free"):
+        a.free([0, 0])
+    with pytest.raises(ValueError, match="double free"):
+        a.free([3])
+    assert a.num_used == 2 and all(a.is_allocated(s) for s in got)
+    with pytest.raises(ValueError):
+        SlotAllocator(0)
+    with pytest.raises(ValueError):
+        a.alloc(-1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 6)), max_size=40))
+def test_allocator_never_hands_out_a_slot_twice(ops):
+    a = SlotAllocator(10)
+    held: list[int] = []
+    for do_alloc, n in ops:
+        if do_alloc:
+            got = a.alloc(n)
+            if n > 10 - len(held):
+                assert got is None
+            else:
+                assert len(got) == n and not set(got) & set(held)
+                held += got
+        elif held:
+            k = min(n, len(held))
+            a.free(held[:k])
+            held = held[k:]
+        assert a.num_used == len(held) and a.num_free == 10 - len(held)
+
+
+# ---------------------------------------------------------------- HostPool basics
+def test_constructor_errors():
+    with pytest.raises(ValueError, match="layout"):
+        HostPool(4, 2, 64, layout="page_head")
+    with pytest.raises(ValueError, match="geometry"):
+        HostPool(4, 2, 64, layout="page_first")
+    with pytest.raises(ValueError, match="num_slots"):
+        HostPool(0, 2, 64)
+    dev, *_ = _dev("cpu")
+    with pytest.raises(ValueError, match="bytes per block"):
+        HostPool(4, 3, dev.block_bytes + 2, layout="page_first", geometry=dev.geometry)
+
+
+@pytest.mark.parametrize("layout", HOST_POOL_LAYOUTS)
+@pytest.mark.parametrize("name", ["cpu", "mla"])
+def test_page_bytes_api(layout, name):
+    dev, *_ = _dev(name)
+    hp = HostPool.for_device(dev, 4, layout)
+    assert hp.page_bytes == 3 * dev.block_bytes
+    g = torch.Generator().manual_seed(3)
+    data = torch.randint(0, 256, (hp.page_bytes,), dtype=torch.uint8, generator=g)
+    hp.write_page(2, data)
+    got = hp.read_page(2)
+    assert torch.equal(got, data)
+    assert hp.page_checksum(2) == xxhash.xxh3_64_intdigest(data.numpy().tobytes())
+    assert torch.equal(torch.cat(hp.page_views(2)), data)
+    out = torch.empty(hp.page_bytes, dtype=torch.uint8)
+    assert hp.read_page(2, out=out) is out and torch.equal(out, data)
+    # zero-copy only where the page is one run: MLA in the semantic layouts
+    zero_copy = name == "mla" and layout != "layer_first"
+    assert (got.data_ptr() == hp.page_views(2)[0].data_ptr()) == zero_copy
+    # bytes / numpy sources, and errors
+    hp.write_page(1, bytes(data.numpy()))
+    assert torch.equal(hp.read_page(1), data)
+    hp.write_page(0, data.numpy())
+    assert torch.equal(hp.read_page(0), data)
+    with pytest.raises(ValueError, match="bytes"):
+        hp.write_page(0, data[:-1])
+    with pytest.raises(ValueError, match="out of range"):
+        hp.read_page(4)
+    with pytest.raises(ValueError, match="out must"):
+        hp.read_page(0, out=torch.empty(3, dtype=torch.uint8))
+    with pytest.raises(TypeError):
+        hp.write_page(0, [1, 2, 3])
+
+
+def test_kv_layout_names_distinguish_layouts_in_the_namespace():
+    names = set()
+    for dname in ("cpu", "flashinfer_hnd", "flash_attn_nhd", "mla"):
+        dev, *_ = _dev(dname)
+        for layout in HOST_POOL_LAYOUTS:
+            names.add(HostPool.for_device(dev, 2, layout).kv_layout)
+    assert len(names) == 12
+    digests = {ModelNamespace("m", "bfloat16", n, 32, 3, 2, 8).digest() for n in names}
+    assert len(digests) == 12
+
+
+# ---------------------------------------------------------------- round trips, every host x device layout
+RT_CASES = [(d, layout, ratio) for d in DEVICE_LAYOUTS for layout in HOST_POOL_LAYOUTS
+            for ratio in (1, 2) if not (ratio == 2 and ("bl" in d or layout == "layer_first"))]
+
+
+@pytest.mark.parametrize("dname,layout,ratio", RT_CASES)
+def test_round_trip_through_page_bytes(dname, layout, ratio):
+    dev, storage, spec, sem, kv = _dev(dname, ratio)
+    rng = random.Random(hash((dname, layout, ratio)) & 0xFFFF)
+    blocks = rng.sample(range(10), 6)
+    slots = rng.sample(range(8), 6)
+    hp = HostPool.for_device(dev, 8, layout)
+    hp.buffer.fill_(0xAB)
+    save_pages(dev, hp, blocks, slots)
+    # L2 content against the reference: semantic token-major K/V, or the device block's bytes
+    for b, s in zip(blocks, slots):
+        if layout == "layer_first":
+            for l in range(3):
+                assert torch.equal(hp.layer_view()[l, s], block_bytes_reference(kv, spec, l, b))
+        else:
+            for part in dev.parts():
+                assert torch.equal(_bits(hp.slot_view(part)[s]), _bits(sem[part][:, b]))
+    # L2 -> L3 bytes -> a fresh L2 -> L1 (zeroed)
+    stored = {s: bytes(hp.read_page(s).numpy()) for s in slots}
+    hp2 = HostPool.for_device(dev, 8, layout)
+    new_slots = rng.sample(range(8), 6)
+    for s, ns in zip(slots, new_slots):
+        hp2.write_page(ns, stored[s])
+        assert hp2.page_checksum(ns) == hp.page_checksum(s)
+    want = {(l, b): block_bytes_reference(kv, spec, l, b).clone() for l in range(3) for b in range(10)}
+    before = storage.clone()
+    pad = 256
+    storage[pad:].zero_()
+    load_pages(hp2, dev, new_slots, blocks)
+    for l in range(3):
+        for b in range(10):
+            got = block_bytes_reference(kv, spec, l, b)
+            if b in blocks:
+                assert torch.equal(got, want[l, b]), (l, b)  # restored bit-exactly
+            else:
+                assert not got.any(), (l, b)  # blocks not loaded stay untouched (zero)
+    assert torch.equal(storage[:pad], before[:pad])  # nothing outside the views touched
+
+
+@pytest.mark.parametrize("layout", HOST_POOL_LAYOUTS)
+@pytest.mark.parametrize("dname", ["cpu", "flashinfer_blhnc", "mla"])
+def test_layer_subset_moves_only_those_layers(layout, dname):
+    dev, storage, spec, sem, kv = _dev(dname)
+    hp = HostPool.for_device(dev, 4, layout)
+    hp.buffer.zero_()
+    save_pages(dev, hp, [3, 4], [1, 2], layers=[2, 0])
+    full = HostPool.for_device(dev, 4, layout)
+    full.buffer.zero_()
+    save_pages(dev, full, [3, 4], [1, 2])
+    for s in (1, 2):
+        for l in range(3):
+            if layout == "layer_first":
+                got, want = hp.layer_view()[l, s], full.layer_view()[l, s]
+            else:
+                got = torch.cat([_bits(hp.slot_view(p)[s, l]).reshape(-1) for p in dev.parts()])
+                want = torch.cat([_bits(full.slot_view(p)[s, l]).reshape(-1) for p in dev.parts()])
+            if l == 1:
+                assert not got.any()
+            else:
+                assert torch.equal(got, want)
+    # load only layer 1 back over a zeroed device: other layers stay zero
+    storage[256:].zero_()
+    load_pages(full, dev, [1, 2], [3, 4], layers=[1])
+    for l in range(3):
+        for b in (3, 4):
+            got = block_bytes_reference(kv, spec, l, b)
+            assert bool(got.any()) == (l == 1)
+
+
+def test_float32_and_fp16_dtypes_round_trip():
+    for dtype in (torch.float32, torch.float16):
+        kv, storage, spec = make_kv_caches("flashinfer_hnd", num_blocks=4, dtype=dtype)
+        dev = DevicePool.from_vllm(kv, num_blocks=4, block_size=32, backend="FLASHINFER", kv_cache_layout="HND")
+        for layout in HOST_POOL_LAYOUTS:
+            hp = HostPool.for_device(dev, 4, layout)
+            save_pages(dev, hp, [0, 1, 2, 3], [3, 2, 1, 0])
+            before = storage.clone()
+            storage[256:].zero_()
+            load_pages(hp, dev, [3, 2, 1, 0], [0, 1, 2, 3])
+            assert torch.equal(storage, before)
+
+
+def test_page_checksums_survive_np_and_bytes_paths():
+    dev, *_ = _dev("cpu")
+    hp = HostPool.for_device(dev, 3, "page_first")
+    save_pages(dev, hp, [1, 2, 3], [0, 1, 2])
+    for s in range(3):
+        raw = np.frombuffer(bytes(hp.read_page(s).numpy()), dtype=np.uint8)
+        assert xxhash.xxh3_64_intdigest(raw.tobytes()) == hp.page_checksum(s)
