@@ -27,9 +27,10 @@ def check(buf: bytes, idx: int, page_bytes: int) -> tuple[bool, int, int]:
     return bytes(buf) == page(w, r, i, page_bytes), w, r
 
 
-def writer(factory, keys: list[str], writer_id: int, rounds: int, page_bytes: int, out) -> None:
+def writer(factory, keys: list[str], writer_id: int, rounds: int, page_bytes: int, start, out) -> None:
     store = factory()
     ok = 0
+    start.wait(timeout=120)  # every process has its client: writes overlap with reads
     try:
         for r in range(rounds):
             res = store.batch_set(keys, [page(writer_id, r, i, page_bytes) for i in range(len(keys))])
@@ -39,12 +40,13 @@ def writer(factory, keys: list[str], writer_id: int, rounds: int, page_bytes: in
     out.put(("writer", writer_id, ok))
 
 
-def reader(factory, keys: list[str], reader_id: int, page_bytes: int, stop, out) -> None:
+def reader(factory, keys: list[str], reader_id: int, page_bytes: int, start, stop, out) -> None:
     import torch
 
     store = factory()
     hits = bad = passes = 0
     dsts = [torch.zeros(page_bytes, dtype=torch.uint8) for _ in keys]
+    start.wait(timeout=120)
     try:
         while True:
             last = stop.is_set()  # one full pass after the writers are done

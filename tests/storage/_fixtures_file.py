@@ -100,3 +100,27 @@ def make_backend(tmp_path, page_bytes: int, namespace: bytes, **opts: Any):
 
 
 __all__ = ["make_backend", "FileHandle"]
+
+
+def crash_during_write(root: str, namespace: bytes, page_bytes: int, capacity_bytes: int,
+                       keys: list, payloads: list, last_key: str, started) -> None:
+    """Spawned child for field scenario R17: store ``keys`` through a FileStore, then start writing ``last_key``
+    through the store's own write path, stop after half the payload (signalling ``started``) and wait to be
+    SIGKILLed, leaving a real torn temporary file behind."""
+    import threading
+
+    import tierkv.storage_backends.file as file_mod
+
+    store = FileStore(namespace, page_bytes, root=root, capacity_bytes=capacity_bytes)
+    assert store.batch_set(keys, payloads) == [True] * len(keys)
+    real_writev = os.writev
+
+    def torn_writev(fd, bufs):
+        head, payload = bufs[0], memoryview(bufs[1])
+        n = real_writev(fd, [head, payload[: len(payload) // 2]])
+        started.set()
+        threading.Event().wait()  # until killed
+        return n
+
+    file_mod.os.writev = torn_writev
+    store.batch_set([last_key], [payloads[0]])
