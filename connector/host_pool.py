@@ -195,7 +195,7 @@ class HostPool:
             raise ValueError(f"L1/L2 mismatch: device pool has {dev.num_layers} layers, host pool {self.num_layers}")
         if self.geometry is not None:
             g, d = self.geometry, dev.geometry
-            for f in ("dtype", "num_kv_heads", "head_dim", "page_size", "use_mla"):
+            for f in ("dtype", "use_mla", "page_size", "num_kv_heads", "head_dim"):
                 if getattr(g, f) != getattr(d, f):
                     raise ValueError(f"L1/L2 mismatch: {f} is {getattr(d, f)} on the device pool, "
                                      f"{getattr(g, f)} in the host pool")

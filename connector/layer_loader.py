@@ -43,6 +43,7 @@ class LayerwiseLoad:
         self._events = [threading.Event() for _ in range(self.num_layers)]
         self._cuda_events: list = []
         self._error: Optional[BaseException] = None
+        self._failed_layer = self.num_layers  # layers >= this one did not load
         self._thread: Optional[threading.Thread] = None
         self._started = False
         self._cancel = False
@@ -80,6 +81,7 @@ class LayerwiseLoad:
                 self.timeline.append((layer, t0, time.perf_counter()))
                 self._events[layer].set()
         except BaseException as e:  # surfaced in wait_layer/wait_all
+            self._failed_layer = layer
             self._error = e
             for e_ in self._events[layer:]:
                 e_.set()
@@ -91,8 +93,9 @@ class LayerwiseLoad:
             raise ValueError(f"layer_index {layer_index!r} out of range [0, {self.num_layers})")
         self.start()
         self._events[layer_index].wait()
-        if self._error is not None:
-            raise RuntimeError(f"layer-wise load failed at or before layer {layer_index}") from self._error
+        if self._error is not None and layer_index >= self._failed_layer:
+            raise RuntimeError(f"layer-wise load failed at layer {self._failed_layer}, needed layer "
+                               f"{layer_index}") from self._error
         if self._cuda_events:
             import torch
             torch.cuda.current_stream(self.dev.device).wait_event(self._cuda_events[layer_index])
