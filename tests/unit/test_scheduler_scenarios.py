@@ -1,0 +1,184 @@
+"""Connector core end to end without an engine: scheduler side + worker side on real L1/L2 tensors.
+
+Field scenarios R01, R08, R09, R12, R21 (shared/cases/field-scenarios.md) as they apply to L1/L2.
+"""
+import random
+
+import pytest
+
+from fake_engine import P, FakeEngine, Req
+from tierkv.connector.page_hash import page_keys, request_root
+
+
+def toks(a, n):
+    return list(range(a, a + n))
+
+
+def test_repeat_prefix_is_loaded_from_l2_bit_exact():
+    e = FakeEngine()
+    doc = toks(100, 4 * P)
+    assert e.run(Req("a", doc + [1, 2, 3])) == 0
+    assert e.run(Req("b", doc + [7, 8])) == 4 * P
+    assert e.worker.counters.verified_pages == 4 and e.worker.counters.checksum_mismatches == 0
+    # an exact multiple of the page: the last page is recomputed (one token must be left to compute)
+    assert e.run(Req("c", doc)) == 3 * P
+    e.idle_check()
+
+
+def test_r12_keys_shorter_than_a_page():
+    e = FakeEngine()
+    for i, n in enumerate([0, 1, P - 1]):
+        assert e.run(Req(f"s{i}", toks(5, n))) == 0
+    assert e.sched.index.total_pages == 0 and e.sched.index.num_nodes == 1  # no node, no empty key
+    assert e.worker.counters.save_pages == 0
+    assert e.run(Req("p", toks(5, P))) == 0         # exactly one page: saved, but nothing to match yet
+    assert e.sched.index.total_pages == 1
+    assert e.run(Req("p1", toks(5, P + 1))) == P    # same first page + 1 token
+    assert e.run(Req("short", toks(5, P - 1))) == 0  # a prefix of a cached page: no partial-page match
+    e.idle_check()
+    assert e.sched.index.total_pages == e.sched.stats()["index_pages"] == e.sched.index.l2_pages
+
+
+@pytest.mark.parametrize("field", ["salt", "lora"])
+def test_r01_namespaces_never_share_pages(field):
+    e = FakeEngine()
+    T = toks(11, 4 * P) + [1]
+    kw = lambda v: {field: v, "tag": f"{field}:{v}"}
+    assert e.run(Req("A", T, **kw("tenantA"))) == 0
+    assert e.run(Req("B", T, **kw("tenantB"))) == 0
+    assert e.run(Req("C", T)) == 0
+    assert e.run(Req("D", T, **kw("tenantA"))) == 4 * P   # fingerprints of tenantA checked inside run()
+    assert e.run(Req("E", T, **{field: ""})) == 4 * P  # empty salt/LoRA name == none (documented)
+    e.idle_check()
+
+
+def test_r08_preempted_request_readmitted_after_its_saves():
+    e = FakeEngine()
+    r = Req("R", toks(1, 3 * P) + [9])
+    e.admit(r)
+    e.step()                    # computes and saves 3 pages within the step
+    e.preempt(r)                # its blocks go back to L1's free list
+    assert e.sched.index.locked_pages == 0
+    r2 = Req("R", r.tokens)     # re-admitted: the lookup sees the completed saves
+    assert e.admit(r2) == 3 * P
+    e.step()
+    assert all(e.page_ok(r2, i) for i in range(3))
+    e.finish(r2)
+    e.idle_check()
+
+
+def test_r09_abort_between_match_and_load_leaks_nothing():
+    e = FakeEngine(num_blocks=32, num_slots=16)
+    T = toks(1, 4 * P)
+    e.run(Req("seed", T + [1]))
+    base_free = e.sched.allocator.num_free
+    for i in range(100):
+        r = Req(f"r{i}", T + [17, 18, 19, 20])
+        assert e.admit(r) == 4 * P
+        e.finish(r)             # aborted before the step that carries its load
+        e.step()                # the load order is still executed into blocks the engine has not reused yet
+        assert e.sched.index.locked_pages == 0
+        assert e.sched.allocator.num_free == base_free
+        assert len(e.free_blocks) == 31
+    e.idle_check()
+
+
+def test_abort_during_save_and_preempt_with_lock_held():
+    e = FakeEngine()
+    T = toks(1, 2 * P) + [5]
+    e.run(Req("a", T))
+    r = Req("b", T + toks(500, 2 * P))
+    assert e.admit(r) == 2 * P
+    assert e.sched.index.locked_pages == 2
+    e.preempt(r)                # preempted while holding its lock: released
+    assert e.sched.index.locked_pages == 0
+    r = Req("b", r.tokens)
+    e.admit(r)
+    e.step()
+    e.finish(r)
+    e.idle_check()
+    assert e.sched.index.total_pages == 4
+
+
+def test_locked_pages_survive_pressure_and_pool_smaller_than_request():
+    e = FakeEngine(num_blocks=64, num_slots=6)
+    a = Req("a", toks(1, 4 * P) + [1])
+    e.run(a)
+    r = Req("b", a.tokens)
+    assert e.admit(r) == 4 * P          # locks 4 pages
+    big = Req("big", toks(900, 8 * P) + [1])
+    e.admit(big)
+    e.step()                            # big needs 8 slots, only 2 are free and 4 are locked
+    assert e.sched.counters.save_skipped_pages == 6
+    assert all(e.page_ok(r, i) for i in range(4))
+    e.finish(r)
+    e.finish(big)
+    e.idle_check()
+    assert e.sched.allocator.num_free + e.sched.index.l2_pages == 6
+
+
+def test_eviction_is_lru_over_unlocked_leaves():
+    e = FakeEngine(num_slots=8)
+    docs = [toks(1000 * (i + 1), 2 * P) + [1] for i in range(4)]
+    for i, d in enumerate(docs):
+        e.run(Req(f"d{i}", d))
+    assert e.run(Req("hit0", docs[0])) == 2 * P   # doc 0 becomes most recent
+    e.run(Req("new", toks(50000, 2 * P) + [1]))   # needs 2 slots: evicts doc 1 (least recent)
+    assert e.run(Req("q1", docs[1])) == 0
+    assert e.run(Req("q0", docs[0])) == 2 * P
+    e.idle_check()
+
+
+def test_corrupted_l2_page_is_never_loaded():
+    e = FakeEngine()
+    T = toks(1, 3 * P) + [1]
+    e.run(Req("a", T))
+    slot = e.sched.index.match_prefix(page_keys(request_root(e.ns.digest()), T, P)).host_slots[1]
+    page = e.host.read_page(slot).clone()
+    page[7] ^= 0xFF
+    e.host.write_page(slot, page)
+    r = Req("b", T)
+    assert e.admit(r) == 3 * P
+    e.step()
+    assert e.worker.counters.checksum_mismatches == 1
+    # pages from the corrupt one on are reported failed (vLLM recomputes them); page 0 was loaded and is right
+    assert e.failed_blocks == {r.blocks[1], r.blocks[2]}
+    assert e.page_ok(r, 0)
+
+
+def test_r21_soak_random_ops_returns_to_baseline():
+    rng = random.Random(7)
+    e = FakeEngine(num_blocks=200, num_slots=64)
+    prefixes = [toks(10000 * (i + 1), rng.randint(1, 4) * P) for i in range(20)]
+    hits = []
+    for it in range(600):
+        pre = rng.choice(prefixes)
+        r = Req(f"r{it}", pre + [rng.randrange(1, 99) for _ in range(rng.randint(1, 40))])
+        ext = e.admit(r)
+        op = rng.random()
+        if op < 0.05:
+            e.finish(r)          # abort before the step
+            e.step()
+        elif op < 0.1:
+            e.preempt(r)
+            e.step()
+            if rng.random() < 0.5:
+                e.sched.on_finished(r.req_id)   # aborted while preempted
+            else:                               # resumed later, then finishes
+                r = Req(r.req_id, r.tokens)
+                e.admit(r)
+                e.step()
+                e.finish(r)
+        else:
+            e.step()
+            for i in range(ext // P):
+                assert e.page_ok(r, i)
+            e.finish(r)
+        if it >= 300:
+            hits.append(ext > 0)
+        if it % 100 == 99:
+            e.idle_check()
+            assert e.sched.allocator.num_free + e.sched.index.l2_pages == 64
+            assert len(e.sched.requests) == 0
+    assert sum(hits) / len(hits) > 0.5   # hit rate on shared prefixes does not decay
+    assert e.worker.counters.checksum_mismatches == 0
