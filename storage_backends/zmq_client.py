@@ -16,8 +16,8 @@ Fault handling (field scenario R13; LMCache issue #3565 is the failure this avoi
   yields misses/``False`` after ``timeout_s``, never an exception or a hang;
 - after a timeout the socket (and everything queued on it) is discarded; the next call opens a new one,
   i.e. reconnects without recreating the store. Consecutive failures back off exponentially from
-  ``reconnect_backoff_s`` up to ``max_backoff_s``; during a back-off window calls fail at once (counted
-  ``fast_fails``) instead of each waiting ``timeout_s``.
+  ``reconnect_backoff_s`` (from the second consecutive failure) up to ``max_backoff_s``; during a back-off
+  window calls fail at once (counted ``fast_fails``) instead of each waiting ``timeout_s``.
 
 Batches larger than ``max_message_bytes`` (or :data:`zmq_protocol.MAX_KEYS` keys) are split into several
 messages that are pipelined on the socket.
@@ -148,7 +148,7 @@ class ZmqStore(StorageBackend):
         self._closed = False
         self.c = dict(requests=0, hits=0, misses=0, sets=0, set_failures=0, corrupt=0, errors=0, timeouts=0,
                       reconnects=0, fast_fails=0, stale_replies=0, bad_replies=0, error_replies=0, bytes_in=0,
-                      bytes_out=0, max_pending=0)
+                      bytes_out=0, max_pending=0, evictions=0)
 
     # ----------------------------------------------------------------------------------------- socket
     def _socket(self) -> zmq.Socket:
@@ -179,7 +179,9 @@ class ZmqStore(StorageBackend):
     def _failed(self, why: str) -> None:
         self._discard_socket()
         self._fails += 1
-        back = min(self.reconnect_backoff_s * (2 ** (self._fails - 1)), self.max_backoff_s)
+        # the first failure may be a one-off (the next call reconnects at once); from the second consecutive
+        # failure on, calls within the back-off window fail immediately instead of each waiting timeout_s
+        back = 0.0 if self._fails < 2 else min(self.reconnect_backoff_s * (2 ** (self._fails - 2)), self.max_backoff_s)
         self._retry_at = time.monotonic() + back
         if self._fails == 1:
             log.warning("tierkv zmq server %s: %s; pages count as misses, reconnecting with back-off", self.endpoint, why)
@@ -291,7 +293,7 @@ class ZmqStore(StorageBackend):
                     raise P.ProtocolError("bad_reply", f"exists reply lead={v!r:.40} frames={len(frames)}")
                 got["lead"] = v
 
-            if not self._exchange([({"op": "exists", "keys": list(keys[s:e])}, [])], on_reply)[0]:
+            if not self._exchange([({"op": "exists", "ns": self.namespace, "keys": list(keys[s:e])}, [])], on_reply)[0]:
                 return lead
             lead += got["lead"]
             if got["lead"] < e - s:
@@ -343,7 +345,7 @@ class ZmqStore(StorageBackend):
                 res[idx] = True
                 self.c["bytes_in"] += self.page_bytes
 
-        self._exchange([({"op": "get", "keys": list(keys[s:e])}, []) for s, e in chunks], on_reply)
+        self._exchange([({"op": "get", "ns": self.namespace, "keys": list(keys[s:e])}, []) for s, e in chunks], on_reply)
         nh = sum(res)
         self.c["hits"] += nh
         self.c["misses"] += len(keys) - nh
@@ -364,7 +366,7 @@ class ZmqStore(StorageBackend):
         msgs = []
         for s, e in chunks:
             hdrs = [encode_header(keys[i], self.namespace, srcs[i]) for i in range(s, e)]
-            msgs.append(({"op": "set", "keys": list(keys[s:e]), "hdrs": hdrs}, srcs[s:e]))
+            msgs.append(({"op": "set", "ns": self.namespace, "keys": list(keys[s:e]), "hdrs": hdrs}, srcs[s:e]))
 
         def on_reply(ci, rh, frames):
             s, e = chunks[ci]
@@ -372,6 +374,9 @@ class ZmqStore(StorageBackend):
             if frames or not isinstance(st, list) or len(st) != e - s or not all(isinstance(x, bool) for x in st):
                 raise P.ProtocolError("bad_reply", "set reply: 'stored' is not one bool per key")
             res[s:e] = st
+            ev = rh.get("evicted", 0)
+            if type(ev) is int and ev > 0:
+                self.c["evictions"] += ev
 
         self._exchange(msgs, on_reply)
         ok = sum(res)
@@ -392,14 +397,14 @@ class ZmqStore(StorageBackend):
                 raise P.ProtocolError("bad_reply", "delete reply: 'deleted' is not a count")
             n[0] += v
 
-        self._exchange([({"op": "delete", "keys": list(keys[s:e])}, []) for s, e in self._chunks(len(keys), P.MAX_KEYS)],
+        self._exchange([({"op": "delete", "ns": self.namespace, "keys": list(keys[s:e])}, []) for s, e in self._chunks(len(keys), P.MAX_KEYS)],
                        on_reply)
         return n[0]
 
     def clear(self) -> None:
-        """Drop every page on the server (the server is shared: this clears it for every client). A failure is
+        """Drop every page of this store's namespace on the server (other namespaces are kept). A failure is
         counted and logged, not raised."""
-        if not self._exchange([({"op": "clear", "keys": []}, [])], lambda i, rh, fr: None)[0]:
+        if not self._exchange([({"op": "clear", "ns": self.namespace, "keys": []}, [])], lambda i, rh, fr: None)[0]:
             self.c["errors"] += 1
 
     def ping(self) -> bool:
@@ -421,8 +426,8 @@ class ZmqStore(StorageBackend):
     def stats(self) -> dict:
         """Client counters: requests, hits, misses, sets, set_failures, corrupt (pages failing verification),
         errors, timeouts, reconnects, fast_fails (calls skipped during back-off), stale_replies, bad_replies,
-        error_replies, bytes_in/bytes_out (payload bytes), pending (requests awaiting a reply now),
-        max_pending, connected (a socket is open)."""
+        error_replies, bytes_in/bytes_out (payload bytes), evictions (server evictions caused by this client's
+        sets), pending (requests awaiting a reply now), max_pending, connected (a socket is open)."""
         with self._lock:
             s = dict(self.c)
             s.update(pending=self._pending, connected=self._sock is not None, backend="zmq", endpoint=self.endpoint)

@@ -8,7 +8,11 @@ Request ``[header, payload_0, payload_1, ...]``
     ``header`` is a msgpack map::
 
         {"v": PROTOCOL_VERSION, "id": <uint64 request id>, "op": <str>, "keys": [<32 hex chars>, ...],
-         "token": <str, optional>, ...op-specific fields}
+         "ns": <bin, 16-byte namespace digest>, "token": <str, optional>, ...op-specific fields}
+
+    Pages are stored per namespace: the same key under two namespaces names two pages (the namespace
+    digest is also inside every page header, which the client checks). ``ns`` is required by ``exists``,
+    ``get``, ``set``, ``delete``, ``clear`` (which drops that namespace only) and ``t_corrupt``.
 
     op-specific fields:
 
@@ -23,7 +27,8 @@ Reply ``[header, payload_0, ...]``
     - ``ping``: ``{"server": "tierkv", "proto": PROTOCOL_VERSION}``;
     - ``exists``: ``{"lead": int, "present": [bool] (with "all")}``;
     - ``get``: ``{"hits": [bool per key], "hdrs": [bin per hit]}`` then one payload frame per hit, in key order;
-    - ``set``: ``{"stored": [bool per key]}``; ``delete``: ``{"deleted": int}``; ``clear``: ``{}``;
+    - ``set``: ``{"stored": [bool per key], "evicted": int (records evicted from memory to make room)}``;
+    - ``delete``: ``{"deleted": int}``; ``clear``: ``{"cleared": int}``;
     - ``stats``: ``{"stats": {str: int | float | str}}``.
 
 A request the server cannot parse gets an error reply (``id`` 0 when the id itself is unreadable) or is
@@ -63,6 +68,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 #: uint64 range of request ids.
 MAX_ID = (1 << 64) - 1
 
+NS_BYTES = 16
 KEY_RE = re.compile(r"^[0-9a-f]{32}$")
 
 
@@ -150,6 +156,14 @@ def get_keys(h: dict, name: str = "keys") -> list:
     for k in v:
         if not isinstance(k, str) or not KEY_RE.match(k):
             raise ProtocolError("bad_request", f"invalid key {k!r:.80} in {name!r}: expected 32 lowercase hex chars")
+    return v
+
+
+def get_ns(h: dict) -> bytes:
+    """The 16-byte namespace digest ``ns``. Raises :class:`ProtocolError`."""
+    v = h.get("ns")
+    if not isinstance(v, bytes) or len(v) != NS_BYTES:
+        raise ProtocolError("bad_request", f"field 'ns' must be a bin of {NS_BYTES} bytes")
     return v
 
 

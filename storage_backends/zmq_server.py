@@ -5,7 +5,8 @@ Run it as ``tierkv server`` or ``python -m tierkv.storage_backends.zmq_server`` 
 given explicitly) and ``--port`` (0 = any free port), prints one line ``tierkv-server ready tcp://HOST:PORT``
 on stdout once it is listening, and exits cleanly on SIGTERM/SIGINT.
 
-Storage: an LRU of records ``key -> (page record header, payload frame)`` bounded by ``--capacity-bytes``
+Storage: an LRU of records ``(namespace, key) -> (page record header, payload frame)`` bounded by
+``--capacity-bytes``
 (header + payload bytes); received payload frames are kept as they came off the wire and sent back with
 zero-copy sends. Evicted records optionally spill to a :class:`tierkv.storage_backends.file.FileStore`
 under ``--spill-dir`` and are read back (and promoted to memory) on a later get. The server never looks
@@ -51,12 +52,12 @@ def _nbytes(buf: Any) -> int:
 
 
 class _SpillTier:
-    """Evicted records on disk: one FileStore per record length (a FileStore has a fixed page size).
+    """Evicted records on disk: one FileStore per (namespace, record length) (a FileStore has a fixed page size).
 
-    A spilled record is ``u16 header length || page header || payload``, stored as one FileStore page under
-    :data:`SPILL_NAMESPACE` in ``root/rec-<length>``; stores for lengths seen before a restart are reopened at
-    start. FileStore has no per-key delete, so a deleted spilled key is remembered in memory (a tombstone,
-    dropped when the key is stored again) until the next restart or clear."""
+    A spilled record is ``u16 header length || page header || payload``, stored as one FileStore page of the
+    client's namespace under ``root/<namespace hex>/rec-<length>``; stores found there are reopened at start.
+    FileStore has no per-key delete, so a deleted spilled key is remembered in memory (a tombstone, dropped when
+    the key is stored again) until the next restart or clear of its namespace."""
 
     def __init__(self, root: str, capacity_bytes: Optional[int] = None):
         from tierkv.storage_backends.file import FileStore  # lazy: spill is optional
@@ -65,37 +66,43 @@ class _SpillTier:
         self.root = root
         self.capacity_bytes = capacity_bytes
         os.makedirs(root, exist_ok=True)
-        self.stores: dict[int, Any] = {}
-        self.tombstones: set[str] = set()
-        for name in sorted(os.listdir(root)):
-            if name.startswith("rec-") and name[4:].isdigit():
-                self._store(int(name[4:]))
+        self.stores: dict[tuple[bytes, int], Any] = {}
+        self.tombstones: set[tuple[bytes, str]] = set()
+        for nsdir in sorted(os.listdir(root)):
+            if not P.KEY_RE.match(nsdir):
+                continue
+            for name in sorted(os.listdir(os.path.join(root, nsdir))):
+                if name.startswith("rec-") and name[4:].isdigit():
+                    self._store(bytes.fromhex(nsdir), int(name[4:]))
 
-    def _store(self, length: int):
-        st = self.stores.get(length)
+    def _store(self, ns: bytes, length: int):
+        st = self.stores.get((ns, length))
         if st is None:
             kw = {"capacity_bytes": self.capacity_bytes} if self.capacity_bytes else {}
-            st = self._cls(SPILL_NAMESPACE, length, root=os.path.join(self.root, f"rec-{length}"), **kw)
-            self.stores[length] = st
+            st = self._cls(ns, length, root=os.path.join(self.root, ns.hex(), f"rec-{length}"), **kw)
+            self.stores[(ns, length)] = st
         return st
 
-    def put(self, key: str, hdr: bytes, payload: Any) -> bool:
+    def _of(self, ns: bytes):
+        return [(length, st) for (n, length), st in self.stores.items() if n == ns]
+
+    def put(self, ns: bytes, key: str, hdr: bytes, payload: Any) -> bool:
         if len(hdr) > P.MAX_RECORD_HEADER_BYTES:
             return False
         rec = struct.pack("<H", len(hdr)) + hdr + bytes(memoryview(payload))
         try:
-            ok = bool(self._store(len(rec)).batch_set([key], [rec])[0])
+            ok = bool(self._store(ns, len(rec)).batch_set([key], [rec])[0])
         except Exception as e:  # a failing disk never takes the server down
             log.warning("spill of %s failed: %s", key, e)
             return False
         if ok:
-            self.tombstones.discard(key)
+            self.tombstones.discard((ns, key))
         return ok
 
-    def get(self, key: str) -> Optional[tuple[bytes, bytes]]:
-        if key in self.tombstones:
+    def get(self, ns: bytes, key: str) -> Optional[tuple[bytes, bytes]]:
+        if (ns, key) in self.tombstones:
             return None
-        for length, st in self.stores.items():
+        for length, st in self._of(ns):
             try:
                 if st.batch_exists([key]) != 1:
                     continue
@@ -108,10 +115,10 @@ class _SpillTier:
                 log.warning("spill read of %s failed: %s", key, e)
         return None
 
-    def exists(self, key: str) -> bool:
-        if key in self.tombstones:
+    def exists(self, ns: bytes, key: str) -> bool:
+        if (ns, key) in self.tombstones:
             return False
-        for st in self.stores.values():
+        for _length, st in self._of(ns):
             try:
                 if st.batch_exists([key]) == 1:
                     return True
@@ -119,15 +126,15 @@ class _SpillTier:
                 log.warning("spill lookup of %s failed: %s", key, e)
         return False
 
-    def delete(self, key: str) -> bool:
-        if self.exists(key):
-            self.tombstones.add(key)
+    def delete(self, ns: bytes, key: str) -> bool:
+        if self.exists(ns, key):
+            self.tombstones.add((ns, key))
             return True
         return False
 
-    def clear(self) -> None:
-        self.tombstones.clear()
-        for st in self.stores.values():
+    def clear(self, ns: bytes) -> None:
+        self.tombstones = {t for t in self.tombstones if t[0] != ns}
+        for _length, st in self._of(ns):
             try:
                 st.clear()
             except Exception as e:
@@ -171,7 +178,7 @@ class CacheServer:
         self.max_message_bytes = int(max_message_bytes)
         self.token = token.encode() if token else None
         self.enable_test_ops = enable_test_ops
-        self.records: "OrderedDict[str, tuple[bytes, Any]]" = OrderedDict()
+        self.records: "OrderedDict[tuple[bytes, str], tuple[bytes, Any]]" = OrderedDict()
         self.used_bytes = 0
         self.pending_writes = 0
         self.c = dict(requests=0, errors=0, auth_failures=0, too_large=0, dropped=0, hits=0, misses=0, sets=0,
@@ -199,41 +206,41 @@ class CacheServer:
     # ----------------------------------------------------------------------------------------- storage
     def _evict_until(self, need: int) -> None:
         while self.records and self.used_bytes + need > self.capacity_bytes:
-            key, (hdr, payload) = self.records.popitem(last=False)
+            (ns, key), (hdr, payload) = self.records.popitem(last=False)
             self.used_bytes -= len(hdr) + _nbytes(payload)
             self.c["evictions"] += 1
-            if self.spill is not None and self.spill.put(key, hdr, payload):
+            if self.spill is not None and self.spill.put(ns, key, hdr, payload):
                 self.c["spilled"] += 1
 
-    def _put(self, key: str, hdr: bytes, payload: Any) -> bool:
+    def _put(self, ns: bytes, key: str, hdr: bytes, payload: Any) -> bool:
         size = len(hdr) + _nbytes(payload)
         if size > self.capacity_bytes:
             return False
-        old = self.records.pop(key, None)
+        old = self.records.pop((ns, key), None)
         if old is not None:
             self.used_bytes -= len(old[0]) + _nbytes(old[1])
         self._evict_until(size)
         if self.spill is not None:
-            self.spill.tombstones.discard(key)
-        self.records[key] = (hdr, payload)
+            self.spill.tombstones.discard((ns, key))
+        self.records[(ns, key)] = (hdr, payload)
         self.used_bytes += size
         return True
 
-    def _lookup(self, key: str) -> Optional[tuple[bytes, Any]]:
-        rec = self.records.get(key)
+    def _lookup(self, ns: bytes, key: str) -> Optional[tuple[bytes, Any]]:
+        rec = self.records.get((ns, key))
         if rec is not None:
-            self.records.move_to_end(key)
+            self.records.move_to_end((ns, key))
             return rec
         if self.spill is not None:
-            got = self.spill.get(key)
+            got = self.spill.get(ns, key)
             if got is not None:
                 self.c["spill_hits"] += 1
-                self._put(key, got[0], got[1])
+                self._put(ns, key, got[0], got[1])
                 return got
         return None
 
-    def _present(self, key: str) -> bool:
-        return key in self.records or (self.spill is not None and self.spill.exists(key))
+    def _present(self, ns: bytes, key: str) -> bool:
+        return (ns, key) in self.records or (self.spill is not None and self.spill.exists(ns, key))
 
     # ----------------------------------------------------------------------------------------- requests
     def handle(self, frames: list) -> Optional[list]:
@@ -291,11 +298,11 @@ class CacheServer:
         return {"server": "tierkv", "proto": P.PROTOCOL_VERSION}, []
 
     def _op_exists(self, h, payloads):
-        keys = P.get_keys(h)
+        keys, ns = P.get_keys(h), P.get_ns(h)
         want_all = P.get_bool(h, "all")
         present, lead = [], 0
         for k in keys:
-            p = self._present(k)
+            p = self._present(ns, k)
             if not want_all and not p:
                 break
             present.append(p)
@@ -309,10 +316,10 @@ class CacheServer:
         return body, []
 
     def _op_get(self, h, payloads):
-        keys = P.get_keys(h)
+        keys, ns = P.get_keys(h), P.get_ns(h)
         hits, hdrs, out = [], [], []
         for k in keys:
-            rec = self._lookup(k)
+            rec = self._lookup(ns, k)
             if rec is None:
                 hits.append(False)
                 self.c["misses"] += 1
@@ -325,51 +332,55 @@ class CacheServer:
         return {"hits": hits, "hdrs": hdrs}, out
 
     def _op_set(self, h, payloads):
-        keys = P.get_keys(h)
+        keys, ns = P.get_keys(h), P.get_ns(h)
         if len(payloads) != len(keys):
             raise P.ProtocolError("bad_request", f"set of {len(keys)} keys carries {len(payloads)} payload frames")
         hdrs = P.get_bins(h, "hdrs", len(keys))
         self.pending_writes += 1
+        ev0 = self.c["evictions"]
         try:
             stored = []
             for k, hdr, frame in zip(keys, hdrs, payloads):
-                ok = self._put(k, hdr, frame)
+                ok = self._put(ns, k, hdr, frame)
                 stored.append(ok)
                 self.c["sets" if ok else "set_rejected"] += 1
         finally:
             self.pending_writes -= 1
-        return {"stored": stored}, []
+        return {"stored": stored, "evicted": self.c["evictions"] - ev0}, []
 
     def _op_delete(self, h, payloads):
-        n = 0
+        n, ns = 0, P.get_ns(h)
         for k in P.get_keys(h):
-            rec = self.records.pop(k, None)
+            rec = self.records.pop((ns, k), None)
             if rec is not None:
                 self.used_bytes -= len(rec[0]) + _nbytes(rec[1])
-            spilled = self.spill.delete(k) if self.spill is not None else False
+            spilled = self.spill.delete(ns, k) if self.spill is not None else False
             n += int(rec is not None or spilled)
         self.c["deletes"] += n
         return {"deleted": n}, []
 
     def _op_clear(self, h, payloads):
-        self.records.clear()
-        self.used_bytes = 0
+        ns = P.get_ns(h)
+        mine = [k for k in self.records if k[0] == ns]
+        for k in mine:
+            hdr, payload = self.records.pop(k)
+            self.used_bytes -= len(hdr) + _nbytes(payload)
         if self.spill is not None:
-            self.spill.clear()
-        return {}, []
+            self.spill.clear(ns)
+        return {"cleared": len(mine)}, []
 
     def _op_stats(self, h, payloads):
         return {"stats": self.stats()}, []
 
     def _op_t_corrupt(self, h, payloads):
         """Test-only: damage a stored record in place (``how`` in :data:`zmq_protocol.CORRUPT_HOWS`)."""
-        keys = P.get_keys(h)
+        keys, ns = P.get_keys(h), P.get_ns(h)
         how = P.get_str(h, "how")
         if how not in P.CORRUPT_HOWS:
             raise P.ProtocolError("bad_request", f"how={how!r}: allowed values are {P.CORRUPT_HOWS}")
         done = 0
         for k in keys:
-            rec = self.records.get(k)
+            rec = self.records.get((ns, k))
             if rec is None:
                 continue
             hdr, payload = rec
@@ -383,11 +394,10 @@ class CacheServer:
             else:
                 from tierkv.storage_backends import page_format
 
-                ns = bytes(hdr[8:24])
                 other = bytes(x ^ 0x5A for x in ns)
                 hdr = page_format.encode_header(k, other, data)
             self.used_bytes -= len(rec[0]) + _nbytes(rec[1])
-            self.records[k] = (hdr, data)
+            self.records[(ns, k)] = (hdr, data)
             self.used_bytes += len(hdr) + len(data)
             done += 1
         return {"corrupted": done}, []
