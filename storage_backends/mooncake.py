@@ -1,0 +1,590 @@
+"""L3 backend over the real Mooncake store (``mooncake_master`` + ``mooncake.store.MooncakeDistributedStore``).
+
+Mooncake (kvcache-ai) is a distributed object store: a master keeps the key -> replica map and hands out space in
+memory *segments* that clients contribute (``global_segment_size``); data moves client-to-segment through its
+transfer engine (TCP here, RDMA on clusters). This is the L3 for users who outgrow one node (design §5).
+
+Objects. Page ``key`` (32 hex chars) of namespace ``ns`` is the Mooncake object ``<key_prefix>/<ns hex>/<key>``
+holding a :mod:`tierkv.storage_backends.page_format` record: a 64-byte header (magic, version, namespace, key,
+payload length, XXH3-64 of payload and header) followed by the ``page_bytes`` payload. Every read checks all of it,
+so a truncated, corrupted or foreign record (another namespace, another key, e.g. a segment region the master hands
+to another object after a restart, field scenario R16) is a miss, is counted in ``stats()["corrupt"]`` and is
+removed from the store so the key can be written again.
+
+Data path (measured on a 2-core CPU box against the same calls on bare payloads, see ``benchmarks/storage.py``):
+each batch is staged through *store-owned* buffers registered with Mooncake (``register_buffer``): a set copies
+each page into its slot behind its header and stores every record with one ``batch_upsert_from`` call (one
+transfer slice per page; upsert = insert or overwrite, so a set always replaces the page, like the file store's
+rename); a get fetches the records with one ``batch_get_into`` into a staging buffer, verifies them and copies the
+payloads out. Zero-copy from/to caller buffers (``batch_put_from_multi_buffers`` with a header slot and the page)
+was measured too: two slices per page made it no faster than the copy, and a call abandoned after a timeout could
+still write into a caller's page later. With staging, a late call only ever touches a buffer the store owns and
+does not reuse until that call has returned.
+
+Time bounds. The Mooncake client blocks (a SIGSTOPped master makes RPCs wait ~30 s, a dead one ~4 s), so every
+call runs on a worker thread and the caller waits at most ``timeout_s``; after that the call counts as a timeout
+(logged, ``stats()["timeouts"]``) and yields misses / ``False`` / 0. At most ``max_inflight`` calls may be
+outstanding (abandoned ones included); beyond that calls fail at once instead of piling up threads.
+
+Writer crashes (field scenario R15): a client killed between Mooncake's put-start and put-end leaves the key
+"processing" on the master; readers see it absent (a miss), a plain put of it is silently dropped by Mooncake, but an
+upsert claims it (or fails once if the dead writer's segment is gone, after which the master has dropped the
+stale entry and the single retry here succeeds).
+
+Master restarts (R16): objects the old master knew are gone (misses); clients reconnect and re-mount their segments
+by themselves (Mooncake's ping loop), new clients can join. Nothing stale is ever returned as data because of the
+header checks above.
+
+Requires ``mooncake-transfer-engine-non-cuda`` (CPU) or ``mooncake-transfer-engine`` and Debian's ``libibverbs1``.
+``MC_TCP_BIND_ADDRESS`` is set to ``local_hostname`` (if not already set) so the transfer engine listens on
+loopback in single-node setups.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import os
+import re
+import threading
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import torch
+import xxhash
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from tierkv.connector.config import ConfigError
+from tierkv.storage_backends.base import Buffer, StorageBackend
+from tierkv.storage_backends.file import as_byte_view, config_error, parse_bytes
+from tierkv.storage_backends.page_format import (
+    HEADER_BYTES,
+    PageFormatError,
+    check_key,
+    decode_header,
+    encode_header,
+)
+
+log = logging.getLogger("tierkv.storage.mooncake")
+
+#: Mooncake client error codes this module distinguishes (mooncake-store ``ErrorCode``).
+MC_OBJECT_NOT_FOUND = -704
+MC_BUFFER_TOO_SMALL = -600
+MC_UPSERT_CONFLICT = -601  # another client's put/upsert of the same key is in progress
+_NOT_FOUND_CODES = (MC_OBJECT_NOT_FOUND, -703)  # -703: not (yet) ready, e.g. a put in progress
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+class MooncakeStoreConfig(BaseModel):
+    """Keys of ``l3.mooncake`` (see ``configs/l3_mooncake.yaml``). Sizes take ints (bytes) or strings such as
+    ``"512MiB"``, ``"1gb"``. Unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    master_address: str = "127.0.0.1:50051"
+    metadata_server: str = "http://127.0.0.1:8080/metadata"
+    protocol: str = "tcp"
+    local_hostname: str = "127.0.0.1"
+    global_segment_size: int = Field(default=512 << 20, ge=0)
+    local_buffer_size: int = Field(default=16 << 20, ge=0)
+    device_name: str = ""
+    timeout_s: float = Field(default=5.0, gt=0, le=3600)
+    key_prefix: str = "tierkv"
+    staging_bytes: int = Field(default=160 << 20, gt=0)
+    max_inflight: int = Field(default=4, ge=1, le=64)
+    setup_timeout_s: float = Field(default=30.0, gt=0)
+    replica_num: int = Field(default=1, ge=1, le=16)
+    remove_corrupt: bool = True
+
+    @field_validator("global_segment_size", "local_buffer_size", "staging_bytes", mode="before")
+    @classmethod
+    def _size(cls, v: Any) -> Any:
+        return parse_bytes(v)
+
+    @field_validator("master_address")
+    @classmethod
+    def _hostport(cls, v: str) -> str:
+        host, sep, port = v.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError("expected host:port, e.g. 127.0.0.1:50051")
+        return v
+
+    @field_validator("metadata_server")
+    @classmethod
+    def _meta(cls, v: str) -> str:
+        if not (v.startswith(("http://", "etcd://", "redis://")) or v in ("P2PHANDSHAKE",)):
+            raise ValueError("expected an http://host:port/metadata URL (or etcd://, redis://, P2PHANDSHAKE)")
+        return v
+
+    @field_validator("protocol")
+    @classmethod
+    def _proto(cls, v: str) -> str:
+        if v not in ("tcp", "rdma", "efa", "cxl", "nvlink", "ascend"):
+            raise ValueError("allowed values are 'tcp', 'rdma', 'efa', 'cxl', 'nvlink', 'ascend'")
+        return v
+
+    @field_validator("key_prefix")
+    @classmethod
+    def _prefix(cls, v: str) -> str:
+        if not _PREFIX_RE.match(v):
+            raise ValueError("1-64 characters from [A-Za-z0-9_.-]")
+        return v
+
+
+class _Staging:
+    """One registered staging buffer of ``nbytes`` (a torch uint8 tensor, kept alive while registered)."""
+
+    __slots__ = ("tensor", "np", "ptr", "nbytes")
+
+    def __init__(self, nbytes: int):
+        self.tensor = torch.zeros(nbytes, dtype=torch.uint8)  # zeros: touch the pages now, not mid-transfer
+        self.np = self.tensor.numpy()
+        self.ptr = self.tensor.data_ptr()
+        self.nbytes = nbytes
+
+
+class _Hold:
+    """Shared ownership of a staging buffer by the caller and the worker running the Mooncake call; the buffer
+    goes back to the pool when both have let go (the worker may let go long after a timeout)."""
+
+    __slots__ = ("_n", "_lock", "_release")
+
+    def __init__(self, release: Callable[[], None]):
+        self._n, self._lock, self._release = 2, threading.Lock(), release
+
+    def drop(self) -> None:
+        with self._lock:
+            self._n -= 1
+            last = self._n == 0
+        if last:
+            self._release()
+
+
+class _RateLog:
+    """Warnings at most once per ``every_s`` per kind, with the number suppressed in between."""
+
+    def __init__(self, every_s: float = 10.0):
+        self._every, self._last, self._n = every_s, {}, {}
+        self._lock = threading.Lock()
+
+    def warning(self, kind: str, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(kind)
+            if last is not None and now - last < self._every:
+                self._n[kind] = self._n.get(kind, 0) + 1
+                return
+            self._last[kind] = now
+            n = self._n.pop(kind, 0)
+        log.warning(msg + (f" (+{n} similar suppressed)" if n else ""), *args)
+
+
+class MooncakeStore(StorageBackend):
+    """A :class:`~tierkv.storage_backends.base.StorageBackend` over one ``MooncakeDistributedStore`` client.
+
+    Args:
+        namespace: 16-byte namespace digest, written into and checked against every page header.
+        page_bytes: bytes of one page payload (> 0); sources and destinations must have exactly this many bytes.
+        master_address: ``host:port`` of ``mooncake_master``'s RPC port.
+        metadata_server: the transfer engine's metadata service, e.g. the master's own HTTP metadata server
+            ``http://127.0.0.1:8080/metadata`` (``mooncake_master -enable_http_metadata_server=true``).
+        protocol: transfer protocol (``tcp`` on CPU machines; ``rdma`` needs ``device_name``).
+        local_hostname: address this client's transfer engine advertises (loopback for one node).
+        global_segment_size: bytes of memory this client contributes to the store (0 = pure client).
+        local_buffer_size: bytes of Mooncake's own client buffer (used by its bytes API only).
+        device_name: RDMA device list for ``protocol: rdma``; empty for tcp.
+        timeout_s: the most a call waits for Mooncake (seconds); later results are dropped (miss/False/0).
+        key_prefix: first component of every Mooncake object name (``[A-Za-z0-9_.-]``, up to 64 chars).
+        staging_bytes: size of one registered staging buffer; a batch larger than it is split into several calls.
+        max_inflight: Mooncake calls that may be outstanding at once (including ones abandoned after a timeout).
+        setup_timeout_s: the most construction waits for the client to join the master.
+        replica_num: Mooncake replicas per object.
+        remove_corrupt: remove an object whose record fails verification (so the key can be stored again).
+    Raises:
+        ConfigError (a ``ValueError``): an unknown key or bad value, naming ``l3.mooncake.<key>``;
+            or the client cannot join the master within ``setup_timeout_s``.
+        TypeError: ``namespace``/``page_bytes`` of the wrong type.
+        ImportError: the Mooncake wheel is not installed.
+    """
+
+    def __init__(self, namespace: bytes, page_bytes: int, **cfg: Any):
+        if not isinstance(namespace, (bytes, bytearray)) or len(namespace) != 16:
+            raise TypeError(f"namespace must be 16 bytes, got {namespace!r}")
+        if isinstance(page_bytes, bool) or not isinstance(page_bytes, int) or page_bytes <= 0:
+            raise TypeError(f"page_bytes must be a positive int, got {page_bytes!r}")
+        try:
+            c = MooncakeStoreConfig.model_validate(cfg)
+        except ValidationError as e:
+            raise config_error(e, "l3.mooncake") from None
+        if c.staging_bytes < HEADER_BYTES + page_bytes:
+            raise ConfigError(f"bad value {c.staging_bytes!r} for 'l3.mooncake.staging_bytes': smaller than one "
+                              f"record ({HEADER_BYTES + page_bytes} bytes)")
+        self.cfg = c
+        self.namespace = bytes(namespace)
+        self.page_bytes = page_bytes
+        self.record_bytes = HEADER_BYTES + page_bytes
+        self.timeout_s = c.timeout_s
+        self._prefix = f"{c.key_prefix}/{self.namespace.hex()}/"
+        self._slots_per_staging = c.staging_bytes // self.record_bytes
+        self._lock = threading.Lock()
+        self._free: list[_Staging] = []
+        self._n_staging = 0
+        self._inflight = 0
+        self._closed = False
+        self._rlog = _RateLog()
+        self._counters = dict(hits=0, misses=0, sets=0, set_failures=0, corrupt=0, errors=0, timeouts=0,
+                              busy=0, evictions=0, bytes_in=0, bytes_out=0, removed_corrupt=0, set_retries=0)
+
+        if c.protocol == "tcp" and re.match(r"^[0-9.]+$", c.local_hostname):
+            os.environ.setdefault("MC_TCP_BIND_ADDRESS", c.local_hostname)
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig  # ImportError if not installed
+
+        self._rcfg = ReplicateConfig()
+        self._rcfg.replica_num = c.replica_num
+        self._store = MooncakeDistributedStore()
+        self._pool = cf.ThreadPoolExecutor(max_workers=c.max_inflight, thread_name_prefix="tierkv-mooncake")
+        fut = self._pool.submit(self._store.setup, c.local_hostname, c.metadata_server, c.global_segment_size,
+                                c.local_buffer_size, c.protocol, c.device_name, c.master_address)
+        try:
+            rc = fut.result(timeout=c.setup_timeout_s)
+        except cf.TimeoutError:
+            rc = None
+        if rc != 0:
+            self._pool.shutdown(wait=False)
+            what = "timed out" if rc is None else f"failed with code {rc}"
+            raise ConfigError(f"mooncake store setup {what}: master 'l3.mooncake.master_address'="
+                              f"{c.master_address!r}, metadata 'l3.mooncake.metadata_server'={c.metadata_server!r}")
+
+    # ------------------------------------------------------------------ helpers
+
+    def object_name(self, key: str) -> str:
+        """The Mooncake object name of page ``key`` (validated) in this store's namespace."""
+        check_key(key)
+        return self._prefix + key
+
+    @property
+    def client(self):
+        """The underlying ``MooncakeDistributedStore`` (for tests and tools; calls on it are not time-bounded)."""
+        return self._store
+
+    def _count(self, **inc: int) -> None:
+        with self._lock:
+            for k, v in inc.items():
+                self._counters[k] += v
+
+    def _take_staging(self) -> Optional[_Staging]:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+            if self._n_staging >= self.cfg.max_inflight:
+                return None
+            self._n_staging += 1
+        try:
+            st = _Staging(self._slots_per_staging * self.record_bytes)
+            rc = self._store.register_buffer(st.ptr, st.nbytes)
+            if rc != 0:
+                raise RuntimeError(f"register_buffer returned {rc}")
+            return st
+        except Exception:
+            with self._lock:
+                self._n_staging -= 1
+            raise
+
+    def _give_staging(self, st: _Staging) -> None:
+        with self._lock:
+            if self._closed:
+                self._n_staging -= 1
+                drop = True
+            else:
+                self._free.append(st)
+                drop = False
+        if drop:
+            try:
+                self._store.unregister_buffer(st.ptr)
+            except Exception:  # noqa: BLE001 - best effort at close
+                pass
+
+    def _call(self, what: str, fn: Callable[[], Any], hold: Optional[_Hold] = None) -> Any:
+        """Run ``fn`` on a worker thread and wait at most ``timeout_s``. Returns its result, or ``None`` after a
+        timeout, when ``max_inflight`` calls are outstanding, or if it raised (each counted and logged).
+        ``hold`` (if given) loses the worker's share when ``fn`` has returned (also late, after a timeout), or
+        at once if ``fn`` never starts."""
+        with self._lock:
+            if self._closed:
+                raise ValueError("MooncakeStore is closed")
+            busy = self._inflight >= self.cfg.max_inflight
+            if busy:
+                self._counters["busy"] += 1
+            else:
+                self._inflight += 1
+        if busy:
+            self._rlog.warning("busy", "mooncake %s: %d calls still outstanding (master hung?); failing fast",
+                               what, self.cfg.max_inflight)
+            if hold:
+                hold.drop()
+            return None
+
+        def done(_f: cf.Future) -> None:
+            with self._lock:
+                self._inflight -= 1
+            if hold:
+                hold.drop()
+
+        try:
+            fut = self._pool.submit(fn)
+        except RuntimeError:  # pool shut down by a concurrent close()
+            done(None)
+            return None
+        fut.add_done_callback(done)
+        try:
+            return fut.result(timeout=self.timeout_s)
+        except cf.TimeoutError:
+            self._count(timeouts=1)
+            self._rlog.warning("timeout", "mooncake %s: no answer within %.2fs from master %s; treated as a miss",
+                               what, self.timeout_s, self.cfg.master_address)
+        except Exception as e:  # noqa: BLE001 - a client error is a per-call failure, never a crash
+            self._count(errors=1)
+            self._rlog.warning("error", "mooncake %s failed: %s: %s", what, type(e).__name__, e)
+        return None
+
+    def _staging_hold(self, what: str, n: int, fail_counter: str) -> Optional[tuple[_Staging, _Hold]]:
+        try:
+            st = self._take_staging()
+        except Exception as e:  # noqa: BLE001
+            self._count(errors=1, **{fail_counter: n})
+            self._rlog.warning("staging", "mooncake: cannot register a staging buffer: %s", e)
+            return None
+        if st is None:
+            self._count(busy=1, **{fail_counter: n})
+            self._rlog.warning("busy", "mooncake %s: %d calls still outstanding (master hung?); failing fast",
+                               what, self.cfg.max_inflight)
+            return None
+        return st, _Hold(lambda: self._give_staging(st))
+
+    def _check_keys(self, keys: Sequence[str]) -> list[str]:
+        """Object names of ``keys``; ``ValueError`` (from :func:`check_key`) for any bad key, before any I/O."""
+        names = []
+        for k in keys:
+            check_key(k)
+            names.append(self._prefix + k)
+        return names
+
+    def _chunks(self, n: int):
+        step = self._slots_per_staging
+        for a in range(0, n, step):
+            yield a, min(n, a + step)
+
+    # ------------------------------------------------------------------ interface
+
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        """Number of leading ``keys`` whose objects exist (one ``batch_is_exist`` RPC); 0 on timeout/error."""
+        names = self._check_keys(keys)
+        if not names:
+            return 0
+        res = self._call("batch_exists", lambda: self._store.batch_is_exist(names))
+        if res is None:
+            return 0
+        n = 0
+        for r in res:
+            if r != 1:
+                if r < 0:
+                    self._count(errors=1)
+                break
+            n += 1
+        return n
+
+    def batch_get(self, keys: Sequence[str], destinations: Sequence[Buffer]) -> list[bool]:
+        """Fetch, verify and copy pages into ``destinations`` (writable, ``page_bytes`` each). A destination is
+        written only for a verified hit."""
+        names = self._check_keys(keys)
+        if len(destinations) != len(names):
+            raise ValueError(f"batch_get: {len(names)} keys but {len(destinations)} destinations")
+        dsts = [np.frombuffer(as_byte_view(d, self.page_bytes, True, f"destination {i}"), dtype=np.uint8)
+                for i, d in enumerate(destinations)]
+        out = [False] * len(names)
+        for a, b in self._chunks(len(names)):
+            bad = self._get_chunk(keys, names, dsts, list(range(a, b)), out, recheck=True)
+            if bad:
+                # A record that fails verification is fetched once more before it counts as corrupt (and is
+                # removed): a concurrent overwrite by another client must not be mistaken for damage.
+                bad = self._get_chunk(keys, names, dsts, bad, out, recheck=False)
+                self._count(corrupt=len(bad), misses=len(bad))
+                if bad and self.cfg.remove_corrupt:
+                    bad_names = [names[i] for i in bad]
+                    rm = self._call("remove_corrupt", lambda: self._store.batch_remove(bad_names, True))
+                    if rm is not None:
+                        self._count(removed_corrupt=sum(1 for r in rm if r == 0))
+        return out
+
+    def _get_chunk(self, keys, names, dsts, idx: list[int], out: list[bool], recheck: bool) -> list[int]:
+        """Fetch ``idx`` (at most one staging buffer's worth) and fill verified hits. Returns the indices whose
+        records failed verification (not counted yet as misses or corrupt)."""
+        rb, pb, n = self.record_bytes, self.page_bytes, len(idx)
+        sh = self._staging_hold("batch_get", n, "misses")
+        if sh is None:
+            return []
+        st, hold = sh
+        sub, ptrs = [names[i] for i in idx], [st.ptr + j * rb for j in range(n)]
+        bad: list[int] = []
+        hits = misses = errors = 0
+        try:
+            res = self._call("batch_get", lambda: self._store.batch_get_into(sub, ptrs, [rb] * n), hold)
+            if res is None:
+                self._count(misses=n)
+                return []
+            for j, (i, r) in enumerate(zip(idx, res)):
+                if r == rb:
+                    rec = st.np[j * rb:(j + 1) * rb]
+                    try:
+                        psum = decode_header(memoryview(rec[:HEADER_BYTES]), keys[i], self.namespace, pb)
+                        if xxhash.xxh3_64_intdigest(memoryview(rec[HEADER_BYTES:])) != psum:
+                            raise PageFormatError("payload checksum mismatch")
+                    except PageFormatError as e:
+                        bad.append(i)
+                        if not recheck:
+                            self._rlog.warning("corrupt", "mooncake: page %s is not a valid record (%s); a miss",
+                                               keys[i], e)
+                        continue
+                    dsts[i][:] = rec[HEADER_BYTES:]
+                    out[i] = True
+                    hits += 1
+                elif r in _NOT_FOUND_CODES:
+                    misses += 1
+                elif r >= 0 or r == MC_BUFFER_TOO_SMALL:  # a record of another length: truncated or foreign
+                    bad.append(i)
+                    if not recheck:
+                        self._rlog.warning("corrupt", "mooncake: page %s has a record of the wrong length (%d); "
+                                           "a miss", keys[i], r)
+                else:
+                    errors += 1
+                    misses += 1
+                    self._rlog.warning("get_error", "mooncake batch_get: key %s failed with code %d", keys[i], r)
+        finally:
+            hold.drop()
+        self._count(hits=hits, misses=misses, errors=errors, bytes_out=hits * pb)
+        return bad
+
+    def batch_set(self, keys: Sequence[str], sources: Sequence[Buffer]) -> list[bool]:
+        """Store pages (``page_bytes`` each) as header+payload records, replacing any existing record of a key
+        (Mooncake upsert). ``True`` per key once Mooncake has accepted the whole record."""
+        names = self._check_keys(keys)
+        if len(sources) != len(names):
+            raise ValueError(f"batch_set: {len(names)} keys but {len(sources)} sources")
+        srcs = [as_byte_view(s, self.page_bytes, False, f"source {i}") for i, s in enumerate(sources)]
+        out = [False] * len(names)
+        for a, b in self._chunks(len(names)):
+            self._set_chunk(keys, names, srcs, a, b, out)
+        return out
+
+    def _set_chunk(self, keys, names, srcs, a: int, b: int, out: list[bool]) -> None:
+        rb, n = self.record_bytes, b - a
+        sh = self._staging_hold("batch_set", n, "set_failures")
+        if sh is None:
+            return
+        st, hold = sh
+        try:
+            for j in range(n):
+                rec = st.np[j * rb:(j + 1) * rb]
+                rec[HEADER_BYTES:] = np.frombuffer(srcs[a + j], dtype=np.uint8)
+                rec[:HEADER_BYTES] = np.frombuffer(
+                    encode_header(keys[a + j], self.namespace, memoryview(rec[HEADER_BYTES:])), dtype=np.uint8)
+        except BaseException:
+            hold.drop()
+            hold.drop()
+            raise
+        sub, ptrs, rcfg = names[a:b], [st.ptr + j * rb for j in range(n)], self._rcfg
+        retried = [0]
+
+        def upsert() -> list[int]:
+            deadline = time.monotonic() + 0.8 * self.timeout_s
+            res = list(self._store.batch_upsert_from(sub, ptrs, [rb] * n, rcfg))
+            plain_retry_done, pause = False, 0.001
+            while True:
+                conflict = [j for j, r in enumerate(res) if r == MC_UPSERT_CONFLICT]
+                other = [] if plain_retry_done else [j for j, r in enumerate(res) if r not in (0, MC_UPSERT_CONFLICT)]
+                # Another client's upsert of the same key is in flight (-601): retry with backoff until it is done.
+                # Any other failure gets one retry: a key left "processing" by a crashed writer whose segment is
+                # gone fails its first upsert, the master then drops that entry and the retry claims it (R15).
+                again = conflict + other
+                if not again or (not other and time.monotonic() + pause > deadline):
+                    return res
+                if other:
+                    plain_retry_done = True
+                if conflict:
+                    time.sleep(pause)  # backoff before retrying a key another writer holds
+                    pause = min(pause * 2, 0.05)
+                retried[0] += len(again)
+                rr = self._store.batch_upsert_from([sub[j] for j in again], [ptrs[j] for j in again],
+                                                   [rb] * len(again), rcfg)
+                for j, r in zip(again, rr):
+                    res[j] = r
+
+        try:
+            res = self._call("batch_set", upsert, hold)
+        finally:
+            hold.drop()
+        if res is not None:
+            for j, r in enumerate(res):
+                out[a + j] = r == 0
+            codes = sorted({r for r in res if r != 0})
+            if codes:
+                self._rlog.warning("set_error", "mooncake batch_set: %d of %d pages failed (codes %s)",
+                                   sum(1 for r in res if r != 0), n, codes)
+        n_ok = sum(out[a:b])
+        self._count(sets=n_ok, set_failures=n - n_ok, bytes_in=n_ok * self.page_bytes, set_retries=retried[0])
+
+    def remove(self, keys: Sequence[str]) -> list[bool]:
+        """Remove pages (forced: ignores Mooncake's read leases). ``True`` per key removed."""
+        names = self._check_keys(keys)
+        if not names:
+            return []
+        res = self._call("remove", lambda: self._store.batch_remove(names, True))
+        return [False] * len(names) if res is None else [r == 0 for r in res]
+
+    def clear(self) -> None:
+        """Remove every page of this namespace (``remove_by_regex`` on the object-name prefix)."""
+        pat = "^" + re.escape(self._prefix)
+        self._call("clear", lambda: self._store.remove_by_regex(pat, True))
+
+    def healthy(self) -> bool:
+        """``True`` if the client reaches its master now (Mooncake ``health_check``), within ``timeout_s``."""
+        return self._call("health_check", self._store.health_check) == 0
+
+    def stats(self) -> dict[str, Any]:
+        """Counters: ``hits``, ``misses`` (corrupt included), ``sets``, ``set_failures``, ``corrupt`` (records that
+        failed verification), ``removed_corrupt``, ``errors`` (Mooncake error codes/exceptions), ``timeouts``,
+        ``busy`` (calls refused while ``max_inflight`` were outstanding), ``set_retries``, ``evictions`` (always 0:
+        Mooncake evicts on its own), ``bytes_in``/``bytes_out`` (payload bytes stored/returned), ``inflight``."""
+        with self._lock:
+            s = dict(self._counters)
+            s["inflight"] = self._inflight
+        s["backend"] = "mooncake"
+        return s
+
+    def close(self) -> None:
+        """Unregister staging buffers and close the Mooncake client. Idempotent. If calls are still outstanding
+        (a hung master) the client is left to the process exit instead of being closed under them."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            free, self._free = self._free, []
+            self._n_staging -= len(free)
+            inflight = self._inflight
+        for st in free:
+            try:
+                self._store.unregister_buffer(st.ptr)
+            except Exception:  # noqa: BLE001
+                pass
+        self._pool.shutdown(wait=False)
+        if inflight == 0:
+            try:
+                self._store.close()
+            except Exception as e:  # noqa: BLE001
+                log.warning("mooncake close: %s", e)
+        else:
+            log.warning("mooncake close: %d calls still outstanding; client not closed", inflight)
+
+    def __repr__(self) -> str:
+        return (f"MooncakeStore(master={self.cfg.master_address!r}, namespace={self.namespace.hex()}, "
+                f"page_bytes={self.page_bytes})")
