@@ -38,6 +38,7 @@ from .config import ConfigError, TierKVConfig, config_from_extra
 from .metrics import StatsFile
 from .page_hash import ModelNamespace
 from .plan import StepPlan
+from .vllm_metrics import CounterDeltas, TierKVPromMetrics, TierKVStats
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.config import VllmConfig
@@ -118,6 +119,7 @@ class TierKVConnector(KVConnectorBase_V1):
             self._stats = StatsFile(self.cfg.stats_path, "scheduler", self._sched.stats)
         else:
             self._stats = StatsFile(self.cfg.stats_path, "worker", self._worker_stats)
+        self._deltas = CounterDeltas()
         atexit.register(self._stats.maybe_write, True)
 
     # =========================================================== class-level hooks
@@ -128,6 +130,19 @@ class TierKVConnector(KVConnectorBase_V1):
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> Optional[str]:
         return None  # any layout: the device pool adapter reads the one vLLM resolved
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[dict] = None) -> TierKVStats:
+        return TierKVStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return TierKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def get_kv_connector_stats(self) -> Optional[TierKVStats]:
+        """Counter increases since the previous call (both roles; vLLM sums the workers')."""
+        snap = self._sched.stats() if self._sched is not None else self._worker_stats()
+        return self._deltas.take(snap)
 
     # =========================================================== scheduler side
     def on_new_request(self, request: "Request") -> None:
