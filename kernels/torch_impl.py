@@ -3,8 +3,11 @@
 Pairs (block, slot) are merged into runs of consecutive blocks and consecutive slots
 (:func:`tierkv.kernels.plan_runs`); each run is one strided ``copy_`` that covers every selected layer at once
 when the device pool has all-layer views (vLLM's single shared allocation), so a batch of consecutive pages is a
-handful of large copies. ``index_copy_``/``index_put_`` scatter is never used (about 2 GB/s for 64 KiB pages
-where ``copy_`` reaches 17 GB/s on the machine this was measured on).
+handful of large copies. Saves of scattered block ids into consecutive slots (what the slot allocator hands out)
+are one ``torch.index_select(..., out=host_slice)`` gather per slot run instead. ``index_copy_``/``index_put_``
+scatter is never used (about 2 GB/s for 64 KiB pages where ``copy_`` reaches 17 GB/s on the machine this was
+measured on); loads into scattered blocks are slice copies per run. Copies run with :data:`COPY_THREADS` intra-op
+threads (default 1, see there).
 
 * ``layer_first`` (opaque bytes): ``host[l, s:s+k, :] <-> dev_bytes[l, b:b+k, :]``.
 * ``page_first`` / ``page_first_direct`` (semantic): per part (K, V or MLA latent),
@@ -13,14 +16,38 @@ where ``copy_`` reaches 17 GB/s on the machine this was measured on).
 """
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
 from typing import Optional
 
 import torch
 
 from . import plan_runs
 
-#: runs shorter than this (pages) on average, in a save, switch to an ``index_select`` gather per slot run
+#: a save switches to ``index_select`` gathers (one per run of consecutive slots) when it has at least this many
+#: times more (block, slot) runs than slot runs, i.e. when block ids are scattered
 GATHER_MIN_AVG_RUN = 2
+#: intra-op threads used by the copies (env ``TIERKV_COPY_THREADS``; 0 = leave torch's setting alone). Default 1:
+#: vLLM's CPU backend gives the connector one reserved core per rank while its OpenMP threads hold the others,
+#: and a multi-threaded copy then oversubscribes the cores; measured on a loaded 2-core box, a 256 KiB ``copy_``
+#: took ~34 ms with 2 threads and ~13 us with 1.
+COPY_THREADS = int(os.environ.get("TIERKV_COPY_THREADS", "1"))
+
+
+@contextmanager
+def copy_threads(n: Optional[int] = None):
+    """Run the body with ``n`` (default :data:`COPY_THREADS`) torch intra-op threads, restoring the previous count.
+    With OpenMP the count is per calling thread, so a copy thread does not change the engine's forward threads."""
+    n = COPY_THREADS if n is None else n
+    prev = torch.get_num_threads()
+    if n <= 0 or n == prev:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
 
 
 def _pairs(dev, host, ls):
@@ -49,34 +76,41 @@ def _pairs(dev, host, ls):
 def transfer(dev, host, block_ids: list[int], slots: list[int], layers: Optional[list[int]], save: bool,
              **_ignored) -> None:
     """Move pages; arguments already validated by :func:`tierkv.kernels.validate_transfer`."""
+    with copy_threads():
+        _transfer(dev, host, block_ids, slots, layers, save)
+
+
+def _transfer(dev, host, block_ids, slots, layers, save) -> None:
     runs = plan_runs(block_ids, slots)
     pairs = _pairs(dev, host, layers)
-    if save and len(runs) * GATHER_MIN_AVG_RUN > len(block_ids) and host.layout == "layer_first" and layers is not None:
-        _gather_save(pairs, block_ids, slots, dev.device)
-        return
-    for d, h in pairs:
-        if save:
+    if save:
+        groups = _slot_groups(block_ids, slots, dev.device)
+        if len(runs) >= GATHER_MIN_AVG_RUN * len(groups) and len(runs) > len(groups):
+            # scattered block ids: one index_select gather per run of consecutive slots (no Python loop per page)
+            for d, h in pairs:
+                for s0, idx in groups:
+                    torch.index_select(d, 0, idx, out=h[s0:s0 + idx.numel()])
+            return
+        for d, h in pairs:
             for b, s, k in runs:
                 h[s:s + k].copy_(d[b:b + k])
-        else:
+    else:
+        # scatter into L1: slice copies per run (index_copy_/index_put_ measured 1.5-2x slower here)
+        for d, h in pairs:
             for b, s, k in runs:
                 d[b:b + k].copy_(h[s:s + k])
 
 
-def _gather_save(pairs, block_ids, slots, device) -> None:
-    """Save with scattered block ids: per run of consecutive slots, one ``index_select(..., out=)`` gather per
-    (contiguous) host row range."""
+def _slot_groups(block_ids, slots, device) -> list[tuple[int, torch.Tensor]]:
+    """Runs of consecutive slots with their (arbitrary) block ids: ``[(first_slot, block_id_tensor)]``."""
     order = sorted(range(len(slots)), key=slots.__getitem__)
-    s_sorted = [slots[i] for i in order]
-    b_sorted = [block_ids[i] for i in order]
     groups = []
     i = 0
-    while i < len(s_sorted):
+    while i < len(order):
         j = i + 1
-        while j < len(s_sorted) and s_sorted[j] == s_sorted[i] + (j - i):
+        s0 = slots[order[i]]
+        while j < len(order) and slots[order[j]] == s0 + (j - i):
             j += 1
-        groups.append((s_sorted[i], torch.tensor(b_sorted[i:j], dtype=torch.long, device=device)))
+        groups.append((s0, torch.tensor([block_ids[x] for x in order[i:j]], dtype=torch.long, device=device)))
         i = j
-    for d, h in pairs:
-        for s0, idx in groups:
-            torch.index_select(d, 0, idx, out=h[s0:s0 + idx.numel()])
+    return groups
