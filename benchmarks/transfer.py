@@ -134,15 +134,17 @@ def bench_layerwise(device, dev, host, n_pages, compute_ms):
     # calibrate one layer of fake forward work to about compute_ms
     reps = 1
     while True:
-        t = _time(lambda: [a @ a for _ in range(reps)], device)
+        with copy_threads(1 if device.type == "cpu" else 0):
+            t = _time(lambda: [a @ a for _ in range(reps)], device)
         if t * 1e3 >= compute_ms / 4 or reps > 1 << 16:
             break
         reps *= 2
     reps = max(1, int(reps * compute_ms / (t * 1e3)))
 
-    def layer_compute():
-        for _ in range(reps):
-            a @ a
+    def layer_compute():  # the engine's forward on its own core(s): one thread, as the copy thread has one
+        with copy_threads(1 if device.type == "cpu" else 0):
+            for _ in range(reps):
+                a @ a
         _sync(device)
 
     t_compute = _time(lambda: [layer_compute() for _ in range(dev.num_layers)], device)
@@ -199,6 +201,7 @@ def main(argv=None):
     ap.add_argument("--patterns", default="run,scattered")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--layerwise-only", action="store_true", help="only the layer-wise timeline; merged into --out")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -216,6 +219,15 @@ def main(argv=None):
     print(f"{dev}\nhost pools: {max(batches)} slots x {pools['layer_first'].page_bytes} B; torch threads "
           f"{torch.get_num_threads()}; reps {reps}\n")
     print(f"{'layout':18s} {'dir':7s} {'pages':>5s} {'ids':9s} {'tierkv':>12s}  {'reference':>16s}  ratio")
+    path = Path(args.out) if args.out else Path(__file__).parent / "results" / (
+        "transfer.json" if device.type == "cpu" else "transfer_gpu.json")
+    if args.layerwise_only:
+        old = json.loads(path.read_text())
+        old["layerwise"] = bench_layerwise(device, dev, pools["layer_first"], min(1024, max(batches)),
+                                           compute_ms=(30.0 if device.type == "cpu" else 1.0))
+        path.write_text(json.dumps(old, indent=1) + "\n")
+        print(f"\nupdated {path}")
+        return
     rows = bench_transfers(device, dev, pools, batches, args.patterns.split(","), reps)
     if device.type == "cpu":
         for extra in [x for x in args.extra_device_layouts.split(",") if x and x != name]:
@@ -225,7 +237,7 @@ def main(argv=None):
             rows += bench_transfers(device, edev, epools, [max(batches)], args.patterns.split(","), reps)
             del edev, epools
     lw = bench_layerwise(device, dev, pools["layer_first"], min(1024, max(batches)),
-                         compute_ms=(4.0 if device.type == "cpu" else 1.0))
+                         compute_ms=(30.0 if device.type == "cpu" else 1.0))
     out = dict(
         benchmark="transfer", device=str(device), device_layout=dev.layout_tag, backend=dev.backend,
         model=dict(MODEL, dtype=str(MODEL["dtype"]), page_bytes=dev.num_layers * dev.block_bytes,
@@ -238,8 +250,6 @@ def main(argv=None):
                         threads=torch.get_num_threads(), copy_threads=COPY_THREADS, reps=reps, note="shared, noisy machine; medians of "
                         "interleaved repetitions"),
         time=time.strftime("%Y-%m-%d %H:%M:%S"), rows=rows, layerwise=lw)
-    path = Path(args.out) if args.out else Path(__file__).parent / "results" / (
-        "transfer.json" if device.type == "cpu" else "transfer_gpu.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1) + "\n")
     print(f"\nwrote {path}")
