@@ -158,6 +158,10 @@ def run_job(
     engine_args["model"] = str(model_dir)
     if num_gpu_blocks_override is not None:
         engine_args["num_gpu_blocks_override"] = int(num_gpu_blocks_override)
+        if "max_model_len" not in engine_args:
+            # vLLM refuses to start if one max-length request does not fit in L1 (less its null block).
+            engine_args["max_model_len"] = min(_model_max_len(model_dir),
+                                               (int(num_gpu_blocks_override) - 1) * int(engine_args["block_size"]))
 
     job = {"engine_args": engine_args, "kv_transfer_config": kvc, "max_tokens": int(max_tokens),
            "workloads": workloads}
@@ -240,6 +244,13 @@ def run_workload(
     return flat
 
 
+def _model_max_len(model_dir) -> int:
+    try:
+        return int(json.loads((Path(model_dir) / "config.json").read_text())["max_position_embeddings"])
+    except (OSError, ValueError, KeyError):
+        return 1 << 30
+
+
 def read_stats(stats_dir: str | os.PathLike) -> dict[str, Any]:
     """``{file name: parsed JSON}`` for every ``*.json`` file in ``stats_dir`` (unreadable files -> their error)."""
     out: dict[str, Any] = {}
@@ -256,7 +267,8 @@ def stats_by_role(result_or_stats: dict) -> dict[str, dict]:
 
     File names follow ``{role}-{pid}.json`` (the ``stats_path`` set by :func:`run_job`), so the role is the
     part before the last ``-``. Numbers are summed across files of the same role (one file per process: the
-    scheduler, and one worker per rank); nested dicts are summed key by key; other values keep the last seen.
+    scheduler, and one worker per rank); nested dicts are summed key by key; ``pid`` and non-numbers keep the last seen. Gauges (``num_slots``,
+    ``free_slots``) are summed too, which is right for per-rank pools.
     """
     stats = result_or_stats.get("stats", result_or_stats) if "stats" in result_or_stats else result_or_stats
     merged: dict[str, dict] = {}
@@ -269,7 +281,7 @@ def stats_by_role(result_or_stats: dict) -> dict[str, dict]:
 
 def _sum_into(acc: dict, new: dict) -> None:
     for k, v in new.items():
-        if isinstance(v, bool) or not isinstance(v, (int, float, dict)):
+        if isinstance(v, bool) or not isinstance(v, (int, float, dict)) or k == "pid":
             acc[k] = v
         elif isinstance(v, dict):
             _sum_into(acc.setdefault(k, {}) if isinstance(acc.get(k), dict) else acc.setdefault(k, {}), v)
