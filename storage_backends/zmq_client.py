@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import os
 import random
 import threading
 import time
@@ -146,6 +147,7 @@ class ZmqStore(StorageBackend):
         self._retry_at = 0.0
         self._pending = 0
         self._closed = False
+        self._pid = os.getpid()
         self.c = dict(requests=0, hits=0, misses=0, sets=0, set_failures=0, corrupt=0, errors=0, timeouts=0,
                       reconnects=0, fast_fails=0, stale_replies=0, bad_replies=0, error_replies=0, bytes_in=0,
                       bytes_out=0, max_pending=0, evictions=0)
@@ -199,6 +201,8 @@ class ZmqStore(StorageBackend):
             if self._closed:
                 self.c["errors"] += len(msgs)
                 return done
+            if os.getpid() != self._pid:  # forked: the parent's context and socket are not usable here
+                self._ctx, self._sock, self._pid = zmq.Context(), None, os.getpid()
             now = time.monotonic()
             if now < self._retry_at:
                 self.c["fast_fails"] += len(msgs)
@@ -260,7 +264,9 @@ class ZmqStore(StorageBackend):
                     continue
                 if not rh["ok"]:
                     self.c["error_replies"] += 1
-                    log.warning("tierkv zmq server refused %s: %s: %.200s", op, rh.get("code"), rh.get("err"))
+                    err = rh.get("err")
+                    log.warning("tierkv zmq server refused %s: %s: %s", op, P.brief(rh.get("code")),
+                                err[:200] if isinstance(err, str) else P.brief(err))
                     continue
                 try:
                     on_reply(i, rh, frames[1:])
@@ -290,7 +296,7 @@ class ZmqStore(StorageBackend):
             def on_reply(i, rh, frames, n=e - s):
                 v = rh.get("lead")
                 if frames or type(v) is not int or not 0 <= v <= n:
-                    raise P.ProtocolError("bad_reply", f"exists reply lead={v!r:.40} frames={len(frames)}")
+                    raise P.ProtocolError("bad_reply", f"exists reply lead={P.brief(v)} frames={len(frames)}")
                 got["lead"] = v
 
             if not self._exchange([({"op": "exists", "ns": self.namespace, "keys": list(keys[s:e])}, [])], on_reply)[0]:
@@ -321,7 +327,7 @@ class ZmqStore(StorageBackend):
                 raise P.ProtocolError("bad_reply", "get reply: 'hits' is not one bool per key")
             nh = sum(hits)
             if not isinstance(hdrs, list) or len(hdrs) != nh or len(frames) != nh:
-                raise P.ProtocolError("bad_reply", f"get reply: {nh} hits, {len(hdrs) if isinstance(hdrs, list) else hdrs!r:.20} "
+                raise P.ProtocolError("bad_reply", f"get reply: {nh} hits, {len(hdrs) if isinstance(hdrs, list) else P.brief(hdrs)} "
                                                    f"headers, {len(frames)} payload frames")
             j = 0
             for off, hit in enumerate(hits):

@@ -126,11 +126,21 @@ def unpack_header(frame: Any, *, max_map_len: int = 32, max_array_len: int = MAX
     return obj
 
 
+def brief(v: Any) -> str:
+    """A short, safe description of an untrusted value for error text: the repr of a scalar (cut to 60 chars),
+    else only its type (a deeply nested container is never repr'd)."""
+    if v is None or isinstance(v, (bool, int, float)):
+        return repr(v)[:60]
+    if isinstance(v, (str, bytes)):
+        return repr(v[:60])
+    return f"<{type(v).__name__}>"
+
+
 def get_int(h: dict, name: str, lo: int = 0, hi: int = MAX_ID, default: Optional[int] = None) -> int:
     """Field ``name`` of header ``h`` as an int in [lo, hi] (bools refused). Raises :class:`ProtocolError`."""
     v = h.get(name, default)
     if type(v) is not int or not lo <= v <= hi:
-        raise ProtocolError("bad_request", f"field {name!r} must be an integer in [{lo}, {hi}], got {v!r:.80}")
+        raise ProtocolError("bad_request", f"field {name!r} must be an integer in [{lo}, {hi}], got {brief(v)}")
     return v
 
 
@@ -155,7 +165,7 @@ def get_keys(h: dict, name: str = "keys") -> list:
         raise ProtocolError("bad_request", f"field {name!r} must be an array of keys")
     for k in v:
         if not isinstance(k, str) or not KEY_RE.match(k):
-            raise ProtocolError("bad_request", f"invalid key {k!r:.80} in {name!r}: expected 32 lowercase hex chars")
+            raise ProtocolError("bad_request", f"invalid key {brief(k)} in {name!r}: expected 32 lowercase hex chars")
     return v
 
 

@@ -265,7 +265,7 @@ class CacheServer:
                 raise P.ProtocolError("too_large", f"message of {total} bytes > limit {self.max_message_bytes}")
             req_id = P.get_int(h, "id")
             if h.get("v") != P.PROTOCOL_VERSION:
-                raise P.ProtocolError("version", f"protocol version {h.get('v')!r:.40} not supported "
+                raise P.ProtocolError("version", f"protocol version {P.brief(h.get('v'))} not supported "
                                                  f"(server speaks {P.PROTOCOL_VERSION})")
             op = P.get_str(h, "op")
             if self.token is not None:
@@ -280,7 +280,7 @@ class CacheServer:
                 raise P.ProtocolError("unknown_op", f"unknown op {op[:40]!r}; allowed: {', '.join(P.OPS)}")
             payloads = frames[1:]
             if op != "set" and payloads:
-                raise P.ProtocolError("bad_request", f"op {op!r} takes no payload frames, got {len(payloads)}")
+                raise P.ProtocolError("bad_request", f"op {op[:40]!r} takes no payload frames, got {len(payloads)}")
             body, out = fn(self, h, payloads)
         except P.ProtocolError as e:
             self.c["errors"] += 1
@@ -377,7 +377,7 @@ class CacheServer:
         keys, ns = P.get_keys(h), P.get_ns(h)
         how = P.get_str(h, "how")
         if how not in P.CORRUPT_HOWS:
-            raise P.ProtocolError("bad_request", f"how={how!r}: allowed values are {P.CORRUPT_HOWS}")
+            raise P.ProtocolError("bad_request", f"how={how[:40]!r}: allowed values are {P.CORRUPT_HOWS}")
         done = 0
         for k in keys:
             rec = self.records.get((ns, k))

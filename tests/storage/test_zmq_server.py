@@ -271,6 +271,12 @@ def test_r19_hostile_frames_get_error_replies_and_service_continues(srv, tmp_pat
                                         payloads=[b"p"]), "bad_request"),
         ("get with payload frames", dict(header=req(op="get", keys=keys_of(1)), payloads=[b"x"]), "bad_request"),
         ("bool as id", dict(header=req(id=True)), "bad_request"),
+        ("id nested 900 deep", dict(raw_header=b"\x84\xa1v\x01\xa2op\xa4ping\xa4keys\x90\xa2id"
+                                    + b"\x91" * 900 + b"\x01"), "bad_request"),
+        ("version nested 900 deep", dict(raw_header=b"\x84\xa1v" + b"\x91" * 900 + b"\x01"
+                                         + b"\xa2op\xa4ping\xa4keys\x90\xa2id\x01"), "version"),
+        ("key nested 900 deep", dict(raw_header=b"\x84\xa1v\x01\xa2op\xa3get\xa2id\x01\xa4keys\x91"
+                                     + b"\x91" * 900 + b"\x01"), "bad_request"),
     ]
     for i, (name, kw, code) in enumerate(cases):
         rep = FZ.raw_request(ep, kw.get("header"), kw.get("payloads", []), raw_header=kw.get("raw_header"))
@@ -345,6 +351,23 @@ def test_r19_random_and_truncated_msgpack_fuzz(srv, tmp_path):
     st = srv.server_stats()
     assert st["errors"] > 0 and st["pending_writes"] == 0
     assert FZ.rss_bytes(srv.pid) - rss0 < 32 * MiB
+
+
+def test_shipped_l3_zmq_config_builds_a_working_store(srv):
+    """configs/l3_zmq.yaml validates, and the factory builds a ZmqStore from it (endpoint overridden)."""
+    from tierkv.connector.config import load_config
+    from tierkv.storage_backends.factory import build_backend
+
+    cfg = load_config("l3_zmq.yaml", {"l3.zmq.endpoint": srv.endpoint})
+    assert cfg.l3.backend == "zmq"
+    st = build_backend(cfg.l3, NS, 4096)
+    try:
+        assert isinstance(st, ZmqStore) and st.endpoint == srv.endpoint and st.timeout_s == cfg.l3.zmq["timeout_s"]
+        k, src = keys_of(1, salt=10), pages(1, 4096, 10)
+        dst = [torch.zeros(4096, dtype=torch.uint8)]
+        assert st.batch_set(k, src) == [True] and st.batch_get(k, dst) == [True] and torch.equal(dst[0], src[0])
+    finally:
+        st.close()
 
 
 def test_test_op_corrupt_validates_how(srv):
