@@ -360,8 +360,9 @@ class ZmqStore(StorageBackend):
     def batch_set(self, keys: Sequence[str], sources: Sequence[Buffer]) -> list[bool]:
         """Store ``sources`` (``page_bytes`` buffers, sent zero-copy) under ``keys``; one bool per key.
 
-        The server stores a message's pages whole or not at all (ZMQ delivers multipart messages atomically).
-        Raises ValueError for bad keys or buffers (caller bugs)."""
+        The server stores a message's pages whole or not at all (ZMQ delivers multipart messages atomically). A
+        set reported ``False`` because of a timeout may still land later, complete (like any timed-out remote
+        write), never partially. Raises ValueError for bad keys or buffers (caller bugs)."""
         if len(keys) != len(sources):
             raise ValueError(f"batch_set: {len(keys)} keys but {len(sources)} sources")
         for k in keys:
@@ -434,10 +435,9 @@ class ZmqStore(StorageBackend):
         errors, timeouts, reconnects, fast_fails (calls skipped during back-off), stale_replies, bad_replies,
         error_replies, bytes_in/bytes_out (payload bytes), evictions (server evictions caused by this client's
         sets), pending (requests awaiting a reply now), max_pending, connected (a socket is open)."""
-        with self._lock:
-            s = dict(self.c)
-            s.update(pending=self._pending, connected=self._sock is not None, backend="zmq", endpoint=self.endpoint)
-            return s
+        s = dict(self.c)  # no lock: never waits behind a call that is waiting for the server
+        s.update(pending=self._pending, connected=self._sock is not None, backend="zmq", endpoint=self.endpoint)
+        return s
 
     def close(self) -> None:
         """Close the socket and the ZMQ context. Idempotent; later calls return misses/False."""
