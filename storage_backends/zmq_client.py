@@ -39,7 +39,7 @@ import zmq
 from tierkv.connector.config import ConfigError
 from tierkv.storage_backends import zmq_protocol as P
 from tierkv.storage_backends.base import Buffer, StorageBackend
-from tierkv.storage_backends.page_format import (HEADER_BYTES, PageFormatError, check_key, decode_header,
+from tierkv.storage_backends.page_format import (PageFormatError, check_key, decode_header,
                                                  encode_header, verify_payload)
 
 log = logging.getLogger("tierkv.zmq_client")

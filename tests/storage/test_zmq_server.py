@@ -20,7 +20,6 @@ import torch
 import _fixtures_zmq as FZ
 from tierkv.storage_backends import zmq_protocol as P
 from tierkv.storage_backends import zmq_server
-from tierkv.storage_backends.page_format import encode_header
 from tierkv.storage_backends.zmq_client import ZmqStore
 
 KiB, MiB = 1 << 10, 1 << 20
