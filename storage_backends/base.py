@@ -19,11 +19,12 @@ No method raises for a per-key failure or a dead/slow medium: errors become ``Fa
 from __future__ import annotations
 
 import abc
-from typing import Any, Sequence, Union
+from typing import TYPE_CHECKING, Any, Sequence, Union
 
-import torch
+if TYPE_CHECKING:  # no torch import at run time: the cache server process stays small and starts fast
+    import torch
 
-Buffer = Union[torch.Tensor, memoryview, bytearray, bytes]
+Buffer = Union["torch.Tensor", memoryview, bytearray, bytes]
 
 
 class StorageBackend(abc.ABC):
