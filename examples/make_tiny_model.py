@@ -127,6 +127,7 @@ def make_model(path: str | os.PathLike | None = None, preset: str = "test", *, s
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the model is an ordinary readable directory
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,

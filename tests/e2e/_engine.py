@@ -66,6 +66,7 @@ DEFAULT_ENGINE_ARGS = {
     "dtype": "bfloat16",
     "seed": 0,
     "max_num_seqs": 16,
+    "disable_log_stats": False,  # keeps vLLM's Prometheus counters, read per workload (``vllm_counters``)
 }
 
 
@@ -134,7 +135,9 @@ def run_job(
     ``env`` entries override :data:`DEFAULT_ENV` (a value of None removes the variable).
 
     Returns a dict: ``workloads`` ({name: per-request lists ``outputs``, ``num_cached_tokens``, ``ttft_s``,
-    ``latency_s``, ``prompt_lens``, ``finish_reasons``, and ``wall_s``}), ``startup_s``, ``shutdown_s``,
+    ``latency_s``, ``prompt_lens``, ``finish_reasons``, plus ``wall_s`` and ``vllm_counters``, the change of
+    vLLM's Prometheus counters over the workload: ``vllm:prefix_cache_hits`` = L1 hit tokens,
+    ``vllm:external_prefix_cache_hits`` = tokens a connector supplied, ``vllm:prompt_tokens`` ...}), ``startup_s``, ``shutdown_s``,
     ``stats`` ({file name: JSON content} of every ``*.json`` under ``stats_dir``), ``stats_dir``,
     ``log_path``, ``leaked_processes`` (processes of the engine's session still alive after the child exited,
     which were then killed; should be 0). Raises :class:`EngineRunError` on failure or timeout, or
@@ -406,10 +409,24 @@ def _child(job_path: str, result_path: str) -> None:
         res["wall_s"] = wall
         return res
 
+    def counters() -> dict[str, float]:
+        """vLLM's own counters (e.g. ``vllm:prefix_cache_hits``, ``vllm:external_prefix_cache_hits``, tokens)."""
+        snap: dict[str, float] = {}
+        try:
+            metrics = llm.get_metrics()
+        except Exception:  # stats disabled or reader unavailable
+            return snap
+        for m in metrics:
+            if type(m).__name__ == "Counter":
+                snap[m.name] = snap.get(m.name, 0) + m.value
+        return snap
+
     results: dict[str, dict] = {}
     for w in job["workloads"]:
         max_tokens = int(w.get("max_tokens", job["max_tokens"]))
+        before = counters()
         t_w = time.monotonic()
+        extra_cols: dict[str, list] = {}
         if "prompts" in w and w.get("sequential", True):
             rows = [one(p, max_tokens) for p in w["prompts"]]
         elif "prompts" in w:
@@ -431,12 +448,12 @@ def _child(job_path: str, result_path: str) -> None:
                     row.update(chat=ci, turn=turn)
                     rows.append(row)
                     history[ci] = prompt + row["output"]
-            res = collect(rows, time.monotonic() - t_w)
-            res["chat"] = [r["chat"] for r in rows]
-            res["turn"] = [r["turn"] for r in rows]
-            results[w["name"]] = res
-            continue
-        results[w["name"]] = collect(rows, time.monotonic() - t_w)
+            extra_cols = {"chat": [r["chat"] for r in rows], "turn": [r["turn"] for r in rows]}
+        res = collect(rows, time.monotonic() - t_w)
+        res.update(extra_cols)
+        after = counters()
+        res["vllm_counters"] = {k: v - before.get(k, 0) for k, v in after.items()}
+        results[w["name"]] = res
 
     t_s = time.monotonic()
     try:
