@@ -258,6 +258,9 @@ class FileStore(StorageBackend):
         self._c = dict(hits=0, misses=0, sets=0, set_failures=0, corrupt=0, errors=0, evictions=0,
                        forced_evictions=0, enospc=0, quarantined=0, deleted_bad=0, temp_removed=0,
                        bytes_read=0, bytes_written=0, scan_files=0, scan_seconds=0.0)
+        if self.cfg.capacity_bytes is not None and self.cfg.capacity_bytes < self.record_bytes:
+            raise ConfigError(f"bad value {self.cfg.capacity_bytes!r} for 'l3.file.capacity_bytes': smaller than one "
+                              f"record ({self.record_bytes} bytes = 64-byte header + page_bytes)")
         self._check_root()
         self._quarantine_count = self._count_quarantine()
         self.rescan()
@@ -265,9 +268,6 @@ class FileStore(StorageBackend):
             self.capacity_bytes = self.cfg.capacity_bytes
         else:
             self.capacity_bytes = self._default_capacity()
-        if self.capacity_bytes < self.record_bytes:
-            raise ConfigError(f"bad value {self.capacity_bytes!r} for 'l3.file.capacity_bytes': smaller than one "
-                              f"record ({self.record_bytes} bytes = 64-byte header + page_bytes)")
         if not self.cfg.read_only:
             with self._lock:
                 self._evict_locked(0)

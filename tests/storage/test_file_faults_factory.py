@@ -1,0 +1,175 @@
+"""FaultyBackend (seeded failures, delays, releasable hangs) and build_backend (config validation, lazy backends)."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import sys
+import time
+import types
+
+import pytest
+import torch
+
+from tierkv.connector.config import ConfigError, L3Config, load_config
+from tierkv.storage_backends import FaultyBackend, FileStore, StorageBackend, build_backend
+
+NS = bytes(range(16))
+PAGE = 1024
+KEYS = [f"{i:032x}" for i in range(64)]
+
+
+def src(n=64):
+    return [torch.full((PAGE,), i % 251, dtype=torch.uint8) for i in range(n)]
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = FileStore(NS, PAGE, root=str(tmp_path / "l3"))
+    yield s
+    s.close()
+
+
+def test_failures_are_seeded_and_per_key(store):
+    patterns = []
+    for _ in range(2):
+        f = FaultyBackend(store, fail_set=0.25, seed=7)
+        patterns.append(f.batch_set(KEYS, src()))
+    assert patterns[0] == patterns[1]
+    n_fail = patterns[0].count(False)
+    assert 6 <= n_fail <= 26  # 25 % of 64, loosely
+    f3 = FaultyBackend(store, fail_set=0.25, seed=8)
+    assert f3.batch_set(KEYS, src()) != patterns[0]
+    # get failures leave the destination untouched and do not reach the store
+    before = store.stats()["hits"]
+    g = FaultyBackend(store, fail_get=1.0)
+    dst = [torch.full((PAGE,), 255, dtype=torch.uint8) for _ in range(4)]
+    assert g.batch_get(KEYS[:4], dst) == [False] * 4
+    assert all(bool((d == 255).all()) for d in dst) and store.stats()["hits"] == before
+    assert g.stats()["injected_get_failures"] == 4
+
+
+def test_exists_failure_cuts_the_leading_run(store):
+    store.batch_set(KEYS[:8], src(8))
+    f = FaultyBackend(store, fail_exists_keys=[KEYS[3]])
+    assert f.batch_exists(KEYS[:8]) == 3
+    f.set_faults(fail_exists_keys=[], fail_exists=1.0)
+    assert f.batch_exists(KEYS[:8]) == 0
+    f.set_faults(fail_exists=0.0)
+    assert f.batch_exists(KEYS[:8]) == 8
+
+
+def test_hang_blocks_until_released(store):
+    store.batch_set(KEYS[:2], src(2))
+    f = FaultyBackend(store, hang_get=True)
+    with cf.ThreadPoolExecutor(2) as ex:
+        fut = ex.submit(f.batch_get, KEYS[:2], [torch.zeros(PAGE, dtype=torch.uint8) for _ in range(2)])
+        assert f.wait_hanging(1, timeout=10)
+        with pytest.raises(cf.TimeoutError):  # an upper layer's timeout fires; the call is still blocked
+            fut.result(timeout=0.01)
+        assert f.hanging == 1 and not fut.done()
+        f.release()
+        assert fut.result(timeout=10) == [True, True]
+    assert f.hanging == 0 and f.stats()["injected_hangs"] == 1
+    # close() releases hung calls too
+    f.set_faults(hang_set=True)
+    with cf.ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(f.batch_set, KEYS[2:3], src(1))
+        assert f.wait_hanging(1, timeout=10)
+        f.close()
+        assert fut.result(timeout=10) == [False]  # the inner store is closed by then
+
+
+def test_delay(store):
+    f = FaultyBackend(store, delay_exists_s=0.05)
+    t0 = time.monotonic()
+    assert f.batch_exists(KEYS[:1]) == 0
+    assert time.monotonic() - t0 >= 0.05 and f.stats()["injected_delays"] == 1
+
+
+def test_bad_settings_and_keys(store):
+    with pytest.raises(ValueError):
+        FaultyBackend(store, fail_get=1.5)
+    f = FaultyBackend(store)
+    with pytest.raises(ValueError):
+        f.set_faults(fail_everything=1.0)
+    with pytest.raises(ValueError):
+        f.batch_exists(["not hex"])
+    with pytest.raises(ValueError):
+        f.batch_get(KEYS[:2], [torch.zeros(PAGE, dtype=torch.uint8)])
+
+
+# ---------------------------------------------------------------------------------------------------- factory
+def test_build_none_file_and_faults(tmp_path):
+    assert build_backend({}, NS, PAGE) is None
+    assert build_backend(L3Config(), NS, PAGE) is None
+    s = build_backend({"backend": "file", "file": {"root": str(tmp_path / "a"), "capacity_bytes": "1MiB",
+                                                   "fsync": True}}, NS, PAGE)
+    assert isinstance(s, FileStore) and s.capacity_bytes == 1 << 20 and s.cfg.fsync
+    f = build_backend(L3Config(backend="file", file={"root": str(tmp_path / "b")}, faults={"fail_set": 1.0}),
+                      NS, PAGE)
+    assert isinstance(f, FaultyBackend) and isinstance(f.inner, FileStore)
+    assert f.batch_set(KEYS[:1], src(1)) == [False]
+
+
+@pytest.mark.parametrize("cfg,match", [
+    ({"backend": "fiel"}, r"'l3\.backend'.*'none', 'file', 'zmq' or 'mooncake'"),
+    ({"backend": "file", "file": {}}, r"missing config key 'l3\.file\.root'"),
+    ({"backend": "file", "file": {"root": "/tmp/x", "capacity": 5}}, r"unknown config key 'l3\.file\.capacity'"),
+    ({"backend": "file", "file": {"root": "/tmp/x", "capacity_bytes": "lots"}}, r"l3\.file\.capacity_bytes"),
+    ({"backend": "file", "file": {"root": "/tmp/x", "capacity_bytes": 0}}, r"l3\.file\.capacity_bytes"),
+    ({"backend": "file", "file": {"root": "/tmp/x", "capacity_bytes": 100}}, r"l3\.file\.capacity_bytes"),
+    ({"backend": "file", "file": {"root": "/tmp/x", "scan_verify": "all"}}, r"l3\.file\.scan_verify.*'size' or 'header'"),
+    ({"backend": "file", "file": {"root": "/tmp/x"}, "faults": {"fail_get": -1}}, r"l3\.faults\.fail_get"),
+    ({"backend": "file", "file": {"root": "/tmp/x"}, "faults": {"explode": True}}, r"l3\.faults\.explode"),
+    ({"backend": "none", "faults": {"fail_get": 0.5}}, r"l3\.faults"),
+    ({"backend": "file", "bogus": {}}, r"l3\.bogus"),
+])
+def test_config_errors_name_the_key(cfg, match):
+    with pytest.raises(ConfigError, match=match):
+        build_backend(cfg, NS, PAGE)
+
+
+class _FakeZmqStore(StorageBackend):
+    def __init__(self, namespace, page_bytes, *, address="tcp://127.0.0.1:1", timeout_s=1.0):
+        self.namespace, self.page_bytes, self.address = namespace, page_bytes, address
+
+    def batch_exists(self, keys):
+        return 0
+
+    def batch_get(self, keys, destinations):
+        return [False] * len(keys)
+
+    def batch_set(self, keys, sources):
+        return [False] * len(keys)
+
+    def stats(self):
+        return {}
+
+    def close(self):
+        pass
+
+
+def test_lazy_backends_get_their_section_as_kwargs(monkeypatch):
+    mod = types.ModuleType("tierkv.storage_backends.zmq_client")
+    mod.ZmqStore = _FakeZmqStore
+    monkeypatch.setitem(sys.modules, "tierkv.storage_backends.zmq_client", mod)
+    s = build_backend({"backend": "zmq", "zmq": {"address": "tcp://127.0.0.1:5555"}}, NS, PAGE)
+    assert isinstance(s, _FakeZmqStore) and s.address == "tcp://127.0.0.1:5555" and s.page_bytes == PAGE
+    with pytest.raises(ConfigError, match=r"l3\.zmq"):
+        build_backend({"backend": "zmq", "zmq": {"adress": "x"}}, NS, PAGE)
+    import tierkv.storage_backends as sb
+
+    assert sb.ZmqStore is _FakeZmqStore
+
+
+def test_missing_lazy_backend_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tierkv.storage_backends.mooncake", None)  # import fails
+    with pytest.raises(ConfigError, match=r"l3\.backend 'mooncake' is not available"):
+        build_backend({"backend": "mooncake"}, NS, PAGE)
+
+
+def test_shipped_l3_file_config_builds_a_store(tmp_path):
+    cfg = load_config("l3_file.yaml", {"l3.file.root": str(tmp_path / "l3")})
+    assert cfg.l3.backend == "file"
+    s = build_backend(cfg.l3, NS, PAGE)
+    assert isinstance(s, FileStore) and s.root == str(tmp_path / "l3")
+    assert s.batch_set(KEYS[:1], src(1)) == [True] and s.batch_exists(KEYS[:1]) == 1
