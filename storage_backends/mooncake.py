@@ -45,6 +45,7 @@ import concurrent.futures as cf
 import logging
 import os
 import re
+import socket
 import threading
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -70,6 +71,7 @@ log = logging.getLogger("tierkv.storage.mooncake")
 #: Mooncake client error codes this module distinguishes (mooncake-store ``ErrorCode``).
 MC_OBJECT_NOT_FOUND = -704
 MC_BUFFER_TOO_SMALL = -600
+MC_MIN_SEGMENT = 16 << 20  # the client refuses smaller non-zero segments
 MC_UPSERT_CONFLICT = -601  # another client's put/upsert of the same key is in progress
 _NOT_FOUND_CODES = (MC_OBJECT_NOT_FOUND, -703)  # -703: not (yet) ready, e.g. a put in progress
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
@@ -100,6 +102,13 @@ class MooncakeStoreConfig(BaseModel):
     @classmethod
     def _size(cls, v: Any) -> Any:
         return parse_bytes(v)
+
+    @field_validator("global_segment_size")
+    @classmethod
+    def _segment(cls, v: int) -> int:
+        if 0 < v < MC_MIN_SEGMENT:
+            raise ValueError(f"0 (no memory) or at least {MC_MIN_SEGMENT} bytes (Mooncake's minimum segment)")
+        return v
 
     @field_validator("master_address")
     @classmethod
@@ -179,6 +188,29 @@ class _RateLog:
         log.warning(msg + (f" (+{n} similar suppressed)" if n else ""), *args)
 
 
+def _probe_endpoints(c: MooncakeStoreConfig) -> None:
+    """Fail fast (ConfigError) if the master's RPC port or an http:// metadata server does not accept a TCP
+    connection within ``setup_timeout_s``: Mooncake's own ``setup`` holds the GIL while it retries for minutes."""
+    targets = [("master_address", c.master_address)]
+    if c.metadata_server.startswith("http://"):
+        hostport = c.metadata_server[len("http://"):].split("/", 1)[0]
+        targets.append(("metadata_server", hostport if ":" in hostport else hostport + ":80"))
+    deadline = time.monotonic() + c.setup_timeout_s
+    for key, hp in targets:
+        host, _, port = hp.rpartition(":")
+        host = host.strip("[]")
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                with socket.create_connection((host, int(port)), timeout=max(0.1, min(2.0, left))):
+                    break
+            except OSError as e:
+                if time.monotonic() >= deadline:
+                    raise ConfigError(f"mooncake: cannot connect to 'l3.mooncake.{key}'={getattr(c, key)!r} "
+                                      f"within setup_timeout_s={c.setup_timeout_s}s: {e}") from None
+                time.sleep(0.1)  # retry interval while the master may still be starting
+
+
 class MooncakeStore(StorageBackend):
     """A :class:`~tierkv.storage_backends.base.StorageBackend` over one ``MooncakeDistributedStore`` client.
 
@@ -239,9 +271,11 @@ class MooncakeStore(StorageBackend):
             os.environ.setdefault("MC_TCP_BIND_ADDRESS", c.local_hostname)
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig  # ImportError if not installed
 
+        self._register = c.protocol != "tcp"
         self._rcfg = ReplicateConfig()
         self._rcfg.replica_num = c.replica_num
         self._store = MooncakeDistributedStore()
+        _probe_endpoints(c)
         self._pool = cf.ThreadPoolExecutor(max_workers=c.max_inflight, thread_name_prefix="tierkv-mooncake")
         fut = self._pool.submit(self._store.setup, c.local_hostname, c.metadata_server, c.global_segment_size,
                                 c.local_buffer_size, c.protocol, c.device_name, c.master_address)
@@ -272,37 +306,52 @@ class MooncakeStore(StorageBackend):
             for k, v in inc.items():
                 self._counters[k] += v
 
-    def _take_staging(self) -> Optional[_Staging]:
+    def _take_staging(self, records: int) -> Optional[_Staging]:
+        """A staging buffer for at least ``records`` records (at most ``slots_per_staging``): a free one that is
+        big enough, else a new one (sized to the next power of two) while fewer than ``max_inflight`` exist.
+        ``None`` if none can be had now. Raises if allocation or registration fails."""
         with self._lock:
-            if self._free:
-                return self._free.pop()
-            if self._n_staging >= self.cfg.max_inflight:
-                return None
-            self._n_staging += 1
+            for i, st in enumerate(self._free):
+                if st.nbytes >= records * self.record_bytes:
+                    return self._free.pop(i)
+            small = self._free.pop() if self._free else None  # too small: replaced by a bigger one
+            if small is None:
+                if self._n_staging >= self.cfg.max_inflight:
+                    return None
+                self._n_staging += 1
+        if small is not None:
+            self._unregister(small)
+        slots = min(self._slots_per_staging, 1 << max(0, records - 1).bit_length())
         try:
-            st = _Staging(self._slots_per_staging * self.record_bytes)
-            rc = self._store.register_buffer(st.ptr, st.nbytes)
-            if rc != 0:
-                raise RuntimeError(f"register_buffer returned {rc}")
+            st = _Staging(slots * self.record_bytes)
+            if self._register:
+                # RDMA-like transports need registered memory; with tcp any address works (measured: same speed)
+                # and registering would touch the metadata server, so it is skipped.
+                rc = self._call("register_buffer", lambda: self._store.register_buffer(st.ptr, st.nbytes))
+                if rc != 0:
+                    raise RuntimeError(f"register_buffer returned {rc}")
             return st
         except Exception:
             with self._lock:
                 self._n_staging -= 1
             raise
 
-    def _give_staging(self, st: _Staging) -> None:
-        with self._lock:
-            if self._closed:
-                self._n_staging -= 1
-                drop = True
-            else:
-                self._free.append(st)
-                drop = False
-        if drop:
+    def _unregister(self, st: _Staging) -> None:
+        if self._register:
             try:
                 self._store.unregister_buffer(st.ptr)
-            except Exception:  # noqa: BLE001 - best effort at close
+            except Exception:  # noqa: BLE001 - best effort
                 pass
+
+    def _give_staging(self, st: _Staging) -> None:
+        with self._lock:
+            drop = self._closed
+            if drop:
+                self._n_staging -= 1
+            else:
+                self._free.append(st)
+        if drop:
+            self._unregister(st)
 
     def _call(self, what: str, fn: Callable[[], Any], hold: Optional[_Hold] = None) -> Any:
         """Run ``fn`` on a worker thread and wait at most ``timeout_s``. Returns its result, or ``None`` after a
@@ -349,7 +398,7 @@ class MooncakeStore(StorageBackend):
 
     def _staging_hold(self, what: str, n: int, fail_counter: str) -> Optional[tuple[_Staging, _Hold]]:
         try:
-            st = self._take_staging()
+            st = self._take_staging(n)
         except Exception as e:  # noqa: BLE001
             self._count(errors=1, **{fail_counter: n})
             self._rlog.warning("staging", "mooncake: cannot register a staging buffer: %s", e)
@@ -572,10 +621,7 @@ class MooncakeStore(StorageBackend):
             self._n_staging -= len(free)
             inflight = self._inflight
         for st in free:
-            try:
-                self._store.unregister_buffer(st.ptr)
-            except Exception:  # noqa: BLE001
-                pass
+            self._unregister(st)
         self._pool.shutdown(wait=False)
         if inflight == 0:
             try:

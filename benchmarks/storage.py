@@ -1,0 +1,540 @@
+"""L3 storage benchmark: tierkv's file, ZMQ and Mooncake backends next to the raw medium each sits on, measured in
+the same run the same way, and next to SGLang 0.5.23's own storage classes on the same pages (optional peer venv).
+
+For each page size (256 KiB, 2 MiB) and batches of 64 pages, per batch (set = a batch of new keys, get = reading it
+back, every tierkv get verifying every header and XXH3 checksum):
+
+| tierkv backend (through StorageBackend) | reference measured in the same loop | target |
+|---|---|---|
+| file, ``fsync: false`` | one plain file per page written / read (page cache; cold: pages dropped with
+  ``posix_fadvise(DONTNEED)`` first) in the same directory, no fsync | >= 70 % |
+| file, ``fsync: true`` (set only) | plain file writes with ``fsync`` per file | >= 70 % |
+| zmq (``tierkv server`` in another process) | pyzmq REQ/REP on loopback: one multipart message with the 64
+  payloads to a tiny store/echo server process, zero-copy frames | >= 80 % |
+| mooncake (client with no memory; the segment in another process, TCP transport) | raw
+  ``MooncakeDistributedStore.batch_put_from`` / ``batch_get_into`` of the same payloads from/into registered buffers,
+  same master, same segment holder | >= 90 % |
+
+Backend and reference alternate batch by batch (order flipped every repetition) so machine noise hits both alike;
+MB/s is ``batch bytes / median batch time``; p50/p99 are over the repetitions. SGLang's ``HiCacheFile`` and
+``MooncakeStore`` run in ``benchmarks/peers/.sglang-venv`` (``setup_sglang_venv.sh``; rows are "not measured"
+without it) on the same page sizes and batch, right after, against the same directory / master / segment holder.
+
+    .venv/bin/python benchmarks/storage.py                 # all, ~2-4 min on a busy 2-core box
+    .venv/bin/python benchmarks/storage.py --quick         # fewer repetitions
+    .venv/bin/python benchmarks/storage.py --backends mooncake --pages 256K
+
+Writes ``benchmarks/results/storage.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "storage.json"
+PEER_DIR = ROOT / "benchmarks" / "peers"
+PEER_VENV = Path(os.environ.get("TIERKV_SGLANG_VENV", PEER_DIR / ".sglang-venv"))
+NS = bytes(range(16))
+BATCH = 64
+TARGETS = {"file": 0.70, "zmq": 0.80, "mooncake": 0.90}
+KiB, MiB = 1024, 1024 * 1024
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def keys_for(n: int, rng: np.random.Generator) -> list[str]:
+    return [rng.bytes(16).hex() for _ in range(n)]
+
+
+class Series:
+    """Per-batch seconds of one (variant, op)."""
+
+    def __init__(self):
+        self.t: list[float] = []
+
+    def add(self, s: float) -> None:
+        self.t.append(s)
+
+    def summary(self, nbytes: int) -> dict:
+        if not self.t:
+            return {"mbps": None, "p50_ms": None, "p99_ms": None, "batches": 0}
+        p50 = statistics.median(self.t)
+        p99 = float(np.percentile(self.t, 99))
+        return {"mbps": round(nbytes / p50 / 1e6, 1), "p50_ms": round(p50 * 1e3, 2), "p99_ms": round(p99 * 1e3, 2),
+                "batches": len(self.t)}
+
+
+def timed(fn: Callable[[], object]) -> tuple[float, object]:
+    t = time.perf_counter()
+    r = fn()
+    return time.perf_counter() - t, r
+
+
+def drop_cache(paths: list[str]) -> None:
+    """Write back and drop the page-cache pages of ``paths`` (a cold read afterwards hits the disk)."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def files_under(root: str, suffix: str) -> list[str]:
+    out = []
+    for d, _, fs in os.walk(root):
+        out += [os.path.join(d, f) for f in fs if f.endswith(suffix)]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------- file
+
+
+def bench_file(pb: int, reps: int, src: list[torch.Tensor], base: str, fsync_reps: int) -> dict:
+    from tierkv.storage_backends.file import FileStore
+
+    rng = np.random.default_rng(pb)
+    nbytes = BATCH * pb
+    S = {k: Series() for k in ("raw_write", "file_set", "raw_read", "file_get", "raw_read_cold", "file_get_cold",
+                               "raw_write_fsync", "file_set_fsync")}
+    raw_dir = os.path.join(base, "raw")
+    os.makedirs(raw_dir, exist_ok=True)
+    dst = [torch.empty(pb, dtype=torch.uint8) for _ in range(BATCH)]
+    bufs = [bytearray(pb) for _ in range(BATCH)]
+    srcv = [memoryview(s.numpy()) for s in src]
+
+    def raw_write(names: list[str], fsync: bool) -> None:
+        for n, s in zip(names, srcv):
+            with open(n, "wb") as f:
+                f.write(s)
+                if fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+
+    def raw_read(names: list[str]) -> None:
+        for n, b in zip(names, bufs):
+            with open(n, "rb", buffering=0) as f:
+                if f.readinto(b) != pb:
+                    raise RuntimeError("short read")
+
+    for fsync, reps_here in ((False, reps), (True, fsync_reps)):
+        store = FileStore(NS, pb, root=os.path.join(base, f"store-fsync{int(fsync)}"), fsync=fsync)
+        try:
+            for r in range(reps_here):
+                ks = keys_for(BATCH, rng)
+                names = [os.path.join(raw_dir, f"{k}.bin") for k in ks]
+                sfx = "_fsync" if fsync else ""
+                order = [0, 1] if r % 2 == 0 else [1, 0]
+                for which in order:
+                    if which == 0:
+                        dt, _ = timed(lambda: raw_write(names, fsync))
+                        S["raw_write" + sfx].add(dt)
+                    else:
+                        dt, ok = timed(lambda: store.batch_set(ks, src))
+                        assert ok == [True] * BATCH, ok
+                        S["file_set" + sfx].add(dt)
+                if not fsync:
+                    for which in order:  # page-cache reads
+                        if which == 0:
+                            S["raw_read"].add(timed(lambda: raw_read(names))[0])
+                        else:
+                            dt, ok = timed(lambda: store.batch_get(ks, dst))
+                            assert ok == [True] * BATCH and torch.equal(dst[-1], src[-1])
+                            S["file_get"].add(dt)
+                    drop_cache(names + files_under(store.root, ".page"))
+                    for which in order:  # cold reads
+                        if which == 0:
+                            S["raw_read_cold"].add(timed(lambda: raw_read(names))[0])
+                        else:
+                            dt, ok = timed(lambda: store.batch_get(ks, dst))
+                            assert ok == [True] * BATCH
+                            S["file_get_cold"].add(dt)
+                for n in names:
+                    os.unlink(n)
+                store.clear()
+        finally:
+            store.close()
+    return {k: v.summary(nbytes) for k, v in S.items()}
+
+
+# ------------------------------------------------------------------------------------------------------ zmq
+
+_RAW_ZMQ_SERVER = r"""
+import sys, zmq
+ctx = zmq.Context()
+s = ctx.socket(zmq.REP)
+port = s.bind_to_random_port("tcp://127.0.0.1")
+print(port, flush=True)
+store = {}
+while True:
+    msg = s.recv_multipart(copy=False)
+    op = msg[0].bytes
+    if op == b"set":   # [set, n, k1..kn, p1..pn]
+        n = int(msg[1].bytes)
+        for k, p in zip(msg[2:2 + n], msg[2 + n:]):
+            store[k.bytes] = p
+        s.send(b"ok")
+    elif op == b"get":
+        s.send_multipart([store[k.bytes] for k in msg[1:]], copy=False)
+    elif op == b"del":
+        store.clear(); s.send(b"ok")
+    else:
+        s.send(b"bye"); break
+"""
+
+
+def bench_zmq(pb: int, reps: int, src: list[torch.Tensor]) -> dict:
+    import zmq
+
+    from tierkv.storage_backends.zmq_client import ZmqStore
+
+    rng = np.random.default_rng(pb + 1)
+    nbytes = BATCH * pb
+    S = {k: Series() for k in ("raw_set", "zmq_set", "raw_get", "zmq_get")}
+    raw = subprocess.Popen([sys.executable, "-c", _RAW_ZMQ_SERVER], stdout=subprocess.PIPE, text=True)
+    cap = 4 * BATCH * (pb + 4096) + (64 << 20)
+    srv = subprocess.Popen([sys.executable, "-m", "tierkv.storage_backends.zmq_server", "--port", "0",
+                            "--capacity-bytes", str(cap), "--log-level", "warning"],
+                           stdout=subprocess.PIPE, text=True)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.REQ)
+    store = None
+    try:
+        sock.connect(f"tcp://127.0.0.1:{int(raw.stdout.readline())}")
+        line = srv.stdout.readline().split()
+        assert line[:2] == ["tierkv-server", "ready"], line
+        store = ZmqStore(NS, pb, endpoint=line[2], timeout_s=30.0)
+        srcv = [memoryview(s.numpy()) for s in src]
+        dst = [torch.empty(pb, dtype=torch.uint8) for _ in range(BATCH)]
+        raw_dst = [np.empty(pb, dtype=np.uint8) for _ in range(BATCH)]
+
+        def raw_set(ks: list[str]) -> None:
+            sock.send_multipart([b"set", str(len(ks)).encode()] + [k.encode() for k in ks] + srcv, copy=False)
+            assert sock.recv() == b"ok"
+
+        def raw_get(ks: list[str]) -> None:
+            sock.send_multipart([b"get"] + [k.encode() for k in ks])
+            frames = sock.recv_multipart(copy=False)
+            for f, d in zip(frames, raw_dst):  # land the payloads in page buffers, as a store's get must
+                d[:] = np.frombuffer(f.buffer, dtype=np.uint8)
+
+        for r in range(reps):
+            ks = keys_for(BATCH, rng)
+            order = [0, 1] if r % 2 == 0 else [1, 0]
+            for which in order:
+                if which == 0:
+                    S["raw_set"].add(timed(lambda: raw_set(ks))[0])
+                else:
+                    dt, ok = timed(lambda: store.batch_set(ks, src))
+                    assert ok == [True] * BATCH, ok
+                    S["zmq_set"].add(dt)
+            for which in order:
+                if which == 0:
+                    S["raw_get"].add(timed(lambda: raw_get(ks))[0])
+                else:
+                    dt, ok = timed(lambda: store.batch_get(ks, dst))
+                    assert ok == [True] * BATCH and torch.equal(dst[-1], src[-1]), ok
+                    S["zmq_get"].add(dt)
+            sock.send(b"del")
+            sock.recv()
+    finally:
+        if store is not None:
+            store.close()
+        sock.close(linger=0)
+        ctx.term()
+        for p in (raw, srv):
+            p.terminate()
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            p.stdout.close()
+    return {k: v.summary(nbytes) for k, v in S.items()}
+
+
+# ------------------------------------------------------------------------------------------------- mooncake
+
+_HOLDER = r"""
+import os, sys, time
+os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+from mooncake.store import MooncakeDistributedStore
+s = MooncakeDistributedStore()
+rc = s.setup("127.0.0.1", sys.argv[2], int(sys.argv[3]), 16 << 20, "tcp", "", sys.argv[1])
+print("ready", rc, flush=True)
+sys.stdin.read()   # until the benchmark closes our stdin
+s.close()
+"""
+
+
+class MooncakeRig:
+    """A master, a segment-holder process (the store's memory, so every page crosses the TCP transport) and a raw
+    client with registered buffers."""
+
+    def __init__(self, segment: int):
+        mm = _load("mooncake_master", ROOT / "tests" / "storage" / "mooncake_master.py")
+        self.master = mm.MooncakeMaster(log_dir=tempfile.mkdtemp(prefix="tierkv-bench-mc-")).start()
+        self.holder = subprocess.Popen([sys.executable, "-c", _HOLDER, self.master.master_address,
+                                        self.master.metadata_server, str(segment)],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                       text=True)
+        line = self.holder.stdout.readline().split()
+        assert line == ["ready", "0"], line
+        from mooncake.store import MooncakeDistributedStore
+
+        self.raw = MooncakeDistributedStore()
+        assert self.raw.setup("127.0.0.1", self.master.metadata_server, 0, 16 << 20, "tcp", "",
+                              self.master.master_address) == 0
+        # touch the whole segment once so no variant pays its first page faults
+        warm = torch.zeros(8 * MiB, dtype=torch.uint8)
+        n = segment // (8 * MiB) - 2
+        ks = [f"warm/{i}" for i in range(n)]
+        self.raw.batch_put_from(ks, [warm.data_ptr()] * n, [warm.numel()] * n)
+        self.raw.batch_remove(ks, True)
+
+    def close(self) -> None:
+        try:
+            self.raw.close()
+        finally:
+            try:
+                self.holder.stdin.close()
+                self.holder.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.holder.kill()
+                self.holder.wait()
+            self.holder.stdout.close()
+            self.master.stop()
+
+
+def bench_mooncake(pb: int, reps: int, src: list[torch.Tensor], rig: MooncakeRig) -> dict:
+    from tierkv.storage_backends.mooncake import MooncakeStore
+
+    rng = np.random.default_rng(pb + 2)
+    nbytes = BATCH * pb
+    S = {k: Series() for k in ("raw_set", "mooncake_set", "raw_get", "mooncake_get")}
+    flat = torch.stack(src).reshape(-1)
+    rdst = torch.zeros_like(flat)
+    for t in (flat, rdst):
+        assert rig.raw.register_buffer(t.data_ptr(), t.numel()) == 0
+    sp = [flat.data_ptr() + i * pb for i in range(BATCH)]
+    dp = [rdst.data_ptr() + i * pb for i in range(BATCH)]
+    store = MooncakeStore(NS, pb, **rig.master.client_config(), global_segment_size=0, timeout_s=30.0,
+                          staging_bytes=BATCH * (pb + 64))
+    dst = [torch.empty(pb, dtype=torch.uint8) for _ in range(BATCH)]
+    try:
+        for r in range(reps):
+            ks = keys_for(BATCH, rng)
+            rk = [f"raw/{k}" for k in ks]
+            order = [0, 1] if r % 2 == 0 else [1, 0]
+            for which in order:
+                if which == 0:
+                    dt, rc = timed(lambda: rig.raw.batch_put_from(rk, sp, [pb] * BATCH))
+                    assert all(x == 0 for x in rc), rc
+                    S["raw_set"].add(dt)
+                else:
+                    dt, ok = timed(lambda: store.batch_set(ks, src))
+                    assert ok == [True] * BATCH, ok
+                    S["mooncake_set"].add(dt)
+            for which in order:
+                if which == 0:
+                    dt, rc = timed(lambda: rig.raw.batch_get_into(rk, dp, [pb] * BATCH))
+                    assert all(x == pb for x in rc), rc
+                    S["raw_get"].add(dt)
+                else:
+                    dt, ok = timed(lambda: store.batch_get(ks, dst))
+                    assert ok == [True] * BATCH and torch.equal(dst[-1], src[-1]), ok
+                    S["mooncake_get"].add(dt)
+            assert torch.equal(rdst, flat)
+            rig.raw.batch_remove(rk, True)
+            store.remove(ks)
+        st = store.stats()
+        assert st["corrupt"] == 0 and st["timeouts"] == 0, st
+    finally:
+        store.close()
+        for t in (flat, rdst):
+            rig.raw.unregister_buffer(t.data_ptr())
+    return {k: v.summary(nbytes) for k, v in S.items()}
+
+
+# ----------------------------------------------------------------------------------------------------- peers
+
+
+def run_peer(pb: int, reps: int, file_dir: str, rig: Optional[MooncakeRig]) -> Optional[dict]:
+    py = PEER_VENV / "bin" / "python"
+    if not py.exists():
+        return None
+    arg = {"page_bytes": pb, "batch": BATCH, "reps": reps, "file_dir": file_dir,
+           "master": rig.master.master_address if rig else None, "metadata": rig.master.metadata_server if rig else None}
+    p = subprocess.run([str(py), str(PEER_DIR / "sglang_storage_peer.py"), json.dumps(arg)], capture_output=True,
+                       text=True, timeout=900, env=dict(os.environ, MC_TCP_BIND_ADDRESS="127.0.0.1"))
+    if p.returncode != 0:
+        print(f"  SGLang peer failed (rc {p.returncode}): {p.stderr.strip().splitlines()[-3:]}")
+        return {"error": p.stderr.strip().splitlines()[-1:] }
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    res = {"errors": out.get("errors", [])}
+    for cls in ("hicache_file", "mooncake"):
+        if cls in out:
+            for op, ts in out[cls].items():
+                s = Series()
+                s.t = ts
+                res[f"{cls}_{op}"] = s.summary(BATCH * pb)
+    return res
+
+
+# ------------------------------------------------------------------------------------------------------ main
+
+
+def rows_for(pb: int, file_r: Optional[dict], zmq_r: Optional[dict], mc_r: Optional[dict],
+             peer: Optional[dict]) -> list[dict]:
+    rows = []
+
+    def add(backend, op, ours, ref, ref_name, sgl=None, target_key=None, cond=""):
+        if ours is None or ours.get("mbps") is None:
+            return
+        ratio = ours["mbps"] / ref["mbps"] if ref and ref.get("mbps") else None
+        tgt = TARGETS[target_key or backend]
+        row = {"backend": backend, "page_bytes": pb, "batch": BATCH, "op": op, **ours,
+               "reference": ref_name, "ref_mbps": ref["mbps"] if ref else None,
+               "ref_p50_ms": ref["p50_ms"] if ref else None,
+               "ratio": round(ratio, 3) if ratio is not None else None, "target": tgt,
+               "meets_target": (ratio is not None and ratio >= tgt),
+               "sglang_mbps": sgl["mbps"] if sgl else None,
+               "vs_sglang": round(ours["mbps"] / sgl["mbps"], 3) if sgl and sgl.get("mbps") else None,
+               "conditions": cond}
+        rows.append(row)
+
+    peer = peer or {}
+    if file_r:
+        add("file", "set", file_r["file_set"], file_r["raw_write"], "plain file write, no fsync",
+            peer.get("hicache_file_set"), cond="fsync: false; page cache")
+        add("file", "get", file_r["file_get"], file_r["raw_read"], "plain file read, page cache",
+            peer.get("hicache_file_get"), cond="warm (page cache)")
+        add("file", "get_cold", file_r["file_get_cold"], file_r["raw_read_cold"],
+            "plain file read after posix_fadvise(DONTNEED)", cond="cold (fdatasync + DONTNEED before the read)")
+        add("file", "set_fsync", file_r["file_set_fsync"], file_r["raw_write_fsync"], "plain file write + fsync",
+            cond="fsync: true (file + directory)")
+    if zmq_r:
+        add("zmq", "set", zmq_r["zmq_set"], zmq_r["raw_set"], "pyzmq REQ/REP, one multipart message per batch",
+            cond="server process on 127.0.0.1 TCP")
+        add("zmq", "get", zmq_r["zmq_get"], zmq_r["raw_get"], "pyzmq REQ/REP, one multipart message per batch",
+            cond="server process on 127.0.0.1 TCP")
+    if mc_r:
+        add("mooncake", "set", mc_r["mooncake_set"], mc_r["raw_set"], "raw MooncakeDistributedStore.batch_put_from",
+            peer.get("mooncake_set"), cond="client mounts 0 B; segment in another process; TCP transport")
+        add("mooncake", "get", mc_r["mooncake_get"], mc_r["raw_get"], "raw MooncakeDistributedStore.batch_get_into",
+            peer.get("mooncake_get"), cond="client mounts 0 B; segment in another process; TCP transport")
+    return rows
+
+
+def fmt(v, spec="{:.0f}") -> str:
+    return "-" if v is None else spec.format(v)
+
+
+def print_table(rows: list[dict]) -> str:
+    head = ("| backend | page | op | MB/s | p50 ms | p99 ms | reference | ref MB/s | ratio | target | SGLang MB/s | "
+            "vs SGLang |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in rows:
+        pg = f"{r['page_bytes'] // KiB} KiB" if r["page_bytes"] < MiB else f"{r['page_bytes'] // MiB} MiB"
+        verdict = f"{r['target']:.0%} {'ok' if r['meets_target'] else 'MISSED'}"
+        lines.append(f"| {r['backend']} | {pg} | {r['op']} | {fmt(r['mbps'])} | {fmt(r['p50_ms'], '{:.1f}')} | "
+                     f"{fmt(r['p99_ms'], '{:.1f}')} | {r['reference']} | {fmt(r['ref_mbps'])} | "
+                     f"{fmt(r['ratio'], '{:.0%}')} | {verdict} | "
+                     f"{fmt(r['sglang_mbps']) if r['sglang_mbps'] else 'not measured' if r['op'] in ('set', 'get') and r['backend'] != 'zmq' else '-'} | "
+                     f"{fmt(r['vs_sglang'], '{:.2f}x')} |")
+    table = "\n".join(lines)
+    print(table)
+    return table
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backends", default="file,zmq,mooncake")
+    ap.add_argument("--pages", default="256K,2M", help="page sizes: 256K, 2M")
+    ap.add_argument("--reps", type=int, default=None, help="batches per variant (default 12 for 256 KiB, 5 for 2 MiB)")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-peer", action="store_true", help="skip SGLang's classes even if the peer venv exists")
+    ap.add_argument("--dir", default=str(ROOT / ".cache" / "storage-bench"),
+                    help="directory for the file store and raw files (same disk as ~/.cache)")
+    ap.add_argument("--out", default=str(RESULTS))
+    a = ap.parse_args(argv)
+    backends = a.backends.split(",")
+    sizes = [{"256K": 256 * KiB, "2M": 2 * MiB}[s] for s in a.pages.split(",")]
+    t_start = time.time()
+    rig = None
+    all_rows, raw = [], {}
+    with open("/proc/loadavg") as f:
+        load0 = f.read().split()[:3]
+    try:
+        if "mooncake" in backends:
+            rig = MooncakeRig(segment=max(sizes) * BATCH * 4 + 64 * MiB)
+        for pb in sizes:
+            reps = a.reps or ((12 if pb < MiB else 5) // (2 if a.quick else 1))
+            print(f"== page {pb // KiB} KiB x batch {BATCH}, {reps} batches per variant")
+            rng = np.random.default_rng(pb)
+            src = [torch.from_numpy(np.frombuffer(rng.bytes(pb), dtype=np.uint8).copy()) for _ in range(BATCH)]
+            base = tempfile.mkdtemp(prefix=f"p{pb}-", dir=_mkdir(a.dir))
+            try:
+                file_r = bench_file(pb, reps, src, base, max(2, reps // 3)) if "file" in backends else None
+                zmq_r = bench_zmq(pb, reps, src) if "zmq" in backends else None
+                mc_r = bench_mooncake(pb, reps, src, rig) if rig else None
+                peer = None
+                if not a.no_peer:
+                    pdir = os.path.join(base, "sglang-hicache-file")
+                    os.makedirs(pdir)
+                    peer = run_peer(pb, reps, pdir, rig)
+            finally:
+                shutil.rmtree(base, ignore_errors=True)
+            raw[pb] = {"file": file_r, "zmq": zmq_r, "mooncake": mc_r, "sglang": peer}
+            all_rows += rows_for(pb, file_r, zmq_r, mc_r, peer)
+    finally:
+        if rig:
+            rig.close()
+    with open("/proc/loadavg") as f:
+        load1 = f.read().split()[:3]
+    print()
+    table = print_table(all_rows)
+    peer_state = "measured" if PEER_VENV.exists() and not a.no_peer else "not measured (no peer venv)"
+    out = {"benchmark": "storage", "batch_pages": BATCH, "rows": all_rows, "raw": {str(k): v for k, v in raw.items()},
+           "conditions": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                          "torch": torch.__version__, "loadavg_start": load0, "loadavg_end": load1,
+                          "dir": a.dir, "wall_s": round(time.time() - t_start, 1), "sglang_peer": peer_state,
+                          "note": "shared, noisy machine: backend and reference alternate batch by batch"},
+           "table_md": table}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(out, indent=1))
+    print(f"\nwrote {a.out} in {time.time() - t_start:.0f}s (load {load0} -> {load1})")
+    return 0
+
+
+def _mkdir(d: str) -> str:
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+if __name__ == "__main__":
+    sys.exit(main())
