@@ -377,8 +377,11 @@ class FileStore(StorageBackend):
                                 pass
         entries.sort()
         with self._lock:
-            self._index = OrderedDict((p, s) for _, p, s in entries)
-            self._usage = sum(s for _, _, s in entries)
+            index = OrderedDict((p, s) for _, p, s in entries)
+            for p in self._writing:  # keep the reservations of writes in flight
+                index[p] = self.record_bytes
+            self._index = index
+            self._usage = sum(index.values())
             self._c["temp_removed"] += n_tmp
             self._c["scan_files"] = len(entries)
             dt = time.perf_counter() - t0
