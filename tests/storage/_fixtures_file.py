@@ -6,7 +6,7 @@ import functools
 import os
 from typing import Any, Callable, Optional
 
-from tierkv.storage_backends.file import FileStore
+from tierkv.storage_backends.file import FileStore, FileStoreConfig
 from tierkv.storage_backends.page_format import HEADER_BYTES, encode_header
 
 NAME = "file"
@@ -26,7 +26,8 @@ class FileHandle:
         self.page_bytes = page_bytes
         self.namespace = namespace
         self.capacity_pages = capacity_pages
-        self._cfg = dict(opts)
+        # options of other backends (timeout_s, token...) mean nothing here: keep only l3.file keys
+        self._cfg = {k: v for k, v in opts.items() if k in FileStoreConfig.model_fields and k != "root"}
         if capacity_pages is not None:
             self._cfg["capacity_bytes"] = capacity_pages * (HEADER_BYTES + page_bytes)
         self._clients: list[FileStore] = []

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
 
 import numpy as np
 import pytest
@@ -204,6 +205,40 @@ def test_restart_keeps_or_drops_pages_never_wrong(make_store):
     assert b.batch_set(k2, s2) == [True, True]
     d2 = empties(2, 4096)
     assert b.batch_get(k2, d2) == [True, True] and all(torch.equal(x, y) for x, y in zip(d2, s2))
+
+
+def test_stopped_server_calls_time_out_then_service_resumes(make_store):
+    """A hung server (SIGSTOP): every call returns misses/False within the configured per-call bound, and the
+    same client serves again after SIGCONT (field scenario R13's SIGSTOP variant)."""
+    timeout_s = 1.0
+    h = make_store(timeout_s=timeout_s)
+    if not h.supports_stop:
+        pytest.skip(f"{h.name}: no server process to stop")
+    b = h.backend
+    ks, src = keys_of(3), pages(3, 4096, seed=51)
+    assert b.batch_set(ks[:2], src[:2]) == [True, True]
+    bound = timeout_s + 2.0  # margin for a busy machine
+    h.stop()
+    try:
+        for call in (lambda: b.batch_exists(ks[:2]), lambda: b.batch_get(ks[:2], empties(2, 4096)),
+                     lambda: b.batch_set(ks[2:], src[2:])):
+            t0 = time.monotonic()
+            res = call()
+            assert time.monotonic() - t0 <= bound
+            assert res in (0, [False, False], [False])
+    finally:
+        h.cont()
+    # the same client recovers within a bounded time (a client may back off before reconnecting)
+    k2, s2 = keys_of(1, salt=52), pages(1, 4096, seed=52)
+    deadline = time.monotonic() + 15.0
+    while b.batch_set(k2, s2) != [True]:
+        assert time.monotonic() < deadline, f"{h.name}: no service 15 s after SIGCONT"
+        time.sleep(0.05)
+    d2 = empties(1, 4096)
+    assert b.batch_get(k2, d2) == [True] and torch.equal(d2[0], s2[0])
+    d3 = empties(2, 4096)  # a stopped (not killed) server keeps its pages
+    assert b.batch_get(ks[:2], d3) == [True, True]
+    assert torch.equal(d3[0], src[0]) and torch.equal(d3[1], src[1])
 
 
 def test_stats_and_close_idempotent(make_store):
