@@ -6,8 +6,9 @@ Backend fixture convention (``tests/storage/_fixtures_<name>.py``, name in file 
     def make_backend(tmp_path, page_bytes: int, namespace: bytes, **opts) -> Iterator[handle]
 
 ``tmp_path`` is a fresh, empty directory for this store. ``opts`` may hold ``capacity_pages`` (ask for a store
-that keeps that many pages of ``page_bytes`` before evicting); a fixture ignores options it does not know. On exit
-the fixture stops every process and closes every client it made. The yielded handle ``h`` has:
+that keeps that many pages of ``page_bytes`` before evicting) and ``timeout_s`` (per-call bound of a networked
+client); a fixture ignores options it does not know. On exit the fixture stops every process and closes every
+client it made. The yielded handle ``h`` has:
 
 - ``h.name``: ``"file"`` / ``"zmq"`` / ``"mooncake"``;
 - ``h.backend``: the :class:`~tierkv.storage_backends.base.StorageBackend` under test (may be a new object after
