@@ -45,12 +45,12 @@ import errno
 import itertools
 import logging
 import os
+import sys
 import threading
 import time
 from collections import OrderedDict
 from typing import Any, Literal, Optional, Sequence, Union
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tierkv.connector.config import ConfigError
@@ -147,7 +147,8 @@ def as_byte_view(buf: Buffer, nbytes: int, writable: bool, what: str = "buffer")
     only) ``bytes``. Raises ``ValueError`` if the size is not ``nbytes``, the buffer is not contiguous or not on the
     CPU, or ``writable`` is asked of a read-only buffer.
     """
-    if isinstance(buf, torch.Tensor):
+    torch = sys.modules.get("torch")  # not imported here: a process without torch has no tensors to pass
+    if torch is not None and isinstance(buf, torch.Tensor):
         if buf.device.type != "cpu":
             raise ValueError(f"{what}: tensor on {buf.device}, expected a CPU tensor")
         if not buf.is_contiguous():
@@ -733,6 +734,28 @@ class FileStore(StorageBackend):
                 self._c["errors"] += 1
             self._warn.warning("write", "file store %s: cannot store page %s: %s", self.root, key, e)
             return None
+
+    def batch_delete(self, keys: Sequence[str]) -> int:
+        """Remove the records of ``keys`` (absent ones are ignored). Returns how many files were removed.
+        Raises ValueError for a bad key."""
+        self._check_keys(keys)
+        if self.cfg.read_only:
+            return 0
+        n = 0
+        for k in keys:
+            p = self._path(k)
+            with self._lock:
+                size = self._index.pop(p, None)
+                if size is not None:
+                    self._usage -= size
+                try:
+                    os.unlink(p)
+                    n += 1
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    self._warn.warning("delete", "file store %s: cannot delete %s: %s", self.root, p, e)
+        return n
 
     def clear(self) -> None:
         """Delete every record of this namespace (records of other namespaces under ``root`` are kept)."""

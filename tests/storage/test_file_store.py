@@ -161,6 +161,26 @@ def test_clear_drops_only_this_namespace(tmp_path):
     assert b.batch_exists(["01" * 16]) == 1 and a.usage()["pages"] == 0
 
 
+def test_batch_delete(tmp_path):
+    s = FileStore(NS, PAGE, root=str(tmp_path))
+    ks = ["01" * 16, "02" * 16, "03" * 16]
+    assert s.batch_set(ks[:2], [bytes(PAGE)] * 2) == [True, True]
+    assert s.batch_delete(ks) == 2
+    assert s.batch_exists(ks[:1]) == 0 and s.usage()["pages"] == 0
+    with pytest.raises(ValueError):
+        s.batch_delete(["../x"])
+
+
+def test_import_does_not_need_torch():
+    """The cache server imports FileStore for spilling and stays free of torch."""
+    code = ("import sys; import tierkv.storage_backends.file as f; assert 'torch' not in sys.modules, 'torch'; "
+            "import tempfile; s = f.FileStore(bytes(16), 8, root=tempfile.mkdtemp()); "
+            "assert s.batch_set(['00' * 16], [b'abcdefgh']) == [True]; b = bytearray(8); "
+            "assert s.batch_get(['00' * 16], [b]) == [True] and b == b'abcdefgh'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
 def test_quarantine_is_bounded(tmp_path):
     s = FileStore(NS, PAGE, root=str(tmp_path), quarantine_max_files=2)
     keys = [f"{i:02x}" * 16 for i in range(4)]
