@@ -237,7 +237,7 @@ def run_workload(
     ``ttft_s`` / ``latency_s`` (list of seconds, None in batch mode), ``prompt_lens``, ``finish_reasons``,
     ``wall_s``, ``startup_s``, ``stats``, ``stats_dir``, ``log_path``, ``leaked_processes``.
     """
-    res = run_job(model_dir, [{"name": "main", "prompts": [list(map(int, p)) for p in prompts],
+    res = run_job(model_dir, [{"name": "main", "prompts": [_norm_prompt(p) for p in prompts],
                                "sequential": sequential}],
                   kv_transfer_config=kv_transfer_config, num_gpu_blocks_override=num_gpu_blocks_override,
                   max_tokens=max_tokens, extra_engine_args=extra_engine_args, env=env, workdir=workdir,
@@ -252,6 +252,23 @@ def _model_max_len(model_dir) -> int:
         return int(json.loads((Path(model_dir) / "config.json").read_text())["max_position_embeddings"])
     except (OSError, ValueError, KeyError):
         return 1 << 30
+
+
+def _norm_prompt(p):
+    """A prompt is a list of token ids, or a dict ``{"prompt_token_ids": [...], "cache_salt": "..."}``."""
+    if isinstance(p, dict):
+        return {"prompt_token_ids": [int(t) for t in p["prompt_token_ids"]],
+                **({"cache_salt": str(p["cache_salt"])} if p.get("cache_salt") is not None else {})}
+    return [int(t) for t in p]
+
+
+def _prompt_len(p) -> int:
+    return len(p["prompt_token_ids"]) if isinstance(p, dict) else len(p)
+
+
+def _tokens_prompt(p):
+    from vllm.inputs import TokensPrompt
+    return TokensPrompt(**p) if isinstance(p, dict) else TokensPrompt(prompt_token_ids=p)
 
 
 def read_stats(stats_dir: str | os.PathLike) -> dict[str, Any]:
@@ -385,7 +402,7 @@ def _child(job_path: str, result_path: str) -> None:
         counter[0] += 1
         rid = f"r{counter[0]}"
         t_start = time.perf_counter()
-        engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params(max_tokens))
+        engine.add_request(rid, _tokens_prompt(prompt), params(max_tokens))
         ttft, final = None, None
         while engine.has_unfinished_requests():
             for out in engine.step():
@@ -400,7 +417,7 @@ def _child(job_path: str, result_path: str) -> None:
             raise RuntimeError(f"request {rid} produced no final output")
         return {"output": list(final.outputs[0].token_ids), "num_cached_tokens": final.num_cached_tokens,
                 "ttft_s": ttft, "latency_s": latency, "finish_reason": final.outputs[0].finish_reason,
-                "prompt_len": len(prompt)}
+                "prompt_len": _prompt_len(prompt)}
 
     def collect(rows: list[dict], wall: float) -> dict:
         keys = {"outputs": "output", "num_cached_tokens": "num_cached_tokens", "ttft_s": "ttft_s",
@@ -430,11 +447,11 @@ def _child(job_path: str, result_path: str) -> None:
         if "prompts" in w and w.get("sequential", True):
             rows = [one(p, max_tokens) for p in w["prompts"]]
         elif "prompts" in w:
-            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in w["prompts"]], params(max_tokens),
+            outs = llm.generate([_tokens_prompt(p) for p in w["prompts"]], params(max_tokens),
                                 use_tqdm=False)
             rows = [{"output": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens,
                      "ttft_s": None, "latency_s": None, "finish_reason": o.outputs[0].finish_reason,
-                     "prompt_len": len(p)} for o, p in zip(outs, w["prompts"])]
+                     "prompt_len": _prompt_len(p)} for o, p in zip(outs, w["prompts"])]
         else:
             chats = w["chats"]
             history = [[] for _ in chats]

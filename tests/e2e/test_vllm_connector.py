@@ -29,7 +29,13 @@ def _workload():
     exact_repeat = [shapes[1], shapes[2], shapes[3], shapes[4], shapes[0]]  # whole prompt repeated
     prompts = first + shapes + again + exact_repeat
     repeated = set(range(len(first) + len(shapes), len(prompts)))
-    return prompts, repeated
+    # tenants: the same tokens under another cache_salt never share a page, in L1 (vLLM) or L2 (tierkv)
+    doc = docs[4] + [5, 6, 7]
+    salted = [{"prompt_token_ids": doc, "cache_salt": "tenantA"},
+              first[0],                                               # pushes tenantA's pages out of L1
+              {"prompt_token_ids": doc, "cache_salt": "tenantA"},
+              {"prompt_token_ids": doc, "cache_salt": "tenantB"}]
+    return prompts + salted, repeated
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +44,7 @@ def runs(tiny_model, tmp_path_factory):
     args = {"max_model_len": MAX_LEN}
     tier = run_workload(
         tiny_model, prompts,
-        kv_transfer_config=tierkv_kv_config({"host_pool": {"size_gb": 0.25}, "verify_checksums": True},
+        kv_transfer_config=tierkv_kv_config({"verify_checksums": True},   # defaults otherwise: auto-sized L2
                                             load_failure_policy="recompute"),
         num_gpu_blocks_override=MAX_LEN // P + 2, max_tokens=6, extra_engine_args=args,
         workdir=tmp_path_factory.mktemp("tierkv"))
@@ -57,11 +63,21 @@ def test_outputs_equal_prefix_cache_reference(runs):
     assert tier["leaked_processes"] == 0 and ref["leaked_processes"] == 0
 
 
+def test_cache_salt_isolates_tenants(runs):
+    _p, _r, tier, _ref = runs
+    a1, _other, a2, b = tier["num_cached_tokens"][-4:]
+    assert a1 == 0            # tenantA's first request shares nothing with the unsalted copy of the document
+    assert a2 == 9 * P        # tenantA again: its own pages (288 tokens of 291)
+    assert b == 0             # tenantB never sees tenantA's pages
+
+
 def test_repeated_prefixes_come_from_l2(runs):
     prompts, repeated, tier, _ref = runs
     s = stats_by_role(tier)
     sched, worker = s["scheduler"], s["worker"]
     prefix_tokens = sum(((len(prompts[i]) - 1) // P) * P for i in repeated)
+    # empty config: L2 sized automatically (a share of MemTotal, capped), here far larger than the workload
+    assert sched["num_slots"] * worker["page_bytes"] >= 1 << 30
     assert prefix_tokens > 0
     assert sched["l2_hit_tokens"] >= prefix_tokens / 2, (sched, prefix_tokens)
     assert sched["requests"] == len(prompts)
