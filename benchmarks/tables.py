@@ -1,0 +1,33 @@
+"""Render the markdown tables of ``benchmarks/README.md`` from the committed result files.
+
+    .venv/bin/python benchmarks/tables.py transfer     # from results/transfer.json
+(``benchmarks/storage.py`` and ``benchmarks/e2e_cpu.py`` print their own tables.)
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def transfer() -> str:
+    d = json.loads((RESULTS / "transfer.json").read_text())
+    out = [f"Measured {d['time']}; reference: {d['reference']}.", "",
+           "| device layout | host layout | direction | pages | block ids | tierkv GB/s | copy_ GB/s | ratio | target |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in d["rows"]:
+        ok = "ok" if r["meets_target"] else "MISSED"
+        out.append(f"| {r['device_layout']} | {r['layout']} | {r['direction']} | {r['pages']} | {r['ids']} | "
+                   f"{r['gbps']:.2f} | {r['copy_gbps']:.2f} | {r['ratio']:.0%} | {r['target']:.0%} {ok} |")
+    lw = d.get("layerwise")
+    if lw:
+        keys = [k for k in ("load_ms", "compute_ms", "sequential_ms", "layerwise_ms") if k in lw]
+        if keys:
+            out += ["", "Layer-wise load: " + ", ".join(f"{k} {lw[k]:.1f}" for k in keys)]
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print({"transfer": transfer}[sys.argv[1]]())
