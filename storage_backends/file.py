@@ -19,9 +19,10 @@ Where it comes from and what it does differently:
   then raises, a page corrupted in place is served as a hit. Here every read checks header and payload checksum and a
   bad record is a miss (counted, quarantined), never data.
 - LMCache's local disk backend lost its index on restart (field scenario R17). Here the index (path -> size, in LRU
-  order) is rebuilt from the directory at start: page files sorted by mtime (reads refresh the mtime with
-  ``futimens`` on the open descriptor, so recency survives restarts), files of the wrong size quarantined, temporary
-  files of dead writers removed. About 40 µs per file on a busy 2-core VM (one ``stat``); see ``tests/storage/test_file_index.py``.
+  order) is rebuilt from the directory at start: page files sorted by mtime (a write sets its record's mtime to an
+  exact stamp; a hit is stamped in memory at read time and written to the file's mtime lazily, one ``utime`` per page
+  per ``touch_flush_s`` and at close/rescan/exit, so recency survives restarts without a syscall per hit), files of
+  the wrong size quarantined, temporary files of dead writers removed. About 40 µs per file on a busy 2-core VM (one ``stat``); see ``tests/storage/test_file_index.py``.
 - Mooncake's offload tier and DingoCache filled their disk (R20). Here the capacity (bytes of page files, headers
   included) is enforced by LRU eviction out of the box (default: 90 % of what the filesystem can give us at start),
   and ``ENOSPC``/``EDQUOT`` on a write evicts ``enospc_evict_pages`` records and retries once; a failed write leaves
