@@ -16,7 +16,9 @@ work per layer) and writes the timeline: load of layer ``l+1`` overlapping compu
 
 Results: ``benchmarks/results/transfer.json`` (CPU) or ``transfer_gpu.json`` (CUDA).
 """
-from __future__ import annotations
+from __future__ import os
+os.environ.setdefault("TIERKV_COPY_THREADS", "1")  # copies single-threaded, as measured and committed
+import annotations
 
 import argparse
 import json

@@ -7,7 +7,7 @@ handful of large copies. Saves of scattered block ids into consecutive slots (wh
 are one ``torch.index_select(..., out=host_slice)`` gather per slot run instead. ``index_copy_``/``index_put_``
 scatter is never used (about 2 GB/s for 64 KiB pages where ``copy_`` reaches 17 GB/s on the machine this was
 measured on); loads into scattered blocks are slice copies per run. Copies run with :data:`COPY_THREADS` intra-op
-threads (default 1, see there).
+threads (default: torch's own, see there).
 
 * ``layer_first`` (opaque bytes): ``host[l, s:s+k, :] <-> dev_bytes[l, b:b+k, :]``.
 * ``page_first`` / ``page_first_direct`` (semantic): per part (K, V or MLA latent),
@@ -27,11 +27,12 @@ from . import plan_runs
 #: a save switches to ``index_select`` gathers (one per run of consecutive slots) when it has at least this many
 #: times more (block, slot) runs than slot runs, i.e. when block ids are scattered
 GATHER_MIN_AVG_RUN = 2
-#: intra-op threads used by the copies (env ``TIERKV_COPY_THREADS``; 0 = leave torch's setting alone). Default 1:
-#: vLLM's CPU backend gives the connector one reserved core per rank while its OpenMP threads hold the others,
-#: and a multi-threaded copy then oversubscribes the cores; measured on a loaded 2-core box, a 256 KiB ``copy_``
-#: took ~34 ms with 2 threads and ~13 us with 1.
-COPY_THREADS = int(os.environ.get("TIERKV_COPY_THREADS", "1"))
+#: intra-op threads used by the copies (env ``TIERKV_COPY_THREADS``; 0, the default, leaves torch's setting alone).
+#: Inside vLLM's CPU worker the thread count is bound by vLLM (with a core reserved for the connector) and
+#: ``torch.set_num_threads`` is refused with a warning, so the kernels must not touch it there. Standalone use on an
+#: oversubscribed box can set 1: measured on a loaded 2-core machine, a 256 KiB ``copy_`` took ~34 ms with 2
+#: threads and ~13 us with 1.
+COPY_THREADS = int(os.environ.get("TIERKV_COPY_THREADS", "0"))
 
 
 @contextmanager
