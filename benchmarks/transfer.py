@@ -16,9 +16,7 @@ work per layer) and writes the timeline: load of layer ``l+1`` overlapping compu
 
 Results: ``benchmarks/results/transfer.json`` (CPU) or ``transfer_gpu.json`` (CUDA).
 """
-from __future__ import os
-os.environ.setdefault("TIERKV_COPY_THREADS", "1")  # copies single-threaded, as measured and committed
-import annotations
+from __future__ import annotations
 
 import argparse
 import json
@@ -30,7 +28,9 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+os.environ.setdefault("TIERKV_COPY_THREADS", "1")  # copies single-threaded, as measured and committed
+
+import torch  # noqa: E402
 
 from tierkv.connector.device_pool import DevicePool
 from tierkv.connector.host_pool import HOST_POOL_LAYOUTS, HostPool, SlotAllocator
