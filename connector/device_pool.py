@@ -1,7 +1,7 @@
 """L1 adapter: the engine's paged KV tensors, seen as blocks of bytes and as K/V (or latent) token views.
 
 vLLM 0.32 hands a connector one tensor per attention layer in ``register_kv_caches``; every one is a view of a
-single shared allocation (see ``/work/shared/reference/vllm-connector-api.md`` §4). :class:`DevicePool` turns
+single shared allocation (vLLM 0.32, ``vllm/v1/kv_cache_interface.py``). :class:`DevicePool` turns
 them into two families of *views* (no copies) that the transfer kernels in :mod:`tierkv.kernels` use:
 
 * **block bytes**: ``uint8 [num_blocks, block_bytes]`` per layer; row ``b`` is every byte of manager block ``b``
