@@ -201,8 +201,6 @@ class RadixIndex:
                 self.total_pages += added
                 self.inserted_pages += added
                 self.l2_pages += sum(1 for s in leaf.host_slots if s != NO_SLOT)
-                if node.lock_ref > 0 and node is not self.root:
-                    pass  # locks on ancestors do not extend to new descendants
                 path.append(leaf)
                 node = leaf
                 i = n
@@ -318,9 +316,8 @@ class RadixIndex:
     def check_invariants(self) -> None:
         """Recount everything and check the tree's invariants; raises AssertionError on a violation.
 
-        No empty edge; children keyed by their first page key; parents consistent; lock_ref >= 0 and a node's
-        lock_ref >= the sum over... (each child's lock_ref <= its parent's); no slot referenced twice;
-        page counters equal a recount."""
+        No empty edge; children keyed by their first page key; parents consistent; lock_ref >= 0 and no child
+        locked more than its parent; no slot referenced twice; page counters equal a recount."""
         pages = l2 = locked = nodes = 0
         seen: set[int] = set()
         for n in self._iter_nodes():

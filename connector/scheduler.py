@@ -235,5 +235,3 @@ class CacheScheduler:
         self.index.check_invariants()
         used = self.index.all_slots()
         assert len(used) + self.allocator.num_free == self.num_slots, (len(used), self.allocator.num_free)
-        locks = sum(1 for st in self.requests.values() if st.lock is not None)
-        assert locks >= 0
