@@ -48,6 +48,9 @@ log = logging.getLogger("tierkv.zmq_client")
 _MSG_SLACK = 64 << 10
 #: per-key allowance for the key text, the page header and frame overhead in one message.
 _PER_KEY_OVERHEAD = 256
+#: payload bytes per ``set`` message when a batch is pipelined: the pages of the next message are checksummed
+#: while ZMQ's I/O thread already transmits the previous one (measured on 2 cores, 64 x 256 KiB and 64 x 2 MiB).
+PIPELINE_BYTES = 8 << 20
 
 
 def _byte_view(buf: Any, page_bytes: int, writable: bool, what: str, i: int) -> memoryview:
@@ -56,7 +59,10 @@ def _byte_view(buf: Any, page_bytes: int, writable: bool, what: str, i: int) -> 
     Raises:
         ValueError: wrong size, non-contiguous or non-CPU tensor, read-only destination.
     """
-    if isinstance(buf, torch.Tensor):
+    if (type(buf) is torch.Tensor and buf.dtype is torch.uint8 and buf.dim() == 1 and buf.is_contiguous()
+            and buf.device.type == "cpu" and not buf.requires_grad):
+        mv = memoryview(buf.numpy())  # fast path: a host-pool page as the pool hands it out
+    elif isinstance(buf, torch.Tensor):
         if buf.device.type != "cpu":
             raise ValueError(f"{what}[{i}] must be a CPU tensor, got device {buf.device}")
         if not buf.is_contiguous():
@@ -191,7 +197,8 @@ class ZmqStore(StorageBackend):
             log.debug("tierkv zmq server %s: %s (failure %d, back-off %.3fs)", self.endpoint, why, self._fails, back)
 
     def _exchange(self, msgs: list, on_reply: Callable[[int, dict, list], None]) -> list:
-        """Send ``msgs`` (``(header dict, payload buffers)``), pipelined, and hand each matched, well-formed,
+        """Send ``msgs`` (``(header dict, payload buffers)``, or a callable returning one, called just before its
+        message is sent), pipelined, and hand each matched, well-formed,
         ``ok`` reply to ``on_reply(index, header, frames)``. Returns one bool per message (answered ok).
         Never raises for network faults."""
         done = [False] * len(msgs)
@@ -210,7 +217,8 @@ class ZmqStore(StorageBackend):
             sock = self._socket()
             deadline = now + self.timeout_s
             waiting: dict[int, tuple[int, str]] = {}
-            for i, (h, payloads) in enumerate(msgs):
+            for i, m in enumerate(msgs):
+                h, payloads = m() if callable(m) else m  # built lazily: overlaps the previous send
                 rid = next(self._ids) & P.MAX_ID
                 h = dict(h, v=P.PROTOCOL_VERSION, id=rid)
                 if self.token is not None:
@@ -369,11 +377,14 @@ class ZmqStore(StorageBackend):
             check_key(k)
         srcs = [_byte_view(b, self.page_bytes, False, "sources", i) for i, b in enumerate(sources)]
         res = [False] * len(keys)
-        chunks = self._chunks(len(keys), self.keys_per_message)
-        msgs = []
-        for s, e in chunks:
+        per = max(1, min(self.keys_per_message, PIPELINE_BYTES // self.page_bytes))
+        chunks = self._chunks(len(keys), per)
+
+        def build(s: int, e: int) -> tuple:
             hdrs = [encode_header(keys[i], self.namespace, srcs[i]) for i in range(s, e)]
-            msgs.append(({"op": "set", "ns": self.namespace, "keys": list(keys[s:e]), "hdrs": hdrs}, srcs[s:e]))
+            return {"op": "set", "ns": self.namespace, "keys": list(keys[s:e]), "hdrs": hdrs}, srcs[s:e]
+
+        msgs = [lambda s=s, e=e: build(s, e) for s, e in chunks]
 
         def on_reply(ci, rh, frames):
             s, e = chunks[ci]
