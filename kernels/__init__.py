@@ -7,11 +7,13 @@ One dispatch API:
 * :func:`load_pages` (L2 -> L1, "load_back"): slot ``slots[i]`` -> block ``block_ids[i]``.
 
 ``layers`` selects a subset of layer indices (None = all). The implementation is picked by the device of the
-KV tensors: :mod:`tierkv.kernels.torch_impl` on CPU (slice ``copy_`` of merged runs / ``index_select`` gathers;
-never ``index_copy_``, measured ~8x slower for 64 KiB pages), :mod:`tierkv.kernels.triton_impl` on CUDA (one
-Triton gather/scatter launch per part and step on a side stream, reading/writing pinned host memory directly).
-``impl="torch"|"triton"`` forces one (the Triton kernels also run on CPU tensors under ``TRITON_INTERPRET=1``,
-which is how CI tests them).
+KV tensors: on CPU :mod:`tierkv.kernels.numba_impl` (one compiled pass per part, register transposes for the CPU
+backend's transposed K, non-temporal stores) when numba is installed, else :mod:`tierkv.kernels.torch_impl` (slice
+``copy_`` of merged runs / ``index_select`` gathers; never ``index_copy_``, measured ~8x slower for 64 KiB pages);
+:mod:`tierkv.kernels.triton_impl` on CUDA (one Triton gather/scatter launch per part and step on a side stream,
+reading/writing pinned host memory directly). ``impl="numba"|"torch"|"triton"`` forces one (the Triton kernels
+also run on CPU tensors under ``TRITON_INTERPRET=1``, which is how CI tests them); env ``TIERKV_CPU_KERNELS=torch``
+makes torch the CPU default.
 
 Every argument is checked before any byte moves; a bad one raises ValueError naming it: ids out of range,
 lengths that differ, a slot or block given twice, unknown layers, or an L1/L2 pair whose layers, dtype, heads,
@@ -19,6 +21,7 @@ head dim, page size or block bytes differ.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional, Sequence
 
 import numpy as np
@@ -98,16 +101,30 @@ def plan_runs(block_ids: list[int], slots: list[int]) -> list[tuple[int, int, in
     return runs
 
 
+#: CPU implementation used when ``impl`` is not given: ``"numba"`` (default when numba imports) or ``"torch"``
+#: (env ``TIERKV_CPU_KERNELS``)
+CPU_KERNELS = os.environ.get("TIERKV_CPU_KERNELS", "numba")
+
+
 def _impl(dev, impl: Optional[str]):
     if impl is None:
-        impl = "triton" if dev.device.type == "cuda" else "torch"
+        if dev.device.type == "cuda":
+            impl = "triton"
+        else:
+            from . import numba_impl
+            impl = "numba" if CPU_KERNELS == "numba" and numba_impl.available() else "torch"
+    if impl == "numba":
+        from . import numba_impl
+        if not numba_impl.available():
+            raise ValueError("impl='numba' requested but numba is not installed (pip install numba)")
+        return numba_impl
     if impl == "torch":
         from . import torch_impl
         return torch_impl
     if impl == "triton":
         from . import triton_impl
         return triton_impl
-    raise ValueError(f"impl must be 'torch' or 'triton', got {impl!r}")
+    raise ValueError(f"impl must be 'numba', 'torch' or 'triton', got {impl!r}")
 
 
 def save_pages(dev, host, block_ids: Sequence[int], slots: Sequence[int], layers: Optional[Sequence[int]] = None,

@@ -141,15 +141,16 @@ RT_CASES = [(d, layout, ratio) for d in DEVICE_LAYOUTS for layout in HOST_POOL_L
             for ratio in (1, 2) if not (ratio == 2 and ("bl" in d or layout == "layer_first"))]
 
 
+@pytest.mark.parametrize("impl", ["numba", "torch"])
 @pytest.mark.parametrize("dname,layout,ratio", RT_CASES)
-def test_round_trip_through_page_bytes(dname, layout, ratio):
+def test_round_trip_through_page_bytes(dname, layout, ratio, impl):
     dev, storage, spec, sem, kv = _dev(dname, ratio)
     rng = random.Random(hash((dname, layout, ratio)) & 0xFFFF)
     blocks = rng.sample(range(10), 6)
     slots = rng.sample(range(8), 6)
     hp = HostPool.for_device(dev, 8, layout)
     hp.buffer.fill_(0xAB)
-    save_pages(dev, hp, blocks, slots)
+    save_pages(dev, hp, blocks, slots, impl=impl)
     # L2 content against the reference: semantic token-major K/V, or the device block's bytes
     for b, s in zip(blocks, slots):
         if layout == "layer_first":
@@ -169,7 +170,7 @@ def test_round_trip_through_page_bytes(dname, layout, ratio):
     before = storage.clone()
     pad = 256
     storage[pad:].zero_()
-    load_pages(hp2, dev, new_slots, blocks)
+    load_pages(hp2, dev, new_slots, blocks, impl=impl)
     for l in range(3):
         for b in range(10):
             got = block_bytes_reference(kv, spec, l, b)

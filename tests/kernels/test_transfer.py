@@ -1,4 +1,4 @@
-"""Transfer kernels (torch path): argument checks before any byte moves, run planning, scattered ids, gathers,
+"""Transfer kernels (torch path; the numba kernels are in test_numba_impl.py): argument checks before any byte moves, run planning, scattered ids, gathers,
 and per-layer loading (LayerwiseLoad)."""
 import random
 import threading
@@ -45,9 +45,10 @@ BAD = [
 ]
 
 
+@pytest.mark.parametrize("impl", ["torch", None])
 @pytest.mark.parametrize("layout", HOST_POOL_LAYOUTS)
 @pytest.mark.parametrize("args,match", BAD)
-def test_bad_arguments_raise_before_any_byte_moves(layout, args, match):
+def test_bad_arguments_raise_before_any_byte_moves(layout, args, match, impl):
     dev, storage, *_ = _dev()
     hp = HostPool.for_device(dev, 8, layout)
     hp.buffer.fill_(7)
@@ -55,9 +56,9 @@ def test_bad_arguments_raise_before_any_byte_moves(layout, args, match):
     kw = dict(args)
     b, s, layers = kw.pop("block_ids"), kw.pop("slots"), kw.pop("layers", None)
     with pytest.raises(ValueError, match=match):
-        save_pages(dev, hp, b, s, layers)
+        save_pages(dev, hp, b, s, layers, impl=impl)
     with pytest.raises(ValueError, match=match):
-        load_pages(hp, dev, s, b, layers)
+        load_pages(hp, dev, s, b, layers, impl=impl)
     assert torch.equal(storage, before_dev) and torch.equal(hp.buffer, before_host)
 
 
@@ -114,13 +115,17 @@ def test_scattered_ids_and_gather_path_match_reference(layout, layers, monkeypat
     ref.buffer.zero_()
     # reference: one pair at a time (no run merging, no gathers)
     for b, s in zip(blocks, slots):
-        save_pages(dev, ref, [b], [s], layers)
-    for min_run in (1, 10 ** 6):  # force the run-copy path and the index_select gather path
+        save_pages(dev, ref, [b], [s], layers, impl="torch")
+    for min_run in (1, 10 ** 6):  # force the run-copy path and the index_select gather path (torch)
         monkeypatch.setattr(torch_impl, "GATHER_MIN_AVG_RUN", min_run)
         hp = HostPool.for_device(dev, 12, layout)
         hp.buffer.zero_()
-        save_pages(dev, hp, blocks, slots, layers)
+        save_pages(dev, hp, blocks, slots, layers, impl="torch")
         assert torch.equal(hp.buffer, ref.buffer)
+    hp = HostPool.for_device(dev, 12, layout)  # and the numba kernels (the CPU default)
+    hp.buffer.zero_()
+    save_pages(dev, hp, blocks, slots, layers, impl="numba")
+    assert torch.equal(hp.buffer, ref.buffer)
 
 
 def test_many_pages_consecutive_runs_cover_all_layers_in_one_copy(monkeypatch):
@@ -134,7 +139,7 @@ def test_many_pages_consecutive_runs_cover_all_layers_in_one_copy(monkeypatch):
         return orig(self, src, *a, **k)
 
     monkeypatch.setattr(torch.Tensor, "copy_", counting)
-    save_pages(dev, hp, list(range(2, 10)), list(range(0, 8)))
+    save_pages(dev, hp, list(range(2, 10)), list(range(0, 8)), impl="torch")
     monkeypatch.setattr(torch.Tensor, "copy_", orig)
     assert len(calls) == 1 and tuple(calls[0]) == (8, 4, dev.block_bytes)
     for i, b in enumerate(range(2, 10)):
