@@ -10,7 +10,8 @@ run ("run") or a random sample of the L1 pool ("scattered", what a busy engine h
 It also times a layer-wise load (:class:`LayerwiseLoad`) against a fake forward pass (a fixed amount of matmul
 work per layer) and writes the timeline: load of layer ``l+1`` overlapping compute of layer ``l``.
 
-    python benchmarks/transfer.py                 # CPU: torch kernels, vLLM CPU-backend device layout
+    python benchmarks/transfer.py                 # CPU: numba kernels (torch without numba), vLLM CPU-backend layout
+    TIERKV_CPU_KERNELS=torch python benchmarks/transfer.py   # CPU: the torch kernels
     python benchmarks/transfer.py --device cuda   # GPU: Triton kernels vs pinned copy_, FlashAttention NHD layout
     python benchmarks/transfer.py --quick         # fewer repetitions
 
@@ -35,7 +36,7 @@ import torch  # noqa: E402
 from tierkv.connector.device_pool import DevicePool
 from tierkv.connector.host_pool import HOST_POOL_LAYOUTS, HostPool, SlotAllocator
 from tierkv.connector.layer_loader import LayerwiseLoad
-from tierkv.kernels import load_pages, save_pages
+from tierkv.kernels import _impl, load_pages, numba_impl, save_pages
 from tierkv.kernels.torch_impl import COPY_THREADS, copy_threads
 from tierkv.kernels.testing import make_kv_caches
 
@@ -104,13 +105,19 @@ def bench_transfers(device, dev, pools, batches, patterns, reps):
                         def ref():  # same thread count as the torch kernels
                             with copy_threads():
                                 ref_host[:nbytes].copy_(ref_src[:nbytes])
+                    ref_nt = None
+                    if device.type == "cpu" and numba_impl.available():  # same copy, non-temporal stores
+                        ref_nt = lambda: numba_impl.copy_contiguous(ref_host[:nbytes], ref_src[:nbytes])  # noqa: E731
+                        ref_nt()
                     op(), ref(), ref_default()  # warm up (page faults, Triton compile)
-                    t_op, t_ref, t_def = [], [], []
+                    t_op, t_ref, t_def, t_nt = [], [], [], []
                     for _ in range(reps):
                         t_ref.append(_time(ref, device))
                         t_op.append(_time(op, device))
                         if device.type == "cpu":
                             t_def.append(_time(ref_default, device))
+                        if ref_nt is not None:
+                            t_nt.append(_time(ref_nt, device))
                     gbps = nbytes / statistics.median(t_op) / 1e9
                     ref_gbps = nbytes / statistics.median(t_ref) / 1e9
                     def_gbps = nbytes / statistics.median(t_def) / 1e9 if t_def else None
@@ -119,10 +126,12 @@ def bench_transfers(device, dev, pools, batches, patterns, reps):
                                target=TARGET[layout], meets_target=gbps / ref_gbps >= TARGET[layout],
                                best_gbps=round(nbytes / min(t_op) / 1e9, 2),
                                best_copy_gbps=round(nbytes / min(t_ref) / 1e9, 2),
-                               copy_default_threads_gbps=round(def_gbps, 2) if def_gbps else None)
+                               copy_default_threads_gbps=round(def_gbps, 2) if def_gbps else None,
+                               nt_copy_gbps=round(nbytes / statistics.median(t_nt) / 1e9, 2) if t_nt else None)
                     rows.append(row)
+                    nt_txt = f"  nt-copy {row['nt_copy_gbps']:6.2f} GB/s" if row["nt_copy_gbps"] else ""
                     print(f"{layout:18s} {direction:7s} {n:5d} {pattern:9s} {gbps:7.2f} GB/s  copy_ {ref_gbps:7.2f} GB/s"
-                          f"  {100 * gbps / ref_gbps:5.0f}%  (target {100 * TARGET[layout]:.0f}%)", flush=True)
+                          f"  {100 * gbps / ref_gbps:5.0f}%  (target {100 * TARGET[layout]:.0f}%){nt_txt}", flush=True)
             alloc.free(slots)
     return rows
 
@@ -219,7 +228,7 @@ def main(argv=None):
     for p in pools.values():
         p.buffer.fill_(0)
     print(f"{dev}\nhost pools: {max(batches)} slots x {pools['layer_first'].page_bytes} B; torch threads "
-          f"{torch.get_num_threads()}; reps {reps}\n")
+          f"{torch.get_num_threads()}; kernels {_impl(dev, None).__name__}; reps {reps}\n")
     print(f"{'layout':18s} {'dir':7s} {'pages':>5s} {'ids':9s} {'tierkv':>12s}  {'reference':>16s}  ratio")
     path = Path(args.out) if args.out else Path(__file__).parent / "results" / (
         "transfer.json" if device.type == "cpu" else "transfer_gpu.json")
@@ -244,10 +253,11 @@ def main(argv=None):
         benchmark="transfer", device=str(device), device_layout=dev.layout_tag, backend=dev.backend,
         model=dict(MODEL, dtype=str(MODEL["dtype"]), page_bytes=dev.num_layers * dev.block_bytes,
                    block_bytes=dev.block_bytes),
-        impl="triton" if device.type == "cuda" else "torch",
+        impl=_impl(dev, None).__name__.rsplit(".", 1)[-1],
         reference="contiguous copy_ of the same byte count" + (
             " (pinned host <-> device)" if device.type == "cuda" else
-            " (host -> host, same intra-op thread count as the kernels; copy_default_threads_gbps = torch default)"),
+            " (host -> host, same intra-op thread count as the kernels; copy_default_threads_gbps = torch default; "
+            "nt_copy_gbps = the same contiguous copy with non-temporal stores, as the numba kernels store)"),
         conditions=dict(machine=platform.machine(), cpus=os.cpu_count(), torch=torch.__version__,
                         threads=torch.get_num_threads(), copy_threads=COPY_THREADS, reps=reps, note="shared, noisy machine; medians of "
                         "interleaved repetitions"),

@@ -1,30 +1,35 @@
-"""CPU transfer kernels compiled with numba: one pass per part, straight into the final position, no temporaries.
+"""CPU transfer kernels compiled with numba: one pass per page, every byte straight into its final position.
 
-Every move (any device layout, any host layout, either direction) is described the same way: a list of (block,
-slot) pairs, a list of selected layers, up to four *dims* (count, source stride, destination stride, in bytes) and
-a *unit* that is repeated at every point of that grid:
+A move (any device layout, host layout and direction) is a list of (block, slot) pairs and a per-page **unit
+table** built once per (device pool, host pool, layer subset) and cached: for every unit its source and destination
+byte offset inside a page and its kind. Units of all parts (K, V or the MLA latent) of a page are in one table, so
+a page is read once even where K and V interleave in device memory (FlashAttention NHD/HND). Unit kinds:
 
-* **row** (mode 0): ``rowbytes`` contiguous bytes on both sides (V rows, NHD K/V rows, MLA latents, ``layer_first``
-  block bytes). Dims that are contiguous on both sides are merged into longer rows.
-* **16x16 transpose** (mode 1, 2-byte dtypes): 16 rows of 16 elements at a source row stride become 16 rows at a
-  destination row stride; this is vLLM's CPU-backend K, stored transposed ``[D, N]`` per (block, head) while the
-  host layouts hold it token-major ``[N, D]``. Written as LLVM vector shuffles (three rounds of in-lane unpacks of
-  16-, 32- and 64-bit pieces, then a 128-bit lane merge: the classic SSE/AVX2 register transpose), so it runs at
-  memory speed instead of ~3 GB/s for an element loop.
-* **tile transpose** (mode 2): element loop, for dtypes other than 2 bytes or dims that are not multiples of 16.
+* **row** (mode 0): contiguous bytes on both sides (V rows, NHD/HND K and V rows, MLA latents, ``layer_first``
+  blocks); rows that continue each other on both sides are merged.
+* **register transposes** (modes 1 and 3, 2-byte dtypes): vLLM's CPU backend stores K transposed, ``[D, N]`` per
+  (block, head), while the host layouts hold it token-major ``[N, D]``. A unit transposes 16 source rows of 16
+  elements (mode 1) or 32 of them into 16 destination rows of 64 bytes, whole cache lines (mode 3), with LLVM
+  vector shuffles: three rounds of in-lane unpacks of 16-, 32- and 64-bit pieces and a 128-bit lane merge, the
+  classic SSE/AVX2 register transpose (``vpunpck*``, ``vperm2i128``). A scalar element loop runs at ~3 GB/s.
+* **tile transpose** (mode 2): an element loop, for other element sizes or dims that are not multiples of 16.
 
-Loop order: pairs are sorted by destination address and the dims (and the layer level) are nested by decreasing
-destination stride, so every kernel writes its destination front to back. Stores of whole aligned 32-byte pieces
-are **non-temporal** (``vmovntdq``: written to memory without first reading the line into cache), which is what
-lets a strided gather match or beat a plain ``copy_``: torch's ``copy_`` (and glibc ``memcpy`` below its
-non-temporal threshold) uses ordinary stores, so every destination line is read before it is written. Measured on
-the 2-core AVX2 VM this was written on: contiguous 256 MiB ``copy_`` 8.9 GB/s, the same copy with non-temporal
-stores 16.8 GB/s. A ``fence`` ends every call, so the bytes are visible to other threads when it returns.
+Memory behaviour, each choice measured on the 2-core AMD EPYC (Zen 3, AVX2) VM this was written on:
 
-Single-threaded (no ``prange``): the engine's own threads are not touched (vLLM's CPU worker refuses
+* Units run in **source order** and pairs in source order, so reads stream front to back.
+* Row stores of whole aligned 32-byte pieces are **non-temporal** (``vmovntdq``: a line goes to memory without
+  first being read into cache). torch's ``copy_`` uses ordinary stores, so every destination line is read before
+  it is written; a contiguous 256 MiB copy runs at 8.9 GB/s with ``copy_`` and 16.8 GB/s with non-temporal
+  stores. That is why a strided gather can match or beat ``copy_`` here. Transposes store non-temporally only when
+  their 16 destination rows are at most :data:`NT_TRANSPOSE_MAX_STRIDE` bytes apart.
+* A ``fence`` ends every call, so the bytes are visible to other threads when it returns.
+* The intrinsics take raw addresses, not arrays: numba reference-counts arrays passed into helper functions, and
+  that cost an atomic pair per 128-byte row (3x slower).
+
+Single-threaded (no ``prange``): the engine's threads are left alone (vLLM's CPU worker refuses
 ``torch.set_num_threads``), and :mod:`tierkv.kernels.torch_impl` with ``TIERKV_COPY_THREADS=1`` is the comparison.
-The kernels are compiled lazily on first use and cached on disk (``cache=True``); if numba is missing,
-:func:`available` is False and :mod:`tierkv.kernels` falls back to the torch implementation.
+The kernel compiles lazily on first use (~2 s) and is cached on disk (``cache=True``, ~0.5 s to load). Without
+numba, :func:`available` is False and :mod:`tierkv.kernels` uses the torch implementation.
 """
 from __future__ import annotations
 
@@ -45,8 +50,7 @@ except Exception as exc:  # pragma: no cover - exercised only without numba
     numba = None
     _NUMBA_ERROR = exc
 
-__all__ = ["available", "transfer", "plan"]
-
+__all__ = ["available", "transfer", "plan", "copy_contiguous"]
 
 
 def available() -> bool:
@@ -252,11 +256,13 @@ class _Group:
     def __init__(self, dev_raw, host_raw, dev_block, host_slot):
         self.dev_raw, self.host_raw = dev_raw, host_raw  # uint8 tensors over the whole storages
         self.dev_block, self.host_slot = dev_block, host_slot  # bytes between blocks / slots
-        self.pieces = []  # (dev offsets, host offsets, mode, rowbytes) per part
+        self.pieces = []  # (dev offsets, host offsets, mode, rowbytes, directions) per part
         self.dev_rs = self.host_rs = self.rows = self.cols = 0  # transposes: row strides, tile (mode 2)
         self.esz = 1
 
     def add(self, dev_layers, host_layers, dims, mode, rowbytes, dirs=(True, False)):
+        """A part: units at every point of ``dims`` ((count, device stride, host stride) in bytes) for every layer
+        offset; ``dirs`` = the directions (True = save) that use these units."""
         dev_off, host_off = np.asarray(dev_layers, np.int64), np.asarray(host_layers, np.int64)
         for count, ds, hs in dims:  # outer product of every dim with the layer offsets
             i = np.arange(count, dtype=np.int64)
@@ -315,7 +321,7 @@ def _groups(dev, host, layers: list[int]) -> list[_Group]:
             out.append(g)
             continue
         hs0 = host.slot_view(dev.parts()[0])
-        g = _Group(_raw_bytes(v0), hraw, v0.stride(0) * 1, hs0.stride(0) * e)
+        g = _Group(_raw_bytes(v0), hraw, v0.stride(0), hs0.stride(0) * e)
         for part in dev.parts():
             hs = host.slot_view(part).unflatten(2, (r, n))  # [S, L, r, n, H, D]
             hS, hL, hR, hN, hH, hD = (x * e for x in hs.stride())
@@ -397,3 +403,18 @@ def transfer(dev, host, block_ids: list[int], slots: list[int], layers: Optional
         order = np.argsort(ps, kind="stable")  # source front to back
         _move(dst.data_ptr(), src.data_ptr(), ps[order], pd[order], *units, srs, drs, rows, cols, g.esz,
               NONTEMPORAL, NONTEMPORAL and 0 < drs <= NT_TRANSPOSE_MAX_STRIDE)
+
+
+def copy_contiguous(dst: torch.Tensor, src: torch.Tensor, nontemporal: bool = True) -> None:
+    """``dst.copy_(src)`` for two contiguous CPU tensors of the same byte size, through the same row kernel (and
+    the same non-temporal stores) as :func:`transfer`: the benchmark's "best possible" contiguous reference.
+    Raises ValueError for tensors that are not contiguous CPU tensors of equal byte size."""
+    if numba is None:  # pragma: no cover
+        raise RuntimeError(f"numba is not available: {_NUMBA_ERROR}")
+    n = dst.numel() * dst.element_size()
+    if (dst.device.type != "cpu" or src.device.type != "cpu" or not dst.is_contiguous() or not src.is_contiguous()
+            or src.numel() * src.element_size() != n):
+        raise ValueError("copy_contiguous: dst and src must be contiguous CPU tensors of the same byte size")
+    zero = np.zeros(1, np.int64)
+    _move(dst.data_ptr(), src.data_ptr(), zero, zero, zero, zero, np.array([n], np.int64), zero, 0, 0, 0, 0, 1,
+          nontemporal, False)
