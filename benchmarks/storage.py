@@ -338,8 +338,9 @@ def bench_mooncake(pb: int, reps: int, src: list[torch.Tensor], rig: MooncakeRig
 
     rng = np.random.default_rng(pb + 2)
     nbytes = BATCH * pb
-    S = {k: Series() for k in ("raw_set", "mooncake_set", "raw_get", "mooncake_get")}
-    flat = torch.stack(src).reshape(-1)
+    S = {k: Series() for k in ("raw_set", "mooncake_set", "raw_get", "mooncake_get", "raw_set2", "mooncake_set_staged")}
+    flat = torch.stack(src).reshape(-1)  # the "host pool": both clients send the pages from it
+    pool_pages = list(flat.view(BATCH, pb))
     rdst = torch.zeros_like(flat)
     for t in (flat, rdst):
         assert rig.raw.register_buffer(t.data_ptr(), t.numel()) == 0
@@ -348,6 +349,7 @@ def bench_mooncake(pb: int, reps: int, src: list[torch.Tensor], rig: MooncakeRig
     store = MooncakeStore(NS, pb, **rig.master.client_config(), global_segment_size=0, timeout_s=30.0,
                           staging_bytes=BATCH * (pb + 64))
     dst = [torch.empty(pb, dtype=torch.uint8) for _ in range(BATCH)]
+    assert store.register_host_buffer(flat)  # zero-copy sets from the registered pool, as SGLang's class does
     try:
         for r in range(reps):
             ks = keys_for(BATCH, rng)
@@ -359,7 +361,7 @@ def bench_mooncake(pb: int, reps: int, src: list[torch.Tensor], rig: MooncakeRig
                     assert all(x == 0 for x in rc), rc
                     S["raw_set"].add(dt)
                 else:
-                    dt, ok = timed(lambda: store.batch_set(ks, src))
+                    dt, ok = timed(lambda: store.batch_set(ks, pool_pages))
                     assert ok == [True] * BATCH, ok
                     S["mooncake_set"].add(dt)
             for which in order:
@@ -374,9 +376,29 @@ def bench_mooncake(pb: int, reps: int, src: list[torch.Tensor], rig: MooncakeRig
             assert torch.equal(rdst, flat)
             rig.raw.batch_remove(rk, True)
             store.remove(ks)
+            if pb < store.cfg.zero_copy_min_page_bytes:
+                continue  # small pages are always staged: the "set" row is that path already
+            # staged path: the same pages from buffers the store was not told about (copied behind their headers)
+            ks2 = keys_for(BATCH, rng)
+            rk2 = [f"raw/{k}" for k in ks2]
+            for which in order:
+                if which == 0:
+                    dt, rc = timed(lambda: rig.raw.batch_put_from(rk2, sp, [pb] * BATCH))
+                    assert all(x == 0 for x in rc), rc
+                    S["raw_set2"].add(dt)
+                else:
+                    dt, ok = timed(lambda: store.batch_set(ks2, src))
+                    assert ok == [True] * BATCH, ok
+                    S["mooncake_set_staged"].add(dt)
+            assert store.batch_get(ks2, dst) == [True] * BATCH and torch.equal(dst[7], src[7])
+            rig.raw.batch_remove(rk2, True)
+            store.remove(ks2)
         st = store.stats()
         assert st["corrupt"] == 0 and st["timeouts"] == 0, st
+        zc = pb >= store.cfg.zero_copy_min_page_bytes
+        assert st["zero_copy_sets"] == (reps * BATCH if zc else 0) and st["staged_sets"] == reps * BATCH, st
     finally:
+        store.unregister_host_buffer(flat)
         store.close()
         for t in (flat, rdst):
             rig.raw.unregister_buffer(t.data_ptr())
@@ -450,6 +472,10 @@ def rows_for(pb: int, file_r: Optional[dict], zmq_r: Optional[dict], mc_r: Optio
             peer.get("mooncake_set"), cond="client mounts 0 B; segment in another process; TCP transport")
         add("mooncake", "get", mc_r["mooncake_get"], mc_r["raw_get"], "raw MooncakeDistributedStore.batch_get_into",
             peer.get("mooncake_get"), cond="client mounts 0 B; segment in another process; TCP transport")
+        if mc_r.get("mooncake_set_staged", {}).get("mbps"):
+            add("mooncake", "set_staged", mc_r["mooncake_set_staged"], mc_r["raw_set2"],
+                "raw MooncakeDistributedStore.batch_put_from",
+                cond="sources outside any registered host buffer: copied into staging behind their headers")
     return rows
 
 

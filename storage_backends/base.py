@@ -46,6 +46,23 @@ class StorageBackend(abc.ABC):
     def batch_set(self, keys: Sequence[str], sources: Sequence[Buffer]) -> list[bool]:
         """Write pages from ``sources`` (one buffer of ``page_bytes`` per key)."""
 
+    def register_host_buffer(self, buffer: Buffer) -> bool:
+        """Declare ``buffer`` (e.g. the whole host pool: a contiguous CPU ``torch.uint8`` tensor of any size) as
+        memory that stays allocated and mapped until :meth:`unregister_host_buffer` (or :meth:`close`), so the
+        backend may read pages lying inside it directly instead of staging them (zero-copy sets, the way SGLang
+        HiCache's Mooncake store registers its host pool). Optional: the default does nothing and returns
+        ``False``; a backend that uses it returns ``True``. Pages outside every registered buffer keep working
+        through the backend's ordinary path.
+
+        Raises:
+            ValueError: ``buffer`` is not a contiguous CPU buffer (a caller bug).
+        """
+        return False
+
+    def unregister_host_buffer(self, buffer: Buffer) -> None:
+        """Undo :meth:`register_host_buffer` (a no-op for a buffer never registered). Call it only when no
+        ``batch_set`` of pages inside ``buffer`` is running."""
+
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 

@@ -206,6 +206,12 @@ class FaultyBackend(StorageBackend):
                 out[i] = r
         return out
 
+    def register_host_buffer(self, buffer: Buffer) -> bool:
+        return self.inner.register_host_buffer(buffer)
+
+    def unregister_host_buffer(self, buffer: Buffer) -> None:
+        self.inner.unregister_host_buffer(buffer)
+
     def clear(self) -> None:
         self.inner.clear()
 

@@ -12,14 +12,22 @@ to another object after a restart, field scenario R16) is a miss, is counted in 
 removed from the store so the key can be written again.
 
 Data path (measured on a 2-core CPU box against the same calls on bare payloads, see ``benchmarks/storage.py``):
-each batch is staged through *store-owned* buffers registered with Mooncake (``register_buffer``): a set copies
-each page into its slot behind its header and stores every record with one ``batch_upsert_from`` call (one
-transfer slice per page; upsert = insert or overwrite, so a set always replaces the page, like the file store's
-rename); a get fetches the records with one ``batch_get_into`` into a staging buffer, verifies them and copies the
-payloads out. Zero-copy from/to caller buffers (``batch_put_from_multi_buffers`` with a header slot and the page)
-was measured too: two slices per page made it no faster than the copy, and a call abandoned after a timeout could
-still write into a caller's page later. With staging, a late call only ever touches a buffer the store owns and
-does not reuse until that call has returned.
+
+- set, zero-copy: pages of at least ``zero_copy_min_page_bytes`` (1 MiB) lying inside a buffer the caller declared
+  with :meth:`MooncakeStore.register_host_buffer` (the host pool; memory that stays allocated while registered)
+  are stored as two slices each, the 64-byte header
+  from a store-owned header arena and the payload straight from the caller's page, with one
+  ``batch_put_from_multi_buffers`` (the call SGLang HiCache's ``MooncakeStore`` uses for its K/V halves). Mooncake
+  has no multi-buffer *upsert*, and a plain put of an existing key is a silent no-op, so the put is bracketed by two
+  ``batch_is_exist`` calls: keys that existed before (overwrites), and keys the put did not make visible (e.g. one
+  left "processing" by a crashed writer, R15), go through the staged upsert below. A put abandoned after a timeout
+  may read a page the caller has reused since; the record then fails its checksum on read: a miss, never data.
+- set, staged (every other page): each page is copied into its slot behind its header in a *store-owned* buffer and
+  the records go out with one ``batch_upsert_from`` (upsert = insert or overwrite, so a set always replaces the
+  page, like the file store's rename);
+- get: the records are fetched with one ``batch_get_into`` into a staging buffer, verified, and only then copied
+  into the destinations (so an unverified byte never reaches a host page, and a late call only ever touches a
+  buffer the store owns and does not reuse until that call has returned).
 
 Time bounds. The Mooncake client blocks (a SIGSTOPped master makes RPCs wait ~30 s, a dead one ~4 s), so every
 call runs on a worker thread and the caller waits at most ``timeout_s``; after that the call counts as a timeout
@@ -97,8 +105,10 @@ class MooncakeStoreConfig(BaseModel):
     setup_timeout_s: float = Field(default=30.0, gt=0)
     replica_num: int = Field(default=1, ge=1, le=16)
     remove_corrupt: bool = True
+    zero_copy_min_page_bytes: int = Field(default=1 << 20, ge=0)
 
-    @field_validator("global_segment_size", "local_buffer_size", "staging_bytes", mode="before")
+    @field_validator("global_segment_size", "local_buffer_size", "staging_bytes", "zero_copy_min_page_bytes",
+                     mode="before")
     @classmethod
     def _size(cls, v: Any) -> Any:
         return parse_bytes(v)
@@ -232,6 +242,9 @@ class MooncakeStore(StorageBackend):
         setup_timeout_s: the most construction waits for the client to join the master.
         replica_num: Mooncake replicas per object.
         remove_corrupt: remove an object whose record fails verification (so the key can be stored again).
+        zero_copy_min_page_bytes: smallest page sent zero-copy from a registered host buffer (default 1 MiB);
+            smaller pages are staged: over TCP the separate 64-byte header slice costs more than copying a small
+            page (measured: 64 x 256 KiB two-slice puts ~1.5x the time of one-slice puts; at 2 MiB no difference).
     Raises:
         ConfigError (a ``ValueError``): an unknown key or bad value, naming ``l3.mooncake.<key>``;
             or the client cannot join the master within ``setup_timeout_s``.
@@ -261,11 +274,15 @@ class MooncakeStore(StorageBackend):
         self._lock = threading.Lock()
         self._free: list[_Staging] = []
         self._n_staging = 0
+        self._hfree: list[_Staging] = []  # header arenas of the zero-copy set path
+        self._n_headers = 0
+        self._host: dict[int, tuple[int, int, Any]] = {}  # registered host buffers: ptr -> (start, end, owner)
         self._inflight = 0
         self._closed = False
         self._rlog = _RateLog()
         self._counters = dict(hits=0, misses=0, sets=0, set_failures=0, corrupt=0, errors=0, timeouts=0,
-                              busy=0, evictions=0, bytes_in=0, bytes_out=0, removed_corrupt=0, set_retries=0)
+                              busy=0, evictions=0, bytes_in=0, bytes_out=0, removed_corrupt=0, set_retries=0,
+                              zero_copy_sets=0, staged_sets=0)
 
         if c.protocol == "tcp" and re.match(r"^[0-9.]+$", c.local_hostname):
             os.environ.setdefault("MC_TCP_BIND_ADDRESS", c.local_hostname)
@@ -305,6 +322,107 @@ class MooncakeStore(StorageBackend):
         with self._lock:
             for k, v in inc.items():
                 self._counters[k] += v
+
+    @staticmethod
+    def _span(buffer: Any) -> tuple[int, int, Any]:
+        """``(address, nbytes, owner)`` of a contiguous CPU buffer. Raises ValueError for anything else."""
+        if isinstance(buffer, torch.Tensor):
+            if not buffer.is_cpu or buffer.layout is not torch.strided or not buffer.is_contiguous():
+                raise ValueError("host buffer must be a contiguous CPU tensor")
+            return buffer.data_ptr(), buffer.nbytes, buffer
+        try:
+            mv = memoryview(buffer)
+        except TypeError:
+            raise ValueError(f"host buffer of type {type(buffer).__name__} is not a buffer") from None
+        if not mv.c_contiguous:
+            raise ValueError("host buffer must be contiguous")
+        arr = np.frombuffer(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv, dtype=np.uint8)
+        return arr.ctypes.data, arr.nbytes, buffer
+
+    def register_host_buffer(self, buffer: Buffer) -> bool:
+        """Let sets read pages inside ``buffer`` (e.g. the whole host pool, a contiguous CPU tensor) directly:
+        zero-copy, no staging copy. ``buffer`` must stay allocated until :meth:`unregister_host_buffer` or
+        :meth:`close`; the store keeps a reference to it meanwhile. With an RDMA-like protocol the region is also
+        registered with Mooncake (``register_buffer``); with tcp any address can be sent from, so only the bounds
+        are recorded. Returns ``False`` (and logs why) if Mooncake refuses the registration.
+
+        Raises:
+            ValueError: not a contiguous CPU buffer, or the store is closed.
+        """
+        ptr, nbytes, owner = self._span(buffer)
+        if nbytes == 0:
+            return False
+        with self._lock:
+            if self._closed:
+                raise ValueError("MooncakeStore is closed")
+            if ptr in self._host:
+                return True
+        if self._register:
+            rc = self._call("register_host_buffer", lambda: self._store.register_buffer(ptr, nbytes))
+            if rc != 0:
+                log.warning("mooncake register_buffer of a %d-byte host buffer returned %s: staged sets", nbytes, rc)
+                return False
+        with self._lock:
+            self._host[ptr] = (ptr, ptr + nbytes, owner)
+        return True
+
+    def unregister_host_buffer(self, buffer: Buffer) -> None:
+        """Forget a buffer given to :meth:`register_host_buffer` (a no-op if it never was). Call it only when no
+        ``batch_set`` of its pages is running (as with Mooncake's own ``unregister_buffer``)."""
+        ptr = self._span(buffer)[0]
+        with self._lock:
+            known = self._host.pop(ptr, None) is not None
+        if known and self._register:
+            try:
+                self._store.unregister_buffer(ptr)
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+
+    def _registered_ptr(self, source: Any, view: memoryview) -> Optional[int]:
+        """Address of ``source`` if its ``page_bytes`` lie inside one registered host buffer (and pages are big
+        enough for the zero-copy path), else None."""
+        if not self._host or self.page_bytes < self.cfg.zero_copy_min_page_bytes:
+            return None
+        if isinstance(source, torch.Tensor):
+            p = source.data_ptr()
+        else:
+            p = np.frombuffer(view, dtype=np.uint8).ctypes.data
+        for start, end, _ in self._host.values():
+            if start <= p and p + self.page_bytes <= end:
+                return p
+        return None
+
+    def _take_headers(self, n: int) -> Optional[_Staging]:
+        """A header arena for ``n`` records (store-owned, registered like staging), or None while ``max_inflight``
+        are in use."""
+        with self._lock:
+            for i, hb in enumerate(self._hfree):
+                if hb.nbytes >= n * HEADER_BYTES:
+                    return self._hfree.pop(i)
+            small = self._hfree.pop() if self._hfree else None
+            if small is None:
+                if self._n_headers >= self.cfg.max_inflight:
+                    return None
+                self._n_headers += 1
+        if small is not None:
+            self._unregister(small)
+        hb = _Staging(max(n, self._slots_per_staging) * HEADER_BYTES)
+        if self._register and self._call("register_buffer",
+                                         lambda: self._store.register_buffer(hb.ptr, hb.nbytes)) != 0:
+            with self._lock:
+                self._n_headers -= 1
+            return None
+        return hb
+
+    def _give_headers(self, hb: _Staging) -> None:
+        with self._lock:
+            drop = self._closed
+            if drop:
+                self._n_headers -= 1
+            else:
+                self._hfree.append(hb)
+        if drop:
+            self._unregister(hb)
 
     def _take_staging(self, records: int) -> Optional[_Staging]:
         """A staging buffer for at least ``records`` records (at most ``slots_per_staging``): a free one that is
@@ -522,26 +640,84 @@ class MooncakeStore(StorageBackend):
         srcs = [as_byte_view(s, self.page_bytes, False, f"source {i}") for i, s in enumerate(sources)]
         out = [False] * len(names)
         for a, b in self._chunks(len(names)):
-            self._set_chunk(keys, names, srcs, a, b, out)
+            direct, staged = [], []
+            for i in range(a, b):
+                p = self._registered_ptr(sources[i], srcs[i])
+                (staged if p is None else direct).append((i, p))
+            if direct:
+                staged += [(i, None) for i in self._set_direct(keys, names, srcs, direct, out)]
+            if staged:
+                self._set_chunk(keys, names, srcs, sorted(i for i, _ in staged), out)
         return out
 
-    def _set_chunk(self, keys, names, srcs, a: int, b: int, out: list[bool]) -> None:
-        rb, n = self.record_bytes, b - a
+    def _set_direct(self, keys, names, srcs, direct: list[tuple[int, int]], out: list[bool]) -> list[int]:
+        """Zero-copy put of ``direct`` = ``[(index, source address)]`` (sources inside registered host buffers).
+        Returns the indices that must go through the staged upsert: keys that existed before (overwrites) and keys
+        the put did not make visible. A timeout or error fails the pages here (no second attempt)."""
+        n, pb = len(direct), self.page_bytes
+        hb = self._take_headers(n)
+        if hb is None:
+            return [i for i, _ in direct]
+        hold = _Hold(lambda: self._give_headers(hb))
+        try:
+            for j, (i, _) in enumerate(direct):
+                hb.np[j * HEADER_BYTES:(j + 1) * HEADER_BYTES] = np.frombuffer(
+                    encode_header(keys[i], self.namespace, srcs[i]), dtype=np.uint8)
+        except BaseException:
+            hold.drop()
+            hold.drop()
+            raise
+        sub = [names[i] for i, _ in direct]
+        bufs = [[hb.ptr + j * HEADER_BYTES, p] for j, (_, p) in enumerate(direct)]
+        store, rcfg = self._store, self._rcfg
+
+        def put() -> list[bool]:
+            done = [False] * n
+            fresh = [j for j, e in enumerate(store.batch_is_exist(sub)) if e == 0]
+            if not fresh:
+                return done
+            rc = store.batch_put_from_multi_buffers([sub[j] for j in fresh], [bufs[j] for j in fresh],
+                                                    [[HEADER_BYTES, pb]] * len(fresh), rcfg)
+            put = [j for j, r in zip(fresh, rc) if r == 0]
+            if put:  # a put of a key another writer holds is dropped silently: only a visible key counts
+                for j, e in zip(put, store.batch_is_exist([sub[j] for j in put])):
+                    done[j] = e == 1
+            return done
+
+        try:
+            res = self._call("batch_set", put, hold)
+        finally:
+            hold.drop()
+        if res is None:
+            self._count(set_failures=n)
+            return []
+        rest = []
+        for (i, _), ok in zip(direct, res):
+            out[i] = ok
+            if not ok:
+                rest.append(i)
+        n_ok = n - len(rest)
+        self._count(sets=n_ok, zero_copy_sets=n_ok, bytes_in=n_ok * pb)
+        return rest
+
+    def _set_chunk(self, keys, names, srcs, idx: list[int], out: list[bool]) -> None:
+        """Staged upsert of the pages ``idx`` (at most one staging buffer's worth)."""
+        rb, n = self.record_bytes, len(idx)
         sh = self._staging_hold("batch_set", n, "set_failures")
         if sh is None:
             return
         st, hold = sh
         try:
-            for j in range(n):
+            for j, i in enumerate(idx):
                 rec = st.np[j * rb:(j + 1) * rb]
-                rec[HEADER_BYTES:] = np.frombuffer(srcs[a + j], dtype=np.uint8)
+                rec[HEADER_BYTES:] = np.frombuffer(srcs[i], dtype=np.uint8)
                 rec[:HEADER_BYTES] = np.frombuffer(
-                    encode_header(keys[a + j], self.namespace, memoryview(rec[HEADER_BYTES:])), dtype=np.uint8)
+                    encode_header(keys[i], self.namespace, memoryview(rec[HEADER_BYTES:])), dtype=np.uint8)
         except BaseException:
             hold.drop()
             hold.drop()
             raise
-        sub, ptrs, rcfg = names[a:b], [st.ptr + j * rb for j in range(n)], self._rcfg
+        sub, ptrs, rcfg = [names[i] for i in idx], [st.ptr + j * rb for j in range(n)], self._rcfg
         retried = [0]
 
         def upsert() -> list[int]:
@@ -573,14 +749,15 @@ class MooncakeStore(StorageBackend):
         finally:
             hold.drop()
         if res is not None:
-            for j, r in enumerate(res):
-                out[a + j] = r == 0
+            for i, r in zip(idx, res):
+                out[i] = r == 0
             codes = sorted({r for r in res if r != 0})
             if codes:
                 self._rlog.warning("set_error", "mooncake batch_set: %d of %d pages failed (codes %s)",
                                    sum(1 for r in res if r != 0), n, codes)
-        n_ok = sum(out[a:b])
-        self._count(sets=n_ok, set_failures=n - n_ok, bytes_in=n_ok * self.page_bytes, set_retries=retried[0])
+        n_ok = sum(out[i] for i in idx)
+        self._count(sets=n_ok, staged_sets=n_ok, set_failures=n - n_ok, bytes_in=n_ok * self.page_bytes,
+                    set_retries=retried[0])
 
     def remove(self, keys: Sequence[str]) -> list[bool]:
         """Remove pages (forced: ignores Mooncake's read leases). ``True`` per key removed."""
@@ -602,7 +779,8 @@ class MooncakeStore(StorageBackend):
     def stats(self) -> dict[str, Any]:
         """Counters: ``hits``, ``misses`` (corrupt included), ``sets``, ``set_failures``, ``corrupt`` (records that
         failed verification), ``removed_corrupt``, ``errors`` (Mooncake error codes/exceptions), ``timeouts``,
-        ``busy`` (calls refused while ``max_inflight`` were outstanding), ``set_retries``, ``evictions`` (always 0:
+        ``busy`` (calls refused while ``max_inflight`` were outstanding), ``set_retries``, ``zero_copy_sets`` /
+        ``staged_sets`` (pages stored by each set path), ``evictions`` (always 0:
         Mooncake evicts on its own), ``bytes_in``/``bytes_out`` (payload bytes stored/returned), ``inflight``."""
         with self._lock:
             s = dict(self._counters)
@@ -619,9 +797,18 @@ class MooncakeStore(StorageBackend):
             self._closed = True
             free, self._free = self._free, []
             self._n_staging -= len(free)
+            hfree, self._hfree = self._hfree, []
+            self._n_headers -= len(hfree)
+            host, self._host = list(self._host), {}
             inflight = self._inflight
-        for st in free:
+        for st in free + hfree:
             self._unregister(st)
+        if self._register:
+            for ptr in host:
+                try:
+                    self._store.unregister_buffer(ptr)
+                except Exception:  # noqa: BLE001 - best effort
+                    pass
         self._pool.shutdown(wait=False)
         if inflight == 0:
             try:
