@@ -528,7 +528,7 @@ def main(argv=None) -> int:
             src = [torch.from_numpy(np.frombuffer(rng.bytes(pb), dtype=np.uint8).copy()) for _ in range(BATCH)]
             base = tempfile.mkdtemp(prefix=f"p{pb}-", dir=_mkdir(a.dir))
             try:
-                file_r = bench_file(pb, reps, src, base, max(2, reps // 3)) if "file" in backends else None
+                file_r = bench_file(pb, 2 * reps, src, base, max(3, reps // 2)) if "file" in backends else None
                 zmq_r = bench_zmq(pb, 2 * reps, src) if "zmq" in backends else None  # cheap, noisy: more
                 mc_r = bench_mooncake(pb, reps, src, rig) if rig else None
                 peer = None

@@ -220,8 +220,8 @@ _DIR_POOL_LOCK = threading.Lock()
 
 
 def _dir_fsync_pool() -> ThreadPoolExecutor:
-    """Threads for the directory fsyncs that end a batch with ``fsync: true`` (shared by every store; created on
-    first use, so a store without fsync starts no thread)."""
+    """Threads for the record writes and directory fsyncs of a batch with ``fsync: true`` (shared by every store;
+    created on first use, so a store without fsync starts no thread)."""
     global _DIR_POOL, _DIR_POOL_PID
     with _DIR_POOL_LOCK:
         if _DIR_POOL is None or _DIR_POOL_PID != os.getpid():  # a forked child has none of the parent's threads
@@ -761,8 +761,8 @@ class FileStore(StorageBackend):
         dirs: set[str] = set()
         rec = self.record_bytes
         lock, writing, touches = self._lock, self._writing, self._touches
-        for i, k in enumerate(keys):
-            mv = views[i]
+        plan = []
+        for i, k in enumerate(keys):  # reserve space in key order (the batch's LRU order), then write
             p = self._path(k)
             with lock:
                 index = self._index  # (rescan may have replaced it)
@@ -775,21 +775,26 @@ class FileStore(StorageBackend):
                 writing[p] = writing.get(p, 0) + 1
                 touches.pop(p, None)  # the write's own stamp is newer
                 stamp = self._last_stamp = max(time.time_ns(), self._last_stamp + 1)
+            plan.append((i, k, p, stamp))
+
+        def write(item: tuple) -> Optional[bool]:
+            i, k, p, stamp = item
             try:
-                ok = self._write_one(k, kraws[i], p, mv, stamp)
+                ok = self._write_one(k, kraws[i], p, views[i], stamp)
                 if ok is False:  # out of space below our capacity: forced eviction, then one retry
                     with lock:
                         self._c["enospc"] += 1
                         forced = self._evict_locked(count=self.cfg.enospc_evict_pages, keep=p)
                         self._c["forced_evictions"] += forced
                     if forced:
-                        ok = self._write_one(k, kraws[i], p, mv, stamp, last_try=True)
+                        ok = self._write_one(k, kraws[i], p, views[i], stamp, last_try=True)
                     else:
                         ok = None
                         with lock:
                             self._c["errors"] += 1
                         self._warn.warning("enospc", "file store %s: filesystem full and nothing left to evict; "
                                            "page %s not stored", self.root, k)
+                return ok
             finally:
                 with lock:
                     left = writing[p] - 1
@@ -797,6 +802,14 @@ class FileStore(StorageBackend):
                         writing[p] = left
                     else:
                         del writing[p]
+
+        if self._fsync and len(plan) > 1 and len({x[2] for x in plan}) == len(plan):  # (a repeated key: in order)
+            # each record still goes temp -> fsync -> rename, but the records of a batch are written by a few
+            # threads, so their fsyncs wait on the device together (the filesystem commits them as a group)
+            results = list(_dir_fsync_pool().map(write, plan))
+        else:
+            results = [write(x) for x in plan]
+        for (i, k, p, _), ok in zip(plan, results):
             if ok:
                 out[i] = True
                 if self._fsync:

@@ -85,6 +85,41 @@ def test_evicted_and_deleted_pages_drop_their_pending_stamp(tmp_path):
     assert [s.exists(k) for k in ks] == [False, False, True, True]
 
 
+def test_fsync_batch_writes_concurrently_each_record_synced_before_its_rename(tmp_path, monkeypatch):
+    """fsync: true keeps temp -> fsync -> rename for every record while a batch's records are written by pool
+    threads (their fsyncs overlap); a key repeated in one batch still ends with its last page."""
+    import threading
+
+    s = FileStore(NS, PAGE, root=str(tmp_path), fsync=True)
+    ks = [os.urandom(16).hex() for _ in range(12)]
+    srcs = [bytes([i]) * PAGE for i in range(12)]
+    synced, order, caller = set(), [], threading.get_ident()
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        order.append(("fsync", path, threading.get_ident()))
+        synced.add(path)
+        return real_fsync(fd)
+
+    def rename(a, b):
+        order.append(("rename", a, threading.get_ident()))
+        assert a in synced, f"{a} renamed before its fsync"
+        return real_rename(a, b)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    assert s.batch_set(ks, srcs) == [True] * 12
+    renames = [o for o in order if o[0] == "rename"]
+    assert len(renames) == 12 and all(t != caller for _, _, t in renames)  # written by the pool
+    dst = [bytearray(PAGE) for _ in ks]
+    assert s.batch_get(ks, dst) == [True] * 12 and all(bytes(d) == x for d, x in zip(dst, srcs))
+    k = ks[0]
+    assert s.batch_set([k, k, k], [b"\x07" * PAGE, b"\x08" * PAGE, b"\x09" * PAGE]) == [True] * 3
+    assert s.batch_get([k], dst[:1]) == [True] and bytes(dst[0]) == b"\x09" * PAGE
+    s.close()
+
+
 def test_fsync_batch_syncs_every_directory(tmp_path, monkeypatch):
     s = FileStore(NS, PAGE, root=str(tmp_path), fsync=True)
     ks = [f"{i:02x}" + os.urandom(15).hex() for i in (1, 2, 3, 3)]
