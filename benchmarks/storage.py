@@ -10,10 +10,11 @@ back, every tierkv get verifying every header and XXH3 checksum):
   ``posix_fadvise(DONTNEED)`` first) in the same directory, no fsync | >= 70 % |
 | file, ``fsync: true`` (set only) | plain file writes with ``fsync`` per file | >= 70 % |
 | zmq (``tierkv server`` in another process) | pyzmq REQ/REP on loopback: one multipart message with the 64
-  payloads to a tiny store/echo server process, zero-copy frames | >= 80 % |
-| mooncake (client with no memory; the segment in another process, TCP transport) | raw
-  ``MooncakeDistributedStore.batch_put_from`` / ``batch_get_into`` of the same payloads from/into registered buffers,
-  same master, same segment holder | >= 90 % |
+  payloads to a tiny store/echo server process that keeps the received frames, zero-copy frames; both servers drop
+  the batch after each repetition (untimed) | >= 80 % |
+| mooncake (client with no memory; the segment in another process, TCP transport), sets from a host pool given to
+  ``register_host_buffer``; ``set_staged``: from loose tensors | raw ``MooncakeDistributedStore.batch_put_from`` /
+  ``batch_get_into`` of the same payloads from/into registered buffers, same master, same segment holder | >= 90 % |
 
 Backend and reference alternate batch by batch (order flipped every repetition) so machine noise hits both alike;
 MB/s is ``batch bytes / median batch time``; p50/p99 are over the repetitions. SGLang's ``HiCacheFile`` and
