@@ -530,8 +530,8 @@ def main(argv=None) -> int:
             base = tempfile.mkdtemp(prefix=f"p{pb}-", dir=_mkdir(a.dir))
             try:
                 file_r = bench_file(pb, 2 * reps, src, base, max(3, reps // 2)) if "file" in backends else None
-                zmq_r = bench_zmq(pb, 2 * reps, src) if "zmq" in backends else None  # cheap, noisy: more
-                mc_r = bench_mooncake(pb, reps, src, rig) if rig else None
+                zmq_r = bench_zmq(pb, 4 * reps, src) if "zmq" in backends else None  # cheap, noisy: more
+                mc_r = bench_mooncake(pb, 3 * reps if pb >= MiB else 2 * reps, src, rig) if rig else None  # noisy
                 peer = None
                 if not a.no_peer:
                     pdir = os.path.join(base, "sglang-hicache-file")
