@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import re
 import struct
-from typing import Union
+from typing import Any, Sequence, Union
 
 import xxhash
 
 MAGIC = b"TKVP"
 VERSION = 1
 _FMT = struct.Struct("<4sHH16s16sQQ")
+_TAIL = struct.Struct("<Q")
 HEADER_BYTES = _FMT.size + 8  # 64
 assert HEADER_BYTES == 64
 KEY_BYTES = 16
@@ -57,6 +58,29 @@ def encode_header(key: str, namespace: bytes, payload: Union[bytes, bytearray, m
     mv = memoryview(payload).cast("B")
     head = _FMT.pack(MAGIC, VERSION, 0, namespace, check_key(key), mv.nbytes, xxhash.xxh3_64_intdigest(mv))
     return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
+
+
+def encode_headers(keys_raw: Sequence[bytes], namespace: bytes, payloads: Sequence[Any], page_bytes: int) -> list:
+    """Headers of many pages at once: the same bytes as :func:`encode_header` per page, for callers that have
+    already validated the keys (``keys_raw``: the 16 raw bytes :func:`check_key` returns) and the payload sizes
+    (``payloads``: C-contiguous byte buffers of ``page_bytes`` bytes each, e.g. memoryviews or numpy arrays).
+    Skips the per-page re-validation, which costs about as much as the XXH3 of a 256 KiB page on a busy core.
+
+    Raises:
+        ValueError: ``namespace`` is not 16 bytes, a raw key is not 16 bytes, or the list lengths differ.
+    """
+    if len(namespace) != 16:
+        raise ValueError(f"namespace digest must be 16 bytes, got {len(namespace)}")
+    if len(keys_raw) != len(payloads):
+        raise ValueError(f"encode_headers: {len(keys_raw)} keys but {len(payloads)} payloads")
+    pack, h64, tail = _FMT.pack, xxhash.xxh3_64_intdigest, _TAIL.pack
+    out = []
+    for k, p in zip(keys_raw, payloads):
+        if len(k) != KEY_BYTES:
+            raise ValueError(f"raw page key must be {KEY_BYTES} bytes, got {len(k)}")
+        head = pack(MAGIC, VERSION, 0, namespace, k, page_bytes, h64(p))
+        out.append(head + tail(h64(head)))
+    return out
 
 
 def decode_header(header: Union[bytes, memoryview], key: str, namespace: bytes, page_bytes: int) -> int:

@@ -40,7 +40,7 @@ from tierkv.connector.config import ConfigError
 from tierkv.storage_backends import zmq_protocol as P
 from tierkv.storage_backends.base import Buffer, StorageBackend
 from tierkv.storage_backends.page_format import (PageFormatError, check_key, decode_header,
-                                                 encode_header, verify_payload)
+                                                 encode_headers, verify_payload)
 
 log = logging.getLogger("tierkv.zmq_client")
 
@@ -51,6 +51,9 @@ _PER_KEY_OVERHEAD = 256
 #: payload bytes per ``set`` message when a batch is pipelined: the pages of the next message are checksummed
 #: while ZMQ's I/O thread already transmits the previous one (measured on 2 cores, 64 x 256 KiB and 64 x 2 MiB).
 PIPELINE_BYTES = 8 << 20
+#: payload bytes of the first ``set`` message of a pipelined batch: nothing is on the wire while its pages are
+#: checksummed, so it is kept small (the following messages are checksummed while the previous one is sent).
+FIRST_MESSAGE_BYTES = 1 << 20
 
 
 def _byte_view(buf: Any, page_bytes: int, writable: bool, what: str, i: int) -> memoryview:
@@ -373,15 +376,17 @@ class ZmqStore(StorageBackend):
         write), never partially. Raises ValueError for bad keys or buffers (caller bugs)."""
         if len(keys) != len(sources):
             raise ValueError(f"batch_set: {len(keys)} keys but {len(sources)} sources")
-        for k in keys:
-            check_key(k)
+        kraw = [check_key(k) for k in keys]
         srcs = [_byte_view(b, self.page_bytes, False, "sources", i) for i, b in enumerate(sources)]
-        res = [False] * len(keys)
+        n = len(keys)
+        res = [False] * n
         per = max(1, min(self.keys_per_message, PIPELINE_BYTES // self.page_bytes))
-        chunks = self._chunks(len(keys), per)
+        first = max(1, min(per, FIRST_MESSAGE_BYTES // self.page_bytes))
+        chunks = ([(0, min(n, first))] + self._chunks(n - first, per)) if n else []
+        chunks[1:] = [(s + first, e + first) for s, e in chunks[1:]]
 
         def build(s: int, e: int) -> tuple:
-            hdrs = [encode_header(keys[i], self.namespace, srcs[i]) for i in range(s, e)]
+            hdrs = encode_headers(kraw[s:e], self.namespace, srcs[s:e], self.page_bytes)
             return {"op": "set", "ns": self.namespace, "keys": list(keys[s:e]), "hdrs": hdrs}, srcs[s:e]
 
         msgs = [lambda s=s, e=e: build(s, e) for s, e in chunks]
