@@ -154,3 +154,26 @@ def test_unregister_and_default_threshold_send_pages_staged(zc, tmp_path):
         fs.unregister_host_buffer(pool)
     finally:
         fs.close()
+
+
+def test_pipelined_groups_store_exact_records_and_route_overwrites(zc, monkeypatch):
+    """Zero-copy sets go out in groups (headers of the next group checksummed while the previous one is put): with
+    one page per group, fresh keys and existing keys interleaved across group boundaries, every fresh page is
+    stored zero-copy, every existing key is replaced through the upsert, and every record is exact."""
+    import tierkv.storage_backends.mooncake as mc
+
+    monkeypatch.setattr(mc, "PUT_GROUP_BYTES", 2 * PB)  # groups of 2 pages: 7 pages -> 4 groups
+    b = zc.backend
+    pool = pool_of(7, seed=9)
+    assert b.register_host_buffer(pool)
+    pages = list(pool.view(7, PB))
+    ks = keys_of(7, salt=9)
+    old = [torch.full((PB,), 3, dtype=torch.uint8) for _ in range(3)]
+    assert b.batch_set([ks[1], ks[2], ks[6]], old) == [True] * 3  # loose tensors: staged
+    assert b.batch_set(ks, pages) == [True] * 7
+    st = b.stats()
+    assert st["zero_copy_sets"] == 4 and st["staged_sets"] == 3 + 3, st
+    for k, p in zip(ks, pages):
+        assert stored(zc, k) == encode_record(k, NS, p.numpy())
+    dst = empties(7)
+    assert b.batch_get(ks, dst) == [True] * 7 and all(torch.equal(d, p) for d, p in zip(dst, pages))
