@@ -85,7 +85,17 @@ class Series:
         p50 = statistics.median(self.t)
         p99 = float(np.percentile(self.t, 99))
         return {"mbps": round(nbytes / p50 / 1e6, 1), "p50_ms": round(p50 * 1e3, 2), "p99_ms": round(p99 * 1e3, 2),
-                "batches": len(self.t)}
+                "batches": len(self.t), "t_ms": [round(x * 1e3, 3) for x in self.t]}
+
+
+def paired_ratio(ours: dict, ref: Optional[dict]) -> Optional[float]:
+    """Median over repetitions of ``ref batch time / our batch time``, each pair measured right next to each other
+    (same repetition, alternating order): less sensitive to drift of the machine over the run than the ratio of the
+    two medians. None when the series do not pair up."""
+    a, b = ours.get("t_ms"), (ref or {}).get("t_ms")
+    if not a or not b or len(a) != len(b):
+        return None
+    return statistics.median(r / o for o, r in zip(a, b) if o > 0)
 
 
 def timed(fn: Callable[[], object]) -> tuple[float, object]:
@@ -443,10 +453,11 @@ def rows_for(pb: int, file_r: Optional[dict], zmq_r: Optional[dict], mc_r: Optio
             return
         ratio = ours["mbps"] / ref["mbps"] if ref and ref.get("mbps") else None
         tgt = TARGETS[target_key or backend]
-        row = {"backend": backend, "page_bytes": pb, "batch": BATCH, "op": op, **ours,
+        row = {"backend": backend, "page_bytes": pb, "batch": BATCH, "op": op, **{k: v for k, v in ours.items() if k != "t_ms"},
                "reference": ref_name, "ref_mbps": ref["mbps"] if ref else None,
                "ref_p50_ms": ref["p50_ms"] if ref else None,
-               "ratio": round(ratio, 3) if ratio is not None else None, "target": tgt,
+               "ratio": round(ratio, 3) if ratio is not None else None,
+               "paired_ratio": round(pr, 3) if (pr := paired_ratio(ours, ref)) is not None else None, "target": tgt,
                "meets_target": (ratio is not None and ratio >= tgt),
                "sglang_mbps": sgl["mbps"] if sgl else None,
                "vs_sglang": round(ours["mbps"] / sgl["mbps"], 3) if sgl and sgl.get("mbps") else None,
@@ -485,15 +496,15 @@ def fmt(v, spec="{:.0f}") -> str:
 
 
 def print_table(rows: list[dict]) -> str:
-    head = ("| backend | page | op | MB/s | p50 ms | p99 ms | reference | ref MB/s | ratio | target | SGLang MB/s | "
-            "vs SGLang |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| backend | page | op | MB/s | p50 ms | p99 ms | reference | ref MB/s | ratio | paired | target | "
+            "SGLang MB/s | vs SGLang |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         pg = f"{r['page_bytes'] // KiB} KiB" if r["page_bytes"] < MiB else f"{r['page_bytes'] // MiB} MiB"
         verdict = f"{r['target']:.0%} {'ok' if r['meets_target'] else 'MISSED'}"
         lines.append(f"| {r['backend']} | {pg} | {r['op']} | {fmt(r['mbps'])} | {fmt(r['p50_ms'], '{:.1f}')} | "
                      f"{fmt(r['p99_ms'], '{:.1f}')} | {r['reference']} | {fmt(r['ref_mbps'])} | "
-                     f"{fmt(r['ratio'], '{:.0%}')} | {verdict} | "
+                     f"{fmt(r['ratio'], '{:.0%}')} | {fmt(r['paired_ratio'], '{:.0%}')} | {verdict} | "
                      f"{fmt(r['sglang_mbps']) if r['sglang_mbps'] else 'not measured' if r['op'] in ('set', 'get') and r['backend'] != 'zmq' else '-'} | "
                      f"{fmt(r['vs_sglang'], '{:.2f}x')} |")
     table = "\n".join(lines)
