@@ -17,7 +17,9 @@ back, every tierkv get verifying every header and XXH3 checksum):
   ``batch_get_into`` of the same payloads from/into registered buffers, same master, same segment holder | >= 90 % |
 
 Backend and reference alternate batch by batch (order flipped every repetition) so machine noise hits both alike;
-MB/s is ``batch bytes / median batch time``; p50/p99 are over the repetitions. SGLang's ``HiCacheFile`` and
+MB/s is ``batch bytes / median batch time``; p50/p99 are over the repetitions. The ratio the target is judged on is tierkv MB/s /
+reference MB/s (a ratio of medians); the "paired" column is the median over repetitions of reference batch time /
+tierkv batch time, each pair measured right next to each other (less sensitive to drift during the run). SGLang's ``HiCacheFile`` and
 ``MooncakeStore`` run in ``benchmarks/peers/.sglang-venv`` (``setup_sglang_venv.sh``; rows are "not measured"
 without it) on the same page sizes and batch, right after, against the same directory / master / segment holder.
 
