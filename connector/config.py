@@ -153,8 +153,13 @@ def _format_error(err: ValidationError) -> str:
             allowed = e.get("ctx", {}).get("expected", "")
             lines.append(f"bad value {e.get('input')!r} for '{key}': allowed values are {allowed}")
         else:
-            lines.append(f"bad value {e.get('input')!r} for '{key}': {e['msg']}")
+            lines.append(f"bad value {e.get('input')!r} for '{key}': {_plain(e['msg'])}")
     return "invalid tierkv config: " + "; ".join(lines)
+
+
+def _plain(msg: str) -> str:
+    """pydantic's message without its "Value error, " prefix (our validators' own words follow it)."""
+    return msg.removeprefix("Value error, ")
 
 
 def default_config_dict() -> dict:
@@ -196,9 +201,15 @@ def load_config(config_file: Optional[str | os.PathLike] = None, overrides: Opti
     if overrides:
         data = _deep_merge(data, _undot(dict(overrides)))
     try:
-        return TierKVConfig.model_validate(data)
+        cfg = TierKVConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_format_error(e)) from None
+    # the backend sections of ``l3`` are plain mappings here; their keys are checked by the storage layer (imported
+    # lazily: it imports this module)
+    from tierkv.storage_backends.factory import validate_l3
+
+    validate_l3(cfg.l3)
+    return cfg
 
 
 def config_from_extra(extra: Optional[dict]) -> TierKVConfig:

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from tierkv.connector.config import ConfigError, L3Config
 from tierkv.storage_backends.base import StorageBackend
 from tierkv.storage_backends.faulty import FaultsConfig, FaultyBackend
-from tierkv.storage_backends.file import FileStore, config_error
+from tierkv.storage_backends.file import FileStore, FileStoreConfig, config_error
 
 #: backend name -> (module, class) for the lazily imported networked backends
 LAZY_BACKENDS = {
@@ -38,6 +38,43 @@ def _l3(l3_cfg: Union[dict, L3Config, None]) -> L3Config:
         return L3Config.model_validate(l3_cfg)
     except ValidationError as e:
         raise config_error(e, "l3") from None
+
+
+def validate_l3(l3_cfg: Union[dict, L3Config, None]) -> L3Config:
+    """Check every key of the ``l3`` section without building a store or touching the network or the disk:
+    the backend name, ``l3.faults``, and each backend section that is set (the selected one and any other, so a
+    typo in a section not in use is caught too). :func:`tierkv.connector.config.load_config` calls this, so a
+    bad L3 key stops the engine at start-up like any other key. Returns the validated :class:`L3Config`.
+
+    Raises:
+        ConfigError: naming ``l3.<backend>.<key>`` and what is allowed (allowed keys for an unknown key).
+    """
+    cfg = _l3(l3_cfg)
+    if cfg.faults:
+        try:
+            FaultsConfig.model_validate(cfg.faults)
+        except ValidationError as e:
+            raise config_error(e, "l3.faults", FaultsConfig) from None
+    if cfg.file or cfg.backend == "file":
+        sub = dict(cfg.file)
+        if cfg.backend != "file":  # root is required only when the file store is the one built
+            sub.setdefault("root", ".")
+        try:
+            FileStoreConfig.model_validate(sub)
+        except ValidationError as e:
+            raise config_error(e, "l3.file", FileStoreConfig) from None
+    if cfg.zmq or cfg.backend == "zmq":
+        from tierkv.storage_backends.zmq_client import check_options  # pyzmq: only when the section is used
+
+        check_options(dict(cfg.zmq))
+    if cfg.mooncake or cfg.backend == "mooncake":
+        from tierkv.storage_backends.mooncake import MooncakeStoreConfig  # the wheel itself is imported later
+
+        try:
+            MooncakeStoreConfig.model_validate(dict(cfg.mooncake))
+        except ValidationError as e:
+            raise config_error(e, "l3.mooncake", MooncakeStoreConfig) from None
+    return cfg
 
 
 def _lazy_class(name: str) -> type:
@@ -72,7 +109,7 @@ def build_backend(l3_cfg: Union[dict, L3Config, None], namespace: bytes, page_by
         try:
             faults = FaultsConfig.model_validate(cfg.faults)
         except ValidationError as e:
-            raise config_error(e, "l3.faults") from None
+            raise config_error(e, "l3.faults", FaultsConfig) from None
     name = cfg.backend
     if name == "none":
         if faults is not None:

@@ -134,20 +134,22 @@ class FileStoreConfig(BaseModel):
         return None if v is None else parse_bytes(v)
 
 
-def config_error(err: ValidationError, prefix: str) -> ConfigError:
-    """A :class:`ConfigError` naming each bad key as ``<prefix>.<key>`` and what is allowed."""
+def config_error(err: ValidationError, prefix: str, model: Optional[type] = None) -> ConfigError:
+    """A :class:`ConfigError` naming each bad key as ``<prefix>.<key>`` and what is allowed (for an unknown key, the
+    allowed keys when ``model``, the pydantic model that failed, is given)."""
     lines = []
     for e in err.errors():
         key = ".".join([prefix] + [str(p) for p in e["loc"]])
         if e["type"] == "extra_forbidden":
-            lines.append(f"unknown config key '{key}'")
+            allowed = f"; allowed keys: {', '.join(model.model_fields)}" if model is not None else ""
+            lines.append(f"unknown config key '{key}'{allowed}")
         elif e["type"] == "literal_error":
             lines.append(f"bad value {e.get('input')!r} for '{key}': allowed values are "
                          f"{e.get('ctx', {}).get('expected', '')}")
         elif e["type"] == "missing":
             lines.append(f"missing config key '{key}'")
         else:
-            lines.append(f"bad value {e.get('input')!r} for '{key}': {e['msg']}")
+            lines.append(f"bad value {e.get('input')!r} for '{key}': {e['msg'].removeprefix('Value error, ')}")
     return ConfigError("invalid tierkv config: " + "; ".join(lines))
 
 
@@ -293,7 +295,7 @@ class FileStore(StorageBackend):
         try:
             self.cfg = FileStoreConfig(root=root, **cfg) if root is not None else FileStoreConfig(**cfg)
         except ValidationError as e:
-            raise config_error(e, "l3.file") from None
+            raise config_error(e, "l3.file", FileStoreConfig) from None
         self.namespace = bytes(namespace)
         self.page_bytes = page_bytes
         self.record_bytes = HEADER_BYTES + page_bytes

@@ -56,6 +56,49 @@ PIPELINE_BYTES = 8 << 20
 FIRST_MESSAGE_BYTES = 1 << 20
 
 
+#: the keys of ``l3.zmq`` (the keyword arguments of :class:`ZmqStore`) and their defaults
+OPTION_DEFAULTS: dict[str, Any] = dict(endpoint="tcp://127.0.0.1:5557", timeout_s=1.0, token=None,
+                                       max_message_bytes=P.DEFAULT_MAX_MESSAGE_BYTES, reconnect_backoff_s=0.05,
+                                       max_backoff_s=1.0)
+
+
+def check_options(cfg: dict, page_bytes: Optional[int] = None) -> None:
+    """Validate the ``l3.zmq`` section without connecting (the connector checks it at start-up, before any
+    backend exists). ``page_bytes`` (bytes of one page), when known, also checks that ``max_message_bytes``
+    holds one page.
+
+    Raises:
+        ConfigError: an unknown key (the allowed ones are listed) or a bad value, naming ``l3.zmq.<key>``.
+    """
+    unknown = sorted(set(cfg) - set(OPTION_DEFAULTS))
+    if unknown:
+        raise ConfigError(f"invalid tierkv config: unknown config key(s) {', '.join(f'l3.zmq.{k}' for k in unknown)}; "
+                          f"allowed: {', '.join(OPTION_DEFAULTS)}")
+    c = {**OPTION_DEFAULTS, **cfg}
+
+    def bad(key: str, value: Any, want: str) -> ConfigError:
+        return ConfigError(f"invalid tierkv config: bad value {value!r:.80} for 'l3.zmq.{key}': {want}")
+
+    endpoint = c["endpoint"]
+    if not isinstance(endpoint, str) or not endpoint.startswith(("tcp://", "ipc://")):
+        raise bad("endpoint", endpoint, "must look like 'tcp://HOST:PORT' or 'ipc://PATH'")
+    for name, positive in (("timeout_s", True), ("reconnect_backoff_s", False), ("max_backoff_s", False)):
+        v = c[name]
+        if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
+                or (positive and v == 0)):
+            raise bad(name, v, f"must be a finite number of seconds {'> 0' if positive else '>= 0'}")
+    if c["max_backoff_s"] < c["reconnect_backoff_s"]:
+        raise bad("max_backoff_s", c["max_backoff_s"], f"must be >= reconnect_backoff_s ({c['reconnect_backoff_s']})")
+    token = c["token"]
+    if token is not None and (not isinstance(token, str) or not token):
+        raise bad("token", "<hidden>", "must be a non-empty string or null")
+    mmb = c["max_message_bytes"]
+    need = (page_bytes or 1) + _PER_KEY_OVERHEAD + _MSG_SLACK
+    if type(mmb) is not int or mmb < need:
+        held = f"one page of page_bytes={page_bytes}" if page_bytes else "one page plus 64 KiB"
+        raise bad("max_message_bytes", mmb, f"must be an int >= {need} to hold {held}")
+
+
 def _byte_view(buf: Any, page_bytes: int, writable: bool, what: str, i: int) -> memoryview:
     """A flat uint8 memoryview of ``buf`` (torch CPU tensor, memoryview, bytearray, bytes) of ``page_bytes`` bytes.
 
@@ -116,28 +159,12 @@ class ZmqStore(StorageBackend):
             raise TypeError(f"ZmqStore got unknown option(s) {', '.join(sorted(kw))}; allowed: endpoint, timeout_s, "
                             "token, max_message_bytes, reconnect_backoff_s, max_backoff_s")
 
-        def bad(key: str, value: Any, want: str) -> ConfigError:
-            return ConfigError(f"bad value {value!r:.80} for 'l3.zmq.{key}': {want}")
-
         if not isinstance(namespace, (bytes, bytearray)) or len(namespace) != 16:
             raise ValueError(f"namespace must be a 16-byte digest, got {namespace!r:.60}")
         if type(page_bytes) is not int or page_bytes <= 0:
             raise ValueError(f"page_bytes must be a positive int, got {page_bytes!r}")
-        if not isinstance(endpoint, str) or not endpoint.startswith(("tcp://", "ipc://")):
-            raise bad("endpoint", endpoint, "must look like 'tcp://HOST:PORT' or 'ipc://PATH'")
-        for name, v, positive in (("timeout_s", timeout_s, True), ("reconnect_backoff_s", reconnect_backoff_s, False),
-                                  ("max_backoff_s", max_backoff_s, False)):
-            if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
-                    or (positive and v == 0)):
-                raise bad(name, v, f"must be a finite number of seconds {'> 0' if positive else '>= 0'}")
-        if max_backoff_s < reconnect_backoff_s:
-            raise bad("max_backoff_s", max_backoff_s, f"must be >= reconnect_backoff_s ({reconnect_backoff_s})")
-        if token is not None and (not isinstance(token, str) or not token):
-            raise bad("token", "<hidden>", "must be a non-empty string or null")
-        need = page_bytes + _PER_KEY_OVERHEAD + _MSG_SLACK
-        if type(max_message_bytes) is not int or max_message_bytes < need:
-            raise bad("max_message_bytes", max_message_bytes,
-                      f"must be an int >= {need} to hold one page of page_bytes={page_bytes}")
+        check_options(dict(endpoint=endpoint, timeout_s=timeout_s, token=token, max_message_bytes=max_message_bytes,
+                           reconnect_backoff_s=reconnect_backoff_s, max_backoff_s=max_backoff_s), page_bytes)
         self.namespace = bytes(namespace)
         self.page_bytes = page_bytes
         self.endpoint = endpoint

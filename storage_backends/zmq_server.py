@@ -34,6 +34,7 @@ import xxhash
 import zmq
 
 from tierkv.storage_backends import zmq_protocol as P
+from tierkv.storage_backends.file import parse_bytes
 
 log = logging.getLogger("tierkv.zmq_server")
 
@@ -492,17 +493,30 @@ def _rss_bytes() -> int:
         return 0
 
 
+#: the smallest ``--max-message-bytes`` the CLI accepts: a client needs one page plus 64 KiB of slack per message
+#: (see ``l3.zmq.max_message_bytes``), so below this no realistic page could be stored
+MIN_CLI_MAX_MESSAGE_BYTES = 1 << 20
+
+
 def _size(text: str) -> int:
-    """Parse a byte size: an integer, optionally with a K/M/G/T suffix (powers of 1024), e.g. ``512M``."""
-    t = str(text).strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
-    num = t[:-1] if mult != 1 else t
+    """Parse a byte size the way the YAML configs do (:func:`tierkv.storage_backends.file.parse_bytes`): an integer,
+    or a number with a unit, ``K``/``KB``/``M``/``MB``/``G``/``GB`` = powers of 1000 and ``KiB``/``MiB``/``GiB`` =
+    powers of 1024 (``512MiB``, ``8GiB``, ``10GB``). Raises argparse.ArgumentTypeError otherwise or for sizes <= 0."""
     try:
-        v = int(float(num) * mult)
+        v = parse_bytes(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid byte size {text!r} (e.g. 1073741824, 512M, 4G)") from None
+        raise argparse.ArgumentTypeError(f"invalid byte size {text!r} (e.g. 1073741824, 512MiB, 8GiB, 10GB)") from None
     if v <= 0:
         raise argparse.ArgumentTypeError(f"byte size must be > 0, got {text!r}")
+    return v
+
+
+def _message_size(text: str) -> int:
+    v = _size(text)
+    if v < MIN_CLI_MAX_MESSAGE_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"--max-message-bytes {text!r} is below {MIN_CLI_MAX_MESSAGE_BYTES} bytes (1 MiB): clients need one page "
+            "plus 64 KiB per message, so every set would be refused")
     return v
 
 
@@ -512,12 +526,13 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="bind address (default 127.0.0.1; give 0.0.0.0 or an interface address explicitly to expose it)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port, 0 = any free port (default {DEFAULT_PORT})")
     p.add_argument("--capacity-bytes", type=_size, default=DEFAULT_CAPACITY_BYTES,
-                   help="in-memory capacity in bytes (suffixes K/M/G), LRU eviction (default 1G)")
+                   help="in-memory capacity in bytes (e.g. 8GiB; KiB/MiB/GiB = 1024-based, KB/MB/GB or K/M/G = "
+                        "1000-based, as in the YAML configs), LRU eviction (default 1 GiB)")
     p.add_argument("--spill-dir", default=None, help="spill evicted pages to a file store in this directory (optional)")
     p.add_argument("--spill-capacity-bytes", type=_size, default=None,
                    help="capacity of the spill store (per page record size; default: the file store's default)")
-    p.add_argument("--max-message-bytes", type=_size, default=P.DEFAULT_MAX_MESSAGE_BYTES,
-                   help="refuse larger messages (default 64M)")
+    p.add_argument("--max-message-bytes", type=_message_size, default=P.DEFAULT_MAX_MESSAGE_BYTES,
+                   help="refuse larger messages (at least 1MiB; default 64MiB)")
     p.add_argument("--token", default=os.environ.get("TIERKV_SERVER_TOKEN"),
                    help="shared secret clients must present (default: $TIERKV_SERVER_TOKEN, else none)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

@@ -4,7 +4,7 @@ Subcommands (argparse sub-parsers; each module that owns a command provides ``ad
 ``run(args) -> int``; it is imported when the parser is built):
 
 - ``tierkv server ...``: the L3 ZMQ cache server (:mod:`tierkv.storage_backends.zmq_server`), e.g.
-  ``tierkv server --port 5557 --capacity-bytes 8G [--spill-dir DIR] [--token SECRET]``.
+  ``tierkv server --port 5557 --capacity-bytes 8GiB [--spill-dir DIR] [--token SECRET]``.
 
 To add a command, append a ``(name, module, help)`` entry to :data:`COMMANDS`.
 """

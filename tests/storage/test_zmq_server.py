@@ -86,7 +86,7 @@ def test_cli_server_ping_sigterm_and_no_test_ops(tmp_path):
     exe = Path(sys.executable).parent / "tierkv"
     assert exe.exists(), "console script 'tierkv' is not installed (setup.py entry_points)"
     log = tmp_path / "cli.log"
-    p = subprocess.Popen([str(exe), "server", "--port", "0", "--capacity-bytes", "8M", "--log-level", "info"],
+    p = subprocess.Popen([str(exe), "server", "--port", "0", "--capacity-bytes", "8MiB", "--log-level", "info"],
                          stdout=subprocess.PIPE, stderr=open(log, "wb"), text=True)
     try:
         line = p.stdout.readline().strip()
@@ -408,3 +408,22 @@ def test_test_op_corrupt_validates_how(srv):
     assert_error(FZ.raw_request(srv.endpoint, req(op="t_corrupt", keys=k, how="melt")), "bad_request")
     assert srv.corrupt(k[0], "flip")
     assert srv.backend.batch_get(k, [torch.zeros(4096, dtype=torch.uint8)]) == [False]
+
+
+def test_cli_sizes_mean_what_the_yaml_configs_mean():
+    """`tierkv server` parses sizes with the YAML configs' parser: GiB/MiB are 1024-based, GB/G 1000-based."""
+    import argparse
+
+    from tierkv.storage_backends import zmq_server as S
+    from tierkv.storage_backends.file import parse_bytes
+
+    p = S.add_arguments(argparse.ArgumentParser())
+    a = p.parse_args(["--capacity-bytes", "8GiB", "--max-message-bytes", "64MiB"])
+    assert a.capacity_bytes == 8 << 30 == parse_bytes("8GiB") and a.max_message_bytes == 64 << 20
+    assert p.parse_args(["--capacity-bytes", "8GB"]).capacity_bytes == 8 * 10**9 == parse_bytes("8GB")
+    assert p.parse_args(["--capacity-bytes", "1073741824"]).capacity_bytes == 1 << 30
+    for bad in (["--capacity-bytes", "lots"], ["--capacity-bytes", "0"], ["--max-message-bytes", "10"],
+                ["--max-message-bytes", "1000KB"]):
+        with pytest.raises(SystemExit):
+            p.parse_args(bad)
+    assert p.parse_args(["--max-message-bytes", "1MiB"]).max_message_bytes == 1 << 20

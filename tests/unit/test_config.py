@@ -63,3 +63,43 @@ def test_shipped_configs_validate():
     assert "default.yaml" in names
     for n in names:
         load_config(n)
+
+
+@pytest.mark.parametrize("extra, named, allowed", [
+    ({"config_file": "l3_zmq.yaml", "l3.zmq.endpont": "tcp://127.0.0.1:1"}, "l3.zmq.endpont", "endpoint"),
+    ({"config_file": "l3_file.yaml", "l3.file.fsnyc": True}, "l3.file.fsnyc", "fsync"),
+    ({"l3.mooncake.protocl": "tcp"}, "l3.mooncake.protocl", "protocol"),
+    ({"l3.faults.fail_gett": 0.5}, "l3.faults.fail_gett", "fail_get"),
+])
+def test_unknown_l3_key_stops_start_up_listing_allowed_keys(extra, named, allowed):
+    """L3 backend sections are checked when the config loads (what the connector does at engine start), not only
+    when a store is built: a typo is named with the keys that are allowed, also in a section not in use."""
+    with pytest.raises(ConfigError) as e:
+        config_from_extra(extra)
+    msg = str(e.value)
+    assert named in msg and allowed in msg
+
+
+@pytest.mark.parametrize("extra, named", [
+    ({"config_file": "l3_zmq.yaml", "l3.zmq.timeout_s": -1}, "l3.zmq.timeout_s"),
+    ({"config_file": "l3_zmq.yaml", "l3.zmq.endpoint": "http://127.0.0.1:1"}, "l3.zmq.endpoint"),
+    ({"config_file": "l3_zmq.yaml", "l3.zmq.max_message_bytes": 10}, "l3.zmq.max_message_bytes"),
+    ({"config_file": "l3_file.yaml", "l3.file.capacity_bytes": "lots"}, "l3.file.capacity_bytes"),
+    ({"config_file": "l3_file.yaml", "l3.file.scan_verify": "all"}, "l3.file.scan_verify"),
+    ({"l3.backend": "file"}, "l3.file.root"),
+    ({"config_file": "l3_mooncake.yaml", "l3.mooncake.timeout_s": 0}, "l3.mooncake.timeout_s"),
+])
+def test_bad_l3_value_stops_start_up(extra, named):
+    with pytest.raises(ConfigError) as e:
+        config_from_extra(extra)
+    msg = str(e.value)
+    assert named in msg and msg.startswith("invalid tierkv config") and "Value error" not in msg
+
+
+def test_l3_sections_validate_without_a_store(tmp_path):
+    """Validation alone neither connects nor creates the file store's root."""
+    root = tmp_path / "never-created"
+    cfg = config_from_extra({"l3.backend": "file", "l3.file.root": str(root), "l3.file.capacity_bytes": "1MiB"})
+    assert cfg.l3.backend == "file" and cfg.l3.file["capacity_bytes"] == "1MiB" and not root.exists()
+    cfg = config_from_extra({"config_file": "l3_zmq.yaml", "l3.zmq.endpoint": "tcp://127.0.0.1:9"})
+    assert cfg.l3.zmq["endpoint"] == "tcp://127.0.0.1:9"
