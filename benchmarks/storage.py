@@ -523,8 +523,11 @@ def main(argv=None) -> int:
     ap.add_argument("--no-peer", action="store_true", help="skip SGLang's classes even if the peer venv exists")
     ap.add_argument("--dir", default=str(ROOT / ".cache" / "storage-bench"),
                     help="directory for the file store and raw files (same disk as ~/.cache)")
-    ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--out", default=None, help=f"results file (default {RESULTS}; with --quick "
+                    "$TMPDIR/storage_quick.json, so a quick run never overwrites the committed results)")
     a = ap.parse_args(argv)
+    if a.out is None:
+        a.out = str(Path(tempfile.gettempdir()) / "storage_quick.json") if a.quick else str(RESULTS)
     backends = a.backends.split(",")
     sizes = [{"256K": 256 * KiB, "2M": 2 * MiB}[s] for s in a.pages.split(",")]
     t_start = time.time()

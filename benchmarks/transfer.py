@@ -13,7 +13,7 @@ work per layer) and writes the timeline: load of layer ``l+1`` overlapping compu
     python benchmarks/transfer.py                 # CPU: numba kernels (torch without numba), vLLM CPU-backend layout
     TIERKV_CPU_KERNELS=torch python benchmarks/transfer.py   # CPU: the torch kernels
     python benchmarks/transfer.py --device cuda   # GPU: Triton kernels vs pinned copy_, FlashAttention NHD layout
-    python benchmarks/transfer.py --quick         # fewer repetitions
+    python benchmarks/transfer.py --quick         # fewer repetitions; writes $TMPDIR/transfer_quick.json
 
 Results: ``benchmarks/results/transfer.json`` (CPU) or ``transfer_gpu.json`` (CUDA).
 """
@@ -26,6 +26,7 @@ import platform
 import random
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -142,15 +143,15 @@ def bench_layerwise(device, dev, host, n_pages, compute_ms):
     slots = list(range(n_pages))
     save_pages(dev, host, blocks, slots)
     a = torch.randn(256, 256, device=device)
-    # calibrate one layer of fake forward work to about compute_ms
-    reps = 1
-    while True:
-        with copy_threads(1 if device.type == "cpu" else 0):
-            t = _time(lambda: [a @ a for _ in range(reps)], device)
-        if t * 1e3 >= compute_ms / 4 or reps > 1 << 16:
-            break
-        reps *= 2
-    reps = max(1, int(reps * compute_ms / (t * 1e3)))
+    # calibrate one layer of fake forward work to about compute_ms: warm the matmul up first (the first calls pay
+    # one-off set-up costs that made an earlier calibration pick far too few repetitions), then time a fixed batch
+    # of repetitions several times and take the median
+    with copy_threads(1 if device.type == "cpu" else 0):
+        for _ in range(20):
+            a @ a
+        _sync(device)
+        per_rep = statistics.median(_time(lambda: [a @ a for _ in range(50)], device) / 50 for _ in range(5))
+    reps = max(1, int(compute_ms / 1e3 / per_rep))
 
     def layer_compute():  # the engine's forward on its own core(s): one thread, as the copy thread has one
         with copy_threads(1 if device.type == "cpu" else 0):
@@ -186,7 +187,7 @@ def bench_layerwise(device, dev, host, n_pages, compute_ms):
             best = (total, sorted(loads + events, key=lambda x: x[2]))
     t_lw, timeline = best
     print(f"\nlayer-wise load of {n_pages} pages ({n_pages * dev.num_layers * dev.block_bytes / 2**20:.0f} MiB) with "
-          f"{compute_ms:.0f} ms of fake compute per layer:")
+          f"{t_compute * 1e3 / dev.num_layers:.1f} ms of fake compute per layer (target {compute_ms:.0f} ms):")
     print(f"  load alone {t_load * 1e3:.1f} ms, compute alone {t_compute * 1e3:.1f} ms, sequential "
           f"{t_seq * 1e3:.1f} ms, layer-wise {t_lw * 1e3:.1f} ms "
           f"(hidden: {100 * (t_seq - t_lw) / max(1e-9, min(t_load, t_compute)):.0f}% of the shorter phase)")
@@ -194,7 +195,8 @@ def bench_layerwise(device, dev, host, n_pages, compute_ms):
     for kind, l, s, e in timeline:
         bar_s, bar_e = int(s / t_lw * 60), max(int(s / t_lw * 60) + 1, int(e / t_lw * 60))
         print(f"    {kind:7s} L{l}  {s * 1e3:7.1f} .. {e * 1e3:7.1f}  |{' ' * bar_s}{'#' * (bar_e - bar_s)}")
-    return dict(pages=n_pages, compute_ms_per_layer=compute_ms, load_ms=round(t_load * 1e3, 2),
+    return dict(pages=n_pages, compute_ms_per_layer_target=compute_ms,
+                compute_ms_per_layer=round(t_compute * 1e3 / dev.num_layers, 2), load_ms=round(t_load * 1e3, 2),
                 compute_ms=round(t_compute * 1e3, 2), sequential_ms=round(t_seq * 1e3, 2),
                 layerwise_ms=round(t_lw * 1e3, 2),
                 timeline=[dict(kind=k, layer=l, start_ms=round(s * 1e3, 2), end_ms=round(e * 1e3, 2))
@@ -230,8 +232,10 @@ def main(argv=None):
     print(f"{dev}\nhost pools: {max(batches)} slots x {pools['layer_first'].page_bytes} B; torch threads "
           f"{torch.get_num_threads()}; kernels {_impl(dev, None).__name__}; reps {reps}\n")
     print(f"{'layout':18s} {'dir':7s} {'pages':>5s} {'ids':9s} {'tierkv':>12s}  {'reference':>16s}  ratio")
-    path = Path(args.out) if args.out else Path(__file__).parent / "results" / (
-        "transfer.json" if device.type == "cpu" else "transfer_gpu.json")
+    # --quick never overwrites the committed results unless --out says so
+    default_dir = Path(tempfile.gettempdir()) if args.quick else Path(__file__).parent / "results"
+    path = Path(args.out) if args.out else default_dir / (
+        ("transfer" if device.type == "cpu" else "transfer_gpu") + ("_quick" if args.quick else "") + ".json")
     if args.layerwise_only:
         old = json.loads(path.read_text())
         old["layerwise"] = bench_layerwise(device, dev, pools["layer_first"], min(1024, max(batches)),

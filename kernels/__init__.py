@@ -66,6 +66,13 @@ def _check_range(name: str, ids: list[int], n: int, what: str) -> None:
 def validate_transfer(dev, host, block_ids, slots, layers) -> tuple[list[int], list[int], Optional[list[int]]]:
     """Check a transfer order; return (block_ids, slots, layers) as int lists (layers None = all).
     Raises ValueError before any byte moves (see the module docstring)."""
+    from tierkv.connector.device_pool import DevicePool
+    from tierkv.connector.host_pool import HostPool
+
+    if not isinstance(dev, DevicePool) or not isinstance(host, HostPool):
+        raise ValueError(f"expected an L1 DevicePool and an L2 HostPool, got {type(dev).__name__} as the device "
+                         f"pool and {type(host).__name__} as the host pool (save_pages(dev, host, block_ids, slots); "
+                         "load_pages(host, dev, slots, block_ids))")
     host.check_compatible(dev)
     b = _as_int_list("block_ids", block_ids)
     s = _as_int_list("slots", slots)

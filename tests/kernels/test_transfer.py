@@ -220,3 +220,16 @@ def test_layerwise_validates_up_front():
     with pytest.raises(ValueError, match="layer_index"):
         ld.wait_layer(4)
     ld.wait_all()
+
+
+@pytest.mark.parametrize("impl", ["torch", None])
+def test_swapped_pools_are_named_before_any_byte_moves(impl):
+    """load_pages(dev, host, ...) instead of load_pages(host, dev, ...): a ValueError saying which is which."""
+    dev, storage, *_ = _dev()
+    hp = HostPool.for_device(dev, 8, "layer_first")
+    before_dev, before_host = storage.clone(), hp.buffer.clone()
+    with pytest.raises(ValueError, match="got HostPool as the device pool and DevicePool as the host pool"):
+        save_pages(hp, dev, [0], [0], impl=impl)
+    with pytest.raises(ValueError, match="got HostPool as the device pool and DevicePool as the host pool"):
+        load_pages(dev, hp, [0], [0], impl=impl)
+    assert torch.equal(storage, before_dev) and torch.equal(hp.buffer, before_host)
