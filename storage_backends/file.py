@@ -607,28 +607,18 @@ class FileStore(StorageBackend):
             mv = views[i]
             p = self._path(k)
             try:
-                fd = os_open(p, rd_flags)
+                try:
+                    fd = os_open(p, rd_flags)
+                except PermissionError:
+                    if rd_flags == os.O_RDONLY:
+                        raise
+                    # O_NOATIME on a file of another user is refused: stop asking for it
+                    rd_flags = self._rd_flags = os.O_RDONLY
+                    fd = os_open(p, rd_flags)
             except FileNotFoundError:
                 self._forget(p)
                 misses += 1
                 continue
-            except PermissionError as e:
-                fd, err = -1, e
-                if rd_flags != os.O_RDONLY:  # O_NOATIME on a file of another user: stop asking for it
-                    rd_flags = self._rd_flags = os.O_RDONLY
-                    try:
-                        fd = os_open(p, rd_flags)
-                    except FileNotFoundError:
-                        self._forget(p)
-                        misses += 1
-                        continue
-                    except OSError as e2:
-                        err = e2
-                if fd < 0:
-                    errors += 1
-                    misses += 1
-                    self._warn.warning("read", "file store %s: cannot open %s: %s", self.root, p, err)
-                    continue
             except OSError as e:
                 errors += 1
                 misses += 1

@@ -168,6 +168,61 @@ class _Staging:
         self.nbytes = nbytes
 
 
+class _BufferPool:
+    """Store-owned registered buffers of one kind (staging records, or header arenas of the zero-copy path), reused
+    across calls: a free buffer big enough is handed out, a free one too small is replaced by a new one, and at
+    most ``limit`` exist at once. Guarded by the store's ``lock``; ``is_closed`` tells whether buffers given back
+    are to be dropped."""
+
+    def __init__(self, lock: threading.Lock, limit: int, register: Callable[[_Staging], bool],
+                 unregister: Callable[[_Staging], None], is_closed: Callable[[], bool]):
+        self._lock, self._limit = lock, limit
+        self._register, self._unregister, self._is_closed = register, unregister, is_closed
+        self._free: list[_Staging] = []
+        self._count = 0
+
+    def take(self, need_bytes: int, new_bytes: int) -> Optional[_Staging]:
+        """A buffer of at least ``need_bytes``: a free one, else a new one of ``new_bytes`` while fewer than
+        ``limit`` exist. None when ``limit`` are in use or ``register`` returns False; raises what allocation or
+        ``register`` raise (the slot is released either way)."""
+        with self._lock:
+            for i, b in enumerate(self._free):
+                if b.nbytes >= need_bytes:
+                    return self._free.pop(i)
+            small = self._free.pop() if self._free else None  # too small: replaced by a bigger one
+            if small is None:
+                if self._count >= self._limit:
+                    return None
+                self._count += 1
+        if small is not None:
+            self._unregister(small)
+        ok = False
+        try:
+            b = _Staging(new_bytes)
+            ok = self._register(b)
+        finally:
+            if not ok:
+                with self._lock:
+                    self._count -= 1
+        return b if ok else None
+
+    def give(self, b: _Staging) -> None:
+        with self._lock:
+            drop = self._is_closed()
+            if drop:
+                self._count -= 1
+            else:
+                self._free.append(b)
+        if drop:
+            self._unregister(b)
+
+    def drain(self) -> list[_Staging]:
+        """Take every free buffer out (call with the lock held, at close); the caller unregisters them."""
+        free, self._free = self._free, []
+        self._count -= len(free)
+        return free
+
+
 class _Hold:
     """Shared ownership of a staging buffer by the caller and the worker running the Mooncake call; the buffer
     goes back to the pool when both have let go (the worker may let go long after a timeout)."""
@@ -278,10 +333,10 @@ class MooncakeStore(StorageBackend):
         self._prefix = f"{c.key_prefix}/{self.namespace.hex()}/"
         self._slots_per_staging = c.staging_bytes // self.record_bytes
         self._lock = threading.Lock()
-        self._free: list[_Staging] = []
-        self._n_staging = 0
-        self._hfree: list[_Staging] = []  # header arenas of the zero-copy set path
-        self._n_headers = 0
+        self._staging = _BufferPool(self._lock, c.max_inflight, self._register_staging, self._unregister,
+                                    lambda: self._closed)
+        self._headers = _BufferPool(self._lock, c.max_inflight, self._register_headers, self._unregister,
+                                    lambda: self._closed)  # header arenas of the zero-copy set path
         self._host: dict[int, tuple[int, int, Any]] = {}  # registered host buffers: ptr -> (start, end, owner)
         self._inflight = 0
         self._closed = False
@@ -400,65 +455,28 @@ class MooncakeStore(StorageBackend):
 
     def _take_headers(self, n: int) -> Optional[_Staging]:
         """A header arena for ``n`` records (store-owned, registered like staging), or None while ``max_inflight``
-        are in use."""
-        with self._lock:
-            for i, hb in enumerate(self._hfree):
-                if hb.nbytes >= n * HEADER_BYTES:
-                    return self._hfree.pop(i)
-            small = self._hfree.pop() if self._hfree else None
-            if small is None:
-                if self._n_headers >= self.cfg.max_inflight:
-                    return None
-                self._n_headers += 1
-        if small is not None:
-            self._unregister(small)
-        hb = _Staging(max(n, self._slots_per_staging) * HEADER_BYTES)
-        if self._register and self._call("register_buffer",
-                                         lambda: self._store.register_buffer(hb.ptr, hb.nbytes)) != 0:
-            with self._lock:
-                self._n_headers -= 1
-            return None
-        return hb
+        are in use or registration fails."""
+        return self._headers.take(n * HEADER_BYTES, max(n, self._slots_per_staging) * HEADER_BYTES)
 
-    def _give_headers(self, hb: _Staging) -> None:
-        with self._lock:
-            drop = self._closed
-            if drop:
-                self._n_headers -= 1
-            else:
-                self._hfree.append(hb)
-        if drop:
-            self._unregister(hb)
+    def _register_headers(self, hb: _Staging) -> bool:
+        return not self._register or self._call(
+            "register_buffer", lambda: self._store.register_buffer(hb.ptr, hb.nbytes)) == 0
 
     def _take_staging(self, records: int) -> Optional[_Staging]:
         """A staging buffer for at least ``records`` records (at most ``slots_per_staging``): a free one that is
         big enough, else a new one (sized to the next power of two) while fewer than ``max_inflight`` exist.
         ``None`` if none can be had now. Raises if allocation or registration fails."""
-        with self._lock:
-            for i, st in enumerate(self._free):
-                if st.nbytes >= records * self.record_bytes:
-                    return self._free.pop(i)
-            small = self._free.pop() if self._free else None  # too small: replaced by a bigger one
-            if small is None:
-                if self._n_staging >= self.cfg.max_inflight:
-                    return None
-                self._n_staging += 1
-        if small is not None:
-            self._unregister(small)
         slots = min(self._slots_per_staging, 1 << max(0, records - 1).bit_length())
-        try:
-            st = _Staging(slots * self.record_bytes)
-            if self._register:
-                # RDMA-like transports need registered memory; with tcp any address works (measured: same speed)
-                # and registering would touch the metadata server, so it is skipped.
-                rc = self._call("register_buffer", lambda: self._store.register_buffer(st.ptr, st.nbytes))
-                if rc != 0:
-                    raise RuntimeError(f"register_buffer returned {rc}")
-            return st
-        except Exception:
-            with self._lock:
-                self._n_staging -= 1
-            raise
+        return self._staging.take(records * self.record_bytes, slots * self.record_bytes)
+
+    def _register_staging(self, st: _Staging) -> bool:
+        if self._register:
+            # RDMA-like transports need registered memory; with tcp any address works (measured: same speed)
+            # and registering would touch the metadata server, so it is skipped.
+            rc = self._call("register_buffer", lambda: self._store.register_buffer(st.ptr, st.nbytes))
+            if rc != 0:
+                raise RuntimeError(f"register_buffer returned {rc}")
+        return True
 
     def _unregister(self, st: _Staging) -> None:
         if self._register:
@@ -466,16 +484,6 @@ class MooncakeStore(StorageBackend):
                 self._store.unregister_buffer(st.ptr)
             except Exception:  # noqa: BLE001 - best effort
                 pass
-
-    def _give_staging(self, st: _Staging) -> None:
-        with self._lock:
-            drop = self._closed
-            if drop:
-                self._n_staging -= 1
-            else:
-                self._free.append(st)
-        if drop:
-            self._unregister(st)
 
     def _call(self, what: str, fn: Callable[[], Any], hold: Optional[_Hold] = None,
               meanwhile: Optional[Callable[[], None]] = None) -> Any:
@@ -536,7 +544,7 @@ class MooncakeStore(StorageBackend):
             self._rlog.warning("busy", "mooncake %s: %d calls still outstanding (master hung?); failing fast",
                                what, self.cfg.max_inflight)
             return None
-        return st, _Hold(lambda: self._give_staging(st))
+        return st, _Hold(lambda: self._staging.give(st))
 
     def _check_keys(self, keys: Sequence[str]) -> list[str]:
         """Object names of ``keys``; ``ValueError`` (from :func:`check_key`) for any bad key, before any I/O."""
@@ -673,7 +681,7 @@ class MooncakeStore(StorageBackend):
         hb = self._take_headers(n)
         if hb is None:
             return [i for i, _ in direct]
-        hold = _Hold(lambda: self._give_headers(hb))
+        hold = _Hold(lambda: self._headers.give(hb))
         per = max(1, PUT_GROUP_BYTES // pb)
         groups = [(a, min(n, a + per)) for a in range(0, n, per)]
         ready = [threading.Event() for _ in groups]
@@ -825,13 +833,10 @@ class MooncakeStore(StorageBackend):
             if self._closed:
                 return
             self._closed = True
-            free, self._free = self._free, []
-            self._n_staging -= len(free)
-            hfree, self._hfree = self._hfree, []
-            self._n_headers -= len(hfree)
+            free = self._staging.drain() + self._headers.drain()
             host, self._host = list(self._host), {}
             inflight = self._inflight
-        for st in free + hfree:
+        for st in free:
             self._unregister(st)
         if self._register:
             for ptr in host:
