@@ -106,6 +106,25 @@ def timed(fn: Callable[[], object]) -> tuple[float, object]:
     return time.perf_counter() - t, r
 
 
+def paired(r: int, S: dict, raw: tuple[str, Callable[[], object], Callable[[object], bool]],
+           ours: tuple[str, Callable[[], object], Callable[[object], bool]]) -> None:
+    """One repetition of a reference/tierkv pair: each side is ``(stats name, call, check of its result)``; the two
+    calls run back to back, the reference first on even ``r`` and second on odd ``r``; a failed check aborts the
+    benchmark (untimed)."""
+    for name, fn, check in ((raw, ours) if r % 2 == 0 else (ours, raw)):
+        dt, res = timed(fn)
+        assert check(res), (name, res)
+        S[name].add(dt)
+
+
+def _any(_res: object) -> bool:
+    return True
+
+
+def _all_ok(res: object) -> bool:
+    return res == [True] * BATCH
+
+
 def drop_cache(paths: list[str]) -> None:
     """Write back and drop the page-cache pages of ``paths`` (a cold read afterwards hits the disk)."""
     for p in paths:
@@ -161,31 +180,15 @@ def bench_file(pb: int, reps: int, src: list[torch.Tensor], base: str, fsync_rep
                 ks = keys_for(BATCH, rng)
                 names = [os.path.join(raw_dir, f"{k}.bin") for k in ks]
                 sfx = "_fsync" if fsync else ""
-                order = [0, 1] if r % 2 == 0 else [1, 0]
-                for which in order:
-                    if which == 0:
-                        dt, _ = timed(lambda: raw_write(names, fsync))
-                        S["raw_write" + sfx].add(dt)
-                    else:
-                        dt, ok = timed(lambda: store.batch_set(ks, src))
-                        assert ok == [True] * BATCH, ok
-                        S["file_set" + sfx].add(dt)
+                paired(r, S, ("raw_write" + sfx, lambda: raw_write(names, fsync), _any),
+                       ("file_set" + sfx, lambda: store.batch_set(ks, src), _all_ok))
                 if not fsync:
-                    for which in order:  # page-cache reads
-                        if which == 0:
-                            S["raw_read"].add(timed(lambda: raw_read(names))[0])
-                        else:
-                            dt, ok = timed(lambda: store.batch_get(ks, dst))
-                            assert ok == [True] * BATCH and torch.equal(dst[-1], src[-1])
-                            S["file_get"].add(dt)
+                    paired(r, S, ("raw_read", lambda: raw_read(names), _any),  # page-cache reads
+                           ("file_get", lambda: store.batch_get(ks, dst),
+                            lambda ok: _all_ok(ok) and torch.equal(dst[-1], src[-1])))
                     drop_cache(names + files_under(store.root, ".page"))
-                    for which in order:  # cold reads
-                        if which == 0:
-                            S["raw_read_cold"].add(timed(lambda: raw_read(names))[0])
-                        else:
-                            dt, ok = timed(lambda: store.batch_get(ks, dst))
-                            assert ok == [True] * BATCH
-                            S["file_get_cold"].add(dt)
+                    paired(r, S, ("raw_read_cold", lambda: raw_read(names), _any),  # cold reads
+                           ("file_get_cold", lambda: store.batch_get(ks, dst), _all_ok))
                 for n in names:
                     os.unlink(n)
                 store.clear()
@@ -257,21 +260,9 @@ def bench_zmq(pb: int, reps: int, src: list[torch.Tensor]) -> dict:
 
         for r in range(reps):
             ks = keys_for(BATCH, rng)
-            order = [0, 1] if r % 2 == 0 else [1, 0]
-            for which in order:
-                if which == 0:
-                    S["raw_set"].add(timed(lambda: raw_set(ks))[0])
-                else:
-                    dt, ok = timed(lambda: store.batch_set(ks, src))
-                    assert ok == [True] * BATCH, ok
-                    S["zmq_set"].add(dt)
-            for which in order:
-                if which == 0:
-                    S["raw_get"].add(timed(lambda: raw_get(ks))[0])
-                else:
-                    dt, ok = timed(lambda: store.batch_get(ks, dst))
-                    assert ok == [True] * BATCH and torch.equal(dst[-1], src[-1]), ok
-                    S["zmq_get"].add(dt)
+            paired(r, S, ("raw_set", lambda: raw_set(ks), _any), ("zmq_set", lambda: store.batch_set(ks, src), _all_ok))
+            paired(r, S, ("raw_get", lambda: raw_get(ks), _any),
+                   ("zmq_get", lambda: store.batch_get(ks, dst), lambda ok: _all_ok(ok) and torch.equal(dst[-1], src[-1])))
             # both servers drop the batch after each repetition (untimed), so both receive the next batch into
             # memory their allocator already holds: the same work on both sides
             sock.send(b"del")
@@ -367,25 +358,13 @@ def bench_mooncake(pb: int, reps: int, src: list[torch.Tensor], rig: MooncakeRig
         for r in range(reps):
             ks = keys_for(BATCH, rng)
             rk = [f"raw/{k}" for k in ks]
-            order = [0, 1] if r % 2 == 0 else [1, 0]
-            for which in order:
-                if which == 0:
-                    dt, rc = timed(lambda: rig.raw.batch_put_from(rk, sp, [pb] * BATCH))
-                    assert all(x == 0 for x in rc), rc
-                    S["raw_set"].add(dt)
-                else:
-                    dt, ok = timed(lambda: store.batch_set(ks, pool_pages))
-                    assert ok == [True] * BATCH, ok
-                    S["mooncake_set"].add(dt)
-            for which in order:
-                if which == 0:
-                    dt, rc = timed(lambda: rig.raw.batch_get_into(rk, dp, [pb] * BATCH))
-                    assert all(x == pb for x in rc), rc
-                    S["raw_get"].add(dt)
-                else:
-                    dt, ok = timed(lambda: store.batch_get(ks, dst))
-                    assert ok == [True] * BATCH and torch.equal(dst[-1], src[-1]), ok
-                    S["mooncake_get"].add(dt)
+            put_ok = lambda rc: all(x == 0 for x in rc)  # noqa: E731
+            paired(r, S, ("raw_set", lambda: rig.raw.batch_put_from(rk, sp, [pb] * BATCH), put_ok),
+                   ("mooncake_set", lambda: store.batch_set(ks, pool_pages), _all_ok))
+            paired(r, S, ("raw_get", lambda: rig.raw.batch_get_into(rk, dp, [pb] * BATCH),
+                          lambda rc: all(x == pb for x in rc)),
+                   ("mooncake_get", lambda: store.batch_get(ks, dst),
+                    lambda ok: _all_ok(ok) and torch.equal(dst[-1], src[-1])))
             assert torch.equal(rdst, flat)
             rig.raw.batch_remove(rk, True)
             store.remove(ks)
@@ -394,15 +373,8 @@ def bench_mooncake(pb: int, reps: int, src: list[torch.Tensor], rig: MooncakeRig
             # staged path: the same pages from buffers the store was not told about (copied behind their headers)
             ks2 = keys_for(BATCH, rng)
             rk2 = [f"raw/{k}" for k in ks2]
-            for which in order:
-                if which == 0:
-                    dt, rc = timed(lambda: rig.raw.batch_put_from(rk2, sp, [pb] * BATCH))
-                    assert all(x == 0 for x in rc), rc
-                    S["raw_set2"].add(dt)
-                else:
-                    dt, ok = timed(lambda: store.batch_set(ks2, src))
-                    assert ok == [True] * BATCH, ok
-                    S["mooncake_set_staged"].add(dt)
+            paired(r, S, ("raw_set2", lambda: rig.raw.batch_put_from(rk2, sp, [pb] * BATCH), put_ok),
+                   ("mooncake_set_staged", lambda: store.batch_set(ks2, src), _all_ok))
             assert store.batch_get(ks2, dst) == [True] * BATCH and torch.equal(dst[7], src[7])
             rig.raw.batch_remove(rk2, True)
             store.remove(ks2)
