@@ -56,8 +56,12 @@ def encode_header(key: str, namespace: bytes, payload: Union[bytes, bytearray, m
     if len(namespace) != 16:
         raise ValueError(f"namespace digest must be 16 bytes, got {len(namespace)}")
     mv = memoryview(payload).cast("B")
-    head = _FMT.pack(MAGIC, VERSION, 0, namespace, check_key(key), mv.nbytes, xxhash.xxh3_64_intdigest(mv))
-    return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
+    return _pack_header(namespace, check_key(key), mv.nbytes, xxhash.xxh3_64_intdigest(mv))
+
+
+def _pack_header(namespace: bytes, key_raw: bytes, nbytes: int, payload_sum: int) -> bytes:
+    head = _FMT.pack(MAGIC, VERSION, 0, namespace, key_raw, nbytes, payload_sum)
+    return head + _TAIL.pack(xxhash.xxh3_64_intdigest(head))
 
 
 def encode_headers(keys_raw: Sequence[bytes], namespace: bytes, payloads: Sequence[Any], page_bytes: int) -> list:
@@ -73,13 +77,12 @@ def encode_headers(keys_raw: Sequence[bytes], namespace: bytes, payloads: Sequen
         raise ValueError(f"namespace digest must be 16 bytes, got {len(namespace)}")
     if len(keys_raw) != len(payloads):
         raise ValueError(f"encode_headers: {len(keys_raw)} keys but {len(payloads)} payloads")
-    pack, h64, tail = _FMT.pack, xxhash.xxh3_64_intdigest, _TAIL.pack
+    h64 = xxhash.xxh3_64_intdigest
     out = []
     for k, p in zip(keys_raw, payloads):
         if len(k) != KEY_BYTES:
             raise ValueError(f"raw page key must be {KEY_BYTES} bytes, got {len(k)}")
-        head = pack(MAGIC, VERSION, 0, namespace, k, page_bytes, h64(p))
-        out.append(head + tail(h64(head)))
+        out.append(_pack_header(namespace, k, page_bytes, h64(p)))
     return out
 
 

@@ -409,8 +409,8 @@ class ZmqStore(StorageBackend):
         res = [False] * n
         per = max(1, min(self.keys_per_message, PIPELINE_BYTES // self.page_bytes))
         first = max(1, min(per, FIRST_MESSAGE_BYTES // self.page_bytes))
-        chunks = ([(0, min(n, first))] + self._chunks(n - first, per)) if n else []
-        chunks[1:] = [(s + first, e + first) for s, e in chunks[1:]]
+        chunks = ([(0, min(n, first))] + [(s + first, e + first) for s, e in self._chunks(max(0, n - first), per)]
+                  if n else [])
 
         def build(s: int, e: int) -> tuple:
             hdrs = encode_headers(kraw[s:e], self.namespace, srcs[s:e], self.page_bytes)
