@@ -216,20 +216,20 @@ class _RateLimitedLog:
         self._log.warning(msg + (f" (+{n} similar suppressed)" if n else ""), *args)
 
 
-_DIR_POOL: Optional[ThreadPoolExecutor] = None
-_DIR_POOL_PID = 0
-_DIR_POOL_LOCK = threading.Lock()
+_FSYNC_POOL: Optional[ThreadPoolExecutor] = None
+_FSYNC_POOL_PID = 0
+_FSYNC_POOL_LOCK = threading.Lock()
 
 
-def _dir_fsync_pool() -> ThreadPoolExecutor:
+def _fsync_pool() -> ThreadPoolExecutor:
     """Threads for the record writes and directory fsyncs of a batch with ``fsync: true`` (shared by every store;
     created on first use, so a store without fsync starts no thread)."""
-    global _DIR_POOL, _DIR_POOL_PID
-    with _DIR_POOL_LOCK:
-        if _DIR_POOL is None or _DIR_POOL_PID != os.getpid():  # a forked child has none of the parent's threads
-            _DIR_POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="tierkv-file-fsync")
-            _DIR_POOL_PID = os.getpid()
-        return _DIR_POOL
+    global _FSYNC_POOL, _FSYNC_POOL_PID
+    with _FSYNC_POOL_LOCK:
+        if _FSYNC_POOL is None or _FSYNC_POOL_PID != os.getpid():  # a forked child has none of the parent's threads
+            _FSYNC_POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="tierkv-file-fsync")
+            _FSYNC_POOL_PID = os.getpid()
+        return _FSYNC_POOL
 
 
 def _apply_touches(touches: dict) -> None:
@@ -798,7 +798,7 @@ class FileStore(StorageBackend):
         if self._fsync and len(plan) > 1 and len({x[2] for x in plan}) == len(plan):  # (a repeated key: in order)
             # each record still goes temp -> fsync -> rename, but the records of a batch are written by a few
             # threads, so their fsyncs wait on the device together (the filesystem commits them as a group)
-            results = list(_dir_fsync_pool().map(write, plan))
+            results = list(_fsync_pool().map(write, plan))
         else:
             results = [write(x) for x in plan]
         for (i, k, p, _), ok in zip(plan, results):
@@ -809,7 +809,7 @@ class FileStore(StorageBackend):
             else:
                 self._forget(p)
         if len(dirs) > 1:  # concurrently: the waits for the device overlap (one journal commit serves them all)
-            list(_dir_fsync_pool().map(self._fsync_dir, dirs))
+            list(_fsync_pool().map(self._fsync_dir, dirs))
         elif dirs:
             self._fsync_dir(dirs.pop())
         n_ok = sum(out)

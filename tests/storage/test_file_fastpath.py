@@ -128,4 +128,4 @@ def test_fsync_batch_syncs_every_directory(tmp_path, monkeypatch):
     monkeypatch.setattr(FileStore, "_fsync_dir", lambda self, d: (synced.append(d), real(self, d))[1])
     assert s.batch_set(ks, [bytes(PAGE)] * 4) == [True] * 4
     assert sorted(synced) == sorted({os.path.dirname(_path(str(tmp_path), k)) for k in ks})
-    assert file_mod._DIR_POOL is not None
+    assert file_mod._FSYNC_POOL is not None
