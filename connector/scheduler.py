@@ -27,7 +27,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from .host_pool import SlotAllocator
+from .slot_allocator import SlotAllocator
 from .page_hash import ModelNamespace, RequestKeys, request_root
 from .plan import PageOrder, StepPlan
 from .radix_index import NO_SLOT, RadixIndex, RadixNode
