@@ -8,23 +8,31 @@ Design after SGLang HiCache's radix tree (``HiRadixCache``), adapted to a plug-i
   when they share a page-aligned token prefix within one namespace, and matching is page-aligned by
   construction: a tail shorter than a page has no key and never matches (field scenario R12).
 - Children are keyed by the key of their first page.
-- Each node holds, per page, its L2 host slot (``-1`` = not in L2) and whether L3 holds it.
+- Each node holds, per page, its residency: its L2 host slot (``-1`` = no L2 copy) and whether L3 holds it
+  (``in_l3``, set only when the store acknowledged the page). Every indexed page has at least one copy: L2, L3
+  or both (an "L3-only" page has no slot); :meth:`RadixIndex.check_invariants` checks it.
 - ``lock_ref`` counts in-flight users of a node *and every ancestor* (a lock on a node is applied along the
   path to the root, as in SGLang's ``inc_lock_ref``). Locked pages are never evicted.
-- Eviction takes only unlocked leaves, in LRU order (or LFU: hit count, then LRU), from a lazily-validated
-  heap; a parent whose last child goes becomes a leaf candidate itself.
+- L2 eviction takes unlocked nodes that hold L2 pages while none of their children does (the deepest L2
+  copies), in LRU order (or LFU: hit count, then LRU), from a lazily-validated heap. It drops only the L2 copy of
+  a page that L3 still holds (the page stays indexed as L3-only, and can be prefetched back); from the first page
+  without an L3 copy on, the node and everything below it leave the index. Without L3 this is plain LRU eviction
+  of leaves. L3-only leaves leave the index through :meth:`RadixIndex.evict_l3_only` when it grows past a bound.
 - A match that ends inside an edge splits the node at that page boundary; the split divides the per-page
   lists and copies no page data. The new parent inherits the child's ``lock_ref`` (every lock through the
   child passes through it).
 
-The index owns no memory: it records slot numbers; :meth:`evict` returns the slots it dropped so the
-caller frees them in its allocator (every slot freed exactly once). It imports no engine and no torch.
+The index owns no memory: it records slot numbers; :meth:`evict` / :meth:`drop_l2` return the slots they dropped
+so the caller frees them in its allocator (every slot freed exactly once). A controller that must back a page up
+before its L2 copy goes (write_back) takes victims one at a time with :meth:`pop_l2_victim`, locks them while the
+backup runs, and calls :meth:`drop_l2` once the store acknowledged them (docs/architecture.md §4). It imports no
+engine and no torch.
 """
 from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
 NO_SLOT = -1
@@ -81,6 +89,7 @@ class IndexStats:
     nodes: int = 0
     pages: int = 0
     l2_pages: int = 0
+    l3_pages: int = 0
     locked_pages: int = 0
     evictable_pages: int = 0
     evicted_pages: int = 0
@@ -94,8 +103,9 @@ class RadixIndex:
     Args:
         eviction_policy: ``"lru"`` (least recently matched/inserted leaf first) or ``"lfu"`` (fewest hits,
             then least recent).
-    Accounting (pages): ``total_pages``, ``l2_pages`` (pages with a host slot), ``locked_pages``
-    (pages of nodes with ``lock_ref > 0``); :meth:`check_invariants` recounts them.
+    Accounting (pages): ``total_pages``, ``l2_pages`` (pages with a host slot), ``l3_pages`` (pages L3
+    acknowledged), ``locked_pages`` (pages of nodes with ``lock_ref > 0``); :meth:`check_invariants` recounts
+    them.
     """
 
     def __init__(self, eviction_policy: str = "lru"):
@@ -109,6 +119,7 @@ class RadixIndex:
         self._heap: list[tuple] = []
         self.total_pages = 0
         self.l2_pages = 0
+        self.l3_pages = 0
         self.locked_pages = 0
         self.evicted_pages = 0
         self.inserted_pages = 0
@@ -170,12 +181,14 @@ class RadixIndex:
 
         Pages already present keep their slot; if the index already had a slot for such a page, the slot
         passed for it is returned in ``duplicate_slots`` (the caller frees it); if the page was present
-        without an L2 copy, the new slot fills it.
+        without an L2 copy (L3-only), the new slot fills it. ``in_l3`` (per new page) marks pages L3 holds; a
+        flag already set is never cleared here. A new page must have a copy somewhere: a slot or ``in_l3``.
 
         Returns:
             (deepest node of the inserted path, duplicate_slots).
         Raises:
-            ValueError: ``keys[:start]`` is not fully indexed, or the lengths disagree.
+            ValueError: ``keys[:start]`` is not fully indexed, the lengths disagree, or a page not yet indexed
+                comes with neither a slot nor ``in_l3``.
         """
         new_keys = list(keys[start:])
         if len(host_slots) != len(new_keys):
@@ -194,8 +207,12 @@ class RadixIndex:
         while i < n:
             child = node.children.get(new_keys[i])
             if child is None:
-                leaf = RadixNode(next(self._ids), node, new_keys[i:], list(host_slots[i:]), l3_flags[i:])
+                tail_slots, tail_l3 = list(host_slots[i:]), l3_flags[i:]
+                if any(sl == NO_SLOT and not f for sl, f in zip(tail_slots, tail_l3)):
+                    raise ValueError("insert: a new page needs an L2 slot or in_l3=True (no copy anywhere)")
+                leaf = RadixNode(next(self._ids), node, new_keys[i:], tail_slots, tail_l3)
                 node.children[new_keys[i]] = leaf
+                self.l3_pages += sum(tail_l3)
                 self.num_nodes += 1
                 added = n - i
                 self.total_pages += added
@@ -215,8 +232,9 @@ class RadixIndex:
                         self.l2_pages += 1
                     else:
                         dups.append(new_slot)
-                if l3_flags[i + j]:
+                if l3_flags[i + j] and not child.in_l3[j]:
                     child.in_l3[j] = True
+                    self.l3_pages += 1
                 j += 1
             if j < m_pages:
                 child = self._split(child, j)
@@ -248,25 +266,91 @@ class RadixIndex:
             n.lock_ref -= 1
             if n.lock_ref == 0:
                 self.locked_pages -= n.num_pages
-                if not n.children:
-                    self._push(n)
+                self._push(n)
             n = n.parent
 
     # ------------------------------------------------------------------ eviction
     def evict(self, num_pages: int) -> list[int]:
-        """Evict unlocked leaves (policy order) until at least ``num_pages`` L2 slots were released or no
-        evictable leaf is left. Evicted nodes leave the index.
+        """Drop L2 copies, victim by victim in policy order (:meth:`pop_l2_victim` + :meth:`drop_l2`), until at
+        least ``num_pages`` slots were released or no victim is left. Pages L3 holds stay indexed as L3-only.
 
         Returns the released L2 slots (each exactly once); the caller returns them to its allocator.
         """
         freed: list[int] = []
-        while len(freed) < num_pages and self._heap:
-            _prio, _stamp, _nid, node = heapq.heappop(self._heap)
-            if not self._evictable(node) or _stamp != node._heap_stamp:
-                continue
-            freed.extend(s for s in node.host_slots if s != NO_SLOT)
-            self._remove_leaf(node)
+        while len(freed) < num_pages:
+            node = self.pop_l2_victim()
+            if node is None:
+                break
+            freed.extend(self.drop_l2(node))
         return freed
+
+    def pop_l2_victim(self) -> Optional[RadixNode]:
+        """The next node whose L2 copy may go, in policy order, or None: unlocked, holding L2 pages, no child
+        holding any. The node leaves the heap; the caller either calls :meth:`drop_l2` on it now, or locks it
+        (e.g. while a write_back backup runs) and drops it later. A node popped and left alone is pushed again the
+        next time it is touched, unlocked or loses its last L2 child."""
+        while self._heap:
+            _prio, stamp, _nid, node = heapq.heappop(self._heap)
+            if stamp != node._heap_stamp or not self._l2_evictable(node):
+                continue
+            node._heap_stamp = -1
+            return node
+        return None
+
+    def drop_l2(self, node: RadixNode) -> list[int]:
+        """Drop the L2 copy of ``node``'s pages. Pages before the first page without an L3 copy stay indexed as
+        L3-only; from that page on, the node (split there, no data copied) and its whole subtree leave the index.
+
+        Returns the released L2 slots (of the node and of any removed descendant).
+        Raises:
+            RuntimeError: ``node`` (or a descendant that would be removed) is locked.
+        """
+        if node.lock_ref:
+            raise RuntimeError(f"drop_l2 of locked node {node.id}")
+        orig_parent = node.parent
+        freed = [sl for sl in node.host_slots if sl != NO_SLOT]
+        node.host_slots = [NO_SLOT] * node.num_pages
+        self.l2_pages -= len(freed)
+        j = next((i for i, f in enumerate(node.in_l3) if not f), node.num_pages)
+        if j < node.num_pages:
+            if j > 0:
+                self._split(node, j)  # the head (pages [:j]) stays as L3-only; ``node`` is now the tail
+            freed.extend(self.remove_prefix_from(node))
+        self.evicted_pages += len(freed)
+        if orig_parent is not None and orig_parent is not self.root:
+            self._push(orig_parent)  # it may now hold the deepest L2 copies on its path
+        return freed
+
+    def evict_l3_only(self, num_pages: int) -> int:
+        """Remove unlocked L3-only leaves (no L2 copy; the L3 copy stays in the store) in LRU order until at least
+        ``num_pages`` pages left the index or none is left. Bounds the index's memory when L3 is much larger than
+        L2. Returns the number of pages removed. O(nodes) per call: call it in batches."""
+        removed = 0
+        while removed < num_pages:
+            leaves = [n for n in self._iter_nodes() if not n.children and n.lock_ref == 0
+                      and all(sl == NO_SLOT for sl in n.host_slots)]
+            if not leaves:
+                break
+            leaves.sort(key=lambda n: n.last_access)
+            for leaf in leaves:
+                if removed >= num_pages:
+                    break
+                removed += leaf.num_pages
+                self._remove_leaf(leaf)
+        return removed
+
+    def set_in_l3(self, keys: Sequence[bytes], flags: Sequence[bool]) -> int:
+        """Mark the pages ``keys`` (a path from the root) as held by L3 where ``flags[i]`` is true (the store
+        acknowledged page i). Pages no longer indexed are skipped. Returns the number of pages newly marked."""
+        if len(flags) != len(keys):
+            raise ValueError(f"set_in_l3: {len(keys)} keys but {len(flags)} flags")
+        marked = 0
+        for node, j, i in self._walk(keys):
+            if flags[i] and not node.in_l3[j]:
+                node.in_l3[j] = True
+                marked += 1
+        self.l3_pages += marked
+        return marked
 
     def evictable_leaves(self) -> Iterator[RadixNode]:
         for node in self._iter_nodes():
@@ -304,7 +388,7 @@ class RadixIndex:
     # ------------------------------------------------------------------ accounting
     def stats(self) -> IndexStats:
         return IndexStats(nodes=self.num_nodes, pages=self.total_pages, l2_pages=self.l2_pages,
-                          locked_pages=self.locked_pages,
+                          l3_pages=self.l3_pages, locked_pages=self.locked_pages,
                           evictable_pages=self.total_pages - self.locked_pages,
                           evicted_pages=self.evicted_pages, inserted_pages=self.inserted_pages,
                           splits=self.splits)
@@ -317,8 +401,9 @@ class RadixIndex:
         """Recount everything and check the tree's invariants; raises AssertionError on a violation.
 
         No empty edge; children keyed by their first page key; parents consistent; lock_ref >= 0 and no child
-        locked more than its parent; no slot referenced twice; page counters equal a recount."""
-        pages = l2 = locked = nodes = 0
+        locked more than its parent; every page has a copy (L2 slot or L3); no slot referenced twice; page
+        counters equal a recount."""
+        pages = l2 = l3 = locked = nodes = 0
         seen: set[int] = set()
         for n in self._iter_nodes():
             nodes += 1
@@ -329,6 +414,9 @@ class RadixIndex:
             if n.parent is not self.root:
                 assert n.lock_ref <= n.parent.lock_ref, "child locked more than its parent"
             pages += n.num_pages
+            l3 += sum(n.in_l3)
+            for s_, f in zip(n.host_slots, n.in_l3):
+                assert s_ != NO_SLOT or f, f"node {n.id}: a page with no copy (no L2 slot, not in L3)"
             if n.lock_ref:
                 locked += n.num_pages
             for s in n.host_slots:
@@ -339,6 +427,7 @@ class RadixIndex:
         assert nodes + 1 == self.num_nodes, (nodes + 1, self.num_nodes)
         assert pages == self.total_pages, (pages, self.total_pages)
         assert l2 == self.l2_pages, (l2, self.l2_pages)
+        assert l3 == self.l3_pages, (l3, self.l3_pages)
         assert locked == self.locked_pages, (locked, self.locked_pages)
 
     # ------------------------------------------------------------------ internals
@@ -358,8 +447,32 @@ class RadixIndex:
             return (node.hit_count, node.last_access)
         return (node.last_access,)
 
+    def _l2_evictable(self, node: RadixNode) -> bool:
+        # unlocked, holds L2 copies, and none of its children does: the deepest L2 copies on their path
+        if node is self.root or node.parent is None or node.lock_ref != 0:
+            return False
+        if all(s == NO_SLOT for s in node.host_slots):
+            return False
+        return all(all(s == NO_SLOT for s in c.host_slots) for c in node.children.values())
+
+    def _walk(self, keys: Sequence[bytes]) -> Iterator[tuple[RadixNode, int, int]]:
+        # (node, page index in node, page index in keys) for every indexed page of the path ``keys``
+        node, i, n = self.root, 0, len(keys)
+        while i < n:
+            child = node.children.get(keys[i])
+            if child is None:
+                return
+            j = 0
+            while j < child.num_pages and i < n and child.keys[j] == keys[i]:
+                yield child, j, i
+                i += 1
+                j += 1
+            if j < child.num_pages:
+                return
+            node = child
+
     def _push(self, node: RadixNode) -> None:
-        if self._evictable(node):
+        if self._l2_evictable(node):
             if len(self._heap) > 4 * self.num_nodes + 1024:
                 self._compact_heap()
             stamp = next(self._clock)
@@ -368,7 +481,7 @@ class RadixIndex:
 
     def _compact_heap(self) -> None:
         # drop stale entries so the heap stays O(nodes) over long runs (no slow leak, field scenario R21)
-        self._heap = [e for e in self._heap if e[3]._heap_stamp == e[1] and self._evictable(e[3])]
+        self._heap = [e for e in self._heap if e[3]._heap_stamp == e[1] and self._l2_evictable(e[3])]
         heapq.heapify(self._heap)
 
     def _touch(self, path: list[RadixNode], hit: bool) -> None:
@@ -377,9 +490,11 @@ class RadixIndex:
             n.last_access = next(self._clock)
             if hit:
                 n.hit_count += 1
-        leaf = path[-1]
-        if not leaf.children:
-            self._push(leaf)
+        # re-queue the deepest L2 holder of the path with its new stamp (its old heap entry is stale now)
+        for n in reversed(path):
+            if any(s != NO_SLOT for s in n.host_slots):
+                self._push(n)
+                break
 
     def _split(self, child: RadixNode, j: int) -> RadixNode:
         """Split ``child`` after its first ``j`` pages; returns the new parent holding those pages."""
@@ -404,7 +519,7 @@ class RadixIndex:
         node.parent = None
         self.num_nodes -= 1
         self.total_pages -= node.num_pages
-        self.evicted_pages += node.num_pages
         self.l2_pages -= sum(1 for s in node.host_slots if s != NO_SLOT)
-        if parent is not self.root and not parent.children and parent.lock_ref == 0:
+        self.l3_pages -= sum(node.in_l3)
+        if parent is not self.root:
             self._push(parent)

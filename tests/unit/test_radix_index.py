@@ -101,6 +101,79 @@ def test_bad_policy():
         RadixIndex("fifo")
 
 
+# ---------------------------------------------------------------- residency: L2, L3, both
+def test_l2_eviction_keeps_pages_l3_holds():
+    idx = RadixIndex()
+    k = keys_of([1, 1, 2, 2, 3, 3, 4, 4])  # 4 pages
+    idx.insert(k, [0, 1, 2, 3])
+    assert idx.set_in_l3(k, [True] * 4) == 4 and idx.l3_pages == 4
+    assert sorted(idx.evict(4)) == [0, 1, 2, 3]
+    assert idx.l2_pages == 0 and idx.total_pages == 4 and idx.l3_pages == 4
+    assert idx.match_prefix(k).num_pages == 0  # nothing loadable from L2
+    m = idx.match_prefix(k, require_l2=False)
+    assert m.num_pages == 4 and m.host_slots == [NO_SLOT] * 4 and m.in_l3 == [True] * 4
+    # a prefetch publishes L2 copies into the L3-only pages: no duplicate slots, both copies now
+    _, dups = idx.insert(k, [7, 8], start=2)
+    assert dups == [] and idx.match_prefix(k, require_l2=False).host_slots == [NO_SLOT, NO_SLOT, 7, 8]
+    idx.check_invariants()
+
+
+def test_l2_eviction_cuts_at_first_page_without_l3():
+    idx = RadixIndex()
+    k = keys_of([1, 1, 2, 2, 3, 3, 4, 4])
+    idx.insert(k, [0, 1, 2, 3])
+    idx.set_in_l3(k, [True, True, False, True])  # page 3 held by L3 but unreachable once page 2 is gone
+    assert sorted(idx.evict(1)) == [0, 1, 2, 3]
+    m = idx.match_prefix(k, require_l2=False)
+    assert m.num_pages == 2 and m.in_l3 == [True, True] and m.host_slots == [NO_SLOT, NO_SLOT]
+    assert idx.total_pages == 2 and idx.l3_pages == 2 and idx.l2_pages == 0
+    idx.check_invariants()
+
+
+def test_parent_becomes_victim_when_children_hold_only_l3():
+    idx = RadixIndex()
+    a = keys_of([1, 1, 2, 2])
+    b = keys_of([1, 1, 2, 2, 5, 5, 6, 6])
+    idx.insert(a, [0, 1])
+    idx.insert(b, [2, 3], start=2)
+    idx.set_in_l3(b, [False, False, True, True])  # only the child's pages are in L3
+    assert sorted(idx.evict(1)) == [2, 3]        # the deepest L2 copies go first, the child stays L3-only
+    assert idx.match_prefix(b, require_l2=False).num_pages == 4
+    assert sorted(idx.evict(1)) == [0, 1]        # then the parent: not in L3, so it and its subtree go
+    assert idx.total_pages == 0 and idx.num_nodes == 1
+    idx.check_invariants()
+
+
+def test_pop_victim_lock_then_drop_write_back_shape():
+    idx = RadixIndex()
+    k = keys_of([1, 1, 2, 2])
+    idx.insert(k, [4, 5])
+    v = idx.pop_l2_victim()
+    assert v is not None and v.host_slots == [4, 5]
+    h = idx.lock(v)                      # a backup runs: the victim is pinned
+    assert idx.pop_l2_victim() is None and idx.evict(2) == []
+    idx.set_in_l3(k, [True, True])       # the store acknowledged both pages
+    idx.unlock(h)
+    assert sorted(idx.drop_l2(v)) == [4, 5]
+    assert idx.match_prefix(k, require_l2=False).in_l3 == [True, True]
+    with pytest.raises(RuntimeError):
+        idx.drop_l2(idx.lock(v))
+    idx.check_invariants()
+
+
+def test_insert_refuses_page_without_any_copy_and_l3_only_leaves_are_bounded():
+    idx = RadixIndex()
+    k = keys_of([1, 1, 2, 2, 3, 3])
+    with pytest.raises(ValueError, match="no copy"):
+        idx.insert(k, [NO_SLOT, NO_SLOT, NO_SLOT])
+    idx.insert(k, [NO_SLOT] * 3, in_l3=[True] * 3)     # pages found in L3 by an existence query
+    other = keys_of([9, 9])
+    idx.insert(other, [0])
+    assert idx.evict_l3_only(1) == 3                   # the L3-only leaf goes whole; the L2 page stays
+    assert idx.total_pages == 1 and idx.match_prefix(other).host_slots == [0]
+    idx.check_invariants()
+
+
 TOKENS = st.lists(st.integers(0, 2), min_size=0, max_size=10)
 
 
@@ -163,6 +236,18 @@ class IndexMachine(RuleBasedStateMachine):
             for _node, _k, slots in self.locks:
                 assert s not in slots
         self.free.update(freed)
+
+    @rule(tokens=TOKENS, data=st.data())
+    def mark_l3(self, tokens, data):
+        keys = keys_of(tokens)
+        flags = data.draw(st.lists(st.booleans(), min_size=len(keys), max_size=len(keys)))
+        self.idx.set_in_l3(keys, flags)
+
+    @rule(n=st.integers(1, 6))
+    def evict_l3_only(self, n):
+        before = self.idx.l2_pages
+        self.idx.evict_l3_only(n)
+        assert self.idx.l2_pages == before  # only pages without an L2 copy leave
 
     @rule(tokens=TOKENS)
     def match(self, tokens):
