@@ -15,20 +15,18 @@ import copy
 import os
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Literal, Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from tierkv.storage_backends.common import ConfigError  # noqa: F401 - re-exported: tierkv.connector.config.ConfigError
+from tierkv.storage_backends.factory import L3_BACKENDS, L3Config, validate_l3  # noqa: F401 - re-exported
 
 HOST_POOL_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 EVICTION_POLICIES = ("lru", "lfu")
-L3_BACKENDS = ("none", "file", "zmq", "mooncake")
-
-
-class ConfigError(ValueError):
-    """Invalid tierkv configuration. The message names the key (dotted path) and what is allowed."""
 
 
 class _Strict(BaseModel):
@@ -46,17 +44,6 @@ class HostPoolConfig(_Strict):
     pin_memory: Literal["auto", "true", "false"] = "auto"
     auto_fraction: float = Field(default=0.25, gt=0, le=0.9)
     auto_max_gb: float = Field(default=8.0, gt=0)
-
-
-class L3Config(_Strict):
-    """L3 store. ``backend`` selects one; its own keys live under the section of the same name and are
-    validated by :func:`tierkv.storage_backends.factory.build_backend`."""
-
-    backend: Literal["none", "file", "zmq", "mooncake"] = "none"
-    file: dict[str, Any] = Field(default_factory=dict)
-    zmq: dict[str, Any] = Field(default_factory=dict)
-    mooncake: dict[str, Any] = Field(default_factory=dict)
-    faults: dict[str, Any] = Field(default_factory=dict)
 
 
 class ControllerConfig(_Strict):
@@ -204,10 +191,7 @@ def load_config(config_file: Optional[str | os.PathLike] = None, overrides: Opti
         cfg = TierKVConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_format_error(e)) from None
-    # the backend sections of ``l3`` are plain mappings here; their keys are checked by the storage layer (imported
-    # lazily: it imports this module)
-    from tierkv.storage_backends.factory import validate_l3
-
+    # the backend sections of ``l3`` are plain mappings here; their keys are checked by the storage layer
     validate_l3(cfg.l3)
     return cfg
 

@@ -11,20 +11,37 @@ They are imported only when selected, so a missing optional dependency only matt
 from __future__ import annotations
 
 import importlib
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tierkv.connector.config import ConfigError, L3Config
 from tierkv.storage_backends.base import StorageBackend
+from tierkv.storage_backends.common import ConfigError, config_error
 from tierkv.storage_backends.faulty import FaultsConfig, FaultyBackend
-from tierkv.storage_backends.file import FileStore, FileStoreConfig, config_error
+from tierkv.storage_backends.file import FileStore, FileStoreConfig
+
+#: the values of ``l3.backend``
+L3_BACKENDS = ("none", "file", "zmq", "mooncake")
 
 #: backend name -> (module, class) for the lazily imported networked backends
 LAZY_BACKENDS = {
     "zmq": ("tierkv.storage_backends.zmq_client", "ZmqStore"),
     "mooncake": ("tierkv.storage_backends.mooncake", "MooncakeStore"),
 }
+
+
+class L3Config(BaseModel):
+    """The ``l3`` section of the tierkv config (a field of :class:`tierkv.connector.config.TierKVConfig`, which
+    re-exports this class). ``backend`` selects one store; its own keys live under the section of the same name as
+    plain mappings and are validated by :func:`validate_l3` (at config load) and :func:`build_backend`."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    backend: Literal["none", "file", "zmq", "mooncake"] = "none"
+    file: dict[str, Any] = Field(default_factory=dict)
+    zmq: dict[str, Any] = Field(default_factory=dict)
+    mooncake: dict[str, Any] = Field(default_factory=dict)
+    faults: dict[str, Any] = Field(default_factory=dict)
 
 
 def _l3(l3_cfg: Union[dict, L3Config, None]) -> L3Config:
@@ -93,7 +110,7 @@ def build_backend(l3_cfg: Union[dict, L3Config, None], namespace: bytes, page_by
     """The L3 store selected by ``l3.backend``, or ``None`` for ``none``.
 
     Args:
-        l3_cfg: the ``l3`` section (a dict as in YAML, or a validated :class:`tierkv.connector.config.L3Config`):
+        l3_cfg: the ``l3`` section (a dict as in YAML, or a validated :class:`L3Config`):
             ``backend: none|file|zmq|mooncake``, the backend's keys under the section of the same name, and an
             optional ``faults`` section (:class:`~tierkv.storage_backends.faulty.FaultsConfig`) that wraps the
             store in :class:`~tierkv.storage_backends.faulty.FaultyBackend`.

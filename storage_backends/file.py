@@ -35,32 +35,36 @@ enforces ``capacity_bytes`` on what it has seen (its start-up scan, its own writ
 :meth:`FileStore.rescan` refreshes that view.
 
 Errors: bad keys and wrong buffer sizes raise ``ValueError`` (caller bugs). A root that cannot be created or written
-raises :class:`tierkv.connector.config.ConfigError` at construction (unless ``read_only``), so a misconfigured
+raises :class:`tierkv.storage_backends.common.ConfigError` at construction (unless ``read_only``), so a misconfigured
 deployment fails at start-up rather than silently caching nothing. Everything at run time (``EIO``, ``EROFS``, disk
 full, files vanishing under another process) becomes a miss / ``False``, a counter in :meth:`FileStore.stats` and a
 rate-limited warning in the ``tierkv.storage.file`` logger.
 """
 from __future__ import annotations
 
-import ctypes
 import errno
 import itertools
 import logging
 import os
 import struct
-import sys
 import threading
 import time
 import weakref
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Literal, Optional, Sequence, Union
+from typing import Any, Literal, Optional, Sequence
 
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from tierkv.connector.config import ConfigError
 from tierkv.storage_backends.base import Buffer, StorageBackend
+from tierkv.storage_backends.common import (  # noqa: F401 - parse_bytes, as_byte_view: also imported from here
+    ConfigError,
+    RateLimitedLog,
+    as_byte_view,
+    config_error,
+    parse_bytes,
+)
 from tierkv.storage_backends.page_format import (
     HEADER_BYTES,
     MAGIC,
@@ -81,26 +85,6 @@ _WR_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
 _RD_FLAGS = os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOATIME", 0)
 _TOUCH_MAX_PENDING = 4096  # pending hit stamps that force a flush (bounds memory and what a crash can lose)
 _HEX = frozenset("0123456789abcdef")
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
-          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
-
-
-def parse_bytes(value: Union[int, str]) -> int:
-    """``6291456``, ``"6MiB"``, ``"6 MB"``, ``"1.5GiB"`` -> bytes (int). Raises ValueError for anything else."""
-    if isinstance(value, bool):
-        raise ValueError(f"not a byte size: {value!r}")
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str):
-        s = value.strip().lower().replace(" ", "").replace("_", "")
-        num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-        unit = s[len(num):]
-        if num and unit in _UNITS:
-            try:
-                return int(float(num) * _UNITS[unit])
-            except ValueError:
-                pass
-    raise ValueError(f"not a byte size: {value!r} (use an int or a string like '6MiB', '10GB')")
 
 
 class FileStoreConfig(BaseModel):
@@ -132,88 +116,6 @@ class FileStoreConfig(BaseModel):
     @classmethod
     def _cap(cls, v: Any) -> Any:
         return None if v is None else parse_bytes(v)
-
-
-def config_error(err: ValidationError, prefix: str, model: Optional[type] = None) -> ConfigError:
-    """A :class:`ConfigError` naming each bad key as ``<prefix>.<key>`` and what is allowed (for an unknown key, the
-    allowed keys when ``model``, the pydantic model that failed, is given)."""
-    lines = []
-    for e in err.errors():
-        key = ".".join([prefix] + [str(p) for p in e["loc"]])
-        if e["type"] == "extra_forbidden":
-            allowed = f"; allowed keys: {', '.join(model.model_fields)}" if model is not None else ""
-            lines.append(f"unknown config key '{key}'{allowed}")
-        elif e["type"] == "literal_error":
-            lines.append(f"bad value {e.get('input')!r} for '{key}': allowed values are "
-                         f"{e.get('ctx', {}).get('expected', '')}")
-        elif e["type"] == "missing":
-            lines.append(f"missing config key '{key}'")
-        else:
-            lines.append(f"bad value {e.get('input')!r} for '{key}': {e['msg'].removeprefix('Value error, ')}")
-    return ConfigError("invalid tierkv config: " + "; ".join(lines))
-
-
-_PAGE_TYPES: dict[int, type] = {}  # nbytes -> ctypes array type with room for an owner reference
-
-
-def _tensor_bytes(t: Any, nbytes: int) -> memoryview:
-    """A writable flat ``B`` view of a contiguous CPU tensor's ``nbytes`` bytes, built from its data pointer (about
-    0.7 µs against 10 µs for ``memoryview(t.reshape(-1).view(uint8).numpy())``); the view keeps ``t`` alive."""
-    cls = _PAGE_TYPES.get(nbytes)
-    if cls is None:
-        cls = _PAGE_TYPES[nbytes] = type(f"_Page{nbytes}", (ctypes.c_ubyte * nbytes,), {})
-    arr = cls.from_address(t.data_ptr())
-    arr.owner = t
-    return memoryview(arr).cast("B")
-
-
-def as_byte_view(buf: Buffer, nbytes: int, writable: bool, what: str = "buffer") -> memoryview:
-    """A flat ``memoryview`` (format ``B``) over ``buf`` without copying.
-
-    Accepts a contiguous CPU ``torch.Tensor`` of any dtype (its bytes), a ``memoryview``, ``bytearray`` or (read
-    only) ``bytes``. Raises ``ValueError`` if the size is not ``nbytes``, the buffer is not contiguous or not on the
-    CPU, or ``writable`` is asked of a read-only buffer.
-    """
-    torch = sys.modules.get("torch")  # not imported here: a process without torch has no tensors to pass
-    if torch is not None and isinstance(buf, torch.Tensor):
-        if not buf.is_cpu:
-            raise ValueError(f"{what}: tensor on {buf.device}, expected a CPU tensor")
-        if buf.layout is not torch.strided or not buf.is_contiguous():
-            raise ValueError(f"{what}: tensor is not contiguous")
-        n = buf.nbytes
-        if n != nbytes:
-            raise ValueError(f"{what}: {n} bytes, expected page_bytes={nbytes}")
-        return _tensor_bytes(buf, n)
-    try:
-        mv = memoryview(buf)
-    except TypeError:
-        raise ValueError(f"{what}: expected a torch.Tensor, memoryview, bytearray or bytes, "
-                         f"got {type(buf).__name__}") from None
-    if not mv.c_contiguous:
-        raise ValueError(f"{what}: buffer is not contiguous")
-    if mv.format != "B" or mv.ndim != 1:
-        mv = mv.cast("B")
-    if mv.nbytes != nbytes:
-        raise ValueError(f"{what}: {mv.nbytes} bytes, expected page_bytes={nbytes}")
-    if writable and mv.readonly:
-        raise ValueError(f"{what}: destination is read-only")
-    return mv
-
-
-class _RateLimitedLog:
-    def __init__(self, logger: logging.Logger, every_s: float = 10.0):
-        self._log, self._every, self._last = logger, every_s, {}
-        self._suppressed: dict[str, int] = {}
-
-    def warning(self, kind: str, msg: str, *args) -> None:
-        now = time.monotonic()
-        last = self._last.get(kind)
-        if last is not None and now - last < self._every:
-            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
-            return
-        self._last[kind] = now
-        n = self._suppressed.pop(kind, 0)
-        self._log.warning(msg + (f" (+{n} similar suppressed)" if n else ""), *args)
 
 
 _FSYNC_POOL: Optional[ThreadPoolExecutor] = None
@@ -320,7 +222,7 @@ class FileStore(StorageBackend):
         self._hdr_magic_ver = self._hdr_fixed[:6]
         self._hdr_ns = self.namespace
         self._hdr_len = struct.pack("<Q", page_bytes)
-        self._warn = _RateLimitedLog(log)
+        self._warn = RateLimitedLog(log)
         self._touch = self.cfg.touch_on_read and not self.cfg.read_only
         self._c = dict(hits=0, misses=0, sets=0, set_failures=0, corrupt=0, errors=0, evictions=0,
                        forced_evictions=0, enospc=0, quarantined=0, deleted_bad=0, temp_removed=0,

@@ -65,9 +65,8 @@ import torch
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from tierkv.connector.config import ConfigError
 from tierkv.storage_backends.base import Buffer, StorageBackend
-from tierkv.storage_backends.file import as_byte_view, config_error, parse_bytes
+from tierkv.storage_backends.common import ConfigError, RateLimitedLog, as_byte_view, config_error, parse_bytes
 from tierkv.storage_backends.page_format import (
     HEADER_BYTES,
     PageFormatError,
@@ -240,25 +239,6 @@ class _Hold:
             self._release()
 
 
-class _RateLog:
-    """Warnings at most once per ``every_s`` per kind, with the number suppressed in between."""
-
-    def __init__(self, every_s: float = 10.0):
-        self._every, self._last, self._n = every_s, {}, {}
-        self._lock = threading.Lock()
-
-    def warning(self, kind: str, msg: str, *args: Any) -> None:
-        now = time.monotonic()
-        with self._lock:
-            last = self._last.get(kind)
-            if last is not None and now - last < self._every:
-                self._n[kind] = self._n.get(kind, 0) + 1
-                return
-            self._last[kind] = now
-            n = self._n.pop(kind, 0)
-        log.warning(msg + (f" (+{n} similar suppressed)" if n else ""), *args)
-
-
 def _probe_endpoints(c: MooncakeStoreConfig) -> None:
     """Fail fast (ConfigError) if the master's RPC port or an http:// metadata server does not accept a TCP
     connection within ``setup_timeout_s``: Mooncake's own ``setup`` holds the GIL while it retries for minutes."""
@@ -340,7 +320,7 @@ class MooncakeStore(StorageBackend):
         self._host: dict[int, tuple[int, int, Any]] = {}  # registered host buffers: ptr -> (start, end, owner)
         self._inflight = 0
         self._closed = False
-        self._rlog = _RateLog()
+        self._rlog = RateLimitedLog(log)
         self._counters = dict(hits=0, misses=0, sets=0, set_failures=0, corrupt=0, errors=0, timeouts=0,
                               busy=0, evictions=0, bytes_in=0, bytes_out=0, removed_corrupt=0, set_retries=0,
                               zero_copy_sets=0, staged_sets=0)

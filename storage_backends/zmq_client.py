@@ -36,9 +36,9 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import zmq
 
-from tierkv.connector.config import ConfigError
 from tierkv.storage_backends import zmq_protocol as P
 from tierkv.storage_backends.base import Buffer, StorageBackend
+from tierkv.storage_backends.common import ConfigError
 from tierkv.storage_backends.page_format import (PageFormatError, check_key, decode_header,
                                                  encode_headers, verify_payload)
 

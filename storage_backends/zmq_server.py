@@ -34,7 +34,7 @@ import xxhash
 import zmq
 
 from tierkv.storage_backends import zmq_protocol as P
-from tierkv.storage_backends.file import parse_bytes
+from tierkv.storage_backends.common import parse_bytes
 
 log = logging.getLogger("tierkv.zmq_server")
 
@@ -499,7 +499,7 @@ MIN_CLI_MAX_MESSAGE_BYTES = 1 << 20
 
 
 def _size(text: str) -> int:
-    """Parse a byte size the way the YAML configs do (:func:`tierkv.storage_backends.file.parse_bytes`): an integer,
+    """Parse a byte size the way the YAML configs do (:func:`tierkv.storage_backends.common.parse_bytes`): an integer,
     or a number with a unit, ``K``/``KB``/``M``/``MB``/``G``/``GB`` = powers of 1000 and ``KiB``/``MiB``/``GiB`` =
     powers of 1024 (``512MiB``, ``8GiB``, ``10GB``). Raises argparse.ArgumentTypeError otherwise or for sizes <= 0."""
     try:

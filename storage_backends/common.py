@@ -1,0 +1,132 @@
+"""Pieces shared by the L3 backends: the configuration error type, byte-size parsing, turning pydantic errors into
+messages that name ``l3.<backend>.<key>``, flat byte views of caller buffers and a rate-limited warning logger.
+
+This module is the bottom of ``tierkv.storage_backends``: it imports nothing from tierkv, so the storage layer never
+depends on the connector (``tierkv.connector.config`` imports :class:`ConfigError` from here and re-exports it).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import sys
+import threading
+import time
+from typing import Any, Optional, Union
+
+from pydantic import ValidationError
+
+__all__ = ["ConfigError", "parse_bytes", "config_error", "as_byte_view", "RateLimitedLog"]
+
+
+class ConfigError(ValueError):
+    """Invalid tierkv configuration. The message names the key (dotted path) and what is allowed."""
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+
+
+def parse_bytes(value: Union[int, str]) -> int:
+    """``6291456``, ``"6MiB"``, ``"6 MB"``, ``"1.5GiB"`` -> bytes (int). Raises ValueError for anything else."""
+    if isinstance(value, bool):
+        raise ValueError(f"not a byte size: {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        s = value.strip().lower().replace(" ", "").replace("_", "")
+        num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+        unit = s[len(num):]
+        if num and unit in _UNITS:
+            try:
+                return int(float(num) * _UNITS[unit])
+            except ValueError:
+                pass
+    raise ValueError(f"not a byte size: {value!r} (use an int or a string like '6MiB', '10GB')")
+
+
+def config_error(err: ValidationError, prefix: str, model: Optional[type] = None) -> ConfigError:
+    """A :class:`ConfigError` naming each bad key as ``<prefix>.<key>`` and what is allowed (for an unknown key, the
+    allowed keys when ``model``, the pydantic model that failed, is given)."""
+    lines = []
+    for e in err.errors():
+        key = ".".join([prefix] + [str(p) for p in e["loc"]])
+        if e["type"] == "extra_forbidden":
+            allowed = f"; allowed keys: {', '.join(model.model_fields)}" if model is not None else ""
+            lines.append(f"unknown config key '{key}'{allowed}")
+        elif e["type"] == "literal_error":
+            lines.append(f"bad value {e.get('input')!r} for '{key}': allowed values are "
+                         f"{e.get('ctx', {}).get('expected', '')}")
+        elif e["type"] == "missing":
+            lines.append(f"missing config key '{key}'")
+        else:
+            lines.append(f"bad value {e.get('input')!r} for '{key}': {e['msg'].removeprefix('Value error, ')}")
+    return ConfigError("invalid tierkv config: " + "; ".join(lines))
+
+
+_PAGE_TYPES: dict[int, type] = {}  # nbytes -> ctypes array type with room for an owner reference
+
+
+def _tensor_bytes(t: Any, nbytes: int) -> memoryview:
+    """A writable flat ``B`` view of a contiguous CPU tensor's ``nbytes`` bytes, built from its data pointer (about
+    0.7 µs against 10 µs for ``memoryview(t.reshape(-1).view(uint8).numpy())``); the view keeps ``t`` alive."""
+    cls = _PAGE_TYPES.get(nbytes)
+    if cls is None:
+        cls = _PAGE_TYPES[nbytes] = type(f"_Page{nbytes}", (ctypes.c_ubyte * nbytes,), {})
+    arr = cls.from_address(t.data_ptr())
+    arr.owner = t
+    return memoryview(arr).cast("B")
+
+
+def as_byte_view(buf: Any, nbytes: int, writable: bool, what: str = "buffer") -> memoryview:
+    """A flat ``memoryview`` (format ``B``) over ``buf`` without copying.
+
+    Accepts a contiguous CPU ``torch.Tensor`` of any dtype (its bytes), a ``memoryview``, ``bytearray`` or (read
+    only) ``bytes``. Raises ``ValueError`` if the size is not ``nbytes``, the buffer is not contiguous or not on the
+    CPU, or ``writable`` is asked of a read-only buffer.
+    """
+    torch = sys.modules.get("torch")  # not imported here: a process without torch has no tensors to pass
+    if torch is not None and isinstance(buf, torch.Tensor):
+        if not buf.is_cpu:
+            raise ValueError(f"{what}: tensor on {buf.device}, expected a CPU tensor")
+        if buf.layout is not torch.strided or not buf.is_contiguous():
+            raise ValueError(f"{what}: tensor is not contiguous")
+        n = buf.nbytes
+        if n != nbytes:
+            raise ValueError(f"{what}: {n} bytes, expected page_bytes={nbytes}")
+        return _tensor_bytes(buf, n)
+    try:
+        mv = memoryview(buf)
+    except TypeError:
+        raise ValueError(f"{what}: expected a torch.Tensor, memoryview, bytearray or bytes, "
+                         f"got {type(buf).__name__}") from None
+    if not mv.c_contiguous:
+        raise ValueError(f"{what}: buffer is not contiguous")
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    if mv.nbytes != nbytes:
+        raise ValueError(f"{what}: {mv.nbytes} bytes, expected page_bytes={nbytes}")
+    if writable and mv.readonly:
+        raise ValueError(f"{what}: destination is read-only")
+    return mv
+
+
+class RateLimitedLog:
+    """Warnings to ``logger`` at most once per ``every_s`` seconds per kind, each with the number of similar ones
+    suppressed since the last one. Thread-safe."""
+
+    def __init__(self, logger: logging.Logger, every_s: float = 10.0):
+        self._log, self._every = logger, every_s
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def warning(self, kind: str, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(kind)
+            if last is not None and now - last < self._every:
+                self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
+                return
+            self._last[kind] = now
+            n = self._suppressed.pop(kind, 0)
+        self._log.warning(msg + (f" (+{n} similar suppressed)" if n else ""), *args)
