@@ -1,18 +1,45 @@
-"""Per-step transfer orders from the scheduler side to the worker side.
+"""The plan protocol between the scheduler side and the worker side (docs/architecture.md §4).
 
-A :class:`StepPlan` is built once per engine step by :class:`tierkv.connector.scheduler.CacheScheduler`,
-pickled by the engine to every worker (vLLM sends it inside ``SchedulerOutput``), and executed by
-:class:`tierkv.connector.worker.CacheWorker`: loads (L2 -> L1) before the layers read them, saves (L1 -> L2)
-after the forward wrote them. Plain lists of ints and bytes only: small and cheap to pickle.
+Two directions, plain data only (lists of ints and bytes: small and cheap to pickle):
+
+- scheduler -> worker: one :class:`StepPlan` per engine step, built by
+  :class:`tierkv.connector.scheduler.CacheScheduler` and pickled by the engine to every worker rank (vLLM sends it
+  inside ``SchedulerOutput``). ``loads`` (L2 -> L1) and ``saves`` (L1 -> L2) are finished by the worker within the
+  step. ``jobs`` are L3 transfers that outlive the step: each has an id, and the slots, blocks and index nodes it
+  names stay pinned on the scheduler side until the job's report arrives.
+- worker -> scheduler: :class:`JobReport` s, one per job and rank, sent back with the step's output (vLLM:
+  ``build_connector_worker_meta`` -> ``update_connector_output``). The scheduler waits for every rank's report of a
+  job and merges them page by page with AND (a page is done only if every rank did it: with tensor parallelism each
+  rank holds its own shard of each page, the "minimum over ranks" rule). A report is the only thing that frees a
+  pinned slot or publishes a fetched page into the index.
+
+Job kinds:
+
+=============  =====================================================================================================
+``backup``     L2 -> L3: store the pages in ``slots`` under ``keys``; ``checksums`` (XXH3-64 taken when the page
+               entered L2) go into the record header, so the payload is not hashed again. ``ok[i]``: page i stored.
+``prefetch``   L3 -> L2 -> L1 for request ``req_id``: pages with ``fetch[i]`` are read from L3 into ``slots[i]``,
+               the others are already in L2 at ``slots[i]``; then the leading run that is intact is copied into
+               ``block_ids``. ``ok[i]``: page i is in L2 (``slots[i]``) with verified bytes. ``deadline_s`` bounds
+               how long the request waits (seconds after the worker starts the job); pages that arrive later
+               still land in L2 and are reported, but the request recomputes them.
+``exists``     L3 existence query of ``keys`` (a prefix run): ``ok`` is the leading run present.
+=============  =====================================================================================================
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
+
+JOB_BACKUP = "backup"
+JOB_PREFETCH = "prefetch"
+JOB_EXISTS = "exists"
+JOB_KINDS = (JOB_BACKUP, JOB_PREFETCH, JOB_EXISTS)
 
 
 @dataclass
 class PageOrder:
-    """Move pages between L1 blocks and L2 slots for one request.
+    """Move pages between L1 blocks and L2 slots for one request, within the step.
 
     ``block_ids[i]`` (engine block id) <-> ``slots[i]`` (L2 host slot); ``keys[i]`` is the 16-byte page key,
     used for checksum verification and L3 backup.
@@ -29,14 +56,91 @@ class PageOrder:
 
 
 @dataclass
+class Job:
+    """One L3 transfer (see the module docstring for the kinds). ``keys`` are 16-byte page keys of the
+    scheduler's namespace; each worker rank maps them to its own L3 keys (the rank is part of the L3 namespace).
+
+    Raises:
+        ValueError: unknown ``kind``, or per-page lists whose lengths differ from ``keys``.
+    """
+
+    job_id: int
+    kind: str
+    keys: list[bytes]
+    slots: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    fetch: list[bool] = field(default_factory=list)
+    req_id: Optional[str] = None
+    deadline_s: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in JOB_KINDS:
+            raise ValueError(f"job {self.job_id}: unknown kind {self.kind!r}; allowed: {', '.join(JOB_KINDS)}")
+        n = len(self.keys)
+        for name in ("slots", "block_ids", "fetch"):
+            v = getattr(self, name)
+            if v and len(v) != n:
+                raise ValueError(f"job {self.job_id}: {len(v)} {name} for {n} pages")
+        if self.kind == JOB_BACKUP and len(self.slots) != n:
+            raise ValueError(f"backup job {self.job_id} needs one slot per page")
+        if self.kind == JOB_PREFETCH and not (len(self.slots) == len(self.block_ids) == len(self.fetch) == n):
+            raise ValueError(f"prefetch job {self.job_id} needs slots, block_ids and fetch for every page")
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.keys)
+
+
+@dataclass
+class JobReport:
+    """What one worker rank did with one job. ``ok[i]``: page i done (see the kinds); ``seconds``: wall time
+    from the start of the job on that rank to its end; ``bytes``: payload bytes moved."""
+
+    job_id: int
+    kind: str
+    ok: list[bool]
+    rank: int = 0
+    seconds: float = 0.0
+    bytes: int = 0
+
+    @property
+    def leading(self) -> int:
+        """Length of the leading run of done pages."""
+        for i, v in enumerate(self.ok):
+            if not v:
+                return i
+        return len(self.ok)
+
+
+def merge_reports(reports: list[JobReport]) -> JobReport:
+    """One report from every rank's report of the same job: a page is done only where every rank did it;
+    ``seconds`` is the slowest rank's, ``bytes`` the sum.
+
+    Raises:
+        ValueError: empty list, or reports of different jobs or page counts.
+    """
+    if not reports:
+        raise ValueError("merge_reports: no report")
+    first = reports[0]
+    for r in reports[1:]:
+        if r.job_id != first.job_id or len(r.ok) != len(first.ok):
+            raise ValueError(f"merge_reports: job {r.job_id} ({len(r.ok)} pages) vs job {first.job_id} "
+                             f"({len(first.ok)} pages)")
+    ok = [all(col) for col in zip(*(r.ok for r in reports))] if first.ok else []
+    return JobReport(first.job_id, first.kind, ok, rank=-1, seconds=max(r.seconds for r in reports),
+                     bytes=sum(r.bytes for r in reports))
+
+
+@dataclass
 class StepPlan:
-    """All transfer orders of one engine step. ``loads`` run before the forward (L2 -> L1), ``saves`` after
-    it (L1 -> L2); the worker finishes both within the step, so a slot or block named here may be reused by
-    any later step."""
+    """Everything the scheduler side orders for one engine step. ``loads`` run before the forward (L2 -> L1),
+    ``saves`` after it (L1 -> L2), both finished within the step; ``jobs`` start after the step's saves (a backup
+    may read a slot saved in the same step) and are answered by :class:`JobReport` s in this or a later step."""
 
     step: int = 0
     loads: list[PageOrder] = field(default_factory=list)
     saves: list[PageOrder] = field(default_factory=list)
+    jobs: list[Job] = field(default_factory=list)
 
     def is_empty(self) -> bool:
-        return not self.loads and not self.saves
+        return not self.loads and not self.saves and not self.jobs
