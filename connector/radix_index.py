@@ -345,7 +345,7 @@ class RadixIndex:
         if len(flags) != len(keys):
             raise ValueError(f"set_in_l3: {len(keys)} keys but {len(flags)} flags")
         marked = 0
-        for node, j, i in self._walk(keys):
+        for node, j, i in self.walk(keys):
             if flags[i] and not node.in_l3[j]:
                 node.in_l3[j] = True
                 marked += 1
@@ -392,6 +392,14 @@ class RadixIndex:
                           evictable_pages=self.total_pages - self.locked_pages,
                           evicted_pages=self.evicted_pages, inserted_pages=self.inserted_pages,
                           splits=self.splits)
+
+    def path_keys(self, node: RadixNode) -> list[bytes]:
+        """The page keys from the root down to the end of ``node``."""
+        parts = []
+        while node is not None and node is not self.root:
+            parts.append(node.keys)
+            node = node.parent
+        return [k for part in reversed(parts) for k in part]
 
     def all_slots(self) -> list[int]:
         """Every L2 slot referenced by the index."""
@@ -455,8 +463,9 @@ class RadixIndex:
             return False
         return all(all(s == NO_SLOT for s in c.host_slots) for c in node.children.values())
 
-    def _walk(self, keys: Sequence[bytes]) -> Iterator[tuple[RadixNode, int, int]]:
-        # (node, page index in node, page index in keys) for every indexed page of the path ``keys``
+    def walk(self, keys: Sequence[bytes]) -> Iterator[tuple[RadixNode, int, int]]:
+        """``(node, page index in the node, page index in keys)`` for each indexed page of the path ``keys`` (from the
+        root), stopping at the first page not indexed. Read-only."""
         node, i, n = self.root, 0, len(keys)
         while i < n:
             child = node.children.get(keys[i])

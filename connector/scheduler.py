@@ -1,36 +1,42 @@
-"""Scheduler side of the cache: prefix matching over L2, locks, L2 slot allocation, per-step plans.
+"""Scheduler side of the cache: prefix matching over L2 and L3, locks, L2 slot allocation, per-step plans.
 
 Engine-free: :class:`tierkv.connector.vllm_connector.TierKVConnector` adapts vLLM's scheduler hooks to the
-methods below, and the tests drive them with a scheduler stub. It never touches tensor data (design §3).
+methods below, and the tests drive them with a scheduler stub. It never touches tensor data
+(docs/architecture.md §3). With an L3 store configured it owns the scheduler half of the controller
+(:class:`tierkv.connector.controller.Controller`), which decides backups and prefetches.
 
 Life of a request (vLLM v1 hook in brackets):
 
 1. :meth:`lookup` [``get_num_new_matched_tokens``]: hash the full pages of the sequence (cached per request),
-   match the radix index over pages resident in L2, answer how many tokens beyond the engine's own
-   (device) prefix hit can be loaded. Capped so at least one token is left to compute. No side effect on
-   the index, so it can be called every step.
-2. :meth:`on_alloc` [``update_state_after_alloc``]: the engine gave blocks. Lock the matched path
-   (``lock_ref``) and record a load order L2 slots -> L1 blocks for this step.
+   match the radix index, answer how many tokens beyond the engine's own (device) prefix hit can be loaded, or
+   None while an L3 existence answer or L2 room is pending (vLLM asks again next step). Capped so at least one
+   token is left to compute. :meth:`lookup_is_async` says whether the answer needs an L3 read (an asynchronous
+   load in vLLM's sense). No side effect on the index, so it can be called every step.
+2. :meth:`on_alloc` [``update_state_after_alloc``]: the engine gave blocks. L2 hit: lock the matched path
+   (``lock_ref``) and record a load order L2 slots -> L1 blocks for this step. L3 hit: order a prefetch job.
 3. :meth:`schedule_saves` [``build_connector_meta``]: for pages that become full this step (computed, or
-   held in L1 from a device hit) and are not in L2 yet, allocate slots (evicting unlocked LRU leaves),
-   insert them into the index and record save orders L1 blocks -> L2 slots.
+   held in L1 from a device hit) and are not in L2 yet, allocate slots (evicting), insert them into the index,
+   record save orders L1 blocks -> L2 slots, and let the controller order their backups.
 4. :meth:`on_preempted` / :meth:`on_finished` [``build_connector_meta`` preempted ids /
-   ``request_finished``]: release the request's lock; nothing else is held per request.
+   ``request_finished``]: release the request's lock. ``on_finished`` answers whether the engine must keep the
+   request's blocks until its prefetch ended (an abort during an L3 load, docs/architecture.md §8 R09).
+5. :meth:`on_reports` [``update_connector_output``]: the workers' job reports; they free pins and publish pages.
 
 The worker executes each plan's loads before the forward and its saves after it, both within the step, so
-a slot or block named in step N is free for reuse from step N+1 (vLLM never reuses a block before its
-save finished; no in-flight store outlives a step, which rules out field scenario R08 by construction).
+a slot or block named by a load or save in step N is free for reuse from step N+1 (no L1 -> L2 save outlives a
+step: docs/architecture.md §8 R08). L3 jobs outlive steps; what they name stays pinned until their report.
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from .slot_allocator import SlotAllocator
+from .controller import Controller
 from .page_hash import ModelNamespace, RequestKeys, request_root
-from .plan import PageOrder, StepPlan
-from .radix_index import NO_SLOT, RadixIndex, RadixNode
+from .plan import JobReport, PageOrder, StepPlan
+from .radix_index import RadixIndex, RadixNode
+from .slot_allocator import SlotAllocator
 
 logger = logging.getLogger("tierkv.scheduler")
 
@@ -44,6 +50,7 @@ class _RequestState:
     last_num_computed: int = 0            # argument of the last lookup (device prefix hit, tokens)
     num_indexed: int = 0                  # leading pages known to be in the index with an L2 copy
     counted: bool = False                 # prompt counted in hit statistics
+    async_hit: bool = False               # the last lookup's answer needs an L3 read
 
 
 @dataclass
@@ -73,12 +80,14 @@ class CacheScheduler:
         block_size: the engine's block size in tokens.
         num_slots: pages in the L2 host pool (same number on every worker rank).
         eviction_policy: ``"lru"`` or ``"lfu"`` for the radix index.
+        controller: keyword arguments of :class:`~tierkv.connector.controller.Controller` (policies, deadlines,
+            ``world_size``) when an L3 store is configured; None = L1 <-> L2 only.
     Raises:
-        ValueError: page_size != block_size, or num_slots < 0.
+        ValueError: page_size != block_size, num_slots < 0, or a bad controller setting.
     """
 
     def __init__(self, namespace: ModelNamespace, page_size: int, block_size: int, num_slots: int,
-                 eviction_policy: str = "lru"):
+                 eviction_policy: str = "lru", controller: Optional[dict] = None):
         if page_size != block_size:
             raise ValueError(f"page_size ({page_size} tokens) must equal the engine block size ({block_size})")
         if num_slots < 0:
@@ -93,6 +102,9 @@ class CacheScheduler:
         self.counters = SchedulerCounters()
         self._plan = StepPlan()
         self._step = 0
+        self.ctl: Optional[Controller] = None
+        if controller is not None and num_slots > 0:
+            self.ctl = Controller(self.index, self.allocator, page_size=page_size, **controller)
 
     # ----------------------------------------------------------------- requests
     def add_request(self, req_id: str, tokens: Sequence[int], lora: Optional[str] = None,
@@ -106,20 +118,60 @@ class CacheScheduler:
         else:
             st.tokens = tokens
 
-    def lookup(self, req_id: str, num_computed_tokens: int) -> int:
-        """Tokens beyond ``num_computed_tokens`` (the engine's device hit, page-aligned) loadable from L2.
+    def lookup(self, req_id: str, num_computed_tokens: int) -> Optional[int]:
+        """Tokens beyond ``num_computed_tokens`` (the engine's device hit, page-aligned) loadable from L2 or L3, or
+        None while the answer is not known yet (an L3 existence query or L2 staging room is pending).
 
         At most ``(len(tokens) - 1) // page_size`` pages count, so one token is always left to compute.
-        Side-effect free apart from caching the request's page keys.
+        Side-effect free on the index, apart from caching the request's page keys (and, with L3, starting an
+        existence query whose answer a later call uses).
         """
         st = self.requests[req_id]
         st.last_num_computed = num_computed_tokens
+        st.async_hit = False
         cap_pages = max(0, (len(st.tokens) - 1) // self.page_size)
         if cap_pages == 0 or self.num_slots == 0:
             return 0
         keys = st.keys.extend(st.tokens)[:cap_pages]
-        m = self.index.match_prefix(keys, require_l2=True)
-        return max(0, m.num_pages * self.page_size - num_computed_tokens)
+        ctl = self.ctl
+        if ctl is None:
+            m = self.index.match_prefix(keys, require_l2=True)
+            return max(0, m.num_pages * self.page_size - num_computed_tokens)
+        m = self.index.match_prefix(keys, require_l2=False)
+        l2_run = next((i for i, s in enumerate(m.host_slots) if s < 0), m.num_pages)
+        avail = ctl.usable_pages(keys, m.host_slots, m.in_l3)
+        first = num_computed_tokens // self.page_size
+        if ctl.fetching(keys[max(first, l2_run):avail + 1]):
+            ctl.counters.lookups_deferred += 1
+            return None  # another request is fetching these pages: load them from L2 once they landed
+        if avail == m.num_pages and avail < cap_pages:
+            more = ctl.l3_extend(keys, avail)
+            if more is None:
+                ctl.counters.lookups_deferred += 1
+                return None
+            avail += more  # found in L3 but not indexed yet: the report inserts them (next call sees them)
+            if more:
+                ctl.counters.lookups_deferred += 1
+                return None
+        if avail <= max(first, l2_run):
+            return max(0, l2_run * self.page_size - num_computed_tokens)
+        fetch = sum(1 for s in m.host_slots[max(first, l2_run):avail] if s < 0)
+        if not ctl.worth_loading(fetch):
+            ctl.counters.l3_declined_slow_pages += fetch
+            return max(0, l2_run * self.page_size - num_computed_tokens)
+        room = ctl.wait_for_room(req_id, fetch)
+        if room is None:
+            ctl.counters.lookups_deferred += 1
+            return None
+        if not room:
+            return max(0, l2_run * self.page_size - num_computed_tokens)
+        st.async_hit = True
+        return avail * self.page_size - num_computed_tokens
+
+    def lookup_is_async(self, req_id: str) -> bool:
+        """Whether the last :meth:`lookup` answer of ``req_id`` needs an L3 read (vLLM: ``load_async=True``)."""
+        st = self.requests.get(req_id)
+        return bool(st is not None and st.async_hit)
 
     def on_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """The engine allocated ``block_ids`` (the request's whole table) and will take
@@ -138,6 +190,13 @@ class CacheScheduler:
             return
         first, last = c // self.page_size, (c + num_external_tokens) // self.page_size
         keys = st.keys.extend(st.tokens)[:last]
+        if st.async_hit and self.ctl is not None:
+            st.async_hit = False
+            self.ctl.forget_request(req_id)
+            self.ctl.start_prefetch(req_id, keys, first, last, list(block_ids[first:last]))
+            self.counters.load_pages += last - first
+            st.num_indexed = 0  # known after the report; schedule_saves matches again
+            return
         m = self.index.match_prefix(keys, require_l2=True, split=True, touch=True)
         if m.num_pages < last:  # cannot happen: nothing evicts between lookup and alloc in one schedule()
             raise RuntimeError(f"{req_id}: promised {last} pages from L2 but only {m.num_pages} are there")
@@ -148,6 +207,8 @@ class CacheScheduler:
                                           keys[first:last]))
         self.counters.load_pages += last - first
         st.num_indexed = last
+        if self.ctl is not None:
+            self.ctl.after_hit(keys, last)
 
     def schedule_saves(self, req_id: str, num_tokens_after_step: int, block_ids: Sequence[int]) -> None:
         """Order saves for the pages of ``req_id`` that are full once this step has run
@@ -169,9 +230,14 @@ class CacheScheduler:
         guard = self.index.lock(m.last_node) if m.last_node is not self.index.root else None
         try:
             if self.allocator.num_free < need:
-                freed = self.index.evict(need - self.allocator.num_free)
-                self.allocator.free(freed)
-                self.counters.evicted_pages += len(freed)
+                if self.ctl is not None:
+                    before = self.index.evicted_pages
+                    self.ctl.make_room(need)
+                    self.counters.evicted_pages += self.index.evicted_pages - before
+                else:
+                    freed = self.index.evict(need - self.allocator.num_free)
+                    self.allocator.free(freed)
+                    self.counters.evicted_pages += len(freed)
             k = min(need, self.allocator.num_free)
             slots = self.allocator.alloc(k) if k else []
         finally:
@@ -187,6 +253,8 @@ class CacheScheduler:
         self._plan.saves.append(PageOrder(req_id, list(block_ids[have : have + k]), slots, keys[have : have + k]))
         self.counters.save_pages += k
         st.num_indexed = have + k
+        if self.ctl is not None:
+            self.ctl.after_save(keys[: have + k], have)
 
     def on_preempted(self, req_id: str) -> None:
         """The engine freed the request's blocks; it will be looked up again when resumed."""
@@ -197,11 +265,17 @@ class CacheScheduler:
         self._release(st)
         st.num_indexed = 0
 
-    def on_finished(self, req_id: str) -> None:
-        """Finished, aborted or errored: release everything held for it. Idempotent."""
+    def on_finished(self, req_id: str) -> bool:
+        """Finished, aborted or errored: release everything held for it. Idempotent. Returns True when an L3
+        prefetch into the request's blocks is still running: the engine must keep the blocks until the worker
+        reports the request's load as ended (vLLM: ``request_finished`` -> delay, then ``finished_recving``)."""
         st = self.requests.pop(req_id, None)
         if st is not None:
             self._release(st)
+        if self.ctl is None:
+            return False
+        self.ctl.forget_request(req_id)
+        return self.ctl.prefetch_in_flight(req_id)
 
     def _release(self, st: _RequestState) -> None:
         if st.lock is not None:
@@ -214,7 +288,14 @@ class CacheScheduler:
         self._step += 1
         plan, self._plan = self._plan, StepPlan(step=self._step + 1)
         plan.step = self._step
+        if self.ctl is not None:
+            plan.jobs = self.ctl.take_jobs()
         return plan
+
+    def on_reports(self, reports: Sequence[JobReport]) -> None:
+        """The workers' job reports of a step (vLLM: ``update_connector_output``)."""
+        if self.ctl is not None and reports:
+            self.ctl.on_reports(reports)
 
     def reset(self) -> bool:
         """Drop every unlocked page from the index (``reset_prefix_cache(reset_connector=True)``)."""
@@ -225,13 +306,20 @@ class CacheScheduler:
     def stats(self) -> dict:
         d = self.counters.as_dict()
         s = self.index.stats()
-        d.update(index_nodes=s.nodes, index_pages=s.pages, l2_pages=s.l2_pages, locked_pages=s.locked_pages,
+        if self.ctl is not None:
+            d.update(self.ctl.stats())
+        d.update(index_nodes=s.nodes, index_pages=s.pages, l2_pages=s.l2_pages, l3_pages=s.l3_pages,
+                 locked_pages=s.locked_pages,
                  free_slots=self.allocator.num_free, num_slots=self.num_slots,
                  live_requests=len(self.requests))
         return d
 
     def check_invariants(self) -> None:
-        """Index invariants plus: slots held by the index + free slots == num_slots (nothing leaked)."""
+        """Index invariants plus: slots held by the index + staging slots of running prefetches + free slots ==
+        num_slots (nothing leaked)."""
         self.index.check_invariants()
         used = self.index.all_slots()
-        assert len(used) + self.allocator.num_free == self.num_slots, (len(used), self.allocator.num_free)
+        staging = self.ctl.staging_slots() if self.ctl is not None else []
+        assert not set(used) & set(staging), "a staging slot is also indexed"
+        assert len(used) + len(staging) + self.allocator.num_free == self.num_slots, \
+            (len(used), len(staging), self.allocator.num_free)

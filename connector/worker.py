@@ -9,21 +9,28 @@ Engine-free: :class:`tierkv.connector.vllm_connector.TierKVConnector` calls it f
   load_back; otherwise all layers are copied at once.
 - Saves (L1 -> L2) of a step run in ``wait_for_save``, after the forward wrote the KV, and complete before
   it returns: vLLM may hand the blocks to another request from the next step on.
-- With ``verify`` the XXH3-64 of every page saved into L2 is kept by page key and checked before the page
-  is loaded again; a mismatch (a slot reused too early, memory corruption) is never loaded: the blocks from
-  the first bad page on are reported as failed (``get_block_ids_with_load_errors``) so vLLM recomputes them.
+- With ``verify`` or an L3 store, the XXH3-64 of every page entering L2 is kept per slot
+  (:class:`tierkv.connector.page_checksums.SlotChecksums`, bounded by the pool) and travels into the L3 record
+  header on backup ("checksum once"). With ``verify`` it is checked before the page is loaded again; a mismatch (a
+  slot reused too early, memory corruption) is never loaded: the blocks from the first bad page on are reported
+  as failed (``get_block_ids_with_load_errors``) so vLLM recomputes them.
+- With an L3 store, the step's jobs go to :class:`tierkv.connector.l3_io.L3IO` after the saves; :meth:`poll`
+  (vLLM's ``get_finished``) copies prefetched pages L2 -> L1 and names the requests whose asynchronous load ended;
+  :meth:`take_reports` hands the job reports to the scheduler side.
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 from .. import kernels
 from .device_pool import DevicePool
 from .host_pool import HostPool
-from .plan import PageOrder, StepPlan
+from .l3_io import L3IO
+from .page_checksums import SlotChecksums
+from .plan import JobReport, PageOrder, StepPlan
 
 logger = logging.getLogger("tierkv.worker")
 
@@ -40,6 +47,10 @@ class WorkerCounters:
     checksum_mismatches: int = 0
     failed_load_blocks: int = 0
     steps_with_loads: int = 0
+    async_load_pages: int = 0       # pages copied L2 -> L1 at the end of L3 prefetches
+    async_load_seconds: float = 0.0
+    last_save_ms: float = 0.0       # the most recent step's save, milliseconds
+    last_load_ms: float = 0.0       # the most recent step's load, milliseconds
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -51,18 +62,24 @@ class CacheWorker:
     Args:
         dev: the engine's KV tensors (:class:`DevicePool`).
         host: the L2 host pool (:class:`HostPool`), ``host.page_bytes`` bytes per page.
-        verify: keep and check a checksum per saved page (costs one XXH3 pass per page and direction).
+        verify: check each page's checksum before loading it (one XXH3 pass per page and direction).
         layerwise: load layer by layer in the background (see module docstring).
+        l3: the worker half of the controller (:class:`L3IO`, built on the same ``host`` and ``checksums``), or None.
+        checksums: the per-slot checksum table (made here if not given).
     """
 
-    def __init__(self, dev: DevicePool, host: HostPool, verify: bool = False, layerwise: bool = False):
+    def __init__(self, dev: DevicePool, host: HostPool, verify: bool = False, layerwise: bool = False,
+                 l3: Optional[L3IO] = None, checksums: Optional[SlotChecksums] = None):
         self.dev = dev
         self.host = host
         self.verify = verify
         self.layerwise = layerwise
+        self.l3 = l3
         self.layer_index = {name: i for i, name in enumerate(dev.layer_names)}
         self.counters = WorkerCounters()
-        self._checksums: dict[bytes, int] = {}
+        self.checksums = checksums if checksums is not None else SlotChecksums(host.num_slots)
+        self._keep_checksums = verify or l3 is not None
+        self._closed = False
         self._failed_blocks: set[int] = set()
         self._pending = None  # LayerwiseLoad in flight
 
@@ -98,7 +115,9 @@ class CacheWorker:
                 return
             self.counters.load_pages += len(blocks)
             self.counters.load_bytes += len(blocks) * self.host.page_bytes
-        self.counters.load_seconds += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.counters.load_seconds += dt
+        self.counters.last_load_ms = 1e3 * dt
 
     def wait_layer(self, layer_name: str) -> None:
         """Block until this layer's pages of the current step's loads are in L1."""
@@ -121,7 +140,7 @@ class CacheWorker:
         if not self.verify or not order.keys:
             return len(order.block_ids)
         for i, (slot, key) in enumerate(zip(order.slots, order.keys)):
-            want = self._checksums.get(key)
+            want = self.checksums.get(slot, key)
             got = self.host.page_checksum(slot)
             if want is None or want != got:
                 self.counters.checksum_mismatches += 1
@@ -143,11 +162,53 @@ class CacheWorker:
         kernels.save_pages(self.dev, self.host, blocks, slots)
         self.counters.save_pages += len(blocks)
         self.counters.save_bytes += len(blocks) * self.host.page_bytes
-        if self.verify:
+        if self._keep_checksums:
             for o in plan.saves:
                 for slot, key in zip(o.slots, o.keys):
-                    self._checksums[key] = self.host.page_checksum(slot)
-        self.counters.save_seconds += time.perf_counter() - t0
+                    self.checksums.record(slot, key, self.host.page_checksum(slot))
+        dt = time.perf_counter() - t0
+        self.counters.save_seconds += dt
+        self.counters.last_save_ms = 1e3 * dt
+
+    # ----------------------------------------------------------------- L3 jobs
+    def submit_jobs(self, plan: StepPlan) -> None:
+        """Hand the plan's L3 jobs to the I/O threads (after :meth:`run_saves` of the same plan)."""
+        if self.l3 is not None and plan.jobs:
+            self.l3.submit(plan.jobs)
+
+    def poll(self, finished_req_ids: Sequence[str] = ()) -> set[str]:
+        """Finish the request side of ended prefetches: copy their intact leading pages L2 -> L1, remember the
+        blocks that failed (:meth:`take_failed_blocks`). Returns the ids of requests whose asynchronous load ended
+        (vLLM: ``finished_recving``)."""
+        if self.l3 is None:
+            return set()
+        res = self.l3.poll(finished_req_ids)
+        if res.blocks:
+            t0 = time.perf_counter()
+            try:
+                kernels.load_pages(self.host, self.dev, res.slots, res.blocks)
+                self.counters.async_load_pages += len(res.blocks)
+            except Exception:  # never crash the engine: report the blocks, vLLM recomputes them
+                logger.exception("tierkv: L2 -> L1 copy of %d prefetched pages failed", len(res.blocks))
+                res.failed_blocks.update(res.blocks)
+            self.counters.async_load_seconds += time.perf_counter() - t0
+        if res.failed_blocks:
+            self._failed_blocks.update(res.failed_blocks)
+            self.counters.failed_load_blocks += len(res.failed_blocks)
+        return res.finished
+
+    def take_reports(self) -> list[JobReport]:
+        return self.l3.take_reports() if self.l3 is not None else []
+
+    def close(self, drain_s: float = 10.0) -> None:
+        """Stop the I/O threads (queued backups get ``drain_s`` seconds) and close the store."""
+        if self.l3 is not None and not self._closed:
+            self._closed = True  # the L3IO stays for its final counters
+            self.l3.close(drain_s)
+            try:
+                self.l3.store.close()
+            except Exception:  # pragma: no cover - best effort at shutdown
+                logger.exception("tierkv: closing the L3 store failed")
 
     def take_failed_blocks(self) -> set[int]:
         """Block ids whose load failed since the last call (reported once)."""
@@ -157,4 +218,6 @@ class CacheWorker:
     def stats(self) -> dict:
         d = self.counters.as_dict()
         d.update(num_slots=self.host.num_slots, page_bytes=self.host.page_bytes, layout=self.host.layout)
+        if self.l3 is not None:
+            d.update(self.l3.stats())
         return d

@@ -20,6 +20,8 @@ import torch
 
 from tierkv.connector.device_pool import DevicePool
 from tierkv.connector.host_pool import HostPool
+from tierkv.connector.l3_io import L3IO
+from tierkv.connector.page_checksums import SlotChecksums
 from tierkv.connector.page_hash import ModelNamespace
 from tierkv.connector.scheduler import CacheScheduler
 from tierkv.connector.worker import CacheWorker
@@ -47,19 +49,53 @@ class Req:
     external: int = 0
 
 
+def rank_namespace(ns: ModelNamespace, rank: int) -> bytes:
+    """The L3 namespace digest of TP rank ``rank`` (what the vLLM connector builds for each worker)."""
+    from dataclasses import replace
+    return replace(ns, tp_rank=rank).digest()
+
+
 class FakeEngine:
-    def __init__(self, num_blocks: int = 64, num_slots: int = 64, verify: bool = True, policy: str = "lru"):
-        self.ns = ModelNamespace("fake-model", "bfloat16", "layer_first/LBHNC", P, LAYERS, HEADS, HEAD_DIM)
-        base = torch.zeros(LAYERS, num_blocks, HEADS, P, 2 * HEAD_DIM, dtype=torch.bfloat16)
-        self.l1 = {f"model.layers.{i}.self_attn.attn": base[i] for i in range(LAYERS)}
-        self.dev = DevicePool.from_vllm(self.l1, num_blocks=num_blocks, block_size=P, kv_cache_layout="LBHNC",
-                                        backend="CPU_ATTN")
-        self.host = HostPool.for_device(self.dev, num_slots, "layer_first")
-        self.sched = CacheScheduler(self.ns, P, P, num_slots, policy)
-        self.worker = CacheWorker(self.dev, self.host, verify=verify)
+    """``store``: a callable ``(rank, rank namespace digest, page bytes) -> L3 store`` turns the controller on;
+    ``controller``: keyword arguments of :class:`tierkv.connector.controller.Controller`; ``tp_size``: worker
+    ranks (each with its own L1 and L2 copy and its own L3 keys, one scheduler side)."""
+
+    def __init__(self, num_blocks: int = 64, num_slots: int = 64, verify: bool = True, policy: str = "lru",
+                 store=None, controller: Optional[dict] = None, tp_size: int = 1, batch_pages: int = 4,
+                 clock=None, layout: str = "layer_first"):
+        self.ns = ModelNamespace("fake-model", "bfloat16", f"{layout}/LBHNC", P, LAYERS, HEADS, HEAD_DIM,
+                                 tp_size=tp_size)
+        self.tp_size = tp_size
+        self.ranks = []
+        for rank in range(tp_size):
+            base = torch.zeros(LAYERS, num_blocks, HEADS, P, 2 * HEAD_DIM, dtype=torch.bfloat16)
+            l1 = {f"model.layers.{i}.self_attn.attn": base[i] for i in range(LAYERS)}
+            dev = DevicePool.from_vllm(l1, num_blocks=num_blocks, block_size=P, kv_cache_layout="LBHNC",
+                                       backend="CPU_ATTN")
+            host = HostPool.for_device(dev, num_slots, layout)
+            l3io = None
+            checksums = SlotChecksums(num_slots)
+            if store is not None:
+                st = store(rank, rank_namespace(self.ns, rank), host.page_bytes)
+                kw = {} if clock is None else {"clock": clock}
+                l3io = L3IO(st, host, rank_namespace(self.ns, rank), checksums, batch_pages=batch_pages,
+                            rank=rank, **kw)
+            self.ranks.append((l1, dev, host, CacheWorker(dev, host, verify=verify, l3=l3io, checksums=checksums)))
+        self.l1, self.dev, self.host, self.worker = self.ranks[0][:4]
+        ctl = None
+        if store is not None:
+            ctl = dict(controller or {})
+            ctl.setdefault("world_size", tp_size)
+            if clock is not None:
+                ctl.setdefault("clock", clock)
+        self.sched = CacheScheduler(self.ns, P, P, num_slots, policy, controller=ctl)
         self.free_blocks = list(range(1, num_blocks))  # block 0 is vLLM's null block
         self.running: dict[str, Req] = {}
+        self.waiting: dict[str, Req] = {}   # asynchronous (L3) loads in flight
+        self.finished_ids: set[str] = set()  # finished since the last step (vLLM's finished_req_ids)
+        self.delayed: dict[str, Req] = {}    # finished, blocks kept until the worker reports the load ended
         self.failed_blocks: set[int] = set()
+        self.recv: set[str] = set()
 
     # -------------------------------------------------------------- engine steps
     def admit(self, req: Req) -> int:
@@ -77,36 +113,129 @@ class FakeEngine:
 
     def step(self, compute: bool = True) -> None:
         """One engine step: build the plan for every running request (whole prompt scheduled), run loads,
-        'forward' (write fingerprints of computed pages), run saves."""
+        'forward' (write fingerprints of computed pages), run saves, hand L3 jobs to the I/O threads, collect
+        ended asynchronous loads (vLLM's get_finished) and deliver the job reports to the scheduler side."""
         scheduled = []
         for req in self.running.values():
             if req.num_computed < len(req.tokens):
                 self.sched.schedule_saves(req.req_id, len(req.tokens), req.blocks)
                 scheduled.append(req)
         plan = self.sched.build_plan()
-        self.worker.start_loads(plan)
-        self.worker.finish_loads()
-        self.failed_blocks |= self.worker.take_failed_blocks()
-        if compute:
-            for req in scheduled:
-                for i in range(req.external // P, len(req.tokens) // P):
-                    self.write_page(req, i)
-                req.num_computed = len(req.tokens)
-        self.worker.run_saves(plan)
+        for rank, (_l1, _dev, _host, worker) in enumerate(self.ranks):
+            worker.start_loads(plan)
+            worker.finish_loads()
+            self.failed_blocks |= worker.take_failed_blocks()
+            if compute:
+                for req in scheduled:
+                    for i in range(req.external // P, len(req.tokens) // P):
+                        self.write_page(req, i, rank)
+            worker.run_saves(plan)
+            worker.submit_jobs(plan)
+        for req in scheduled:
+            req.num_computed = len(req.tokens) if compute else req.num_computed
+        finished, self.finished_ids = self.finished_ids, set()
+        recv = None
+        reports = []
+        for _l1, _dev, _host, worker in self.ranks:
+            got = worker.poll(finished)
+            recv = got if recv is None else recv & got  # vLLM waits for every rank
+            self.failed_blocks |= worker.take_failed_blocks()
+            reports.extend(worker.take_reports())
+        self.recv |= recv or set()
+        self.sched.on_reports(reports)
+        for rid in list(self.recv):
+            if rid in self.delayed:
+                req = self.delayed.pop(rid)
+                self.free_blocks.extend(req.blocks)
+                req.blocks = []
+                self.recv.discard(rid)
 
-    def write_page(self, req: Req, i: int) -> None:
-        for layer, t in enumerate(self.l1.values()):
-            t[req.blocks[i]].copy_(fingerprint(req.tag, req.tokens[: (i + 1) * P], layer))
+    def settle(self, max_steps: int = 200) -> None:
+        """Let every queued L3 job end and its report reach the scheduler side (empty engine steps)."""
+        for _ in range(max_steps):
+            for _l1, _dev, _host, w in self.ranks:
+                if w.l3 is not None:
+                    assert w.l3.wait_idle(30), "L3 jobs did not end"
+            self.step(compute=False)
+            if self.sched.ctl is None or (self.sched.ctl.pending_jobs() == 0 and not self.delayed):
+                return
+        raise AssertionError("controller jobs still pending")
 
-    def page_ok(self, req: Req, i: int) -> bool:
-        return all(torch.equal(t[req.blocks[i]], fingerprint(req.tag, req.tokens[: (i + 1) * P], layer))
-                   for layer, t in enumerate(self.l1.values()))
+    def write_page(self, req: Req, i: int, rank: int = 0) -> None:
+        for layer, t in enumerate(self.ranks[rank][0].values()):
+            t[req.blocks[i]].copy_(fingerprint(req.tag + (f"/r{rank}" if rank else ""), req.tokens[: (i + 1) * P],
+                                               layer))
+
+    def page_ok(self, req: Req, i: int, rank: int = 0) -> bool:
+        return all(torch.equal(t[req.blocks[i]], fingerprint(req.tag + (f"/r{rank}" if rank else ""),
+                                                             req.tokens[: (i + 1) * P], layer))
+                   for layer, t in enumerate(self.ranks[rank][0].values()))
 
     def finish(self, req: Req) -> None:
-        self.sched.on_finished(req.req_id)
+        delay = self.sched.on_finished(req.req_id)
         self.running.pop(req.req_id, None)
+        self.waiting.pop(req.req_id, None)
+        self.finished_ids.add(req.req_id)
+        if delay:
+            self.delayed[req.req_id] = req
+            return
         self.free_blocks.extend(req.blocks)
         req.blocks = []
+
+    def admit_l3(self, req: Req, max_steps: int = 200) -> int:
+        """Admit through the controller as vLLM would: while the lookup answers None, step (after letting the
+        I/O threads answer); an asynchronous hit waits until every rank reported the load ended, and a failed
+        block cuts the hit there (kv_load_failure_policy=recompute). Returns the external hit in tokens."""
+        self.sched.add_request(req.req_id, req.tokens, lora=req.lora, cache_salt=req.salt)
+        for _ in range(max_steps):
+            ext = self.sched.lookup(req.req_id, 0)
+            if ext is not None:
+                break
+            for _l1, _dev, _host, w in self.ranks:
+                w.l3.wait_idle(30)
+            self.step(compute=False)
+        else:
+            raise AssertionError(f"{req.req_id}: lookup never answered")
+        is_async = self.sched.lookup_is_async(req.req_id)
+        n_blocks = (len(req.tokens) + P - 1) // P
+        assert len(self.free_blocks) >= n_blocks, "fake L1 full"
+        req.blocks = [self.free_blocks.pop(0) for _ in range(n_blocks)]
+        self.sched.on_alloc(req.req_id, req.blocks, ext)
+        req.num_computed = 0
+        if is_async and ext:
+            self.waiting[req.req_id] = req
+            for _ in range(max_steps):
+                for _l1, _dev, _host, w in self.ranks:
+                    w.l3.wait_idle(30)
+                self.step(compute=False)
+                if req.req_id in self.recv:
+                    self.recv.discard(req.req_id)
+                    break
+            else:
+                raise AssertionError(f"{req.req_id}: asynchronous load never ended")
+            self.waiting.pop(req.req_id)
+            bad = [i for i, b in enumerate(req.blocks) if b in self.failed_blocks]
+            if bad:
+                ext = min(ext, bad[0] * P)
+                self.failed_blocks -= set(req.blocks)
+            self.sched.on_alloc(req.req_id, req.blocks, 0)
+        req.external = ext
+        self.running[req.req_id] = req
+        return ext
+
+    def run_l3(self, req: Req) -> int:
+        """admit_l3 + one computing step + checks of every loaded page on every rank + finish."""
+        ext = self.admit_l3(req)
+        self.step()
+        for rank in range(self.tp_size):
+            for i in range(ext // P):
+                assert self.page_ok(req, i, rank), f"{req.req_id}: page {i} loaded on rank {rank} has wrong bytes"
+        self.finish(req)
+        return ext
+
+    def close(self) -> None:
+        for _l1, _dev, _host, w in self.ranks:
+            w.close(drain_s=10)
 
     def preempt(self, req: Req) -> None:
         self.sched.on_preempted(req.req_id)
@@ -125,7 +254,12 @@ class FakeEngine:
         return ext
 
     def idle_check(self) -> None:
-        """At idle: no lock held, every slot either free or owned by the index exactly once."""
+        """At idle: no lock held, every slot either free or owned by the index exactly once, no job pending."""
         self.sched.check_invariants()
         assert self.sched.index.locked_pages == 0
-        assert not self.running
+        assert not self.running and not self.waiting and not self.delayed
+        if self.sched.ctl is not None:
+            assert self.sched.ctl.pending_jobs() == 0
+            assert not self.sched.ctl.staging_slots()
+            for _l1, _dev, _host, w in self.ranks:
+                assert w.l3.pending() == 0

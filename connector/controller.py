@@ -1,0 +1,471 @@
+"""Scheduler half of the backup/prefetch controller: decisions, jobs and per-page job state (docs/architecture.md §4).
+
+No torch and no I/O: it decides and keeps state; the worker half (:mod:`tierkv.connector.l3_io`) moves the bytes.
+The two halves talk only through :class:`~tierkv.connector.plan.Job` s (in the step plan) and
+:class:`~tierkv.connector.plan.JobReport` s (in the step output). Policies after SGLang HiCache
+(``--hicache-write-policy``, ``--hicache-storage-prefetch-policy``), adapted to vLLM's connector API:
+
+Backup (L2 -> L3)
+    ``write_through``: every page saved into L2 is backed up in the same step's plan.
+    ``write_through_selective``: a page is backed up once its node was hit ``write_through_threshold`` times.
+    ``write_back``: a page is backed up only when L2 eviction picks it; its slot is freed only after the store
+    acknowledged the page, and a page whose backup failed is dropped, never marked as stored (field scenario R07).
+    While a backup runs, the index node holding its pages is locked (its slots cannot be evicted or reused).
+
+Existence (is the rest of this prompt in L3?)
+    A lookup whose prefix ends in the index asks the worker (all ranks) for the leading run present in L3 after it.
+    While the answer is pending :meth:`Controller.l3_extend` returns None (vLLM asks again next step), for at most
+    ``exists_wait_s``; then the request goes on without L3 and the late answer still fills the index. Pages found
+    are inserted as L3-only; the first absent page is remembered for ``negative_ttl_s`` (one query per miss).
+
+Prefetch (L3 -> L2 -> L1)
+    An L3 hit is an asynchronous load: :meth:`start_prefetch` gives the L3-only pages staging slots (evicting if
+    needed), locks the path, and orders one job; the worker copies the leading run that arrived intact into the
+    request's blocks and reports the rest as load errors. Deadline per policy: ``wait_complete`` none (the store's
+    own timeout bounds each call), ``timeout`` ``base + per_page * pages``, ``best_effort`` the time recomputing
+    those tokens would take (by the running estimate; ``timeout``'s deadline until one exists). The report publishes
+    the fetched pages into the index (slot + L3) and frees the rest; a page that failed to read is remembered as
+    absent. A page being fetched is not fetched again: another request that needs it waits (lookup answers None)
+    and then loads it from L2, so one L3 read serves every waiting request.
+
+A hit is never slower than recomputing it
+    Running estimates (EWMA) of the seconds per fetched page (from prefetch reports) and of the engine's prefill
+    seconds per token (:meth:`observe_prefill`); an L3 hit whose estimated load time exceeds the recompute time of
+    its tokens is declined and counted (``l3_declined_slow_pages``). No estimate yet = no decline.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+from .plan import JOB_BACKUP, JOB_EXISTS, JOB_PREFETCH, Job, JobReport, merge_reports
+from .radix_index import NO_SLOT, RadixIndex, RadixNode
+from .slot_allocator import SlotAllocator
+
+logger = logging.getLogger("tierkv.controller")
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+
+
+@dataclass
+class ControllerCounters:
+    """Counters of the scheduler half (pages unless named otherwise)."""
+
+    backup_jobs: int = 0
+    backup_ordered_pages: int = 0
+    backup_stored_pages: int = 0
+    backup_failed_pages: int = 0
+    write_back_pages: int = 0           # backups started by L2 eviction
+    write_back_dropped_pages: int = 0   # evicted although their backup failed (never marked as stored)
+    exists_queries: int = 0
+    exists_found_pages: int = 0
+    exists_late_answers: int = 0        # lookups that stopped waiting for an existence answer
+    lookups_deferred: int = 0           # lookups answered None (waiting for L3 or for L2 room)
+    prefetch_jobs: int = 0
+    prefetch_ordered_pages: int = 0
+    prefetch_loaded_pages: int = 0      # leading pages that reached L2 intact
+    prefetch_failed_pages: int = 0
+    prefetch_no_room_pages: int = 0     # pages not fetched for lack of L2 staging slots
+    l3_hit_tokens: int = 0
+    l3_declined_slow_pages: int = 0     # hits declined: loading would take longer than recomputing
+    l3_declined_room_pages: int = 0     # hits declined after waiting for L2 room
+    index_l3_evicted_pages: int = 0     # L3-only pages dropped from the index to bound it
+
+    def as_dict(self) -> dict:
+        return {f"ctl_{k}": v for k, v in self.__dict__.items()}
+
+
+@dataclass
+class _JobState:
+    job: Job
+    lock: Optional[RadixNode] = None
+    path: list[bytes] = field(default_factory=list)   # keys from the root (backup / exists / prefetch)
+    idx: list[int] = field(default_factory=list)      # position of each job page in ``path``
+    victim: Optional[RadixNode] = None                # write_back: the node to drop once stored
+    reports: list[JobReport] = field(default_factory=list)
+    t0: float = 0.0
+
+
+class _Ewma:
+    def __init__(self, alpha: float = 0.2):
+        self.alpha = alpha
+        self.value: Optional[float] = None
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else (1 - self.alpha) * self.value + self.alpha * x
+
+
+class Controller:
+    """Scheduler half of the controller for one engine (see the module docstring).
+
+    Args:
+        index: the scheduler's :class:`RadixIndex` (shared with :class:`~tierkv.connector.scheduler.CacheScheduler`).
+        allocator: the L2 :class:`SlotAllocator` (shared).
+        page_size: tokens per page.
+        world_size: worker ranks that report every job (TP x PP); a job ends when all of them reported.
+        write_policy / write_through_threshold / prefetch_policy / prefetch_timeout_base_s /
+        prefetch_timeout_per_page_s: the ``controller`` config section.
+        exists_wait_s: longest time (seconds) a request waits for an existence answer.
+        negative_ttl_s: seconds an absent page is remembered.
+        room_retry_steps: lookups a request may wait for L2 staging room before its L3 hit is declined.
+        max_index_pages: bound on indexed pages; L3-only pages beyond it leave the index (LRU).
+        clock: monotonic seconds.
+    Raises:
+        ValueError: an unknown policy (naming the allowed ones), a deadline <= 0, world_size < 1.
+    """
+
+    def __init__(self, index: RadixIndex, allocator: SlotAllocator, *, page_size: int, world_size: int = 1,
+                 write_policy: str = "write_through", write_through_threshold: int = 2,
+                 prefetch_policy: str = "best_effort", prefetch_timeout_base_s: float = 0.5,
+                 prefetch_timeout_per_page_s: float = 0.005, exists_wait_s: float = 1.0,
+                 negative_ttl_s: float = 2.0, room_retry_steps: int = 8, max_index_pages: int = 1 << 22,
+                 clock: Callable[[], float] = time.monotonic):
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"bad value {write_policy!r} for 'controller.write_policy': allowed values are "
+                             f"{', '.join(WRITE_POLICIES)}")
+        if prefetch_policy not in PREFETCH_POLICIES:
+            raise ValueError(f"bad value {prefetch_policy!r} for 'controller.prefetch_policy': allowed values are "
+                             f"{', '.join(PREFETCH_POLICIES)}")
+        if prefetch_timeout_base_s <= 0:
+            raise ValueError(f"bad value {prefetch_timeout_base_s!r} for 'controller.prefetch_timeout_base_s': "
+                             "must be > 0 seconds")
+        if prefetch_timeout_per_page_s < 0 or exists_wait_s < 0 or negative_ttl_s < 0:
+            raise ValueError("prefetch_timeout_per_page_s, exists_wait_s and negative_ttl_s must be >= 0 seconds")
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.index = index
+        self.allocator = allocator
+        self.page_size = page_size
+        self.world_size = world_size
+        self.write_policy = write_policy
+        self.threshold = write_through_threshold
+        self.prefetch_policy = prefetch_policy
+        self.timeout_base_s = prefetch_timeout_base_s
+        self.timeout_per_page_s = prefetch_timeout_per_page_s
+        self.exists_wait_s = exists_wait_s
+        self.negative_ttl_s = negative_ttl_s
+        self.room_retry_steps = room_retry_steps
+        self.max_index_pages = max_index_pages
+        self.clock = clock
+        self.counters = ControllerCounters()
+        self._next_id = 1
+        self._outbox: list[Job] = []
+        self._jobs: dict[int, _JobState] = {}
+        self._backing_up: set[bytes] = set()
+        self._fetching: dict[bytes, int] = {}
+        self._exists_pending: dict[bytes, int] = {}
+        self._absent: "OrderedDict[bytes, float]" = OrderedDict()
+        self._req_prefetch: dict[str, int] = {}
+        self._room_waits: dict[str, int] = {}
+        self.fetch_s_per_page = _Ewma()
+        self.prefill_s_per_token = _Ewma()
+
+    # ------------------------------------------------------------------ plan / report plumbing
+    def take_jobs(self) -> list[Job]:
+        """Jobs ordered since the last call, for this step's plan."""
+        out, self._outbox = self._outbox, []
+        return out
+
+    def _order(self, st: _JobState) -> Job:
+        self._jobs[st.job.job_id] = st
+        st.t0 = self.clock()
+        self._outbox.append(st.job)
+        return st.job
+
+    def _new_id(self) -> int:
+        jid = self._next_id
+        self._next_id += 1
+        return jid
+
+    def on_reports(self, reports: Sequence[JobReport]) -> None:
+        """Take the workers' reports (any order, any step). A job ends when all ``world_size`` ranks reported;
+        their reports are merged page by page (a page counts as done only if every rank did it)."""
+        for r in reports:
+            st = self._jobs.get(r.job_id)
+            if st is None:
+                logger.warning("tierkv: report for unknown job %d ignored", r.job_id)
+                continue
+            st.reports.append(r)
+            if len(st.reports) < self.world_size:
+                continue
+            del self._jobs[r.job_id]
+            merged = merge_reports(st.reports)
+            if st.job.kind == JOB_BACKUP:
+                self._end_backup(st, merged)
+            elif st.job.kind == JOB_PREFETCH:
+                self._end_prefetch(st, merged)
+            else:
+                self._end_exists(st, merged)
+
+    def pending_jobs(self) -> int:
+        return len(self._jobs) + len(self._outbox)
+
+    # ------------------------------------------------------------------ backup
+    def after_save(self, path: Sequence[bytes], start: int) -> None:
+        """Pages ``path[start:]`` were just given L2 slots and saved (in this step's plan)."""
+        if self.write_policy == "write_through" and start < len(path):
+            self._backup(path, range(start, len(path)))
+
+    def after_hit(self, path: Sequence[bytes], upto: int) -> None:
+        """Pages ``path[:upto]`` were hit (matched and loaded or kept): under ``write_through_selective``, back up
+        those whose node reached the hit threshold."""
+        if self.write_policy != "write_through_selective" or upto <= 0:
+            return
+        due = [i for node, j, i in self.index.walk(path[:upto])
+               if node.hit_count >= self.threshold and not node.in_l3[j] and node.host_slots[j] != NO_SLOT]
+        if due:
+            self._backup(path, due)
+
+    def _backup(self, path: Sequence[bytes], idxs, victim: Optional[RadixNode] = None) -> bool:
+        path = list(path)
+        idxs = [i for i in idxs if path[i] not in self._backing_up]
+        if not idxs:
+            return False
+        last = max(idxs) + 1
+        m = self.index.match_prefix(path[:last], require_l2=False, split=True)
+        idxs = [i for i in idxs if i < m.num_pages and m.host_slots[i] != NO_SLOT and not m.in_l3[i]]
+        if not idxs:
+            return False
+        lock = self.index.lock(m.last_node)
+        keys = [path[i] for i in idxs]
+        self._backing_up.update(keys)
+        job = Job(self._new_id(), JOB_BACKUP, keys, slots=[m.host_slots[i] for i in idxs])
+        self._order(_JobState(job, lock=lock, path=path[: m.num_pages], idx=idxs, victim=victim))
+        self.counters.backup_jobs += 1
+        self.counters.backup_ordered_pages += len(keys)
+        return True
+
+    def _end_backup(self, st: _JobState, r: JobReport) -> None:
+        self._backing_up.difference_update(st.job.keys)
+        flags = [False] * len(st.path)
+        for i, ok in zip(st.idx, r.ok):
+            flags[i] = ok
+        self.index.set_in_l3(st.path, flags)
+        for k, ok in zip(st.job.keys, r.ok):
+            if ok:
+                self._absent.pop(k, None)  # an earlier "absent" answer is stale now
+        stored = sum(r.ok)
+        self.counters.backup_stored_pages += stored
+        self.counters.backup_failed_pages += len(r.ok) - stored
+        if st.lock is not None:
+            self.index.unlock(st.lock)
+        v = st.victim
+        if v is not None and v.parent is not None and v.lock_ref == 0 and any(s != NO_SLOT for s in v.host_slots):
+            # write_back: the eviction that started this backup goes on now; pages whose backup failed are
+            # dropped with it, never marked as stored (R07)
+            self.counters.write_back_dropped_pages += sum(1 for f in v.in_l3 if not f)
+            self.allocator.free(self.index.drop_l2(v))
+
+    # ------------------------------------------------------------------ L2 room
+    def make_room(self, need: int) -> int:
+        """Free L2 slots until ``need`` are free or nothing more can go now. Victims whose pages L3 holds lose
+        their L2 copy at once; under ``write_back`` a victim with pages not yet in L3 is backed up first and freed
+        when the store acknowledged it (later). Returns the number of free slots."""
+        while self.allocator.num_free < need:
+            v = self.index.pop_l2_victim()
+            if v is None:
+                break
+            missing = [j for j, f in enumerate(v.in_l3) if not f]
+            if self.write_policy == "write_back" and missing:
+                path = self.index.path_keys(v)
+                off = len(path) - v.num_pages
+                if self._backup(path, [off + j for j in missing], victim=v):
+                    self.counters.write_back_pages += len(missing)
+                    continue
+            self.allocator.free(self.index.drop_l2(v))
+        return self.allocator.num_free
+
+    def room_possible(self, need: int) -> bool:
+        """Cheap, side-effect-free guess whether ``need`` slots could be freed now (free + unlocked L2 pages)."""
+        return self.allocator.num_free + max(0, self.index.l2_pages - self.index.locked_pages) >= need
+
+    # ------------------------------------------------------------------ existence
+    def _is_absent(self, key: bytes) -> bool:
+        exp = self._absent.get(key)
+        if exp is None:
+            return False
+        if exp < self.clock():
+            del self._absent[key]
+            return False
+        return True
+
+    def _mark_absent(self, key: bytes) -> None:
+        self._absent[key] = self.clock() + self.negative_ttl_s
+        self._absent.move_to_end(key)
+        while len(self._absent) > 65536:
+            self._absent.popitem(last=False)
+
+    def usable_pages(self, path: Sequence[bytes], m_host_slots: Sequence[int], m_in_l3: Sequence[bool]) -> int:
+        """Leading pages of a ``require_l2=False`` match that can be loaded: in L2, or in L3 and not known bad."""
+        for i, (s, f) in enumerate(zip(m_host_slots, m_in_l3)):
+            if s == NO_SLOT and (not f or self._is_absent(path[i])):
+                return i
+        return len(m_host_slots)
+
+    def fetching(self, keys: Sequence[bytes]) -> bool:
+        """Whether any of ``keys`` is being fetched from L3 by a running job."""
+        return any(k in self._fetching for k in keys)
+
+    def l3_extend(self, path: Sequence[bytes], start: int) -> Optional[int]:
+        """How many pages after ``path[:start]`` (indexed) are in L3 beyond what the index knows: 0 when known
+        absent or when the answer is overdue, None while an existence query is pending (one is started if none
+        is)."""
+        if start >= len(path) or self._is_absent(path[start]):
+            return 0
+        first = path[start]
+        jid = self._exists_pending.get(first)
+        if jid is not None:
+            st = self._jobs.get(jid)
+            if st is not None and self.clock() - st.t0 > self.exists_wait_s:
+                self.counters.exists_late_answers += 1
+                return 0
+            return None
+        job = Job(self._new_id(), JOB_EXISTS, list(path[start:]))
+        self._exists_pending[first] = job.job_id
+        self._order(_JobState(job, path=list(path[:start])))
+        self.counters.exists_queries += 1
+        return None
+
+    def _end_exists(self, st: _JobState, r: JobReport) -> None:
+        keys = st.job.keys
+        self._exists_pending.pop(keys[0], None)
+        n = r.leading
+        if n < len(keys):
+            self._mark_absent(keys[n])
+        if n == 0:
+            return
+        self.counters.exists_found_pages += n
+        start = len(st.path)
+        m = self.index.match_prefix(st.path, require_l2=False)
+        if m.num_pages < start:
+            return  # the prefix left the index meanwhile: a later lookup asks again
+        self.index.insert(st.path + keys[:n], [NO_SLOT] * n, in_l3=[True] * n, start=start)
+        if self.index.total_pages > self.max_index_pages:
+            excess = self.index.total_pages - self.max_index_pages
+            self.counters.index_l3_evicted_pages += self.index.evict_l3_only(excess + self.max_index_pages // 16)
+
+    # ------------------------------------------------------------------ prefetch
+    def worth_loading(self, fetch_pages: int) -> bool:
+        """False when fetching ``fetch_pages`` pages from L3 is estimated to take longer than recomputing them."""
+        per_page, per_token = self.fetch_s_per_page.value, self.prefill_s_per_token.value
+        if fetch_pages <= 0 or per_page is None or per_token is None:
+            return True
+        return fetch_pages * per_page <= fetch_pages * self.page_size * per_token
+
+    def wait_for_room(self, req_id: str, fetch_pages: int) -> Optional[bool]:
+        """Whether a request whose L3 hit needs ``fetch_pages`` staging slots can go ahead (True), should wait a
+        step (None), or must give up its L3 hit (False, after ``room_retry_steps`` waits)."""
+        if self.room_possible(fetch_pages):
+            self._room_waits.pop(req_id, None)
+            return True
+        n = self._room_waits.get(req_id, 0) + 1
+        if n > self.room_retry_steps:
+            self._room_waits.pop(req_id, None)
+            self.counters.l3_declined_room_pages += fetch_pages
+            return False
+        self._room_waits[req_id] = n
+        return None
+
+    def deadline_s(self, fetch_pages: int) -> Optional[float]:
+        if self.prefetch_policy == "wait_complete":
+            return None
+        base = self.timeout_base_s + self.timeout_per_page_s * fetch_pages
+        if self.prefetch_policy == "best_effort" and self.prefill_s_per_token.value is not None:
+            return max(self.prefill_s_per_token.value * fetch_pages * self.page_size, 1e-3)
+        return base
+
+    def start_prefetch(self, req_id: str, path: Sequence[bytes], first: int, last: int,
+                       block_ids: Sequence[int]) -> Job:
+        """Order the async load of pages ``path[first:last]`` into ``block_ids`` (one per page). Pages without an
+        L2 copy get staging slots (evicting others if needed); the path is locked until the report. Pages for
+        which no slot could be had are in the job with slot -1: the worker reports them as load errors."""
+        path = list(path[:last])
+        m = self.index.match_prefix(path, require_l2=False, split=True, touch=True)
+        if m.num_pages < last:
+            raise RuntimeError(f"{req_id}: promised {last} pages but only {m.num_pages} are indexed")
+        lock = self.index.lock(m.last_node)
+        slots = list(m.host_slots[first:last])
+        fetch = [s == NO_SLOT for s in slots]
+        need = sum(fetch)
+        if need:
+            self.make_room(need)
+            got = self.allocator.alloc(min(need, self.allocator.num_free)) or []
+            it = iter(got)
+            for i, f in enumerate(fetch):
+                if f:
+                    slots[i] = next(it, NO_SLOT)
+            short = need - len(got)
+            if short:
+                self.counters.prefetch_no_room_pages += short
+        job = Job(self._new_id(), JOB_PREFETCH, path[first:last], slots=slots, block_ids=list(block_ids),
+                  fetch=fetch, req_id=req_id, deadline_s=self.deadline_s(need))
+        for k, f, s in zip(job.keys, fetch, slots):
+            if f and s != NO_SLOT:
+                self._fetching[k] = job.job_id
+        self._req_prefetch[req_id] = job.job_id
+        self._order(_JobState(job, lock=lock, path=path, idx=list(range(first, last))))
+        self.counters.prefetch_jobs += 1
+        self.counters.prefetch_ordered_pages += need
+        self.counters.l3_hit_tokens += (last - first) * self.page_size
+        return job
+
+    def _end_prefetch(self, st: _JobState, r: JobReport) -> None:
+        job = st.job
+        if self._req_prefetch.get(job.req_id) == job.job_id:
+            del self._req_prefetch[job.req_id]
+        for k in job.keys:
+            if self._fetching.get(k) == job.job_id:
+                del self._fetching[k]
+        fetched = [i for i, f in enumerate(job.fetch) if f and job.slots[i] != NO_SLOT]
+        ok_idx = [i for i in fetched if r.ok[i]]
+        bad_idx = [i for i in fetched if not r.ok[i]]
+        if ok_idx and r.seconds > 0:
+            self.fetch_s_per_page.add(r.seconds / len(ok_idx))
+        self.counters.prefetch_loaded_pages += len(ok_idx)
+        self.counters.prefetch_failed_pages += len(bad_idx)
+        first = st.idx[0] if st.idx else 0
+        # publish the pages that arrived intact (the path is locked, so every page is still indexed)
+        if ok_idx:
+            last = first + max(ok_idx) + 1
+            slots = [job.slots[i] if (i in set(ok_idx)) else NO_SLOT for i in range(last - first)]
+            _node, dups = self.index.insert(st.path[:last], slots,
+                                            in_l3=[i in set(ok_idx) for i in range(last - first)], start=first)
+            if dups:
+                self.allocator.free(dups)
+        if bad_idx:
+            self.allocator.free([job.slots[i] for i in bad_idx])
+            for i in bad_idx:
+                self._mark_absent(job.keys[i])
+        if st.lock is not None:
+            self.index.unlock(st.lock)
+
+    def staging_slots(self) -> list[int]:
+        """Slots held by running prefetches for pages not yet published into the index."""
+        return [s for st in self._jobs.values() if st.job.kind == JOB_PREFETCH
+                for s, f in zip(st.job.slots, st.job.fetch) if f and s != NO_SLOT]
+
+    def prefetch_in_flight(self, req_id: str) -> bool:
+        return req_id in self._req_prefetch
+
+    def forget_request(self, req_id: str) -> None:
+        self._room_waits.pop(req_id, None)
+
+    # ------------------------------------------------------------------ estimates
+    def observe_prefill(self, seconds: float, tokens: int) -> None:
+        """One engine step that computed ``tokens`` prompt tokens in ``seconds``: updates the recompute estimate."""
+        if tokens > 0 and seconds > 0:
+            self.prefill_s_per_token.add(seconds / tokens)
+
+    def stats(self) -> dict:
+        d = self.counters.as_dict()
+        d.update(ctl_pending_jobs=self.pending_jobs(), ctl_backing_up_pages=len(self._backing_up),
+                 ctl_fetching_pages=len(self._fetching),
+                 ctl_fetch_ms_per_page=None if self.fetch_s_per_page.value is None
+                 else 1e3 * self.fetch_s_per_page.value,
+                 ctl_prefill_us_per_token=None if self.prefill_s_per_token.value is None
+                 else 1e6 * self.prefill_s_per_token.value)
+        return d

@@ -1,0 +1,438 @@
+"""Worker half of the backup/prefetch controller: the L3 store client and its I/O threads (docs/architecture.md §4).
+
+Design after SGLang HiCache's cache controller (a backup queue and a prefetch queue served by I/O threads off the
+engine's critical path), driven here by the jobs of :mod:`tierkv.connector.plan` instead of a shared tree:
+
+- :meth:`L3IO.submit` takes the step's jobs (after the step's L1 -> L2 saves, so a backup may read a slot saved in
+  the same step). Backups go to the writer thread, prefetches and existence queries to the reader thread: a slow
+  backup never delays a load.
+- The threads move bytes between L2 slots and the store in batches of ``batch_pages`` pages. A failed batch fails
+  only its own pages; later batches still run (a page is reported done only if the store acknowledged it).
+- Once a job ended, its :class:`~tierkv.connector.plan.JobReport` waits in :meth:`take_reports` for the next step's
+  worker metadata. Data moves whether or not the engine steps again: a page handed to the writer reaches L3 in
+  bounded time even on an idle engine (field scenario R30).
+- A prefetch also has a request side, served on the engine thread by :meth:`poll` (vLLM's ``get_finished``): when
+  all its pages arrived, or its deadline passed, the leading run of intact pages is handed back for the L2 -> L1
+  copy, the rest of the request's blocks are reported as load errors (vLLM recomputes them), and the request is
+  reported finished. Batches not yet started are then skipped; the job's report (which frees its slots on the
+  scheduler side) is sent only when no thread touches its slots any more.
+- L3 keys are per rank: ``xxh3_128(rank namespace || page key)``, so two tensor-parallel ranks never share a record
+  and each record header names the rank's namespace.
+- Checksums: a backup passes the XXH3-64 recorded when the page entered L2 (:class:`SlotChecksums`) to
+  ``batch_set(..., checksums=...)``; the store writes it into the header and never hashes the payload again.
+
+Errors from the store never reach the engine: they are counted, logged at most once per ``log_every_s`` burst,
+and turn into pages not done. The amount of queued backup work is bounded (``max_backup_pages``); a backup that
+does not fit is reported failed at once (counted in ``backup_dropped_pages``).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import xxhash
+
+from .page_checksums import SlotChecksums
+from .plan import JOB_BACKUP, JOB_PREFETCH, Job, JobReport
+
+logger = logging.getLogger("tierkv.l3")
+
+
+def l3_key(rank_namespace: bytes, key: bytes) -> str:
+    """Text key (32 lowercase hex chars) of page ``key`` (16 bytes) in the L3 store, for the rank whose namespace
+    digest is ``rank_namespace`` (16 bytes)."""
+    return xxhash.xxh3_128_hexdigest(rank_namespace + key)
+
+
+class _BurstLog:
+    """One warning per kind per ``every_s`` seconds, with the count of the ones held back."""
+
+    def __init__(self, every_s: float):
+        self.every_s = every_s
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def warning(self, kind: str, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self._last.get(kind, -1e18) >= self.every_s:
+            held = self._held.pop(kind, 0)
+            self._last[kind] = now
+            logger.warning("tierkv L3: " + msg + (f" (+{held} more since the last warning)" if held else ""), *args)
+        else:
+            self._held[kind] = self._held.get(kind, 0) + 1
+
+
+@dataclass
+class L3Counters:
+    backup_jobs: int = 0
+    backup_pages: int = 0
+    backup_failed_pages: int = 0
+    backup_dropped_pages: int = 0
+    backup_bytes: int = 0
+    backup_seconds: float = 0.0
+    prefetch_jobs: int = 0
+    prefetch_pages: int = 0
+    prefetch_failed_pages: int = 0
+    prefetch_late_pages: int = 0       # arrived after the request's deadline, or never fetched because of it
+    prefetch_bytes: int = 0
+    prefetch_seconds: float = 0.0
+    prefetch_deadline_misses: int = 0  # requests released at their deadline with pages still missing
+    exists_jobs: int = 0
+    exists_seconds: float = 0.0
+    store_errors: int = 0
+
+    def as_dict(self) -> dict:
+        return {f"l3_{k}": v for k, v in self.__dict__.items()}
+
+
+@dataclass
+class _Prefetch:
+    job: Job
+    start: float                            # perf_counter seconds
+    deadline: Optional[float]               # ``clock`` seconds, None = until the I/O ends
+    ok: list[bool]
+    io_done: bool = False
+    cancel: bool = False
+    request_done: bool = False
+    aborted: bool = False
+    bytes: int = 0
+    end: float = 0.0
+
+
+@dataclass
+class PollResult:
+    """What :meth:`L3IO.poll` hands to the engine thread: L2 -> L1 copies to make now (``slots[i]`` ->
+    ``blocks[i]``), requests whose load ended, and block ids whose load failed (to recompute)."""
+
+    slots: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    finished: set[str] = field(default_factory=set)
+    failed_blocks: set[int] = field(default_factory=set)
+
+
+class L3IO:
+    """Moves pages between the L2 host pool and an L3 store on background threads, as ordered by jobs.
+
+    Args:
+        store: the rank's L3 store (a :class:`tierkv.storage_backends.base.StorageBackend` built with the rank's
+            namespace).
+        host: the L2 :class:`~tierkv.connector.host_pool.HostPool` (``host.page_bytes`` bytes per page).
+        rank_namespace: 16-byte namespace digest of this rank (model, dtype, layout, TP/PP rank...).
+        checksums: the worker's :class:`SlotChecksums` (read for backups, written for prefetched pages).
+        batch_pages: pages per store call (>= 1).
+        max_backup_pages: pages queued for backup at most; more are dropped (reported failed, counted).
+        log_every_s: at most one warning per kind of failure per this many seconds.
+        rank: this worker's rank (written into its reports).
+        clock: monotonic clock in seconds (tests pass a fake one to drive deadlines).
+    Raises:
+        ValueError: bad ``batch_pages``, ``max_backup_pages`` or namespace length.
+    """
+
+    def __init__(self, store, host, rank_namespace: bytes, checksums: SlotChecksums, *, batch_pages: int = 16,
+                 max_backup_pages: int = 65536, log_every_s: float = 10.0, rank: int = 0,
+                 clock: Callable[[], float] = time.monotonic):
+        if batch_pages < 1 or max_backup_pages < 1:
+            raise ValueError(f"batch_pages ({batch_pages}) and max_backup_pages ({max_backup_pages}) must be >= 1")
+        if len(rank_namespace) != 16:
+            raise ValueError(f"rank_namespace must be 16 bytes, got {len(rank_namespace)}")
+        self.store = store
+        self.host = host
+        self.rank_namespace = rank_namespace
+        self.checksums = checksums
+        self.batch_pages = batch_pages
+        self.max_backup_pages = max_backup_pages
+        self.clock = clock
+        self.rank = rank
+        self.counters = L3Counters()
+        self._log = _BurstLog(log_every_s)
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._reports: list[JobReport] = []
+        self._prefetches: dict[int, _Prefetch] = {}
+        self._queued_backup_pages = 0
+        self._busy = 0                      # jobs queued or running
+        self._closed = False
+        self._read_q: "queue.Queue[Optional[Job]]" = queue.Queue()
+        self._write_q: "queue.Queue[Optional[Job]]" = queue.Queue()
+        self._threads = [threading.Thread(target=self._serve, args=(self._read_q,), name="tierkv-l3-read",
+                                          daemon=True),
+                         threading.Thread(target=self._serve, args=(self._write_q,), name="tierkv-l3-write",
+                                          daemon=True)]
+        for t in self._threads:
+            t.start()
+        # staging pages for pages that are not one contiguous run in L2 (K and V are two runs), one set per thread,
+        # kept for the life of the object and, like the pool itself, registered with stores that read registered
+        # memory directly (Mooncake: zero-copy puts; a no-op returning False elsewhere)
+        self._direct = host.read_page(0).untyped_storage().data_ptr() == host.buffer.untyped_storage().data_ptr()
+        self._wstage = self._staging(batch_pages)
+        self._rstage = self._staging(batch_pages)
+        self._registered: list[torch.Tensor] = []
+        for buf in (host.buffer, self._wstage):
+            try:
+                if store.register_host_buffer(buf):
+                    self._registered.append(buf)
+            except Exception as e:  # registration is an optimisation: never fatal
+                logger.warning("tierkv L3: could not register host memory with %r (%s); staged copies", store, e)
+        self.zero_copy = bool(self._registered)
+
+    # ------------------------------------------------------------------ engine thread
+    def submit(self, jobs: Sequence[Job]) -> None:
+        """Queue the step's jobs (call after the step's L1 -> L2 saves). Never blocks on the store."""
+        for job in jobs:
+            if job.kind == JOB_BACKUP:
+                with self._lock:
+                    fits = self._queued_backup_pages + job.num_pages <= self.max_backup_pages and not self._closed
+                    if fits:
+                        self._queued_backup_pages += job.num_pages
+                        self._busy += 1
+                if not fits:
+                    self.counters.backup_dropped_pages += job.num_pages
+                    self._log.warning("backup_dropped", "backup queue full (%d pages): %d pages not backed up",
+                                      self.max_backup_pages, job.num_pages)
+                    self._report(JobReport(job.job_id, job.kind, [False] * job.num_pages))
+                    continue
+                self._write_q.put(job)
+            else:
+                with self._lock:
+                    self._busy += 1
+                    if job.kind == JOB_PREFETCH:
+                        now = self.clock()
+                        self._prefetches[job.job_id] = _Prefetch(
+                            job, time.perf_counter(), None if job.deadline_s is None else now + job.deadline_s,
+                            ok=[(not f) and s >= 0 for f, s in zip(job.fetch, job.slots)])
+                self._read_q.put(job)
+
+    def poll(self, finished_req_ids: Sequence[str] = ()) -> PollResult:
+        """Serve the request side of prefetches (engine thread, once per step). ``finished_req_ids``: requests
+        the engine finished (aborted) since the last call; their loads still end (and are reported) but copy
+        nothing into L1."""
+        out = PollResult()
+        gone = set(finished_req_ids)
+        now = self.clock()
+        with self._lock:
+            for p in self._prefetches.values():
+                if p.request_done:
+                    continue
+                if p.job.req_id in gone:
+                    p.aborted = True
+                    p.cancel = True
+                if not (p.io_done or p.aborted or (p.deadline is not None and now >= p.deadline)):
+                    continue
+                p.request_done = True
+                if not p.io_done:
+                    p.cancel = True  # batches not started yet are skipped
+                    if not p.aborted:
+                        self.counters.prefetch_deadline_misses += 1
+                lead = next((i for i, v in enumerate(p.ok) if not v), len(p.ok))
+                if not p.aborted:
+                    out.slots.extend(p.job.slots[:lead])
+                    out.blocks.extend(p.job.block_ids[:lead])
+                    out.failed_blocks.update(p.job.block_ids[lead:])
+                    if lead < len(p.ok):
+                        self.counters.prefetch_late_pages += sum(1 for v in p.ok[lead:] if not v)
+                out.finished.add(p.job.req_id)
+            self._finish_prefetches_locked()
+        return out
+
+    def take_reports(self) -> list[JobReport]:
+        """Reports of jobs that ended since the last call (each job reported exactly once)."""
+        with self._lock:
+            out, self._reports = self._reports, []
+        return out
+
+    def pending(self) -> int:
+        """Jobs queued or running, plus prefetches whose request side has not ended."""
+        with self._lock:
+            return self._busy + sum(1 for p in self._prefetches.values() if not p.request_done)
+
+    def wait_idle(self, timeout: Optional[float] = 30.0) -> bool:
+        """Block until no job is queued or running (tests, shutdown). Returns False on timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._busy == 0, timeout)
+
+    def close(self, drain_s: float = 10.0) -> int:
+        """Stop the threads. Queued backups get up to ``drain_s`` seconds to reach the store; the ones still queued
+        then are dropped (never half-written: a store writes a record whole or not at all) and their count is
+        logged and returned."""
+        with self._lock:
+            if self._closed:
+                return 0
+        drained = self.wait_idle(drain_s)
+        with self._lock:
+            self._closed = True
+            dropped = self._queued_backup_pages if not drained else 0
+        for q in (self._read_q, self._write_q):
+            q.put(None)
+        if dropped:
+            logger.warning("tierkv L3: shutdown after %.1f s with %d pages still queued for backup: dropped",
+                           drain_s, dropped)
+        for t in self._threads:
+            t.join(timeout=1.0)
+        for buf in self._registered:
+            try:
+                self.store.unregister_host_buffer(buf)
+            except Exception:  # pragma: no cover - best effort at shutdown
+                pass
+        self._registered = []
+        return dropped
+
+    def stats(self) -> dict:
+        d = self.counters.as_dict()
+        with self._lock:
+            d["l3_backup_queued_pages"] = self._queued_backup_pages
+            d["l3_pending_jobs"] = self._busy
+        return d
+
+    # ------------------------------------------------------------------ I/O threads
+    def _serve(self, q: "queue.Queue[Optional[Job]]") -> None:
+        while True:
+            job = q.get()
+            if job is None:
+                return
+            try:
+                if job.kind == JOB_BACKUP:
+                    self._run_backup(job)
+                elif job.kind == JOB_PREFETCH:
+                    self._run_prefetch(job)
+                else:
+                    self._run_exists(job)
+            except Exception as e:  # a bug or a store that raised: the job fails, the thread lives on
+                self.counters.store_errors += 1
+                self._log.warning("job_error", "%s job %d failed: %r", job.kind, job.job_id, e)
+                if job.kind == JOB_PREFETCH:
+                    with self._lock:
+                        p = self._prefetches.get(job.job_id)
+                        if p is not None:
+                            p.io_done = True
+                            p.end = time.perf_counter()
+                            self._finish_prefetches_locked()
+                elif job.kind == JOB_BACKUP:
+                    self._end_backup(job, [False] * job.num_pages, 0, 0.0)
+                else:
+                    self._report(JobReport(job.job_id, job.kind, [False] * job.num_pages))
+            finally:
+                with self._idle:
+                    self._busy -= 1
+                    self._idle.notify_all()
+
+    def _keys(self, keys: Sequence[bytes]) -> list[str]:
+        return [l3_key(self.rank_namespace, k) for k in keys]
+
+    def _staging(self, n: int) -> torch.Tensor:
+        return torch.empty((n, self.host.page_bytes), dtype=torch.uint8)
+
+    def _run_exists(self, job: Job) -> None:
+        t0 = time.perf_counter()
+        n = 0
+        try:
+            n = int(self.store.batch_exists(self._keys(job.keys)))
+        except Exception as e:
+            self.counters.store_errors += 1
+            self._log.warning("exists", "existence query of %d pages failed: %r", job.num_pages, e)
+        dt = time.perf_counter() - t0
+        self.counters.exists_jobs += 1
+        self.counters.exists_seconds += dt
+        self._report(JobReport(job.job_id, job.kind, [i < n for i in range(job.num_pages)], seconds=dt))
+
+    def _run_backup(self, job: Job) -> None:
+        t0 = time.perf_counter()
+        ok = [False] * job.num_pages
+        nbytes = 0
+        pb = self.host.page_bytes
+        for s in range(0, job.num_pages, self.batch_pages):
+            e = min(job.num_pages, s + self.batch_pages)
+            srcs, sums = [], []
+            for i in range(s, e):
+                slot, key = job.slots[i], job.keys[i]
+                src = self.host.read_page(slot) if self._direct else self.host.read_page(slot, out=self._wstage[i - s])
+                c = self.checksums.get(slot, key)
+                if c is None:  # not recorded (e.g. verify off and no L3 when it was saved): hash it now
+                    c = xxhash.xxh3_64_intdigest(memoryview(src.numpy()))
+                srcs.append(src)
+                sums.append(c)
+            try:
+                res = self.store.batch_set(self._keys(job.keys[s:e]), srcs, checksums=sums)
+            except Exception as ex:
+                res = [False] * (e - s)
+                self.counters.store_errors += 1
+                self._log.warning("backup", "backup of %d pages failed: %r", e - s, ex)
+            for i, r in enumerate(res):
+                if r:
+                    ok[s + i] = True
+                    nbytes += pb
+            if not all(res):
+                self._log.warning("backup_pages", "%d of %d pages not stored by %r", sum(1 for r in res if not r),
+                                  e - s, self.store)
+        self._end_backup(job, ok, nbytes, time.perf_counter() - t0)
+
+    def _end_backup(self, job: Job, ok: list[bool], nbytes: int, dt: float) -> None:
+        c = self.counters
+        c.backup_jobs += 1
+        c.backup_pages += sum(ok)
+        c.backup_failed_pages += len(ok) - sum(ok)
+        c.backup_bytes += nbytes
+        c.backup_seconds += dt
+        with self._lock:
+            self._queued_backup_pages -= job.num_pages
+        self._report(JobReport(job.job_id, job.kind, ok, seconds=dt, bytes=nbytes))
+
+    def _run_prefetch(self, job: Job) -> None:
+        with self._lock:
+            p = self._prefetches[job.job_id]
+        todo = [i for i, (f, s) in enumerate(zip(job.fetch, job.slots)) if f and s >= 0]
+        stage = self._rstage
+        for b in range(0, len(todo), self.batch_pages):
+            with self._lock:
+                if p.cancel:
+                    break
+            idx = todo[b:b + self.batch_pages]
+            dsts = [stage[j] for j in range(len(idx))]
+            try:
+                res = self.store.batch_get(self._keys([job.keys[i] for i in idx]), dsts)
+            except Exception as ex:
+                res = [False] * len(idx)
+                self.counters.store_errors += 1
+                self._log.warning("prefetch", "read of %d pages failed: %r", len(idx), ex)
+            got = []
+            for j, (i, r) in enumerate(zip(idx, res)):
+                if not r:
+                    continue
+                slot = job.slots[i]
+                self.host.write_page(slot, dsts[j])
+                self.checksums.record(slot, job.keys[i], xxhash.xxh3_64_intdigest(memoryview(dsts[j].numpy())))
+                got.append(i)
+            if len(got) < len(idx):
+                self._log.warning("prefetch_pages", "%d of %d pages missing or corrupt in %r", len(idx) - len(got),
+                                  len(idx), self.store)
+            with self._lock:
+                for i in got:
+                    p.ok[i] = True
+                p.bytes += len(got) * self.host.page_bytes
+        with self._lock:
+            p.io_done = True
+            p.end = time.perf_counter()
+            self._finish_prefetches_locked()
+
+    def _finish_prefetches_locked(self) -> None:
+        # a prefetch is reported once both its request side and its I/O ended (no thread touches its slots)
+        for jid in [j for j, p in self._prefetches.items() if p.io_done and p.request_done]:
+            p = self._prefetches.pop(jid)
+            fetched = sum(1 for f, v in zip(p.job.fetch, p.ok) if f and v)
+            c = self.counters
+            c.prefetch_jobs += 1
+            c.prefetch_pages += fetched
+            c.prefetch_failed_pages += sum(1 for f, v in zip(p.job.fetch, p.ok) if f and not v)
+            c.prefetch_bytes += p.bytes
+            c.prefetch_seconds += max(0.0, p.end - p.start)
+            self._reports.append(JobReport(jid, JOB_PREFETCH, list(p.ok), rank=self.rank,
+                                           seconds=max(0.0, p.end - p.start), bytes=p.bytes))
+
+    def _report(self, r: JobReport) -> None:
+        r.rank = self.rank
+        with self._lock:
+            self._reports.append(r)

@@ -1,0 +1,422 @@
+"""The backup/prefetch controller end to end without an engine: scheduler half + plan protocol + worker half on
+real L1/L2 tensors and a real file store (the fault wrapper only where a fault must be produced on demand).
+
+Every loaded page is checked byte for byte against the fingerprint of the tokens that produced it
+(``fake_engine.fingerprint``); faults named Rnn are described in docs/architecture.md §8.
+"""
+import random
+import threading
+
+import pytest
+
+from fake_engine import P, FakeEngine, Req
+from tierkv.connector.controller import Controller
+from tierkv.connector.l3_io import l3_key
+from tierkv.connector.radix_index import RadixIndex
+from tierkv.connector.slot_allocator import SlotAllocator
+from tierkv.storage_backends.faulty import FaultyBackend
+from tierkv.storage_backends.file import FileStore
+
+
+def toks(a, n):
+    return list(range(a, a + n))
+
+
+def file_store(root, **faults):
+    def make(rank, ns, page_bytes):
+        st = FileStore(ns, page_bytes, root=str(root))
+        return FaultyBackend(st, **faults) if faults else st
+    return make
+
+
+def l3_has(engine, req, n_pages, rank=0):
+    """Leading pages of ``req`` present in the rank's store, asked directly (no engine call)."""
+    store = engine.ranks[rank][3].l3.store
+    ns_rank = engine.ranks[rank][3].l3.rank_namespace
+    keys = engine.sched.requests[req.req_id].keys.extend(req.tokens)[:n_pages] if req.req_id in engine.sched.requests \
+        else None
+    if keys is None:
+        from tierkv.connector.page_hash import page_keys, request_root
+        keys = page_keys(request_root(engine.sched.ns_digest), req.tokens, P)[:n_pages]
+    return store.batch_exists([l3_key(ns_rank, k) for k in keys])
+
+
+def pump(e):
+    """Send the pending jobs (one step), let the I/O threads end them, deliver the reports (another step)."""
+    e.step(compute=False)
+    for _l1, _dev, _host, w in e.ranks:
+        assert w.l3.wait_idle(30)
+    e.step(compute=False)
+
+
+def keys_of(engine, tokens):
+    from tierkv.connector.page_hash import page_keys, request_root
+    return page_keys(request_root(engine.sched.ns_digest), tokens, P)
+
+
+# ---------------------------------------------------------------- write policies
+def test_write_through_backs_up_every_page_and_a_restarted_engine_loads_them_from_l3(tmp_path):
+    doc = toks(100, 6 * P)
+    e = FakeEngine(store=file_store(tmp_path), controller={"write_policy": "write_through"})
+    assert e.run_l3(Req("a", doc + [1])) == 0
+    e.settle()
+    assert l3_has(e, Req("a", doc), 6) == 6
+    c = e.sched.ctl.counters
+    assert c.backup_stored_pages == 6 and c.backup_failed_pages == 0
+    assert e.sched.index.l3_pages == 6           # acknowledged pages are marked as held by L3
+    e.idle_check()
+    e.close()
+    # a new engine (empty L1, L2, index) on the same directory: the first request hits L3
+    e2 = FakeEngine(store=file_store(tmp_path), controller={"write_policy": "write_through"})
+    assert e2.run_l3(Req("b", doc + [2, 3])) == 6 * P
+    c2 = e2.sched.ctl.counters
+    assert c2.exists_queries == 1 and c2.exists_found_pages == 6
+    assert c2.prefetch_loaded_pages == 6 and c2.l3_hit_tokens == 6 * P
+    e2.settle()
+    # the fetched pages are published into L2: the next request loads them synchronously from L2
+    assert e2.run_l3(Req("c", doc + [4])) == 6 * P
+    assert e2.sched.ctl.counters.prefetch_jobs == 1
+    e2.settle()
+    e2.idle_check()
+    e2.close()
+
+
+def test_write_through_selective_waits_for_the_hit_threshold(tmp_path):
+    doc = toks(7, 4 * P)
+    e = FakeEngine(store=file_store(tmp_path), controller={"write_policy": "write_through_selective",
+                                                           "write_through_threshold": 2})
+    e.run_l3(Req("a", doc + [1]))
+    e.settle()
+    assert e.sched.ctl.counters.backup_ordered_pages == 0 and l3_has(e, Req("x", doc), 4) == 0
+    e.run_l3(Req("b", doc + [2]))     # first hit
+    e.settle()
+    assert l3_has(e, Req("x", doc), 4) == 0
+    e.run_l3(Req("c", doc + [3]))     # second hit: threshold reached
+    e.settle()
+    assert l3_has(e, Req("x", doc), 4) == 4 and e.sched.ctl.counters.backup_stored_pages == 4
+    e.run_l3(Req("d", doc + [4]))     # already in L3: not stored again
+    e.settle()
+    assert e.sched.ctl.counters.backup_ordered_pages == 4
+    e.idle_check()
+    e.close()
+
+
+def test_write_back_stores_only_on_eviction_and_frees_the_slot_after_the_ack(tmp_path):
+    e = FakeEngine(num_slots=8, store=file_store(tmp_path), controller={"write_policy": "write_back"})
+    a, b = toks(1000, 4 * P), toks(2000, 8 * P)
+    e.run_l3(Req("a", a + [1]))
+    e.settle()
+    assert l3_has(e, Req("x", a), 4) == 0          # nothing stored before an eviction
+    e.run_l3(Req("b", b + [1]))                    # needs 8 slots: A must go, backed up first
+    e.settle()
+    c = e.sched.ctl.counters
+    assert c.write_back_pages == 4 and c.backup_stored_pages == 4 and l3_has(e, Req("x", a), 4) == 4
+    # B's pages could not be saved in the step that needed the room (the slots were pinned by the backup)
+    assert e.sched.counters.save_skipped_pages > 0
+    assert e.run_l3(Req("a2", a + [2])) == 4 * P   # A comes back from L3, bytes checked in run_l3
+    e.settle()
+    e.idle_check()
+    e.close()
+
+
+def test_r07_write_back_with_failing_store_never_marks_a_page_stored(tmp_path):
+    e = FakeEngine(num_slots=8, store=file_store(tmp_path, fail_set=1.0),
+                   controller={"write_policy": "write_back"})
+    a, b = toks(1000, 4 * P), toks(2000, 8 * P)
+    e.run_l3(Req("a", a + [1]))
+    e.run_l3(Req("b", b + [1]))
+    e.settle()
+    c = e.sched.ctl.counters
+    assert c.backup_failed_pages == 4 and c.backup_stored_pages == 0
+    assert c.write_back_dropped_pages == 4
+    assert e.sched.index.l3_pages == 0             # never marked as stored
+    e.sched.check_invariants()                     # every indexed page still has a copy
+    assert e.run_l3(Req("a2", a + [2])) == 0       # A is recomputed, not loaded from nowhere
+    e.settle()
+    e.idle_check()
+    e.close()
+
+
+# ---------------------------------------------------------------- L2 eviction keeps L3 pages (R27)
+def test_r27_small_l2_under_write_through_reclaims_committed_copies(tmp_path):
+    e = FakeEngine(num_slots=8, store=file_store(tmp_path), controller={"write_policy": "write_through"})
+    prompts = [toks(1000 * k, 4 * P) for k in range(1, 7)]
+    for k, pr in enumerate(prompts):
+        e.run_l3(Req(f"p{k}", pr + [1]))
+        e.settle()
+    c = e.sched.ctl.counters
+    assert c.backup_stored_pages == 24 and e.sched.counters.save_skipped_pages == 0
+    for pr in prompts:
+        assert l3_has(e, Req("x", pr), 4) == 4
+    assert e.sched.index.l2_pages == 8 and e.sched.index.l3_pages == 24  # older pages kept as L3-only
+    assert e.sched.ctl.make_room(8) == 8           # committed duplicates are reclaimable at once
+    assert e.run_l3(Req("a", prompts[0] + [9])) == 4 * P
+    assert e.run_l3(Req("f", prompts[5] + [9])) == 4 * P
+    e.settle()
+    e.idle_check()
+    e.close()
+
+
+# ---------------------------------------------------------------- faults
+def test_faulty_store_30_percent_keeps_serving_correct_bytes(tmp_path):
+    rng = random.Random(7)
+    e = FakeEngine(num_slots=16, store=file_store(tmp_path, fail_get=0.3, fail_set=0.3, fail_exists=0.3, seed=3),
+                   controller={"write_policy": "write_through"})
+    docs = [toks(500 * k, 4 * P) for k in range(1, 9)]
+    hits = 0
+    for i in range(40):
+        d = rng.choice(docs)
+        hits += e.run_l3(Req(f"r{i}", d + [i])) > 0   # run_l3 asserts every loaded page's bytes
+    e.settle()
+    c = e.sched.ctl.counters
+    assert c.backup_failed_pages > 0 and hits > 0
+    w = e.worker.l3.counters
+    assert w.backup_failed_pages == c.backup_failed_pages
+    e.idle_check()
+    e.close()
+
+
+def test_r24_a_failed_batch_does_not_stop_later_batches_and_is_stored_on_a_later_sighting(tmp_path):
+    doc = toks(1, 10 * P)
+    e = FakeEngine(num_slots=32, store=file_store(tmp_path), batch_pages=2,
+                   controller={"write_policy": "write_through"})
+    keys = keys_of(e, doc)
+    ns = e.worker.l3.rank_namespace
+    faulty = FaultyBackend(e.worker.l3.store, fail_set_keys=[l3_key(ns, k) for k in keys[2:4]])
+    e.worker.l3.store = faulty
+    e.run_l3(Req("a", doc + [1]))
+    e.settle()
+    c = e.sched.ctl.counters
+    assert c.backup_stored_pages == 8 and c.backup_failed_pages == 2
+    assert [e.sched.index.match_prefix(keys, require_l2=False).in_l3[i] for i in range(10)] == \
+        [True, True, False, False] + [True] * 6   # failed pages stay invisible as L3 copies
+    assert faulty.inner.batch_exists([l3_key(ns, k) for k in keys]) == 2
+    faulty.set_faults(fail_set_keys=[])
+    # evict L2 and sight the prompt again: it is recomputed from page 2 and the missing pages are stored now
+    assert e.sched.ctl.make_room(32) == 32          # every L2 copy dropped; pages in L3 stay indexed
+    ext = e.run_l3(Req("b", doc + [2]))
+    assert ext == 2 * P
+    e.settle()
+    assert faulty.inner.batch_exists([l3_key(ns, k) for k in keys]) == 10
+    e.idle_check()
+    e.close()
+
+
+def test_hanging_store_releases_the_request_at_its_deadline(tmp_path):
+    now = [0.0]
+    clock = lambda: now[0]  # noqa: E731 - a fake clock drives the deadline, no sleeps
+    doc = toks(40, 4 * P)
+    e1 = FakeEngine(store=file_store(tmp_path), controller={"write_policy": "write_through"})
+    e1.run_l3(Req("a", doc + [1]))
+    e1.settle()
+    e1.close()
+    e = FakeEngine(store=file_store(tmp_path), clock=clock,
+                   controller={"prefetch_policy": "timeout", "prefetch_timeout_base_s": 0.5,
+                               "prefetch_timeout_per_page_s": 0.0})
+    faulty = FaultyBackend(e.worker.l3.store)
+    e.worker.l3.store = faulty
+    req = Req("b", doc + [2])
+    e.sched.add_request("b", req.tokens)
+    assert e.sched.lookup("b", 0) is None          # existence query pending
+    pump(e)
+    assert e.sched.lookup("b", 0) == 4 * P and e.sched.lookup_is_async("b")
+    faulty.set_faults(hang_get=True)
+    req.blocks = [e.free_blocks.pop(0) for _ in range(5)]
+    e.sched.on_alloc("b", req.blocks, 4 * P)
+    e.step(compute=False)                           # the job starts, the read hangs
+    assert faulty.wait_hanging(1, timeout=10)
+    assert "b" not in e.recv
+    now[0] += 0.6                                   # past the deadline
+    e.step(compute=False)
+    assert "b" in e.recv                            # released without the store
+    assert set(req.blocks[:4]) <= e.failed_blocks   # every page recomputed
+    assert e.worker.l3.counters.prefetch_deadline_misses == 1
+    staged = e.sched.ctl.staging_slots()
+    assert len(staged) == 4                         # still pinned: a thread may still write them
+    faulty.release()
+    e.worker.l3.wait_idle()
+    e.step(compute=False)
+    assert e.sched.ctl.staging_slots() == [] and e.sched.ctl.pending_jobs() == 0
+    e.recv.clear()
+    e.failed_blocks.clear()
+    e.free_blocks.extend(req.blocks)
+    e.sched.on_finished("b")
+    e.idle_check()
+    e.close()
+
+
+def test_r09_abort_during_l3_load_delays_the_free_and_leaks_nothing(tmp_path):
+    doc = toks(60, 4 * P)
+    e1 = FakeEngine(store=file_store(tmp_path))
+    e1.run_l3(Req("a", doc + [1]))
+    e1.settle()
+    e1.close()
+    e = FakeEngine(store=file_store(tmp_path))
+    faulty = FaultyBackend(e.worker.l3.store)
+    e.worker.l3.store = faulty
+    req = Req("b", doc + [2])
+    e.sched.add_request("b", req.tokens)
+    assert e.sched.lookup("b", 0) is None
+    pump(e)
+    assert e.sched.lookup("b", 0) == 4 * P
+    faulty.set_faults(hang_get=True)
+    req.blocks = [e.free_blocks.pop(0) for _ in range(5)]
+    free_before = len(e.free_blocks)
+    e.sched.on_alloc("b", req.blocks, 4 * P)
+    e.waiting["b"] = req
+    e.step(compute=False)
+    assert faulty.wait_hanging(1, timeout=10)
+    e.finish(req)                                   # abort while the read hangs
+    assert "b" in e.delayed                         # blocks kept until the worker acknowledged the abort
+    e.step(compute=False)
+    # the worker never copies into an aborted request's blocks, so they go back at once (finished_recving)
+    # while the read still hangs; only the L2 staging slots stay pinned until the I/O really ended
+    assert "b" not in e.delayed and len(e.free_blocks) == free_before + 5
+    assert len(e.sched.ctl.staging_slots()) == 4
+    faulty.release()
+    e.worker.l3.wait_idle()
+    e.step(compute=False)
+    assert e.sched.ctl.staging_slots() == []
+    assert e.worker.counters.async_load_pages == 0  # nothing copied into the aborted request's blocks
+    e.idle_check()
+    e.close()
+
+
+# ---------------------------------------------------------------- sharing, TP, dedup, negative cache
+def test_r25_tp_ranks_report_the_minimum_and_no_rank_uses_a_page_another_lacks(tmp_path):
+    doc = toks(1, 8 * P)
+    e = FakeEngine(store=file_store(tmp_path), tp_size=2)
+    e.run_l3(Req("a", doc + [1]))
+    e.settle()
+    keys = keys_of(e, doc)
+    for rank in (0, 1):
+        l3 = e.ranks[rank][3].l3
+        assert l3.store.batch_exists([l3_key(l3.rank_namespace, k) for k in keys]) == 8
+    assert e.sched.ctl.counters.backup_stored_pages == 8  # merged: a page counts once all ranks stored it
+    e.close()
+    e2 = FakeEngine(store=file_store(tmp_path), tp_size=2)
+    r1 = e2.ranks[1][3].l3
+    r1.store.batch_delete([l3_key(r1.rank_namespace, keys[3])])    # rank 1 lost page 4
+    assert e2.run_l3(Req("b", doc + [2])) == 3 * P                  # the minimum over ranks
+    e2.settle()
+    e2.idle_check()
+    e2.close()
+
+
+def test_one_l3_read_serves_every_waiting_request(tmp_path):
+    doc = toks(5, 4 * P)
+    e1 = FakeEngine(store=file_store(tmp_path))
+    e1.run_l3(Req("a", doc + [1]))
+    e1.settle()
+    e1.close()
+    e = FakeEngine(store=file_store(tmp_path))
+    assert e.admit_l3(Req("b", doc + [2])) == 4 * P
+    # b's prefetch is done and published: c gets the same pages from L2, no second read
+    assert e.admit_l3(Req("c", doc + [3])) == 4 * P
+    assert e.sched.ctl.counters.prefetch_jobs == 1 and e.worker.l3.counters.prefetch_pages == 4
+    # while a fetch runs, a second request for the same pages waits (None) instead of reading them again
+    e.step()
+    for r in list(e.running.values()):
+        e.finish(r)
+    e.settle()
+    e.idle_check()
+    e.close()
+
+
+def test_existence_answers_are_cached_and_never_stall(tmp_path):
+    now = [0.0]
+    e = FakeEngine(store=file_store(tmp_path), clock=lambda: now[0],
+                   controller={"negative_ttl_s": 2.0, "exists_wait_s": 1.0})
+    other = toks(7000, 4 * P) + [1]
+    e.sched.add_request("x1", other)
+    assert e.sched.lookup("x1", 0) is None         # query started
+    assert e.sched.lookup("x1", 0) is None         # pending: not asked twice
+    assert e.sched.ctl.counters.exists_queries == 1
+    pump(e)
+    assert e.sched.lookup("x1", 0) == 0            # absent
+    e.sched.add_request("x2", other)
+    assert e.sched.lookup("x2", 0) == 0            # remembered: answered at once, no new query
+    assert e.sched.ctl.counters.exists_queries == 1
+    now[0] += 2.5                                  # the negative answer expires
+    assert e.sched.lookup("x2", 0) is None and e.sched.ctl.counters.exists_queries == 2
+    # an answer that does not come within exists_wait_s: the request goes on without L3
+    faulty = FaultyBackend(e.worker.l3.store, hang_exists=True)
+    e.worker.l3.store = faulty
+    now[0] += 2.5
+    e.sched.add_request("x3", toks(9000, 3 * P) + [1])
+    assert e.sched.lookup("x3", 0) is None
+    e.step(compute=False)
+    assert faulty.wait_hanging(1, timeout=10)
+    now[0] += 1.5
+    assert e.sched.lookup("x3", 0) == 0 and e.sched.ctl.counters.exists_late_answers == 1
+    faulty.release()
+    for rid in ("x1", "x2", "x3"):
+        e.sched.on_finished(rid)
+    e.settle()
+    e.idle_check()
+    e.close()
+
+
+def test_controller_rejects_bad_policies_and_deadlines():
+    idx, alloc = RadixIndex(), SlotAllocator(4)
+    with pytest.raises(ValueError, match="controller.write_policy.*write_through, write_through_selective, write_back"):
+        Controller(idx, alloc, page_size=P, write_policy="write_sometimes")
+    with pytest.raises(ValueError, match="controller.prefetch_policy"):
+        Controller(idx, alloc, page_size=P, prefetch_policy="eager")
+    with pytest.raises(ValueError, match="prefetch_timeout_base_s"):
+        Controller(idx, alloc, page_size=P, prefetch_timeout_base_s=0)
+
+
+def test_slow_l3_hits_are_declined(tmp_path):
+    doc = toks(3, 4 * P)
+    e1 = FakeEngine(store=file_store(tmp_path))
+    e1.run_l3(Req("a", doc + [1]))
+    e1.settle()
+    e1.close()
+    e = FakeEngine(store=file_store(tmp_path))
+    e.sched.ctl.fetch_s_per_page.add(1.0)           # 1 s per page ...
+    e.sched.ctl.observe_prefill(1.0, 10_000)         # ... against 0.1 ms per token: recompute is faster
+    assert e.run_l3(Req("b", doc + [2])) == 0
+    assert e.sched.ctl.counters.l3_declined_slow_pages == 4
+    e.settle()
+    e.idle_check()
+    e.close()
+
+
+# ---------------------------------------------------------------- R30, R21
+def test_r30_backups_reach_l3_without_further_engine_calls(tmp_path):
+    doc = toks(11, 16 * P)
+    e = FakeEngine(store=file_store(tmp_path))
+    e.run_l3(Req("a", doc + [1]))                   # the step that saved the pages also handed over the backup
+    assert e.worker.l3.wait_idle(10)               # no engine call: the I/O thread finishes on its own
+    reader = FileStore(e.worker.l3.rank_namespace, e.host.page_bytes, root=str(tmp_path))
+    keys = keys_of(e, doc)
+    assert reader.batch_exists([l3_key(e.worker.l3.rank_namespace, k) for k in keys]) == 16
+    reader.close()
+    e.settle()
+    e.close()
+
+
+def test_r21_seeded_long_run_returns_to_baseline(tmp_path):
+    rng = random.Random(21)
+    threads0 = threading.active_count()
+    e = FakeEngine(num_blocks=128, num_slots=16, store=file_store(tmp_path, fail_get=0.05, fail_set=0.05, seed=1),
+                   controller={"write_policy": "write_through"})
+    threads_started = threading.active_count()
+    prefixes = [toks(10_000 * k, 2 * P) for k in range(1, 21)]
+    for i in range(2000):
+        r = Req(f"r{i}", rng.choice(prefixes) + toks(100 * i, rng.randint(0, 2 * P)) + [i])
+        if rng.random() < 0.02:                     # abort right after admission
+            e.admit_l3(r)
+            e.finish(r)
+        else:
+            e.run_l3(r)
+        if i % 500 == 499:
+            e.settle()
+            e.idle_check()
+            assert e.sched.allocator.num_free + len(e.sched.index.all_slots()) == 16
+            assert threading.active_count() == threads_started
+    e.settle()
+    e.idle_check()
+    e.close()
+    assert threading.active_count() == threads0
