@@ -48,14 +48,25 @@ class HostPoolConfig(_Strict):
 
 class ControllerConfig(_Strict):
     """Backup (L1->L2->L3) and prefetch (L3->L2->L1) policies, after SGLang HiCache's ``--hicache-write-policy``
-    and ``--hicache-storage-prefetch-policy``."""
+    and ``--hicache-storage-prefetch-policy``; used only when ``l3.backend`` is not ``none``
+    (:mod:`tierkv.connector.controller`, docs/architecture.md §4). Times in seconds, sizes in pages."""
 
     write_policy: Literal["write_through", "write_through_selective", "write_back"] = "write_through"
     write_through_threshold: int = Field(default=2, ge=1)
     prefetch_policy: Literal["best_effort", "wait_complete", "timeout"] = "best_effort"
     prefetch_timeout_base_s: float = Field(default=0.5, gt=0)
     prefetch_timeout_per_page_s: float = Field(default=0.005, ge=0)
-    io_threads: int = Field(default=1, ge=1, le=64)
+    exists_wait_s: float = Field(default=1.0, ge=0)
+    negative_ttl_s: float = Field(default=2.0, ge=0)
+    room_retry_steps: int = Field(default=8, ge=0)
+    max_index_pages: int = Field(default=1 << 22, ge=1)
+    batch_pages: int = Field(default=16, ge=1, le=4096)
+    max_backup_pages: int = Field(default=65536, ge=1)
+    shutdown_drain_s: float = Field(default=10.0, ge=0)
+
+    def scheduler_kwargs(self) -> dict:
+        """Keyword arguments of :class:`tierkv.connector.controller.Controller`."""
+        return self.model_dump(exclude={"batch_pages", "max_backup_pages", "shutdown_drain_s"})
 
 
 class TierKVConfig(_Strict):

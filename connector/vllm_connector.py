@@ -12,14 +12,26 @@ Load it with::
 instance in the scheduler process and one per worker; they share nothing but the per-step
 :class:`ConnectorPlan`):
 
-- scheduler role -> :class:`tierkv.connector.scheduler.CacheScheduler` (radix index over L2, locks, slots),
-- worker role -> :class:`tierkv.connector.worker.CacheWorker` (host pool memory, device pool adapter).
+- scheduler role -> :class:`tierkv.connector.scheduler.CacheScheduler` (radix index over L2 and L3, locks, slots,
+  and with an L3 store the scheduler half of the controller),
+- worker role -> :class:`tierkv.connector.worker.CacheWorker` (host pool memory, device pool adapter, and with an
+  L3 store the controller's I/O threads, :class:`tierkv.connector.l3_io.L3IO`).
 
 Loads from L2 are synchronous in vLLM's sense (``load_async=False``): they complete before the layers read
-them, inside the same step. Saves complete in ``wait_for_save`` of the step that computed the pages, so
-``request_finished`` never needs to delay freeing blocks. ``requires_kv_delivery`` is False: tierkv is a
-best-effort cache. Recommended: ``"kv_load_failure_policy": "recompute"`` so a page that fails its checksum
-is recomputed rather than failing the request.
+them, inside the same step. Loads that need L3 are asynchronous (``load_async=True``): the request waits in
+``WAITING_FOR_REMOTE_KVS`` while other requests run, and the worker names it in ``finished_recving`` once its pages
+are in L1 (failed pages in ``get_block_ids_with_load_errors``). Saves complete in ``wait_for_save`` of the step that
+computed the pages; L3 jobs go to the I/O threads right after and report back through the worker metadata
+(:class:`TierKVWorkerMeta`: ``build_connector_worker_meta`` -> ``update_connector_output``).
+``request_finished`` delays freeing blocks only for a request aborted while its L3 load runs.
+``requires_kv_delivery`` is False: tierkv is a best-effort cache. Needed with L3, recommended always:
+``"kv_load_failure_policy": "recompute"``, so a page that fails its checksum or arrives too late is recomputed
+rather than failing the request.
+
+With an L3 store the worker builds its store with its own rank's namespace (TP and PP rank; rank 0 for MLA, whose
+pages are the same on every rank). A store that cannot start (server down, unwritable directory) is a logged
+warning and the worker serves without L3 (its jobs are answered "not done"); a bad ``l3`` key or value stops
+start-up with a ConfigError naming it.
 
 Constraints (checked at start-up, clear errors): one KV cache group (vLLM turns the hybrid manager off for
 us), ``page_size`` equal to the engine block size.
@@ -27,17 +39,19 @@ us), ``page_size`` equal to the engine block size.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
+import time
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                               KVConnectorRole)
+                                                               KVConnectorRole, KVConnectorWorkerMetadata)
 
 from .config import ConfigError, TierKVConfig, config_from_extra
 from .metrics import StatsFile
 from .page_hash import ModelNamespace
-from .plan import StepPlan
+from .plan import JobReport, StepPlan
 from .vllm_metrics import CounterDeltas, TierKVPromMetrics, TierKVStats
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -50,6 +64,18 @@ logger = logging.getLogger("tierkv.vllm")
 
 class ConnectorPlan(StepPlan, KVConnectorMetadata):
     """The per-step metadata vLLM pickles to every worker: a :class:`StepPlan`."""
+
+
+class TierKVWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: the :class:`~tierkv.connector.plan.JobReport` s of one step. vLLM merges the ranks' objects
+    with :meth:`aggregate` (concatenation: the scheduler side waits for every rank's report of a job and merges
+    them page by page)."""
+
+    def __init__(self, reports: Optional[list[JobReport]] = None):
+        self.reports: list[JobReport] = list(reports or [])
+
+    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "TierKVWorkerMeta":
+        return TierKVWorkerMeta(self.reports + list(getattr(other, "reports", []) or []))
 
 
 def _geometry(kv_cache_config) -> tuple[Any, list[str]]:
@@ -99,16 +125,27 @@ class TierKVConnector(KVConnectorBase_V1):
             num_kv_heads=int(getattr(spec, "num_kv_heads", 1)), head_dim=int(getattr(spec, "head_size", 0)),
             tp_rank=0, tp_size=self.tp_size, pp_rank=0, pp_size=int(pc.pipeline_parallel_size),
             use_mla=self.use_mla)
+        self.world_size = self.tp_size * int(pc.pipeline_parallel_size)
+        self.use_l3 = self.cfg.l3.backend != "none"
         self._sched = None
         self._worker = None
         self._requests: dict[str, "Request"] = {}
+        self._last_meta_t: Optional[float] = None
+        self._last_prefill_tokens = 0
         if role == KVConnectorRole.SCHEDULER:
             from .scheduler import CacheScheduler
             if self.num_slots == 0:
                 logger.warning("tierkv: host pool of %d bytes holds no page of %d bytes; serving without L2",
                                pool_bytes, self.page_bytes)
+            ctl = None
+            if self.use_l3:
+                ctl = dict(self.cfg.controller.scheduler_kwargs(), world_size=self.world_size)
+                if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
+                    logger.warning("tierkv: with an L3 store set \"kv_load_failure_policy\": \"recompute\" in "
+                                   "--kv-transfer-config; with \"fail\" a page that arrives late or corrupt from L3 "
+                                   "ends its request with an error instead of being recomputed")
             self._sched = CacheScheduler(self.namespace, self.page_size, self.block_size, self.num_slots,
-                                         self.cfg.eviction_policy)
+                                         self.cfg.eviction_policy, controller=ctl)
             max_pages = (int(mc.max_model_len) + self.page_size - 1) // self.page_size
             if 0 < self.num_slots < max_pages:
                 logger.warning("tierkv: L2 holds %d pages, fewer than one request of max_model_len (%d pages); "
@@ -160,7 +197,10 @@ class TierKVConnector(KVConnectorBase_V1):
         if getattr(request, "skip_reading_prefix_cache", False):
             self._sched.requests[request.request_id].last_num_computed = num_computed_tokens
             return 0, False
-        return self._sched.lookup(request.request_id, num_computed_tokens), False
+        n = self._sched.lookup(request.request_id, num_computed_tokens)
+        if n is None:
+            return None, False  # an L3 answer or L2 room is pending: vLLM asks again next step
+        return n, bool(n > 0 and self._sched.lookup_is_async(request.request_id))
 
     def update_state_after_alloc(self, request: "Request", blocks, num_external_tokens: int) -> None:
         self._track(request)
@@ -169,6 +209,7 @@ class TierKVConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         sched = self._sched
+        self._observe_step(scheduler_output)
         for rid in scheduler_output.preempted_req_ids or ():
             sched.on_preempted(rid)
         n_sched = scheduler_output.num_scheduled_tokens
@@ -179,9 +220,26 @@ class TierKVConnector(KVConnectorBase_V1):
         for i, rid in enumerate(cached.req_ids):
             self._plan_saves(rid, cached.num_computed_tokens[i] + n_sched.get(rid, 0), state, None)
         plan = sched.build_plan()
-        meta = ConnectorPlan(step=plan.step, loads=plan.loads, saves=plan.saves)
+        meta = ConnectorPlan(step=plan.step, loads=plan.loads, saves=plan.saves, jobs=plan.jobs)
         self._stats.maybe_write()
         return meta
+
+    def _observe_step(self, so: "SchedulerOutput") -> None:
+        # the engine's prefill time per token, for the controller's "never slower than recomputing" check: the
+        # wall time between two build_connector_meta calls is one step; it counts when that step computed at
+        # least a few pages of prompt tokens (decode-only steps say little about prefill cost)
+        now = time.perf_counter()
+        if self._last_meta_t is not None and self._last_prefill_tokens >= 4 * self.page_size \
+                and self._sched.ctl is not None:
+            self._sched.ctl.observe_prefill(now - self._last_meta_t, self._last_prefill_tokens)
+        self._last_meta_t = now
+        n_sched = so.num_scheduled_tokens or {}
+        self._last_prefill_tokens = sum(n for n in n_sched.values() if n > 1)
+
+    def update_connector_output(self, connector_output) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if meta is not None and self._sched is not None:
+            self._sched.on_reports(getattr(meta, "reports", []) or [])
 
     def _plan_saves(self, rid: str, tokens_after: int, state, fallback_blocks) -> None:
         if rid not in self._sched.requests:
@@ -197,20 +255,23 @@ class TierKVConnector(KVConnectorBase_V1):
         self._sched.schedule_saves(rid, tokens_after, ids[0])
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict]]:
-        self._sched.on_finished(request.request_id)
+        delay = self._sched.on_finished(request.request_id)
         self._requests.pop(request.request_id, None)
-        return False, None
+        return delay, None
 
     def reset_cache(self) -> Optional[bool]:
         return self._sched.reset() if self._sched is not None else None
 
     def shutdown(self) -> None:
         self._stats.maybe_write(force=True)
-        if self._worker is not None and self._worker._pending is not None:
-            self._worker.finish_loads()
+        if self._worker is not None:
+            if self._worker._pending is not None:
+                self._worker.finish_loads()
+            self._worker.close(self.cfg.controller.shutdown_drain_s)
 
     # =========================================================== worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from .. import kernels
         from .device_pool import DevicePool
         from .host_pool import HostPool
         from .worker import CacheWorker
@@ -233,9 +294,51 @@ class TierKVConnector(KVConnectorBase_V1):
         if host.page_bytes != self.page_bytes:
             raise ConfigError(f"tierkv: page of {host.page_bytes} bytes in the worker but {self.page_bytes} "
                               "bytes from the KV cache spec")
+        l3, checksums = None, None
+        if self.use_l3:
+            l3, checksums = self._build_l3(host)
         self._worker = CacheWorker(dev, host, verify=self.cfg.verify_checksums,
-                                   layerwise=self.cfg.layerwise_load)
-        logger.info("tierkv worker: %r, L2 %s", dev, host)
+                                   layerwise=self.cfg.layerwise_load, l3=l3, checksums=checksums)
+        kernels.warm_up(dev, host)
+        logger.info("tierkv worker: %r, L2 %s, L3 %s", dev, host, l3.store if l3 is not None else "none")
+
+    def _build_l3(self, host):
+        """This rank's store and I/O threads, or (None, None) with a warning when the store cannot start."""
+        from tierkv.storage_backends.factory import build_backend
+
+        from .l3_io import L3IO
+        from .page_checksums import SlotChecksums
+        try:
+            from vllm.distributed.parallel_state import (get_pipeline_model_parallel_rank,
+                                                         get_tensor_model_parallel_rank)
+            tp_rank, pp_rank = get_tensor_model_parallel_rank(), get_pipeline_model_parallel_rank()
+        except Exception:  # no distributed state (single process): rank 0
+            tp_rank, pp_rank = 0, 0
+        rank_ns = dataclasses.replace(self.namespace, tp_rank=0 if self.use_mla else tp_rank, pp_rank=pp_rank)
+        digest = rank_ns.digest()
+        try:
+            store = build_backend(self.cfg.l3, digest, self.page_bytes)
+        except Exception as e:  # server down, directory unwritable...: serve without L3, say so once
+            logger.warning("tierkv worker: L3 store '%s' could not start (%s); serving without L3 (jobs are "
+                           "answered 'not done', every prefix beyond L2 is recomputed)", self.cfg.l3.backend, e)
+            return None, None
+        c = self.cfg.controller
+        checksums = SlotChecksums(host.num_slots)
+        l3 = L3IO(store, host, digest, checksums, batch_pages=c.batch_pages, max_backup_pages=c.max_backup_pages,
+                  rank=tp_rank + self.tp_size * pp_rank)
+        return l3, checksums
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
+        if self._worker is None:
+            return None, None
+        done = self._worker.poll(finished_req_ids)
+        return None, (done or None)
+
+    def build_connector_worker_meta(self) -> Optional[KVConnectorWorkerMetadata]:
+        if self._worker is None:
+            return None
+        reports = self._worker.take_reports()
+        return TierKVWorkerMeta(reports) if reports else None
 
     def _worker_stats(self) -> dict:
         return self._worker.stats() if self._worker is not None else {}
@@ -259,8 +362,11 @@ class TierKVConnector(KVConnectorBase_V1):
             return
         plan = self._get_connector_metadata()
         self._worker.finish_loads()
-        if isinstance(plan, StepPlan) and plan.saves:
-            self._worker.run_saves(plan)
+        if isinstance(plan, StepPlan):
+            if plan.saves:
+                self._worker.run_saves(plan)
+            if plan.jobs:
+                self._worker.submit_jobs(plan)
         self._stats.maybe_write()
 
     def get_block_ids_with_load_errors(self) -> set[int]:

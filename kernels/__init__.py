@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-__all__ = ["save_pages", "load_pages", "validate_transfer", "plan_runs"]
+__all__ = ["save_pages", "load_pages", "validate_transfer", "plan_runs", "warm_up"]
 
 
 def _as_int_list(name: str, v) -> list[int]:
@@ -155,3 +155,16 @@ def load_pages(host, dev, slots: Sequence[int], block_ids: Sequence[int], layers
     if not b:
         return None
     return _impl(dev, impl).transfer(dev, host, b, s, ls, save=False, **kw)
+
+
+def warm_up(dev, host, *, impl: Optional[str] = None) -> float:
+    """Compile and run both transfer directions once, before the engine's first step (numba compiles a kernel on
+    its first call: without this, the first step that saves or loads pays that compile, about a second). Copies
+    block 0 into slot 0 and back, so the block's bytes are unchanged (vLLM never reads block 0, its null block).
+    Returns the seconds it took."""
+    import time
+
+    t0 = time.perf_counter()
+    save_pages(dev, host, [0], [0], impl=impl)
+    load_pages(host, dev, [0], [0], impl=impl)
+    return time.perf_counter() - t0

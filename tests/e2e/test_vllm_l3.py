@@ -1,0 +1,77 @@
+"""The real vLLM engine with tierkv's controller and a file L3: a prefill computed by one engine is loaded by the
+next one from L3 (restart persistence), outputs bit-identical to vLLM reusing the same prefix from L1.
+
+Reference: one engine without a connector and an L1 large enough for everything runs the first round and then
+the second round, so the second round's prefixes come from its own L1. tierkv: engine 1 runs the first round with
+write_through to a file store and an L2 too small for the working set; engine 2 (a new process, empty L1 and L2)
+runs the second round on the same directory, so its prefixes can only come from L3.
+"""
+import random
+
+import pytest
+
+from _engine import run_job, stats_by_role, tierkv_kv_config
+
+P = 32
+MAX_LEN = 512
+
+
+def _rounds():
+    rng = random.Random(77)
+    vocab = lambda n: [rng.randrange(10, 1000) for _ in range(n)]
+    docs = [vocab(n) for n in (160, 224, 257, 192)]
+    first = [d + vocab(rng.randrange(3, 20)) for d in docs]
+    again = [d + vocab(rng.randrange(3, 20)) for d in docs]
+    return first, again
+
+
+def _tier_config(root, **extra):
+    cfg = {"host_pool": {"num_pages": 12}, "verify_checksums": True,
+           "l3": {"backend": "file", "file": {"root": str(root)}},
+           "controller": {"write_policy": "write_through", "prefetch_policy": "wait_complete"}}
+    cfg.update(extra)
+    return tierkv_kv_config(cfg, load_failure_policy="recompute")
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model, tmp_path_factory):
+    first, again = _rounds()
+    args = {"max_model_len": MAX_LEN}
+    root = tmp_path_factory.mktemp("l3")
+    ref = run_job(tiny_model, [{"name": "first", "prompts": first}, {"name": "again", "prompts": again}],
+                  kv_transfer_config=None, num_gpu_blocks_override=200, max_tokens=6, extra_engine_args=args,
+                  workdir=tmp_path_factory.mktemp("ref"))
+    e1 = run_job(tiny_model, [{"name": "first", "prompts": first}], kv_transfer_config=_tier_config(root),
+                 num_gpu_blocks_override=MAX_LEN // P + 2, max_tokens=6, extra_engine_args=args,
+                 workdir=tmp_path_factory.mktemp("e1"))
+    e2 = run_job(tiny_model, [{"name": "again", "prompts": again}], kv_transfer_config=_tier_config(root),
+                 num_gpu_blocks_override=MAX_LEN // P + 2, max_tokens=6, extra_engine_args=args,
+                 workdir=tmp_path_factory.mktemp("e2"))
+    return first, again, ref, e1, e2
+
+
+def test_first_engine_backs_up_every_full_page(runs):
+    first, _again, ref, e1, _e2 = runs
+    assert e1["workloads"]["first"]["outputs"] == ref["workloads"]["first"]["outputs"]
+    s = stats_by_role(e1)
+    sched, worker = s["scheduler"], s["worker"]
+    full_pages = sum(len(p) // P for p in first)            # every page whose KV was computed, incl. the last one
+    assert worker["l3_backup_pages"] == sched["ctl_backup_stored_pages"] == full_pages, (sched, worker)
+    assert worker["l3_backup_failed_pages"] == 0 and sched["ctl_pending_jobs"] == 0
+    assert sched["locked_pages"] == 0 and sched["live_requests"] == 0
+    assert e1["leaked_processes"] == 0
+
+
+def test_restarted_engine_loads_prefixes_from_l3_bit_exact(runs):
+    _first, again, ref, _e1, e2 = runs
+    out, want = e2["workloads"]["again"], ref["workloads"]["again"]
+    assert out["outputs"] == want["outputs"]
+    # the engine reused as many prefix tokens as vLLM did from its own L1 (all full pages but the last token's)
+    assert out["num_cached_tokens"] == want["num_cached_tokens"]
+    s = stats_by_role(e2)
+    sched, worker = s["scheduler"], s["worker"]
+    assert sched["ctl_l3_hit_tokens"] == sum(want["num_cached_tokens"]) > 0, sched
+    assert worker["l3_prefetch_failed_pages"] == 0 and worker["failed_load_blocks"] == 0
+    assert worker["async_load_pages"] == sched["ctl_l3_hit_tokens"] // P
+    assert sched["locked_pages"] == 0 and sched["free_slots"] + sched["l2_pages"] == sched["num_slots"]
+    assert e2["leaked_processes"] == 0
