@@ -10,7 +10,7 @@ engine's critical path), driven here by the jobs of :mod:`tierkv.connector.plan`
   only its own pages; later batches still run (a page is reported done only if the store acknowledged it).
 - Once a job ended, its :class:`~tierkv.connector.plan.JobReport` waits in :meth:`take_reports` for the next step's
   worker metadata. Data moves whether or not the engine steps again: a page handed to the writer reaches L3 in
-  bounded time even on an idle engine (field scenario R30).
+  bounded time even on an idle engine (docs/architecture.md §8 R30).
 - A prefetch also has a request side, served on the engine thread by :meth:`poll` (vLLM's ``get_finished``): when
   all its pages arrived, or its deadline passed, the leading run of intact pages is handed back for the L2 -> L1
   copy, the rest of the request's blocks are reported as load errors (vLLM recomputes them), and the request is

@@ -3,12 +3,12 @@
 ``key(page_i) = BLAKE2b-128(key(page_{i-1}) || tokens of page_i || extra keys of page_i)`` with
 ``key(page_-1)`` = the request root, itself a hash of the model namespace, the LoRA adapter and the cache
 salt. So a key names the whole prefix up to its page *and* everything that changes the page's bytes
-(design §2; the chaining follows SGLang HiCache's page hash and vLLM's block hash, but unlike both the
-model identity, dtype, layout, page size, geometry and parallel rank are inside the key, cf. field
-scenarios R01/R02).
+(docs/architecture.md §2; the chaining follows SGLang HiCache's page hash and vLLM's block hash, but unlike both the
+model identity, dtype, layout, page size, geometry and parallel rank are inside the key, cf.
+docs/architecture.md §8 R01, R02).
 
 Keys are pure functions of their inputs: no Python ``hash``, no pickle, no process-dependent seed
-(scenario R18). Tokens are encoded as little-endian int64; structured values (namespace fields, extra keys)
+(docs/architecture.md §8 R18). Tokens are encoded as little-endian int64; structured values (namespace fields, extra keys)
 as canonical msgpack with ``None``, empty tuple and absent kept distinct.
 
 A key is 16 bytes; its text form (``.hex()``, 32 lowercase hex chars) is what L3 stores index by.

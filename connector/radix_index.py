@@ -6,7 +6,7 @@ Design after SGLang HiCache's radix tree (``HiRadixCache``), adapted to a plug-i
   (:mod:`tierkv.connector.page_hash`), which name the token ids of the page *and* of every page before it
   *and* the namespace (model, dtype, layout, LoRA, cache salt...). So two sequences share a path exactly
   when they share a page-aligned token prefix within one namespace, and matching is page-aligned by
-  construction: a tail shorter than a page has no key and never matches (field scenario R12).
+  construction: a tail shorter than a page has no key and never matches (docs/architecture.md §8 R12).
 - Children are keyed by the key of their first page.
 - Each node holds, per page, its residency: its L2 host slot (``-1`` = no L2 copy) and whether L3 holds it
   (``in_l3``, set only when the store acknowledged the page). Every indexed page has at least one copy: L2, L3
@@ -489,7 +489,7 @@ class RadixIndex:
             heapq.heappush(self._heap, (self._priority(node), stamp, node.id, node))
 
     def _compact_heap(self) -> None:
-        # drop stale entries so the heap stays O(nodes) over long runs (no slow leak, field scenario R21)
+        # drop stale entries so the heap stays O(nodes) over long runs (no slow leak, docs/architecture.md §8 R21)
         self._heap = [e for e in self._heap if e[3]._heap_stamp == e[1] and self._l2_evictable(e[3])]
         heapq.heapify(self._heap)
 

@@ -15,7 +15,7 @@ inside a payload: the client wraps every page with a :mod:`.page_format` header 
 Wire format and safety rules: :mod:`.zmq_protocol` (msgpack headers under strict limits, raw payload frames,
 an error reply for every request it can attribute, no pickle). Design inspired by LMCache's MP cache server
 (DEALER/ROUTER, request ids) and SGLang HiCache's storage semantics (leading-run exists), with the fixes
-field scenarios R13/R15/R19 call for.
+docs/architecture.md §8 R13, R15, R19 call for.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""File store across restarts: field scenario R17 with its exact counts, LRU order that survives a restart,
+"""File store across restarts: docs/architecture.md §8 R17 with its exact counts, LRU order that survives a restart,
 start-up header verification."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Mooncake backend against a real ``mooncake_master``: field scenarios R15 (writer killed mid-put) and R16 (master
+"""Mooncake backend against a real ``mooncake_master``: docs/architecture.md §8 R15 (writer killed mid-put) and R16 (master
 restart while data holders stay up), a hung (SIGSTOPped) or dead master, and bad configuration."""
 from __future__ import annotations
 

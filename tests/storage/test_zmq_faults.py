@@ -1,4 +1,4 @@
-"""ZMQ L3 faults: field scenarios R13 (server killed/restarted/stopped; half, stale and malformed replies) and R15
+"""ZMQ L3 faults: docs/architecture.md §8 R13 (server killed/restarted/stopped; half, stale and malformed replies) and R15
 (a writer killed in the middle of a put), against the real server or a hand-written fake one."""
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from tierkv.storage_backends.zmq_client import ZmqStore
 
 KiB, MiB = 1 << 10, 1 << 20
 NS = bytes(range(50, 66))
-T = 0.5          # client timeout in these tests (seconds), as in scenario R13
+T = 0.5          # client timeout in these tests (seconds), as in docs/architecture.md §8 R13
 MARGIN = 0.75    # allowed lateness on a busy 2-core machine (seconds)
 
 

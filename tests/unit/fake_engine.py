@@ -6,7 +6,7 @@ the real :class:`DevicePool`; L2 is the real :class:`HostPool`; the scheduler si
 block allocation, "computing" a page (writing its fingerprint into the block) and the hook order of one step
 (lookup -> alloc -> build plan -> loads -> forward -> saves).
 
-Fingerprint fill (shared/cases/field-scenarios.md): the bytes of page ``i`` of layer ``l`` are a pure function of
+Fingerprint fill (docs/architecture.md §8): the bytes of page ``i`` of layer ``l`` are a pure function of
 (namespace tag, token prefix up to the end of page ``i``, ``l``), so any page read back from any tier can be
 checked byte for byte.
 """

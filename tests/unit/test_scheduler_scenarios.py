@@ -1,6 +1,6 @@
 """Connector core end to end without an engine: scheduler side + worker side on real L1/L2 tensors.
 
-Field scenarios R01, R08, R09, R12, R21 (shared/cases/field-scenarios.md) as they apply to L1/L2.
+Faults R01, R08, R09, R12, R21 (docs/architecture.md §8) as they apply to L1/L2.
 """
 import random
 
