@@ -29,6 +29,7 @@ step: docs/architecture.md §8 R08). L3 jobs outlive steps; what they name stays
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -66,6 +67,9 @@ class SchedulerCounters:
     save_skipped_pages: int = 0     # pages not saved for lack of L2 space (all locked)
     evicted_pages: int = 0
     preemptions: int = 0
+    lookups: int = 0                # get_num_new_matched_tokens calls (vLLM repeats them for waiting requests)
+    lookup_seconds: float = 0.0     # time spent in them
+    max_lookup_us: float = 0.0      # the slowest one, microseconds
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -126,6 +130,17 @@ class CacheScheduler:
         Side-effect free on the index, apart from caching the request's page keys (and, with L3, starting an
         existence query whose answer a later call uses).
         """
+        t0 = time.perf_counter()
+        try:
+            return self._lookup(req_id, num_computed_tokens)
+        finally:
+            dt = time.perf_counter() - t0
+            c = self.counters
+            c.lookups += 1
+            c.lookup_seconds += dt
+            c.max_lookup_us = max(c.max_lookup_us, 1e6 * dt)
+
+    def _lookup(self, req_id: str, num_computed_tokens: int) -> Optional[int]:
         st = self.requests[req_id]
         st.last_num_computed = num_computed_tokens
         st.async_hit = False
@@ -178,14 +193,13 @@ class CacheScheduler:
         ``num_external_tokens`` from us: lock the matched path and order the load for this step."""
         st = self.requests[req_id]
         c = st.last_num_computed
+        from_l2 = 0 if (st.async_hit and self.ctl is not None) else num_external_tokens  # L3 hits: ctl counters
         if not st.counted:
             st.counted = True
             prefix = max(0, (len(st.tokens) - 1) // self.page_size) * self.page_size
             self.counters.lookup_tokens += prefix
             self.counters.device_hit_tokens += c
-            self.counters.l2_hit_tokens += num_external_tokens
-        elif num_external_tokens:
-            self.counters.l2_hit_tokens += num_external_tokens
+        self.counters.l2_hit_tokens += from_l2
         if num_external_tokens <= 0:
             return
         first, last = c // self.page_size, (c + num_external_tokens) // self.page_size

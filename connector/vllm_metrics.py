@@ -30,6 +30,17 @@ COUNTERS = {
     "save_seconds": "Time spent saving L1 -> L2 (seconds).",
     "checksum_mismatches": "L2 pages that failed their checksum and were recomputed.",
     "failed_load_blocks": "Blocks reported to vLLM as failed loads (recomputed).",
+    "ctl_l3_hit_tokens": "Prefix tokens loaded from L3 (asynchronous loads) instead of recomputed (tokens).",
+    "ctl_l3_declined_slow_pages": "L3 hits declined because loading was estimated slower than recomputing (pages).",
+    "ctl_exists_queries": "L3 existence queries sent to the workers.",
+    "l3_backup_pages": "Pages stored L2 -> L3 (pages).",
+    "l3_backup_failed_pages": "Pages whose L2 -> L3 backup failed or was dropped (pages).",
+    "l3_backup_bytes": "Bytes stored L2 -> L3 (bytes).",
+    "l3_prefetch_pages": "Pages read L3 -> L2 intact (pages).",
+    "l3_prefetch_failed_pages": "Pages whose L3 read failed, was corrupt or missing (pages).",
+    "l3_prefetch_bytes": "Bytes read L3 -> L2 (bytes).",
+    "l3_prefetch_deadline_misses": "Requests released at their prefetch deadline with pages still missing.",
+    "l3_store_errors": "L3 store calls that raised (connection, timeout, I/O errors).",
 }
 
 

@@ -49,8 +49,9 @@ class WorkerCounters:
     steps_with_loads: int = 0
     async_load_pages: int = 0       # pages copied L2 -> L1 at the end of L3 prefetches
     async_load_seconds: float = 0.0
-    last_save_ms: float = 0.0       # the most recent step's save, milliseconds
-    last_load_ms: float = 0.0       # the most recent step's load, milliseconds
+    save_steps: int = 0             # steps with saves (save_seconds / save_steps = mean per step)
+    max_save_ms: float = 0.0        # the slowest step's save, milliseconds
+    max_load_ms: float = 0.0        # the slowest step's L2 -> L1 load, milliseconds
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -117,7 +118,7 @@ class CacheWorker:
             self.counters.load_bytes += len(blocks) * self.host.page_bytes
         dt = time.perf_counter() - t0
         self.counters.load_seconds += dt
-        self.counters.last_load_ms = 1e3 * dt
+        self.counters.max_load_ms = max(self.counters.max_load_ms, 1e3 * dt)
 
     def wait_layer(self, layer_name: str) -> None:
         """Block until this layer's pages of the current step's loads are in L1."""
@@ -168,7 +169,8 @@ class CacheWorker:
                     self.checksums.record(slot, key, self.host.page_checksum(slot))
         dt = time.perf_counter() - t0
         self.counters.save_seconds += dt
-        self.counters.last_save_ms = 1e3 * dt
+        self.counters.save_steps += 1
+        self.counters.max_save_ms = max(self.counters.max_save_ms, 1e3 * dt)
 
     # ----------------------------------------------------------------- L3 jobs
     def submit_jobs(self, plan: StepPlan) -> None:
