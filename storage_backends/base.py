@@ -1,4 +1,4 @@
-"""The L3 storage interface (design §5).
+"""The L3 storage interface (docs/architecture.md §5).
 
 Semantics follow SGLang HiCache's ``HiCacheStorage`` so the same classes plug into SGLang:
 
@@ -10,16 +10,22 @@ Semantics follow SGLang HiCache's ``HiCacheStorage`` so the same classes plug in
 - ``batch_get(keys, destinations)`` fills each destination buffer (a writable contiguous ``torch.uint8`` tensor
   or memoryview of exactly ``page_bytes`` bytes, e.g. one host-pool page) and returns one bool per key;
   a missing, corrupt, truncated or foreign page is ``False`` (a miss), never data;
-- ``batch_set(keys, sources)`` stores each source buffer (``page_bytes`` bytes) and returns one bool per key;
-  a failed set never leaves a visible partial page.
+- ``batch_set(keys, sources, checksums=None)`` stores each source buffer (``page_bytes`` bytes) and returns one
+  bool per key; a failed set never leaves a visible partial page. ``checksums`` ("checksum once"): the XXH3-64 of
+  each source's payload (``xxhash.xxh3_64_intdigest`` of its ``page_bytes`` bytes,
+  :func:`tierkv.storage_backends.page_format.payload_checksum`), e.g. taken when the page entered the L2 host pool;
+  the store writes it into the record header as given and does not hash the payload again. A wrong value (a caller
+  bug, or a page that changed after it was hashed) is not detected at set time: the record fails verification when
+  read back, so it is a miss, never data.
 
 No method raises for a per-key failure or a dead/slow medium: errors become ``False``/0, are counted in
-``stats()`` and logged; ``ValueError`` is raised only for caller bugs (bad key text, wrong buffer size).
+``stats()`` and logged; ``ValueError`` is raised only for caller bugs (bad key text, wrong buffer size, a
+``checksums`` sequence of the wrong length or holding something other than 64-bit unsigned ints), before any I/O.
 """
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 if TYPE_CHECKING:  # no torch import at run time: the cache server process stays small and starts fast
     import torch
@@ -43,8 +49,13 @@ class StorageBackend(abc.ABC):
         """Read pages into ``destinations`` (one writable buffer of ``page_bytes`` per key)."""
 
     @abc.abstractmethod
-    def batch_set(self, keys: Sequence[str], sources: Sequence[Buffer]) -> list[bool]:
-        """Write pages from ``sources`` (one buffer of ``page_bytes`` per key)."""
+    def batch_set(self, keys: Sequence[str], sources: Sequence[Buffer],
+                  checksums: Optional[Sequence[int]] = None) -> list[bool]:
+        """Write pages from ``sources`` (one buffer of ``page_bytes`` per key). ``checksums``: ``None`` (the store
+        hashes each payload) or one XXH3-64 per source (an int in 0..2**64-1, the ``xxhash.xxh3_64_intdigest`` of
+        its ``page_bytes`` bytes), written into the record headers without hashing the payloads; a wrong value
+        makes that page a miss when read. Raises ValueError for a bad key, a buffer of the wrong size or a
+        ``checksums`` of the wrong length or type (:func:`~tierkv.storage_backends.page_format.check_checksums`)."""
 
     def register_host_buffer(self, buffer: Buffer) -> bool:
         """Declare ``buffer`` (e.g. the whole host pool: a contiguous CPU ``torch.uint8`` tensor of any size) as

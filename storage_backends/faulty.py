@@ -1,7 +1,7 @@
 """Fault injection around any L3 store, for tests of the layers above (controller, connector).
 
 After SGLang HiCache's ``HiCacheStorageFailureInjector`` (random delay and failure probability from environment
-variables), with what the field scenarios need on top: a seeded, reproducible choice of which keys fail; fixed
+variables), with what the fault tests (docs/architecture.md §8) need on top: a seeded, reproducible choice of which keys fail; fixed
 failing keys ("fail the read of page 3"); a *hang* that blocks a call until the test releases it (so timeout paths
 are tested with events, not sleeps); counters of what was injected.
 
@@ -20,7 +20,7 @@ from typing import Any, Iterable, Optional, Sequence
 from pydantic import BaseModel, ConfigDict, Field
 
 from tierkv.storage_backends.base import Buffer, StorageBackend
-from tierkv.storage_backends.page_format import check_key
+from tierkv.storage_backends.page_format import check_checksums, check_key
 
 _OPS = ("get", "set", "exists")
 
@@ -192,16 +192,24 @@ class FaultyBackend(StorageBackend):
                 out[i] = r
         return out
 
-    def batch_set(self, keys: Sequence[str], sources: Sequence[Buffer]) -> list[bool]:
+    def batch_set(self, keys: Sequence[str], sources: Sequence[Buffer],
+                  checksums: Optional[Sequence[int]] = None) -> list[bool]:
+        """Inner ``batch_set`` of the keys not chosen to fail, with their ``checksums`` (passed through as given,
+        validated first: ValueError for a wrong length or type, like every store)."""
         if len(keys) != len(sources):
             raise ValueError(f"{len(keys)} keys but {len(sources)} sources")
         self._check(keys)
+        sums = check_checksums(checksums, len(keys))
         self._before("set")
         fail = self._failing("set", keys)
         idx = [i for i, f in enumerate(fail) if not f]
         out = [False] * len(keys)
         if idx:
-            res = self.inner.batch_set([keys[i] for i in idx], [sources[i] for i in idx])
+            inner_keys, inner_srcs = [keys[i] for i in idx], [sources[i] for i in idx]
+            if sums is None:
+                res = self.inner.batch_set(inner_keys, inner_srcs)
+            else:
+                res = self.inner.batch_set(inner_keys, inner_srcs, checksums=[sums[i] for i in idx])
             for i, r in zip(idx, res):
                 out[i] = r
         return out

@@ -1,4 +1,4 @@
-"""Hash-indexed file L3 store: one file per page, atomic writes, verified reads, LRU capacity (design §5).
+"""Hash-indexed file L3 store: one file per page, atomic writes, verified reads, LRU capacity (docs/architecture.md §5).
 
 Layout under ``root`` (one directory may be shared by several processes and several namespaces)::
 
@@ -8,7 +8,7 @@ Layout under ``root`` (one directory may be shared by several processes and seve
 
 The record format is :mod:`tierkv.storage_backends.page_format` (magic, version, namespace, key, length,
 XXH3-64 of header and payload). The namespace digest is in the path as well as in the header, so two engines
-with different model identities (field scenarios R01/R02) never even open each other's files; keys are
+with different model identities (docs/architecture.md §8 R01, R02) never even open each other's files; keys are
 validated hex (:func:`~tierkv.storage_backends.page_format.check_key`), so no key can name a path outside
 ``root``.
 
@@ -18,7 +18,7 @@ Where it comes from and what it does differently:
   optional LRU evictor from file mtimes. It stores no header or checksum: a truncated page is reported present and
   then raises, a page corrupted in place is served as a hit. Here every read checks header and payload checksum and a
   bad record is a miss (counted, quarantined), never data.
-- LMCache's local disk backend lost its index on restart (field scenario R17). Here the index (path -> size, in LRU
+- LMCache's local disk backend lost its index on restart (docs/architecture.md §8 R17). Here the index (path -> size, in LRU
   order) is rebuilt from the directory at start: page files sorted by mtime (a write sets its record's mtime to an
   exact stamp; a hit is stamped in memory at read time and written to the file's mtime lazily, one ``utime`` per page
   per ``touch_flush_s`` and at close/rescan/exit, so recency survives restarts without a syscall per hit), files of
@@ -70,6 +70,7 @@ from tierkv.storage_backends.page_format import (
     MAGIC,
     VERSION,
     PageFormatError,
+    check_checksums,
     check_key,
     decode_header,
 )
@@ -634,17 +635,21 @@ class FileStore(StorageBackend):
             got += n
         return got
 
-    def batch_set(self, keys: Sequence[str], sources: Sequence[Buffer]) -> list[bool]:
+    def batch_set(self, keys: Sequence[str], sources: Sequence[Buffer],
+                  checksums: Optional[Sequence[int]] = None) -> list[bool]:
         """Store pages from ``sources`` (each a contiguous CPU buffer of ``page_bytes`` bytes).
 
         Each record is written to a temporary file in its final directory, optionally fsynced, and renamed over the
         key's path (an existing record of the key is replaced). Capacity is made by evicting least recently used
         records first; on ``ENOSPC`` ``enospc_evict_pages`` more are evicted and the write retried once. Returns one
-        bool per key; ``False`` leaves no file behind. Raises ValueError for a bad key, a length mismatch or a
-        buffer of the wrong size."""
+        bool per key; ``False`` leaves no file behind. ``checksums``: one XXH3-64 per source (see
+        :meth:`StorageBackend.batch_set`), written into the headers instead of hashing the payloads; a wrong one
+        makes that record fail verification on read (a miss; the record is quarantined). Raises ValueError for a bad
+        key, a length mismatch, a buffer of the wrong size or bad ``checksums``."""
         kraws = self._check_keys(keys)
         if len(keys) != len(sources):
             raise ValueError(f"{len(keys)} keys but {len(sources)} sources")
+        sums = check_checksums(checksums, len(keys))
         views = [as_byte_view(s, self.page_bytes, writable=False, what=f"sources[{i}]")
                  for i, s in enumerate(sources)]
         if self._closed or self.cfg.read_only:
@@ -674,14 +679,15 @@ class FileStore(StorageBackend):
         def write(item: tuple) -> Optional[bool]:
             i, k, p, stamp = item
             try:
-                ok = self._write_one(k, kraws[i], p, views[i], stamp)
+                ok = self._write_one(k, kraws[i], p, views[i], stamp, psum=None if sums is None else sums[i])
                 if ok is False:  # out of space below our capacity: forced eviction, then one retry
                     with lock:
                         self._c["enospc"] += 1
                         forced = self._evict_locked(count=self.cfg.enospc_evict_pages, keep=p)
                         self._c["forced_evictions"] += forced
                     if forced:
-                        ok = self._write_one(k, kraws[i], p, views[i], stamp, last_try=True)
+                        ok = self._write_one(k, kraws[i], p, views[i], stamp, last_try=True,
+                                             psum=None if sums is None else sums[i])
                     else:
                         ok = None
                         with lock:
@@ -737,13 +743,16 @@ class FileStore(StorageBackend):
             self._warn.warning("fsync", "file store %s: cannot fsync directory %s: %s", self.root, d, e)
 
     def _write_one(self, key: str, kraw: bytes, path: str, mv: memoryview, stamp: int,
-                   last_try: bool = False) -> Optional[bool]:
-        """Write one record atomically, its mtime set to ``stamp`` (ns). True: stored. False: out of space (caller
-        may evict and retry). None: other failure (counted, logged). Never leaves the temporary file behind."""
+                   last_try: bool = False, psum: Optional[int] = None) -> Optional[bool]:
+        """Write one record atomically, its mtime set to ``stamp`` (ns); ``psum``: the payload's XXH3-64 if the
+        caller gave it (else computed here). True: stored. False: out of space (caller may evict and retry). None:
+        other failure (counted, logged). Never leaves the temporary file behind."""
         d = path[: -len(key) - len(PAGE_SUFFIX) - 1]
         tmp = f"{d}/{TMP_PREFIX}{key}.{os.getpid()}.{threading.get_ident()}.{next(self._tmp_seq)}"
         # the page_format header, built here from the key bytes already validated (no second regex / struct call)
-        head = self._hdr_fixed + kraw + self._hdr_len + xxhash.xxh3_64_intdigest(mv).to_bytes(8, "little")
+        if psum is None:
+            psum = xxhash.xxh3_64_intdigest(mv)
+        head = self._hdr_fixed + kraw + self._hdr_len + psum.to_bytes(8, "little")
         head += xxhash.xxh3_64_intdigest(head).to_bytes(8, "little")
         fd = -1
         try:

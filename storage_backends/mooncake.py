@@ -2,13 +2,13 @@
 
 Mooncake (kvcache-ai) is a distributed object store: a master keeps the key -> replica map and hands out space in
 memory *segments* that clients contribute (``global_segment_size``); data moves client-to-segment through its
-transfer engine (TCP here, RDMA on clusters). This is the L3 for users who outgrow one node (design §5).
+transfer engine (TCP here, RDMA on clusters). This is the L3 for users who outgrow one node (docs/architecture.md §5).
 
 Objects. Page ``key`` (32 hex chars) of namespace ``ns`` is the Mooncake object ``<key_prefix>/<ns hex>/<key>``
 holding a :mod:`tierkv.storage_backends.page_format` record: a 64-byte header (magic, version, namespace, key,
 payload length, XXH3-64 of payload and header) followed by the ``page_bytes`` payload. Every read checks all of it,
 so a truncated, corrupted or foreign record (another namespace, another key, e.g. a segment region the master hands
-to another object after a restart, field scenario R16) is a miss, is counted in ``stats()["corrupt"]`` and is
+to another object after a restart, docs/architecture.md §8 R16) is a miss, is counted in ``stats()["corrupt"]`` and is
 removed from the store so the key can be written again.
 
 Data path (measured on a 2-core CPU box against the same calls on bare payloads, see ``benchmarks/storage.py``):
@@ -22,7 +22,9 @@ Data path (measured on a 2-core CPU box against the same calls on bare payloads,
   ``batch_is_exist`` calls: keys that existed before (overwrites), and keys the put did not make visible (e.g. one
   left "processing" by a crashed writer, R15), go through the staged upsert below. The put is split into groups of
   :data:`PUT_GROUP_BYTES` so the XXH3 of the next group's pages runs while the previous group is transferred (and
-  the first existence check while the first group is checksummed). A put abandoned after a timeout
+  the first existence check while the first group is checksummed); when the caller passes the pages' checksums
+  (``batch_set(..., checksums=...)``, "checksum once") nothing is hashed here and all the pages go in one put.
+  A put abandoned after a timeout
   may read a page the caller has reused since; the record then fails its checksum on read: a miss, never data.
 - set, staged (every other page): each page is copied into its slot behind its header in a *store-owned* buffer and
   the records go out with one ``batch_upsert_from`` (upsert = insert or overwrite, so a set always replaces the
@@ -36,7 +38,7 @@ call runs on a worker thread and the caller waits at most ``timeout_s``; after t
 (logged, ``stats()["timeouts"]``) and yields misses / ``False`` / 0. At most ``max_inflight`` calls may be
 outstanding (abandoned ones included); beyond that calls fail at once instead of piling up threads.
 
-Writer crashes (field scenario R15): a client killed between Mooncake's put-start and put-end leaves the key
+Writer crashes (docs/architecture.md §8 R15): a client killed between Mooncake's put-start and put-end leaves the key
 "processing" on the master; readers see it absent (a miss), a plain put of it is silently dropped by Mooncake, but an
 upsert claims it (or fails once if the dead writer's segment is gone, after which the master has dropped the
 stale entry and the single retry here succeeds).
@@ -70,6 +72,7 @@ from tierkv.storage_backends.common import ConfigError, RateLimitedLog, as_byte_
 from tierkv.storage_backends.page_format import (
     HEADER_BYTES,
     PageFormatError,
+    check_checksums,
     check_key,
     decode_header,
     encode_header,
@@ -629,12 +632,17 @@ class MooncakeStore(StorageBackend):
         self._count(hits=hits, misses=misses, errors=errors, bytes_out=hits * pb)
         return bad
 
-    def batch_set(self, keys: Sequence[str], sources: Sequence[Buffer]) -> list[bool]:
+    def batch_set(self, keys: Sequence[str], sources: Sequence[Buffer],
+                  checksums: Optional[Sequence[int]] = None) -> list[bool]:
         """Store pages (``page_bytes`` each) as header+payload records, replacing any existing record of a key
-        (Mooncake upsert). ``True`` per key once Mooncake has accepted the whole record."""
+        (Mooncake upsert). ``True`` per key once Mooncake has accepted the whole record. ``checksums``: one XXH3-64
+        per source (see :meth:`StorageBackend.batch_set`), written into the headers as given on both set paths (no
+        payload is hashed); a wrong one makes that record fail verification on read (a miss; the object is
+        removed with ``remove_corrupt``). Raises ValueError for bad keys, buffers or ``checksums``."""
         names = self._check_keys(keys)
         if len(sources) != len(names):
             raise ValueError(f"batch_set: {len(names)} keys but {len(sources)} sources")
+        sums = check_checksums(checksums, len(names))
         srcs = [as_byte_view(s, self.page_bytes, False, f"source {i}") for i, s in enumerate(sources)]
         out = [False] * len(names)
         for a, b in self._chunks(len(names)):
@@ -643,26 +651,28 @@ class MooncakeStore(StorageBackend):
                 p = self._registered_ptr(sources[i], srcs[i])
                 (staged if p is None else direct).append((i, p))
             if direct:
-                staged += [(i, None) for i in self._set_direct(keys, names, srcs, direct, out)]
+                staged += [(i, None) for i in self._set_direct(keys, names, srcs, direct, out, sums)]
             if staged:
-                self._set_chunk(keys, names, srcs, sorted(i for i, _ in staged), out)
+                self._set_chunk(keys, names, srcs, sorted(i for i, _ in staged), out, sums)
         return out
 
-    def _set_direct(self, keys, names, srcs, direct: list[tuple[int, int]], out: list[bool]) -> list[int]:
+    def _set_direct(self, keys, names, srcs, direct: list[tuple[int, int]], out: list[bool],
+                    sums: Optional[list[int]] = None) -> list[int]:
         """Zero-copy put of ``direct`` = ``[(index, source address)]`` (sources inside registered host buffers).
         Returns the indices that must go through the staged upsert: keys that existed before (overwrites) and keys
-        the put did not make visible. A timeout or error fails the pages here (no second attempt).
+        the put did not make visible. A timeout or error fails the pages here (no second attempt). ``sums``: the
+        payload checksums of all the batch's sources (by index) when the caller gave them.
 
         Pipelined: the worker thread checks which keys exist while this thread checksums the first group of
         pages (:data:`PUT_GROUP_BYTES`), then puts group after group as their headers become ready, while this
         thread checksums the next group (the Mooncake calls release the GIL); one existence check of all the put
-        keys closes the batch."""
+        keys closes the batch. With ``sums`` the headers take microseconds, so all the pages go in one group."""
         n, pb = len(direct), self.page_bytes
         hb = self._take_headers(n)
         if hb is None:
             return [i for i, _ in direct]
         hold = _Hold(lambda: self._headers.give(hb))
-        per = max(1, PUT_GROUP_BYTES // pb)
+        per = n if sums is not None else max(1, PUT_GROUP_BYTES // pb)
         groups = [(a, min(n, a + per)) for a in range(0, n, per)]
         ready = [threading.Event() for _ in groups]
         abort = [False]
@@ -675,7 +685,8 @@ class MooncakeStore(StorageBackend):
                 hview = hb.np
                 for g, (a, b) in enumerate(groups):
                     hs = encode_headers([bytes.fromhex(keys[i]) for i, _ in direct[a:b]], self.namespace,
-                                        [srcs[i] for i, _ in direct[a:b]], pb)
+                                        [srcs[i] for i, _ in direct[a:b]], pb,
+                                        None if sums is None else [sums[i] for i, _ in direct[a:b]])
                     hview[a * HEADER_BYTES:b * HEADER_BYTES] = np.frombuffer(b"".join(hs), dtype=np.uint8)
                     ready[g].set()
             except BaseException:
@@ -718,8 +729,9 @@ class MooncakeStore(StorageBackend):
         self._count(sets=n_ok, zero_copy_sets=n_ok, bytes_in=n_ok * pb)
         return rest
 
-    def _set_chunk(self, keys, names, srcs, idx: list[int], out: list[bool]) -> None:
-        """Staged upsert of the pages ``idx`` (at most one staging buffer's worth)."""
+    def _set_chunk(self, keys, names, srcs, idx: list[int], out: list[bool], sums: Optional[list[int]] = None) -> None:
+        """Staged upsert of the pages ``idx`` (at most one staging buffer's worth); ``sums``: the payload checksums
+        of all the batch's sources (by index) when the caller gave them."""
         rb, n = self.record_bytes, len(idx)
         sh = self._staging_hold("batch_set", n, "set_failures")
         if sh is None:
@@ -730,7 +742,8 @@ class MooncakeStore(StorageBackend):
                 rec = st.np[j * rb:(j + 1) * rb]
                 rec[HEADER_BYTES:] = np.frombuffer(srcs[i], dtype=np.uint8)
                 rec[:HEADER_BYTES] = np.frombuffer(
-                    encode_header(keys[i], self.namespace, memoryview(rec[HEADER_BYTES:])), dtype=np.uint8)
+                    encode_header(keys[i], self.namespace, memoryview(rec[HEADER_BYTES:]),
+                                  None if sums is None else sums[i]), dtype=np.uint8)
         except BaseException:
             hold.drop()
             hold.drop()

@@ -10,19 +10,20 @@ A stored page is ``header || payload``. The header (little-endian, :data:`HEADER
 | 8 | 16 | namespace digest (:meth:`tierkv.connector.page_hash.ModelNamespace.digest`) |
 | 24 | 16 | page key (raw 16 bytes of the hex key) |
 | 40 | 8 | payload length in bytes |
-| 48 | 8 | XXH3-64 of the payload |
+| 48 | 8 | XXH3-64 of the payload (:func:`payload_checksum`; given by the caller or computed at set time) |
 | 56 | 8 | XXH3-64 of bytes 0..56 (header checksum) |
 
 A reader checks every field against what it expects (namespace, key, length) and the checksums, so a
 truncated, corrupted, foreign (other namespace, other key: e.g. a Mooncake region handed to another key after a
-master restart, field scenario R16) or planted (e.g. a pickle stream, R19) record is a miss, never data.
+master restart, docs/architecture.md §8 R16) or planted (e.g. a pickle stream, R19) record is a miss, never data.
 Nothing here ever unpickles or constructs objects from stored bytes.
 """
 from __future__ import annotations
 
+import operator
 import re
 import struct
-from typing import Any, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import xxhash
 
@@ -51,12 +52,61 @@ def check_key(key: str) -> bytes:
     return bytes.fromhex(key)
 
 
-def encode_header(key: str, namespace: bytes, payload: Union[bytes, bytearray, memoryview]) -> bytes:
-    """Header for ``payload`` stored under ``key`` (text form) in ``namespace`` (16 bytes)."""
+def payload_checksum(payload: Any) -> int:
+    """XXH3-64 (``xxhash.xxh3_64_intdigest``) of a payload's bytes: the value at header offset 48, and what a caller
+    passes in ``batch_set(..., checksums=...)`` when it has hashed the page already (e.g. when the page entered the
+    L2 host pool). ``payload``: any C-contiguous buffer (bytes, bytearray, memoryview, numpy array)."""
+    return xxhash.xxh3_64_intdigest(memoryview(payload).cast("B"))
+
+
+_U64_MAX = (1 << 64) - 1
+
+
+def check_checksums(checksums: Any, n: int) -> Optional[list[int]]:
+    """Validate the optional ``checksums`` argument of ``batch_set`` for ``n`` pages: ``None`` (the store hashes
+    each payload itself) or a sequence of exactly ``n`` integers in 0..2**64-1 (Python ints or numpy integers:
+    the XXH3-64 of each source's payload, see :func:`payload_checksum`). Returns them as a list of Python ints
+    (or None).
+
+    Raises:
+        ValueError: not a sequence, a length other than ``n``, or an element that is not an integer in range.
+    """
+    if checksums is None:
+        return None
+    if isinstance(checksums, (str, bytes, bytearray, memoryview)) or not hasattr(checksums, "__len__"):
+        raise ValueError(f"checksums must be a sequence of {n} ints (XXH3-64 of each payload) or None, got "
+                         f"{type(checksums).__name__}")
+    if len(checksums) != n:
+        raise ValueError(f"{n} pages but {len(checksums)} checksums")
+    out = []
+    for i, c in enumerate(checksums):
+        try:
+            if isinstance(c, bool):
+                raise TypeError
+            v = operator.index(c)
+        except TypeError:
+            raise ValueError(f"checksums[{i}] is not an int: {c!r:.40}") from None
+        if not 0 <= v <= _U64_MAX:
+            raise ValueError(f"checksums[{i}] = {v} is not a 64-bit unsigned value")
+        out.append(v)
+    return out
+
+
+def encode_header(key: str, namespace: bytes, payload: Union[bytes, bytearray, memoryview],
+                  checksum: Optional[int] = None) -> bytes:
+    """Header for ``payload`` stored under ``key`` (text form) in ``namespace`` (16 bytes). ``checksum``: the
+    payload's XXH3-64 if the caller has it (written as given, the payload is not hashed; a wrong value makes the
+    record fail verification when read); ``None``: computed here. The caller validates a given ``checksum``
+    (:func:`check_checksums`).
+
+    Raises:
+        ValueError: ``namespace`` is not 16 bytes or ``key`` is not 32 lowercase hex characters.
+    """
     if len(namespace) != 16:
         raise ValueError(f"namespace digest must be 16 bytes, got {len(namespace)}")
     mv = memoryview(payload).cast("B")
-    return _pack_header(namespace, check_key(key), mv.nbytes, xxhash.xxh3_64_intdigest(mv))
+    return _pack_header(namespace, check_key(key), mv.nbytes,
+                        xxhash.xxh3_64_intdigest(mv) if checksum is None else checksum)
 
 
 def _pack_header(namespace: bytes, key_raw: bytes, nbytes: int, payload_sum: int) -> bytes:
@@ -64,11 +114,14 @@ def _pack_header(namespace: bytes, key_raw: bytes, nbytes: int, payload_sum: int
     return head + _TAIL.pack(xxhash.xxh3_64_intdigest(head))
 
 
-def encode_headers(keys_raw: Sequence[bytes], namespace: bytes, payloads: Sequence[Any], page_bytes: int) -> list:
+def encode_headers(keys_raw: Sequence[bytes], namespace: bytes, payloads: Sequence[Any], page_bytes: int,
+                   checksums: Optional[Sequence[int]] = None) -> list:
     """Headers of many pages at once: the same bytes as :func:`encode_header` per page, for callers that have
     already validated the keys (``keys_raw``: the 16 raw bytes :func:`check_key` returns) and the payload sizes
     (``payloads``: C-contiguous byte buffers of ``page_bytes`` bytes each, e.g. memoryviews or numpy arrays).
     Skips the per-page re-validation, which costs about as much as the XXH3 of a 256 KiB page on a busy core.
+    ``checksums``: the payloads' XXH3-64 values, already validated by :func:`check_checksums` (written as given;
+    no payload is hashed, only the 56 header bytes); ``None``: each payload is hashed here.
 
     Raises:
         ValueError: ``namespace`` is not 16 bytes, a raw key is not 16 bytes, or the list lengths differ.
@@ -77,13 +130,15 @@ def encode_headers(keys_raw: Sequence[bytes], namespace: bytes, payloads: Sequen
         raise ValueError(f"namespace digest must be 16 bytes, got {len(namespace)}")
     if len(keys_raw) != len(payloads):
         raise ValueError(f"encode_headers: {len(keys_raw)} keys but {len(payloads)} payloads")
-    h64 = xxhash.xxh3_64_intdigest
-    out = []
-    for k, p in zip(keys_raw, payloads):
+    if checksums is not None and len(checksums) != len(keys_raw):
+        raise ValueError(f"encode_headers: {len(keys_raw)} keys but {len(checksums)} checksums")
+    for k in keys_raw:
         if len(k) != KEY_BYTES:
             raise ValueError(f"raw page key must be {KEY_BYTES} bytes, got {len(k)}")
-        out.append(_pack_header(namespace, k, page_bytes, h64(p)))
-    return out
+    if checksums is None:
+        h64 = xxhash.xxh3_64_intdigest
+        checksums = [h64(p) for p in payloads]
+    return [_pack_header(namespace, k, page_bytes, c) for k, c in zip(keys_raw, checksums)]
 
 
 def decode_header(header: Union[bytes, memoryview], key: str, namespace: bytes, page_bytes: int) -> int:

@@ -6,7 +6,7 @@ the caller's buffer (e.g. a host-pool page, a ``torch.uint8`` tensor); on read t
 XXH3-64 are checked before the payload is copied into the destination, so a missing, corrupt, truncated or
 foreign page is a miss, never data.
 
-Fault handling (field scenario R13; LMCache issue #3565 is the failure this avoids):
+Fault handling (docs/architecture.md §8 R13; LMCache issue #3565 is the failure this avoids):
 
 - every request carries a fresh 64-bit id and replies are matched by id: a stale, duplicate, undecodable or
   wrongly shaped reply is discarded or turned into a miss, and never applied to another request;
@@ -20,7 +20,8 @@ Fault handling (field scenario R13; LMCache issue #3565 is the failure this avoi
   window calls fail at once (counted ``fast_fails``) instead of each waiting ``timeout_s``.
 
 Batches larger than ``max_message_bytes`` (or :data:`zmq_protocol.MAX_KEYS` keys) are split into several
-messages that are pipelined on the socket.
+messages that are pipelined on the socket. A set hashes each payload for its header unless the caller passes the
+checksums (``batch_set(..., checksums=...)``, "checksum once").
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ import zmq
 from tierkv.storage_backends import zmq_protocol as P
 from tierkv.storage_backends.base import Buffer, StorageBackend
 from tierkv.storage_backends.common import ConfigError
-from tierkv.storage_backends.page_format import (PageFormatError, check_key, decode_header,
+from tierkv.storage_backends.page_format import (PageFormatError, check_checksums, check_key, decode_header,
                                                  encode_headers, verify_payload)
 
 log = logging.getLogger("tierkv.zmq_client")
@@ -395,15 +396,20 @@ class ZmqStore(StorageBackend):
         self.c["misses"] += len(keys) - nh
         return res
 
-    def batch_set(self, keys: Sequence[str], sources: Sequence[Buffer]) -> list[bool]:
+    def batch_set(self, keys: Sequence[str], sources: Sequence[Buffer],
+                  checksums: Optional[Sequence[int]] = None) -> list[bool]:
         """Store ``sources`` (``page_bytes`` buffers, sent zero-copy) under ``keys``; one bool per key.
 
         The server stores a message's pages whole or not at all (ZMQ delivers multipart messages atomically). A
         set reported ``False`` because of a timeout may still land later, complete (like any timed-out remote
-        write), never partially. Raises ValueError for bad keys or buffers (caller bugs)."""
+        write), never partially. ``checksums``: one XXH3-64 per source (see :meth:`StorageBackend.batch_set`),
+        written into the headers as given (no payload is hashed; the server does not check payloads, so a wrong
+        value is found by the reader: a miss). Raises ValueError for bad keys, buffers or ``checksums`` (caller
+        bugs)."""
         if len(keys) != len(sources):
             raise ValueError(f"batch_set: {len(keys)} keys but {len(sources)} sources")
         kraw = [check_key(k) for k in keys]
+        sums = check_checksums(checksums, len(keys))
         srcs = [_byte_view(b, self.page_bytes, False, "sources", i) for i, b in enumerate(sources)]
         n = len(keys)
         res = [False] * n
@@ -413,7 +419,8 @@ class ZmqStore(StorageBackend):
                   if n else [])
 
         def build(s: int, e: int) -> tuple:
-            hdrs = encode_headers(kraw[s:e], self.namespace, srcs[s:e], self.page_bytes)
+            hdrs = encode_headers(kraw[s:e], self.namespace, srcs[s:e], self.page_bytes,
+                                  None if sums is None else sums[s:e])
             return {"op": "set", "ns": self.namespace, "keys": list(keys[s:e]), "hdrs": hdrs}, srcs[s:e]
 
         msgs = [lambda s=s, e=e: build(s, e) for s, e in chunks]

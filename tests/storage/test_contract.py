@@ -1,4 +1,4 @@
-"""L3 store contract (design §5, SGLang HiCacheStorage semantics), run against every backend in conftest.KINDS."""
+"""L3 store contract (docs/architecture.md §5, SGLang HiCacheStorage semantics), run against every backend in conftest.KINDS."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -217,7 +217,7 @@ def test_restart_keeps_or_drops_pages_never_wrong(make_store):
 @pytest.mark.parametrize("backend_kind", STOPPABLE, indirect=True)
 def test_stopped_server_calls_time_out_then_service_resumes(make_store):
     """A hung server (SIGSTOP): every call returns misses/False within the configured per-call bound, and the
-    same client serves again after SIGCONT (field scenario R13's SIGSTOP variant)."""
+    same client serves again after SIGCONT (docs/architecture.md §8 R13's SIGSTOP variant)."""
     timeout_s = 1.0
     h = make_store(timeout_s=timeout_s)
     assert h.supports_stop
@@ -319,3 +319,114 @@ def test_faulty_wrapper_over_backend(make_store):
     assert f.stats()["injected_get_failures"] == 1
     f.close()
 
+
+
+# ------------------------------------------------------------------ "checksum once": batch_set(..., checksums=...)
+
+def sums_of(srcs) -> list[int]:
+    """XXH3-64 of each page's bytes, as the L2 host pool records it when the page arrives."""
+    from tierkv.storage_backends.page_format import payload_checksum
+
+    return [payload_checksum(s.numpy() if isinstance(s, torch.Tensor) else s) for s in srcs]
+
+
+def count_payload_hashes(monkeypatch, page_bytes: int) -> list[int]:
+    """Count calls of ``xxhash.xxh3_64_intdigest`` on inputs of at least ``page_bytes`` bytes (payloads; the 56-byte
+    header checksums are not counted). Every backend and page_format call it through the module attribute."""
+    import xxhash
+
+    real = xxhash.xxh3_64_intdigest
+    calls: list[int] = []
+
+    def counting(data, *a, **kw):
+        try:
+            n = memoryview(data).nbytes
+        except TypeError:
+            n = 0
+        if n >= page_bytes:
+            calls.append(n)
+        return real(data, *a, **kw)
+
+    monkeypatch.setattr(xxhash, "xxh3_64_intdigest", counting)
+    return calls
+
+
+@pytest.mark.parametrize("page_bytes", [4 * KiB, 256 * KiB])
+def test_set_with_precomputed_checksums_round_trips(make_store, page_bytes):
+    b = make_store(page_bytes=page_bytes).backend
+    ks, src = keys_of(5, salt=page_bytes + 3), pages(5, page_bytes, seed=page_bytes + 3)
+    assert b.batch_set(ks, src, checksums=sums_of(src)) == [True] * 5
+    dst = empties(5, page_bytes)
+    assert b.batch_get(ks, dst) == [True] * 5
+    assert all(torch.equal(s, d) for s, d in zip(src, dst))
+    # other source kinds, checksums as a numpy uint64 array (how a host pool may keep them)
+    k2 = keys_of(2, salt=page_bytes + 4)
+    raw = [bytes(src[0].numpy()), bytearray(src[1].numpy().tobytes())]
+    assert b.batch_set(k2, raw, checksums=np.array(sums_of(raw), dtype=np.uint64)) == [True, True]
+    ba = [bytearray(page_bytes), bytearray(page_bytes)]
+    assert b.batch_get(k2, ba) == [True, True] and bytes(ba[0]) == raw[0] and ba[1] == raw[1]
+    assert b.stats()["corrupt"] == 0
+
+
+def test_set_with_checksums_does_not_hash_payloads(make_store, monkeypatch):
+    page_bytes = 64 * KiB
+    b = make_store(page_bytes=page_bytes).backend
+    ks, src = keys_of(6, salt=61), pages(6, page_bytes, seed=61)
+    sums = sums_of(src)
+    calls = count_payload_hashes(monkeypatch, page_bytes)
+    assert b.batch_set(ks[:3], src[:3], checksums=sums[:3]) == [True] * 3
+    assert calls == [], f"{len(calls)} payload-sized XXH3 calls in a set with checksums"
+    assert b.batch_set(ks[3:], src[3:]) == [True] * 3  # without: the store hashes (the counter does see it)
+    assert len(calls) >= 3
+    monkeypatch.undo()
+    dst = empties(6, page_bytes)
+    assert b.batch_get(ks, dst) == [True] * 6 and all(torch.equal(s, d) for s, d in zip(src, dst))
+
+
+def test_wrong_checksum_is_a_miss_when_read(make_store):
+    """A checksum that does not match the payload (caller bug, or the slot changed after it was hashed) is not
+    detected by the set: the record fails verification on read, so it is a miss, never data; the key can be stored
+    again."""
+    page_bytes = 16 * KiB
+    b = make_store(page_bytes=page_bytes).backend
+    ks, src = keys_of(3, salt=71), pages(3, page_bytes, seed=71)
+    sums = sums_of(src)
+    sums[1] ^= 1 << 17
+    assert b.batch_set(ks, src, checksums=sums) == [True] * 3
+    before = b.stats()["corrupt"]
+    dst = empties(3, page_bytes, fill=0x5A)
+    assert b.batch_get(ks, dst) == [True, False, True]
+    assert torch.equal(dst[0], src[0]) and torch.equal(dst[2], src[2])  # dst[1] is not trusted (False)
+    assert b.stats()["corrupt"] == before + 1
+    assert b.batch_get([ks[1]], empties(1, page_bytes)) == [False]
+    assert b.batch_set([ks[1]], [src[1]], checksums=sums_of(src[1:2])) == [True]
+    assert b.batch_get([ks[1]], dst[1:2]) == [True] and torch.equal(dst[1], src[1])
+
+
+def test_checksums_of_wrong_length_or_type_raise_value_error(make_store):
+    b = make_store().backend
+    ks, src = keys_of(3, salt=81), pages(3, 4096, seed=81)
+    sums = sums_of(src)
+    for bad in (sums[:2], sums + [1], [], 12345, "x" * 3, [sums[0], 1.5, sums[2]], [sums[0], -1, sums[2]],
+                [sums[0], 1 << 64, sums[2]]):
+        with pytest.raises(ValueError):
+            b.batch_set(ks, src, checksums=bad)
+    assert b.batch_exists(ks) == 0  # nothing was stored by the refused sets
+    assert b.stats()["set_failures"] == 0
+
+
+def test_faulty_wrapper_passes_checksums_of_the_pages_it_forwards(make_store):
+    from tierkv.storage_backends import FaultyBackend
+
+    h = make_store()
+    ks, src = keys_of(4, salt=91), pages(4, 4096, seed=91)
+    sums = sums_of(src)
+    sums[2] ^= 1  # the inner store must get the checksums re-aligned with the pages that were not failed
+    f = FaultyBackend(h.new_client(), fail_set_keys=[ks[1]])
+    with pytest.raises(ValueError):
+        f.batch_set(ks, src, checksums=sums[:3])
+    assert f.batch_set(ks, src, checksums=sums) == [True, False, True, True]
+    dst = empties(4, 4096)
+    assert f.batch_get(ks, dst) == [True, False, False, True]
+    assert torch.equal(dst[0], src[0]) and torch.equal(dst[3], src[3])
+    f.close()

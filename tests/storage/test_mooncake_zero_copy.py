@@ -177,3 +177,63 @@ def test_pipelined_groups_store_exact_records_and_route_overwrites(zc, monkeypat
         assert stored(zc, k) == encode_record(k, NS, p.numpy())
     dst = empties(7)
     assert b.batch_get(ks, dst) == [True] * 7 and all(torch.equal(d, p) for d, p in zip(dst, pages))
+
+
+def test_zero_copy_set_with_checksums_stores_exact_records_without_hashing(zc, monkeypatch):
+    """"Checksum once" on the zero-copy path: the given checksums go into the header arena as they are (the same
+    record bytes as a set that hashes), no payload is hashed, and all the pages go out in one put group."""
+    import xxhash
+
+    import tierkv.storage_backends.mooncake as mc
+    from tierkv.storage_backends.page_format import payload_checksum
+
+    monkeypatch.setattr(mc, "PUT_GROUP_BYTES", 2 * PB)  # would be 3 groups of 2 pages when hashing here
+    b = zc.backend
+    pool = pool_of(6, seed=11)
+    assert b.register_host_buffer(pool)
+    pages = list(pool.view(6, PB))
+    ks = keys_of(6, salt=11)
+    sums = [payload_checksum(p.numpy()) for p in pages]
+    real, big = xxhash.xxh3_64_intdigest, []
+    monkeypatch.setattr(xxhash, "xxh3_64_intdigest",
+                        lambda d, *a: (memoryview(d).nbytes >= PB and big.append(1)) or real(d, *a))
+    puts = []
+    client = b.client
+    orig_put = client.batch_put_from_multi_buffers
+
+    class Spy:  # the pybind client's methods cannot be patched on the instance: wrap the store's reference
+        def __getattr__(self, name):
+            return getattr(client, name)
+
+        def batch_put_from_multi_buffers(self, names, *rest):
+            puts.append(len(names))
+            return orig_put(names, *rest)
+
+    monkeypatch.setattr(b, "_store", Spy())
+    assert b.batch_set(ks, pages, checksums=sums) == [True] * 6
+    assert big == [] and puts == [6]
+    monkeypatch.setattr(xxhash, "xxh3_64_intdigest", real)
+    st = b.stats()
+    assert st["zero_copy_sets"] == 6 and st["staged_sets"] == 0, st
+    for k, p in zip(ks, pages):
+        assert stored(zc, k) == encode_record(k, NS, p.numpy())
+    dst = empties(6)
+    assert b.batch_get(ks, dst) == [True] * 6 and all(torch.equal(d, p) for d, p in zip(dst, pages))
+
+
+def test_zero_copy_set_with_a_wrong_checksum_is_a_miss(zc):
+    from tierkv.storage_backends.page_format import payload_checksum
+
+    b = zc.backend
+    pool = pool_of(3, seed=12)
+    assert b.register_host_buffer(pool)
+    pages = list(pool.view(3, PB))
+    ks = keys_of(3, salt=12)
+    sums = [payload_checksum(p.numpy()) for p in pages]
+    sums[0] = (sums[0] + 1) % (1 << 64)
+    assert b.batch_set(ks, pages, checksums=sums) == [True] * 3
+    assert b.stats()["zero_copy_sets"] == 3
+    dst = empties(3)
+    assert b.batch_get(ks, dst) == [False, True, True]
+    assert torch.equal(dst[1], pages[1]) and torch.equal(dst[2], pages[2])
+    assert b.stats()["corrupt"] == 1
