@@ -421,25 +421,28 @@ class Controller:
             if self._fetching.get(k) == job.job_id:
                 del self._fetching[k]
         fetched = [i for i, f in enumerate(job.fetch) if f and job.slots[i] != NO_SLOT]
-        ok_idx = [i for i in fetched if r.ok[i]]
-        bad_idx = [i for i in fetched if not r.ok[i]]
+        lead = r.leading  # only the leading run of intact pages is published; the rest is released
+        ok_idx = [i for i in fetched if i < lead]
+        bad_idx = [i for i in fetched if i >= lead]
         if ok_idx and r.seconds > 0:
             self.fetch_s_per_page.add(r.seconds / len(ok_idx))
         self.counters.prefetch_loaded_pages += len(ok_idx)
-        self.counters.prefetch_failed_pages += len(bad_idx)
+        self.counters.prefetch_failed_pages += sum(1 for i in bad_idx if not r.ok[i])
         first = st.idx[0] if st.idx else 0
         # publish the pages that arrived intact (the path is locked, so every page is still indexed)
         if ok_idx:
+            ok_set = set(ok_idx)
             last = first + max(ok_idx) + 1
-            slots = [job.slots[i] if (i in set(ok_idx)) else NO_SLOT for i in range(last - first)]
+            slots = [job.slots[i] if i in ok_set else NO_SLOT for i in range(last - first)]
             _node, dups = self.index.insert(st.path[:last], slots,
-                                            in_l3=[i in set(ok_idx) for i in range(last - first)], start=first)
+                                            in_l3=[i in ok_set for i in range(last - first)], start=first)
             if dups:
                 self.allocator.free(dups)
         if bad_idx:
             self.allocator.free([job.slots[i] for i in bad_idx])
             for i in bad_idx:
-                self._mark_absent(job.keys[i])
+                if not r.ok[i]:
+                    self._mark_absent(job.keys[i])  # missing or corrupt in L3: do not ask for it again soon
         if st.lock is not None:
             self.index.unlock(st.lock)
 

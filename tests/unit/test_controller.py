@@ -420,3 +420,47 @@ def test_r21_seeded_long_run_returns_to_baseline(tmp_path):
     e.idle_check()
     e.close()
     assert threading.active_count() == threads0
+
+
+def _manual_step(e, req, computed_after):
+    """One engine step of ``req`` alone that leaves KV for ``computed_after`` tokens: plan (saves of the pages
+    full after the step), 'forward' (fingerprints of the pages full after it), saves, L3 jobs."""
+    e.sched.schedule_saves(req.req_id, computed_after, req.blocks)
+    plan = e.sched.build_plan()
+    for i in range(req.num_computed // P, computed_after // P):
+        e.write_page(req, i)
+    req.num_computed = computed_after
+    e.worker.run_saves(plan)
+    e.worker.submit_jobs(plan)
+    e.worker.poll(())
+    e.sched.on_reports(e.worker.take_reports())
+
+
+@pytest.mark.parametrize("n_out, stored_pages", [(17, 3), (20, 3), (16, 2)])
+def test_r23_the_page_completed_in_the_last_step_is_stored_and_no_later_one(tmp_path, n_out, stored_pages):
+    prompt = toks(1, 80)                    # 2.5 pages
+    e = FakeEngine(store=file_store(tmp_path))
+    req = Req("r", list(prompt))
+    assert e.admit_l3(req) == 0
+    req.blocks += [e.free_blocks.pop(0)]   # room for the decoded tokens (4 blocks = 128 tokens)
+    _manual_step(e, req, 80)               # prefill; samples output 1
+    for j in range(1, n_out):               # decode step j computes the KV of output j and samples output j+1
+        req.tokens.append(5000 + j)
+        _manual_step(e, req, 80 + j)
+    req.tokens.append(5000 + n_out)         # the last sampled token: it has no KV
+    e.finish(req)
+    e.settle()
+    kv_tokens = 80 + n_out - 1
+    assert kv_tokens // P == stored_pages
+    keys = keys_of(e, req.tokens)
+    ns = e.worker.l3.rank_namespace
+    present = e.worker.l3.store.batch_exists([l3_key(ns, k) for k in keys])
+    assert present == stored_pages          # every page whose KV exists, and none beyond
+    e.idle_check()
+    e.close()
+    # a new engine: the stored pages come back from L3 with the bytes of this request
+    e2 = FakeEngine(store=file_store(tmp_path))
+    probe = Req("p", req.tokens[: stored_pages * P] + [9, 9, 9])
+    assert e2.run_l3(probe) == stored_pages * P
+    e2.settle()
+    e2.close()
