@@ -256,9 +256,10 @@ class L3IO:
             return self._idle.wait_for(lambda: self._busy == 0, timeout)
 
     def close(self, drain_s: float = 10.0) -> int:
-        """Stop the threads. Queued backups get up to ``drain_s`` seconds to reach the store; the ones still queued
-        then are dropped (never half-written: a store writes a record whole or not at all) and their count is
-        logged and returned."""
+        """Stop the threads. Queued backups get up to ``drain_s`` seconds to reach the store; then batches not yet
+        started are dropped, a batch in a store call finishes (bounded by the store's own timeout), and the count
+        of pages not confirmed stored is logged and returned. Nothing is half-written: a store writes a record
+        whole or not at all (docs/architecture.md §8 R30)."""
         with self._lock:
             if self._closed:
                 return 0
@@ -345,6 +346,8 @@ class L3IO:
         nbytes = 0
         pb = self.host.page_bytes
         for s in range(0, job.num_pages, self.batch_pages):
+            if self._closed:  # shut down: the batches not started are dropped (close() counted them)
+                break
             e = min(job.num_pages, s + self.batch_pages)
             srcs, sums = [], []
             for i in range(s, e):

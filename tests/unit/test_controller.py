@@ -464,3 +464,51 @@ def test_r23_the_page_completed_in_the_last_step_is_stored_and_no_later_one(tmp_
     assert e2.run_l3(probe) == stored_pages * P
     e2.settle()
     e2.close()
+
+
+def test_r30_shutdown_drains_or_drops_whole_pages_and_says_how_many(tmp_path, caplog):
+    doc = toks(300, 8 * P)
+    e = FakeEngine(store=file_store(tmp_path), batch_pages=2)
+    faulty = FaultyBackend(e.worker.l3.store, hang_set=True)
+    e.worker.l3.store = faulty
+    e.run_l3(Req("a", doc + [1]))            # 8 pages handed to the writer in 4 batches; the first one hangs
+    assert faulty.wait_hanging(1, timeout=10)
+    caplog.set_level("WARNING", logger="tierkv.l3")
+    l3 = e.worker.l3
+    releaser = threading.Timer(0.0, faulty.release)
+    dropped = None
+    try:
+        # drain bound 0: nothing more is waited for; the queued pages are dropped and counted
+        dropped = l3.close(drain_s=0.0)
+    finally:
+        releaser.start()
+        releaser.join()
+    assert dropped == 8
+    assert "dropped" in caplog.text and "8 pages" in caplog.text
+    reader = FileStore(l3.rank_namespace, e.host.page_bytes, root=str(tmp_path))
+    keys = keys_of(e, doc)
+    n = reader.batch_exists([l3_key(l3.rank_namespace, k) for k in keys])
+    out = [bytearray(e.host.page_bytes) for _ in range(n)]
+    assert all(reader.batch_get([l3_key(l3.rank_namespace, k) for k in keys[:n]], out))  # whole pages only
+    reader.close()
+    l3.store.close()
+
+
+def test_preempted_request_with_backup_in_flight_leaks_nothing(tmp_path):
+    doc = toks(400, 4 * P)
+    e = FakeEngine(store=file_store(tmp_path))
+    faulty = FaultyBackend(e.worker.l3.store, hang_set=True)
+    e.worker.l3.store = faulty
+    req = Req("a", doc + [1])
+    e.admit_l3(req)
+    e.step()                                  # saves + backup job; the backup hangs
+    assert faulty.wait_hanging(1, timeout=10)
+    e.preempt(req)                            # blocks back to the engine: the backup reads L2, not them
+    assert e.sched.index.locked_pages > 0     # the backup pins its L2 pages until its report
+    faulty.release()
+    e.settle()
+    assert e.sched.ctl.counters.backup_stored_pages == 4
+    assert e.run_l3(Req("a", doc + [1])) == 4 * P   # re-admitted: its pages come from L2
+    e.settle()
+    e.idle_check()
+    e.close()
