@@ -62,10 +62,10 @@ ISSUE_REFERENCE = {"no_connector": [6.9, 6.4, 6.3], "ideal": [7.4, 1.1, 1.1], "e
 
 FULL = dict(preset="bench", n_docs=8, doc_len=2048, q_min=40, q_max=120, rounds=3, l1_blocks=200,
             ideal_blocks=1000, max_tokens=8, n_chats=6, chat_open_len=1024, chat_turns=4, chat_answer=32,
-            l2_gb=1.0)
+            l2_gb=1.0, l3_l2_pages=128)
 QUICK = dict(preset="test", n_docs=4, doc_len=512, q_min=40, q_max=120, rounds=3, l1_blocks=48,
              ideal_blocks=200, max_tokens=4, n_chats=3, chat_open_len=256, chat_turns=3, chat_answer=8,
-             l2_gb=0.25)
+             l2_gb=0.25, l3_l2_pages=16)
 
 
 def build_workloads(p: dict, vocab: int, seed: int = 1234) -> list[dict]:
@@ -86,15 +86,73 @@ def build_workloads(p: dict, vocab: int, seed: int = 1234) -> list[dict]:
     return workloads
 
 
+#: L3 configurations: name -> (backend, write policy). Their L2 holds ``l3_l2_pages`` pages, too few for the
+#: documents, so repeated prefixes must come back from L3.
+L3_CONFIGS = {
+    "tierkv_file_wt": ("file", "write_through"),
+    "tierkv_file_wts": ("file", "write_through_selective"),
+    "tierkv_file_wb": ("file", "write_back"),
+    "tierkv_zmq_wt": ("zmq", "write_through"),
+    "tierkv_mooncake_wt": ("mooncake", "write_through"),
+}
+#: a new engine on the file store written by ``tierkv_file_wt``, running the rounds after the first
+RESTART = {"restart_file": "tierkv_file_wt"}
+
+
+def l3_kv_config(p: dict, backend: str, policy: str, l3_section: dict) -> dict:
+    """tierkv with a small L2 and the given L3 backend section (``l3_section``: the backend's keys)."""
+    return engine.tierkv_kv_config(
+        {"host_pool": {"num_pages": p["l3_l2_pages"]},
+         "l3": {"backend": backend, backend: l3_section},
+         "controller": {"write_policy": policy, "write_through_threshold": 1}},
+        load_failure_policy="recompute")
+
+
 def configs(p: dict, store_dir: Path) -> dict[str, tuple]:
-    """name -> (kv_transfer_config or None, L1 blocks)."""
-    return {
+    """name -> (kv_transfer_config or None, L1 blocks). L3 configurations get their kv_transfer_config when their
+    server is up (:func:`l3_backend_section`); here their entry is (None, blocks) with the backend in ``L3_CONFIGS``."""
+    out = {
         "ideal": (None, p["ideal_blocks"]),
         "no_connector": (None, p["l1_blocks"]),
         "example_connector": (engine.example_kv_config(store_dir), p["l1_blocks"]),
         "tierkv": (engine.tierkv_kv_config({"host_pool": {"size_gb": p["l2_gb"]}}, load_failure_policy="recompute"),
                    p["l1_blocks"]),
     }
+    for name in list(L3_CONFIGS) + list(RESTART):
+        out[name] = (None, p["l1_blocks"])
+    return out
+
+
+class L3Servers:
+    """The L3 side of one configuration: a file directory, a fresh ``tierkv server`` (ZMQ) or a fresh
+    ``mooncake_master`` plus a process holding the store's memory segment (the engine's own client contributes
+    none, so the pages outlive an engine), started before the engine and stopped after it, by PID."""
+
+    def __init__(self, work: Path):
+        self.work = work
+        self.procs = []
+        self.master = None
+
+    def section(self, name: str, backend: str) -> dict:
+        if backend == "file":
+            return {"root": str(self.work / f"l3_{name}")}
+        servers = _load("tierkv_e2e_servers", REPO / "tests" / "e2e" / "_servers.py")
+        if backend == "zmq":
+            proc, endpoint = servers.start_zmq_server(log_path=str(self.work / f"zmq_{name}.log"))
+            self.procs.append(proc)
+            return {"endpoint": endpoint}
+        self.master, cfg = servers.start_mooncake(str(self.work / f"mooncake_{name}"))
+        return cfg
+
+    def stop(self) -> None:
+        servers = _load("tierkv_e2e_servers", REPO / "tests" / "e2e" / "_servers.py") if (self.procs or self.master) \
+            else None
+        for proc in self.procs:
+            servers.stop_process(proc)
+        self.procs = []
+        if self.master is not None:
+            servers.stop_mooncake(self.master)
+            self.master = None
 
 
 def _p50(xs):
@@ -116,8 +174,10 @@ def summarise(name: str, res: dict, ideal: dict | None) -> dict:
             "cached_tokens": sum(x or 0 for x in w["num_cached_tokens"]),
             "l1_hit_tokens": int(c.get("vllm:prefix_cache_hits", 0)),
             "connector_hit_tokens": int(c.get("vllm:external_prefix_cache_hits", 0)),
+            "ttft_s": list(w["ttft_s"]),
+            "cached_per_request": list(w["num_cached_tokens"]),
         }
-        if ideal is not None:
+        if ideal is not None and wname in ideal["workloads"]:
             ref = ideal["workloads"][wname]["outputs"]
             row["outputs_differing"] = sum(a != b for a, b in zip(w["outputs"], ref))
             row["outputs_identical"] = row["outputs_differing"] == 0
@@ -184,6 +244,8 @@ def table(results: dict) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for cname, c in results["configs"].items():
         for w in wnames:
+            if w not in c["workloads"]:
+                continue
             r = c["workloads"][w]
             same = "ref" if cname == "ideal" else ("yes" if r.get("outputs_identical") else
                                                    f"no ({r.get('outputs_differing')}/{r['requests']} differ)")
@@ -191,6 +253,83 @@ def table(results: dict) -> str:
             lines.append(f"| {cname} | {w} | {r['seconds']:.2f} | {ttft} | {r['prompt_tokens']} | "
                          f"{r['l1_hit_tokens']} | {r['connector_hit_tokens']} | {same} |")
     return "\n".join(lines)
+
+
+def l3_targets(results: dict) -> dict:
+    """Targets of the controller issue, per L3 configuration present: rounds 2+3 against ``ideal`` (file 1.5x,
+    ZMQ/Mooncake 2x), round 1 against ``no_connector`` (write_through: at most 1.05x), the first round after a
+    restart against ideal's warm round (1.5x), and no request that hit L3 with a TTFT above recomputing it (the
+    same request's TTFT in ``no_connector``)."""
+    cfg = results["configs"]
+    ideal, noc = cfg.get("ideal"), cfg.get("no_connector")
+    out = {}
+    for name, c in cfg.items():
+        if name not in L3_CONFIGS and name not in RESTART:
+            continue
+        w = c["workloads"]
+        t = {}
+        backend = "file" if name in RESTART else L3_CONFIGS[name][0]
+        later = [x for x in ("docs_r2", "docs_r3") if x in w]
+        if ideal is not None and later:
+            if name in RESTART:
+                r = w["docs_r2"]["seconds"] / ideal["workloads"]["docs_r2"]["seconds"]
+                t["first_round_after_restart_vs_ideal"] = {"ratio": r, "target": 1.5, "met": r <= 1.5}
+            else:
+                r = sum(w[x]["seconds"] for x in later) / sum(ideal["workloads"][x]["seconds"] for x in later)
+                lim = 1.5 if backend == "file" else 2.0
+                t["rounds23_vs_ideal"] = {"ratio": r, "target": lim, "met": r <= lim}
+        if noc is not None and "docs_r1" in w and name in L3_CONFIGS and L3_CONFIGS[name][1] == "write_through":
+            r = w["docs_r1"]["seconds"] / noc["workloads"]["docs_r1"]["seconds"]
+            t["round1_vs_no_connector"] = {"ratio": r, "target": 1.05, "met": r <= 1.05}
+        if noc is not None:
+            above, hits = 0, 0
+            for x in later:
+                mine, ref = w[x], noc["workloads"].get(x)
+                if ref is None:
+                    continue
+                for tt, cached, rt in zip(mine["ttft_s"], mine["cached_per_request"], ref["ttft_s"]):
+                    if cached and tt is not None and rt is not None:
+                        hits += 1
+                        above += tt > rt
+            t["hits_slower_than_recompute"] = {"count": above, "of": hits, "target": 0, "met": above == 0}
+        out[name] = t
+    return out
+
+
+def l3_table(results: dict) -> str:
+    lines = ["| config | round 1 s | round 2 s | round 3 s | TTFT p50 r2/r3 ms | L3 hit tok | L3 pages read | "
+             "pages backed up | lookups (mean us) | same as ideal |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, c in results["configs"].items():
+        if name not in L3_CONFIGS and name not in RESTART and name not in ("tierkv", "ideal", "no_connector"):
+            continue
+        w = c["workloads"]
+        st = c.get("connector_stats", {})
+        sc, wk = st.get("scheduler", {}), st.get("worker", {})
+
+        def sec(x):
+            return f"{w[x]['seconds']:.1f}" if x in w else "-"
+
+        ttft = "/".join(f"{w[x]['ttft_p50_s'] * 1e3:.0f}" for x in ("docs_r2", "docs_r3") if x in w)
+        same = all(w[x].get("outputs_identical", True) for x in w) if name != "ideal" else "ref"
+        look = (f"{sc['lookups']} ({1e6 * sc['lookup_seconds'] / sc['lookups']:.0f})"
+                if sc.get("lookups") else "-")
+        lines.append(f"| {name} | {sec('docs_r1')} | {sec('docs_r2')} | {sec('docs_r3')} | {ttft} | "
+                     f"{sc.get('ctl_l3_hit_tokens', '-')} | {wk.get('l3_prefetch_pages', '-')} | "
+                     f"{wk.get('l3_backup_pages', '-')} | {look} | {same} |")
+    return "\n".join(lines)
+
+
+def l3_targets_text(results: dict) -> str:
+    out = []
+    for name, t in results.get("l3_targets", {}).items():
+        for k, x in t.items():
+            if "ratio" in x:
+                out.append(f"- {name}, {k.replace('_', ' ')}: {x['ratio']:.3f} (target <= {x['target']}): "
+                           f"{'met' if x['met'] else 'MISSED'}")
+            else:
+                out.append(f"- {name}, L3 hits with TTFT above recompute: {x['count']} of {x['of']}: "
+                           f"{'met' if x['met'] else 'MISSED'}")
+    return "\n".join(out)
 
 
 def targets_text(results: dict) -> str:
@@ -267,11 +406,53 @@ copy time {w.get('load_seconds', 0):.2f} s), L2 evictions {s.get('evicted_pages'
     README.write_text(text)
 
 
+L3_SECTION = "e2e_cpu_l3"
+
+
+def write_l3_readme(results: dict, note: str = "") -> None:
+    """Replace (or append) the ``## e2e_cpu_l3`` section of ``benchmarks/README.md`` (the controller's table)."""
+    p = results["params"]
+    loads = ", ".join(f"{k} {v['load_before']:.1f}->{v['load_after']:.1f}" for k, v in results["runs"].items())
+    body = f"""## {L3_SECTION}
+
+`benchmarks/e2e_cpu.py` with L3 configurations (issue 8): the `docs` workload of the section below, with tierkv's
+L2 limited to {p['l3_l2_pages']} pages (the {p['n_docs']} documents need {p['n_docs'] * p['doc_len'] // 32}), so
+rounds 2 and 3 must come back from L3. `tierkv_<backend>_<policy>`: write_through (`wt`), write_through_selective
+with threshold 1 (`wts`), write_back (`wb`); each ZMQ/Mooncake configuration gets a fresh server (Mooncake: a fresh
+master plus a process holding the store's segment). `restart_file`: a new engine on the file store
+`tierkv_file_wt` wrote, serving rounds 2 and 3 (its round 2 is the first round after a restart). `tierkv`: the L2
+path alone (1 GiB L2), for reference. "lookups (mean us)": calls of `get_num_new_matched_tokens` and their mean time.
+
+```bash
+.venv/bin/python benchmarks/e2e_cpu.py --workloads docs \\
+  --configs ideal,no_connector,tierkv,tierkv_file_wt,restart_file,tierkv_file_wb,tierkv_file_wts,tierkv_zmq_wt,tierkv_mooncake_wt
+```
+
+Load average before->after each configuration: {loads}.
+{note}
+
+{l3_table(results)}
+
+Targets:
+
+{l3_targets_text(results)}
+"""
+    text = README.read_text() if README.exists() else "# tierkv benchmarks\n"
+    start = text.find(f"\n## {L3_SECTION}\n")
+    if start < 0:
+        text = text.rstrip("\n") + "\n\n" + body
+    else:
+        end = text.find("\n## ", start + 1)
+        text = text[:start + 1] + body + (text[end:] if end >= 0 else "")
+    README.write_text(text)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke run: test model, small workload")
     ap.add_argument("--configs", default="ideal,no_connector,example_connector,tierkv",
-                    help="comma-separated subset of: ideal,no_connector,example_connector,tierkv")
+                    help="comma-separated subset of: ideal,no_connector,example_connector,tierkv, "
+                         + ",".join(list(L3_CONFIGS) + list(RESTART)) + " (restart_file after tierkv_file_wt)")
     ap.add_argument("--out", default=None, help="result JSON (default results/e2e_cpu.json, quick: e2e_cpu_quick.json)")
     ap.add_argument("--workloads", default="docs,chat", help="comma-separated subset of: docs,chat")
     ap.add_argument("--no-readme", action="store_true", help="do not update benchmarks/README.md")
@@ -282,8 +463,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     if args.readme_from:
-        write_readme(json.loads(Path(args.readme_from).read_text()), args.note)
-        print(f"updated the {SECTION} section of {README}")
+        res = json.loads(Path(args.readme_from).read_text())
+        if set(res["configs"]) & (set(L3_CONFIGS) | set(RESTART)):
+            write_l3_readme(res, args.note)
+            print(f"updated the {L3_SECTION} section of {README}")
+        else:
+            write_readme(res, args.note)
+            print(f"updated the {SECTION} section of {README}")
         return 0
     p = dict(QUICK if args.quick else FULL)
     model_dir = make_tiny_model.make_model(None, p["preset"])
@@ -307,34 +493,61 @@ def main(argv=None) -> int:
                "conditions": conditions(), "issue_reference_s_per_round": ISSUE_REFERENCE, "runs": {},
                "configs": {}}
     raw = {}
+    servers = L3Servers(work)
+    restart_dirs: dict[str, dict] = {}
     for name in names:
         kvc, blocks = cfgs[name]
-        load0 = os.getloadavg()[0]
-        print(f"[e2e_cpu] {name}: L1 {blocks} blocks, connector {kvc['kv_connector'] if kvc else 'none'} ...",
-              flush=True)
-        t0 = time.monotonic()
-        res = engine.run_job(model_dir, workloads, kv_transfer_config=kvc, num_gpu_blocks_override=blocks,
-                             max_tokens=p["max_tokens"], workdir=work / name, timeout_s=args.timeout,
-                             extra_engine_args={"max_model_len": min(8192, (min(blocks, p["l1_blocks"]) - 1) * 32)})
+        wl = workloads
+        try:
+            if name in L3_CONFIGS:
+                backend, policy = L3_CONFIGS[name]
+                section = servers.section(name, backend)
+                restart_dirs[name] = section
+                kvc = l3_kv_config(p, backend, policy, section)
+            elif name in RESTART:
+                src = RESTART[name]
+                if src not in restart_dirs:
+                    ap.error(f"--configs: {name} needs {src} earlier in the list")
+                kvc = l3_kv_config(p, "file", "write_through", restart_dirs[src])
+                wl = [w for w in workloads if w["name"] not in ("docs_r1", "chat")]
+            load0 = os.getloadavg()[0]
+            print(f"[e2e_cpu] {name}: L1 {blocks} blocks, connector {kvc['kv_connector'] if kvc else 'none'} ...",
+                  flush=True)
+            t0 = time.monotonic()
+            res = engine.run_job(model_dir, wl, kv_transfer_config=kvc, num_gpu_blocks_override=blocks,
+                                 max_tokens=p["max_tokens"], workdir=work / name, timeout_s=args.timeout,
+                                 extra_engine_args={"max_model_len": min(8192, (min(blocks, p["l1_blocks"]) - 1) * 32)})
+        finally:
+            servers.stop()
         raw[name] = res
         results["runs"][name] = {"elapsed_s": time.monotonic() - t0, "load_before": load0,
                                  "load_after": os.getloadavg()[0], "log": res["log_path"]}
         results["configs"][name] = summarise(name, res, raw.get("ideal"))
         rs = results["configs"][name]["workloads"]
-        print("   " + "  ".join(f"{w} {rs[w]['seconds']:.2f}s" for w in wnames), flush=True)
+        print("   " + "  ".join(f"{w} {rs[w]['seconds']:.2f}s" for w in wnames if w in rs), flush=True)
     results["targets"] = targets(results)
+    results["l3_targets"] = l3_targets(results)
 
     print()
     print(table(results))
     print()
     print(targets_text(results))
+    if results["l3_targets"]:
+        print()
+        print(l3_table(results))
+        print()
+        print(l3_targets_text(results))
     # Quick (smoke) results are not committed: they go to the git-ignored runs/ folder.
+    l3_run = bool(set(names) & (set(L3_CONFIGS) | set(RESTART)))
     out = Path(args.out) if args.out else (REPO / "runs" / "e2e_cpu_quick.json" if args.quick
-                                           else RESULTS / "e2e_cpu.json")
+                                           else RESULTS / ("e2e_cpu_l3.json" if l3_run else "e2e_cpu.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1, sort_keys=False) + "\n")
     print(f"\nwrote {out}")
-    if not args.quick and not args.no_readme and set(names) >= {"ideal", "no_connector", "tierkv"}:
+    if not args.quick and not args.no_readme and l3_run:
+        write_l3_readme(results, args.note)
+        print(f"updated the {L3_SECTION} section of {README}")
+    elif not args.quick and not args.no_readme and set(names) >= {"ideal", "no_connector", "tierkv"}:
         write_readme(results, args.note)
         print(f"updated the {SECTION} section of {README}")
     return 0
