@@ -131,6 +131,33 @@ def test_pipelined_set_splits_batch_into_messages_and_round_trips(srv, monkeypat
     assert c.batch_get(ks[:2], dst[:2]) == [True] * 2 and torch.equal(dst[0], src[0])
 
 
+def test_set_with_checksums_is_split_by_max_message_bytes_only(srv, monkeypatch):
+    """With the checksums given there is nothing to hash while a message is sent, so a set is not pipelined: it
+    goes out in as few messages as ``max_message_bytes`` allows, every page exact."""
+    from tierkv.storage_backends import zmq_client
+    from tierkv.storage_backends.page_format import payload_checksum
+
+    monkeypatch.setattr(zmq_client, "PIPELINE_BYTES", 3 * 4096)
+    monkeypatch.setattr(zmq_client, "FIRST_MESSAGE_BYTES", 4096)
+    c = srv.new_client()
+    ks, src = keys_of(10, salt=32), pages(10, 4096, 32)
+    sums = [payload_checksum(s.numpy()) for s in src]
+    before = c.stats()["requests"]
+    assert c.batch_set(ks, src, checksums=sums) == [True] * 10
+    assert c.stats()["requests"] - before == 1
+    small = ZmqStore(NS, 4096, endpoint=srv.endpoint, timeout_s=5.0, max_message_bytes=(64 << 10) + 4 * (4096 + 256))
+    try:
+        assert small.keys_per_message == 4
+        k2 = keys_of(10, salt=33)
+        assert small.batch_set(k2, src, checksums=sums) == [True] * 10
+        assert small.stats()["requests"] == 3  # 4 + 4 + 2 pages
+    finally:
+        small.close()
+    dst = [torch.zeros(4096, dtype=torch.uint8) for _ in ks]
+    assert c.batch_get(ks, dst) == [True] * 10 and all(torch.equal(d, s) for d, s in zip(dst, src))
+    assert c.batch_get(k2, dst) == [True] * 10 and all(torch.equal(d, s) for d, s in zip(dst, src))
+
+
 def test_keep_freed_memory_applies_on_glibc():
     """The server's allocator tuning (run before the ZMQ context exists) reports success on glibc Linux."""
     code = "from tierkv.storage_backends.zmq_server import keep_freed_memory as k; print(k(64 << 20))"
