@@ -30,6 +30,7 @@ rounds 2+3 together within 1.5x of ``ideal`` (aim 1.1x).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -125,34 +126,30 @@ def configs(p: dict, store_dir: Path) -> dict[str, tuple]:
 
 class L3Servers:
     """The L3 side of one configuration: a file directory, a fresh ``tierkv server`` (ZMQ) or a fresh
-    ``mooncake_master`` plus a process holding the store's memory segment (the engine's own client contributes
-    none, so the pages outlive an engine), started before the engine and stopped after it, by PID."""
+    ``mooncake_master`` plus a client of this process holding the store's memory segment (the engine's own client
+    contributes none, so the pages outlive an engine), started before the engine and stopped after it, by PID
+    (``tests/e2e/_servers.py``)."""
 
     def __init__(self, work: Path):
         self.work = work
-        self.procs = []
-        self.master = None
+        self.stack = contextlib.ExitStack()
 
     def section(self, name: str, backend: str) -> dict:
         if backend == "file":
             return {"root": str(self.work / f"l3_{name}")}
         servers = _load("tierkv_e2e_servers", REPO / "tests" / "e2e" / "_servers.py")
         if backend == "zmq":
-            proc, endpoint = servers.start_zmq_server(log_path=str(self.work / f"zmq_{name}.log"))
-            self.procs.append(proc)
-            return {"endpoint": endpoint}
-        self.master, cfg = servers.start_mooncake(str(self.work / f"mooncake_{name}"))
-        return cfg
+            h = self.stack.enter_context(servers.zmq_server(self.work / f"zmq_{name}", capacity_bytes=4 << 30))
+            return servers.zmq_l3(h.endpoint, timeout_s=5.0)["zmq"]
+        h = self.stack.enter_context(servers.mooncake_store(self.work / f"mooncake_{name}", segment_bytes=2 << 30))
+        cfg = h.master.client_config()
+        sec = servers.mooncake_l3(cfg["master_address"], cfg["metadata_server"])["mooncake"]
+        sec["staging_bytes"] = "64MiB"  # room for a batch of bench pages (16 x 256 KiB + headers)
+        return sec
 
     def stop(self) -> None:
-        servers = _load("tierkv_e2e_servers", REPO / "tests" / "e2e" / "_servers.py") if (self.procs or self.master) \
-            else None
-        for proc in self.procs:
-            servers.stop_process(proc)
-        self.procs = []
-        if self.master is not None:
-            servers.stop_mooncake(self.master)
-            self.master = None
+        self.stack.close()
+        self.stack = contextlib.ExitStack()
 
 
 def _p50(xs):
