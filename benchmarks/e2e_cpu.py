@@ -393,17 +393,22 @@ pages saved {w.get('save_pages', '-')} ({w.get('save_bytes', 0) / 2**20:.0f} MiB
 copy time {w.get('load_seconds', 0):.2f} s), L2 evictions {s.get('evicted_pages', '-')}. Results:
 `results/e2e_cpu.json`.
 """
+    _replace_section(SECTION, body)
+
+
+L3_SECTION = "e2e_cpu_l3"
+
+
+def _replace_section(section: str, body: str) -> None:
+    """Replace (or append) the ``## <section>`` section of ``benchmarks/README.md``; other sections are kept."""
     text = README.read_text() if README.exists() else "# tierkv benchmarks\n"
-    start = text.find(f"\n## {SECTION}\n")
+    start = text.find(f"\n## {section}\n")
     if start < 0:
         text = text.rstrip("\n") + "\n\n" + body
     else:
         end = text.find("\n## ", start + 1)
         text = text[:start + 1] + body + (text[end:] if end >= 0 else "")
     README.write_text(text)
-
-
-L3_SECTION = "e2e_cpu_l3"
 
 
 def write_l3_readme(results: dict, note: str = "") -> None:
@@ -434,14 +439,7 @@ Targets:
 
 {l3_targets_text(results)}
 """
-    text = README.read_text() if README.exists() else "# tierkv benchmarks\n"
-    start = text.find(f"\n## {L3_SECTION}\n")
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + body
-    else:
-        end = text.find("\n## ", start + 1)
-        text = text[:start + 1] + body + (text[end:] if end >= 0 else "")
-    README.write_text(text)
+    _replace_section(L3_SECTION, body)
 
 
 def main(argv=None) -> int:

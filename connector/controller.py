@@ -9,7 +9,8 @@ Backup (L2 -> L3)
     ``write_through``: every page saved into L2 is backed up in the same step's plan.
     ``write_through_selective``: a page is backed up once its node was hit ``write_through_threshold`` times.
     ``write_back``: a page is backed up only when L2 eviction picks it; its slot is freed only after the store
-    acknowledged the page, and a page whose backup failed is dropped, never marked as stored (docs/architecture.md §8 R07).
+    acknowledged the page, and a page whose backup failed is dropped, never marked as stored
+    (docs/architecture.md §8 R07).
     While a backup runs, the index node holding its pages is locked (its slots cannot be evicted or reused).
 
 Existence (is the rest of this prompt in L3?)

@@ -32,10 +32,12 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import xxhash
+
+from tierkv.storage_backends.common import RateLimitedLog
 
 from .page_checksums import SlotChecksums
 from .plan import JOB_BACKUP, JOB_PREFETCH, Job, JobReport
@@ -47,24 +49,6 @@ def l3_key(rank_namespace: bytes, key: bytes) -> str:
     """Text key (32 lowercase hex chars) of page ``key`` (16 bytes) in the L3 store, for the rank whose namespace
     digest is ``rank_namespace`` (16 bytes)."""
     return xxhash.xxh3_128_hexdigest(rank_namespace + key)
-
-
-class _BurstLog:
-    """One warning per kind per ``every_s`` seconds, with the count of the ones held back."""
-
-    def __init__(self, every_s: float):
-        self.every_s = every_s
-        self._last: dict[str, float] = {}
-        self._held: dict[str, int] = {}
-
-    def warning(self, kind: str, msg: str, *args: Any) -> None:
-        now = time.monotonic()
-        if now - self._last.get(kind, -1e18) >= self.every_s:
-            held = self._held.pop(kind, 0)
-            self._last[kind] = now
-            logger.warning("tierkv L3: " + msg + (f" (+{held} more since the last warning)" if held else ""), *args)
-        else:
-            self._held[kind] = self._held.get(kind, 0) + 1
 
 
 @dataclass
@@ -149,7 +133,7 @@ class L3IO:
         self.clock = clock
         self.rank = rank
         self.counters = L3Counters()
-        self._log = _BurstLog(log_every_s)
+        self._log = RateLimitedLog(logger, log_every_s)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._reports: list[JobReport] = []
@@ -192,7 +176,8 @@ class L3IO:
                         self._busy += 1
                 if not fits:
                     self.counters.backup_dropped_pages += job.num_pages
-                    self._log.warning("backup_dropped", "backup queue full (%d pages): %d pages not backed up",
+                    self._log.warning("backup_dropped",
+                                      "tierkv L3: backup queue full (%d pages): %d pages not backed up",
                                       self.max_backup_pages, job.num_pages)
                     self._report(JobReport(job.job_id, job.kind, [False] * job.num_pages))
                     continue
@@ -304,7 +289,7 @@ class L3IO:
                     self._run_exists(job)
             except Exception as e:  # a bug or a store that raised: the job fails, the thread lives on
                 self.counters.store_errors += 1
-                self._log.warning("job_error", "%s job %d failed: %r", job.kind, job.job_id, e)
+                self._log.warning("job_error", "tierkv L3: %s job %d failed: %r", job.kind, job.job_id, e)
                 if job.kind == JOB_PREFETCH:
                     with self._lock:
                         p = self._prefetches.get(job.job_id)
@@ -334,7 +319,7 @@ class L3IO:
             n = int(self.store.batch_exists(self._keys(job.keys)))
         except Exception as e:
             self.counters.store_errors += 1
-            self._log.warning("exists", "existence query of %d pages failed: %r", job.num_pages, e)
+            self._log.warning("exists", "tierkv L3: existence query of %d pages failed: %r", job.num_pages, e)
         dt = time.perf_counter() - t0
         self.counters.exists_jobs += 1
         self.counters.exists_seconds += dt
@@ -363,13 +348,14 @@ class L3IO:
             except Exception as ex:
                 res = [False] * (e - s)
                 self.counters.store_errors += 1
-                self._log.warning("backup", "backup of %d pages failed: %r", e - s, ex)
+                self._log.warning("backup", "tierkv L3: backup of %d pages failed: %r", e - s, ex)
             for i, r in enumerate(res):
                 if r:
                     ok[s + i] = True
                     nbytes += pb
             if not all(res):
-                self._log.warning("backup_pages", "%d of %d pages not stored by %r", sum(1 for r in res if not r),
+                self._log.warning("backup_pages", "tierkv L3: %d of %d pages not stored by %r",
+                                  sum(1 for r in res if not r),
                                   e - s, self.store)
         self._end_backup(job, ok, nbytes, time.perf_counter() - t0)
 
@@ -400,7 +386,7 @@ class L3IO:
             except Exception as ex:
                 res = [False] * len(idx)
                 self.counters.store_errors += 1
-                self._log.warning("prefetch", "read of %d pages failed: %r", len(idx), ex)
+                self._log.warning("prefetch", "tierkv L3: read of %d pages failed: %r", len(idx), ex)
             got = []
             for j, (i, r) in enumerate(zip(idx, res)):
                 if not r:
@@ -410,7 +396,8 @@ class L3IO:
                 self.checksums.record(slot, job.keys[i], xxhash.xxh3_64_intdigest(memoryview(dsts[j].numpy())))
                 got.append(i)
             if len(got) < len(idx):
-                self._log.warning("prefetch_pages", "%d of %d pages missing or corrupt in %r", len(idx) - len(got),
+                self._log.warning("prefetch_pages", "tierkv L3: %d of %d pages missing or corrupt in %r",
+                                  len(idx) - len(got),
                                   len(idx), self.store)
             with self._lock:
                 for i in got:

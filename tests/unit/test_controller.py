@@ -202,17 +202,14 @@ def test_r24_a_failed_batch_does_not_stop_later_batches_and_is_stored_on_a_later
     e.close()
 
 
-def test_hanging_store_releases_the_request_at_its_deadline(tmp_path):
-    now = [0.0]
-    clock = lambda: now[0]  # noqa: E731 - a fake clock drives the deadline, no sleeps
-    doc = toks(40, 4 * P)
-    e1 = FakeEngine(store=file_store(tmp_path), controller={"write_policy": "write_through"})
+def _hanging_l3_load(tmp_path, doc, **engine_kw):
+    """An engine whose first request is an L3 hit of ``doc`` (4 pages written by an earlier engine) and whose
+    prefetch read hangs in the store: returns (engine, fault wrapper, request) with the job started."""
+    e1 = FakeEngine(store=file_store(tmp_path))
     e1.run_l3(Req("a", doc + [1]))
     e1.settle()
     e1.close()
-    e = FakeEngine(store=file_store(tmp_path), clock=clock,
-                   controller={"prefetch_policy": "timeout", "prefetch_timeout_base_s": 0.5,
-                               "prefetch_timeout_per_page_s": 0.0})
+    e = FakeEngine(store=file_store(tmp_path), **engine_kw)
     faulty = FaultyBackend(e.worker.l3.store)
     e.worker.l3.store = faulty
     req = Req("b", doc + [2])
@@ -223,22 +220,31 @@ def test_hanging_store_releases_the_request_at_its_deadline(tmp_path):
     faulty.set_faults(hang_get=True)
     req.blocks = [e.free_blocks.pop(0) for _ in range(5)]
     e.sched.on_alloc("b", req.blocks, 4 * P)
+    e.waiting["b"] = req
     e.step(compute=False)                           # the job starts, the read hangs
     assert faulty.wait_hanging(1, timeout=10)
+    return e, faulty, req
+
+
+def test_hanging_store_releases_the_request_at_its_deadline(tmp_path):
+    now = [0.0]
+    e, faulty, req = _hanging_l3_load(tmp_path, toks(40, 4 * P), clock=lambda: now[0],
+                                      controller={"prefetch_policy": "timeout", "prefetch_timeout_base_s": 0.5,
+                                                  "prefetch_timeout_per_page_s": 0.0})
     assert "b" not in e.recv
-    now[0] += 0.6                                   # past the deadline
+    now[0] += 0.6                                   # past the deadline (a fake clock: no sleeps)
     e.step(compute=False)
     assert "b" in e.recv                            # released without the store
     assert set(req.blocks[:4]) <= e.failed_blocks   # every page recomputed
     assert e.worker.l3.counters.prefetch_deadline_misses == 1
-    staged = e.sched.ctl.staging_slots()
-    assert len(staged) == 4                         # still pinned: a thread may still write them
+    assert len(e.sched.ctl.staging_slots()) == 4    # still pinned: a thread may still write them
     faulty.release()
     e.worker.l3.wait_idle()
     e.step(compute=False)
     assert e.sched.ctl.staging_slots() == [] and e.sched.ctl.pending_jobs() == 0
     e.recv.clear()
     e.failed_blocks.clear()
+    e.waiting.clear()
     e.free_blocks.extend(req.blocks)
     e.sched.on_finished("b")
     e.idle_check()
@@ -246,26 +252,8 @@ def test_hanging_store_releases_the_request_at_its_deadline(tmp_path):
 
 
 def test_r09_abort_during_l3_load_delays_the_free_and_leaks_nothing(tmp_path):
-    doc = toks(60, 4 * P)
-    e1 = FakeEngine(store=file_store(tmp_path))
-    e1.run_l3(Req("a", doc + [1]))
-    e1.settle()
-    e1.close()
-    e = FakeEngine(store=file_store(tmp_path))
-    faulty = FaultyBackend(e.worker.l3.store)
-    e.worker.l3.store = faulty
-    req = Req("b", doc + [2])
-    e.sched.add_request("b", req.tokens)
-    assert e.sched.lookup("b", 0) is None
-    pump(e)
-    assert e.sched.lookup("b", 0) == 4 * P
-    faulty.set_faults(hang_get=True)
-    req.blocks = [e.free_blocks.pop(0) for _ in range(5)]
+    e, faulty, req = _hanging_l3_load(tmp_path, toks(60, 4 * P))
     free_before = len(e.free_blocks)
-    e.sched.on_alloc("b", req.blocks, 4 * P)
-    e.waiting["b"] = req
-    e.step(compute=False)
-    assert faulty.wait_hanging(1, timeout=10)
     e.finish(req)                                   # abort while the read hangs
     assert "b" in e.delayed                         # blocks kept until the worker acknowledged the abort
     e.step(compute=False)
