@@ -62,7 +62,7 @@ PEER_DIR = ROOT / "benchmarks" / "peers"
 PEER_VENV = Path(os.environ.get("TIERKV_SGLANG_VENV", PEER_DIR / ".sglang-venv"))
 NS = bytes(range(16))
 BATCH = 64
-TARGETS = {"file": 0.70, "zmq": 0.80, "mooncake": 0.90}
+TARGETS = {"file": 0.70, "zmq": 0.85, "mooncake": 0.90}  # zmq 85 % since issue 8 (sets pass their checksums)
 KiB, MiB = 1024, 1024 * 1024
 
 
