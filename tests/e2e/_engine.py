@@ -129,6 +129,11 @@ def run_job(
     - ``"chats": list[list[list[int]]]`` (per chat, the user messages as token ids): turn ``t`` of every
       chat is sent (chats interleaved, turn-major), its prompt being the chat's previous prompt, the model's
       previous answer (generated ids) and user message ``t``.
+    - ``"barrier": PATH`` (a hook for tests that act on the world between two workloads of one engine, e.g.
+      kill a store server): the engine, idle, creates ``PATH.reached`` and waits until ``PATH.go`` exists
+      (polled every 10 ms, at most ``"timeout_s"``, default 600 s, else the child fails). The test runs
+      :func:`run_job` in a thread, waits for ``PATH.reached`` (:func:`wait_for_file`), acts, then creates
+      ``PATH.go`` (:func:`release_barrier`). A barrier yields no results (its name is not in ``workloads``).
 
     ``kv_transfer_config`` is passed to ``LLM(kv_transfer_config=...)``; for tierkv's connector a
     ``stats_path`` inside ``<workdir>/stats`` is added to its extra config unless one is given.
@@ -144,8 +149,9 @@ def run_job(
     ``ValueError`` for a malformed workload.
     """
     for w in workloads:
-        if "name" not in w or ("prompts" in w) == ("chats" in w):
-            raise ValueError(f"workload {w.get('name')!r}: give a name and exactly one of 'prompts' or 'chats'")
+        if "name" not in w or sum(k in w for k in ("prompts", "chats", "barrier")) != 1:
+            raise ValueError(f"workload {w.get('name')!r}: give a name and exactly one of 'prompts', 'chats' or "
+                             "'barrier'")
     workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="tierkv-e2e-"))
     workdir.mkdir(parents=True, exist_ok=True)
     stats_dir = workdir / "stats"
@@ -269,6 +275,23 @@ def _prompt_len(p) -> int:
 def _tokens_prompt(p):
     from vllm.inputs import TokensPrompt
     return TokensPrompt(**p) if isinstance(p, dict) else TokensPrompt(prompt_token_ids=p)
+
+
+def wait_for_file(path: str | os.PathLike, timeout_s: float, alive=None) -> None:
+    """Return once ``path`` exists (polled every 10 ms). Raises TimeoutError after ``timeout_s`` seconds, or
+    RuntimeError as soon as ``alive()`` (optional) returns False (e.g. the engine thread died)."""
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if alive is not None and not alive():
+            raise RuntimeError(f"gave up waiting for {path}: the other side is gone")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout_s} s")
+        time.sleep(0.01)  # polling interval of the condition, not a synchronisation sleep
+
+
+def release_barrier(path: str | os.PathLike) -> None:
+    """Let an engine waiting at the barrier ``path`` (a workload ``{"barrier": path}``) go on."""
+    Path(str(path) + ".go").touch()
 
 
 def read_stats(stats_dir: str | os.PathLike) -> dict[str, Any]:
@@ -440,6 +463,10 @@ def _child(job_path: str, result_path: str) -> None:
 
     results: dict[str, dict] = {}
     for w in job["workloads"]:
+        if "barrier" in w:
+            Path(str(w["barrier"]) + ".reached").touch()
+            wait_for_file(str(w["barrier"]) + ".go", float(w.get("timeout_s", 600.0)))
+            continue
         max_tokens = int(w.get("max_tokens", job["max_tokens"]))
         before = counters()
         t_w = time.monotonic()

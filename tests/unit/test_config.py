@@ -103,3 +103,30 @@ def test_l3_sections_validate_without_a_store(tmp_path):
     assert cfg.l3.backend == "file" and cfg.l3.file["capacity_bytes"] == "1MiB" and not root.exists()
     cfg = config_from_extra({"config_file": "l3_zmq.yaml", "l3.zmq.endpoint": "tcp://127.0.0.1:9"})
     assert cfg.l3.zmq["endpoint"] == "tcp://127.0.0.1:9"
+
+
+@pytest.mark.parametrize("key, bad, allowed", [
+    ("controller.write_policy", "write_around", ("write_through", "write_through_selective", "write_back")),
+    ("controller.prefetch_policy", "eager", ("best_effort", "wait_complete", "timeout")),
+])
+def test_unknown_controller_policy_names_key_and_allowed_values(key, bad, allowed):
+    """Nested and dotted forms alike: the error names the dotted key, the bad value and every allowed policy."""
+    section, name = key.split(".")
+    for extra in ({section: {name: bad}}, {key: bad}):
+        with pytest.raises(ConfigError) as e:
+            config_from_extra(extra)
+        msg = str(e.value)
+        assert f"'{key}'" in msg and repr(bad) in msg, msg
+        for a in allowed:
+            assert f"'{a}'" in msg, (a, msg)
+    for a in allowed:  # and every allowed value is accepted
+        assert getattr(config_from_extra({key: a}).controller, name) == a
+
+
+@pytest.mark.parametrize("value", [0, 0.0, -0.5])
+def test_prefetch_timeout_base_must_be_positive(value):
+    with pytest.raises(ConfigError) as e:
+        config_from_extra({"controller": {"prefetch_timeout_base_s": value}})
+    msg = str(e.value)
+    assert "'controller.prefetch_timeout_base_s'" in msg and msg.startswith("invalid tierkv config"), msg
+    assert config_from_extra({"controller.prefetch_timeout_base_s": 0.01}).controller.prefetch_timeout_base_s == 0.01

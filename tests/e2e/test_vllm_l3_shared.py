@@ -1,0 +1,125 @@
+"""Two engines, one after the other, share one networked L3 store: a real ``tierkv server`` (ZMQ) process, and a
+real ``mooncake_master`` with the store's memory held by the test process. Pages the first engine computed are
+loaded by the second one from L3; greedy outputs are bit-identical to vLLM reusing the same prefixes from its L1.
+
+Reference (module fixture, shared): one engine without a connector and with an L1 large enough for everything runs
+``first`` and then ``again`` (same documents, new questions), so ``again`` reuses the documents from its own L1.
+tierkv: engine 1 runs ``first`` with write_through to the store, engine 2 (a new process: empty L1 and L2) runs
+``again``; its document prefixes can only come from the store.
+"""
+import random
+
+import pytest
+
+from _engine import run_job, stats_by_role, tierkv_kv_config
+from _servers import mooncake_l3, mooncake_store, zmq_l3, zmq_server
+
+P = 32
+MAX_LEN = 512
+ARGS = {"max_model_len": MAX_LEN}
+SMALL_L1 = MAX_LEN // P + 2
+MAX_TOKENS = 6
+
+
+def _rounds():
+    rng = random.Random(5)
+    vocab = lambda n: [rng.randrange(10, 1000) for _ in range(n)]
+    docs = [vocab(n) for n in (96, 161, 130)]
+    first = [d + vocab(rng.randrange(3, 20)) for d in docs]
+    again = [d + vocab(rng.randrange(3, 20)) for d in docs]
+    return first, again
+
+
+def _common_pages(a, b):
+    """Leading full pages two prompts share (page keys chain over every earlier token)."""
+    n = 0
+    while (n + 1) * P <= min(len(a), len(b)) and a[n * P:(n + 1) * P] == b[n * P:(n + 1) * P]:
+        n += 1
+    return n
+
+
+def _full_pages(prompts):
+    """Pages whose KV the engine computes: the prompt and every generated token but the last one."""
+    return sum((len(p) + MAX_TOKENS - 1) // P for p in prompts)
+
+
+def _config(l3):
+    return tierkv_kv_config({"host_pool": {"num_pages": 12}, "verify_checksums": True, "l3": l3,
+                             "controller": {"write_policy": "write_through", "prefetch_policy": "wait_complete"}},
+                            load_failure_policy="recompute")
+
+
+def _engine(tiny_model, tmp_path_factory, name, prompts, l3):
+    return run_job(tiny_model, [{"name": name, "prompts": prompts}], kv_transfer_config=_config(l3),
+                   num_gpu_blocks_override=SMALL_L1, max_tokens=MAX_TOKENS, extra_engine_args=ARGS,
+                   workdir=tmp_path_factory.mktemp(name))
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_model, tmp_path_factory):
+    first, again = _rounds()
+    return run_job(tiny_model, [{"name": "first", "prompts": first}, {"name": "again", "prompts": again}],
+                   kv_transfer_config=None, num_gpu_blocks_override=200, max_tokens=MAX_TOKENS, extra_engine_args=ARGS,
+                   workdir=tmp_path_factory.mktemp("ref"))
+
+
+def _check_pair(ref, e1, e2):
+    """Assertions common to both stores: engine 1 stored every full page; engine 2 loaded from L3 exactly what the
+    reference reused from L1, bit-exact."""
+    first, again = _rounds()
+    # engine 1: every computed page went to L3, outputs as computed by the reference
+    assert e1["workloads"]["first"]["outputs"] == ref["workloads"]["first"]["outputs"]
+    s1 = stats_by_role(e1)
+    w1, c1 = s1["worker"], s1["scheduler"]
+    assert w1["l3_backup_pages"] == _full_pages(first), w1
+    assert w1["l3_backup_failed_pages"] == 0 and w1["l3_store_errors"] == 0, w1
+    assert c1["ctl_backup_stored_pages"] <= w1["l3_backup_pages"] and c1["ctl_l3_hit_tokens"] == 0, c1
+    # engine 2: the documents' pages come from L3
+    out, want = e2["workloads"]["again"], ref["workloads"]["again"]
+    reused = sum(want["num_cached_tokens"])
+    expected = sum(min(_common_pages(a, b), (len(b) - 1) // P) * P for a, b in zip(first, again))
+    assert reused == expected > 0, (want["num_cached_tokens"], expected)  # the reference reused every shared page
+    assert out["outputs"] == want["outputs"]
+    assert out["num_cached_tokens"] == want["num_cached_tokens"]
+    s2 = stats_by_role(e2)
+    w2, c2 = s2["worker"], s2["scheduler"]
+    assert c2["ctl_l3_hit_tokens"] == reused, c2
+    assert c2["ctl_exists_queries"] > 0 and c2["ctl_exists_found_pages"] >= reused // P, c2
+    assert w2["l3_prefetch_pages"] == reused // P and w2["async_load_pages"] == reused // P, w2
+    assert w2["l3_prefetch_failed_pages"] == 0 and w2["failed_load_blocks"] == 0, w2
+    assert w2["checksum_mismatches"] == 0 and w2["l3_store_errors"] == 0, w2
+    assert c2["l2_hit_tokens"] == 0, c2  # a new process: nothing came from its own L2
+    assert c2["locked_pages"] == 0 and c2["live_requests"] == 0, c2
+    assert e1["leaked_processes"] == 0 and e2["leaked_processes"] == 0
+    return w1, w2
+
+
+def test_zmq_server_shared_by_two_engines(ref, tiny_model, tmp_path_factory):
+    first, again = _rounds()
+    with zmq_server(tmp_path_factory.mktemp("zmq")) as srv:
+        l3 = zmq_l3(srv.endpoint, timeout_s=2.0)
+        e1 = _engine(tiny_model, tmp_path_factory, "first", first, l3)
+        held_after_e1 = srv.server_stats()["keys"]
+        e2 = _engine(tiny_model, tmp_path_factory, "again", again, l3)
+        st = srv.server_stats()
+        pid = srv.pid
+    w1, w2 = _check_pair(ref, e1, e2)
+    # the server (one process all along) holds exactly the pages both engines reported stored
+    assert held_after_e1 == w1["l3_backup_pages"] == _full_pages(first), held_after_e1
+    new_in_e2 = _full_pages(again) - sum(_common_pages(a, b) for a, b in zip(first, again))
+    assert w2["l3_backup_pages"] == new_in_e2 and w2["l3_backup_failed_pages"] == 0, w2
+    assert st["keys"] == held_after_e1 + new_in_e2, st
+    assert st["pid"] == pid and st["hits"] >= w2["l3_prefetch_pages"], st
+
+
+def test_mooncake_store_shared_by_two_engines(ref, tiny_model, tmp_path_factory):
+    first, again = _rounds()
+    with mooncake_store(tmp_path_factory.mktemp("mooncake")) as mc:
+        l3 = mooncake_l3(mc.master.master_address, mc.master.metadata_server)
+        e1 = _engine(tiny_model, tmp_path_factory, "first", first, l3)
+        e2 = _engine(tiny_model, tmp_path_factory, "again", again, l3)
+        master_alive = mc.master.alive()
+    assert master_alive
+    _w1, w2 = _check_pair(ref, e1, e2)
+    new_in_e2 = _full_pages(again) - sum(_common_pages(a, b) for a, b in zip(first, again))
+    assert w2["l3_backup_pages"] == new_in_e2 and w2["l3_backup_failed_pages"] == 0, w2
