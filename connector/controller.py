@@ -307,9 +307,21 @@ class Controller:
                 return i
         return len(m_host_slots)
 
-    def fetching(self, keys: Sequence[bytes]) -> bool:
-        """Whether any of ``keys`` is being fetched from L3 by a running job."""
-        return any(k in self._fetching for k in keys)
+    def fetch_state(self, keys: Sequence[bytes], req_id: str) -> tuple[int, bool]:
+        """``(i, wait)``: ``keys[i]`` is the first key a running prefetch is fetching (``len(keys)`` if none), and
+        whether ``req_id`` should wait for that fetch (it belongs to another request and is within its deadline).
+        A request never waits for its own earlier fetch (vLLM asks again after the worker released it at its
+        deadline) nor for one past its deadline: those pages are simply not offered."""
+        now = self.clock()
+        for i, k in enumerate(keys):
+            jid = self._fetching.get(k)
+            if jid is None:
+                continue
+            st = self._jobs.get(jid)
+            wait = (st is not None and st.job.req_id != req_id
+                    and (st.job.deadline_s is None or now - st.t0 <= st.job.deadline_s))
+            return i, wait
+        return len(keys), False
 
     def l3_extend(self, path: Sequence[bytes], start: int) -> Optional[int]:
         """How many pages after ``path[:start]`` (indexed) are in L3 beyond what the index knows: 0 when known
@@ -441,11 +453,19 @@ class Controller:
                 self.allocator.free(dups)
         if bad_idx:
             self.allocator.free([job.slots[i] for i in bad_idx])
-            for i in bad_idx:
-                if not r.ok[i]:
-                    self._mark_absent(job.keys[i])  # missing or corrupt in L3: do not ask for it again soon
         if st.lock is not None:
             self.index.unlock(st.lock)
+        failed = [first + i for i in bad_idx if not r.ok[i]]
+        if failed:
+            # missing or corrupt in L3: not asked for again soon, and no longer taken for stored, so the recomputed
+            # page is backed up again (it may already be back in L2, saved by the request that recomputed it)
+            for i in bad_idx:
+                if not r.ok[i]:
+                    self._mark_absent(job.keys[i])
+            freed = self.index.clear_l3(st.path, failed)
+            if freed:
+                self.allocator.free(freed)
+            self.after_save(st.path, 0)  # write_through: back up again what is in L2 and no longer in L3
 
     def staging_slots(self) -> list[int]:
         """Slots held by running prefetches for pages not yet published into the index."""

@@ -339,6 +339,34 @@ class RadixIndex:
                 self._remove_leaf(leaf)
         return removed
 
+    def clear_l3(self, keys: Sequence[bytes], positions: Sequence[int]) -> list[int]:
+        """L3 no longer holds the pages ``keys[i]`` for ``i`` in ``positions`` (a read found them missing or
+        corrupt). Pages with an L2 copy just lose their L3 flag. From the first listed page without an L2 copy
+        on, the path is cut (node split there, the rest and its subtree removed) unless something there is locked;
+        then those pages keep their flag (the caller remembers them as absent). Returns the released L2 slots."""
+        want = set(positions)
+        cut = None
+        for node, j, i in self.walk(keys):
+            if i not in want or not node.in_l3[j]:
+                continue
+            if node.host_slots[j] == NO_SLOT:
+                cut = (node, j)
+                break
+            node.in_l3[j] = False
+            self.l3_pages -= 1
+        if cut is None:
+            return []
+        node, j = cut
+        if node.lock_ref:
+            return []
+        if j > 0:
+            self._split(node, j)  # ``node`` is now the tail starting at the page to forget
+        orig_parent = node.parent
+        freed = self.remove_prefix_from(node)
+        if orig_parent is not None and orig_parent is not self.root:
+            self._push(orig_parent)
+        return freed
+
     def set_in_l3(self, keys: Sequence[bytes], flags: Sequence[bool]) -> int:
         """Mark the pages ``keys`` (a path from the root) as held by L3 where ``flags[i]`` is true (the store
         acknowledged page i). Pages no longer indexed are skipped. Returns the number of pages newly marked."""

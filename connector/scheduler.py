@@ -156,9 +156,12 @@ class CacheScheduler:
         l2_run = next((i for i, s in enumerate(m.host_slots) if s < 0), m.num_pages)
         avail = ctl.usable_pages(keys, m.host_slots, m.in_l3)
         first = num_computed_tokens // self.page_size
-        if ctl.fetching(keys[max(first, l2_run):avail + 1]):
+        lo = max(first, l2_run)
+        i, wait = ctl.fetch_state(keys[lo:avail + 1], req_id)
+        if wait:
             ctl.counters.lookups_deferred += 1
             return None  # another request is fetching these pages: load them from L2 once they landed
+        avail = min(avail, lo + i)
         if avail == m.num_pages and avail < cap_pages:
             more = ctl.l3_extend(keys, avail)
             if more is None:

@@ -30,7 +30,7 @@ from .device_pool import DevicePool
 from .host_pool import HostPool
 from .l3_io import L3IO
 from .page_checksums import SlotChecksums
-from .plan import JobReport, PageOrder, StepPlan
+from .plan import JOB_PREFETCH, JobReport, PageOrder, StepPlan
 
 logger = logging.getLogger("tierkv.worker")
 
@@ -81,6 +81,8 @@ class CacheWorker:
         self.checksums = checksums if checksums is not None else SlotChecksums(host.num_slots)
         self._keep_checksums = verify or l3 is not None
         self._closed = False
+        self._orphan_reports: list[JobReport] = []   # jobs answered without a store
+        self._orphan_finished: set[str] = set()
         self._failed_blocks: set[int] = set()
         self._pending = None  # LayerwiseLoad in flight
 
@@ -174,16 +176,28 @@ class CacheWorker:
 
     # ----------------------------------------------------------------- L3 jobs
     def submit_jobs(self, plan: StepPlan) -> None:
-        """Hand the plan's L3 jobs to the I/O threads (after :meth:`run_saves` of the same plan)."""
-        if self.l3 is not None and plan.jobs:
+        """Hand the plan's L3 jobs to the I/O threads (after :meth:`run_saves` of the same plan). Without a store
+        (it could not start) every job is answered at once with no page done, so the scheduler side never waits
+        for it: a prefetch's blocks are reported as load errors and its request as finished."""
+        if not plan.jobs:
+            return
+        if self.l3 is not None:
             self.l3.submit(plan.jobs)
+            return
+        for job in plan.jobs:
+            self._orphan_reports.append(JobReport(job.job_id, job.kind, [False] * job.num_pages))
+            if job.kind == JOB_PREFETCH and job.req_id is not None:
+                self._orphan_finished.add(job.req_id)
+                self._failed_blocks.update(job.block_ids)
+                self.counters.failed_load_blocks += len(job.block_ids)
 
     def poll(self, finished_req_ids: Sequence[str] = ()) -> set[str]:
         """Finish the request side of ended prefetches: copy their intact leading pages L2 -> L1, remember the
         blocks that failed (:meth:`take_failed_blocks`). Returns the ids of requests whose asynchronous load ended
         (vLLM: ``finished_recving``)."""
         if self.l3 is None:
-            return set()
+            out, self._orphan_finished = self._orphan_finished, set()
+            return out
         res = self.l3.poll(finished_req_ids)
         if res.blocks:
             t0 = time.perf_counter()
@@ -200,7 +214,10 @@ class CacheWorker:
         return res.finished
 
     def take_reports(self) -> list[JobReport]:
-        return self.l3.take_reports() if self.l3 is not None else []
+        if self.l3 is not None:
+            return self.l3.take_reports()
+        out, self._orphan_reports = self._orphan_reports, []
+        return out
 
     def close(self, drain_s: float = 10.0) -> None:
         """Stop the I/O threads (queued backups get ``drain_s`` seconds) and close the store."""

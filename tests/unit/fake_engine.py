@@ -192,7 +192,8 @@ class FakeEngine:
             if ext is not None:
                 break
             for _l1, _dev, _host, w in self.ranks:
-                w.l3.wait_idle(30)
+                if w.l3 is not None:
+                    w.l3.wait_idle(30)
             self.step(compute=False)
         else:
             raise AssertionError(f"{req.req_id}: lookup never answered")
@@ -206,7 +207,8 @@ class FakeEngine:
             self.waiting[req.req_id] = req
             for _ in range(max_steps):
                 for _l1, _dev, _host, w in self.ranks:
-                    w.l3.wait_idle(30)
+                    if w.l3 is not None:
+                        w.l3.wait_idle(30)
                 self.step(compute=False)
                 if req.req_id in self.recv:
                     self.recv.discard(req.req_id)
@@ -235,7 +237,8 @@ class FakeEngine:
 
     def close(self) -> None:
         for _l1, _dev, _host, w in self.ranks:
-            w.close(drain_s=10)
+            if w.l3 is not None:
+                w.close(drain_s=10)
 
     def preempt(self, req: Req) -> None:
         self.sched.on_preempted(req.req_id)
@@ -262,4 +265,4 @@ class FakeEngine:
             assert self.sched.ctl.pending_jobs() == 0
             assert not self.sched.ctl.staging_slots()
             for _l1, _dev, _host, w in self.ranks:
-                assert w.l3.pending() == 0
+                assert w.l3 is None or w.l3.pending() == 0

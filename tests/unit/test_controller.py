@@ -236,6 +236,7 @@ def test_hanging_store_releases_the_request_at_its_deadline(tmp_path):
     e.step(compute=False)
     assert "b" in e.recv                            # released without the store
     assert set(req.blocks[:4]) <= e.failed_blocks   # every page recomputed
+    assert e.sched.lookup("b", 0) == 0              # asked again: its own expired fetch is not waited for
     assert e.worker.l3.counters.prefetch_deadline_misses == 1
     assert len(e.sched.ctl.staging_slots()) == 4    # still pinned: a thread may still write them
     faulty.release()
@@ -500,3 +501,35 @@ def test_preempted_request_with_backup_in_flight_leaks_nothing(tmp_path):
     e.settle()
     e.idle_check()
     e.close()
+
+
+def test_pages_that_fail_to_read_from_l3_are_stored_again_once_recomputed(tmp_path):
+    doc = toks(800, 4 * P)
+    e1 = FakeEngine(store=file_store(tmp_path))
+    e1.run_l3(Req("a", doc + [1]))
+    e1.settle()
+    e1.close()
+    e = FakeEngine(store=file_store(tmp_path))
+    ns = e.worker.l3.rank_namespace
+    keys = keys_of(e, doc)
+    faulty = FaultyBackend(e.worker.l3.store, fail_get_keys=[l3_key(ns, keys[2])])
+    e.worker.l3.store = faulty
+    assert e.run_l3(Req("b", doc + [2])) == 2 * P    # page 3 failed to read: recomputed from there
+    e.settle()
+    m = e.sched.index.match_prefix(keys, require_l2=False)
+    assert m.num_pages == 4 and m.in_l3 == [True] * 4  # the recomputed pages were backed up again
+    assert e.sched.ctl.counters.backup_stored_pages == 2
+    e.idle_check()
+    e.close()
+
+
+def test_a_worker_without_a_store_answers_every_job(tmp_path):
+    e = FakeEngine(store=file_store(tmp_path))
+    e.worker.l3.close(drain_s=0)
+    e.worker.l3 = None                              # as when the store could not start
+    assert e.run_l3(Req("a", toks(1, 4 * P) + [1])) == 0
+    e.settle()
+    c = e.sched.ctl.counters
+    assert c.exists_queries == 1 and c.backup_failed_pages == 4
+    assert e.sched.ctl.pending_jobs() == 0 and e.sched.index.locked_pages == 0
+    e.idle_check()
