@@ -8,8 +8,9 @@ The two halves talk only through :class:`~tierkv.connector.plan.Job` s (in the s
 Backup (L2 -> L3)
     ``write_through``: every page saved into L2 is backed up in the same step's plan.
     ``write_through_selective``: a page is backed up once its node was hit ``write_through_threshold`` times.
-    ``write_back``: a page is backed up only when L2 eviction picks it; its slot is freed only after the store
-    acknowledged the page, and a page whose backup failed is dropped, never marked as stored
+    ``write_back``: a page is backed up only when L2 eviction picks it (on demand, and ahead of demand to keep a
+    quarter of the slots free or being freed); its slot is freed only after the store acknowledged the page, and a
+    page whose backup failed is dropped, never marked as stored
     (docs/architecture.md §8 R07).
     While a backup runs, the index node holding its pages is locked (its slots cannot be evicted or reused).
 
@@ -279,6 +280,29 @@ class Controller:
                     continue
             self.allocator.free(self.index.drop_l2(v))
         return self.allocator.num_free
+
+    def keep_free(self, target: int) -> None:
+        """``write_back`` only: start backups of L2 victims ahead of need, so that about ``target`` slots are free
+        or being freed (their backup acknowledged, they are dropped by the report). Without it every save or
+        staging slot that needs room would wait a step for a backup. Victims already held by L3 are freed now."""
+        if self.write_policy != "write_back":
+            return
+        freeing = sum(sum(1 for sl in st.victim.host_slots if sl != NO_SLOT)
+                      for st in self._jobs.values() if st.victim is not None)
+        while self.allocator.num_free + freeing < target:
+            v = self.index.pop_l2_victim()
+            if v is None:
+                return
+            held = sum(1 for sl in v.host_slots if sl != NO_SLOT)
+            missing = [j for j, f in enumerate(v.in_l3) if not f]
+            if missing:
+                path = self.index.path_keys(v)
+                off = len(path) - v.num_pages
+                if self._backup(path, [off + j for j in missing], victim=v):
+                    self.counters.write_back_pages += len(missing)
+                    freeing += held
+                    continue
+            self.allocator.free(self.index.drop_l2(v))
 
     def room_possible(self, need: int) -> bool:
         """Cheap, side-effect-free guess whether ``need`` slots could be freed now (free + unlocked L2 pages)."""

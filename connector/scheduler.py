@@ -306,6 +306,7 @@ class CacheScheduler:
         plan, self._plan = self._plan, StepPlan(step=self._step + 1)
         plan.step = self._step
         if self.ctl is not None:
+            self.ctl.keep_free(self.num_slots // 4)
             plan.jobs = self.ctl.take_jobs()
         return plan
 

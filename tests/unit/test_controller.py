@@ -533,3 +533,17 @@ def test_a_worker_without_a_store_answers_every_job(tmp_path):
     assert c.exists_queries == 1 and c.backup_failed_pages == 4
     assert e.sched.ctl.pending_jobs() == 0 and e.sched.index.locked_pages == 0
     e.idle_check()
+
+
+def test_write_back_frees_a_quarter_of_l2_ahead_of_need(tmp_path):
+    e = FakeEngine(num_slots=8, store=file_store(tmp_path), controller={"write_policy": "write_back"})
+    e.run_l3(Req("a", toks(1000, 4 * P) + [1]))
+    e.run_l3(Req("b", toks(2000, 3 * P) + [1]))    # 7 of 8 slots used: below the quarter free
+    e.settle()
+    c = e.sched.ctl.counters
+    assert c.write_back_pages == 4 and c.backup_stored_pages == 4   # A (least recent) backed up ahead of need
+    assert e.sched.allocator.num_free >= 2 and e.sched.counters.save_skipped_pages == 0
+    assert e.run_l3(Req("a2", toks(1000, 4 * P) + [2])) == 4 * P      # and still served, from L3
+    e.settle()
+    e.idle_check()
+    e.close()
