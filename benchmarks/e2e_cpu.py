@@ -420,7 +420,7 @@ def write_l3_readme(results: dict, note: str = "") -> None:
                       if "load_before" in v)
     body = f"""## {L3_SECTION}
 
-`benchmarks/e2e_cpu.py` with L3 configurations (issue 8): the `docs` workload of the section below, with tierkv's
+`benchmarks/e2e_cpu.py` with L3 configurations (issue 8): the `docs` workload of the `e2e_cpu` section, with tierkv's
 L2 limited to {p['l3_l2_pages']} pages (the {p['n_docs']} documents need {p['n_docs'] * p['doc_len'] // 32}), so
 rounds 2 and 3 must come back from L3. `tierkv_<backend>_<policy>`: write_through (`wt`), write_through_selective
 with threshold 1 (`wts`), write_back (`wb`); each ZMQ/Mooncake configuration gets a fresh server (Mooncake: a fresh
