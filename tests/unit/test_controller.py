@@ -41,6 +41,14 @@ def l3_has(engine, req, n_pages, rank=0):
     return store.batch_exists([l3_key(ns_rank, k) for k in keys])
 
 
+def write_to_l3(tmp_path, doc):
+    """An earlier engine serves ``doc`` once with write_through to the file store at ``tmp_path`` and exits."""
+    e1 = FakeEngine(store=file_store(tmp_path))
+    e1.run_l3(Req("a", doc + [1]))
+    e1.settle()
+    e1.close()
+
+
 def pump(e):
     """Send the pending jobs (one step), let the I/O threads end them, deliver the reports (another step)."""
     e.step(compute=False)
@@ -205,10 +213,7 @@ def test_r24_a_failed_batch_does_not_stop_later_batches_and_is_stored_on_a_later
 def _hanging_l3_load(tmp_path, doc, **engine_kw):
     """An engine whose first request is an L3 hit of ``doc`` (4 pages written by an earlier engine) and whose
     prefetch read hangs in the store: returns (engine, fault wrapper, request) with the job started."""
-    e1 = FakeEngine(store=file_store(tmp_path))
-    e1.run_l3(Req("a", doc + [1]))
-    e1.settle()
-    e1.close()
+    write_to_l3(tmp_path, doc)
     e = FakeEngine(store=file_store(tmp_path), **engine_kw)
     faulty = FaultyBackend(e.worker.l3.store)
     e.worker.l3.store = faulty
@@ -294,10 +299,7 @@ def test_r25_tp_ranks_report_the_minimum_and_no_rank_uses_a_page_another_lacks(t
 
 def test_one_l3_read_serves_every_waiting_request(tmp_path):
     doc = toks(5, 4 * P)
-    e1 = FakeEngine(store=file_store(tmp_path))
-    e1.run_l3(Req("a", doc + [1]))
-    e1.settle()
-    e1.close()
+    write_to_l3(tmp_path, doc)
     e = FakeEngine(store=file_store(tmp_path))
     assert e.admit_l3(Req("b", doc + [2])) == 4 * P
     # b's prefetch is done and published: c gets the same pages from L2, no second read
@@ -358,10 +360,7 @@ def test_controller_rejects_bad_policies_and_deadlines():
 
 def test_slow_l3_hits_are_declined(tmp_path):
     doc = toks(3, 4 * P)
-    e1 = FakeEngine(store=file_store(tmp_path))
-    e1.run_l3(Req("a", doc + [1]))
-    e1.settle()
-    e1.close()
+    write_to_l3(tmp_path, doc)
     e = FakeEngine(store=file_store(tmp_path))
     e.sched.ctl.fetch_s_per_page.add(1.0)           # 1 s per page ...
     e.sched.ctl.observe_prefill(1.0, 10_000)         # ... against 0.1 ms per token: recompute is faster
@@ -505,10 +504,7 @@ def test_preempted_request_with_backup_in_flight_leaks_nothing(tmp_path):
 
 def test_pages_that_fail_to_read_from_l3_are_stored_again_once_recomputed(tmp_path):
     doc = toks(800, 4 * P)
-    e1 = FakeEngine(store=file_store(tmp_path))
-    e1.run_l3(Req("a", doc + [1]))
-    e1.settle()
-    e1.close()
+    write_to_l3(tmp_path, doc)
     e = FakeEngine(store=file_store(tmp_path))
     ns = e.worker.l3.rank_namespace
     keys = keys_of(e, doc)
