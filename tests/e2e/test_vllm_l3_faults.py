@@ -184,11 +184,8 @@ def test_slow_store_requests_wait_at_most_their_deadline(slow_run):
             late.append(f"request {i}: first token after {ttft:.2f} s > {bound:.2f} s")
     s = stats_by_role(slow_run)
     assert not late, (
-        "BUG connector/scheduler.py CacheScheduler._lookup (prefetch_policy 'timeout'): the worker releases the "
-        "request at its deadline and reports the late blocks as load errors, vLLM then asks "
-        "get_num_new_matched_tokens again, and the lookup answers None because Controller.fetching() still holds "
-        "the request's own deadline-expired prefetch (its keys leave Controller._fetching only with the job's "
-        "report, sent after the slow read ends): the request waits for the whole read anyway. "
+        "a request waited past its prefetch deadline: after the worker released it, the lookup must not wait for "
+        "its own (or any deadline-expired) fetch (Controller.fetch_state, used by CacheScheduler._lookup). "
         f"{late}; lookups_deferred={s['scheduler']['ctl_lookups_deferred']}, "
         f"l2_hit_tokens={s['scheduler']['l2_hit_tokens']} (the late pages were loaded from L2 after the read)")
 
