@@ -34,9 +34,10 @@ class _Strict(BaseModel):
 
 
 class HostPoolConfig(_Strict):
-    """L2 host pool. Give ``size_gb`` (GiB of DRAM) or ``num_pages``; neither = an automatic size
-    (``auto_fraction`` of the machine's total memory, at most ``auto_max_gb``). The automatic size depends only
-    on MemTotal, so the scheduler and worker processes always agree on the number of slots."""
+    """L2 host pool, per worker. Give ``size_gb`` (GiB of DRAM) or ``num_pages``; neither = an automatic size
+    (``auto_fraction`` of the host budget, divided among the engine's ranks on the host, at most ``auto_max_gb``
+    per rank). The host budget is ``min(MemAvailable, cgroup room) - reserve_gb``, shared by every worker of every
+    engine on the host; pools that do not fit stop start-up (:mod:`tierkv.connector.host_budget`)."""
 
     size_gb: Optional[float] = Field(default=None, gt=0)
     num_pages: Optional[int] = Field(default=None, gt=0)
@@ -44,6 +45,7 @@ class HostPoolConfig(_Strict):
     pin_memory: Literal["auto", "true", "false"] = "auto"
     auto_fraction: float = Field(default=0.25, gt=0, le=0.9)
     auto_max_gb: float = Field(default=8.0, gt=0)
+    reserve_gb: float = Field(default=2.0, ge=0)
 
 
 class ControllerConfig(_Strict):
