@@ -1,23 +1,34 @@
 """Page keys: chained, deterministic content hashes of pages, seeded by a namespace.
 
-``key(page_i) = BLAKE2b-128(key(page_{i-1}) || tokens of page_i || extra keys of page_i)`` with
-``key(page_-1)`` = the request root, itself a hash of the model namespace, the LoRA adapter and the cache
+``key(page_i) = BLAKE2b-128[salt = key(page_{i-1}), person = encoding tag](tokens of page_i [|| 0x01 || extra key])``
+with ``key(page_-1)`` = the request root, itself a hash of the model namespace, the LoRA adapter and the cache
 salt. So a key names the whole prefix up to its page *and* everything that changes the page's bytes
-(docs/architecture.md §2; the chaining follows SGLang HiCache's page hash and vLLM's block hash, but unlike both the
-model identity, dtype, layout, page size, geometry and parallel rank are inside the key, cf.
+(docs/architecture.md §2, §9; the chaining follows SGLang HiCache's page hash and vLLM's block hash, but unlike both
+the model identity, dtype, layout, page size, geometry and parallel rank are inside the key, cf.
 docs/architecture.md §8 R01, R02).
 
+The parent key rides in BLAKE2b's 16-byte salt field (XORed into the initial state), so a page of up to 32 tokens is
+one 128-byte compression. Tokens are little-endian uint32 when every token of the page fits (person tag
+``tierkv/pk2/u32``), else little-endian int64 (tag ``tierkv/pk2/i64``): the encoding is decided per page, so a
+key never depends on the other pages hashed in the same call. BLAKE2b is a cryptographic hash: nobody can make two
+tenants' prefixes collide (docs/architecture.md §9 explains the choice).
+
+Speed (docs/architecture.md §9): the pages of a call are hashed by one compiled loop (numba, when it imports) that
+implements standard BLAKE2b; :func:`page_keys_reference` is the same derivation through :mod:`hashlib`, used for
+short calls, pages with extra keys, big-endian machines and when numba is absent, and the tests check both agree.
+
 Keys are pure functions of their inputs: no Python ``hash``, no pickle, no process-dependent seed
-(docs/architecture.md §8 R18). Tokens are encoded as little-endian int64; structured values (namespace fields, extra keys)
-as canonical msgpack with ``None``, empty tuple and absent kept distinct.
+(docs/architecture.md §8 R18). Structured values (namespace fields, extra keys) are encoded as canonical msgpack
+with ``None``, empty tuple and absent kept distinct.
 
 A key is 16 bytes; its text form (``.hex()``, 32 lowercase hex chars) is what L3 stores index by.
 """
 from __future__ import annotations
 
 import hashlib
+import os
+import struct
 import sys
-from array import array
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
@@ -26,7 +37,7 @@ import msgpack
 KEY_BYTES = 16
 KEY_HEX_LEN = 2 * KEY_BYTES
 #: bumped whenever the byte format of pages or keys changes; part of every namespace.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: BLAKE2b with the parent key as salt, uint32 tokens (docs/architecture.md §9)
 _DOMAIN = b"tierkv/page-key/v1"
 
 
@@ -102,11 +113,39 @@ def request_root(namespace_digest: bytes, lora: Optional[str] = None, cache_salt
     return _h(_DOMAIN, b"root", namespace_digest, _canonical([lora or None, cache_salt or None]))
 
 
-def _token_bytes(tokens: Sequence[int]) -> bytes:
-    a = array("q", tokens)
-    if sys.byteorder == "big":
-        a.byteswap()
-    return a.tobytes()
+_PERSON_U32 = b"tierkv/pk2/u32\x00\x00"
+_PERSON_I64 = b"tierkv/pk2/i64\x00\x00"
+#: calls with fewer pages than this use hashlib (the compiled loop's call overhead is larger than the work)
+KERNEL_MIN_PAGES = 4
+
+
+def _page_message(tokens: Sequence[int], ek: Any) -> tuple[bytes, bytes]:
+    """(message, person tag) of one page: uint32-LE tokens if all fit, else int64-LE; then the extra key."""
+    n = len(tokens)
+    try:
+        msg, person = struct.pack(f"<{n}I", *tokens), _PERSON_U32
+    except struct.error:
+        msg, person = struct.pack(f"<{n}q", *tokens), _PERSON_I64  # raises struct.error beyond int64
+    if ek is not None:
+        msg += b"\x01" + _canonical(ek)
+    return msg, person
+
+
+def page_keys_reference(root: bytes, token_ids: Sequence[int], page_size: int,
+                        extra_keys: Optional[Sequence[Any]] = None, parent: Optional[bytes] = None,
+                        start_page: int = 0) -> list[bytes]:
+    """:func:`page_keys` through :mod:`hashlib`, one page at a time (the reference the compiled loop must equal)."""
+    n_pages = len(token_ids) // page_size
+    if start_page > 0 and parent is None:
+        raise ValueError("resuming a key chain needs the parent key")
+    prev = parent if parent is not None else root
+    out = []
+    for i in range(start_page, n_pages):
+        ek = extra_keys[i] if extra_keys is not None and i < len(extra_keys) else None
+        msg, person = _page_message(token_ids[i * page_size:(i + 1) * page_size], ek)
+        prev = hashlib.blake2b(msg, digest_size=KEY_BYTES, salt=prev, person=person).digest()
+        out.append(prev)
+    return out
 
 
 def page_keys(
@@ -120,8 +159,8 @@ def page_keys(
     """Keys of the full pages of ``token_ids`` (a tail shorter than ``page_size`` gets no key).
 
     Args:
-        root: the chain root from :func:`request_root`.
-        token_ids: token ids of the whole sequence (ints in int64 range).
+        root: the chain root from :func:`request_root` (16 bytes).
+        token_ids: token ids of the whole sequence (ints in int64 range; any sequence of ints).
         page_size: tokens per page.
         extra_keys: optional per-page extra keys (e.g. multimodal hashes), one entry per page or ``None``;
             ``None``, ``()`` and a missing entry are distinct from any non-empty value, and ``None`` == missing.
@@ -129,21 +168,70 @@ def page_keys(
         start_page: index of the first page to hash.
     Returns:
         list of 16-byte keys for pages ``start_page .. len(token_ids) // page_size - 1``.
+    Raises:
+        ValueError: ``start_page > 0`` without ``parent``. struct.error: a token outside the int64 range.
+    Cost: one BLAKE2b compression per page of up to 32 tokens (uint32), plus converting the Python ints once;
+    about 0.3 µs a page at page size 16 on one core (benchmarks/README.md, section index).
     """
     n_pages = len(token_ids) // page_size
-    prev = parent if parent is not None else root
     if start_page > 0 and parent is None:
         raise ValueError("resuming a key chain needs the parent key")
-    out = []
-    tb = _token_bytes(token_ids[start_page * page_size : n_pages * page_size])
-    step = 8 * page_size
-    for i in range(start_page, n_pages):
-        off = (i - start_page) * step
-        ek = extra_keys[i] if extra_keys is not None and i < len(extra_keys) else None
-        tail = b"" if ek is None else b"\x01" + _canonical(ek)
-        prev = _h(prev, tb[off : off + step], tail)
-        out.append(prev)
-    return out
+    n = n_pages - start_page
+    if n <= 0:
+        return []
+    if (n < KERNEL_MIN_PAGES or (extra_keys is not None and any(e is not None for e in extra_keys[start_page:]))
+            or _kernel() is None):
+        return page_keys_reference(root, token_ids, page_size, extra_keys, parent, start_page)
+    lo, hi = start_page * page_size, n_pages * page_size
+    try:
+        tb = struct.pack(f"<{hi - lo}I", *token_ids[lo:hi])
+    except struct.error:  # some page needs int64: per page, through hashlib
+        return page_keys_reference(root, token_ids, page_size, extra_keys, parent, start_page)
+    return _hash_chain(parent if parent is not None else root, tb, n, 4 * page_size, _PERSON_U32)
+
+
+def _hash_chain(prev: bytes, tb: bytes, n: int, msglen: int, person: bytes) -> list[bytes]:
+    import numpy as np
+
+    nblocks = max(1, -(-msglen // 128))
+    if msglen == 128 * nblocks:
+        words = np.frombuffer(tb, np.uint64).reshape(n, 16 * nblocks)
+    else:
+        buf = np.zeros((n, 128 * nblocks), np.uint8)
+        buf[:, :msglen] = np.frombuffer(tb, np.uint8).reshape(n, msglen)
+        words = buf.view(np.uint64)
+    out = np.empty((n, 2), np.uint64)
+    s = np.frombuffer(prev, np.uint64)
+    p = np.frombuffer(person, np.uint64)
+    _KERNEL[0](words, nblocks, msglen, s[0], s[1], p[0], p[1], out)
+    b = out.tobytes()
+    return [b[i:i + KEY_BYTES] for i in range(0, len(b), KEY_BYTES)]
+
+
+_KERNEL: list = []
+
+
+def _kernel():
+    """The compiled BLAKE2b chain loop, or None (numba missing, big-endian host, or TIERKV_PAGE_HASH=hashlib)."""
+    if not _KERNEL:
+        fn = None
+        if sys.byteorder == "little" and os.environ.get("TIERKV_PAGE_HASH", "") != "hashlib":
+            try:
+                from ._blake2b_numba import blake2b_chain as fn
+            except ImportError:
+                fn = None
+        _KERNEL.append(fn)
+    return _KERNEL[0]
+
+
+def warm_up() -> bool:
+    """Load (or compile, first time on a machine: seconds) the compiled loop now rather than in the first lookup.
+    Returns whether it is in use."""
+    if _kernel() is None:
+        return False
+    root = bytes(KEY_BYTES)
+    page_keys(root, list(range(4 * KERNEL_MIN_PAGES)), 4)
+    return True
 
 
 class RequestKeys:

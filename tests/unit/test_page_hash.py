@@ -5,9 +5,15 @@ import os
 import subprocess
 import sys
 
+import hashlib
+import random
+import struct
+
 import pytest
 
-from tierkv.connector.page_hash import (KEY_HEX_LEN, ModelNamespace, RequestKeys, page_keys, request_root)
+from tierkv.connector import page_hash
+from tierkv.connector.page_hash import (KEY_HEX_LEN, ModelNamespace, RequestKeys, page_keys, page_keys_reference,
+                                        request_root)
 
 NS = ModelNamespace(model_id="tiny-llama", dtype="bfloat16", kv_layout="layer_first/LBHNC", page_size=16,
                     num_layers=4, num_kv_heads=2, head_dim=32, tp_rank=0, tp_size=2)
@@ -15,9 +21,10 @@ T = list(range(1, 65))  # R18: T = [1..64], P = 16
 
 # Golden values: computed once and pinned. Any change of the key derivation breaks stored L3 data and must
 # bump page_hash.FORMAT_VERSION.
-GOLDEN_NS = "6419de4b7e5cfb3670d2bd6af8bc5129"
-GOLDEN_KEYS = ["f0cb22dfeb61a15d53cbd7f8e5c4a389", "e2c242c011d9522487ec6e2bffbf9e8d",
-               "6d3f5ec19fe22a4c13e68ea3c7cb6a93", "499ace2e16502ef2f8e2d6d7829df20c"]
+# FORMAT_VERSION 2 (BLAKE2b with the parent key as salt, uint32 tokens; docs/architecture.md §9).
+GOLDEN_NS = "bcb5938b46a2e6356a9a5226012ea5de"
+GOLDEN_KEYS = ["6ce9b292b484b2540201e8629d95e3ad", "9a3bb33bfcf309eaff2f0973bf73304a",
+               "c558dbdb02a590dad985912eb457897a", "3025916a515e2e3043fcce3d9aff5631"]
 
 SCRIPT = r"""
 import json, sys
@@ -126,3 +133,46 @@ def test_large_token_ids_and_unhashable_extra_rejected():
     assert len(_keys(tokens=big)) == 1
     with pytest.raises(TypeError):
         _keys(extra=[object()])
+
+
+def test_derivation_is_plain_blake2b_with_parent_as_salt():
+    # written out with hashlib alone: a reader can re-derive stored keys without tierkv
+    root = request_root(NS.digest())
+    k0 = hashlib.blake2b(struct.pack("<16I", *T[:16]), digest_size=16, salt=root,
+                         person=b"tierkv/pk2/u32\x00\x00").digest()
+    k1 = hashlib.blake2b(struct.pack("<16I", *T[16:32]), digest_size=16, salt=k0,
+                         person=b"tierkv/pk2/u32\x00\x00").digest()
+    assert _keys()[:2] == [k0, k1]
+
+
+def test_compiled_loop_is_in_use_and_equals_hashlib():
+    assert page_hash.warm_up(), "numba is installed in CI: the compiled BLAKE2b loop must be used"
+    rng = random.Random(7)
+    root = bytes(range(16))
+    for p in (1, 3, 8, 16, 31, 32, 33, 64, 100):
+        n = page_hash.KERNEL_MIN_PAGES + rng.randrange(20)
+        toks = [rng.randrange(2**32) for _ in range(p * n + rng.randrange(p))]
+        got = page_keys(root, toks, p)
+        assert len(got) == n
+        assert got == page_keys_reference(root, toks, p), p
+        # resuming in the middle of the chain gives the same keys
+        assert page_keys(root, toks, p, parent=got[1], start_page=2) == got[2:]
+
+
+def test_encoding_is_chosen_per_page_not_per_call():
+    # a token beyond uint32 in page 5 switches that page to int64 but leaves every other page's bytes alone
+    base = list(range(1, 16 * 8 + 1))
+    big = list(base)
+    big[5 * 16 + 3] = 2**40
+    a, b = _keys(tokens=base), _keys(tokens=big)
+    assert a[:5] == b[:5] and all(x != y for x, y in zip(a[5:], b[5:]))
+    assert _keys(tokens=big[:16 * 5]) == a[:5]  # hashed alone (below the kernel threshold) or in one call: same
+    neg = list(base)
+    neg[0] = -1
+    assert _keys(tokens=neg)[0] != a[0]
+    # a page with an extra key goes through hashlib; the pages around it keep the compiled loop's values
+    ek = [None] * 8
+    ek[6] = ("img", b"\x01")
+    c = _keys(tokens=base, extra=ek)
+    assert c[:6] == a[:6] and c[6] != a[6]
+    assert c == page_keys_reference(request_root(NS.digest()), base, 16, extra_keys=ek)
