@@ -49,10 +49,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorRole, KVConnectorWorkerMetadata)
 
 from .config import ConfigError, TierKVConfig, config_from_extra
+from .host_budget import group_bytes, reserve
 from .metrics import StatsFile
 from .page_hash import ModelNamespace
 from .plan import JobReport, StepPlan
-from .vllm_metrics import CounterDeltas, TierKVPromMetrics, TierKVStats
+from .store_metrics import TimedStore
+from .vllm_metrics import CounterDeltas, TierKVPromMetrics, TierKVStats, scheduler_gauges
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.config import VllmConfig
@@ -90,6 +92,48 @@ def _dtype_name(dt) -> str:
     return str(dt).replace("torch.", "")
 
 
+def route_logs_to_vllm(level: str) -> None:
+    """Send the ``tierkv`` loggers' records to vLLM's handlers (same format and stream as vLLM's own lines).
+
+    ``tierkv.*`` is not under vLLM's ``vllm`` logger, so without this its records reach only Python's last-resort
+    handler (warnings and errors on stderr, no INFO line). Idempotent."""
+    from vllm.logger import init_logger
+    init_logger("vllm.tierkv")  # makes sure vLLM configured its root logger
+    tk, vl = logging.getLogger("tierkv"), logging.getLogger("vllm")
+    tk.setLevel(level.upper())
+    if vl.handlers and not tk.handlers:
+        for h in vl.handlers:
+            tk.addHandler(h)
+        tk.propagate = False
+
+
+def _l3_target(cfg: TierKVConfig) -> str:
+    l3 = cfg.l3
+    if l3.backend == "none":
+        return "none"
+    sec = getattr(l3, l3.backend) or {}
+    where = {"file": sec.get("root"), "zmq": sec.get("endpoint"), "mooncake": sec.get("master_address")}[l3.backend]
+    faults = " with injected faults" if l3.faults else ""
+    return f"{l3.backend}({where}){faults}"
+
+
+def startup_line(cfg: TierKVConfig, *, num_slots: int, page_bytes: int, page_size: int, ranks: int, size_from: str,
+                 budget: Optional[int], num_blocks: int, layout: str, namespace_hex: str) -> str:
+    """The one INFO line an engine logs at start-up with tierkv's effective configuration (tiers, sizes, layout,
+    policies, store)."""
+    def size(n: float) -> str:
+        return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+    bud = f", host budget {size(budget)}" if budget is not None else ""
+    c = cfg.controller
+    l3 = _l3_target(cfg)
+    pol = (f", write_policy={c.write_policy}, prefetch_policy={c.prefetch_policy}" if cfg.l3.backend != "none" else "")
+    return (f"tierkv: L1 {num_blocks} blocks (vLLM) | L2 {num_slots} pages x {page_bytes} B = {size(num_slots * page_bytes)} per "
+            f"worker x {ranks} worker(s) ({size_from}{bud}), layout {layout}, page {page_size} tokens, "
+            f"eviction {cfg.eviction_policy} | L3 {l3}{pol} | verify_checksums={cfg.verify_checksums}, "
+            f"layerwise_load={cfg.layerwise_load}, stats_path={cfg.stats_path}, namespace {namespace_hex}")
+
+
 class TierKVConnector(KVConnectorBase_V1):
     """tierkv as a vLLM ``KVConnectorBase_V1`` (see the module docstring)."""
 
@@ -97,7 +141,7 @@ class TierKVConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.cfg: TierKVConfig = config_from_extra(extra)
-        logging.getLogger("tierkv").setLevel(self.cfg.log_level.upper())
+        route_logs_to_vllm(self.cfg.log_level)
         cache_config = vllm_config.cache_config
         self.block_size = int(cache_config.block_size)
         self.page_size = int(self.cfg.page_size or self.block_size)
@@ -113,9 +157,9 @@ class TierKVConnector(KVConnectorBase_V1):
         self.use_mla = type(spec).__name__.startswith("MLA") or "MLA" in type(spec).__name__
         layer_block_bytes = int(spec.page_size_bytes)
         self.page_bytes = layer_block_bytes * len(self.layer_names)
-        pool_bytes = self.cfg.host_pool_bytes(self.page_bytes)
-        self.num_slots = pool_bytes // self.page_bytes
         mc, pc = vllm_config.model_config, vllm_config.parallel_config
+        pool_bytes = self._pool_bytes(vllm_config, role)
+        self.num_slots = pool_bytes // self.page_bytes
         model_id = self.cfg.model_id or f"{mc.model}@{getattr(mc, 'revision', None) or ''}"
         self.tp_size = int(pc.tensor_parallel_size)
         self.namespace = ModelNamespace(
@@ -150,14 +194,51 @@ class TierKVConnector(KVConnectorBase_V1):
             if 0 < self.num_slots < max_pages:
                 logger.warning("tierkv: L2 holds %d pages, fewer than one request of max_model_len (%d pages); "
                                "pages that do not fit are not cached", self.num_slots, max_pages)
-            logger.info("tierkv scheduler: L2 %d pages x %d bytes (%.2f GiB), page %d tokens, namespace %s",
-                        self.num_slots, self.page_bytes, self.num_slots * self.page_bytes / 2**30,
-                        self.page_size, self.namespace.digest().hex())
+            logger.info(startup_line(self.cfg, num_slots=self.num_slots, page_bytes=self.page_bytes,
+                                     page_size=self.page_size, ranks=self._local_ranks, size_from=self._size_from,
+                                     budget=self._budget, num_blocks=self.num_blocks,
+                                     layout=self.namespace.kv_layout, namespace_hex=self.namespace.digest().hex()))
             self._stats = StatsFile(self.cfg.stats_path, "scheduler", self._sched.stats)
         else:
             self._stats = StatsFile(self.cfg.stats_path, "worker", self._worker_stats)
         self._deltas = CounterDeltas()
         atexit.register(self._stats.maybe_write, True)
+
+    def _pool_bytes(self, vllm_config, role) -> int:
+        """Bytes of this worker's L2 pool, from the host budget (:mod:`tierkv.connector.host_budget`): a worker
+        reserves its share before any page exists (ConfigError on every rank when the engine's pools do not fit);
+        the scheduler process sizes its index like its workers (with an automatic size: from their reservations)."""
+        pc = vllm_config.parallel_config
+        hp = self.cfg.host_pool
+        self._local_ranks = max(1, int(pc.tensor_parallel_size) * int(pc.pipeline_parallel_size)
+                                // max(1, int(getattr(pc, "nnodes", 1) or 1)))
+        self._group = f"{getattr(vllm_config, 'instance_id', '') or 'engine'}/dp{getattr(pc, 'data_parallel_rank', 0)}"
+        requested = None
+        if hp.num_pages is not None or hp.size_gb is not None:
+            requested = self.cfg.host_pool_bytes(self.page_bytes)
+        self._size_from = ("num_pages" if hp.num_pages is not None else "size_gb" if hp.size_gb is not None
+                           else "automatic size")
+        self._budget = None
+        if role == KVConnectorRole.WORKER:
+            rank = 0
+            try:
+                from vllm.distributed.parallel_state import get_world_group
+                rank = get_world_group().rank_in_group
+            except Exception:  # no distributed state (single process)
+                pass
+            r = reserve(self._group, rank, self._local_ranks, requested_bytes=requested,
+                        auto_fraction=hp.auto_fraction, auto_max_bytes=int(hp.auto_max_gb * 2**30),
+                        reserve_bytes=int(hp.reserve_gb * 2**30), page_bytes=self.page_bytes)
+            self._budget = r.budget
+            return r.bytes
+        got, self._budget = group_bytes(self._group)
+        if requested is not None:
+            return requested
+        if got is None:  # pragma: no cover - the workers register before vLLM builds the scheduler
+            logger.warning("tierkv: no L2 reservation of this engine's workers found in the host ledger; sizing the "
+                           "index from the configuration (set host_pool.size_gb to be sure both sides agree)")
+            return self.cfg.host_pool_bytes(self.page_bytes)
+        return got
 
     # =========================================================== class-level hooks
     @property
@@ -177,9 +258,19 @@ class TierKVConnector(KVConnectorBase_V1):
         return TierKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_kv_connector_stats(self) -> Optional[TierKVStats]:
-        """Counter increases since the previous call (both roles; vLLM sums the workers')."""
-        snap = self._sched.stats() if self._sched is not None else self._worker_stats()
-        return self._deltas.take(snap)
+        """Counter increases, changed gauges and L3 latency samples since the previous call (both roles; vLLM sums
+        the workers'), see :mod:`tierkv.connector.vllm_metrics`."""
+        if self._sched is not None:
+            snap = self._sched.stats()
+            snap.update(scheduler_gauges(snap))
+            return self._deltas.take(snap)
+        snap = self._worker_stats()
+        lat = None
+        l3 = self._worker.l3 if self._worker is not None else None
+        if l3 is not None and isinstance(l3.store, TimedStore):
+            snap.update(l3.store.failure_counts())
+            lat = l3.store.take_latencies()
+        return self._deltas.take(snap, lat)
 
     # =========================================================== scheduler side
     def on_new_request(self, request: "Request") -> None:
@@ -300,7 +391,7 @@ class TierKVConnector(KVConnectorBase_V1):
         self._worker = CacheWorker(dev, host, verify=self.cfg.verify_checksums,
                                    layerwise=self.cfg.layerwise_load, l3=l3, checksums=checksums)
         kernels.warm_up(dev, host)
-        logger.info("tierkv worker: %r, L2 %s, L3 %s", dev, host, l3.store if l3 is not None else "none")
+        logger.debug("tierkv worker: %r, L2 %s, L3 %s", dev, host, l3.store if l3 is not None else "none")
 
     def _build_l3(self, host):
         """This rank's store and I/O threads, or (None, None) with a warning when the store cannot start."""
@@ -317,7 +408,7 @@ class TierKVConnector(KVConnectorBase_V1):
         rank_ns = dataclasses.replace(self.namespace, tp_rank=0 if self.use_mla else tp_rank, pp_rank=pp_rank)
         digest = rank_ns.digest()
         try:
-            store = build_backend(self.cfg.l3, digest, self.page_bytes)
+            store = TimedStore(build_backend(self.cfg.l3, digest, self.page_bytes))
         except Exception as e:  # server down, directory unwritable...: serve without L3, say so once
             logger.warning("tierkv worker: L3 store '%s' could not start (%s); serving without L3 (jobs are "
                            "answered 'not done', every prefix beyond L2 is recomputed)", self.cfg.l3.backend, e)

@@ -1,10 +1,20 @@
 """tierkv counters in vLLM's metrics pipeline (``KVConnectorStats`` and Prometheus), engine edge.
 
-Each step, both connector roles hand vLLM the *increase* of their counters since the previous step as a
-:class:`TierKVStats`; vLLM sums the workers' stats, ships them to the front-end, logs them with the other
-periodic stats, and feeds :class:`TierKVPromMetrics`, which exposes one Prometheus counter per key as
-``vllm:tierkv_<key>`` (tokens, pages, bytes, seconds as the key's suffix says) on the server's ``/metrics``.
-Modelled on how vLLM's own offloading connector reports its transfers.
+Each step, both connector roles hand vLLM a :class:`TierKVStats`: the *increase* of their counters since the
+previous step, the current value of the gauges that changed, and the L3 call latencies observed since then. vLLM
+sums the workers' stats, ships them to the front-end, logs them with the other periodic stats, and feeds
+:class:`TierKVPromMetrics`, which exposes on the server's ``/metrics`` (docs/architecture.md §13):
+
+- one Prometheus counter per key of :data:`COUNTERS` as ``vllm:tierkv_<key>_total`` (tokens, pages, bytes,
+  seconds as the key says);
+- ``vllm:tierkv_hit_tokens_total{tier="L2"|"L3"}``: prompt tokens served from each tier instead of recomputed;
+- ``vllm:tierkv_l3_errors_total`` / ``vllm:tierkv_l3_timeouts_total``: store calls that failed / timed out
+  (included in :data:`COUNTERS`);
+- gauges (:data:`GAUGES`): L2 occupancy and capacity (pages), pages waiting for a backup or a prefetch;
+- ``vllm:tierkv_l3_op_seconds{op="get"|"set"|"exists"}``: histogram of the wall time of each batched store call.
+
+Counters fed by the L3 I/O threads reach ``/metrics`` with the next engine step: an idle engine reports nothing new.
+Modelled on how vLLM's own offloading and NIXL connectors report their transfers.
 """
 from __future__ import annotations
 
@@ -41,12 +51,32 @@ COUNTERS = {
     "l3_prefetch_bytes": "Bytes read L3 -> L2 (bytes).",
     "l3_prefetch_deadline_misses": "Requests released at their prefetch deadline with pages still missing.",
     "l3_store_errors": "L3 store calls that raised (connection, timeout, I/O errors).",
+    "l3_errors": "L3 store failures: calls that raised plus errors the store absorbed (I/O, connection).",
+    "l3_timeouts": "L3 store calls abandoned after the store's timeout_s (ZMQ, Mooncake).",
 }
+
+#: gauge key -> Prometheus help text (the latest value wins; scheduler side only, so ranks are never summed)
+GAUGES = {
+    "l2_used_pages": "L2 host pool slots in use: indexed pages plus staging slots of running prefetches (pages).",
+    "l2_capacity_pages": "L2 host pool slots (pages).",
+    "pending_backup_pages": "Pages ordered to L3 whose backup has not been confirmed by every rank yet (pages).",
+    "pending_prefetch_pages": "Pages being read L3 -> L2 for waiting requests (pages).",
+}
+
+#: hit-token counter key -> tier label of ``vllm:tierkv_hit_tokens_total``
+HIT_TIERS = {"l2_hit_tokens": "L2", "ctl_l3_hit_tokens": "L3"}
+
+#: stats key holding a list of latencies (seconds) -> ``op`` label of ``vllm:tierkv_l3_op_seconds``
+LATENCY_KEYS = {"l3_get_seconds": "get", "l3_set_seconds": "set", "l3_exists_seconds": "exists"}
+
+#: bucket bounds of ``vllm:tierkv_l3_op_seconds`` (seconds): local file reads to slow remote stores
+L3_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 @dataclass
 class TierKVStats(KVConnectorStats):
-    """Counter increases (keys of :data:`COUNTERS`) over one or more steps, summed across workers."""
+    """One or more steps of tierkv stats: counter increases (:data:`COUNTERS`, summed), gauges (:data:`GAUGES`, the
+    later value wins) and L3 latency samples (:data:`LATENCY_KEYS`, lists of seconds, concatenated)."""
 
     def reset(self) -> None:
         self.data = {}
@@ -54,27 +84,39 @@ class TierKVStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> "TierKVStats":
         out = dict(self.data)
         for k, v in (other.data or {}).items():
-            out[k] = out.get(k, 0) + v
+            if k in GAUGES:
+                out[k] = v
+            elif k in LATENCY_KEYS:
+                out[k] = list(out.get(k, ())) + list(v)
+            else:
+                out[k] = out.get(k, 0) + v
         return TierKVStats(data=out)
 
     def reduce(self) -> dict[str, int | float]:
-        d = {k: v for k, v in self.data.items() if v}
+        d = {k: v for k, v in self.data.items() if v and k not in LATENCY_KEYS}
         if self.data.get("lookup_tokens"):
             d["l2_hit_rate"] = round(self.data.get("l2_hit_tokens", 0) / self.data["lookup_tokens"], 4)
+        for k, op in LATENCY_KEYS.items():
+            samples = self.data.get(k)
+            if samples:
+                d[f"l3_{op}_calls"] = len(samples)
+                d[f"l3_{op}_ms_mean"] = round(1e3 * sum(samples) / len(samples), 3)
         return d
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        return not self.data
 
 
 class CounterDeltas:
-    """Turns a cumulative counter snapshot into per-call increases (only the keys in :data:`COUNTERS`)."""
+    """Turns a cumulative snapshot into what one :class:`TierKVStats` carries: the increase of each key of
+    :data:`COUNTERS` and the value of each key of :data:`GAUGES` that changed since the previous call."""
 
     def __init__(self):
         self._last: dict[str, float] = {}
 
-    def take(self, snapshot: dict[str, Any]) -> Optional[TierKVStats]:
-        delta = {}
+    def take(self, snapshot: dict[str, Any], latencies: Optional[dict[str, list]] = None) -> Optional[TierKVStats]:
+        """``latencies``: samples to ship as they are (keys of :data:`LATENCY_KEYS`, lists of seconds)."""
+        delta: dict[str, Any] = {}
         for k in COUNTERS:
             v = snapshot.get(k)
             if v is None:
@@ -83,23 +125,80 @@ class CounterDeltas:
             if d:
                 delta[k] = d
             self._last[k] = v
+        for k in GAUGES:
+            v = snapshot.get(k)
+            if v is None:
+                continue
+            if v != self._last.get(k):
+                delta[k] = v
+            self._last[k] = v
+        for k, v in (latencies or {}).items():
+            if v and k in LATENCY_KEYS:
+                delta[k] = list(v)
         return TierKVStats(data=delta) if delta else None
 
 
+def scheduler_gauges(stats: dict[str, Any]) -> dict[str, int]:
+    """The :data:`GAUGES` from a :meth:`tierkv.connector.scheduler.CacheScheduler.stats` snapshot."""
+    out = {"l2_capacity_pages": stats.get("num_slots", 0),
+           "l2_used_pages": stats.get("num_slots", 0) - stats.get("free_slots", 0)}
+    if "ctl_backing_up_pages" in stats:
+        out["pending_backup_pages"] = stats["ctl_backing_up_pages"]
+        out["pending_prefetch_pages"] = stats.get("ctl_fetching_pages", 0)
+    return out
+
+
+def _per_engine_and_label(metric, per_engine_labelvalues, values) -> dict:
+    """{engine index: {label value: child}} for a metric with one label after the engine labels."""
+    return {idx: {v: metric.labels(*lv, v) for v in values} for idx, lv in per_engine_labelvalues.items()}
+
+
 class TierKVPromMetrics(KVConnectorPromMetrics):
-    """Prometheus counters ``vllm:tierkv_<key>`` per engine."""
+    """Prometheus metrics ``vllm:tierkv_*`` per engine (see the module docstring for the list)."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        labelnames = list(labelnames)
         self.counters = {
             k: create_metric_per_engine(
                 self._counter_cls(name=f"vllm:tierkv_{k}", documentation=doc, labelnames=labelnames),
                 per_engine_labelvalues)
             for k, doc in COUNTERS.items()
         }
+        self.gauges = {
+            k: create_metric_per_engine(
+                self._gauge_cls(name=f"vllm:tierkv_{k}", documentation=doc, labelnames=labelnames,
+                                multiprocess_mode="mostrecent"),
+                per_engine_labelvalues)
+            for k, doc in GAUGES.items()
+        }
+        self.hit_tokens = _per_engine_and_label(
+            self._counter_cls(name="vllm:tierkv_hit_tokens",
+                              documentation="Prompt tokens loaded from a tierkv tier instead of recomputed (tokens).",
+                              labelnames=labelnames + ["tier"]),
+            per_engine_labelvalues, HIT_TIERS.values())
+        self.l3_latency = _per_engine_and_label(
+            self._histogram_cls(name="vllm:tierkv_l3_op_seconds",
+                                documentation="Wall time of one batched L3 store call (seconds).",
+                                labelnames=labelnames + ["op"], buckets=list(L3_LATENCY_BUCKETS)),
+            per_engine_labelvalues, LATENCY_KEYS.values())
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for k, v in (transfer_stats_data or {}).items():
+            if k in GAUGES:
+                g = self.gauges[k].get(engine_idx)
+                if g is not None:
+                    g.set(v)
+                continue
+            if k in LATENCY_KEYS:
+                h = self.l3_latency.get(engine_idx, {}).get(LATENCY_KEYS[k])
+                if h is not None:
+                    for x in v:
+                        h.observe(x)
+                continue
             per_engine = self.counters.get(k)
             if per_engine is not None and v > 0 and engine_idx in per_engine:
                 per_engine[engine_idx].inc(v)
+                tier = HIT_TIERS.get(k)
+                if tier is not None:
+                    self.hit_tokens[engine_idx][tier].inc(v)

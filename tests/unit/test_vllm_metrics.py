@@ -1,4 +1,5 @@
 """tierkv counters through vLLM's KVConnectorStats and Prometheus classes."""
+import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tierkv.connector.vllm_metrics import COUNTERS, CounterDeltas, TierKVPromMetrics, TierKVStats
@@ -36,3 +37,82 @@ def test_prometheus_counters_per_engine():
     assert reg.get_sample_value("vllm:tierkv_load_bytes_total", {"model_name": "m", "engine": "1"}) == 4096
     assert reg.get_sample_value("vllm:tierkv_l2_hit_tokens_total", {"model_name": "m", "engine": "0"}) == 0
     assert len(COUNTERS) == len(m.counters)
+
+
+def test_gauges_latencies_and_tier_hits():
+    from tierkv.connector.vllm_metrics import scheduler_gauges
+
+    d = CounterDeltas()
+    snap = {"num_slots": 10, "free_slots": 10, "ctl_backing_up_pages": 0, "ctl_fetching_pages": 0,
+            "l2_hit_tokens": 0, "ctl_l3_hit_tokens": 0}
+    s0 = d.take({**snap, **scheduler_gauges(snap)})
+    assert s0.data == {"l2_capacity_pages": 10, "l2_used_pages": 0, "pending_backup_pages": 0,
+                       "pending_prefetch_pages": 0}            # first values of the gauges, even 0
+    assert not s0.is_empty()
+    snap.update(free_slots=6, ctl_backing_up_pages=3, l2_hit_tokens=64, ctl_l3_hit_tokens=32)
+    s1 = d.take({**snap, **scheduler_gauges(snap)}, {"l3_get_seconds": [0.002, 0.004]})
+    assert s1.data == {"l2_used_pages": 4, "pending_backup_pages": 3, "l2_hit_tokens": 64, "ctl_l3_hit_tokens": 32,
+                       "l3_get_seconds": [0.002, 0.004]}      # unchanged gauges are not sent again
+    snap.update(ctl_backing_up_pages=0)
+    s2 = d.take({**snap, **scheduler_gauges(snap)}, {"l3_get_seconds": [0.3]})
+    agg = s1.aggregate(s2)
+    assert agg.data["pending_backup_pages"] == 0 and agg.data["l2_used_pages"] == 4   # gauges: latest value
+    assert agg.data["l3_get_seconds"] == [0.002, 0.004, 0.3] and agg.data["l2_hit_tokens"] == 64
+    r = agg.reduce()
+    assert r["l3_get_calls"] == 3 and r["l3_get_ms_mean"] == round(1e3 * 0.306 / 3, 3)
+
+    reg = CollectorRegistry()
+
+    def bind(cls):
+        class B(cls):
+            def __init__(self, *a, **kw):
+                kw.pop("multiprocess_mode", None)
+                super().__init__(*a, registry=reg, **kw)
+        return B
+
+    class VC:
+        kv_transfer_config = None
+
+    m = TierKVPromMetrics(VC(), {Gauge: bind(Gauge), Counter: bind(Counter), Histogram: bind(Histogram)},
+                          ["model_name", "engine"], {0: ["m", "0"]})
+    m.observe(s0.data)
+    m.observe(agg.data)
+    lab = {"model_name": "m", "engine": "0"}
+    assert reg.get_sample_value("vllm:tierkv_l2_used_pages", lab) == 4
+    assert reg.get_sample_value("vllm:tierkv_l2_capacity_pages", lab) == 10
+    assert reg.get_sample_value("vllm:tierkv_pending_backup_pages", lab) == 0
+    assert reg.get_sample_value("vllm:tierkv_hit_tokens_total", {**lab, "tier": "L2"}) == 64
+    assert reg.get_sample_value("vllm:tierkv_hit_tokens_total", {**lab, "tier": "L3"}) == 32
+    assert reg.get_sample_value("vllm:tierkv_l3_op_seconds_count", {**lab, "op": "get"}) == 3
+    assert reg.get_sample_value("vllm:tierkv_l3_op_seconds_bucket", {**lab, "op": "get", "le": "0.005"}) == 2
+    assert reg.get_sample_value("vllm:tierkv_l3_op_seconds_count", {**lab, "op": "set"}) == 0
+
+
+def test_timed_store_times_calls_and_counts_failures():
+    from tierkv.connector.store_metrics import TimedStore
+
+    class Store:
+        def __init__(self):
+            self.c = {"errors": 2, "timeouts": 1}
+
+        def batch_get(self, keys, dsts):
+            return [True] * len(keys)
+
+        def batch_set(self, keys, srcs, checksums=None):
+            raise ConnectionError("down")
+
+        def stats(self):
+            return dict(self.c)
+
+    t = TimedStore(Store(), max_samples=2)
+    assert t.batch_get(["a", "b"], [None, None]) == [True, True]
+    for _ in range(2):
+        with pytest.raises(ConnectionError):
+            t.batch_set(["a"], [b"x"], checksums=[1])
+    lat = t.take_latencies()
+    assert len(lat["l3_get_seconds"]) == 1 and len(lat["l3_set_seconds"]) == 2 and "l3_exists_seconds" not in lat
+    assert t.take_latencies() == {}
+    t.batch_get([], []); t.batch_get([], []); t.batch_get([], [])
+    assert len(t.take_latencies()["l3_get_seconds"]) == 2 and t.dropped_samples == 1
+    assert t.failure_counts() == {"l3_errors": 4, "l3_timeouts": 1}   # 2 absorbed by the store + 2 raised
+    assert t.stats() == {"errors": 2, "timeouts": 1}                   # everything else is the store's
