@@ -1,0 +1,88 @@
+"""Helpers of the SGLang adapter tests: SGLang's own host pool classes built on the CPU, its storage config, and
+the tierkv adapter built through SGLang's own ``StorageBackendFactory`` (``dynamic``), as SGLang's
+``HiCacheController.attach_storage_backend`` does (create, then ``register_mem_pool_host``).
+
+SGLang 0.5.23 is installed in the project venv without its dependencies (``.ci/setup_env.sh``); its host-pool and
+server-argument modules reach model configs that import torchvision, which has no CPU build on PyPI, so
+``benchmarks/peers/sglang_cpu_shims.py`` is imported first (it changes nothing when a real torchvision exists).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+for p in (ROOT / "benchmarks" / "peers", ROOT / "tests" / "storage"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+import sglang_cpu_shims  # noqa: E402,F401  (before the first sglang.srt import that reaches model configs)
+import torch  # noqa: E402
+from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
+
+MODULE = "tierkv.connector.sglang_hicache"
+CLASS = "TierKVHiCacheStorage"
+MODEL = "Qwen/Qwen3-0.6B"
+
+
+def mha_pool(layout: str = "page_first", *, layers: int = 2, heads: int = 2, head_dim: int = 64,
+             page_size: int = 16, pages: int = 16, dtype=torch.bfloat16) -> MHATokenToKVPoolHost:
+    """SGLang's MHA host pool (L2) on the CPU, unpinned, holding ``pages`` pages (plus SGLang's padding page) of
+    ``page_size`` tokens; the "device" buffers it mirrors are CPU tensors too (only their geometry is used)."""
+    ntok = pages * page_size
+    k = tuple(torch.zeros(ntok, heads, head_dim, dtype=dtype) for _ in range(layers))
+    v = tuple(torch.zeros(ntok, heads, head_dim, dtype=dtype) for _ in range(layers))
+    bufs = KVBuffers(k=k, v=v, k_data_ptrs=torch.tensor([t.data_ptr() for t in k]),
+                     v_data_ptrs=torch.tensor([t.data_ptr() for t in v]), layout=KVBufferLayout.NHD)
+    info = MHABufferInfo(buffers=bufs, page_size=page_size, head_num=heads, head_dim=head_dim, v_head_dim=head_dim,
+                         dtype=dtype, device=torch.device("cpu"))
+    return MHATokenToKVPoolHost(info, 1.0, 0, page_size, layout, pin_memory=False, device="cpu",
+                                device_capacity_tokens=ntok, start_layer=0, end_layer=layers)
+
+
+def storage_config(extra: dict, *, tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
+                   mla: bool = False, model: str = MODEL, layout: str = "page_first") -> HiCacheStorageConfig:
+    return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
+                                attn_cp_rank=0, attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=False,
+                                is_page_first_layout=layout == "page_first", model_name=model,
+                                extra_config=dict(extra))
+
+
+def extra_config(l3: dict, **more) -> dict:
+    """``--hicache-storage-backend-extra-config`` for the tierkv backend (zero-copy path on)."""
+    return {"backend_name": "tierkv", "module_path": MODULE, "class_name": CLASS, "interface_v1": 1,
+            "l3": l3, **more}
+
+
+def attach(extra: dict, pool, **cfg):
+    """Build the backend through SGLang's factory and register the host pool, as SGLang's attach does."""
+    backend = StorageBackendFactory.create_backend("dynamic", storage_config(extra, layout=pool.layout, **cfg),
+                                                   pool)
+    backend.register_mem_pool_host(pool)
+    return backend
+
+
+def fill_pages(pool, n: int, seed: int) -> torch.Tensor:
+    """Random bytes in the first ``n`` pages of ``pool``; returns their host indices (``n * page_size`` slots)."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.arange(n * pool.page_size, dtype=torch.int64)
+    for i in range(n):
+        page = pool.get_data_page(i * pool.page_size, flat=True)
+        rnd = torch.randint(0, 256, (page.numel() * page.element_size(),), dtype=torch.uint8, generator=g)
+        pool.set_from_flat_data_page(i * pool.page_size, rnd.view(pool.dtype))
+    return idx
+
+
+def page_bytes_of(pool, i: int) -> torch.Tensor:
+    """Copy of page ``i`` in the flat byte order SGLang's file backend stores."""
+    return pool.get_data_page(i * pool.page_size, flat=True).contiguous().view(torch.uint8).clone()
+
+
+def keys(n: int, salt: str = "") -> list[str]:
+    """SGLang-style page keys: 64 lowercase hex (SHA-256)."""
+    import hashlib
+
+    return [hashlib.sha256(f"{salt}/{i}".encode()).hexdigest() for i in range(n)]
