@@ -870,3 +870,70 @@ class FileStore(StorageBackend):
     def __repr__(self) -> str:
         return (f"FileStore(root={self.root!r}, namespace={self.namespace.hex()[:8]}.., page_bytes={self.page_bytes}, "
                 f"capacity_bytes={getattr(self, 'capacity_bytes', None)})")
+
+
+# ---------------------------------------------------------------------- offline tools (tierkv store stats|verify|gc)
+class PageFile:
+    """One record file found by :func:`iter_page_files`: ``ns_hex`` (namespace directory name), ``key`` (hex),
+    ``path``, ``size`` (bytes), ``mtime_ns`` (last write or hit, see ``touch_on_read``)."""
+
+    __slots__ = ("ns_hex", "key", "path", "size", "mtime_ns")
+
+    def __init__(self, ns_hex: str, key: str, path: str, size: int, mtime_ns: int):
+        self.ns_hex, self.key, self.path, self.size, self.mtime_ns = ns_hex, key, path, size, mtime_ns
+
+
+def iter_page_files(root: str, namespaces: Optional[Sequence[str]] = None):
+    """Yield a :class:`PageFile` for every ``root/<ns hex>/<xx>/<key>.page`` (the layout of this module's docstring),
+    optionally only for the namespace directories named in ``namespaces`` (hex). Files that vanish while walked are
+    skipped; temporary and quarantined files are not records and are not yielded. Reads no file content.
+
+    Raises:
+        OSError: ``root`` itself cannot be listed (missing, not a directory, no permission).
+    """
+    want = set(namespaces) if namespaces is not None else None
+    for nsent in sorted(os.scandir(root), key=lambda e: e.name):
+        name = nsent.name
+        if len(name) != _NS_HEX_LEN or not set(name) <= _HEX or not nsent.is_dir(follow_symlinks=False):
+            continue
+        if want is not None and name not in want:
+            continue
+        try:
+            subs = sorted(os.scandir(nsent.path), key=lambda e: e.name)
+        except OSError:
+            continue
+        for sub in subs:
+            if len(sub.name) != 2 or not sub.is_dir(follow_symlinks=False):
+                continue
+            try:
+                files = list(os.scandir(sub.path))
+            except OSError:
+                continue
+            for f in files:
+                fname = f.name
+                if not (fname.endswith(PAGE_SUFFIX) and len(fname) == 32 + len(PAGE_SUFFIX)):
+                    continue
+                try:
+                    st = f.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                yield PageFile(name, fname[:32], f.path, st.st_size, st.st_mtime_ns)
+
+
+def read_record_file(path: str) -> tuple[bytes, bytes]:
+    """``(header, payload)`` of a record file (header: the first 64 bytes, shorter if the file is). Raises OSError."""
+    with open(path, "rb", buffering=0) as f:
+        data = f.read()
+    return data[:HEADER_BYTES], data[HEADER_BYTES:]
+
+
+def quarantine_file(root: str, path: str, reason: str) -> str:
+    """Move a bad record file to ``root/quarantine/`` (named like the store's own quarantine: namespace, key, pid,
+    time, ``.bad``). Returns the new path. Raises OSError."""
+    qdir = os.path.join(root, QUARANTINE_DIR)
+    os.makedirs(qdir, exist_ok=True)
+    ns_hex = os.path.basename(os.path.dirname(os.path.dirname(path)))
+    dst = os.path.join(qdir, f"{ns_hex}-{os.path.basename(path)}.{os.getpid()}.{time.time_ns()}.bad")
+    os.rename(path, dst)
+    log.info("quarantined %s (%s) as %s", path, reason, dst)
+    return dst

@@ -186,3 +186,54 @@ def decode_record(record: Union[bytes, memoryview], key: str, namespace: bytes, 
     payload = mv[HEADER_BYTES:]
     verify_payload(payload, psum)
     return payload
+
+
+def read_header(header: Union[bytes, memoryview]) -> dict:
+    """Decode a header without expecting a key or namespace (for tools that walk a store: ``tierkv store stats``,
+    ``tierkv store verify``). Returns ``{"version", "namespace" (16 bytes), "key" (hex), "length", "checksum"}``.
+
+    Raises:
+        PageFormatError: fewer than 64 bytes, header checksum mismatch or bad magic. A version other than
+            :data:`VERSION` is returned, not raised: the caller decides (a newer version is not corrupt, it is a
+            record this build cannot read).
+    """
+    hb = bytes(header[:HEADER_BYTES])
+    if len(hb) < HEADER_BYTES:
+        raise PageFormatError("truncated header")
+    head, (hsum,) = hb[: _FMT.size], struct.unpack("<Q", hb[_FMT.size:])
+    magic, version, _flags, ns, kraw, length, psum = _FMT.unpack(head)
+    if magic != MAGIC:
+        raise PageFormatError("bad magic")
+    if xxhash.xxh3_64_intdigest(head) != hsum:
+        raise PageFormatError("header checksum mismatch")
+    return {"version": version, "namespace": ns, "key": kraw.hex(), "length": length, "checksum": psum}
+
+
+def check_record(header: Union[bytes, memoryview], payload: Any, key: Optional[str] = None,
+                 namespace: Optional[bytes] = None) -> dict:
+    """Check a whole stored record (``header``, ``payload`` as separate buffers) without knowing the page size:
+    :func:`read_header`, then (for a record of this :data:`VERSION`) key and namespace when given, payload length
+    and payload XXH3-64. Returns the :func:`read_header` dict.
+
+    Raises:
+        PageFormatError: anything wrong; the message is a short reason (``"payload checksum mismatch"``, ...).
+        NewerFormatError: the record was written by a newer page format version (not checked further).
+    """
+    info = read_header(header)
+    if info["version"] > VERSION:
+        raise NewerFormatError(f"page format version {info['version']} is newer than this build's {VERSION}")
+    if info["version"] != VERSION:
+        raise PageFormatError(f"unsupported page format version {info['version']}")
+    if namespace is not None and info["namespace"] != namespace:
+        raise PageFormatError("page belongs to another namespace")
+    if key is not None and info["key"] != key:
+        raise PageFormatError("page belongs to another key")
+    mv = memoryview(payload).cast("B")
+    if mv.nbytes != info["length"]:
+        raise PageFormatError("payload length mismatch")
+    verify_payload(mv, info["checksum"])
+    return info
+
+
+class NewerFormatError(PageFormatError):
+    """A record written by a newer page format version than this build reads (not corrupt: do not delete it)."""

@@ -29,7 +29,15 @@ Reply ``[header, payload_0, ...]``
     - ``get``: ``{"hits": [bool per key], "hdrs": [bin per hit]}`` then one payload frame per hit, in key order;
     - ``set``: ``{"stored": [bool per key], "evicted": int (records evicted from memory to make room)}``;
     - ``delete``: ``{"deleted": int}``; ``clear``: ``{"cleared": int}``;
-    - ``stats``: ``{"stats": {str: int | float | str}}``.
+    - ``stats``: ``{"stats": {str: int | float | str}}``;
+    - ``scan`` (v2; no ``ns``): ``{"namespaces": [{"ns": bin, "pages": int, "bytes": int, "payload_bytes": [int],
+      "versions": [int], "ages": [int per bucket]}], "age_buckets_s": [...], "now": float}`` over every record held
+      in memory and in the spill directory (bytes = record header + payload; age = seconds since the record was
+      last written, bucketed by :data:`AGE_BUCKETS_S`);
+    - ``verify`` (v2; ``"fix": bool``, optional ``ns``): checks each record's page header (checksum, magic, version,
+      namespace, key, length) and payload XXH3-64 against its stored header; ``{"checked", "good", "bad", "newer",
+      "removed": int, "reasons": {str: int}}``. With ``fix`` the bad records are dropped (records of a newer page
+      format version are counted as ``newer`` and never dropped).
 
 A request the server cannot parse gets an error reply (``id`` 0 when the id itself is unreadable) or is
 dropped; the server keeps serving other clients.
@@ -47,10 +55,24 @@ from typing import Any, Optional
 
 import msgpack
 
+#: version of the data ops (every op except the admin ops below); what :mod:`.zmq_client` speaks.
 PROTOCOL_VERSION = 1
+#: version that added the admin ops ``scan`` and ``verify`` (used by ``tierkv store stats|verify``). A server
+#: answers requests of every version in :data:`SUPPORTED_VERSIONS` and replies with the request's version; an admin op
+#: sent as version 1 is refused (``code`` ``version``), and a version-1-only server refuses version 2 the same way, so
+#: a tool never mistakes an older server for one that knows the op.
+ADMIN_PROTOCOL_VERSION = 2
+SUPPORTED_VERSIONS = (1, 2)
 
 #: ops every server answers.
-OPS = ("ping", "exists", "get", "set", "delete", "clear", "stats")
+OPS = ("ping", "exists", "get", "set", "delete", "clear", "stats", "scan", "verify")
+#: ops that need ``v`` >= :data:`ADMIN_PROTOCOL_VERSION`.
+ADMIN_OPS = ("scan", "verify")
+#: ops that change or drop stored pages other than by writing them (refused without the token when one is set, like
+#: every op on such a server; listed for documentation and the tests).
+DESTRUCTIVE_OPS = ("delete", "clear", "verify")
+#: upper bounds (seconds) of the age histogram returned by ``scan``; the last bucket is open-ended.
+AGE_BUCKETS_S = (60, 600, 3600, 6 * 3600, 86400, 7 * 86400)
 #: ops answered only by a server started with ``--enable-test-ops``.
 TEST_OPS = ("t_corrupt",)
 CORRUPT_HOWS = ("truncate", "flip", "foreign_namespace")
@@ -188,6 +210,6 @@ def get_bins(h: dict, name: str, count: int) -> list:
     return v
 
 
-def error_reply(req_id: int, op: str, code: str, msg: str) -> bytes:
-    """Encoded error reply header."""
-    return pack({"v": PROTOCOL_VERSION, "id": req_id, "op": op, "ok": False, "code": code, "err": msg[:MAX_STR_BYTES]})
+def error_reply(req_id: int, op: str, code: str, msg: str, v: int = PROTOCOL_VERSION) -> bytes:
+    """Encoded error reply header (``v``: the request's version when it is one the server speaks)."""
+    return pack({"v": v, "id": req_id, "op": op, "ok": False, "code": code, "err": msg[:MAX_STR_BYTES]})

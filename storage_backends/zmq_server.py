@@ -133,6 +133,31 @@ class _SpillTier:
             return True
         return False
 
+    def records(self, ns: Optional[bytes], skip: Any = ()):
+        """Yield ``(ns, key, header, payload, written_at, "spill")`` for every spilled record (of ``ns`` if given),
+        except tombstoned ones and keys in ``skip`` (a mapping of ``(ns, key)`` held in memory)."""
+        from tierkv.storage_backends.file import iter_page_files, read_record_file
+
+        for (sns, length), st in list(self.stores.items()):
+            if ns is not None and sns != ns:
+                continue
+            try:
+                files = list(iter_page_files(st.root, [sns.hex()]))
+            except OSError:
+                continue
+            for f in files:
+                if (sns, f.key) in self.tombstones or (sns, f.key) in skip:
+                    continue
+                try:
+                    _outer, rec = read_record_file(f.path)
+                except OSError:
+                    continue
+                if len(rec) < 2:
+                    yield sns, f.key, b"", rec, f.mtime_ns / 1e9, "spill"
+                    continue
+                (hl,) = struct.unpack_from("<H", rec)
+                yield sns, f.key, rec[2:2 + hl], rec[2 + hl:], f.mtime_ns / 1e9, "spill"
+
     def clear(self, ns: bytes) -> None:
         self.tombstones = {t for t in self.tombstones if t[0] != ns}
         for _length, st in self._of(ns):
@@ -178,8 +203,12 @@ class CacheServer:
         self.capacity_bytes = int(capacity_bytes)
         self.max_message_bytes = int(max_message_bytes)
         self.token = token.encode() if token else None
+        self._token_text = token or None
+        if token:
+            _install_redaction(token)
         self.enable_test_ops = enable_test_ops
         self.records: "OrderedDict[tuple[bytes, str], tuple[bytes, Any]]" = OrderedDict()
+        self.written: dict[tuple[bytes, str], float] = {}  # time.time() of each in-memory record's last set (scan)
         self.used_bytes = 0
         self.pending_writes = 0
         self.c = dict(requests=0, errors=0, auth_failures=0, too_large=0, dropped=0, hits=0, misses=0, sets=0,
@@ -208,12 +237,13 @@ class CacheServer:
     def _evict_until(self, need: int) -> None:
         while self.records and self.used_bytes + need > self.capacity_bytes:
             (ns, key), (hdr, payload) = self.records.popitem(last=False)
+            self.written.pop((ns, key), None)
             self.used_bytes -= len(hdr) + _nbytes(payload)
             self.c["evictions"] += 1
             if self.spill is not None and self.spill.put(ns, key, hdr, payload):
                 self.c["spilled"] += 1
 
-    def _put(self, ns: bytes, key: str, hdr: bytes, payload: Any) -> bool:
+    def _put(self, ns: bytes, key: str, hdr: bytes, payload: Any, born: Optional[float] = None) -> bool:
         size = len(hdr) + _nbytes(payload)
         if size > self.capacity_bytes:
             return False
@@ -224,6 +254,7 @@ class CacheServer:
         if self.spill is not None:
             self.spill.tombstones.discard((ns, key))
         self.records[(ns, key)] = (hdr, payload)
+        self.written[(ns, key)] = time.time() if born is None else born
         self.used_bytes += size
         return True
 
@@ -236,7 +267,7 @@ class CacheServer:
             got = self.spill.get(ns, key)
             if got is not None:
                 self.c["spill_hits"] += 1
-                self._put(ns, key, got[0], got[1])
+                self._put(ns, key, got[0], got[1], born=got[2] if len(got) > 2 else None)
                 return got
         return None
 
@@ -252,7 +283,7 @@ class CacheServer:
         if not frames:
             self.c["dropped"] += 1
             return None
-        req_id, op = 0, ""
+        req_id, op, ver = 0, "", P.PROTOCOL_VERSION
         try:
             total = sum(len(f) for f in frames)
             self.c["bytes_in"] += total
@@ -265,9 +296,11 @@ class CacheServer:
                 self.c["too_large"] += 1
                 raise P.ProtocolError("too_large", f"message of {total} bytes > limit {self.max_message_bytes}")
             req_id = P.get_int(h, "id")
-            if h.get("v") != P.PROTOCOL_VERSION:
-                raise P.ProtocolError("version", f"protocol version {P.brief(h.get('v'))} not supported "
-                                                 f"(server speaks {P.PROTOCOL_VERSION})")
+            v = h.get("v")
+            if type(v) is not int or v not in P.SUPPORTED_VERSIONS:
+                raise P.ProtocolError("version", f"protocol version {P.brief(v)} not supported (server speaks "
+                                                 f"{', '.join(map(str, P.SUPPORTED_VERSIONS))})")
+            ver = v
             op = P.get_str(h, "op")
             if self.token is not None:
                 tok = h.get("token")
@@ -279,24 +312,28 @@ class CacheServer:
                 fn = CacheServer._op_t_corrupt
             if fn is None:
                 raise P.ProtocolError("unknown_op", f"unknown op {op[:40]!r}; allowed: {', '.join(P.OPS)}")
+            if op in P.ADMIN_OPS and ver < P.ADMIN_PROTOCOL_VERSION:
+                raise P.ProtocolError("version", f"op {op!r} needs protocol version {P.ADMIN_PROTOCOL_VERSION}")
             payloads = frames[1:]
             if op != "set" and payloads:
                 raise P.ProtocolError("bad_request", f"op {op[:40]!r} takes no payload frames, got {len(payloads)}")
             body, out = fn(self, h, payloads)
         except P.ProtocolError as e:
             self.c["errors"] += 1
-            log.debug("request %d (%s) refused: %s", req_id, op, e)
-            return [P.error_reply(req_id, op, e.code, str(e))]
+            log.debug("request %d (%s) refused: %s", req_id, self._redact(op), self._redact(str(e)))
+            return [P.error_reply(req_id, self._redact(op), e.code, self._redact(str(e)), v=ver)]
         except Exception as e:  # a bug must not take down the server
             self.c["errors"] += 1
-            log.exception("request %d (%s) failed", req_id, op)
-            return [P.error_reply(req_id, op, "internal", f"{type(e).__name__}: {e}")]
-        reply = {"v": P.PROTOCOL_VERSION, "id": req_id, "op": op, "ok": True}
+            log.exception("request %d (%s) failed", req_id, self._redact(op))
+            return [P.error_reply(req_id, self._redact(op), "internal", self._redact(f"{type(e).__name__}: {e}"),
+                                  v=ver)]
+        reply = {"v": ver, "id": req_id, "op": op, "ok": True}
         reply.update(body)
         return [P.pack(reply)] + out
 
     def _op_ping(self, h, payloads):
-        return {"server": "tierkv", "proto": P.PROTOCOL_VERSION}, []
+        return {"server": "tierkv", "proto": P.PROTOCOL_VERSION, "protos": list(P.SUPPORTED_VERSIONS),
+                "token_required": self.token is not None}, []
 
     def _op_exists(self, h, payloads):
         keys, ns = P.get_keys(h), P.get_ns(h)
@@ -353,6 +390,7 @@ class CacheServer:
         n, ns = 0, P.get_ns(h)
         for k in P.get_keys(h):
             rec = self.records.pop((ns, k), None)
+            self.written.pop((ns, k), None)
             if rec is not None:
                 self.used_bytes -= len(rec[0]) + _nbytes(rec[1])
             spilled = self.spill.delete(ns, k) if self.spill is not None else False
@@ -365,6 +403,7 @@ class CacheServer:
         mine = [k for k in self.records if k[0] == ns]
         for k in mine:
             hdr, payload = self.records.pop(k)
+            self.written.pop(k, None)
             self.used_bytes -= len(hdr) + _nbytes(payload)
         if self.spill is not None:
             self.spill.clear(ns)
@@ -372,6 +411,81 @@ class CacheServer:
 
     def _op_stats(self, h, payloads):
         return {"stats": self.stats()}, []
+
+    def _redact(self, text: str) -> str:
+        """``text`` with the token replaced by ``***`` (error replies and log lines never carry it)."""
+        t = self._token_text
+        return text.replace(t, "***") if t and t in text else text
+
+    def _all_records(self, ns: Optional[bytes] = None):
+        """Yield ``(ns, key, header, payload, written_at, where)`` for every record in memory, then in the spill
+        directory (``where``: ``"memory"`` or ``"spill"``); ``ns``: only that namespace."""
+        for (rns, key), (hdr, payload) in list(self.records.items()):
+            if ns is None or rns == ns:
+                yield rns, key, hdr, payload, self.written.get((rns, key), self.started), "memory"
+        if self.spill is not None:
+            yield from self.spill.records(ns, skip=self.records)
+
+    def _op_scan(self, h, payloads):
+        """Per-namespace pages, bytes, payload sizes, page format versions and an age histogram (v2)."""
+        from tierkv.storage_backends import page_format
+
+        now = time.time()
+        per: dict[bytes, dict] = {}
+        for rns, _key, hdr, payload, born, _where in self._all_records():
+            d = per.get(rns)
+            if d is None:
+                d = per[rns] = {"ns": rns, "pages": 0, "bytes": 0, "payload_bytes": set(), "versions": set(),
+                                "ages": [0] * (len(P.AGE_BUCKETS_S) + 1)}
+            n = _nbytes(payload)
+            d["pages"] += 1
+            d["bytes"] += len(hdr) + n
+            d["payload_bytes"].add(n)
+            try:
+                d["versions"].add(page_format.read_header(hdr)["version"])
+            except page_format.PageFormatError:
+                d["versions"].add(-1)
+            d["ages"][_bucket(now - born)] += 1
+        out = []
+        for d in per.values():
+            d["payload_bytes"] = sorted(d["payload_bytes"])[:64]
+            d["versions"] = sorted(d["versions"])
+            out.append(d)
+        return {"namespaces": out, "age_buckets_s": list(P.AGE_BUCKETS_S), "now": now}, []
+
+    def _op_verify(self, h, payloads):
+        """Check every record (or those of ``ns``); with ``fix`` drop the bad ones (v2)."""
+        from tierkv.storage_backends import page_format
+
+        fix = P.get_bool(h, "fix")
+        ns = P.get_ns(h) if "ns" in h else None
+        checked = ok = bad = newer = removed = 0
+        reasons: dict[str, int] = {}
+        for rns, key, hdr, payload, _born, where in self._all_records(ns):
+            checked += 1
+            try:
+                page_format.check_record(hdr, payload.buffer if isinstance(payload, zmq.Frame) else payload,
+                                         key=key, namespace=rns)
+                ok += 1
+                continue
+            except page_format.NewerFormatError:
+                newer += 1
+                continue
+            except page_format.PageFormatError as e:
+                bad += 1
+                reasons[str(e)] = reasons.get(str(e), 0) + 1
+            if fix:
+                rec = self.records.pop((rns, key), None) if where == "memory" else None
+                if rec is not None:
+                    self.written.pop((rns, key), None)
+                    self.used_bytes -= len(rec[0]) + _nbytes(rec[1])
+                    removed += 1
+                elif where == "spill" and self.spill.delete(rns, key):
+                    removed += 1
+        if removed:
+            log.info("verify: dropped %d bad records", removed)
+        return {"checked": checked, "good": ok, "bad": bad, "newer": newer, "removed": removed,
+                "reasons": reasons}, []
 
     def _op_t_corrupt(self, h, payloads):
         """Test-only: damage a stored record in place (``how`` in :data:`zmq_protocol.CORRUPT_HOWS`)."""
@@ -404,7 +518,7 @@ class CacheServer:
         return {"corrupted": done}, []
 
     _OPS = {"ping": _op_ping, "exists": _op_exists, "get": _op_get, "set": _op_set, "delete": _op_delete,
-            "clear": _op_clear, "stats": _op_stats}
+            "clear": _op_clear, "stats": _op_stats, "scan": _op_scan, "verify": _op_verify}
 
     def stats(self) -> dict:
         """Server counters: keys, bytes (stored), capacity_bytes, pending_writes, requests, errors, auth_failures,
@@ -485,6 +599,54 @@ def keep_freed_memory(capacity_bytes: int) -> bool:
                 and mallopt(m_trim_threshold, min(int(capacity_bytes), (1 << 31) - 1)))
 
 
+#: exit status of ``tierkv server`` when it refuses to start (unsafe bind, unreadable token file); argparse errors
+#: exit with 2 as well
+EXIT_REFUSED = 2
+
+
+def is_loopback(host: str) -> bool:
+    """True for addresses only this machine can reach (``127.0.0.0/8``, ``::1``, ``localhost``)."""
+    if host == "localhost":
+        return True
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # an interface name or host name: assume it is reachable from elsewhere
+
+
+def _bucket(age_s: float) -> int:
+    for i, b in enumerate(P.AGE_BUCKETS_S):
+        if age_s < b:
+            return i
+    return len(P.AGE_BUCKETS_S)
+
+
+class _Redact(logging.Filter):
+    """Replaces the server token by ``***`` in every record of the ``tierkv`` loggers (message and arguments)."""
+
+    def __init__(self, token: str):
+        super().__init__()
+        self.token = token
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        t = self.token
+        msg = record.getMessage()
+        if t in msg:
+            record.msg, record.args = msg.replace(t, "***"), ()
+        if record.exc_info and record.exc_info[1] is not None and t in str(record.exc_info[1]):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def _install_redaction(token: str) -> None:
+    for name in ("tierkv", "tierkv.zmq_server", "tierkv.storage.file"):
+        lg = logging.getLogger(name)
+        if not any(isinstance(f, _Redact) and f.token == token for f in lg.filters):
+            lg.addFilter(_Redact(token))
+
+
 def _rss_bytes() -> int:
     try:
         with open("/proc/self/statm") as f:
@@ -534,7 +696,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-message-bytes", type=_message_size, default=P.DEFAULT_MAX_MESSAGE_BYTES,
                    help="refuse larger messages (at least 1MiB; default 64MiB)")
     p.add_argument("--token", default=os.environ.get("TIERKV_SERVER_TOKEN"),
-                   help="shared secret clients must present (default: $TIERKV_SERVER_TOKEN, else none)")
+                   help="shared secret every request must carry (default: $TIERKV_SERVER_TOKEN, else none; prefer the "
+                        "variable or --token-file: a command line is visible to other users in ps)")
+    p.add_argument("--token-file", default=None, help="read the token from this file (first line; overrides --token)")
+    p.add_argument("--allow-unauthenticated", action="store_true",
+                   help="allow a --host beyond loopback without a token (any client that reaches the port may read, "
+                        "write and clear pages); without it such a server refuses to start (exit 2)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--enable-test-ops", action="store_true", help=argparse.SUPPRESS)
     return p
@@ -544,18 +711,34 @@ def run(args: argparse.Namespace) -> int:
     """Start a server from parsed :func:`add_arguments` flags and serve until SIGTERM/SIGINT. Returns 0."""
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
+    token = args.token
+    if getattr(args, "token_file", None):
+        try:
+            with open(args.token_file) as f:
+                token = f.read().strip()
+        except OSError as e:
+            print(f"tierkv server: error: cannot read --token-file {args.token_file!r}: {e.strerror}", file=sys.stderr)
+            return EXIT_REFUSED
+        if not token:
+            print(f"tierkv server: error: --token-file {args.token_file!r} is empty", file=sys.stderr)
+            return EXIT_REFUSED
+    if not is_loopback(args.host):
+        if not token and not args.allow_unauthenticated:
+            print(f"tierkv server: error: refusing to listen on {args.host} (beyond this machine) without a token: "
+                  "give --token/--token-file/$TIERKV_SERVER_TOKEN, or --allow-unauthenticated to accept any client",
+                  file=sys.stderr)
+            return EXIT_REFUSED
         log.warning("binding %s: the cache server is reachable beyond this machine%s", args.host,
-                    "" if args.token else " and no --token is set")
+                    "" if token else " and accepts any client (--allow-unauthenticated)")
     tuned = keep_freed_memory(args.capacity_bytes)
     srv = CacheServer(host=args.host, port=args.port, capacity_bytes=args.capacity_bytes, spill_dir=args.spill_dir,
                       spill_capacity_bytes=args.spill_capacity_bytes,
-                      max_message_bytes=args.max_message_bytes, token=args.token, enable_test_ops=args.enable_test_ops)
+                      max_message_bytes=args.max_message_bytes, token=token, enable_test_ops=args.enable_test_ops)
     signal.signal(signal.SIGTERM, srv.stop)
     signal.signal(signal.SIGINT, srv.stop)
     print(f"tierkv-server ready {srv.endpoint}", flush=True)
-    log.info("serving on %s, capacity %d bytes, spill %s, malloc tuned %s", srv.endpoint, srv.capacity_bytes,
-             args.spill_dir, tuned)
+    log.info("serving on %s, capacity %d bytes, spill %s, malloc tuned %s, token %s", srv.endpoint,
+             srv.capacity_bytes, args.spill_dir, tuned, "required" if token else "none")
     try:
         srv.serve_forever()
     finally:

@@ -1,0 +1,235 @@
+"""``tierkv store stats|verify|gc|clear`` on a real file store directory, a real ``tierkv server`` process and a real
+Mooncake master; bad input gives one line and the documented exit code (tierkv/cli_common.py)."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import time
+
+import pytest
+import xxhash
+
+from conftest import NS_A, NS_B, key, one_line_error, page, tierkv
+from tierkv.cli import main
+from tierkv.cli_common import EXIT_FOUND, EXIT_NEWER, EXIT_OK, EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_USAGE
+from tierkv.storage_backends.file import FileStore
+
+PB_A, PB_B = 4096, 8192
+DAY = 86400
+
+
+def run_json(capsys, *argv) -> tuple[int, dict]:
+    rc = main([*argv, "--json", "-q"])
+    out = capsys.readouterr().out
+    return rc, (json.loads(out) if out.strip() else {})
+
+
+def page_path(root, ns: bytes, k: str) -> str:
+    return os.path.join(root, ns.hex(), k[:2], f"{k}.page")
+
+
+@pytest.fixture
+def store(tmp_path):
+    """A file store directory written by FileStore: 3 pages of NS_A (4 KiB), 2 of NS_B (8 KiB); page 0 of NS_A last
+    used two days ago, page 1 of NS_A two hours ago."""
+    root = str(tmp_path / "l3")
+    a = FileStore(NS_A, PB_A, root=root)
+    assert a.batch_set([key(i) for i in range(3)], [page(i, PB_A) for i in range(3)]) == [True] * 3
+    a.close()
+    b = FileStore(NS_B, PB_B, root=root)
+    assert b.batch_set([key(i) for i in range(2)], [page(i, PB_B) for i in range(2)]) == [True] * 2
+    b.close()
+    now = time.time()
+    os.utime(page_path(root, NS_A, key(0)), (now - 2 * DAY, now - 2 * DAY))
+    os.utime(page_path(root, NS_A, key(1)), (now - 7200, now - 7200))
+    return root
+
+
+def test_stats_of_a_file_store_counts_pages_bytes_namespaces_and_ages(store, capsys):
+    rc, d = run_json(capsys, "store", "stats", store)
+    assert rc == EXIT_OK
+    assert d["pages"] == 5 and d["bytes"] == 3 * (64 + PB_A) + 2 * (64 + PB_B)
+    by_ns = {n["namespace"]: n for n in d["namespaces"]}
+    assert set(by_ns) == {NS_A.hex(), NS_B.hex()}
+    a, b = by_ns[NS_A.hex()], by_ns[NS_B.hex()]
+    assert (a["pages"], a["payload_bytes"], a["versions"]) == (3, [PB_A], [1])
+    assert (b["pages"], b["payload_bytes"]) == (2, [PB_B])
+    # buckets <1m <10m <1h <6h <1d <7d >=7d: one page now, one 2 h old, one 2 days old
+    assert a["ages"] == [1, 0, 0, 1, 0, 1, 0]
+    assert b["ages"] == [2, 0, 0, 0, 0, 0, 0]
+    assert main(["store", "stats", store, "-q"]) == EXIT_OK  # text form
+    text = capsys.readouterr().out
+    assert f"namespace {NS_A.hex()}: 3 pages" in text and "5 pages" in text
+
+
+def test_stats_shows_a_namespace_description_where_present(store, capsys):
+    with open(os.path.join(store, NS_B.hex(), "namespace.json"), "w") as f:
+        json.dump({"model_id": "Qwen/Qwen3-0.6B", "dtype": "bfloat16", "kv_layout": "layer_first/LBHNC"}, f)
+    rc, d = run_json(capsys, "store", "stats", store)
+    desc = {n["namespace"]: n["describe"] for n in d["namespaces"]}
+    assert desc[NS_B.hex()]["dtype"] == "bfloat16" and desc[NS_A.hex()] is None
+
+
+def test_verify_counts_then_quarantines_bad_records(store, capsys):
+    flipped, cut = page_path(store, NS_A, key(1)), page_path(store, NS_B, key(0))
+    with open(flipped, "r+b") as f:
+        f.seek(64 + 100)
+        b = f.read(1)
+        f.seek(64 + 100)
+        f.write(bytes([b[0] ^ 0xFF]))
+    os.truncate(cut, 64 + 100)
+    rc, d = run_json(capsys, "store", "verify", store)
+    assert rc == EXIT_FOUND and (d["checked"], d["ok"], d["bad"], d["removed"]) == (5, 3, 2, 0)
+    assert d["reasons"] == {"payload checksum mismatch": 1, "payload length mismatch": 1}
+    assert os.path.exists(flipped) and os.path.exists(cut)  # without --fix nothing moves
+    rc, d = run_json(capsys, "store", "verify", store, "--fix")
+    assert rc == EXIT_FOUND and d["removed"] == 2 and d["action"] == "quarantined"
+    assert not os.path.exists(flipped) and not os.path.exists(cut)
+    assert len(os.listdir(os.path.join(store, "quarantine"))) == 2
+    rc, d = run_json(capsys, "store", "verify", store)
+    assert rc == EXIT_OK and (d["checked"], d["bad"]) == (3, 0)
+
+
+def test_a_store_written_by_a_newer_format_is_refused_untouched(store, capsys):
+    p = page_path(store, NS_A, key(2))
+    with open(p, "r+b") as f:
+        head = bytearray(f.read(56))
+        head[4:6] = struct.pack("<H", 2)  # page format version 2, header checksum made valid again
+        f.seek(0)
+        f.write(bytes(head) + struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(head))))
+    for argv in (["store", "stats", store], ["store", "verify", store, "--fix"]):
+        r = tierkv(*argv)
+        assert r.returncode == EXIT_NEWER
+        assert "newer than this tierkv" in one_line_error(r)
+    assert os.path.exists(p)
+
+
+def test_gc_removes_least_recently_used_pages_down_to_max_bytes(tmp_path, capsys):
+    root = str(tmp_path / "gc")
+    s = FileStore(NS_A, PB_A, root=root)
+    assert all(s.batch_set([key(i) for i in range(6)], [page(i, PB_A) for i in range(6)]))
+    s.close()
+    now = time.time()
+    for i in range(6):  # page i last used (6 - i) hours ago: 0 is the least recently used
+        os.utime(page_path(root, NS_A, key(i)), (now - (6 - i) * 3600,) * 2)
+    rec = 64 + PB_A
+    assert main(["store", "gc", root, "--max-bytes", str(3 * rec + 10), "--dry-run", "-q"]) == EXIT_OK
+    assert "would remove 3" in capsys.readouterr().out
+    assert len(os.listdir(os.path.join(root, NS_A.hex(), "00"))) == 6
+    assert main(["store", "gc", root, "--max-bytes", str(3 * rec + 10), "-q"]) == EXIT_OK
+    left = sorted(f[:32] for f in os.listdir(os.path.join(root, NS_A.hex(), "00")))
+    assert left == [key(3), key(4), key(5)]
+    r = FileStore(NS_A, PB_A, root=root)  # a store opened afterwards sees exactly what is left
+    assert r.usage()["pages"] == 3 and r.batch_exists([key(3), key(4), key(5)]) == 3
+    r.close()
+
+
+def test_clear_removes_only_the_named_namespace(store, capsys):
+    assert main(["store", "clear", store, "--namespace", NS_A.hex(), "-q"]) == EXIT_OK
+    assert "removed 3 pages" in capsys.readouterr().out
+    rc, d = run_json(capsys, "store", "stats", store)
+    assert [n["namespace"] for n in d["namespaces"]] == [NS_B.hex()] and d["pages"] == 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_bad_input_is_one_line_and_a_documented_exit_code(tmp_path, store):
+    f = tmp_path / "plain"
+    f.write_text("x")
+    cases = [
+        (["store", "stats", str(tmp_path / "missing")], EXIT_USAGE, "no such directory"),
+        (["store", "verify", str(f)], EXIT_USAGE, "not a directory"),
+        (["store", "stats", "http://x:1"], EXIT_USAGE, "unknown store address"),
+        (["store", "stats", f"tcp://127.0.0.1:{_free_port()}", "--timeout", "0.5"], EXIT_UNREACHABLE, "no answer"),
+        (["store", "stats", f"mooncake://127.0.0.1:{_free_port()}", "--timeout", "0.5"], EXIT_UNREACHABLE,
+         "cannot reach"),
+        (["store", "clear", store], EXIT_USAGE, "--namespace"),
+        (["store", "clear", store, "--namespace", "xyz"], EXIT_USAGE, "invalid namespace"),
+        (["store", "gc", store], EXIT_USAGE, "--max-bytes"),
+        (["store", "gc", "tcp://127.0.0.1:5557", "--max-bytes", "1"], EXIT_REFUSED, "evicts by itself"),
+    ]
+    for argv, code, words in cases:
+        r = tierkv(*argv)
+        assert r.returncode == code, (argv, r.returncode, r.stderr)
+        assert words in one_line_error(r), (argv, r.stderr)
+
+
+# ----------------------------------------------------------------------------------------------- tierkv server
+def test_server_stats_verify_fix_and_clear_over_the_wire(tmp_path, capsys, fresh_env):
+    from _fixtures_zmq import ZmqHandle
+
+    h = ZmqHandle(tmp_path, PB_A, NS_A, token="tok-123")
+    try:
+        other = h.new_client(NS_B)
+        assert all(h.backend.batch_set([key(i) for i in range(4)], [page(i, PB_A) for i in range(4)]))
+        assert all(other.batch_set([key(9)], [page(9, PB_A)]))
+        ep = h.endpoint
+        rc, d = run_json(capsys, "store", "stats", ep, "--token", "tok-123")
+        assert rc == EXIT_OK and d["pages"] == 5
+        assert {n["namespace"]: n["pages"] for n in d["namespaces"]} == {NS_A.hex(): 4, NS_B.hex(): 1}
+        assert d["namespaces"][0]["ages"][0] == 4 and d["namespaces"][0]["payload_bytes"] == [PB_A]
+
+        assert h.corrupt(key(1), "flip") and h.corrupt(key(2), "foreign_namespace")
+        rc, d = run_json(capsys, "store", "verify", ep, "--token", "tok-123")
+        assert rc == EXIT_FOUND and (d["checked"], d["ok"], d["bad"], d["removed"]) == (5, 3, 2, 0)
+        assert h.backend.batch_exists([key(1)]) == 1  # still there: no --fix
+        rc, d = run_json(capsys, "store", "verify", ep, "--token", "tok-123", "--fix")
+        assert rc == EXIT_FOUND and d["removed"] == 2
+        assert h.backend.batch_exists([key(0)]) == 1 and h.backend.batch_exists([key(1)]) == 0
+        assert h.backend.batch_exists([key(2)]) == 0
+        rc, d = run_json(capsys, "store", "verify", ep, "--token", "tok-123")
+        assert rc == EXIT_OK and d["checked"] == 3
+
+        r = tierkv("store", "verify", ep, "--fix", "--token", "wrong")
+        assert r.returncode == EXIT_REFUSED and "wrong token" in one_line_error(r)
+        assert "wrong" not in r.stderr.replace("wrong token", "")
+
+        assert main(["store", "clear", ep, "--token", "tok-123", "--namespace", NS_A.hex(), "-q"]) == EXIT_OK
+        capsys.readouterr()
+        assert h.backend.batch_exists([key(0)]) == 0 and other.batch_exists([key(9)]) == 1
+    finally:
+        h.close()
+
+
+def test_server_stats_and_verify_include_spilled_pages(tmp_path, capsys, fresh_env):
+    from _fixtures_zmq import ZmqHandle
+
+    h = ZmqHandle(tmp_path, PB_A, NS_A, capacity_pages=2, spill_dir=str(tmp_path / "spill"))
+    try:
+        assert all(h.backend.batch_set([key(i) for i in range(5)], [page(i, PB_A) for i in range(5)]))
+        rc, d = run_json(capsys, "store", "stats", h.endpoint)
+        assert rc == EXIT_OK and d["pages"] == 5  # 2 in memory + 3 spilled
+        rc, d = run_json(capsys, "store", "verify", h.endpoint)
+        assert rc == EXIT_OK and (d["checked"], d["ok"]) == (5, 5)
+    finally:
+        h.close()
+
+
+# ----------------------------------------------------------------------------------------------- Mooncake master
+def test_mooncake_master_stats_and_clear(tmp_path, capsys):
+    from mooncake_master import MooncakeMaster
+
+    from tierkv.storage_backends.mooncake import MooncakeStore
+
+    with MooncakeMaster(log_dir=str(tmp_path)) as m:
+        st = MooncakeStore(NS_A, PB_A, **m.client_config(), global_segment_size=16 << 20, staging_bytes=1 << 20)
+        try:
+            assert all(st.batch_set([key(i) for i in range(3)], [page(i, PB_A) for i in range(3)]))
+            addr = f"mooncake://{m.master_address}"
+            rc, d = run_json(capsys, "store", "stats", addr, "--metrics-port", str(m.metrics_port))
+            assert rc == EXIT_OK and d["pages"] == 3 and d["bytes"] >= 3 * (64 + PB_A)
+            assert d["capacity_bytes"] == 16 << 20
+            r = tierkv("store", "verify", addr)
+            assert r.returncode == EXIT_REFUSED and "cannot list" in one_line_error(r)
+            assert main(["store", "clear", addr, "--namespace", NS_A.hex(), "--metadata-server",
+                         m.metadata_server, "-q"]) == EXIT_OK
+            assert "removed 3 objects" in capsys.readouterr().out
+            assert st.batch_exists([key(0)]) == 0
+        finally:
+            st.close()

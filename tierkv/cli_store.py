@@ -1,0 +1,606 @@
+"""``tierkv store stats|verify|gc|clear``: look after an L3 store without an engine (docs/architecture.md §12).
+
+A store is named by an address (:func:`tierkv.cli_common.parse_target`):
+
+- a directory: a file store (:mod:`tierkv.storage_backends.file`; read directly, one record file per page);
+- ``tcp://HOST:PORT``: a ``tierkv server`` (:mod:`tierkv.storage_backends.zmq_server`), through the admin ops
+  ``scan`` and ``verify`` of wire protocol 2 (:mod:`tierkv.storage_backends.zmq_protocol`);
+- ``mooncake://HOST:PORT``: a Mooncake master's RPC address; totals come from its metrics endpoint
+  (``--metrics-port``), since a master cannot list its objects.
+
+Namespaces are the 16-byte digests in every page header (:meth:`tierkv.connector.page_hash.ModelNamespace.digest`);
+where a file store has a ``<namespace>/namespace.json`` describing it (model, dtype, layout...), stats show it.
+Exit codes: :mod:`tierkv.cli_common`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from typing import Any, Optional
+
+from tierkv.cli_common import (
+    EXIT_FOUND,
+    EXIT_NEWER,
+    EXIT_OK,
+    EXIT_REFUSED,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+    CliError,
+    Target,
+    fail,
+    human_bytes,
+    parse_target,
+    progress,
+)
+
+AGE_LABELS = ("<1m", "<10m", "<1h", "<6h", "<1d", "<7d", ">=7d")
+NS_INFO_FILE = "namespace.json"
+DEFAULT_MOONCAKE_METRICS_PORT = 9003  # mooncake_master's default -metrics_port
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def _ns_arg(text: str) -> str:
+    t = text.lower()
+    if len(t) != 32 or any(c not in "0123456789abcdef" for c in t):
+        raise argparse.ArgumentTypeError(f"invalid namespace {text!r}: expected the 32 hex characters that "
+                                         "'tierkv store stats' prints")
+    return t
+
+
+def _bytes_arg(text: str) -> int:
+    from tierkv.storage_backends.common import parse_bytes
+
+    try:
+        v = parse_bytes(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid byte size {text!r} (e.g. 1073741824, 512MiB, 8GiB)") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"byte size must be >= 0, got {text!r}")
+    return v
+
+
+def _age_bucket(age_s: float) -> int:
+    from tierkv.storage_backends.zmq_protocol import AGE_BUCKETS_S
+
+    for i, b in enumerate(AGE_BUCKETS_S):
+        if age_s < b:
+            return i
+    return len(AGE_BUCKETS_S)
+
+
+def _file_root(t: Target) -> str:
+    if not os.path.exists(t.path):
+        raise CliError(EXIT_USAGE, f"no such directory: {t.text}")
+    if not os.path.isdir(t.path):
+        raise CliError(EXIT_USAGE, f"not a directory: {t.text} (a file store is a directory)")
+    if not os.access(t.path, os.R_OK | os.X_OK):
+        raise CliError(EXIT_USAGE, f"cannot read directory {t.text}: permission denied")
+    return t.path
+
+
+def _list_files(root: str, namespaces: Optional[list] = None) -> list:
+    from tierkv.storage_backends.file import iter_page_files
+
+    try:
+        return list(iter_page_files(root, namespaces))
+    except OSError as e:
+        raise CliError(EXIT_USAGE, f"cannot list {root}: {e.strerror or e}") from None
+
+
+def _newer_error(where: str, n: int, version: int) -> CliError:
+    from tierkv.storage_backends.page_format import VERSION
+
+    return CliError(EXIT_NEWER, f"{where} holds {n} record(s) of page format version {version}, newer than this "
+                                f"tierkv reads ({VERSION}); upgrade tierkv (nothing was changed)")
+
+
+# ----------------------------------------------------------------------------------------------- ZMQ admin client
+class ZmqAdmin:
+    """Blocking request/reply client for one ``tierkv server`` (admin use: one request at a time, ``timeout_s``
+    per reply). Raises :class:`CliError` for a server that does not answer (3), refuses the token (5) or speaks
+    only a newer protocol (4)."""
+
+    def __init__(self, t: Target, token: Optional[str], timeout_s: float):
+        import zmq
+
+        self.t, self.token, self.timeout_s = t, token, timeout_s
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        host = f"[{t.host}]" if ":" in t.host else t.host
+        if ":" in t.host:
+            self.sock.setsockopt(zmq.IPV6, 1)
+        self.sock.connect(f"tcp://{host}:{t.port}")
+        self._id = 0
+
+    def call(self, op: str, v: int = 1, timeout_s: Optional[float] = None, **fields: Any) -> dict:
+        import zmq
+
+        from tierkv.storage_backends import zmq_protocol as P
+
+        self._id += 1
+        h = {"v": v, "id": self._id, "op": op, **fields}
+        if self.token:
+            h["token"] = self.token
+        self.sock.send_multipart([P.pack(h)])
+        if not self.sock.poll(int(1000 * (timeout_s or self.timeout_s)), zmq.POLLIN):
+            raise CliError(EXIT_UNREACHABLE, f"no answer from {self.t.text} within {timeout_s or self.timeout_s:g} s "
+                                             "(is 'tierkv server' running there? see --timeout)")
+        frames = self.sock.recv_multipart()
+        try:
+            r = P.unpack_header(frames[0], max_map_len=64)
+        except P.ProtocolError as e:
+            raise CliError(EXIT_UNREACHABLE, f"{self.t.text} sent an unreadable reply ({e}); is it a tierkv server?")
+        if r.get("ok") is True:
+            return r
+        code, err = r.get("code"), str(r.get("err", ""))[:200]
+        if code == "auth":
+            raise CliError(EXIT_REFUSED, f"{self.t.text} refused the request: missing or wrong token (give --token "
+                                         "or set $TIERKV_SERVER_TOKEN)")
+        if code == "version":
+            raise CliError(EXIT_REFUSED, f"{self.t.text} cannot do '{op}': {err}")
+        raise CliError(EXIT_REFUSED, f"{self.t.text} refused '{op}': {code}: {err}")
+
+    def protos(self) -> list:
+        """Protocol versions the server speaks (a version-1 server does not list them: ``[1]``)."""
+        r = self.call("ping")
+        protos = r.get("protos") or [r.get("proto", 1)]
+        return [p for p in protos if isinstance(p, int)]
+
+    def need_admin(self) -> bool:
+        """True if the server speaks protocol 2 (scan/verify). Raises CliError(4) for a server of only newer ones."""
+        from tierkv.storage_backends import zmq_protocol as P
+
+        protos = self.protos()
+        if P.ADMIN_PROTOCOL_VERSION in protos:
+            return True
+        if protos and min(protos) > max(P.SUPPORTED_VERSIONS):
+            raise CliError(EXIT_NEWER, f"{self.t.text} speaks protocol {protos}, newer than this tierkv "
+                                       f"({list(P.SUPPORTED_VERSIONS)}); upgrade tierkv")
+        return False
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def _admin(args) -> ZmqAdmin:
+    return ZmqAdmin(args._target, args.token, args.timeout)
+
+
+# ----------------------------------------------------------------------------------------------- stats
+def _stats_file(args) -> dict:
+    from tierkv.storage_backends.file import QUARANTINE_DIR, read_record_file  # noqa: F401
+    from tierkv.storage_backends.page_format import HEADER_BYTES, VERSION, PageFormatError, read_header
+
+    root = _file_root(args._target)
+    files = _list_files(root)
+    now = time.time()
+    per: dict[str, dict] = {}
+    bad_headers = 0
+    newer: dict[int, int] = {}
+    with progress(len(files), "reading headers", args.quiet) as bar:
+        for f in files:
+            bar.update(1)
+            d = per.get(f.ns_hex)
+            if d is None:
+                d = per[f.ns_hex] = {"namespace": f.ns_hex, "pages": 0, "bytes": 0, "payload_bytes": set(),
+                                     "versions": set(), "bad_headers": 0, "ages": [0] * len(AGE_LABELS)}
+            d["pages"] += 1
+            d["bytes"] += f.size
+            d["ages"][_age_bucket(now - f.mtime_ns / 1e9)] += 1
+            try:
+                with open(f.path, "rb", buffering=0) as fh:
+                    info = read_header(fh.read(HEADER_BYTES))
+            except (OSError, PageFormatError):
+                d["bad_headers"] += 1
+                bad_headers += 1
+                continue
+            d["versions"].add(info["version"])
+            d["payload_bytes"].add(info["length"])
+            if info["version"] > VERSION:
+                newer[info["version"]] = newer.get(info["version"], 0) + 1
+    if newer:
+        v = max(newer)
+        raise _newer_error(args._target.text, sum(newer.values()), v)
+    for ns_hex, d in per.items():
+        d["payload_bytes"] = sorted(d["payload_bytes"])
+        d["versions"] = sorted(d["versions"])
+        d["describe"] = _ns_info(root, ns_hex)
+    try:
+        quarantined = len(os.listdir(os.path.join(root, QUARANTINE_DIR)))
+    except OSError:
+        quarantined = 0
+    return {"store": args._target.text, "kind": "file", "pages": sum(d["pages"] for d in per.values()),
+            "bytes": sum(d["bytes"] for d in per.values()), "bad_headers": bad_headers, "quarantined": quarantined,
+            "age_labels": list(AGE_LABELS), "namespaces": sorted(per.values(), key=lambda d: -d["bytes"])}
+
+
+def _ns_info(root: str, ns_hex: str) -> Optional[dict]:
+    """The optional ``namespace.json`` next to a namespace's pages (model_id, dtype, kv_layout, ...), if readable."""
+    try:
+        with open(os.path.join(root, ns_hex, NS_INFO_FILE)) as f:
+            d = json.load(f)
+        return d if isinstance(d, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _stats_zmq(args) -> dict:
+    from tierkv.storage_backends import zmq_protocol as P
+
+    a = _admin(args)
+    try:
+        admin = a.need_admin()
+        st = a.call("stats").get("stats", {})
+        out = {"store": args._target.text, "kind": "zmq", "pages": int(st.get("keys", 0)),
+               "bytes": int(st.get("bytes", 0)), "capacity_bytes": st.get("capacity_bytes"),
+               "server": {k: st.get(k) for k in ("uptime_s", "hits", "misses", "sets", "evictions", "spilled",
+                                                 "auth_failures", "errors", "rss_bytes", "spill")},
+               "age_labels": list(AGE_LABELS), "namespaces": None}
+        if not admin:
+            out["note"] = "server speaks protocol 1 only: per-namespace stats need a newer tierkv server"
+            return out
+        r = a.call("scan", v=P.ADMIN_PROTOCOL_VERSION)
+    finally:
+        a.close()
+    ns = []
+    newer = 0
+    for d in r.get("namespaces", []):
+        vers = [v for v in d.get("versions", []) if isinstance(v, int)]
+        if any(v > _page_version() for v in vers):
+            newer += d.get("pages", 0)
+        ns.append({"namespace": bytes(d["ns"]).hex(), "pages": d.get("pages", 0), "bytes": d.get("bytes", 0),
+                   "payload_bytes": d.get("payload_bytes", []), "versions": vers, "ages": d.get("ages", []),
+                   "describe": None})
+    if newer:
+        raise _newer_error(args._target.text, newer, max(v for d in ns for v in d["versions"]))
+    out["pages"] = sum(d["pages"] for d in ns)  # memory and spill
+    out["bytes"] = sum(d["bytes"] for d in ns)
+    out["namespaces"] = sorted(ns, key=lambda d: -d["bytes"])
+    return out
+
+
+def _page_version() -> int:
+    from tierkv.storage_backends.page_format import VERSION
+
+    return VERSION
+
+
+def _check_port(t: Target, timeout_s: float, what: str) -> None:
+    try:
+        with socket.create_connection((t.host, t.port), timeout=timeout_s):
+            pass
+    except OSError as e:
+        raise CliError(EXIT_UNREACHABLE, f"cannot reach {what} at {t.host}:{t.port}: {e.strerror or e}") from None
+
+
+def _stats_mooncake(args) -> dict:
+    import urllib.request
+
+    t = args._target
+    _check_port(t, args.timeout, "the Mooncake master")
+    url = f"http://{t.host}:{args.metrics_port}/metrics"
+    try:
+        with urllib.request.urlopen(url, timeout=args.timeout) as resp:
+            text = resp.read().decode(errors="replace")
+    except OSError as e:
+        raise CliError(EXIT_UNREACHABLE, f"the Mooncake master at {t.host}:{t.port} answers, but its metrics at {url} "
+                                         f"do not ({getattr(e, 'reason', e)}); give --metrics-port") from None
+    m: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("master_") and " " in line:
+            name, _, val = line.partition(" ")
+            try:
+                m[name] = float(val)
+            except ValueError:
+                pass
+    if "master_key_count" not in m:
+        raise CliError(EXIT_UNREACHABLE, f"{url} holds no master_key_count: not a Mooncake master's metrics endpoint")
+    return {"store": t.text, "kind": "mooncake", "pages": int(m["master_key_count"]),
+            "bytes": int(m.get("master_allocated_bytes", 0)),
+            "capacity_bytes": int(m.get("master_total_capacity_bytes", 0)),
+            "server": {"active_clients": int(m.get("master_active_clients", 0))}, "age_labels": list(AGE_LABELS),
+            "namespaces": None,
+            "note": "a Mooncake master does not list its objects: pages = every key it holds (tierkv's and any "
+                    "other client's), bytes = allocated segment bytes; no namespaces or ages"}
+
+
+def _print_stats(d: dict) -> None:
+    head = f"{d['store']} ({d['kind']}): {d['pages']} pages, {human_bytes(d['bytes'])}"
+    if d.get("capacity_bytes"):
+        head += f" of {human_bytes(d['capacity_bytes'])} capacity"
+    if d.get("namespaces") is not None:
+        head += f", {len(d['namespaces'])} namespace(s)"
+    print(head)
+    if d.get("quarantined") or d.get("bad_headers"):
+        print(f"  quarantined files: {d.get('quarantined', 0)}, records with an unreadable header: "
+              f"{d.get('bad_headers', 0)}")
+    for k, v in (d.get("server") or {}).items():
+        if v is not None:
+            print(f"  {k}: {v}")
+    for ns in d.get("namespaces") or []:
+        pb = ",".join(str(x) for x in ns["payload_bytes"]) or "?"
+        vers = ",".join(str(x) for x in ns["versions"]) or "?"
+        print(f"namespace {ns['namespace']}: {ns['pages']} pages, {human_bytes(ns['bytes'])}, "
+              f"page_bytes {pb}, format v{vers}")
+        if ns.get("describe"):
+            print("  " + ", ".join(f"{k}={v}" for k, v in ns["describe"].items()))
+        print("  age: " + "  ".join(f"{lab} {n}" for lab, n in zip(d["age_labels"], ns["ages"])))
+    if d.get("note"):
+        print(f"note: {d['note']}")
+
+
+def cmd_stats(args) -> int:
+    d = {"file": _stats_file, "zmq": _stats_zmq, "mooncake": _stats_mooncake}[args._target.kind](args)
+    if args.json:
+        print(json.dumps(d, indent=1, default=list))
+    else:
+        _print_stats(d)
+    return EXIT_OK
+
+
+# ----------------------------------------------------------------------------------------------- verify
+def _verify_file(args) -> dict:
+    from tierkv.storage_backends.file import quarantine_file, read_record_file
+    from tierkv.storage_backends.page_format import NewerFormatError, PageFormatError, check_record
+
+    root = _file_root(args._target)
+    files = _list_files(root, [args.namespace] if args.namespace else None)
+    reasons: dict[str, int] = {}
+    bad: list[tuple[str, str]] = []
+    newer: dict[int, int] = {}
+    ok = 0
+    with progress(len(files), "verifying", args.quiet) as bar:
+        for f in files:
+            bar.update(1)
+            try:
+                hdr, payload = read_record_file(f.path)
+            except FileNotFoundError:
+                continue  # evicted by a running engine meanwhile
+            except OSError as e:
+                reasons[f"unreadable: {e.strerror}"] = reasons.get(f"unreadable: {e.strerror}", 0) + 1
+                continue
+            try:
+                check_record(hdr, payload, key=f.key, namespace=bytes.fromhex(f.ns_hex))
+                ok += 1
+            except NewerFormatError:
+                v = int.from_bytes(hdr[4:6], "little")
+                newer[v] = newer.get(v, 0) + 1
+            except PageFormatError as e:
+                reasons[str(e)] = reasons.get(str(e), 0) + 1
+                bad.append((f.path, str(e)))
+    if newer:
+        raise _newer_error(args._target.text, sum(newer.values()), max(newer))
+    removed = 0
+    if args.fix and bad:
+        with progress(len(bad), "quarantining" if not args.delete else "deleting", args.quiet) as bar:
+            for path, why in bad:
+                bar.update(1)
+                try:
+                    if args.delete:
+                        os.unlink(path)
+                    else:
+                        quarantine_file(root, path, why)
+                    removed += 1
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    raise CliError(EXIT_USAGE, f"cannot {'delete' if args.delete else 'quarantine'} {path}: "
+                                               f"{e.strerror or e}") from None
+    return {"store": args._target.text, "checked": ok + len(bad), "ok": ok, "bad": len(bad), "removed": removed,
+            "action": ("deleted" if args.delete else "quarantined") if args.fix else "none", "reasons": reasons}
+
+
+def _verify_zmq(args) -> dict:
+    from tierkv.storage_backends import zmq_protocol as P
+
+    a = _admin(args)
+    try:
+        if not a.need_admin():
+            raise CliError(EXIT_REFUSED, f"{args._target.text} speaks protocol 1 only; 'store verify' needs a "
+                                         "tierkv server with protocol 2 (upgrade the server)")
+        fields: dict = {"fix": bool(args.fix)}
+        if args.namespace:
+            fields["ns"] = bytes.fromhex(args.namespace)
+        r = a.call("verify", v=P.ADMIN_PROTOCOL_VERSION, timeout_s=max(args.timeout, 600.0), **fields)
+    finally:
+        a.close()
+    if r.get("newer"):
+        raise _newer_error(args._target.text, int(r["newer"]), _page_version() + 1)
+    return {"store": args._target.text, "checked": r.get("checked", 0), "ok": r.get("good", 0), "bad": r.get("bad", 0),
+            "removed": r.get("removed", 0), "action": "dropped" if args.fix else "none",
+            "reasons": r.get("reasons", {})}
+
+
+def cmd_verify(args) -> int:
+    kind = args._target.kind
+    if kind == "mooncake":
+        raise CliError(EXIT_REFUSED, "a Mooncake master cannot list its objects, so its pages cannot be walked; "
+                                     "tierkv verifies every Mooncake page on read (counter 'corrupt') and removes "
+                                     "bad ones")
+    if args.delete and not args.fix:
+        raise CliError(EXIT_USAGE, "--delete only makes sense with --fix")
+    d = _verify_file(args) if kind == "file" else _verify_zmq(args)
+    if args.json:
+        print(json.dumps(d, indent=1))
+    else:
+        print(f"{d['store']}: checked {d['checked']}, ok {d['ok']}, bad {d['bad']}, "
+              f"{d['action']} {d['removed']}")
+        for why, n in sorted(d["reasons"].items()):
+            print(f"  {n} x {why}")
+    return EXIT_FOUND if d["bad"] else EXIT_OK
+
+
+# ----------------------------------------------------------------------------------------------- gc, clear
+def cmd_gc(args) -> int:
+    t = args._target
+    if t.kind != "file":
+        raise CliError(EXIT_REFUSED, f"'store gc' works on a file store directory; {t.text} evicts by itself "
+                                     "(its capacity)")
+    root = _file_root(t)
+    files = sorted(_list_files(root), key=lambda f: f.mtime_ns)  # least recently used first
+    total = sum(f.size for f in files)
+    removed = freed = 0
+    with progress(len(files), "gc", args.quiet) as bar:
+        for f in files:
+            if total - freed <= args.max_bytes:
+                break
+            bar.update(1)
+            if not args.dry_run:
+                try:
+                    os.unlink(f.path)
+                except FileNotFoundError:
+                    continue
+                except OSError as e:
+                    raise CliError(EXIT_USAGE, f"cannot delete {f.path}: {e.strerror or e}") from None
+            removed += 1
+            freed += f.size
+    verb = "would remove" if args.dry_run else "removed"
+    print(f"{t.text}: {verb} {removed} least recently used pages ({human_bytes(freed)}); "
+          f"{len(files) - removed} pages, {human_bytes(total - freed)} left (limit {human_bytes(args.max_bytes)})")
+    return EXIT_OK
+
+
+def cmd_clear(args) -> int:
+    t = args._target
+    if not args.namespace and not args.all_namespaces:
+        raise CliError(EXIT_USAGE, "name what to clear: --namespace HEX (repeatable) or --all-namespaces")
+    if t.kind == "file":
+        root = _file_root(t)
+        files = _list_files(root, args.namespace or None)
+        n = 0
+        with progress(len(files), "clearing", args.quiet) as bar:
+            for f in files:
+                bar.update(1)
+                try:
+                    os.unlink(f.path)
+                    n += 1
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    raise CliError(EXIT_USAGE, f"cannot delete {f.path}: {e.strerror or e}") from None
+        print(f"{t.text}: removed {n} pages")
+        return EXIT_OK
+    if t.kind == "zmq":
+        from tierkv.storage_backends import zmq_protocol as P
+
+        a = _admin(args)
+        try:
+            namespaces = args.namespace
+            if args.all_namespaces:
+                if not a.need_admin():
+                    raise CliError(EXIT_REFUSED, f"{t.text} speaks protocol 1 only: give --namespace")
+                r = a.call("scan", v=P.ADMIN_PROTOCOL_VERSION)
+                namespaces = [bytes(d["ns"]).hex() for d in r.get("namespaces", [])]
+            n = 0
+            for ns in namespaces:
+                n += int(a.call("clear", ns=bytes.fromhex(ns)).get("cleared", 0))
+        finally:
+            a.close()
+        print(f"{t.text}: cleared {len(namespaces)} namespace(s), {n} pages in memory (spilled pages dropped too)")
+        return EXIT_OK
+    return _clear_mooncake(args)
+
+
+def _clear_mooncake(args) -> int:
+    import re
+
+    t = args._target
+    if args.all_namespaces:
+        pats = ["^" + re.escape(args.key_prefix + "/")]
+    else:
+        pats = ["^" + re.escape(f"{args.key_prefix}/{ns}/") for ns in args.namespace]
+    _check_port(t, args.timeout, "the Mooncake master")
+    from tierkv.storage_backends.common import ConfigError
+    from tierkv.storage_backends.mooncake import MooncakeStore
+
+    meta = args.metadata_server or f"http://{t.host}:8080/metadata"
+    try:
+        st = MooncakeStore(b"\0" * 16, 4096, master_address=f"{t.host}:{t.port}", metadata_server=meta,
+                           global_segment_size=0, local_buffer_size=0, setup_timeout_s=args.timeout,
+                           key_prefix=args.key_prefix)
+    except ConfigError as e:
+        raise CliError(EXIT_UNREACHABLE, f"cannot join the Mooncake master at {t.host}:{t.port}: {e}") from None
+    try:
+        n = 0
+        for pat in pats:
+            r = st.client.remove_by_regex(pat, True)
+            n += max(int(r), 0)
+    finally:
+        st.close()
+    print(f"{t.text}: removed {n} objects")
+    return EXIT_OK
+
+
+# ----------------------------------------------------------------------------------------------- argparse
+def _common(p: argparse.ArgumentParser, target_help: str) -> None:
+    p.add_argument("target", metavar="PATH|URL", help=target_help)
+    p.add_argument("--token", default=os.environ.get("TIERKV_SERVER_TOKEN"),
+                   help="token of a tierkv server (default: $TIERKV_SERVER_TOKEN)")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for a server's answer (default 10)")
+    p.add_argument("--metrics-port", type=int, default=DEFAULT_MOONCAKE_METRICS_PORT,
+                   help=f"Mooncake master metrics port (default {DEFAULT_MOONCAKE_METRICS_PORT})")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+
+
+_ADDR = ("a file store directory, tcp://HOST:PORT (tierkv server) or mooncake://HOST:PORT (Mooncake master RPC "
+         "address)")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.epilog = "exit codes: 0 ok, 1 bad records found (verify), 2 bad input, 3 store unreachable, 4 newer format, " \
+               "5 refused (token, or not possible for this store kind)"
+    sub = p.add_subparsers(dest="store_command", metavar="ACTION")
+    sub.required = True
+    s = sub.add_parser("stats", help="pages, bytes, namespaces and an age histogram",
+                       description="Pages, bytes, namespaces (digest, page size, format version) and an age histogram "
+                                   "(time since each page was last written or read) of a store.")
+    _common(s, _ADDR)
+    s.add_argument("--json", action="store_true", help="print JSON instead of text")
+    s.set_defaults(_store_run=cmd_stats)
+    v = sub.add_parser("verify", help="read every record and check its checksums",
+                       description="Read every record, check header and payload checksums, namespace, key and "
+                                   "length; print counts. With --fix move bad records to <root>/quarantine/ (file "
+                                   "store; --delete removes them) or drop them (tierkv server).")
+    _common(v, "a file store directory or tcp://HOST:PORT")
+    v.add_argument("--fix", action="store_true", help="quarantine (file store) or drop (server) bad records")
+    v.add_argument("--delete", action="store_true", help="with --fix: delete bad files instead of quarantining them")
+    v.add_argument("--namespace", type=_ns_arg, default=None, help="only this namespace (32 hex characters)")
+    v.add_argument("--json", action="store_true", help="print JSON instead of text")
+    v.set_defaults(_store_run=cmd_verify)
+    g = sub.add_parser("gc", help="evict least recently used pages of a file store down to --max-bytes",
+                       description="Delete the least recently used page files (oldest mtime) of a file store until "
+                                   "its page files take at most --max-bytes. Safe while engines run (a deleted page "
+                                   "is a miss).")
+    _common(g, "a file store directory")
+    g.add_argument("--max-bytes", type=_bytes_arg, required=True, help="bytes to keep at most (e.g. 20GiB)")
+    g.add_argument("--dry-run", action="store_true", help="only print what would be removed")
+    g.set_defaults(_store_run=cmd_gc)
+    c = sub.add_parser("clear", help="remove every page of one or more namespaces",
+                       description="Remove every page of the given namespaces (see 'tierkv store stats').")
+    _common(c, _ADDR)
+    c.add_argument("--namespace", type=_ns_arg, action="append", default=[], help="namespace digest (32 hex chars); "
+                   "repeatable")
+    c.add_argument("--all-namespaces", action="store_true", help="remove every tierkv page")
+    c.add_argument("--metadata-server", default=None,
+                   help="Mooncake metadata server URL (default http://HOST:8080/metadata)")
+    c.add_argument("--key-prefix", default="tierkv", help="Mooncake key prefix (l3.mooncake.key_prefix)")
+    c.set_defaults(_store_run=cmd_clear)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    prog = f"tierkv store {args.store_command}"
+    try:
+        args._target = parse_target(args.target)
+        return args._store_run(args)
+    except CliError as e:
+        return fail(prog, e)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
