@@ -21,6 +21,12 @@ Design after SGLang HiCache's radix tree (``HiRadixCache``), adapted to a plug-i
 - A match that ends inside an edge splits the node at that page boundary; the split divides the per-page
   lists and copies no page data. The new parent inherits the child's ``lock_ref`` (every lock through the
   child passes through it).
+- Matching an edge costs O(1), not O(pages): keys are chained, so the edge's last key equal to the request's key at
+  that depth means every page of the edge matches (a binary search finds a divergence inside the edge). A match
+  therefore costs O(nodes on the path); :class:`MatchCursor` lets a waiting request's repeated lookup resume from its
+  last answer in O(1) (docs/architecture.md §9).
+- Every eviction is O(log nodes) per victim: nodes count their L2 pages and their children holding L2 pages, and
+  L2 victims and L3-only leaves come from two lazily validated heaps.
 
 The index owns no memory: it records slot numbers; :meth:`evict` / :meth:`drop_l2` return the slots they dropped
 so the caller frees them in its allocator (every slot freed exactly once). A controller that must back a page up
@@ -39,10 +45,15 @@ NO_SLOT = -1
 
 
 class RadixNode:
-    """One edge of the tree: a run of pages. ``keys[i]``/``host_slots[i]``/``in_l3[i]`` describe page i."""
+    """One edge of the tree: a run of pages. ``keys[i]``/``host_slots[i]``/``in_l3[i]`` describe page i.
+
+    Bookkeeping kept by :class:`RadixIndex`: ``depth`` (pages from the root to the end of this edge; a split keeps it
+    for the lower part, which stays this object), ``l2_count`` (pages with a slot), ``l2_children`` (children with
+    ``l2_count > 0``), ``gen`` (bumped whenever this node loses L2 copies, so cached matches through it are redone).
+    """
 
     __slots__ = ("id", "parent", "children", "keys", "host_slots", "in_l3", "lock_ref", "last_access",
-                 "hit_count", "_heap_stamp")
+                 "hit_count", "_heap_stamp", "_l3_stamp", "depth", "l2_count", "l2_children", "gen")
 
     def __init__(self, node_id: int, parent: Optional["RadixNode"], keys: list[bytes], host_slots: list[int],
                  in_l3: list[bool]):
@@ -56,6 +67,11 @@ class RadixNode:
         self.last_access = 0
         self.hit_count = 0
         self._heap_stamp = -1
+        self._l3_stamp = -1
+        self.depth = (parent.depth if parent is not None else 0) + len(keys)
+        self.l2_count = len(host_slots) - host_slots.count(NO_SLOT)
+        self.l2_children = 0
+        self.gen = 0
 
     @property
     def num_pages(self) -> int:
@@ -84,6 +100,17 @@ class MatchResult:
     last_node: RadixNode
 
 
+class MatchCursor:
+    """Where the last :meth:`RadixIndex.match_len` of one request ended: the node holding its last matched page, the
+    matched length (pages), and the generations that make it still valid. The scheduler keeps one per waiting request
+    so that vLLM's per-step repeat of the lookup costs O(1) (docs/architecture.md §9)."""
+
+    __slots__ = ("node", "pages", "gen", "epoch", "require_l2")
+
+    def __init__(self, node: RadixNode, pages: int, gen: int, epoch: int, require_l2: bool):
+        self.node, self.pages, self.gen, self.epoch, self.require_l2 = node, pages, gen, epoch, require_l2
+
+
 @dataclass
 class IndexStats:
     nodes: int = 0
@@ -105,7 +132,8 @@ class RadixIndex:
             then least recent).
     Accounting (pages): ``total_pages``, ``l2_pages`` (pages with a host slot), ``l3_pages`` (pages L3
     acknowledged), ``locked_pages`` (pages of nodes with ``lock_ref > 0``); :meth:`check_invariants` recounts
-    them.
+    them. ``match_steps`` counts the work of matching (nodes entered plus binary-search probes), for tests that
+    count work instead of timing it.
     """
 
     def __init__(self, eviction_policy: str = "lru"):
@@ -116,7 +144,8 @@ class RadixIndex:
         self.root = RadixNode(next(self._ids), None, [], [], [])
         self.root.lock_ref = 1  # the root is never evicted
         self._clock = itertools.count(1)
-        self._heap: list[tuple] = []
+        self._heap: list[tuple] = []     # L2 victims
+        self._l3_heap: list[tuple] = []  # L3-only leaves
         self.total_pages = 0
         self.l2_pages = 0
         self.l3_pages = 0
@@ -125,11 +154,37 @@ class RadixIndex:
         self.inserted_pages = 0
         self.splits = 0
         self.num_nodes = 1
+        self.match_steps = 0
+        # bumped when a node loses L2 copies while a child still holds some (only a write_back victim that gained
+        # L2 children while its backup ran): then a cached match below it cannot see the loss, so all are redone
+        self._epoch = 0
 
     # ------------------------------------------------------------------ matching
+    def _edge_match(self, node: RadixNode, pos: int, keys: Sequence[bytes], i: int, n: int) -> int:
+        """End of the run of ``node``'s pages from ``pos`` equal to ``keys[i:]`` (page index within the node), given
+        that pages before ``pos`` matched. O(1) when the whole run matches (chained keys: equal keys at the end mean
+        equal prefixes), else a binary search."""
+        nk = node.keys
+        end = min(len(nk), pos + n - i)
+        self.match_steps += 1
+        if end <= pos:
+            return pos
+        off = i - pos
+        if nk[end - 1] == keys[end - 1 + off]:
+            return end
+        lo, hi = pos, end - 1  # answer in [lo, hi]: pages < lo match, page hi does not
+        while lo < hi:
+            mid = (lo + hi) // 2
+            self.match_steps += 1
+            if nk[mid] == keys[mid + off]:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
     def match_prefix(self, keys: Sequence[bytes], *, require_l2: bool = True, split: bool = False,
                      touch: bool = False) -> MatchResult:
-        """Longest prefix of ``keys`` present in the index.
+        """Longest prefix of ``keys`` present in the index. O(nodes on the path) plus copying the result.
 
         Args:
             keys: page keys of a sequence, in order.
@@ -149,17 +204,23 @@ class RadixIndex:
             child = node.children.get(keys[i])
             if child is None:
                 break
-            # compare the edge page by page
-            j = 0
-            m = child.num_pages
-            while j < m and i + j < n and child.keys[j] == keys[i + j]:
-                if require_l2 and child.host_slots[j] == NO_SLOT:
-                    break
-                j += 1
+            self.match_steps += 1
+            m = len(child.keys)
+            j = self._edge_match(child, 1, keys, i + 1, n) if m > 1 else 1
+            if require_l2 and child.l2_count != m:
+                hs = child.host_slots
+                try:
+                    j = hs.index(NO_SLOT, 0, j)
+                except ValueError:
+                    pass
             if j == 0:
                 break
-            slots.extend(child.host_slots[:j])
-            l3.extend(child.in_l3[:j])
+            if j == m:
+                slots.extend(child.host_slots)
+                l3.extend(child.in_l3)
+            else:
+                slots.extend(child.host_slots[:j])
+                l3.extend(child.in_l3[:j])
             i += j
             if j < m:
                 if split:
@@ -172,6 +233,49 @@ class RadixIndex:
         if touch and path:
             self._touch(path, hit=True)
         return MatchResult(num_pages=i, host_slots=slots, in_l3=l3, last_node=node)
+
+    def match_len(self, keys: Sequence[bytes], n: Optional[int] = None, *, require_l2: bool = True,
+                  cursor: Optional[MatchCursor] = None) -> tuple[int, MatchCursor]:
+        """Length (pages) of the longest indexed prefix of ``keys[:n]``, without building per-page lists or changing
+        the index. With the ``cursor`` of an earlier call on the same keys (same ``require_l2``), it resumes from
+        there: O(1) when nothing on the path lost L2 copies or left the index since, plus O(log) per node of new
+        pages. Returns (pages, cursor to pass next time)."""
+        if n is None:
+            n = len(keys)
+        node, i = self.root, 0
+        if (cursor is not None and cursor.require_l2 == require_l2 and cursor.epoch == self._epoch
+                and cursor.node.gen == cursor.gen and (cursor.node.parent is not None or cursor.node is self.root)):
+            node, i = cursor.node, cursor.pages
+            self.match_steps += 1
+            while node is not self.root and i <= node.depth - len(node.keys):  # the node was split above us
+                node = node.parent
+            if i > n:  # fewer keys offered than last time: start over (rare)
+                node, i = self.root, 0
+        pos = i - (node.depth - len(node.keys))
+        while i < n:
+            m = len(node.keys)
+            if pos == m:
+                child = node.children.get(keys[i])
+                if child is None:
+                    break
+                self.match_steps += 1
+                node, pos = child, 0
+                m = len(child.keys)
+            j = self._edge_match(node, pos, keys, i, n)
+            if require_l2 and node.l2_count != m:
+                try:
+                    j = node.host_slots.index(NO_SLOT, pos, j)
+                except ValueError:
+                    pass
+            if j == pos:
+                break
+            i += j - pos
+            pos = j
+            if pos < m:
+                break
+        if i == 0:
+            node = self.root
+        return i, MatchCursor(node, i, node.gen, self._epoch, require_l2)
 
     # ------------------------------------------------------------------ insertion
     def insert(self, keys: Sequence[bytes], host_slots: Sequence[int], *, in_l3: Optional[Sequence[bool]] = None,
@@ -190,11 +294,11 @@ class RadixIndex:
             ValueError: ``keys[:start]`` is not fully indexed, the lengths disagree, or a page not yet indexed
                 comes with neither a slot nor ``in_l3``.
         """
-        new_keys = list(keys[start:])
-        if len(host_slots) != len(new_keys):
-            raise ValueError(f"insert: {len(new_keys)} pages but {len(host_slots)} host slots")
-        l3_flags = list(in_l3) if in_l3 is not None else [False] * len(new_keys)
-        if len(l3_flags) != len(new_keys):
+        new_keys = keys[start:] if start else keys
+        n = len(new_keys)
+        if len(host_slots) != n:
+            raise ValueError(f"insert: {n} pages but {len(host_slots)} host slots")
+        if in_l3 is not None and len(in_l3) != n:
             raise ValueError("insert: in_l3 length differs from the page count")
         m = self.match_prefix(keys[:start], require_l2=False, split=True) if start else None
         if m is not None and m.num_pages != start:
@@ -202,41 +306,35 @@ class RadixIndex:
         node = m.last_node if m is not None else self.root
         dups: list[int] = []
         i = 0
-        n = len(new_keys)
         path: list[RadixNode] = []
         while i < n:
             child = node.children.get(new_keys[i])
             if child is None:
-                tail_slots, tail_l3 = list(host_slots[i:]), l3_flags[i:]
-                if any(sl == NO_SLOT and not f for sl, f in zip(tail_slots, tail_l3)):
+                tail_slots = list(host_slots[i:]) if i else list(host_slots)
+                tail_l3 = [bool(f) for f in in_l3[i:]] if in_l3 is not None else [False] * (n - i)
+                if NO_SLOT in tail_slots and any(sl == NO_SLOT and not f for sl, f in zip(tail_slots, tail_l3)):
                     raise ValueError("insert: a new page needs an L2 slot or in_l3=True (no copy anywhere)")
-                leaf = RadixNode(next(self._ids), node, new_keys[i:], tail_slots, tail_l3)
+                leaf = RadixNode(next(self._ids), node, list(new_keys[i:]), tail_slots, tail_l3)
                 node.children[new_keys[i]] = leaf
+                if leaf.l2_count:
+                    node.l2_children += 1
                 self.l3_pages += sum(tail_l3)
                 self.num_nodes += 1
                 added = n - i
                 self.total_pages += added
                 self.inserted_pages += added
-                self.l2_pages += sum(1 for s in leaf.host_slots if s != NO_SLOT)
+                self.l2_pages += leaf.l2_count
                 path.append(leaf)
                 node = leaf
                 i = n
                 break
-            j = 0
-            m_pages = child.num_pages
-            while j < m_pages and i + j < n and child.keys[j] == new_keys[i + j]:
-                new_slot = host_slots[i + j]
-                if new_slot != NO_SLOT:
-                    if child.host_slots[j] == NO_SLOT:
-                        child.host_slots[j] = new_slot
-                        self.l2_pages += 1
-                    else:
-                        dups.append(new_slot)
-                if l3_flags[i + j] and not child.in_l3[j]:
-                    child.in_l3[j] = True
-                    self.l3_pages += 1
-                j += 1
-            if j < m_pages:
+            mp = len(child.keys)
+            j = self._edge_match(child, 1, new_keys, i + 1, n) if mp > 1 else 1
+            if child.l2_count == mp and in_l3 is None:  # fast path: every page already has a slot
+                dups.extend(s for s in host_slots[i:i + j] if s != NO_SLOT)
+            else:
+                self._merge_pages(child, j, host_slots, in_l3, i, dups)
+            if j < mp:
                 child = self._split(child, j)
             path.append(child)
             node = child
@@ -244,6 +342,24 @@ class RadixIndex:
         if path:
             self._touch(path, hit=False)
         return node, dups
+
+    def _merge_pages(self, child: RadixNode, j: int, host_slots: Sequence[int], in_l3: Optional[Sequence[bool]],
+                     i: int, dups: list[int]) -> None:
+        had_l2 = child.l2_count > 0
+        for k in range(j):
+            new_slot = host_slots[i + k]
+            if new_slot != NO_SLOT:
+                if child.host_slots[k] == NO_SLOT:
+                    child.host_slots[k] = new_slot
+                    child.l2_count += 1
+                    self.l2_pages += 1
+                else:
+                    dups.append(new_slot)
+            if in_l3 is not None and in_l3[i + k] and not child.in_l3[k]:
+                child.in_l3[k] = True
+                self.l3_pages += 1
+        if not had_l2 and child.l2_count:
+            child.parent.l2_children += 1
 
     # ------------------------------------------------------------------ locking
     def lock(self, node: RadixNode) -> RadixNode:
@@ -273,6 +389,7 @@ class RadixIndex:
     def evict(self, num_pages: int) -> list[int]:
         """Drop L2 copies, victim by victim in policy order (:meth:`pop_l2_victim` + :meth:`drop_l2`), until at
         least ``num_pages`` slots were released or no victim is left. Pages L3 holds stay indexed as L3-only.
+        Cost: O(log nodes) per victim (amortised), proportional to what is evicted.
 
         Returns the released L2 slots (each exactly once); the caller returns them to its allocator.
         """
@@ -308,14 +425,20 @@ class RadixIndex:
         if node.lock_ref:
             raise RuntimeError(f"drop_l2 of locked node {node.id}")
         orig_parent = node.parent
-        freed = [sl for sl in node.host_slots if sl != NO_SLOT]
+        if node.l2_children:
+            self._epoch += 1  # an ancestor loses L2 under a descendant that keeps it: cursors cannot see that
+        node.gen += 1
+        freed = [sl for sl in node.host_slots if sl != NO_SLOT] if node.l2_count else []
         node.host_slots = [NO_SLOT] * node.num_pages
+        self._set_l2_count(node, 0)
         self.l2_pages -= len(freed)
-        j = next((i for i, f in enumerate(node.in_l3) if not f), node.num_pages)
-        if j < node.num_pages:
+        if False in node.in_l3:
+            j = node.in_l3.index(False)
             if j > 0:
                 self._split(node, j)  # the head (pages [:j]) stays as L3-only; ``node`` is now the tail
             freed.extend(self.remove_prefix_from(node))
+        else:
+            self._push_l3(node)
         self.evicted_pages += len(freed)
         if orig_parent is not None and orig_parent is not self.root:
             self._push(orig_parent)  # it may now hold the deepest L2 copies on its path
@@ -324,19 +447,15 @@ class RadixIndex:
     def evict_l3_only(self, num_pages: int) -> int:
         """Remove unlocked L3-only leaves (no L2 copy; the L3 copy stays in the store) in LRU order until at least
         ``num_pages`` pages left the index or none is left. Bounds the index's memory when L3 is much larger than
-        L2. Returns the number of pages removed. O(nodes) per call: call it in batches."""
+        L2. Returns the number of pages removed. O(log nodes) per leaf removed (amortised)."""
         removed = 0
-        while removed < num_pages:
-            leaves = [n for n in self._iter_nodes() if not n.children and n.lock_ref == 0
-                      and all(sl == NO_SLOT for sl in n.host_slots)]
-            if not leaves:
-                break
-            leaves.sort(key=lambda n: n.last_access)
-            for leaf in leaves:
-                if removed >= num_pages:
-                    break
-                removed += leaf.num_pages
-                self._remove_leaf(leaf)
+        while removed < num_pages and self._l3_heap:
+            _prio, stamp, _nid, leaf = heapq.heappop(self._l3_heap)
+            if stamp != leaf._l3_stamp or not self._l3_evictable(leaf):
+                continue
+            leaf._l3_stamp = -1
+            removed += leaf.num_pages
+            self._remove_leaf(leaf)
         return removed
 
     def clear_l3(self, keys: Sequence[bytes], positions: Sequence[int]) -> list[int]:
@@ -436,16 +555,20 @@ class RadixIndex:
     def check_invariants(self) -> None:
         """Recount everything and check the tree's invariants; raises AssertionError on a violation.
 
-        No empty edge; children keyed by their first page key; parents consistent; lock_ref >= 0 and no child
-        locked more than its parent; every page has a copy (L2 slot or L3); no slot referenced twice; page
-        counters equal a recount."""
+        No empty edge; children keyed by their first page key; parents consistent; depth, l2_count and l2_children
+        equal a recount; lock_ref >= 0 and no child locked more than its parent; every page has a copy (L2 slot or
+        L3); no slot referenced twice; page counters equal a recount."""
         pages = l2 = l3 = locked = nodes = 0
         seen: set[int] = set()
+        assert self.root.l2_children == sum(1 for c in self.root.children.values() if c.l2_count)
         for n in self._iter_nodes():
             nodes += 1
             assert n.num_pages > 0, f"node {n.id} has an empty key"
             assert len(n.host_slots) == len(n.keys) == len(n.in_l3)
             assert n.parent is not None and n.parent.children.get(n.keys[0]) is n
+            assert n.depth == n.parent.depth + n.num_pages, f"node {n.id}: depth {n.depth}"
+            assert n.l2_count == sum(1 for s in n.host_slots if s != NO_SLOT), f"node {n.id}: l2_count"
+            assert n.l2_children == sum(1 for c in n.children.values() if c.l2_count), f"node {n.id}: l2_children"
             assert n.lock_ref >= 0
             if n.parent is not self.root:
                 assert n.lock_ref <= n.parent.lock_ref, "child locked more than its parent"
@@ -460,11 +583,17 @@ class RadixIndex:
                     assert s not in seen, f"slot {s} referenced twice"
                     seen.add(s)
                     l2 += 1
+            # every candidate is findable: an L2 victim has a live heap entry, so is an L3-only leaf
+            if self._l2_evictable(n):
+                assert n._heap_stamp != -1, f"node {n.id} may lose its L2 copy but is not queued"
+            if self._l3_evictable(n):
+                assert n._l3_stamp != -1, f"L3-only leaf {n.id} is not queued"
         assert nodes + 1 == self.num_nodes, (nodes + 1, self.num_nodes)
         assert pages == self.total_pages, (pages, self.total_pages)
         assert l2 == self.l2_pages, (l2, self.l2_pages)
         assert l3 == self.l3_pages, (l3, self.l3_pages)
         assert locked == self.locked_pages, (locked, self.locked_pages)
+        assert len(self._heap) <= 4 * self.num_nodes + 1025 and len(self._l3_heap) <= 4 * self.num_nodes + 1025
 
     # ------------------------------------------------------------------ internals
     def _iter_nodes(self) -> Iterator[RadixNode]:
@@ -484,12 +613,17 @@ class RadixIndex:
         return (node.last_access,)
 
     def _l2_evictable(self, node: RadixNode) -> bool:
-        # unlocked, holds L2 copies, and none of its children does: the deepest L2 copies on their path
-        if node is self.root or node.parent is None or node.lock_ref != 0:
-            return False
-        if all(s == NO_SLOT for s in node.host_slots):
-            return False
-        return all(all(s == NO_SLOT for s in c.host_slots) for c in node.children.values())
+        # unlocked, holds L2 copies, and none of its children does: the deepest L2 copies on their path. O(1).
+        return (node.l2_count > 0 and node.l2_children == 0 and node.lock_ref == 0 and node.parent is not None)
+
+    def _l3_evictable(self, node: RadixNode) -> bool:
+        return (node.l2_count == 0 and not node.children and node.lock_ref == 0 and node.parent is not None
+                and node is not self.root)
+
+    def _set_l2_count(self, node: RadixNode, count: int) -> None:
+        if (node.l2_count > 0) != (count > 0) and node.parent is not None:
+            node.parent.l2_children += 1 if count > 0 else -1
+        node.l2_count = count
 
     def walk(self, keys: Sequence[bytes]) -> Iterator[tuple[RadixNode, int, int]]:
         """``(node, page index in the node, page index in keys)`` for each indexed page of the path ``keys`` (from the
@@ -515,6 +649,17 @@ class RadixIndex:
             stamp = next(self._clock)
             node._heap_stamp = stamp
             heapq.heappush(self._heap, (self._priority(node), stamp, node.id, node))
+        elif self._l3_evictable(node):
+            self._push_l3(node)
+
+    def _push_l3(self, node: RadixNode) -> None:
+        if self._l3_evictable(node):
+            if len(self._l3_heap) > 4 * self.num_nodes + 1024:
+                self._l3_heap = [e for e in self._l3_heap if e[3]._l3_stamp == e[1] and self._l3_evictable(e[3])]
+                heapq.heapify(self._l3_heap)
+            stamp = next(self._clock)
+            node._l3_stamp = stamp
+            heapq.heappush(self._l3_heap, (node.last_access, stamp, node.id, node))
 
     def _compact_heap(self) -> None:
         # drop stale entries so the heap stays O(nodes) over long runs (no slow leak, docs/architecture.md §8 R21)
@@ -529,34 +674,48 @@ class RadixIndex:
                 n.hit_count += 1
         # re-queue the deepest L2 holder of the path with its new stamp (its old heap entry is stale now)
         for n in reversed(path):
-            if any(s != NO_SLOT for s in n.host_slots):
+            if n.l2_count:
                 self._push(n)
                 break
+        last = path[-1]
+        if not last.l2_count and not last.children:
+            self._push_l3(last)
 
     def _split(self, child: RadixNode, j: int) -> RadixNode:
-        """Split ``child`` after its first ``j`` pages; returns the new parent holding those pages."""
+        """Split ``child`` after its first ``j`` pages; returns the new parent holding those pages. ``child`` keeps the
+        lower pages (its depth, generation and heap entries stay valid)."""
         parent = child.parent
         top = RadixNode(next(self._ids), parent, child.keys[:j], child.host_slots[:j], child.in_l3[:j])
         top.lock_ref = child.lock_ref
         top.last_access = child.last_access
         top.hit_count = child.hit_count
+        top.gen = child.gen
         child.keys = child.keys[j:]
         child.host_slots = child.host_slots[j:]
         child.in_l3 = child.in_l3[j:]
         child.parent = top
+        had = child.l2_count > 0  # the parent counted ``child`` among its L2 children; ``top`` takes its place
+        child.l2_count -= top.l2_count
+        top.l2_children = 1 if child.l2_count else 0
+        if had != (top.l2_count > 0):
+            parent.l2_children += 1 if top.l2_count else -1
         top.children[child.keys[0]] = child
         parent.children[top.keys[0]] = top
         self.num_nodes += 1
         self.splits += 1
+        self._push(top)
         return top
 
     def _remove_leaf(self, node: RadixNode) -> None:
         parent = node.parent
         del parent.children[node.keys[0]]
+        if node.l2_count:
+            parent.l2_children -= 1
         node.parent = None
+        node.gen += 1
         self.num_nodes -= 1
         self.total_pages -= node.num_pages
-        self.l2_pages -= sum(1 for s in node.host_slots if s != NO_SLOT)
+        self.l2_pages -= node.l2_count
         self.l3_pages -= sum(node.in_l3)
         if parent is not self.root:
             self._push(parent)
