@@ -90,6 +90,12 @@ _NOT_FOUND_CODES = (MC_OBJECT_NOT_FOUND, -703)  # -703: not (yet) ready, e.g. a 
 #: payload bytes per ``batch_put_from_multi_buffers`` of a zero-copy set: the next group's XXH3 runs while the
 #: previous group is on the wire (measured on 2 cores, 64 x 2 MiB pages).
 PUT_GROUP_BYTES = 32 << 20
+#: native clients not (yet) closed cleanly: open ones, a setup that timed out, calls still outstanding at close. A
+#: client leaves this list only when its close() succeeds; the others live until the process exits. The native
+#: destructor of a client whose master is gone blocks while it retries the master (16 s seen in CI), so it is never
+#: left to the garbage collector, which would stall whichever thread happened to collect it.
+_UNCLOSED: list = []
+
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
 
@@ -335,8 +341,9 @@ class MooncakeStore(StorageBackend):
         self._register = c.protocol != "tcp"
         self._rcfg = ReplicateConfig()
         self._rcfg.replica_num = c.replica_num
-        self._store = MooncakeDistributedStore()
         _probe_endpoints(c)
+        self._store = MooncakeDistributedStore()
+        _UNCLOSED.append(self._store)  # until close() succeeds
         self._pool = cf.ThreadPoolExecutor(max_workers=c.max_inflight, thread_name_prefix="tierkv-mooncake")
         fut = self._pool.submit(self._store.setup, c.local_hostname, c.metadata_server, c.global_segment_size,
                                 c.local_buffer_size, c.protocol, c.device_name, c.master_address)
@@ -345,7 +352,7 @@ class MooncakeStore(StorageBackend):
         except cf.TimeoutError:
             rc = None
         if rc != 0:
-            self._pool.shutdown(wait=False)
+            self._pool.shutdown(wait=False)  # the native client stays in _UNCLOSED: setup may still be running
             what = "timed out" if rc is None else f"failed with code {rc}"
             raise ConfigError(f"mooncake store setup {what}: master 'l3.mooncake.master_address'="
                               f"{c.master_address!r}, metadata 'l3.mooncake.metadata_server'={c.metadata_server!r}")
@@ -821,7 +828,8 @@ class MooncakeStore(StorageBackend):
 
     def close(self) -> None:
         """Unregister staging buffers and close the Mooncake client. Idempotent. If calls are still outstanding
-        (a hung master) the client is left to the process exit instead of being closed under them."""
+        (a hung master) the client is left to the process exit instead of being closed under them. A store that is
+        never closed also keeps its native client until the process exits (see ``_UNCLOSED``): call close()."""
         with self._lock:
             if self._closed:
                 return
@@ -843,8 +851,11 @@ class MooncakeStore(StorageBackend):
                 self._store.close()
             except Exception as e:  # noqa: BLE001
                 log.warning("mooncake close: %s", e)
+            else:
+                _UNCLOSED.remove(self._store)
         else:
-            log.warning("mooncake close: %d calls still outstanding; client not closed", inflight)
+            log.warning("mooncake close: %d calls still outstanding; client not closed (kept until process exit)",
+                        inflight)
 
     def __repr__(self) -> str:
         return (f"MooncakeStore(master={self.cfg.master_address!r}, namespace={self.namespace.hex()}, "

@@ -273,7 +273,9 @@ class ZmqStore(StorageBackend):
                 self.c["max_pending"] = max(self.c["max_pending"], self._pending)
             while waiting:
                 left = deadline - time.monotonic()
-                if left <= 0 or not sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
+                # past the deadline, still look once without waiting: a reply that arrived while this thread was
+                # not running (a long GC pause, a stopped process) is an answer, not a timeout
+                if not sock.poll(max(1, int(left * 1000)) if left > 0 else 0, zmq.POLLIN):
                     if time.monotonic() < deadline:
                         continue
                     self.c["timeouts"] += 1

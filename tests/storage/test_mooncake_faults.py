@@ -253,13 +253,36 @@ def test_bad_config_names_the_key(mc):
         build_backend({"backend": "mooncake", "mooncake": dict(cfg, nonsense=1)}, NS, PB)
 
 
+def test_native_client_is_never_left_to_the_garbage_collector(mc):
+    """A store dropped without close() keeps its native client alive (its destructor would block the collecting
+    thread while it retries a dead master); close() releases it."""
+    import gc
+    from tierkv.storage_backends import mooncake
+
+    before = len(mooncake._UNCLOSED)
+    s = mc.new_client()
+    native = s.client
+    assert any(x is native for x in mooncake._UNCLOSED)
+    s.close()
+    assert not any(x is native for x in mooncake._UNCLOSED) and len(mooncake._UNCLOSED) == before
+    dropped = MooncakeStore(NS, PB, **dict(mc.master.client_config(), global_segment_size=0))
+    native = dropped.client
+    del dropped
+    gc.collect()
+    assert any(x is native for x in mooncake._UNCLOSED)
+
+
 def test_unreachable_master_is_a_clear_error_within_bound():
     rpc, http = free_ports(2)
     t0 = time.monotonic()
+    from tierkv.storage_backends import mooncake
+
+    before = len(mooncake._UNCLOSED)
     with pytest.raises(ConfigError, match="master_address"):
         MooncakeStore(NS, PB, master_address=f"127.0.0.1:{rpc}", metadata_server=f"http://127.0.0.1:{http}/metadata",
                       global_segment_size=0, setup_timeout_s=3.0)
     assert time.monotonic() - t0 < 3.0 + 2.0
+    assert len(mooncake._UNCLOSED) == before  # refused before a native client was made
 
 
 def test_shipped_config_builds_a_working_store(mc):

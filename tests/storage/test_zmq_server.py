@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import msgpack
@@ -129,6 +130,45 @@ def test_pipelined_set_splits_batch_into_messages_and_round_trips(srv, monkeypat
     f32 = [s.view(torch.float32).reshape(32, 32) for s in src[:2]]
     assert c.batch_set(ks[:2], f32) == [True] * 2
     assert c.batch_get(ks[:2], dst[:2]) == [True] * 2 and torch.equal(dst[0], src[0])
+
+
+def test_reply_that_arrived_during_a_pause_is_an_answer_not_a_timeout(srv, monkeypatch):
+    """The client thread is paused (a long GC, a stopped process) between sending and reading, for longer than
+    ``timeout_s``, while the server answers: the reply waiting on the socket is used, no timeout is counted.
+    The pause is made by a clock that, on its first reading after the send, waits until the reply is readable
+    and then reads 100 s later."""
+    import zmq
+    from tierkv.storage_backends import zmq_client
+
+    c = srv.new_client(timeout_s=0.5)
+    ks, src = keys_of(2, salt=33), pages(2, 4096, 33)
+    sent = []
+    real_send = zmq.Socket.send_multipart
+
+    def send_multipart(self, *a, **kw):
+        out = real_send(self, *a, **kw)
+        sent.append(self)
+        return out
+
+    real_clock = time.monotonic
+
+    paused = []
+
+    def clock():
+        if sent and not paused:
+            assert sent[0].poll(10_000, zmq.POLLIN)  # the reply is there: the "paused" thread has not read it
+            paused.append(True)
+        return real_clock() + (100.0 if paused else 0.0)
+
+    monkeypatch.setattr(zmq.Socket, "send_multipart", send_multipart)
+    monkeypatch.setattr(zmq_client, "time", types.SimpleNamespace(monotonic=clock))
+    try:
+        assert c.batch_set(ks, src) == [True, True]
+    finally:
+        monkeypatch.undo()
+    assert c.stats()["timeouts"] == 0
+    dst = [torch.zeros(4096, dtype=torch.uint8) for _ in ks]
+    assert c.batch_get(ks, dst) == [True, True] and torch.equal(dst[1], src[1])
 
 
 def test_set_with_checksums_is_split_by_max_message_bytes_only(srv, monkeypatch):
