@@ -1,0 +1,170 @@
+"""The tierkv SGLang HiCache backend (connector/sglang_hicache.py) on the file store, driven through SGLang's own
+factory and host pool (docs/architecture.md §10): layouts, copy vs zero-copy path, namespace isolation, bad input,
+stats / clear / close."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import _sgl  # noqa: F401  (tests/sglang: shims + SGLang imports)
+from _sgl import attach, extra_config, fill_pages, keys, mha_pool, page_bytes_of, storage_config
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+from tierkv.connector import page_hash
+from tierkv.connector.sglang_hicache import TierKVHiCacheStorage, build_namespace, map_key
+from tierkv.storage_backends.common import ConfigError
+
+
+def file_l3(tmp_path) -> dict:
+    return {"backend": "file", "file": {"root": str(tmp_path / "l3")}}
+
+
+@pytest.mark.parametrize("layout,zero_copy", [("page_first", True), ("page_first_direct", True),
+                                              ("page_head", True), ("layer_first", False)])
+def test_both_paths_round_trip_and_share_records(tmp_path, layout, zero_copy):
+    """A page written through the zero-copy path reads back bit-exact through both paths, and one written through
+    the copy path reads back through the zero-copy path (same records), in every MHA host layout."""
+    pool = mha_pool(layout)
+    b = attach(extra_config(file_l3(tmp_path)), pool)
+    assert isinstance(b, TierKVHiCacheStorage) and b.zero_copy is zero_copy and b.parts_per_page == 2
+    idx = fill_pages(pool, 4, seed=1)
+    want = [page_bytes_of(pool, i) for i in range(4)]
+    ks = keys(4, layout)
+    assert b.batch_set_v1(ks[:2], idx[: 2 * pool.page_size]) == [True, True]
+    assert b.batch_set(ks[2:], [pool.get_data_page(i * pool.page_size) for i in (2, 3)]) is True
+    assert b.batch_exists(ks) == 4
+
+    pool2 = mha_pool(layout)
+    b2 = attach(extra_config(file_l3(tmp_path)), pool2)
+    assert b2.batch_get_v1(ks, idx) == [True] * 4
+    assert all(torch.equal(page_bytes_of(pool2, i), want[i]) for i in range(4))
+    got = b2.batch_get(ks, [pool2.get_dummy_flat_data_page() for _ in ks])
+    assert all(g is not None and torch.equal(g.view(torch.uint8), w) for g, w in zip(got, want))
+    b.close(), b2.close()
+
+
+def test_leading_run_and_missing_page(tmp_path):
+    pool = mha_pool()
+    b = attach(extra_config(file_l3(tmp_path)), pool)
+    idx = fill_pages(pool, 4, seed=2)
+    ks = keys(4, "lead")
+    ps = pool.page_size
+    sel = torch.cat([idx[0:2 * ps], idx[3 * ps:4 * ps]])
+    assert b.batch_set_v1([ks[0], ks[1], ks[3]], sel) == [True] * 3
+    assert b.batch_exists(ks) == 2
+    assert b.batch_exists(ks[3:]) == 1 and b.batch_exists(ks[2:]) == 0
+    assert b.batch_get_v1(ks, idx) == [True, True, False, True]
+    assert b.batch_get(ks[2:3], [pool.get_dummy_flat_data_page()]) == [None]
+    b.close()
+
+
+def test_a_page_with_one_part_missing_is_absent(tmp_path):
+    """MHA pages are stored as a K record and a V record; without its V record a page is a miss everywhere."""
+    pool = mha_pool()
+    b = attach(extra_config(file_l3(tmp_path)), pool)
+    idx = fill_pages(pool, 2, seed=3)
+    ks = keys(2, "part")
+    assert b.batch_set_v1(ks, idx) == [True, True]
+    import os
+    k_v = b.tierkv_keys(ks[1])[1]
+    os.remove(os.path.join(str(tmp_path / "l3"), b._ns_digest.hex(), k_v[:2], k_v + ".page"))
+    assert b.batch_exists(ks) == 1
+    assert b.batch_get_v1(ks, idx) == [True, False]
+    b.close()
+
+
+@pytest.mark.parametrize("change", ["tp_rank", "dtype", "layout", "model", "page_size", "format_version"])
+def test_other_namespace_is_a_miss(tmp_path, monkeypatch, change):
+    """A page written by TP rank 0 of 2 (bfloat16, page_first, page 16, this model) is invisible to rank 1 of 2,
+    to float16, to another layout / model / page size, and to a reader of another tierkv format version."""
+    l3 = file_l3(tmp_path)
+    pool = mha_pool()
+    w = attach(extra_config(l3), pool, tp_rank=0, tp_size=2)
+    idx = fill_pages(pool, 2, seed=4)
+    ks = keys(2, "ns")
+    assert w.batch_set_v1(ks, idx) == [True, True]
+    cfg = {"tp_rank": 0, "tp_size": 2}
+    pool2 = mha_pool()
+    if change == "tp_rank":
+        cfg["tp_rank"] = 1
+    elif change == "dtype":
+        pool2 = mha_pool(dtype=torch.float16)
+    elif change == "layout":
+        pool2 = mha_pool("page_first_direct")
+    elif change == "model":
+        cfg["model"] = "Qwen/Qwen3-1.7B"
+    elif change == "page_size":
+        pool2 = mha_pool(page_size=8, pages=32, head_dim=128)  # same bytes per page, other tokens per page
+    elif change == "format_version":
+        monkeypatch.setattr(page_hash, "FORMAT_VERSION", page_hash.FORMAT_VERSION + 1)
+    r = attach(extra_config(l3), pool2, **cfg)
+    assert r.page_bytes == w.page_bytes
+    assert r.batch_exists(ks) == 0
+    assert r.batch_get_v1(ks, idx[: 2 * pool2.page_size]) == [False, False]
+    monkeypatch.undo()
+    same = attach(extra_config(l3), mha_pool(), tp_rank=0, tp_size=2)  # the writer's own namespace still hits
+    assert same.batch_exists(ks) == 2
+    w.close(), r.close(), same.close()
+
+
+def test_mla_namespace_ignores_tp_rank_mha_does_not():
+    pool = mha_pool()
+    ns = lambda r, mla: build_namespace(storage_config({}, tp_rank=r, tp_size=2, mla=mla), pool).digest()  # noqa: E731
+    assert ns(0, True) == ns(1, True)
+    assert ns(0, False) != ns(1, False)
+    k = "ab" * 32
+    assert map_key(ns(0, False), k, 0) != map_key(ns(1, False), k, 0) != map_key(ns(1, False), k, 1)
+    assert len(map_key(ns(0, False), k, 0)) == 32
+
+
+@pytest.mark.parametrize("extra,exc,words", [
+    ({"module_path": "tierkv.connector.sglang_hicache", "class_name": "TierKVHiCacheStorage"}, ValueError,
+     ["backend_name"]),
+    (extra_config(None) | {"l3": None}, ConfigError, ["l3"]),
+    ({k: v for k, v in extra_config({}).items() if k != "l3"}, ConfigError, ["missing", "'hicache-storage-backend-extra-config.l3'"]),
+    (extra_config({"backend": "nfs"}), ConfigError, ["l3.backend", "nfs", "file", "zmq", "mooncake"]),
+    (extra_config({"backend": "none"}), ConfigError, ["none", "file, zmq, mooncake"]),
+    (extra_config({"backend": "zmq", "zmq": {"endpoint": "tcp://127.0.0.1:1", "timeout": 1}}), ConfigError,
+     ["l3.zmq", "timeout"]),
+    (extra_config({"backend": "file", "file": {}}), ConfigError, ["l3.file", "root"]),
+    (extra_config({"backend": "file", "file": {"root": "/tmp/x"}}, l3_root="/x"), ConfigError,
+     ["l3_root", "allowed", "l3, model_id, namespace_extra"]),
+    (extra_config({}) | {"class_name": "NoSuchClass"}, AttributeError, ["NoSuchClass"]),
+])
+def test_bad_extra_config_fails_at_attach_with_a_clear_error(extra, exc, words):
+    with pytest.raises(exc) as ei:
+        StorageBackendFactory.create_backend("dynamic", storage_config(extra), None)
+    msg = str(ei.value)
+    for w in words:
+        assert w in msg, (w, msg)
+
+
+def test_no_model_name_fails_at_register(tmp_path):
+    b = StorageBackendFactory.create_backend("dynamic", storage_config(extra_config(file_l3(tmp_path)), model=None),
+                                             None)
+    with pytest.raises(ConfigError, match="model_id"):
+        b.register_mem_pool_host(mha_pool())
+    b2 = StorageBackendFactory.create_backend(
+        "dynamic", storage_config(extra_config(file_l3(tmp_path), model_id="org/m@rev"), model=None), None)
+    b2.register_mem_pool_host(mha_pool())
+    assert b2.namespace.model_id == "org/m@rev"
+    b2.close()
+
+
+def test_stats_clear_close(tmp_path):
+    pool = mha_pool()
+    b = attach(extra_config(file_l3(tmp_path)), pool)
+    idx = fill_pages(pool, 3, seed=5)
+    ks = keys(3, "stats")
+    assert b.batch_set_v1(ks, idx) == [True] * 3
+    assert b.batch_get_v1(ks + keys(1, "none"), torch.cat([idx, idx[: pool.page_size]])) == [True] * 3 + [False]
+    st = b.stats()
+    assert (st["pages_set"], st["pages_get"], st["pages_hit"], st["errors"]) == (3, 4, 3, 0)
+    assert st["store"]["hits"] >= 6
+    m = b.get_stats()
+    assert m.backup_pgs == [3] and m.prefetch_pgs == [3] and m.tierkv["pages_hit"] == 3
+    assert b.get_stats().backup_pgs == []  # drained, as SGLang's Mooncake backend does
+    b.clear()
+    assert b.batch_exists(ks) == 0
+    b.close()
+    b.close()

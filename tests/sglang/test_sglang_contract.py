@@ -1,0 +1,122 @@
+"""The L3 contract cases through SGLang's interface (docs/architecture.md §10): tierkv's file store, ZMQ cache
+server (a real server subprocess) and Mooncake store (a real ``mooncake_master``), each attached to SGLang's own
+MHA host pool through SGLang's ``StorageBackendFactory`` (``dynamic``) and driven with the calls SGLang's
+controller makes (``batch_exists``, ``batch_get_v1``/``batch_set_v1`` over host indices, ``batch_get``/``batch_set``
+over flat pages). Servers come from the storage tests' fixtures (tests/storage/_fixtures_*.py)."""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import time
+
+import pytest
+import torch
+
+import _sgl  # noqa: F401  (tests/sglang: shims + SGLang imports, tests/storage on sys.path)
+from _sgl import attach, build_namespace_for, extra_config, fill_pages, keys, mha_pool, page_bytes_of
+
+TIMEOUT_S = 1.0
+KINDS = ["file", "zmq", "mooncake"]
+
+
+def l3_for(h) -> dict:
+    if h.name == "file":
+        return {"backend": "file", "file": {"root": h.root}}
+    if h.name == "zmq":
+        return {"backend": "zmq", "zmq": {"endpoint": h.endpoint, "timeout_s": TIMEOUT_S,
+                                          "reconnect_backoff_s": 0.05, "max_backoff_s": 0.2}}
+    cfg = h.config(global_segment_size=0)  # a pure client: the pages live in the handle's own client's segment
+    cfg["timeout_s"] = TIMEOUT_S
+    return {"backend": "mooncake", "mooncake": cfg}
+
+
+@contextlib.contextmanager
+def rig(kind: str, tmp_path):
+    """(handle, adapter, pool): a store of ``kind`` whose fixture client shares the adapter's namespace and part
+    size (so ``h.corrupt`` can reach the adapter's records), and the adapter attached to a fresh host pool."""
+    pool = mha_pool()
+    ns = build_namespace_for(pool)
+    part_bytes = pool.get_data_page(0).numel() * pool.get_data_page(0).element_size() // 2
+    mod = importlib.import_module(f"_fixtures_{kind}")
+    with mod.make_backend(tmp_path, part_bytes, ns.digest(), timeout_s=TIMEOUT_S) as h:
+        b = attach(extra_config(l3_for(h)), pool)
+        assert b.part_bytes == part_bytes and b.namespace == ns
+        try:
+            yield h, b, pool
+        finally:
+            b.close()
+
+
+def same_pages(pool, want, n) -> bool:
+    return all(torch.equal(page_bytes_of(pool, i), want[i]) for i in range(n))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_round_trip_leading_run_and_corruption(kind, tmp_path):
+    with rig(kind, tmp_path) as (h, b, pool):
+        idx = fill_pages(pool, 6, seed=11)
+        want = [page_bytes_of(pool, i) for i in range(6)]
+        ps = pool.page_size
+        ks = keys(6, kind)
+        # round trip, zero-copy path into another pool and copy path
+        assert b.batch_set_v1(ks[:4], idx[: 4 * ps]) == [True] * 4
+        pool2 = mha_pool()
+        b2 = attach(extra_config(l3_for(h)), pool2)
+        assert b2.batch_get_v1(ks[:4], idx[: 4 * ps]) == [True] * 4 and same_pages(pool2, want, 4)
+        flat = b2.batch_get(ks[:4], [pool2.get_dummy_flat_data_page() for _ in range(4)])
+        assert all(torch.equal(f.view(torch.uint8), want[i]) for i, f in enumerate(flat))
+        # leading run: page 5 stored, page 4 not
+        assert b.batch_set(ks[5:], [pool.get_data_page(5 * ps)]) is True
+        assert b.batch_exists(ks) == 4 and b.batch_exists(ks[5:]) == 1
+        # corruption of one part (K or V record) = a miss, never data; the neighbours still hit
+        for i, how in zip((1, 2, 3), ("flip", "truncate", "foreign_namespace")):
+            assert h.corrupt(b.tierkv_keys(ks[i])[i % 2], how, namespace=b._ns_digest), how
+        pool3 = mha_pool()
+        b3 = attach(extra_config(l3_for(h)), pool3)
+        assert b3.batch_get_v1(ks[:4], idx[: 4 * ps]) == [True, False, False, False]
+        assert same_pages(pool3, want, 1)
+        assert b3.batch_get(ks[1:4], [pool3.get_dummy_flat_data_page() for _ in range(3)]) == [None] * 3
+        assert b3.stats()["pages_hit"] == 1 and b3.stats()["pages_get"] == 7
+        b2.close(), b3.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_restart_and_hang(kind, tmp_path):
+    """Restart: the file store keeps its pages; a restarted ZMQ server / Mooncake master loses them (misses, never
+    wrong bytes) and serves new ones. Hang (SIGSTOP of the server / master): every call answers within the
+    client's bound with misses / False; service returns after SIGCONT."""
+    with rig(kind, tmp_path) as (h, b, pool):
+        idx = fill_pages(pool, 3, seed=21)
+        want = [page_bytes_of(pool, i) for i in range(3)]
+        ps = pool.page_size
+        ks = keys(3, kind + "r")
+        assert b.batch_set_v1(ks, idx) == [True] * 3
+        h.restart()
+        pool2 = mha_pool()
+        b2 = attach(extra_config(l3_for(h)), pool2)
+        res = b2.batch_get_v1(ks, idx)
+        if h.persistent:
+            assert res == [True] * 3
+        assert all(torch.equal(page_bytes_of(pool2, i), want[i]) for i, r in enumerate(res) if r)
+        k2 = keys(1, kind + "after")
+        deadline = time.monotonic() + 30.0
+        while b.batch_set_v1(k2, idx[:ps]) != [True]:  # the adapter's client reconnects by itself
+            assert time.monotonic() < deadline, f"{kind}: no service 30 s after the restart"
+            time.sleep(0.05)
+        assert b2.batch_get_v1(k2, idx[:ps]) == [True] and torch.equal(page_bytes_of(pool2, 0), want[0])
+        b2.close()
+        if not h.supports_stop:
+            return
+        h.stop()
+        try:
+            for call, miss in ((lambda: b.batch_exists(k2), 0), (lambda: b.batch_get_v1(k2, idx[:ps]), [False]),
+                               (lambda: b.batch_set_v1(keys(1, "hang"), idx[:ps]), [False])):
+                t0 = time.monotonic()
+                assert call() == miss
+                assert time.monotonic() - t0 <= 3 * TIMEOUT_S + 2.0  # per-call bound + margin (shared machine)
+        finally:
+            h.cont()
+        deadline = time.monotonic() + 30.0
+        while b.batch_get_v1(k2, idx[:ps]) != [True]:
+            assert time.monotonic() < deadline, f"{kind}: no service 30 s after SIGCONT"
+            time.sleep(0.05)
