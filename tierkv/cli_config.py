@@ -123,9 +123,7 @@ def _args_doc(cls: Any) -> dict[str, str]:
         if not in_args:
             continue
         if not s or (s.endswith(":") and " " not in s):
-            if s:
-                break
-            continue
+            break  # a blank line or the next section ends Args
         m = re.match(r"^([a-z_][a-z0-9_, ]*):\s+(.*)$", s)
         if m:
             cur = [n.strip() for n in m.group(1).split(",")]
@@ -151,7 +149,13 @@ def _meanings() -> dict[str, str]:
             m.setdefault(k, v)
     for k, v in _args_doc(FaultyBackend).items():
         m.setdefault(f"l3.faults.{k}", v)
-    return m
+    return {k: _plain_rst(v) for k, v in m.items()}
+
+
+def _plain_rst(text: str) -> str:
+    """Docstring markup as Markdown: ``:meth:`x``` and ````x```` become ```x```."""
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"`\1`", text)
+    return text.replace("``", "`")
 
 
 def config_keys() -> list[dict]:
