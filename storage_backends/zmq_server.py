@@ -12,6 +12,12 @@ zero-copy sends. Evicted records optionally spill to a :class:`tierkv.storage_ba
 under ``--spill-dir`` and are read back (and promoted to memory) on a later get. The server never looks
 inside a payload: the client wraps every page with a :mod:`.page_format` header and verifies it on read.
 
+Safe by default (docs/architecture.md §12): a ``--host`` beyond loopback without a token (``--token``,
+``--token-file``, ``$TIERKV_SERVER_TOKEN``) refuses to start (exit 2) unless ``--allow-unauthenticated`` is given;
+with a token every request (the destructive ``delete``, ``clear``, ``verify`` with ``fix`` included) must carry it;
+error replies and log lines carry ``***`` in its place. The admin ops ``scan`` and ``verify`` (protocol version 2)
+serve ``tierkv store stats|verify``.
+
 Wire format and safety rules: :mod:`.zmq_protocol` (msgpack headers under strict limits, raw payload frames,
 an error reply for every request it can attribute, no pickle). Design inspired by LMCache's MP cache server
 (DEALER/ROUTER, request ids) and SGLang HiCache's storage semantics (leading-run exists), with the fixes

@@ -10,6 +10,7 @@ Exit codes (the same for every subcommand, documented in README "Operating tierk
 3    the store is unreachable: a ``tierkv server`` or Mooncake master that does not answer
 4    the store (or server) was written by / speaks a newer format or protocol version than this tierkv
 5    refused: wrong or missing ``--token``, or an operation the store kind cannot do (e.g. verify a Mooncake store)
+70   internal error (a bug: one line still; ``TIERKV_DEBUG=1`` shows the traceback)
 130  interrupted (Ctrl-C)
 ==== ==========================================================================================================
 
