@@ -36,6 +36,7 @@ import json
 import os
 import platform
 import random
+import runpy
 import statistics
 import sys
 import tempfile
@@ -548,6 +549,7 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1, sort_keys=False) + "\n")
     print(f"\nwrote {out}")
+    runpy.run_path(str(Path(__file__).with_name("plots.py")))["charts_for"](out)  # PNG charts next to the JSON
     if not args.quick and not args.no_readme and l3_run:
         write_l3_readme(results, args.note)
         print(f"updated the {L3_SECTION} section of {README}")

@@ -42,6 +42,7 @@ import importlib.util
 import json
 import os
 import platform
+import runpy
 import shutil
 import statistics
 import subprocess
@@ -568,6 +569,7 @@ def main(argv=None) -> int:
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1))
     print(f"\nwrote {a.out} in {time.time() - t_start:.0f}s (load {load0} -> {load1})")
+    runpy.run_path(str(Path(__file__).with_name("plots.py")))["charts_for"](a.out)  # PNG charts next to the JSON
     return 0
 
 

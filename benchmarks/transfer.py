@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import random
+import runpy
 import statistics
 import sys
 import tempfile
@@ -242,6 +243,7 @@ def main(argv=None):
                                            compute_ms=(30.0 if device.type == "cpu" else 1.0))
         path.write_text(json.dumps(old, indent=1) + "\n")
         print(f"\nupdated {path}")
+        runpy.run_path(str(Path(__file__).with_name("plots.py")))["charts_for"](path)  # PNG charts next to the JSON
         return
     rows = bench_transfers(device, dev, pools, batches, args.patterns.split(","), reps)
     if device.type == "cpu":
@@ -269,6 +271,7 @@ def main(argv=None):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1) + "\n")
     print(f"\nwrote {path}")
+    runpy.run_path(str(Path(__file__).with_name("plots.py")))["charts_for"](path)  # PNG charts next to the JSON
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ from .metrics import StatsFile
 from .page_hash import ModelNamespace
 from .plan import JobReport, StepPlan
 from .store_metrics import TimedStore
-from .vllm_metrics import CounterDeltas, TierKVPromMetrics, TierKVStats, scheduler_gauges
+from .vllm_metrics import SCHEDULER_ONLY, CounterDeltas, TierKVPromMetrics, TierKVStats, scheduler_gauges
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.config import VllmConfig
@@ -201,7 +201,7 @@ class TierKVConnector(KVConnectorBase_V1):
             self._stats = StatsFile(self.cfg.stats_path, "scheduler", self._sched.stats)
         else:
             self._stats = StatsFile(self.cfg.stats_path, "worker", self._worker_stats)
-        self._deltas = CounterDeltas()
+        self._deltas = CounterDeltas() if role == KVConnectorRole.SCHEDULER else CounterDeltas(SCHEDULER_ONLY)
         atexit.register(self._stats.maybe_write, True)
 
     def _pool_bytes(self, vllm_config, role) -> int:

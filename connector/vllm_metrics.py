@@ -29,13 +29,13 @@ COUNTERS = {
     "lookup_tokens": "Page-aligned prompt prefix tokens of admitted requests (tokens).",
     "device_hit_tokens": "Prefix tokens already in L1, the engine's own prefix cache (tokens).",
     "l2_hit_tokens": "Prefix tokens loaded from the tierkv L2 host pool instead of recomputed (tokens).",
-    "load_pages": "Pages loaded L2 -> L1 (pages).",
+    "load_pages": "Pages loaded into L1 from L2 (including pages that came L3 -> L2 first) (pages).",
     "save_pages": "Pages saved L1 -> L2 (pages).",
     "save_skipped_pages": "Pages not saved for lack of unlocked L2 space (pages).",
     "evicted_pages": "Pages evicted from L2 (pages).",
     "preemptions": "Preempted requests seen by the connector.",
-    "load_bytes": "Bytes copied L2 -> L1 (bytes).",
-    "save_bytes": "Bytes copied L1 -> L2 (bytes).",
+    "load_bytes": "Bytes copied L2 -> L1, summed over the workers (bytes).",
+    "save_bytes": "Bytes copied L1 -> L2, summed over the workers (bytes).",
     "load_seconds": "Time spent loading L2 -> L1 (seconds).",
     "save_seconds": "Time spent saving L1 -> L2 (seconds).",
     "checksum_mismatches": "L2 pages that failed their checksum and were recomputed.",
@@ -43,10 +43,10 @@ COUNTERS = {
     "ctl_l3_hit_tokens": "Prefix tokens loaded from L3 (asynchronous loads) instead of recomputed (tokens).",
     "ctl_l3_declined_slow_pages": "L3 hits declined because loading was estimated slower than recomputing (pages).",
     "ctl_exists_queries": "L3 existence queries sent to the workers.",
-    "l3_backup_pages": "Pages stored L2 -> L3 (pages).",
+    "l3_backup_pages": "Pages stored L2 -> L3, summed over the workers (each rank stores its shard) (pages).",
     "l3_backup_failed_pages": "Pages whose L2 -> L3 backup failed or was dropped (pages).",
     "l3_backup_bytes": "Bytes stored L2 -> L3 (bytes).",
-    "l3_prefetch_pages": "Pages read L3 -> L2 intact (pages).",
+    "l3_prefetch_pages": "Pages read L3 -> L2 intact, summed over the workers (pages).",
     "l3_prefetch_failed_pages": "Pages whose L3 read failed, was corrupt or missing (pages).",
     "l3_prefetch_bytes": "Bytes read L3 -> L2 (bytes).",
     "l3_prefetch_deadline_misses": "Requests released at their prefetch deadline with pages still missing.",
@@ -54,6 +54,10 @@ COUNTERS = {
     "l3_errors": "L3 store failures: calls that raised plus errors the store absorbed (I/O, connection).",
     "l3_timeouts": "L3 store calls abandoned after the store's timeout_s (ZMQ, Mooncake).",
 }
+
+#: counters that both roles keep; only the scheduler's count (one per engine) is reported: the workers' copies
+#: would add the same pages once more per rank
+SCHEDULER_ONLY = ("load_pages", "save_pages")
 
 #: gauge key -> Prometheus help text (the latest value wins; scheduler side only, so ranks are never summed)
 GAUGES = {
@@ -111,13 +115,14 @@ class CounterDeltas:
     """Turns a cumulative snapshot into what one :class:`TierKVStats` carries: the increase of each key of
     :data:`COUNTERS` and the value of each key of :data:`GAUGES` that changed since the previous call."""
 
-    def __init__(self):
+    def __init__(self, exclude=()):
         self._last: dict[str, float] = {}
+        self._keys = [k for k in COUNTERS if k not in set(exclude)]
 
     def take(self, snapshot: dict[str, Any], latencies: Optional[dict[str, list]] = None) -> Optional[TierKVStats]:
         """``latencies``: samples to ship as they are (keys of :data:`LATENCY_KEYS`, lists of seconds)."""
         delta: dict[str, Any] = {}
-        for k in COUNTERS:
+        for k in self._keys:
             v = snapshot.get(k)
             if v is None:
                 continue
