@@ -937,3 +937,30 @@ def quarantine_file(root: str, path: str, reason: str) -> str:
     os.rename(path, dst)
     log.info("quarantined %s (%s) as %s", path, reason, dst)
     return dst
+
+
+NAMESPACE_INFO_FILE = "namespace.json"
+
+
+def describe_namespace(root: str, namespace: bytes, info: dict) -> bool:
+    """Write ``root/<namespace hex>/namespace.json``: what the 16-byte digest stands for (e.g.
+    ``dataclasses.asdict(ModelNamespace)``: model_id, dtype, kv_layout, page_size, ranks), so ``tierkv store stats``
+    can show it; the digest itself cannot be decoded. Written atomically (temp + rename), never read by the store, so a
+    wrong or missing file only changes what the tool prints. Returns False (and logs) when it cannot be written."""
+    import json
+
+    d = os.path.join(root, bytes(namespace).hex())
+    tmp = os.path.join(d, f"{TMP_PREFIX}{NAMESPACE_INFO_FILE}.{os.getpid()}")
+    try:
+        os.makedirs(d, exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump(info, f, sort_keys=True, default=str)
+        os.rename(tmp, os.path.join(d, NAMESPACE_INFO_FILE))
+        return True
+    except OSError as e:
+        log.warning("cannot write %s in %s: %s", NAMESPACE_INFO_FILE, d, e)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        return False

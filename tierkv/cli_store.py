@@ -9,7 +9,8 @@ A store is named by an address (:func:`tierkv.cli_common.parse_target`):
   (``--metrics-port``), since a master cannot list its objects.
 
 Namespaces are the 16-byte digests in every page header (:meth:`tierkv.connector.page_hash.ModelNamespace.digest`);
-where a file store has a ``<namespace>/namespace.json`` describing it (model, dtype, layout...), stats show it.
+where a file store has a ``<namespace>/namespace.json`` describing it (model, dtype, layout...; written by
+:func:`tierkv.storage_backends.file.describe_namespace`), stats show it.
 Exit codes: :mod:`tierkv.cli_common`.
 """
 from __future__ import annotations
@@ -38,7 +39,6 @@ from tierkv.cli_common import (
 )
 
 AGE_LABELS = ("<1m", "<10m", "<1h", "<6h", "<1d", "<7d", ">=7d")
-NS_INFO_FILE = "namespace.json"
 DEFAULT_MOONCAKE_METRICS_PORT = 9003  # mooncake_master's default -metrics_port
 
 
@@ -222,8 +222,10 @@ def _stats_file(args) -> dict:
 
 def _ns_info(root: str, ns_hex: str) -> Optional[dict]:
     """The optional ``namespace.json`` next to a namespace's pages (model_id, dtype, kv_layout, ...), if readable."""
+    from tierkv.storage_backends.file import NAMESPACE_INFO_FILE
+
     try:
-        with open(os.path.join(root, ns_hex, NS_INFO_FILE)) as f:
+        with open(os.path.join(root, ns_hex, NAMESPACE_INFO_FILE)) as f:
             d = json.load(f)
         return d if isinstance(d, dict) else None
     except (OSError, ValueError):

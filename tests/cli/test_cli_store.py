@@ -65,8 +65,10 @@ def test_stats_of_a_file_store_counts_pages_bytes_namespaces_and_ages(store, cap
 
 
 def test_stats_shows_a_namespace_description_where_present(store, capsys):
-    with open(os.path.join(store, NS_B.hex(), "namespace.json"), "w") as f:
-        json.dump({"model_id": "Qwen/Qwen3-0.6B", "dtype": "bfloat16", "kv_layout": "layer_first/LBHNC"}, f)
+    from tierkv.storage_backends.file import describe_namespace
+
+    assert describe_namespace(store, NS_B, {"model_id": "Qwen/Qwen3-0.6B", "dtype": "bfloat16",
+                                            "kv_layout": "layer_first/LBHNC"})
     rc, d = run_json(capsys, "store", "stats", store)
     desc = {n["namespace"]: n["describe"] for n in d["namespaces"]}
     assert desc[NS_B.hex()]["dtype"] == "bfloat16" and desc[NS_A.hex()] is None
