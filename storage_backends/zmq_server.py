@@ -139,10 +139,12 @@ class _SpillTier:
             return True
         return False
 
-    def records(self, ns: Optional[bytes], skip: Any = ()):
+    def records(self, ns: Optional[bytes], skip: Any = (), headers_only: bool = False):
         """Yield ``(ns, key, header, payload, written_at, "spill")`` for every spilled record (of ``ns`` if given),
-        except tombstoned ones and keys in ``skip`` (a mapping of ``(ns, key)`` held in memory)."""
+        except tombstoned ones and keys in ``skip`` (a mapping of ``(ns, key)`` held in memory). ``headers_only``:
+        ``payload`` is its length in bytes (an int) and only the start of each file is read."""
         from tierkv.storage_backends.file import iter_page_files, read_record_file
+        from tierkv.storage_backends.page_format import HEADER_BYTES
 
         for (sns, length), st in list(self.stores.items()):
             if ns is not None and sns != ns:
@@ -155,14 +157,17 @@ class _SpillTier:
                 if (sns, f.key) in self.tombstones or (sns, f.key) in skip:
                     continue
                 try:
-                    _outer, rec = read_record_file(f.path)
+                    if headers_only:
+                        with open(f.path, "rb", buffering=0) as fh:
+                            rec = fh.read(HEADER_BYTES + 2 + P.MAX_RECORD_HEADER_BYTES)[HEADER_BYTES:]
+                    else:
+                        _outer, rec = read_record_file(f.path)
                 except OSError:
                     continue
-                if len(rec) < 2:
-                    yield sns, f.key, b"", rec, f.mtime_ns / 1e9, "spill"
-                    continue
-                (hl,) = struct.unpack_from("<H", rec)
-                yield sns, f.key, rec[2:2 + hl], rec[2 + hl:], f.mtime_ns / 1e9, "spill"
+                hl = struct.unpack_from("<H", rec)[0] if len(rec) >= 2 else 0
+                hdr = rec[2:2 + hl]
+                payload = max(f.size - HEADER_BYTES - 2 - hl, 0) if headers_only else rec[2 + hl:]
+                yield sns, f.key, hdr, payload, f.mtime_ns / 1e9, "spill"
 
     def clear(self, ns: bytes) -> None:
         self.tombstones = {t for t in self.tombstones if t[0] != ns}
@@ -423,14 +428,15 @@ class CacheServer:
         t = self._token_text
         return text.replace(t, "***") if t and t in text else text
 
-    def _all_records(self, ns: Optional[bytes] = None):
+    def _all_records(self, ns: Optional[bytes] = None, headers_only: bool = False):
         """Yield ``(ns, key, header, payload, written_at, where)`` for every record in memory, then in the spill
-        directory (``where``: ``"memory"`` or ``"spill"``); ``ns``: only that namespace."""
+        directory (``where``: ``"memory"`` or ``"spill"``); ``ns``: only that namespace. ``headers_only``: spilled
+        payloads are given as their length (int), not read."""
         for (rns, key), (hdr, payload) in list(self.records.items()):
             if ns is None or rns == ns:
                 yield rns, key, hdr, payload, self.written.get((rns, key), self.started), "memory"
         if self.spill is not None:
-            yield from self.spill.records(ns, skip=self.records)
+            yield from self.spill.records(ns, skip=self.records, headers_only=headers_only)
 
     def _op_scan(self, h, payloads):
         """Per-namespace pages, bytes, payload sizes, page format versions and an age histogram (v2)."""
@@ -438,12 +444,12 @@ class CacheServer:
 
         now = time.time()
         per: dict[bytes, dict] = {}
-        for rns, _key, hdr, payload, born, _where in self._all_records():
+        for rns, _key, hdr, payload, born, _where in self._all_records(headers_only=True):
             d = per.get(rns)
             if d is None:
                 d = per[rns] = {"ns": rns, "pages": 0, "bytes": 0, "payload_bytes": set(), "versions": set(),
                                 "ages": [0] * (len(P.AGE_BUCKETS_S) + 1)}
-            n = _nbytes(payload)
+            n = payload if isinstance(payload, int) else _nbytes(payload)
             d["pages"] += 1
             d["bytes"] += len(hdr) + n
             d["payload_bytes"].add(n)

@@ -207,6 +207,7 @@ def test_server_stats_and_verify_include_spilled_pages(tmp_path, capsys, fresh_e
         assert all(h.backend.batch_set([key(i) for i in range(5)], [page(i, PB_A) for i in range(5)]))
         rc, d = run_json(capsys, "store", "stats", h.endpoint)
         assert rc == EXIT_OK and d["pages"] == 5  # 2 in memory + 3 spilled
+        assert d["bytes"] == 5 * (64 + PB_A) and d["namespaces"][0]["payload_bytes"] == [PB_A]
         rc, d = run_json(capsys, "store", "verify", h.endpoint)
         assert rc == EXIT_OK and (d["checked"], d["ok"]) == (5, 5)
     finally:
