@@ -237,24 +237,27 @@ def warm_up() -> bool:
 class RequestKeys:
     """Incrementally extended key chain of one growing sequence (prompt, then generated tokens).
 
-    ``extend(all_token_ids)`` hashes only the pages that became full since the last call; ``keys`` is the list
-    of 16-byte keys of all full pages so far.
+    ``extend(all_token_ids)`` hashes only the pages that became full since the last call (O(1) when none did: it
+    reads only ``len(all_token_ids)``); ``keys`` is the list of 16-byte keys of all full pages so far and
+    ``hashed_pages`` counts the pages this object hashed (each page once: docs/architecture.md §9).
     """
 
-    __slots__ = ("root", "page_size", "keys")
+    __slots__ = ("root", "page_size", "keys", "hashed_pages")
 
     def __init__(self, root: bytes, page_size: int):
         self.root = root
         self.page_size = page_size
         self.keys: list[bytes] = []
+        self.hashed_pages = 0
 
     def extend(self, token_ids: Sequence[int]) -> list[bytes]:
         n_full = len(token_ids) // self.page_size
         if n_full > len(self.keys):
             start = len(self.keys)
             parent = self.keys[-1] if self.keys else None
-            self.keys.extend(page_keys(self.root, token_ids[: n_full * self.page_size], self.page_size,
+            self.keys.extend(page_keys(self.root, token_ids, self.page_size,
                                        parent=parent, start_page=start))
+            self.hashed_pages += n_full - start
         return self.keys
 
 

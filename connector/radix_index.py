@@ -49,11 +49,11 @@ class RadixNode:
 
     Bookkeeping kept by :class:`RadixIndex`: ``depth`` (pages from the root to the end of this edge; a split keeps it
     for the lower part, which stays this object), ``l2_count`` (pages with a slot), ``l2_children`` (children with
-    ``l2_count > 0``), ``gen`` (bumped whenever this node loses L2 copies, so cached matches through it are redone).
+    ``l2_count > 0``), ``l2_sub`` (children whose subtree holds an L2 page; ``has_l2``: this subtree does), ``gen`` (bumped whenever this node loses L2 copies, so cached matches through it are redone).
     """
 
     __slots__ = ("id", "parent", "children", "keys", "host_slots", "in_l3", "lock_ref", "last_access",
-                 "hit_count", "_heap_stamp", "_l3_stamp", "depth", "l2_count", "l2_children", "gen")
+                 "hit_count", "_heap_stamp", "_l3_stamp", "depth", "l2_count", "l2_children", "l2_sub", "has_l2", "gen")
 
     def __init__(self, node_id: int, parent: Optional["RadixNode"], keys: list[bytes], host_slots: list[int],
                  in_l3: list[bool]):
@@ -71,6 +71,8 @@ class RadixNode:
         self.depth = (parent.depth if parent is not None else 0) + len(keys)
         self.l2_count = len(host_slots) - host_slots.count(NO_SLOT)
         self.l2_children = 0
+        self.l2_sub = 0
+        self.has_l2 = self.l2_count > 0
         self.gen = 0
 
     @property
@@ -268,6 +270,8 @@ class RadixIndex:
                 except ValueError:
                     pass
             if j == pos:
+                if pos == 0:  # nothing of the child matched: the last matched page is its parent's
+                    node = node.parent
                 break
             i += j - pos
             pos = j
@@ -318,6 +322,8 @@ class RadixIndex:
                 node.children[new_keys[i]] = leaf
                 if leaf.l2_count:
                     node.l2_children += 1
+                    node.l2_sub += 1
+                    self._refresh_sub(node)
                 self.l3_pages += sum(tail_l3)
                 self.num_nodes += 1
                 added = n - i
@@ -360,6 +366,7 @@ class RadixIndex:
                 self.l3_pages += 1
         if not had_l2 and child.l2_count:
             child.parent.l2_children += 1
+            self._refresh_sub(child)
 
     # ------------------------------------------------------------------ locking
     def lock(self, node: RadixNode) -> RadixNode:
@@ -425,12 +432,13 @@ class RadixIndex:
         if node.lock_ref:
             raise RuntimeError(f"drop_l2 of locked node {node.id}")
         orig_parent = node.parent
-        if node.l2_children:
-            self._epoch += 1  # an ancestor loses L2 under a descendant that keeps it: cursors cannot see that
+        if node.l2_sub:
+            self._epoch += 1  # an ancestor loses L2 above a descendant that keeps it: cursors cannot see that
         node.gen += 1
         freed = [sl for sl in node.host_slots if sl != NO_SLOT] if node.l2_count else []
         node.host_slots = [NO_SLOT] * node.num_pages
         self._set_l2_count(node, 0)
+        self._refresh_sub(node)
         self.l2_pages -= len(freed)
         if False in node.in_l3:
             j = node.in_l3.index(False)
@@ -569,6 +577,8 @@ class RadixIndex:
             assert n.depth == n.parent.depth + n.num_pages, f"node {n.id}: depth {n.depth}"
             assert n.l2_count == sum(1 for s in n.host_slots if s != NO_SLOT), f"node {n.id}: l2_count"
             assert n.l2_children == sum(1 for c in n.children.values() if c.l2_count), f"node {n.id}: l2_children"
+            assert n.l2_sub == sum(1 for c in n.children.values() if c.has_l2), f"node {n.id}: l2_sub"
+            assert n.has_l2 == (n.l2_count > 0 or n.l2_sub > 0), f"node {n.id}: has_l2"
             assert n.lock_ref >= 0
             if n.parent is not self.root:
                 assert n.lock_ref <= n.parent.lock_ref, "child locked more than its parent"
@@ -624,6 +634,17 @@ class RadixIndex:
         if (node.l2_count > 0) != (count > 0) and node.parent is not None:
             node.parent.l2_children += 1 if count > 0 else -1
         node.l2_count = count
+
+    def _refresh_sub(self, node: RadixNode) -> None:
+        # recompute ``has_l2`` upwards while it flips (O(1) unless a whole chain gains or loses its last L2 page)
+        while node is not None:
+            has = node.l2_count > 0 or node.l2_sub > 0
+            if has == node.has_l2:
+                return
+            node.has_l2 = has
+            node = node.parent
+            if node is not None:
+                node.l2_sub += 1 if has else -1
 
     def walk(self, keys: Sequence[bytes]) -> Iterator[tuple[RadixNode, int, int]]:
         """``(node, page index in the node, page index in keys)`` for each indexed page of the path ``keys`` (from the
@@ -683,12 +704,13 @@ class RadixIndex:
 
     def _split(self, child: RadixNode, j: int) -> RadixNode:
         """Split ``child`` after its first ``j`` pages; returns the new parent holding those pages. ``child`` keeps the
-        lower pages (its depth, generation and heap entries stay valid)."""
+        lower pages (its depth and heap entries stay valid; its generation moves on, so cursors into it are redone)."""
         parent = child.parent
         top = RadixNode(next(self._ids), parent, child.keys[:j], child.host_slots[:j], child.in_l3[:j])
         top.lock_ref = child.lock_ref
         top.last_access = child.last_access
         top.hit_count = child.hit_count
+        child.gen += 1  # a cursor may point at a page that now lives in ``top``: it is redone once
         top.gen = child.gen
         child.keys = child.keys[j:]
         child.host_slots = child.host_slots[j:]
@@ -699,6 +721,10 @@ class RadixIndex:
         top.l2_children = 1 if child.l2_count else 0
         if had != (top.l2_count > 0):
             parent.l2_children += 1 if top.l2_count else -1
+        # subtree flags: ``top``'s subtree is the old ``child``'s, so the parent's l2_sub does not change
+        child.has_l2 = child.l2_count > 0 or child.l2_sub > 0
+        top.l2_sub = 1 if child.has_l2 else 0
+        top.has_l2 = top.l2_count > 0 or top.l2_sub > 0
         top.children[child.keys[0]] = child
         parent.children[top.keys[0]] = top
         self.num_nodes += 1
@@ -711,6 +737,9 @@ class RadixIndex:
         del parent.children[node.keys[0]]
         if node.l2_count:
             parent.l2_children -= 1
+        if node.has_l2:
+            parent.l2_sub -= 1
+            self._refresh_sub(parent)
         node.parent = None
         node.gen += 1
         self.num_nodes -= 1

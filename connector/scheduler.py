@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from .controller import Controller
-from .page_hash import ModelNamespace, RequestKeys, request_root
+from .page_hash import ModelNamespace, RequestKeys, request_root, warm_up
 from .plan import JobReport, PageOrder, StepPlan
-from .radix_index import RadixIndex, RadixNode
+from .radix_index import MatchCursor, RadixIndex, RadixNode
 from .slot_allocator import SlotAllocator
 
 logger = logging.getLogger("tierkv.scheduler")
@@ -52,6 +52,7 @@ class _RequestState:
     num_indexed: int = 0                  # leading pages known to be in the index with an L2 copy
     counted: bool = False                 # prompt counted in hit statistics
     async_hit: bool = False               # the last lookup's answer needs an L3 read
+    cursor: Optional[MatchCursor] = None  # where the last lookup's L2 match ended (resumed in O(1) next step)
 
 
 @dataclass
@@ -101,6 +102,7 @@ class CacheScheduler:
         self.page_size = page_size
         self.num_slots = num_slots
         self.index = RadixIndex(eviction_policy)
+        warm_up()  # load the compiled page hash now, not in the first request's lookup
         self.allocator = SlotAllocator(num_slots)
         self.requests: dict[str, _RequestState] = {}
         self.counters = SchedulerCounters()
@@ -147,13 +149,14 @@ class CacheScheduler:
         cap_pages = max(0, (len(st.tokens) - 1) // self.page_size)
         if cap_pages == 0 or self.num_slots == 0:
             return 0
-        keys = st.keys.extend(st.tokens)[:cap_pages]
+        all_keys = st.keys.extend(st.tokens)  # hashes only pages not hashed before: O(1) for a waiting request
+        # the L2 run, resumed from the last lookup's cursor: O(1) when nothing on the path changed (docs §9)
+        l2_run, st.cursor = self.index.match_len(all_keys, cap_pages, require_l2=True, cursor=st.cursor)
         ctl = self.ctl
-        if ctl is None:
-            m = self.index.match_prefix(keys, require_l2=True)
-            return max(0, m.num_pages * self.page_size - num_computed_tokens)
+        if ctl is None or l2_run == cap_pages:  # with L3 too: nothing more to find when L2 holds every page
+            return max(0, l2_run * self.page_size - num_computed_tokens)
+        keys = all_keys[:cap_pages]
         m = self.index.match_prefix(keys, require_l2=False)
-        l2_run = next((i for i, s in enumerate(m.host_slots) if s < 0), m.num_pages)
         avail = ctl.usable_pages(keys, m.host_slots, m.in_l3)
         first = num_computed_tokens // self.page_size
         lo = max(first, l2_run)
