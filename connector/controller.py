@@ -43,11 +43,14 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
+from tierkv.storage_backends.common import RateLimitedLog
+
 from .plan import JOB_BACKUP, JOB_EXISTS, JOB_PREFETCH, Job, JobReport, merge_reports
 from .radix_index import NO_SLOT, RadixIndex, RadixNode
 from .slot_allocator import SlotAllocator
 
 logger = logging.getLogger("tierkv.controller")
+_rate_limited = RateLimitedLog(logger)  # one line per kind per 10 s, with the count of those suppressed
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
@@ -189,7 +192,7 @@ class Controller:
         for r in reports:
             st = self._jobs.get(r.job_id)
             if st is None:
-                logger.warning("tierkv: report for unknown job %d ignored", r.job_id)
+                _rate_limited.warning("unknown_job", "tierkv: report for unknown job %d ignored", r.job_id)
                 continue
             st.reports.append(r)
             if len(st.reports) < self.world_size:

@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from tierkv.storage_backends.common import RateLimitedLog
+
 from .. import kernels
 from .device_pool import DevicePool
 from .host_pool import HostPool
@@ -33,6 +35,7 @@ from .page_checksums import SlotChecksums
 from .plan import JOB_PREFETCH, JobReport, PageOrder, StepPlan
 
 logger = logging.getLogger("tierkv.worker")
+_rate_limited = RateLimitedLog(logger)  # failures that can repeat at traffic rate: one line per kind per 10 s
 
 
 @dataclass
@@ -147,8 +150,8 @@ class CacheWorker:
             got = self.host.page_checksum(slot)
             if want is None or want != got:
                 self.counters.checksum_mismatches += 1
-                logger.error("tierkv: L2 page %s in slot %d fails its checksum; recomputing from there",
-                             key.hex(), slot)
+                _rate_limited.warning("checksum", "tierkv: L2 page %s in slot %d fails its checksum; recomputing "
+                                      "from there", key.hex(), slot)
                 return i
             self.counters.verified_pages += 1
         return len(order.block_ids)
