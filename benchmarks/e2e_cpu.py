@@ -386,6 +386,8 @@ ExampleConnector 6.9/6.6/6.8.
 
 {table(results)}
 
+![TTFT per round and configuration](results/e2e_cpu_ttft.png)
+
 Targets (issue 2):
 
 {targets_text(results)}
@@ -439,6 +441,8 @@ Load average before->after each configuration: {loads}.
 {note}
 
 {l3_table(results)}
+
+![TTFT per round and configuration, L3](results/e2e_cpu_l3_ttft.png)
 
 Targets:
 
