@@ -18,6 +18,12 @@ Semantics follow SGLang HiCache's ``HiCacheStorage`` so the same classes plug in
   bug, or a page that changed after it was hashed) is not detected at set time: the record fails verification when
   read back, so it is a miss, never data.
 
+Token ids (optional, every store): ``batch_exists``, ``batch_get`` and ``batch_set`` take a keyword ``tokens``: ``None``
+(the default) or one :class:`PageTokens` per key, the token ids that produced the page. Stores whose keys already name
+the prefix (file, zmq, mooncake) ignore it; a store keyed by token ids (``lmcache``: LMCache's server hashes token
+chunks itself) uses it to name pages the way that server does. A store class that does not declare the parameter
+accepts and ignores it (:meth:`StorageBackend.__init_subclass__`), so callers may always pass it.
+
 No method raises for a per-key failure or a dead/slow medium: errors become ``False``/0, are counted in
 ``stats()`` and logged; ``ValueError`` is raised only for caller bugs (bad key text, wrong buffer size, a
 ``checksums`` sequence of the wrong length or holding something other than 64-bit unsigned ints), before any I/O.
@@ -25,12 +31,38 @@ No method raises for a per-key failure or a dead/slow medium: errors become ``Fa
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+import functools
+import inspect
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Sequence, Union
 
 if TYPE_CHECKING:  # no torch import at run time: the cache server process stays small and starts fast
     import torch
 
 Buffer = Union["torch.Tensor", memoryview, bytearray, bytes]
+
+
+class PageTokens(NamedTuple):
+    """The token ids that produced one page, for stores keyed by tokens (the ``tokens`` argument).
+
+    ``prefix``: token ids of the whole prefix up to and including this page (``(page_index + 1) * page_size`` ints,
+    each in 0..2**32-1); consecutive pages of one request may share one list (pass slices or the same list object).
+    ``root``: the request root the page's key chain starts from (16 bytes,
+    :func:`tierkv.connector.page_hash.request_root`: namespace, LoRA adapter, cache salt), so pages of different
+    salts or adapters never share a name even when their tokens are equal."""
+
+    prefix: Sequence[int]
+    root: bytes
+
+
+_TOKEN_METHODS = ("batch_exists", "batch_get", "batch_set")
+
+
+def _ignoring_tokens(fn):
+    @functools.wraps(fn)
+    def wrapper(self, *args, tokens=None, **kwargs):
+        return fn(self, *args, **kwargs)
+
+    return wrapper
 
 
 class StorageBackend(abc.ABC):
@@ -40,22 +72,38 @@ class StorageBackend(abc.ABC):
     page_bytes: int
     namespace: bytes
 
-    @abc.abstractmethod
-    def batch_exists(self, keys: Sequence[str]) -> int:
-        """Number of leading ``keys`` present (0..len(keys))."""
+    def __init_subclass__(cls, **kw: Any) -> None:
+        """Give every store the optional ``tokens`` keyword (see the module docstring): a ``batch_*`` method that
+        declares neither ``tokens`` nor ``**kwargs`` is wrapped to accept and ignore it."""
+        super().__init_subclass__(**kw)
+        for name in _TOKEN_METHODS:
+            fn = cls.__dict__.get(name)
+            if fn is None or getattr(fn, "__isabstractmethod__", False):
+                continue
+            params = inspect.signature(fn).parameters
+            if "tokens" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+                setattr(cls, name, _ignoring_tokens(fn))
 
     @abc.abstractmethod
-    def batch_get(self, keys: Sequence[str], destinations: Sequence[Buffer]) -> list[bool]:
-        """Read pages into ``destinations`` (one writable buffer of ``page_bytes`` per key)."""
+    def batch_exists(self, keys: Sequence[str], tokens: Optional[Sequence[PageTokens]] = None) -> int:
+        """Number of leading ``keys`` present (0..len(keys)). ``tokens``: see :class:`PageTokens`."""
+
+    @abc.abstractmethod
+    def batch_get(self, keys: Sequence[str], destinations: Sequence[Buffer],
+                  tokens: Optional[Sequence[PageTokens]] = None) -> list[bool]:
+        """Read pages into ``destinations`` (one writable buffer of ``page_bytes`` per key). ``tokens``: see
+        :class:`PageTokens`."""
 
     @abc.abstractmethod
     def batch_set(self, keys: Sequence[str], sources: Sequence[Buffer],
-                  checksums: Optional[Sequence[int]] = None) -> list[bool]:
+                  checksums: Optional[Sequence[int]] = None,
+                  tokens: Optional[Sequence[PageTokens]] = None) -> list[bool]:
         """Write pages from ``sources`` (one buffer of ``page_bytes`` per key). ``checksums``: ``None`` (the store
         hashes each payload) or one XXH3-64 per source (an int in 0..2**64-1, the ``xxhash.xxh3_64_intdigest`` of
         its ``page_bytes`` bytes), written into the record headers without hashing the payloads; a wrong value
         makes that page a miss when read. Raises ValueError for a bad key, a buffer of the wrong size or a
-        ``checksums`` of the wrong length or type (:func:`~tierkv.storage_backends.page_format.check_checksums`)."""
+        ``checksums`` of the wrong length or type (:func:`~tierkv.storage_backends.page_format.check_checksums`).
+        ``tokens``: see :class:`PageTokens`."""
 
     def register_host_buffer(self, buffer: Buffer) -> bool:
         """Declare ``buffer`` (e.g. the whole host pool: a contiguous CPU ``torch.uint8`` tensor of any size) as

@@ -18,6 +18,8 @@ client it made. The yielded handle ``h`` has:
   spawned process, or ``None`` if the backend cannot (the multi-process test is then skipped for it);
 - ``h.restart()``: restart the server / master (zmq, mooncake) or re-open the directory (file);
 - ``h.persistent``: True if pages survive ``h.restart()``;
+- ``h.write_once`` (optional, default False): a set of a page the store already holds keeps the stored copy
+  (LMCache);
 - ``h.supports_stop`` and ``h.stop()`` / ``h.cont()``: SIGSTOP / SIGCONT the server process;
 - ``h.corrupt(key, how)`` with ``how`` in ``"truncate"``, ``"flip"``, ``"foreign_namespace"``: damage the stored
   page of ``key``; returns False if the backend cannot do that (the case is then skipped for it);
@@ -37,7 +39,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-KINDS = [k for k in ("file", "zmq", "mooncake") if (HERE / f"_fixtures_{k}.py").exists()]
+KINDS = [k for k in ("file", "zmq", "mooncake", "lmcache") if (HERE / f"_fixtures_{k}.py").exists()]
 
 NS_A = bytes(range(16))
 NS_B = bytes(range(16, 32))

@@ -1,0 +1,746 @@
+"""L3 store on an LMCache multiprocess cache server (``python -m lmcache.v1.multiprocess.server``, LMCache >= 0.5.6).
+
+Many vLLM deployments already run an LMCache cache server; this store lets tierkv use one as its L3 without importing
+LMCache: the client speaks the server's wire protocol itself (pyzmq + msgpack, our own reading of the protocol,
+docs/architecture.md §11) and moves page bytes only through the server's shared-memory segment in ``/dev/shm``
+(never LMCache's pickle path, which would make the server unpickle bytes from the network).
+
+Protocol, as used here: one ZMQ DEALER socket to the server's ROUTER; a request is the frames
+``[msgpack(request uid), msgpack(operation), msgpack(arg) ...]``, a reply ``[uid, op]`` or ``[uid, op, msgpack(result)]``
+(replies may come out of order; they are matched by uid). A request the server rejects (a handler that raises) gets
+**no reply at all**, so every exchange is bounded by ``timeout_s``. The store registers itself as an "engine-driven"
+(non-GPU) worker instance, reserves chunk slots with ``prepare_store``, writes them in the shared-memory segment and
+publishes them with ``commit_store``; a read is ``lookup`` (which also prefetches into the server's L1),
+``wait_prefetch_status`` (the number of leading chunks present), ``prepare_retrieve`` (slot offsets, read-locked) and
+``commit_retrieve`` (unlock). Every operation runs in its own server session (a fresh ``request_id``) that is ended
+afterwards.
+
+Keys. LMCache keys are token ids: the server cuts them into chunks of its ``--chunk-size`` and hashes them as a rolling
+prefix hash, so one tierkv page must be exactly one LMCache chunk (``page_tokens`` = the server's chunk size, checked
+when the store first reaches the server). Two ways of naming a page:
+
+- with tokens (:class:`~tierkv.storage_backends.base.PageTokens` per page, the optional ``tokens`` argument of every
+  store): the page's whole prefix is sent, so the server's chunk hash is the one LMCache itself gives that prefix;
+  consecutive pages of one prefix travel as one range (one request for the whole batch);
+- without tokens (the plain key interface, e.g. SGLang's HiCache adapter): the page's 16-byte tierkv key, which already
+  names its prefix and namespace, is sent as the first four token ids of a one-chunk sequence (``cache_salt``
+  ``tierkv-key``, a key space of its own).
+
+Namespace mapping (so a foreign page never matches): LMCache's ``model_name`` is ``<model_name>-tierkv-<namespace
+hex>`` (the namespace digest covers model, dtype, KV layout, page size, TP/PP rank), ``world_size``/``worker_id`` are
+the configured ones, and ``cache_salt`` is the request root (LoRA adapter and vLLM cache salt, from
+:class:`PageTokens.root`). Each chunk slot holds tierkv's 64-byte page header (namespace, key, length, XXH3-64 of the
+payload, :mod:`.page_format`) before the payload, checked on every read: a slot that does not verify is a miss.
+
+Faults: a dead, stopped or restarted server, a rejected request, a vanished shared-memory segment and a server of
+another chunk size all turn into misses / ``False`` with a counter and a rate-limited warning; never an exception,
+never a hang longer than ``timeout_s`` per exchange. After a failure the socket is replaced, the old worker instance is
+unregistered (which frees the slots a lost reply left reserved) and a new one registered; consecutive failures back
+off exponentially. A server restart is noticed from the socket's connection events and answered by registering again.
+
+Limits (LMCache's, not ours): a chunk already stored is not replaced by a later set (the set still reports ``True``:
+the page is present); LMCache evicts by its own L1 policy (``--eviction-policy``), not by tierkv's LRU.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import mmap
+import os
+import random
+import struct
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from typing import Any, Optional, Sequence
+
+import msgpack
+import zmq
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from tierkv.storage_backends.base import Buffer, PageTokens, StorageBackend
+from tierkv.storage_backends.common import ConfigError, RateLimitedLog, as_byte_view, config_error
+from tierkv.storage_backends.page_format import (HEADER_BYTES, PageFormatError, check_checksums, check_key,
+                                                 decode_header, encode_headers, verify_payload)
+
+log = logging.getLogger("tierkv.lmcache")
+
+#: LMCache's operation ids (its small legacy integers); newer operations go by name
+OPS = {"lookup": 8, "wait_prefetch_status": 10, "free_lookup_locks": 12, "end_session": 13,
+       "register_kv_cache_engine_driven_context": 14, "unregister_kv_cache_engine_driven_context": 15,
+       "prepare_store": 16, "commit_store": 17, "prepare_retrieve": 18, "commit_retrieve": 19,
+       "get_chunk_size": 21, "ping": 22, "clear": 20, "noop": 24}
+#: ``cache_salt`` of pages named by their tierkv key only (no tokens): a key space apart from token-named pages
+KEY_SALT = "tierkv-key"
+#: the largest token id LMCache's hasher accepts (it packs ids as big-endian uint32)
+MAX_TOKEN = 2**32 - 1
+#: a registered instance that has been quiet this long re-registers first (LMCache reaps silent workers)
+REFRESH_S = 30.0
+#: how many keys found corrupt are remembered (a set cannot replace them: it reports False for them)
+BAD_KEYS_KEPT = 4096
+_FORBIDDEN = set("@/\\\0")
+
+
+class LMCacheStoreConfig(BaseModel):
+    """The ``l3.lmcache`` section (keyword arguments of :class:`LMCacheStore`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    endpoint: str = "tcp://127.0.0.1:5555"
+    #: tokens per tierkv page; must equal the server's ``--chunk-size``
+    page_tokens: int = Field(gt=0)
+    #: label put in front of the namespace in LMCache's ``model_name``
+    model_name: str = "tierkv"
+    world_size: int = Field(default=1, ge=1)
+    worker_id: int = Field(default=0, ge=0)
+    timeout_s: float = Field(default=2.0, gt=0)
+    reconnect_backoff_s: float = Field(default=0.05, ge=0)
+    max_backoff_s: float = Field(default=1.0, ge=0)
+    #: where the server's shared-memory segment is mapped from
+    shm_dir: str = "/dev/shm"
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, v: str) -> str:
+        if not v.startswith(("tcp://", "ipc://")):
+            raise ValueError("must look like 'tcp://HOST:PORT' or 'ipc://PATH'")
+        return v
+
+    @field_validator("page_tokens")
+    @classmethod
+    def _page_tokens(cls, v: int) -> int:
+        if v < 4:
+            raise ValueError("must be >= 4 (a page named by its key alone needs four token ids)")
+        return v
+
+    @field_validator("model_name")
+    @classmethod
+    def _model(cls, v: str) -> str:
+        if not v or len(v) > 64 or _FORBIDDEN & set(v):
+            raise ValueError("must be 1-64 characters without '@', '/', '\\' or NUL")
+        return v
+
+    @field_validator("timeout_s", "reconnect_backoff_s", "max_backoff_s")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError("must be a finite number of seconds")
+        return v
+
+
+def check_options(cfg: dict) -> LMCacheStoreConfig:
+    """Validate the ``l3.lmcache`` section without connecting.
+
+    Raises:
+        ConfigError: naming ``l3.lmcache.<key>`` and what is allowed.
+    """
+    try:
+        c = LMCacheStoreConfig.model_validate(cfg)
+    except ValidationError as e:
+        raise config_error(e, "l3.lmcache", LMCacheStoreConfig) from None
+    if c.max_backoff_s < c.reconnect_backoff_s:
+        raise ConfigError(f"invalid tierkv config: bad value {c.max_backoff_s!r} for 'l3.lmcache.max_backoff_s': "
+                          f"must be >= reconnect_backoff_s ({c.reconnect_backoff_s})")
+    if c.worker_id >= c.world_size:
+        raise ConfigError(f"invalid tierkv config: bad value {c.worker_id!r} for 'l3.lmcache.worker_id': must be < "
+                          f"l3.lmcache.world_size ({c.world_size})")
+    return c
+
+
+class _Failed(Exception):
+    """An exchange did not complete (timeout, send/receive error): the batch is a miss."""
+
+
+class _Group:
+    """Consecutive pages sent as one LMCache key range: ``idx`` (positions in the batch), the token ids, the range."""
+
+    __slots__ = ("idx", "tokens", "start", "end", "salt", "rid")
+
+    def __init__(self, idx: list, tokens: list, start: int, end: int, salt: str):
+        self.idx, self.tokens, self.start, self.end, self.salt = idx, tokens, start, end, salt
+        self.rid = ""
+
+
+class LMCacheStore(StorageBackend):
+    """L3 store on an LMCache multiprocess cache server, data through its ``/dev/shm`` segment.
+
+    Args:
+        namespace: 16-byte namespace digest (``ModelNamespace.digest()``); part of LMCache's ``model_name`` and of
+            every page header.
+        page_bytes: bytes of one page payload (> 0). Each LMCache chunk slot holds ``64 + page_bytes`` bytes
+            (registered as a ``uint8`` chunk of shape ``[2, 1, page_tokens, ceil((64 + page_bytes) / (2 *
+            page_tokens))]``).
+        endpoint, page_tokens, model_name, world_size, worker_id, timeout_s, reconnect_backoff_s, max_backoff_s,
+            shm_dir: see :class:`LMCacheStoreConfig` (``l3.lmcache.*``).
+    Raises:
+        ConfigError: a bad option (naming ``l3.lmcache.<key>``), or a server that answers with another chunk size
+            than ``page_tokens`` or without a shared-memory segment.
+        TypeError: an unknown option.
+        ValueError: bad ``namespace`` or ``page_bytes``.
+    A server that does not answer at start-up is not an error: the store logs a warning, answers misses and checks
+    the chunk size when the server first answers (a mismatch then disables the store, logged).
+    """
+
+    def __init__(self, namespace: bytes, page_bytes: int, **options: Any):
+        unknown = sorted(set(options) - set(LMCacheStoreConfig.model_fields))
+        if unknown:
+            raise TypeError(f"LMCacheStore got unknown option(s) {', '.join(unknown)}; allowed: "
+                            f"{', '.join(LMCacheStoreConfig.model_fields)}")
+        if not isinstance(namespace, (bytes, bytearray)) or len(namespace) != 16:
+            raise ValueError(f"namespace must be a 16-byte digest, got {namespace!r:.60}")
+        if type(page_bytes) is not int or page_bytes <= 0:
+            raise ValueError(f"page_bytes must be a positive int, got {page_bytes!r}")
+        self.cfg = check_options(options)
+        self.namespace = bytes(namespace)
+        self.page_bytes = page_bytes
+        self.endpoint = self.cfg.endpoint
+        self.page_tokens = self.cfg.page_tokens
+        self.timeout_s = float(self.cfg.timeout_s)
+        self.lm_model = f"{self.cfg.model_name}-tierkv-{self.namespace.hex()}"
+        self.slot_bytes = HEADER_BYTES + page_bytes
+        self._hidden = -(-self.slot_bytes // (2 * self.page_tokens))
+        self._lock = threading.RLock()
+        self._ctx: Optional[zmq.Context] = zmq.Context()
+        self._sock: Optional[zmq.Socket] = None
+        self._mon: Optional[zmq.Socket] = None
+        self._uids = itertools.count(random.getrandbits(40))
+        self._fire_and_forget: set = set()
+        self._instance: Optional[int] = None
+        self._registered_at = 0.0
+        self._checked = False       # the server's chunk size was compared with page_tokens
+        self._refused: Optional[str] = None  # a permanent mismatch (chunk size, no shm): every call is a miss
+        self._shm: Optional[mmap.mmap] = None
+        self._shm_view: Optional[memoryview] = None
+        self._shm_name = ""
+        self._shm_ino: Optional[tuple] = None
+        self._fails = 0
+        self._retry_at = 0.0
+        self._closed = False
+        self._pid = os.getpid()
+        self._warn = RateLimitedLog(log)
+        self._bad_keys: OrderedDict = OrderedDict()
+        self.c = dict(requests=0, hits=0, misses=0, sets=0, set_failures=0, already_present=0, corrupt=0, errors=0,
+                      timeouts=0, reconnects=0, registrations=0, fast_fails=0, stale_replies=0, bad_replies=0,
+                      shm_lost=0, refused=0, bytes_in=0, bytes_out=0, evictions=0)
+        with self._lock:
+            try:
+                self._ensure_ready()
+            except _Failed as e:
+                self._failed(f"not reachable at start-up ({e})")
+        if self._refused:
+            msg = self._refused
+            self.close()
+            raise ConfigError(msg)
+
+    # ------------------------------------------------------------------------------------------- wire
+    def _socket(self) -> zmq.Socket:
+        if self._sock is None:
+            if os.getpid() != self._pid:  # forked: the parent's context is not usable here
+                self._ctx, self._pid, self._mon, self._shm, self._shm_view = zmq.Context(), os.getpid(), None, None, None
+                self._instance = None
+            s = self._ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.IMMEDIATE, 1)  # nothing is queued while the server is away
+            s.setsockopt(zmq.SNDHWM, 100000)
+            s.setsockopt(zmq.RCVHWM, 100000)
+            s.setsockopt(zmq.RECONNECT_IVL, 20)
+            s.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
+            self._mon = s.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            s.connect(self.endpoint)
+            self._sock = s
+        return self._sock
+
+    def _discard_socket(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self._sock.close(0)
+            self._sock = None
+        if self._mon is not None:
+            self._mon.close(0)
+            self._mon = None
+        self._fire_and_forget.clear()
+
+    def _server_reconnected(self) -> bool:
+        """True when the TCP connection dropped since the last look (server restarted or went away)."""
+        if self._mon is None:
+            return False
+        seen = False
+        while True:
+            try:
+                self._mon.recv_multipart(zmq.NOBLOCK)
+                seen = True
+            except zmq.Again:
+                return seen
+
+    def _failed(self, why: str) -> None:
+        self._discard_socket()
+        self._fails += 1
+        self._registered_at = 0.0  # register (a fresh instance) before the next data call
+        back = 0.0 if self._fails < 2 else min(self.cfg.reconnect_backoff_s * 2 ** (self._fails - 2),
+                                               self.cfg.max_backoff_s)
+        self._retry_at = time.monotonic() + back
+        self._warn.warning("fail", "LMCache server %s: %s; pages count as misses (failure %d, back-off %.3fs)",
+                           self.endpoint, why, self._fails, back)
+
+    def _calls(self, calls: Sequence[tuple], forget: Sequence[tuple] = ()) -> list:
+        """Send ``calls`` (``(op, *args)``) pipelined and return their results in order; ``forget`` is sent after
+        them without waiting for replies (their late replies are dropped). Raises :class:`_Failed` when a reply does
+        not arrive within ``timeout_s`` of silence (the clock restarts at every reply) or the socket fails."""
+        sock = self._socket()
+        deadline = time.monotonic() + self.timeout_s
+        waiting: dict[int, int] = {}
+        results: list = [None] * len(calls)
+        pack = msgpack.packb
+        for i, call in enumerate(list(calls) + list(forget)):
+            uid = next(self._uids) & 0x7FFFFFFFFFFF
+            frames = [pack(uid), pack(OPS.get(call[0], call[0]))] + [pack(a, use_bin_type=True) for a in call[1:]]
+            if not sock.poll(max(0, int((deadline - time.monotonic()) * 1000)), zmq.POLLOUT):
+                self.c["timeouts"] += 1
+                raise _Failed(f"not connected ({call[0]} could not be sent within {self.timeout_s}s)")
+            try:
+                sock.send_multipart(frames, zmq.NOBLOCK)
+            except zmq.ZMQError as e:
+                self.c["errors"] += 1
+                raise _Failed(f"send failed: {e}") from None
+            self.c["requests"] += 1
+            if i < len(calls):
+                waiting[uid] = i
+            else:
+                self._fire_and_forget.add(uid)
+        while waiting:
+            left = deadline - time.monotonic()
+            if not sock.poll(max(1, int(left * 1000)) if left > 0 else 0, zmq.POLLIN):
+                if time.monotonic() < deadline:
+                    continue
+                self.c["timeouts"] += 1
+                ops = sorted({calls[i][0] for i in waiting.values()})
+                raise _Failed(f"no reply to {', '.join(ops)} within {self.timeout_s}s (LMCache does not answer a "
+                              "request it rejects)")
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                continue
+            except zmq.ZMQError as e:
+                self.c["errors"] += 1
+                raise _Failed(f"receive failed: {e}") from None
+            try:
+                uid = msgpack.unpackb(frames[0])
+                result = msgpack.unpackb(frames[2], raw=False) if len(frames) > 2 else None
+            except Exception:  # noqa: BLE001 - any undecodable reply is discarded, never applied
+                self.c["bad_replies"] += 1
+                continue
+            if type(uid) is int and uid in self._fire_and_forget:
+                self._fire_and_forget.discard(uid)
+                continue
+            i = waiting.pop(uid, None) if type(uid) is int else None
+            if i is None:
+                self.c["stale_replies"] += 1
+                continue
+            results[i] = result
+            deadline = time.monotonic() + self.timeout_s
+        return results
+
+    # ------------------------------------------------------------------------------------------- session
+    def _map_shm(self, name: str, size: int) -> None:
+        self._unmap_shm()
+        path = os.path.join(self.cfg.shm_dir, name)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            st = os.fstat(fd)
+            if st.st_size < size:
+                raise OSError(f"{path} has {st.st_size} bytes, the server announced {size}")
+            self._shm = mmap.mmap(fd, size)
+            self._shm_ino = (st.st_dev, st.st_ino)
+        finally:
+            os.close(fd)
+        self._shm_view = memoryview(self._shm)
+        self._shm_name = name
+
+    def _unmap_shm(self) -> None:
+        if self._shm_view is not None:
+            self._shm_view.release()
+            self._shm_view = None
+        if self._shm is not None:
+            try:
+                self._shm.close()
+            except BufferError:  # a view of it is still exported somewhere: leave it to the garbage collector
+                pass
+            self._shm = None
+        self._shm_ino = None
+
+    def _shm_intact(self) -> bool:
+        """The mapped segment is still the one the server's name points at."""
+        try:
+            st = os.stat(os.path.join(self.cfg.shm_dir, self._shm_name))
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self._shm_ino
+
+    def _register(self) -> None:
+        old, self._instance = self._instance, random.getrandbits(62)
+        calls = []
+        if old is not None:  # frees the slots a lost reply may have left reserved for the old instance
+            calls.append(("unregister_kv_cache_engine_driven_context", old))
+        calls.append(("register_kv_cache_engine_driven_context", {
+            "instance_id": self._instance, "model_name": self.lm_model, "world_size": self.cfg.world_size,
+            "block_size": self.page_tokens, "num_layers": 1, "hidden_dim_size": self._hidden, "dtype_str": "uint8",
+            "use_mla": False, "num_physical_slots": self.page_tokens}))
+        reg = self._calls(calls)[-1]
+        self.c["registrations"] += 1
+        if not isinstance(reg, dict) or not reg.get("shm_name") or not isinstance(reg.get("pool_size"), int):
+            self._refused = (f"LMCache server {self.endpoint} offers no shared-memory segment (got {reg!r:.120}); "
+                             "start it with --shm-name (tierkv never uses LMCache's pickle transfer)")
+            return
+        if self._shm is None or reg["shm_name"] != self._shm_name or not self._shm_intact():
+            try:
+                self._map_shm(reg["shm_name"], reg["pool_size"])
+            except (OSError, ValueError) as e:
+                self.c["shm_lost"] += 1
+                self._registered_at = 0.0
+                raise _Failed(f"cannot map the server's shared memory {reg['shm_name']!r}: {e}") from None
+        self._registered_at = time.monotonic()
+
+    def _ensure_ready(self) -> None:
+        """Connect, check the chunk size once, register when needed. Raises :class:`_Failed`."""
+        self._socket()
+        if self._server_reconnected():
+            self._registered_at = 0.0
+            self.c["reconnects"] += 1
+        if not self._checked:
+            size = self._calls([("get_chunk_size",)])[0]
+            if size != self.page_tokens:
+                self._refused = (f"invalid tierkv config: LMCache server {self.endpoint} has chunk size {size!r} "
+                                 f"but 'l3.lmcache.page_tokens' is {self.page_tokens}: one tierkv page must be one "
+                                 f"LMCache chunk (set l3.lmcache.page_tokens and tierkv's page size to {size!r}, or "
+                                 f"start the server with --chunk-size {self.page_tokens})")
+                return
+            self._checked = True
+        if self._shm is not None and not self._shm_intact():
+            self.c["shm_lost"] += 1
+            self._warn.warning("shm", "LMCache shared memory /dev/shm/%s disappeared or was replaced; registering "
+                               "again", self._shm_name)
+            self._unmap_shm()
+            self._registered_at = 0.0
+        if time.monotonic() - self._registered_at > REFRESH_S:
+            self._register()
+
+    def _begin(self, n_calls: int) -> bool:
+        """Under the lock: may this call talk to the server? Counts the reason when not."""
+        if self._closed or self._refused:
+            if self._refused:
+                self.c["refused"] += n_calls
+                self._warn.warning("refused", "LMCache store disabled: %s", self._refused)
+            else:
+                self.c["errors"] += n_calls
+            return False
+        if time.monotonic() < self._retry_at:
+            self.c["fast_fails"] += n_calls
+            return False
+        try:
+            self._ensure_ready()
+        except _Failed as e:
+            self._failed(str(e))
+            return False
+        if self._refused:
+            return self._begin(n_calls)
+        return True
+
+    def _ok(self) -> None:
+        if self._fails:
+            log.info("LMCache server %s reachable again", self.endpoint)
+        self._fails = 0
+
+    # ------------------------------------------------------------------------------------------- keys
+    def _key(self, g: _Group, worker: Optional[int]) -> dict:
+        return {"model_name": self.lm_model, "world_size": self.cfg.world_size, "worker_id": worker,
+                "token_ids": g.tokens, "start": g.start, "end": g.end, "request_id": g.rid, "cache_salt": g.salt,
+                "request_configs": None, "num_kv_readers": 1}
+
+    def _groups(self, keys: Sequence[str], tokens: Optional[Sequence[PageTokens]]) -> list:
+        """Split a batch into LMCache key ranges (see the module docstring). Raises ValueError for bad tokens."""
+        C = self.page_tokens
+        groups: list = []
+        if tokens is None:
+            for i, k in enumerate(keys):
+                words = list(struct.unpack(">4I", bytes.fromhex(k)))
+                groups.append(_Group([i], (words * (C // 4 + 1))[:C], 0, C, KEY_SALT))
+        else:
+            if len(tokens) != len(keys):
+                raise ValueError(f"tokens: {len(tokens)} entries for {len(keys)} keys")
+            prev: Optional[_Group] = None
+            prev_len = 0
+            for i, pt in enumerate(tokens):
+                if not isinstance(pt, PageTokens):
+                    raise ValueError(f"tokens[{i}] must be a PageTokens(prefix, root), got {type(pt).__name__}")
+                prefix = [int(t) for t in pt.prefix]
+                n = len(prefix)
+                if n == 0 or n % C:
+                    raise ValueError(f"tokens[{i}].prefix has {n} token ids; a page's prefix is a positive multiple "
+                                     f"of page_tokens={C}")
+                if min(prefix) < 0 or max(prefix) > MAX_TOKEN:
+                    raise ValueError(f"tokens[{i}].prefix holds a token id outside 0..{MAX_TOKEN}")
+                root = pt.root
+                if not isinstance(root, (bytes, bytearray)) or len(root) != 16:
+                    raise ValueError(f"tokens[{i}].root must be 16 bytes (the request root), got {root!r:.40}")
+                salt = bytes(root).hex()
+                if (prev is not None and prev.salt == salt and n == prev_len + C
+                        and prefix[:prev_len] == prev.tokens):
+                    prev.idx.append(i)
+                    prev.tokens, prev.end = prefix, n
+                else:
+                    prev = _Group([i], prefix, n - C, n, salt)
+                    groups.append(prev)
+                prev_len = n
+        for g in groups:
+            g.rid = f"tierkv-{uuid.uuid4().hex}"
+        return groups
+
+    def _check_keys(self, keys: Sequence[str]) -> list:
+        return [check_key(k) for k in keys]
+
+    # ------------------------------------------------------------------------------------------- lookups
+    def _lookup(self, groups: list) -> list:
+        """Leading chunks present per group (prefetched into the server's L1 and read-locked). Raises _Failed."""
+        C = self.page_tokens
+        res = self._calls([("lookup", self._key(g, None), 1) for g in groups])
+        del res
+        wait = max(0.05, 0.8 * self.timeout_s)
+        counts = self._calls([("wait_prefetch_status", g.rid, wait) for g in groups])
+        out = []
+        for g, n in zip(groups, counts):
+            pages = len(g.idx)
+            if type(n) is not int or n < 0:
+                out.append(0)
+                continue
+            # the server answers where the leading run of present chunks in [start, end) ends, in chunks from token
+            # 0 (0 when the first chunk of the range is absent)
+            out.append(max(0, min(pages, n - g.start // C)))
+        return out
+
+    def batch_exists(self, keys: Sequence[str], tokens: Optional[Sequence[PageTokens]] = None) -> int:
+        """Number of leading ``keys`` present (0 on any failure). ``tokens``: see :class:`PageTokens`.
+        Raises ValueError for bad keys or tokens."""
+        self._check_keys(keys)
+        if not keys:
+            return 0
+        groups = self._groups(keys, tokens)
+        with self._lock:
+            if not self._begin(len(groups)):
+                return 0
+            try:
+                counts = self._lookup(groups)
+                forget = [("free_lookup_locks", self._key(g, None), 1) for g in groups]
+                self._calls([], forget + [("end_session", g.rid) for g in groups])
+            except _Failed as e:
+                self._failed(str(e))
+                return 0
+            self._ok()
+        lead = 0
+        for g, n in zip(groups, counts):
+            lead += n
+            if n < len(g.idx):
+                break
+        return lead
+
+    def batch_get(self, keys: Sequence[str], destinations: Sequence[Buffer],
+                  tokens: Optional[Sequence[PageTokens]] = None) -> list[bool]:
+        """Fill ``destinations`` (writable ``page_bytes`` buffers) with the pages of ``keys``; one bool per key.
+        A page is copied only after its header (namespace, key, length) and payload XXH3-64 verify; the destination
+        of a miss is left untouched. ``tokens``: see :class:`PageTokens`. Raises ValueError for bad keys, buffers or
+        tokens (caller bugs)."""
+        if len(keys) != len(destinations):
+            raise ValueError(f"batch_get: {len(keys)} keys but {len(destinations)} destinations")
+        self._check_keys(keys)
+        dsts = [as_byte_view(d, self.page_bytes, True, f"destinations[{i}]") for i, d in enumerate(destinations)]
+        res = [False] * len(keys)
+        if not keys:
+            return res
+        groups = self._groups(keys, tokens)
+        with self._lock:
+            if self._begin(len(groups)):
+                try:
+                    self._get(keys, groups, dsts, res)
+                    self._ok()
+                except _Failed as e:
+                    self._failed(str(e))
+        nh = sum(res)
+        self.c["hits"] += nh
+        self.c["misses"] += len(keys) - nh
+        return res
+
+    def _get(self, keys, groups, dsts, res) -> None:
+        C = self.page_tokens
+        counts = self._lookup(groups)
+        hit = [(g, n) for g, n in zip(groups, counts) if n > 0]
+        ranges = []
+        for g, n in hit:
+            r = _Group(g.idx[:n], g.tokens, g.start, g.start + n * C, g.salt)
+            r.rid = g.rid
+            ranges.append(r)
+        replies = self._calls([("prepare_retrieve", self._key(r, self.cfg.worker_id), self._instance)
+                               for r in ranges])
+        shm = self._shm_view
+        try:
+            for r, rep in zip(ranges, replies):
+                slots = rep.get("context", {}).get("slots") if isinstance(rep, dict) and rep.get("success") else None
+                if not isinstance(slots, list) or len(slots) != len(r.idx):
+                    continue
+                for i, slot in zip(r.idx, slots):
+                    try:
+                        off, length = slot["offset"], slot["length"]
+                        if (type(off) is not int or type(length) is not int or length < self.slot_bytes
+                                or off < 0 or off + length > len(shm)):
+                            raise PageFormatError(f"slot {slot!r:.80} does not hold a page")
+                        psum = decode_header(shm[off:off + HEADER_BYTES], keys[i], self.namespace, self.page_bytes)
+                        payload = shm[off + HEADER_BYTES:off + self.slot_bytes]
+                        verify_payload(payload, psum)
+                    except (PageFormatError, KeyError, TypeError) as e:
+                        self.c["corrupt"] += 1
+                        self._bad_keys[keys[i]] = True
+                        while len(self._bad_keys) > BAD_KEYS_KEPT:
+                            self._bad_keys.popitem(last=False)
+                        self._warn.warning("corrupt", "LMCache chunk for page %s is not a valid tierkv page (%s): "
+                                           "miss", keys[i], e)
+                        continue
+                    dsts[i][:] = payload
+                    res[i] = True
+                    self.c["bytes_in"] += self.page_bytes
+        finally:
+            forget = [("commit_retrieve", self._key(r, self.cfg.worker_id), self._instance) for r in ranges]
+            self._calls([], forget + [("end_session", g.rid) for g in groups])
+
+    def batch_set(self, keys: Sequence[str], sources: Sequence[Buffer], checksums: Optional[Sequence[int]] = None,
+                  tokens: Optional[Sequence[PageTokens]] = None) -> list[bool]:
+        """Store ``sources`` (``page_bytes`` buffers) under ``keys``; one bool per key (``True`` also for a page the
+        server already holds: LMCache keeps the first copy of a chunk; ``False`` when that copy was found corrupt by
+        this store, since it cannot be replaced). Each page is written as header + payload
+        into the slot the server reserved in its shared memory, then published with ``commit_store``; a set that
+        fails before the commit leaves nothing visible. ``checksums``, ``tokens``: see
+        :meth:`StorageBackend.batch_set`. Raises ValueError for bad keys, buffers, checksums or tokens."""
+        if len(keys) != len(sources):
+            raise ValueError(f"batch_set: {len(keys)} keys but {len(sources)} sources")
+        kraw = self._check_keys(keys)
+        sums = check_checksums(checksums, len(keys))
+        srcs = [as_byte_view(b, self.page_bytes, False, f"sources[{i}]") for i, b in enumerate(sources)]
+        res = [False] * len(keys)
+        if keys:
+            groups = self._groups(keys, tokens)
+            with self._lock:
+                if self._begin(len(groups)):
+                    try:
+                        self._set(keys, kraw, srcs, sums, groups, res)
+                        self._ok()
+                    except _Failed as e:
+                        self._failed(str(e))
+        ok = sum(res)
+        self.c["sets"] += ok
+        self.c["set_failures"] += len(keys) - ok
+        return res
+
+    def _set(self, keys, kraw, srcs, sums, groups, res) -> None:
+        inst = self._instance
+        replies = self._calls([("prepare_store", self._key(g, self.cfg.worker_id), inst) for g in groups])
+        shm = self._shm_view
+        commits, committed = [], []
+        for g, rep in zip(groups, replies):
+            ctx = rep.get("context") if isinstance(rep, dict) else None
+            slots = ctx.get("slots") if isinstance(ctx, dict) else None
+            idxs = ctx.get("chunk_indices") if isinstance(ctx, dict) else None
+            if not isinstance(slots, list) or not isinstance(idxs, list) or len(slots) != len(idxs):
+                self.c["bad_replies"] += 1
+                continue
+            reserved = set()
+            good = True
+            for slot, ci in zip(slots, idxs):
+                off, length = slot.get("offset"), slot.get("length")
+                if (type(ci) is not int or not 0 <= ci < len(g.idx) or type(off) is not int or type(length) is not int
+                        or length < self.slot_bytes or off < 0 or off + length > len(shm)):
+                    good = False
+                    break
+                i = g.idx[ci]
+                hdr = encode_headers([kraw[i]], self.namespace, [srcs[i]], self.page_bytes,
+                                     None if sums is None else [sums[i]])[0]
+                shm[off:off + HEADER_BYTES] = hdr
+                shm[off + HEADER_BYTES:off + self.slot_bytes] = srcs[i]
+                reserved.add(ci)
+            if not good:  # still commit: the server releases what it reserved (a page with a bad slot is a miss)
+                self.c["bad_replies"] += 1
+            if slots:  # nothing reserved (every chunk already held): nothing to commit
+                commits.append(("commit_store", self._key(g, self.cfg.worker_id), inst, b""))
+            committed.append((g, reserved, good, len(commits) - 1 if slots else None))
+        done = self._calls(commits, [("end_session", g.rid) for g in groups])
+        for (g, reserved, good, ci_commit), ok in ((c, True if c[3] is None else done[c[3]]) for c in committed):
+            if ok is not True or not good:
+                continue
+            for ci, i in enumerate(g.idx):
+                if ci in reserved:
+                    res[i] = True
+                    self.c["bytes_out"] += self.page_bytes
+                    self._bad_keys.pop(keys[i], None)
+                else:  # the server holds this chunk already and keeps its copy
+                    self.c["already_present"] += 1
+                    res[i] = keys[i] not in self._bad_keys  # a copy found corrupt stays a miss: say so
+
+    # ------------------------------------------------------------------------------------------- misc
+    def ping(self) -> bool:
+        """True when the server answers within ``timeout_s``."""
+        with self._lock:
+            if self._closed:
+                return False
+            try:
+                return self._calls([("noop",)])[0] == "OK"
+            except _Failed as e:
+                self._failed(str(e))
+                return False
+
+    def clear(self) -> None:
+        """Drop every chunk the LMCache server holds: **all models and users of that server**, not only this store's
+        namespace (LMCache has no per-model clear). A failure is counted and logged, not raised."""
+        with self._lock:
+            if not self._begin(1):
+                return
+            try:
+                self._calls([("clear", False)])
+            except _Failed as e:
+                self._failed(str(e))
+
+    def stats(self) -> dict:
+        """Counters: requests, hits, misses, sets, set_failures, already_present (sets of chunks the server already
+        held), corrupt (slots failing tierkv's header or checksum), errors, timeouts, reconnects (server connection
+        dropped and came back), registrations, fast_fails (calls skipped during back-off), stale_replies,
+        bad_replies, shm_lost, refused (calls of a store disabled by a chunk-size mismatch), bytes_in/bytes_out
+        (payload bytes), evictions (always 0: LMCache does not report them); plus backend, endpoint, lm_model,
+        page_tokens."""
+        s = dict(self.c)
+        s.update(backend="lmcache", endpoint=self.endpoint, lm_model=self.lm_model, page_tokens=self.page_tokens,
+                 connected=self._sock is not None, disabled=self._refused)
+        return s
+
+    def close(self) -> None:
+        """Unregister from the server (best effort, bounded by ``timeout_s``), unmap the segment and close the
+        socket. Idempotent; later calls return misses/False."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._instance is not None and self._sock is not None and not self._fails and not self._refused:
+                try:
+                    self._calls([("unregister_kv_cache_engine_driven_context", self._instance)])
+                except _Failed:
+                    pass
+            self._discard_socket()
+            self._unmap_shm()
+            if self._ctx is not None:
+                self._ctx.term()
+                self._ctx = None
+
+    def __repr__(self) -> str:
+        return f"LMCacheStore({self.endpoint}, page_tokens={self.page_tokens}, model={self.lm_model})"
+
+
+__all__ = ["LMCacheStore", "LMCacheStoreConfig", "check_options", "OPS", "KEY_SALT"]
