@@ -32,3 +32,6 @@ import tierkv.connector.sglang_hicache  # SGLang's HiCacheStorage importable (sg
 assert torch.__version__.startswith("2.13.0"), torch.__version__
 print(f"setup_env: ok (torch {torch.__version__}, vllm {vllm.__version__}, transformers {transformers.__version__})")
 PYCHECK
+# The real LMCache 0.5.6 cache server that the lmcache L3 store is tested against runs in its own venv (its
+# dependencies do not mix with vLLM's); the script skips a venv that already works.
+PY="$PY" bash benchmarks/peers/setup_lmcache_venv.sh

@@ -4,8 +4,9 @@ Like SGLang HiCache's ``StorageBackendFactory`` (backends registered by name and
 backend's keys are validated up front and an error names the key (``l3.file.capacity_bytes``) and what is allowed.
 
 Convention for the networked backends: ``ZmqStore`` (``tierkv.storage_backends.zmq_client``) and ``MooncakeStore``
-(``tierkv.storage_backends.mooncake``) take ``(namespace: bytes, page_bytes: int, **cfg)`` where ``cfg`` is their
-sub-section (``l3.zmq`` / ``l3.mooncake``) as given, and raise ``ConfigError`` or ``TypeError`` for bad keys.
+(``tierkv.storage_backends.mooncake``) and ``LMCacheStore`` (``tierkv.storage_backends.lmcache``) take
+``(namespace: bytes, page_bytes: int, **cfg)`` where ``cfg`` is their
+sub-section (``l3.zmq`` / ``l3.mooncake`` / ``l3.lmcache``) as given, and raise ``ConfigError`` or ``TypeError`` for bad keys.
 They are imported only when selected, so a missing optional dependency only matters to who uses it.
 """
 from __future__ import annotations
@@ -21,12 +22,13 @@ from tierkv.storage_backends.faulty import FaultsConfig, FaultyBackend
 from tierkv.storage_backends.file import FileStore, FileStoreConfig
 
 #: the values of ``l3.backend``
-L3_BACKENDS = ("none", "file", "zmq", "mooncake")
+L3_BACKENDS = ("none", "file", "zmq", "mooncake", "lmcache")
 
 #: backend name -> (module, class) for the lazily imported networked backends
 LAZY_BACKENDS = {
     "zmq": ("tierkv.storage_backends.zmq_client", "ZmqStore"),
     "mooncake": ("tierkv.storage_backends.mooncake", "MooncakeStore"),
+    "lmcache": ("tierkv.storage_backends.lmcache", "LMCacheStore"),
 }
 
 
@@ -37,10 +39,11 @@ class L3Config(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    backend: Literal["none", "file", "zmq", "mooncake"] = "none"
+    backend: Literal["none", "file", "zmq", "mooncake", "lmcache"] = "none"
     file: dict[str, Any] = Field(default_factory=dict)
     zmq: dict[str, Any] = Field(default_factory=dict)
     mooncake: dict[str, Any] = Field(default_factory=dict)
+    lmcache: dict[str, Any] = Field(default_factory=dict)
     faults: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -91,6 +94,13 @@ def validate_l3(l3_cfg: Union[dict, L3Config, None]) -> L3Config:
             MooncakeStoreConfig.model_validate(dict(cfg.mooncake))
         except ValidationError as e:
             raise config_error(e, "l3.mooncake", MooncakeStoreConfig) from None
+    if cfg.lmcache or cfg.backend == "lmcache":
+        from tierkv.storage_backends.lmcache import check_options as check_lmcache  # pyzmq, msgpack only
+
+        sub = dict(cfg.lmcache)
+        if cfg.backend != "lmcache":  # page_tokens is required only when the lmcache store is the one built
+            sub.setdefault("page_tokens", 16)
+        check_lmcache(sub)
     return cfg
 
 
@@ -111,7 +121,7 @@ def build_backend(l3_cfg: Union[dict, L3Config, None], namespace: bytes, page_by
 
     Args:
         l3_cfg: the ``l3`` section (a dict as in YAML, or a validated :class:`L3Config`):
-            ``backend: none|file|zmq|mooncake``, the backend's keys under the section of the same name, and an
+            ``backend: none|file|zmq|mooncake|lmcache``, the backend's keys under the section of the same name, and an
             optional ``faults`` section (:class:`~tierkv.storage_backends.faulty.FaultsConfig`) that wraps the
             store in :class:`~tierkv.storage_backends.faulty.FaultyBackend`.
         namespace: 16-byte namespace digest (``ModelNamespace.digest()``).
@@ -131,7 +141,7 @@ def build_backend(l3_cfg: Union[dict, L3Config, None], namespace: bytes, page_by
     if name == "none":
         if faults is not None:
             raise ConfigError("l3.faults is set but l3.backend is 'none': faults wrap a store; choose one of "
-                              "file, zmq, mooncake")
+                              "file, zmq, mooncake, lmcache")
         return None
     sub: dict[str, Any] = dict(getattr(cfg, name))
     if name == "file":
