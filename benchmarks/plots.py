@@ -12,6 +12,7 @@ Charts are written next to their JSON (``<name>_<chart>.png``):
   configuration (no connector, ideal = vLLM with an L1 that holds everything, tierkv per tier and policy).
 - ``transfer``: ``_gbps.png``, L1 <-> L2 GB/s per host layout and direction next to the two lines measured in the
   same run: a plain ``copy_`` of the same bytes and the same copy with non-temporal stores.
+- ``reserved_cpu``: ``_tpot.png``, decode milliseconds per token with and without ``VLLM_CPU_NUM_OF_RESERVED_CPU``.
 - ``storage``: ``_mbps.png``, L3 MB/s per store and operation next to the raw medium measured in the same run
   (plain file, raw pyzmq, raw Mooncake) and the SGLang HiCache peer where it ran; files holding several runs show
   the median and the range.
@@ -129,7 +130,24 @@ def plot_storage(data: dict, out: Path) -> list[Path]:
     return [_save(fig, out.with_name(out.stem + "_mbps.png"))]
 
 
-PLOTTERS = {"e2e_cpu": plot_e2e, "transfer": plot_transfer, "storage": plot_storage}
+def plot_reserved_cpu(data: dict, out: Path) -> list[Path]:
+    plt = _plt()
+    summ = data["summary"]
+    names = list(summ)
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    med = [summ[n]["tpot_ms_median"] for n in names]
+    err = [[m - summ[n]["tpot_ms_range"][0] for m, n in zip(med, names)],
+           [summ[n]["tpot_ms_range"][1] - m for m, n in zip(med, names)]]
+    ax.bar(range(len(names)), med, 0.6, yerr=err, capsize=4)
+    labels = [f"{n}\nreserved={data['configs'][n]['VLLM_CPU_NUM_OF_RESERVED_CPU'] or 'unset'}\n"
+              f"cores {summ[n]['core_ids']}" for n in names]
+    ax.set_xticks(range(len(names)), labels, fontsize=8)
+    ax.set_ylabel("decode ms per token (median, range)")
+    ax.set_title("Decode with and without VLLM_CPU_NUM_OF_RESERVED_CPU")
+    return [_save(fig, out.with_name(out.stem + "_tpot.png"))]
+
+
+PLOTTERS = {"e2e_cpu": plot_e2e, "transfer": plot_transfer, "storage": plot_storage, "reserved_cpu": plot_reserved_cpu}
 
 
 def render(json_path: str | Path) -> list[Path]:

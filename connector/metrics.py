@@ -1,8 +1,15 @@
-"""Counters export: a JSON file per process (``stats_path``), for tests, benchmarks and the demo.
+"""Counters export: a JSON file per process (``stats_path``), for tests, benchmarks, the demo and operators.
 
 ``stats_path`` may contain ``{role}`` (``scheduler``/``worker``) and ``{pid}``; each process writes its own
 file atomically (temporary name + rename) whenever its counters changed, at most every ``min_interval_s``
 seconds, and once more at shutdown.
+
+The file never lags the counters by more than about ``min_interval_s`` (docs/architecture.md §13): a change seen
+by :meth:`StatsFile.maybe_write` inside the interval is not dropped but written by a background flusher thread when
+the interval ends, even if the engine never steps again. That matters because vLLM's API server stops its engine
+process with a zero timeout (the connector's ``shutdown`` and ``atexit`` may never run), and because an idle engine
+does not step. With ``snapshot_thread_safe`` (worker side: counters only) the flusher also takes snapshots itself,
+so counters moved by I/O threads between steps reach the file too.
 """
 from __future__ import annotations
 
@@ -14,10 +21,19 @@ from typing import Callable, Optional
 
 
 class StatsFile:
-    """Writes ``snapshot()`` (a JSON-serialisable dict) to ``path_template`` expanded for this process."""
+    """Writes ``snapshot()`` (a JSON-serialisable dict) to ``path_template`` expanded for this process.
+
+    Args:
+        path_template: file path, may hold ``{role}`` and ``{pid}``; None = write nothing.
+        role: ``scheduler`` or ``worker`` (written into the file and the path).
+        snapshot: returns the counters (called on the caller's thread, and on the flusher thread only when
+            ``snapshot_thread_safe``).
+        min_interval_s: seconds between two writes at most (bursts are coalesced, the last state is kept).
+        snapshot_thread_safe: the flusher may call ``snapshot`` itself every ``min_interval_s``.
+    """
 
     def __init__(self, path_template: Optional[str], role: str, snapshot: Callable[[], dict],
-                 min_interval_s: float = 0.2):
+                 min_interval_s: float = 0.2, snapshot_thread_safe: bool = False):
         self.path = None
         if path_template:
             self.path = path_template.format(role=role, pid=os.getpid())
@@ -27,26 +43,89 @@ class StatsFile:
         self.role = role
         self.snapshot = snapshot
         self.min_interval_s = min_interval_s
+        self.snapshot_thread_safe = snapshot_thread_safe
         self._last_t = 0.0
         self._last: Optional[str] = None
+        self._pending: Optional[dict] = None
         self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._flusher: Optional[threading.Thread] = None
+        self._closed = False
 
     def maybe_write(self, force: bool = False) -> None:
+        """Record the current counters: written now when ``force`` or when the last write is ``min_interval_s``
+        old, else by the flusher when the interval ends."""
         if self.path is None:
             return
-        now = time.monotonic()
-        if not force and now - self._last_t < self.min_interval_s:
+        data = dict(self.snapshot())
+        with self._lock:
+            now = time.monotonic()
+            if force or now - self._last_t >= self.min_interval_s:
+                self._pending = None
+                self._write_locked(data, force)
+                return
+            self._pending = data
+            self._start_flusher_locked()
+            self._wake.notify()
+
+    def close(self) -> None:
+        """Write the last counters and stop the flusher (idempotent)."""
+        if self.path is None:
+            return
+        self.maybe_write(force=True)
+        with self._lock:
+            self._closed = True
+            self._wake.notify()
+
+    # ------------------------------------------------------------------ internals
+    def _write_locked(self, data: dict, force: bool = False) -> None:
+        data["role"] = self.role
+        data["pid"] = os.getpid()
+        text = json.dumps(data, sort_keys=True)
+        self._last_t = time.monotonic()
+        if text == self._last and not force:
+            return
+        tmp = f"{self.path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, self.path)
+        self._last = text
+
+    def _start_flusher_locked(self) -> None:
+        if self._flusher is None:
+            self._flusher = threading.Thread(target=self._flush_loop, name=f"tierkv-stats-{self.role}", daemon=True)
+            self._flusher.start()
+
+    def _flush_loop(self) -> None:
+        with self._lock:
+            while not self._closed:
+                if self._pending is None and not self.snapshot_thread_safe:
+                    self._wake.wait()
+                    continue
+                left = self._last_t + self.min_interval_s - time.monotonic()
+                if left > 0:
+                    self._wake.wait(left)
+                    continue
+                data = self._pending
+                self._pending = None
+                if data is None:  # thread-safe snapshots: poll the counters (written only if they changed)
+                    self._lock.release()
+                    try:
+                        data = dict(self.snapshot())
+                    except Exception:  # pragma: no cover - a snapshot racing shutdown; try again later
+                        data = None
+                    finally:
+                        self._lock.acquire()
+                    if data is None or self._pending is not None:
+                        continue
+                try:
+                    self._write_locked(data)
+                except OSError:  # pragma: no cover - directory gone (tests' tmp dirs); keep serving
+                    self._last_t = time.monotonic()
+
+    def start_polling(self) -> None:
+        """Start the flusher now (``snapshot_thread_safe`` files: counters moved between steps get written)."""
+        if self.path is None or not self.snapshot_thread_safe:
             return
         with self._lock:
-            data = dict(self.snapshot())
-            data["role"] = self.role
-            data["pid"] = os.getpid()
-            text = json.dumps(data, sort_keys=True)
-            if text == self._last and not force:
-                return
-            tmp = f"{self.path}.tmp{os.getpid()}"
-            with open(tmp, "w") as f:
-                f.write(text)
-            os.replace(tmp, self.path)
-            self._last = text
-            self._last_t = now
+            self._start_flusher_locked()

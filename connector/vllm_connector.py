@@ -200,9 +200,9 @@ class TierKVConnector(KVConnectorBase_V1):
                                      layout=self.namespace.kv_layout, namespace_hex=self.namespace.digest().hex()))
             self._stats = StatsFile(self.cfg.stats_path, "scheduler", self._sched.stats)
         else:
-            self._stats = StatsFile(self.cfg.stats_path, "worker", self._worker_stats)
+            self._stats = StatsFile(self.cfg.stats_path, "worker", self._worker_stats, snapshot_thread_safe=True)
         self._deltas = CounterDeltas() if role == KVConnectorRole.SCHEDULER else CounterDeltas(SCHEDULER_ONLY)
-        atexit.register(self._stats.maybe_write, True)
+        atexit.register(self._stats.close)
 
     def _pool_bytes(self, vllm_config, role) -> int:
         """Bytes of this worker's L2 pool, from the host budget (:mod:`tierkv.connector.host_budget`): a worker
@@ -359,6 +359,7 @@ class TierKVConnector(KVConnectorBase_V1):
             if self._worker._pending is not None:
                 self._worker.finish_loads()
             self._worker.close(self.cfg.controller.shutdown_drain_s)
+        self._stats.close()  # the final counters, after the last backups drained
 
     # =========================================================== worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -391,6 +392,7 @@ class TierKVConnector(KVConnectorBase_V1):
         self._worker = CacheWorker(dev, host, verify=self.cfg.verify_checksums,
                                    layerwise=self.cfg.layerwise_load, l3=l3, checksums=checksums)
         kernels.warm_up(dev, host)
+        self._stats.start_polling()  # counters moved by the L3 I/O threads between steps reach stats_path too
         logger.debug("tierkv worker: %r, L2 %s, L3 %s", dev, host, l3.store if l3 is not None else "none")
 
     def _build_l3(self, host):

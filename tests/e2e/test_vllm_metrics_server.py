@@ -87,10 +87,11 @@ def server(tiny_model, tmp_path_factory):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"API server not ready after {STARTUP_S} s:\n{log_path.read_text()[-4000:]}")
             time.sleep(0.25)
-        yield base, tiny_model, log_path
+        yield base, tiny_model, log_path, proc, tmp / "stats"
     finally:
         try:
-            os.killpg(proc.pid, signal.SIGTERM)   # the server's own session: API server, EngineCore
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)   # the server's own session: API server, EngineCore
             proc.wait(timeout=60)
         except (ProcessLookupError, subprocess.TimeoutExpired):
             os.killpg(proc.pid, signal.SIGKILL)
@@ -113,7 +114,7 @@ def _reset(base, external):
 
 @pytest.fixture(scope="module")
 def scrapes(server):
-    base, model, _log = server
+    base, model = server[0], server[1]
     a1, a2, a3 = _prompts()
     before = _scrape(base)
     _complete(base, model, a1)
@@ -177,3 +178,21 @@ def test_startup_line_in_server_log(server, scrapes):
     line = lines[0]
     assert "INFO" in line and "L2 32 pages" in line and "(num_pages, host budget" in line
     assert "L3 file(" in line and "write_policy=write_through" in line and "prefetch_policy=wait_complete" in line
+
+
+def test_stats_files_hold_the_final_counters_after_a_graceful_stop(server, scrapes):
+    """SIGTERM to the API server (as ``systemctl stop`` or Ctrl-C does): vLLM shuts the engine down, the connector's
+    ``shutdown`` writes each process's stats file once more, so it holds the same totals as ``/metrics`` even though
+    the engine was idle (no step wrote it) since the last request."""
+    _base, _model, _log, proc, stats_dir = server
+    _before, _after, m = scrapes
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) is not None
+    files = {f.name.split("-")[0]: json.loads(f.read_text()) for f in stats_dir.glob("*.json")}
+    sched, worker = files["scheduler"], files["worker"]
+    tokens = DOC_PAGES * P
+    assert sched["l2_hit_tokens"] == tokens == _v(m, "vllm:tierkv_l2_hit_tokens_total")
+    assert sched["ctl_l3_hit_tokens"] == tokens == _v(m, "vllm:tierkv_ctl_l3_hit_tokens_total")
+    assert sched["ctl_pending_jobs"] == 0 and sched["l2_pages"] == DOC_PAGES
+    assert worker["l3_prefetch_pages"] == DOC_PAGES == _v(m, "vllm:tierkv_l3_prefetch_pages_total")
+    assert worker["l3_backup_pages"] == DOC_PAGES

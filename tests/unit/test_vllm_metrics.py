@@ -116,3 +116,36 @@ def test_timed_store_times_calls_and_counts_failures():
     assert len(t.take_latencies()["l3_get_seconds"]) == 2 and t.dropped_samples == 1
     assert t.failure_counts() == {"l3_errors": 4, "l3_timeouts": 1}   # 2 absorbed by the store + 2 raised
     assert t.stats() == {"errors": 2, "timeouts": 1}                   # everything else is the store's
+
+
+def test_stats_file_keeps_the_last_change_without_another_call(tmp_path):
+    """A change inside the write interval is written by the flusher when the interval ends, with no further call:
+    the file does not lag behind an engine that stopped stepping (or was killed before its shutdown hook)."""
+    import json as _json
+    import time as _time
+
+    from tierkv.connector.metrics import StatsFile
+
+    counters = {"n": 1}
+    f = StatsFile(str(tmp_path / "{role}.json"), "scheduler", lambda: dict(counters), min_interval_s=0.05)
+    f.maybe_write()
+    counters["n"] = 2
+    f.maybe_write()                     # inside the interval: not written now
+    path = tmp_path / "scheduler.json"
+    deadline = _time.monotonic() + 10
+    while _json.loads(path.read_text())["n"] != 2:
+        assert _time.monotonic() < deadline, path.read_text()
+        _time.sleep(0.01)
+    # a thread-safe snapshot is polled: counters moved by other threads reach the file without any call
+    w = {"io": 0}
+    g = StatsFile(str(tmp_path / "{role}.json"), "worker", lambda: dict(w), min_interval_s=0.05,
+                  snapshot_thread_safe=True)
+    g.start_polling()
+    w["io"] = 7
+    wpath = tmp_path / "worker.json"
+    while not wpath.exists() or _json.loads(wpath.read_text())["io"] != 7:
+        assert _time.monotonic() < deadline
+        _time.sleep(0.01)
+    f.close()
+    g.close()
+    assert _json.loads(path.read_text())["role"] == "scheduler"
