@@ -32,6 +32,8 @@ without it) on the same page sizes and batch, right after, against the same dire
     .venv/bin/python benchmarks/storage.py --quick         # fewer repetitions
     .venv/bin/python benchmarks/storage.py --backends mooncake --pages 256K
     .venv/bin/python benchmarks/storage.py --set-checksums computed   # the store hashes every payload on set
+    .venv/bin/python benchmarks/storage.py --backends lmcache --pages 256K   # tierkv zmq vs LMCache's server
+                                                                   # (benchmarks/storage_lmcache.py, own JSON)
 
 Writes ``benchmarks/results/storage.json``.
 """
@@ -523,6 +525,12 @@ def main(argv=None) -> int:
         a.out = str(Path(tempfile.gettempdir()) / "storage_quick.json") if a.quick else str(RESULTS)
     backends = a.backends.split(",")
     sizes = [{"256K": 256 * KiB, "2M": 2 * MiB}[s] for s in a.pages.split(",")]
+    if "lmcache" in backends:  # tierkv's ZMQ server next to LMCache's server: its own module and JSON (issue 11)
+        _load("storage_lmcache", Path(__file__).with_name("storage_lmcache.py")).run(sizes, a.reps, a.quick,
+                                                                                       a.set_checksums)
+        backends.remove("lmcache")
+        if not backends:
+            return 0
     t_start = time.time()
     rig = None
     all_rows, raw = [], {}

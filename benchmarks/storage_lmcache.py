@@ -1,0 +1,246 @@
+"""tierkv's ZMQ cache server next to LMCache's cache server as an L3, on the same pages, in one run (issue 11).
+
+Per batch of 64 pages (default 256 KiB each; set = a batch of new pages, get = reading it back), four ways, taking
+turns batch by batch (the order rotates every repetition, so machine noise hits all alike):
+
+| variant | path |
+|---|---|
+| ``raw`` | pyzmq REQ/REP on loopback: one multipart message with the 64 payloads to a tiny store/echo process (the
+  reference of ``benchmarks/storage.py``); the ceiling of any ZMQ store |
+| ``zmq`` | tierkv's ``ZmqStore`` on a ``tierkv server`` process (sets pass their checksums; gets verify headers
+  and XXH3) |
+| ``lmcache`` | tierkv's ``LMCacheStore`` on a real LMCache 0.5.6 multiprocess server (its own venv,
+  ``benchmarks/peers/setup_lmcache_venv.sh``): pages named by their token ids (one key range per batch), data through
+  the server's ``/dev/shm`` segment; get = lookup + prefetch wait + prepare/commit retrieve, verified like ``zmq`` |
+| ``lmcache_native`` | LMCache's own worker-side client: not measured. Its engine-driven path
+  (``create_transfer_context``) needs vLLM-shaped KV caches and block tables; on a CPU-only machine it is the same
+  wire protocol and shared-memory copies that ``lmcache`` above performs (docs/architecture.md §11) |
+
+The same source pages are used by all variants; every variant drops its pages after each repetition (untimed), so
+all receive the next batch into memory their allocator already holds. MB/s = batch bytes / median batch time;
+p50/p99 over the repetitions; the ratio the target is judged on is ``zmq`` MB/s / ``lmcache`` MB/s (target >= 1.5
+on set and on get), plus the paired ratio (median over repetitions of the two batch times measured back to back).
+
+    .venv/bin/python benchmarks/storage_lmcache.py               # ~1-2 min on a 2-core box
+    .venv/bin/python benchmarks/storage_lmcache.py --quick       # smoke run, fewer repetitions
+    .venv/bin/python benchmarks/storage.py --backends lmcache    # the same, from the storage benchmark
+
+Writes ``benchmarks/results/storage_lmcache.json`` (``--quick``: ``$TMPDIR/storage_lmcache_quick.json``).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "storage_lmcache.json"
+NS = bytes(range(16))
+BATCH = 64
+PAGE_TOKENS = 16
+TARGET = 1.5
+KiB, MiB = 1024, 1024 * 1024
+VARIANTS = ("raw", "zmq", "lmcache")
+
+
+def _load(name: str, path: Path):
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+SB = _load("tierkv_bench_storage", Path(__file__).with_name("storage.py"))   # Series, keys_for, raw server, ...
+LMF = _load("_fixtures_lmcache", ROOT / "tests" / "storage" / "_fixtures_lmcache.py")  # LMCache server start/stop
+
+
+def bench(pb: int, reps: int, src: list[torch.Tensor], sums: Optional[list[int]]) -> dict:
+    """``reps`` batches per variant of 64 pages of ``pb`` bytes; returns ``{variant_op: Series.summary}``."""
+    import zmq
+
+    from tierkv.storage_backends.base import PageTokens
+    from tierkv.storage_backends.lmcache import LMCacheStore
+    from tierkv.storage_backends.zmq_client import ZmqStore
+
+    rng = np.random.default_rng(pb + 11)
+    S = {f"{v}_{op}": SB.Series() for v in VARIANTS for op in ("set", "get")}
+    raw = subprocess.Popen([sys.executable, "-c", SB._RAW_ZMQ_SERVER], stdout=subprocess.PIPE, text=True)
+    cap = 4 * BATCH * (pb + 4096) + (64 << 20)
+    srv = subprocess.Popen([sys.executable, "-m", "tierkv.storage_backends.zmq_server", "--port", "0",
+                            "--capacity-bytes", str(cap), "--log-level", "warning"], stdout=subprocess.PIPE, text=True)
+    l1_gb = max(1.0, 4 * BATCH * (pb + 4096) / 2**30)
+    lm_proc, lm_ep, lm_shm = LMF.start_server(PAGE_TOKENS, l1_size_gb=round(l1_gb, 2),
+                                              log_path=os.path.join(tempfile.gettempdir(), "tierkv-bench-lmcache.log"))
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.REQ)
+    zs = lm = None
+    try:
+        sock.connect(f"tcp://127.0.0.1:{int(raw.stdout.readline())}")
+        line = srv.stdout.readline().split()
+        assert line[:2] == ["tierkv-server", "ready"], line
+        zs = ZmqStore(NS, pb, endpoint=line[2], timeout_s=30.0)
+        lm = LMCacheStore(NS, pb, endpoint=lm_ep, page_tokens=PAGE_TOKENS, timeout_s=30.0)
+        srcv = [memoryview(s.numpy()) for s in src]
+        dst = [torch.empty(pb, dtype=torch.uint8) for _ in range(BATCH)]
+        raw_dst = [np.empty(pb, dtype=np.uint8) for _ in range(BATCH)]
+        root = bytes(range(32, 48))
+
+        def raw_set(ks):
+            sock.send_multipart([b"set", str(len(ks)).encode()] + [k.encode() for k in ks] + srcv, copy=False)
+            assert sock.recv() == b"ok"
+            return True
+
+        def raw_get(ks):
+            sock.send_multipart([b"get"] + [k.encode() for k in ks])
+            for f, d in zip(sock.recv_multipart(copy=False), raw_dst):
+                d[:] = np.frombuffer(f.buffer, dtype=np.uint8)
+            return True
+
+        def ok_all(res):
+            return res == [True] * BATCH
+
+        def ok_get(res):
+            return ok_all(res) and torch.equal(dst[-1], src[-1]) and torch.equal(dst[0], src[0])
+
+        for r in range(reps):
+            ks = SB.keys_for(BATCH, rng)
+            toks = [int(t) for t in rng.integers(0, 150_000, BATCH * PAGE_TOKENS)]
+            pts = [PageTokens(toks[:(i + 1) * PAGE_TOKENS], root) for i in range(BATCH)]
+            calls = {
+                "raw": (lambda: raw_set(ks), bool, lambda: raw_get(ks), bool),
+                "zmq": (lambda: zs.batch_set(ks, src, checksums=sums), ok_all, lambda: zs.batch_get(ks, dst), ok_get),
+                "lmcache": (lambda: lm.batch_set(ks, src, checksums=sums, tokens=pts), ok_all,
+                            lambda: lm.batch_get(ks, dst, tokens=pts), ok_get),
+            }
+            order = VARIANTS[r % 3:] + VARIANTS[:r % 3]
+            for v in order:
+                fset, cset, fget, cget = calls[v]
+                dt, res = SB.timed(fset)
+                assert cset(res), (v, "set", res)
+                S[f"{v}_set"].add(dt)
+            for v in order:
+                fset, cset, fget, cget = calls[v]
+                for d in dst:
+                    d.zero_()
+                dt, res = SB.timed(fget)
+                assert cget(res), (v, "get", res)
+                S[f"{v}_get"].add(dt)
+            sock.send(b"del")  # every variant drops the batch (untimed)
+            sock.recv()
+            zs.clear()
+            lm.clear()
+        st = lm.stats()
+        assert st["corrupt"] == 0 and st["timeouts"] == 0, st
+    finally:
+        for s in (zs, lm):
+            if s is not None:
+                s.close()
+        sock.close(linger=0)
+        ctx.term()
+        for p in (raw, srv):
+            p.terminate()
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            p.stdout.close()
+        LMF._stop_proc(lm_proc, lm_shm, grace_s=5.0)
+    return {k: v.summary(BATCH * pb) for k, v in S.items()}
+
+
+def rows_for(pb: int, res: dict) -> list[dict]:
+    rows = []
+    for op in ("set", "get"):
+        z, lmr, raw = res[f"zmq_{op}"], res[f"lmcache_{op}"], res[f"raw_{op}"]
+        ratio = z["mbps"] / lmr["mbps"] if z["mbps"] and lmr["mbps"] else None
+        rows.append({"page_kib": pb // KiB, "op": op, "raw_mbps": raw["mbps"], "zmq_mbps": z["mbps"],
+                     "lmcache_mbps": lmr["mbps"], "zmq_p50_ms": z["p50_ms"], "zmq_p99_ms": z["p99_ms"],
+                     "lmcache_p50_ms": lmr["p50_ms"], "lmcache_p99_ms": lmr["p99_ms"], "raw_p50_ms": raw["p50_ms"],
+                     "raw_p99_ms": raw["p99_ms"],
+                     "zmq_over_lmcache": round(ratio, 2) if ratio else None,
+                     "zmq_over_lmcache_paired": _round(SB.paired_ratio(z, lmr)),
+                     "lmcache_native": "not measured", "target": TARGET,
+                     "meets_target": bool(ratio and ratio >= TARGET)})
+    return rows
+
+
+def _round(v):
+    return round(v, 2) if v is not None else None
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| page | op | raw pyzmq MB/s | tierkv zmq MB/s (p50/p99 ms) | LMCache server via lmcache store MB/s "
+            "(p50/p99 ms) | zmq / LMCache (paired) | target |")
+    out = [head, "|" + "---|" * 7]
+    for r in rows:
+        out.append(f"| {r['page_kib']} KiB x {BATCH} | {r['op']} | {r['raw_mbps']:.0f} | {r['zmq_mbps']:.0f} "
+                   f"({r['zmq_p50_ms']}/{r['zmq_p99_ms']}) | {r['lmcache_mbps']:.0f} ({r['lmcache_p50_ms']}/"
+                   f"{r['lmcache_p99_ms']}) | {r['zmq_over_lmcache']}x ({r['zmq_over_lmcache_paired']}x) | "
+                   f">= {TARGET}x {'met' if r['meets_target'] else 'NOT met'} |")
+    return "\n".join(out)
+
+
+def run(sizes: list[int], reps: Optional[int], quick: bool, sums_mode: str = "given",
+        out: Optional[str] = None) -> dict:
+    """Measure every page size in ``sizes``; print the table and write the JSON. Returns the result document."""
+    t0 = time.time()
+    with open("/proc/loadavg") as f:
+        load0 = f.read().split()[:3]
+    rows, raw = [], {}
+    for pb in sizes:
+        n = reps or ((16 if pb < MiB else 6) // (2 if quick else 1))
+        print(f"== lmcache vs tierkv zmq: page {pb // KiB} KiB x batch {BATCH}, {n} batches per variant")
+        rng = np.random.default_rng(pb)
+        src = [torch.from_numpy(np.frombuffer(rng.bytes(pb), dtype=np.uint8).copy()) for _ in range(BATCH)]
+        sums = SB.checksums_of(src) if sums_mode == "given" else None
+        raw[pb] = bench(pb, n, src, sums)
+        rows += rows_for(pb, raw[pb])
+    with open("/proc/loadavg") as f:
+        load1 = f.read().split()[:3]
+    md = table(rows)
+    print(md)
+    doc = {"benchmark": "storage_lmcache", "batch_pages": BATCH, "page_tokens": PAGE_TOKENS, "rows": rows,
+           "raw": {str(k): v for k, v in raw.items()}, "table_md": md,
+           "conditions": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                          "torch": torch.__version__, "lmcache": "0.5.6 (benchmarks/peers/.lmcache-venv)",
+                          "loadavg_start": load0, "loadavg_end": load1, "wall_s": round(time.time() - t0, 1),
+                          "set_checksums": sums_mode,
+                          "note": "variants take turns batch by batch, order rotating per repetition"}}
+    path = out or (str(Path(tempfile.gettempdir()) / "storage_lmcache_quick.json") if quick else str(RESULTS))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(doc, indent=1))
+    print(f"wrote {path} in {time.time() - t0:.0f}s (load {load0} -> {load1})")
+    return doc
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pages", default="256K", help="page sizes: 256K, 2M (comma separated)")
+    ap.add_argument("--reps", type=int, default=None, help="batches per variant (default 16 for 256 KiB, 6 for 2 MiB)")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--set-checksums", choices=("given", "computed"), default="given")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    sizes = [{"256K": 256 * KiB, "2M": 2 * MiB}[s] for s in a.pages.split(",")]
+    doc = run(sizes, a.reps, a.quick, a.set_checksums, a.out)
+    return 0 if doc["rows"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
