@@ -112,7 +112,8 @@ def _l3_target(cfg: TierKVConfig) -> str:
     if l3.backend == "none":
         return "none"
     sec = getattr(l3, l3.backend) or {}
-    where = {"file": sec.get("root"), "zmq": sec.get("endpoint"), "mooncake": sec.get("master_address")}[l3.backend]
+    where = {"file": sec.get("root"), "zmq": sec.get("endpoint"), "mooncake": sec.get("master_address"),
+             "lmcache": sec.get("endpoint")}.get(l3.backend)
     faults = " with injected faults" if l3.faults else ""
     return f"{l3.backend}({where}){faults}"
 
