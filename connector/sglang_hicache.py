@@ -28,12 +28,14 @@ under another format version is a different key *and* a foreign namespace in the
 record format is unchanged (no version bump): SGLang's key is an input of the key, not stored.
 
 Pages and parts: a page is stored in the byte order of SGLang's flat data page (``host_pool.get_data_page(i)``,
-what SGLang's own file backend stores), split into ``parts_per_page`` records of equal size: 2 for MHA pools (the K
-half and the V half, each one contiguous region of the host pool in the ``page_first``, ``page_first_direct`` and
-``page_head`` layouts), 1 for MLA. The copy path (``batch_get``/``batch_set``, flat page tensors) and the zero-copy
+what SGLang's own file backend stores), split into ``parts_per_page`` records of equal size: 2 for MHA pools with ``split_kv`` (the
+K half and the V half, each one contiguous region of the host pool in the ``page_first``, ``page_first_direct`` and
+``page_head`` layouts; the default for every backend but ``file``), else 1 (MLA, or ``file``: one file per page,
+as SGLang's own file backend). The copy path (``batch_get``/``batch_set``, flat page tensors) and the zero-copy
 path (``batch_get_v1``/``batch_set_v1``, host-pool indices) therefore read and write the same records. In the
 zero-copy layouts the store reads into and writes from the host pool directly (Mooncake registers the whole pool,
-as SGLang's Mooncake backend does); ``layer_first`` pages are not contiguous and go through one staging page each.
+as SGLang's Mooncake backend does); ``layer_first`` pages, and single-record MHA pages, are not one contiguous
+region and go through one staging page each.
 A page is present only if all its parts are; results keep SGLang's leading-run semantics.
 
 Faults: a dead, hung or slow store answers misses/False within the store's own per-call bound (tierkv's ZMQ and
@@ -75,7 +77,11 @@ class SGLangExtraConfig(BaseModel):
     ``{"backend": "zmq", "zmq": {"endpoint": "tcp://host:5555", "timeout_s": 1.0}}``,
     ``{"backend": "mooncake", "mooncake": {...}}``; optional ``faults``). ``model_id``: overrides SGLang's
     served model name in the namespace (e.g. to add a revision). ``namespace_extra``: further identity
-    (list of strings) for pages that must not be shared, e.g. a quantisation recipe.
+    (list of strings) for pages that must not be shared, e.g. a quantisation recipe. ``split_kv``: store an MHA page
+    as two records (K half, V half), which the zero-copy path reads and writes in place in the host pool, or as one
+    record (staged through one page copy each way, half the records: fewer files for the file store). Default
+    (``None``): one record for ``l3.backend: file``, two otherwise. Part of the namespace: writers and readers of
+    one store must agree (a mismatch is a miss).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -83,6 +89,7 @@ class SGLangExtraConfig(BaseModel):
     l3: Dict[str, Any]
     model_id: Optional[str] = None
     namespace_extra: List[str] = Field(default_factory=list)
+    split_kv: Optional[bool] = None
 
 
 def parse_extra_config(extra: Optional[dict]) -> SGLangExtraConfig:
@@ -110,8 +117,18 @@ def _is_mha(pool: Any) -> bool:
     return hasattr(pool, "k_buffer") and hasattr(pool, "v_buffer") and hasattr(pool, "head_num")
 
 
+def records_per_page(pool: Any, split_kv: Optional[bool], backend: str) -> int:
+    """Records one page is stored as: 2 (K, V) for an MHA pool when ``split_kv`` (default: every backend but
+    ``file``), else 1."""
+    if not _is_mha(pool):
+        return 1
+    if split_kv is None:
+        split_kv = backend != "file"
+    return 2 if split_kv else 1
+
+
 def build_namespace(storage_config: HiCacheStorageConfig, pool: Any, model_id: Optional[str] = None,
-                    namespace_extra: Sequence[str] = ()) -> ModelNamespace:
+                    namespace_extra: Sequence[str] = (), records: int = 1) -> ModelNamespace:
     """The tierkv namespace of one SGLang rank's pages (see the module docstring for what it holds).
 
     Raises:
@@ -133,7 +150,8 @@ def build_namespace(storage_config: HiCacheStorageConfig, pool: Any, model_id: O
     extra = [("sglang_hicache", 1),
              ("v_head_dim", int(getattr(pool, "v_head_dim", 0) or 0)),
              ("attn_cp", storage_config.attn_cp_rank, storage_config.attn_cp_size),
-             ("dcp", storage_config.dcp_rank, storage_config.dcp_size, storage_config.logical_page_size or 0)]
+             ("dcp", storage_config.dcp_rank, storage_config.dcp_size, storage_config.logical_page_size or 0),
+             ("records_per_page", int(records))]
     extra += [("user", str(x)) for x in namespace_extra]
     return ModelNamespace(
         model_id=str(name), dtype=str(pool.dtype).removeprefix("torch."), kv_layout=layout,
@@ -192,9 +210,13 @@ class TierKVHiCacheStorage(HiCacheStorage):
         the store for zero-copy sets. Raises :class:`ConfigError` (SGLang rolls the attach back)."""
         super().register_mem_pool_host(mem_pool_host)
         pool = mem_pool_host
-        ns = build_namespace(self.storage_config, pool, self.cfg.model_id, self.cfg.namespace_extra)
         probe = pool.get_data_page(0, flat=False)
-        self.parts_per_page = 2 if _is_mha(pool) and probe.shape[0] == 2 else 1
+        self.parts_per_page = records_per_page(pool, self.cfg.split_kv, str(self.cfg.l3.get("backend")))
+        if self.parts_per_page == 2 and probe.shape[0] != 2:
+            raise ConfigError(f"split_kv: a page of {type(pool).__name__} ({pool.layout}) has no K/V axis first "
+                              f"(shape {tuple(probe.shape)}); set split_kv false")
+        ns = build_namespace(self.storage_config, pool, self.cfg.model_id, self.cfg.namespace_extra,
+                             self.parts_per_page)
         self.page_bytes = probe.numel() * probe.element_size()
         if self.page_bytes % self.parts_per_page:
             raise ConfigError(f"host pool page of {self.page_bytes} bytes does not split into "
@@ -425,4 +447,4 @@ class TierKVHiCacheStorage(HiCacheStorage):
 
 
 __all__ = ["TierKVHiCacheStorage", "SGLangExtraConfig", "parse_extra_config", "build_namespace", "map_key",
-           "SGLANG_KEYS", "FORMAT_VERSION"]
+           "SGLANG_KEYS", "FORMAT_VERSION", "records_per_page"]

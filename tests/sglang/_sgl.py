@@ -88,8 +88,9 @@ def keys(n: int, salt: str = "") -> list[str]:
     return [hashlib.sha256(f"{salt}/{i}".encode()).hexdigest() for i in range(n)]
 
 
-def build_namespace_for(pool, **cfg):
-    """The tierkv namespace the adapter will use for ``pool`` under :func:`storage_config` ``(**cfg)``."""
+def build_namespace_for(pool, records: int = 1, **cfg):
+    """The tierkv namespace the adapter will use for ``pool`` under :func:`storage_config` ``(**cfg)`` with
+    ``records`` records per page."""
     from tierkv.connector.sglang_hicache import build_namespace
 
-    return build_namespace(storage_config({}, layout=pool.layout, **cfg), pool)
+    return build_namespace(storage_config({}, layout=pool.layout, **cfg), pool, records=records)

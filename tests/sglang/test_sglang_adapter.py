@@ -19,14 +19,16 @@ def file_l3(tmp_path) -> dict:
     return {"backend": "file", "file": {"root": str(tmp_path / "l3")}}
 
 
-@pytest.mark.parametrize("layout,zero_copy", [("page_first", True), ("page_first_direct", True),
-                                              ("page_head", True), ("layer_first", False)])
-def test_both_paths_round_trip_and_share_records(tmp_path, layout, zero_copy):
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct", "page_head", "layer_first"])
+def test_both_paths_round_trip_and_share_records(tmp_path, layout, split):
     """A page written through the zero-copy path reads back bit-exact through both paths, and one written through
-    the copy path reads back through the zero-copy path (same records), in every MHA host layout."""
+    the copy path reads back through the zero-copy path (same records), in every MHA host layout, as two records
+    (K, V: in place in the host pool except layer_first) or one (staged)."""
     pool = mha_pool(layout)
-    b = attach(extra_config(file_l3(tmp_path)), pool)
-    assert isinstance(b, TierKVHiCacheStorage) and b.zero_copy is zero_copy and b.parts_per_page == 2
+    b = attach(extra_config(file_l3(tmp_path), split_kv=split), pool)
+    assert isinstance(b, TierKVHiCacheStorage) and b.parts_per_page == (2 if split else 1)
+    assert b.zero_copy is (split and layout != "layer_first")
     idx = fill_pages(pool, 4, seed=1)
     want = [page_bytes_of(pool, i) for i in range(4)]
     ks = keys(4, layout)
@@ -35,7 +37,7 @@ def test_both_paths_round_trip_and_share_records(tmp_path, layout, zero_copy):
     assert b.batch_exists(ks) == 4
 
     pool2 = mha_pool(layout)
-    b2 = attach(extra_config(file_l3(tmp_path)), pool2)
+    b2 = attach(extra_config(file_l3(tmp_path), split_kv=split), pool2)
     assert b2.batch_get_v1(ks, idx) == [True] * 4
     assert all(torch.equal(page_bytes_of(pool2, i), want[i]) for i in range(4))
     got = b2.batch_get(ks, [pool2.get_dummy_flat_data_page() for _ in ks])
@@ -59,9 +61,9 @@ def test_leading_run_and_missing_page(tmp_path):
 
 
 def test_a_page_with_one_part_missing_is_absent(tmp_path):
-    """MHA pages are stored as a K record and a V record; without its V record a page is a miss everywhere."""
+    """With split_kv an MHA page is a K record and a V record; without its V record a page is a miss everywhere."""
     pool = mha_pool()
-    b = attach(extra_config(file_l3(tmp_path)), pool)
+    b = attach(extra_config(file_l3(tmp_path), split_kv=True), pool)
     idx = fill_pages(pool, 2, seed=3)
     ks = keys(2, "part")
     assert b.batch_set_v1(ks, idx) == [True, True]
@@ -73,7 +75,8 @@ def test_a_page_with_one_part_missing_is_absent(tmp_path):
     b.close()
 
 
-@pytest.mark.parametrize("change", ["tp_rank", "dtype", "layout", "model", "page_size", "format_version"])
+@pytest.mark.parametrize("change", ["tp_rank", "dtype", "layout", "model", "page_size", "format_version",
+                                    "split_kv"])
 def test_other_namespace_is_a_miss(tmp_path, monkeypatch, change):
     """A page written by TP rank 0 of 2 (bfloat16, page_first, page 16, this model) is invisible to rank 1 of 2,
     to float16, to another layout / model / page size, and to a reader of another tierkv format version."""
@@ -97,14 +100,23 @@ def test_other_namespace_is_a_miss(tmp_path, monkeypatch, change):
         pool2 = mha_pool(page_size=8, pages=32, head_dim=128)  # same bytes per page, other tokens per page
     elif change == "format_version":
         monkeypatch.setattr(page_hash, "FORMAT_VERSION", page_hash.FORMAT_VERSION + 1)
-    r = attach(extra_config(l3), pool2, **cfg)
-    assert r.page_bytes == w.page_bytes
+    r = attach(extra_config(l3, split_kv=True) if change == "split_kv" else extra_config(l3), pool2, **cfg)
+    assert r.page_bytes == w.page_bytes and w.parts_per_page == 1  # file store default: one record per page
     assert r.batch_exists(ks) == 0
     assert r.batch_get_v1(ks, idx[: 2 * pool2.page_size]) == [False, False]
     monkeypatch.undo()
     same = attach(extra_config(l3), mha_pool(), tp_rank=0, tp_size=2)  # the writer's own namespace still hits
     assert same.batch_exists(ks) == 2
     w.close(), r.close(), same.close()
+
+
+def test_default_records_per_page():
+    from tierkv.connector.sglang_hicache import records_per_page
+
+    pool = mha_pool()
+    assert records_per_page(pool, None, "file") == 1 and records_per_page(pool, None, "zmq") == 2
+    assert records_per_page(pool, None, "mooncake") == 2 and records_per_page(pool, False, "mooncake") == 1
+    assert records_per_page(pool, True, "file") == 2
 
 
 def test_mla_namespace_ignores_tp_rank_mha_does_not():
@@ -160,7 +172,7 @@ def test_stats_clear_close(tmp_path):
     assert b.batch_get_v1(ks + keys(1, "none"), torch.cat([idx, idx[: pool.page_size]])) == [True] * 3 + [False]
     st = b.stats()
     assert (st["pages_set"], st["pages_get"], st["pages_hit"], st["errors"]) == (3, 4, 3, 0)
-    assert st["store"]["hits"] >= 6
+    assert st["store"]["hits"] >= 3  # one record per page (file default)
     m = b.get_stats()
     assert m.backup_pgs == [3] and m.prefetch_pgs == [3] and m.tierkv["pages_hit"] == 3
     assert b.get_stats().backup_pgs == []  # drained, as SGLang's Mooncake backend does

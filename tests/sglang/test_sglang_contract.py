@@ -30,16 +30,21 @@ def l3_for(h) -> dict:
     return {"backend": "mooncake", "mooncake": cfg}
 
 
+def xc(h) -> dict:
+    """Extra config with two records per page (K, V) on every backend: the zero-copy path in place."""
+    return extra_config(l3_for(h), split_kv=True)
+
+
 @contextlib.contextmanager
 def rig(kind: str, tmp_path):
     """(handle, adapter, pool): a store of ``kind`` whose fixture client shares the adapter's namespace and part
     size (so ``h.corrupt`` can reach the adapter's records), and the adapter attached to a fresh host pool."""
     pool = mha_pool()
-    ns = build_namespace_for(pool)
+    ns = build_namespace_for(pool, records=2)
     part_bytes = pool.get_data_page(0).numel() * pool.get_data_page(0).element_size() // 2
     mod = importlib.import_module(f"_fixtures_{kind}")
     with mod.make_backend(tmp_path, part_bytes, ns.digest(), timeout_s=TIMEOUT_S) as h:
-        b = attach(extra_config(l3_for(h)), pool)
+        b = attach(xc(h), pool)
         assert b.part_bytes == part_bytes and b.namespace == ns
         try:
             yield h, b, pool
@@ -61,7 +66,7 @@ def test_round_trip_leading_run_and_corruption(kind, tmp_path):
         # round trip, zero-copy path into another pool and copy path
         assert b.batch_set_v1(ks[:4], idx[: 4 * ps]) == [True] * 4
         pool2 = mha_pool()
-        b2 = attach(extra_config(l3_for(h)), pool2)
+        b2 = attach(xc(h), pool2)
         assert b2.batch_get_v1(ks[:4], idx[: 4 * ps]) == [True] * 4 and same_pages(pool2, want, 4)
         flat = b2.batch_get(ks[:4], [pool2.get_dummy_flat_data_page() for _ in range(4)])
         assert all(torch.equal(f.view(torch.uint8), want[i]) for i, f in enumerate(flat))
@@ -72,7 +77,7 @@ def test_round_trip_leading_run_and_corruption(kind, tmp_path):
         for i, how in zip((1, 2, 3), ("flip", "truncate", "foreign_namespace")):
             assert h.corrupt(b.tierkv_keys(ks[i])[i % 2], how, namespace=b._ns_digest), how
         pool3 = mha_pool()
-        b3 = attach(extra_config(l3_for(h)), pool3)
+        b3 = attach(xc(h), pool3)
         assert b3.batch_get_v1(ks[:4], idx[: 4 * ps]) == [True, False, False, False]
         assert same_pages(pool3, want, 1)
         assert b3.batch_get(ks[1:4], [pool3.get_dummy_flat_data_page() for _ in range(3)]) == [None] * 3
@@ -93,7 +98,7 @@ def test_restart_and_hang(kind, tmp_path):
         assert b.batch_set_v1(ks, idx) == [True] * 3
         h.restart()
         pool2 = mha_pool()
-        b2 = attach(extra_config(l3_for(h)), pool2)
+        b2 = attach(xc(h), pool2)
         res = b2.batch_get_v1(ks, idx)
         if h.persistent:
             assert res == [True] * 3
