@@ -12,9 +12,11 @@ turns batch by batch (the order rotates every repetition, so machine noise hits 
 | ``lmcache`` | tierkv's ``LMCacheStore`` on a real LMCache 0.5.6 multiprocess server (its own venv,
   ``benchmarks/peers/setup_lmcache_venv.sh``): pages named by their token ids (one key range per batch), data through
   the server's ``/dev/shm`` segment; get = lookup + prefetch wait + prepare/commit retrieve, verified like ``zmq`` |
-| ``lmcache_native`` | LMCache's own worker-side client: not measured. Its engine-driven path
-  (``create_transfer_context``) needs vLLM-shaped KV caches and block tables; on a CPU-only machine it is the same
-  wire protocol and shared-memory copies that ``lmcache`` above performs (docs/architecture.md §11) |
+| ``lmcache_native`` | LMCache's own worker-side client (``benchmarks/peers/lmcache_native_peer.py`` in the LMCache
+  venv: ``create_transfer_context`` in engine-driven mode, the path LMCache's vLLM integration takes for CPU KV
+  caches) on a fresh server of its own: the same batch geometry as 64 blocks of a vLLM-shaped fp16 CPU KV cache
+  (``submit_store``; ``lookup`` + ``wait_prefetch_status`` + ``submit_retrieve``, checked after each timed call).
+  It runs after the three above, not interleaved with them, and LMCache verifies nothing on read |
 
 The same source pages are used by all variants; every variant drops its pages after each repetition (untimed), so
 all receive the next batch into memory their allocator already holds. MB/s = batch bytes / median batch time;
@@ -53,6 +55,7 @@ PAGE_TOKENS = 16
 TARGET = 1.5
 KiB, MiB = 1024, 1024 * 1024
 VARIANTS = ("raw", "zmq", "lmcache")
+NATIVE_PEER = ROOT / "benchmarks" / "peers" / "lmcache_native_peer.py"
 
 
 def _load(name: str, path: Path):
@@ -164,6 +167,34 @@ def bench(pb: int, reps: int, src: list[torch.Tensor], sums: Optional[list[int]]
     return {k: v.summary(BATCH * pb) for k, v in S.items()}
 
 
+def bench_native(pb: int, reps: int) -> dict:
+    """LMCache's own client on its own server (see the module docstring); ``{"lmcache_native_set"/"_get": summary}``,
+    or ``{"lmcache_native_error": text}`` when it cannot run."""
+    heads, head_dim = 8, 128
+    layers, rest = divmod(pb, 2 * PAGE_TOKENS * heads * head_dim * 2)
+    if rest or layers < 1:
+        return {"lmcache_native_error": f"no fp16 KV geometry for {pb}-byte pages"}
+    proc, ep, shm = LMF.start_server(PAGE_TOKENS, l1_size_gb=round(max(1.0, 4 * BATCH * pb / 2**30), 2),
+                                     log_path=os.path.join(tempfile.gettempdir(), "tierkv-bench-lmcache-native.log"))
+    try:
+        arg = {"endpoint": ep, "chunk_tokens": PAGE_TOKENS, "batch": BATCH, "reps": reps, "layers": layers,
+               "heads": heads, "head_dim": head_dim}
+        p = subprocess.run([LMF.lmcache_python(), str(NATIVE_PEER), json.dumps(arg)], capture_output=True, text=True,
+                           timeout=600, env=dict(os.environ, LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1"))
+    finally:
+        LMF._stop_proc(proc, shm, grace_s=5.0)
+    if p.returncode != 0:
+        return {"lmcache_native_error": (p.stderr.strip().splitlines() or ["?"])[-1]}
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["page_bytes"] == pb and not out["errors"], out
+    res = {}
+    for op in ("set", "get"):
+        s = SB.Series()
+        s.t = out[op]
+        res[f"lmcache_native_{op}"] = s.summary(BATCH * pb)
+    return res
+
+
 def rows_for(pb: int, res: dict) -> list[dict]:
     rows = []
     for op in ("set", "get"):
@@ -175,7 +206,10 @@ def rows_for(pb: int, res: dict) -> list[dict]:
                      "raw_p99_ms": raw["p99_ms"],
                      "zmq_over_lmcache": round(ratio, 2) if ratio else None,
                      "zmq_over_lmcache_paired": _round(SB.paired_ratio(z, lmr)),
-                     "lmcache_native": "not measured", "target": TARGET,
+                     "lmcache_native_mbps": res.get(f"lmcache_native_{op}", {}).get("mbps"),
+                     "lmcache_native_p50_ms": res.get(f"lmcache_native_{op}", {}).get("p50_ms"),
+                     "lmcache_native_p99_ms": res.get(f"lmcache_native_{op}", {}).get("p99_ms"),
+                     "target": TARGET,
                      "meets_target": bool(ratio and ratio >= TARGET)})
     return rows
 
@@ -186,14 +220,20 @@ def _round(v):
 
 def table(rows: list[dict]) -> str:
     head = ("| page | op | raw pyzmq MB/s | tierkv zmq MB/s (p50/p99 ms) | LMCache server via lmcache store MB/s "
-            "(p50/p99 ms) | zmq / LMCache (paired) | target |")
-    out = [head, "|" + "---|" * 7]
+            "(p50/p99 ms) | LMCache's own client MB/s (p50/p99 ms) | zmq / LMCache (paired) | target |")
+    out = [head, "|" + "---|" * 8]
     for r in rows:
         out.append(f"| {r['page_kib']} KiB x {BATCH} | {r['op']} | {r['raw_mbps']:.0f} | {r['zmq_mbps']:.0f} "
                    f"({r['zmq_p50_ms']}/{r['zmq_p99_ms']}) | {r['lmcache_mbps']:.0f} ({r['lmcache_p50_ms']}/"
-                   f"{r['lmcache_p99_ms']}) | {r['zmq_over_lmcache']}x ({r['zmq_over_lmcache_paired']}x) | "
+                   f"{r['lmcache_p99_ms']}) | {_native(r)} | {r['zmq_over_lmcache']}x ({r['zmq_over_lmcache_paired']}x) | "
                    f">= {TARGET}x {'met' if r['meets_target'] else 'NOT met'} |")
     return "\n".join(out)
+
+
+def _native(r: dict) -> str:
+    if r.get("lmcache_native_mbps") is None:
+        return "not measured"
+    return f"{r['lmcache_native_mbps']:.0f} ({r['lmcache_native_p50_ms']}/{r['lmcache_native_p99_ms']})"
 
 
 def run(sizes: list[int], reps: Optional[int], quick: bool, sums_mode: str = "given",
@@ -210,6 +250,9 @@ def run(sizes: list[int], reps: Optional[int], quick: bool, sums_mode: str = "gi
         src = [torch.from_numpy(np.frombuffer(rng.bytes(pb), dtype=np.uint8).copy()) for _ in range(BATCH)]
         sums = SB.checksums_of(src) if sums_mode == "given" else None
         raw[pb] = bench(pb, n, src, sums)
+        raw[pb].update(bench_native(pb, n))
+        if "lmcache_native_error" in raw[pb]:
+            print(f"  LMCache's own client not measured: {raw[pb]['lmcache_native_error']}")
         rows += rows_for(pb, raw[pb])
     with open("/proc/loadavg") as f:
         load1 = f.read().split()[:3]
