@@ -1,5 +1,8 @@
 """Standard BLAKE2b (RFC 7693), compiled with numba, over a chain of equal-length page messages.
 
+The twelve rounds are written out with the message schedule (RFC 7693 SIGMA) as constant word indices, so the
+message words stay in registers; ``_SIGMA`` is kept for the tests and for reading.
+
 Used by :func:`tierkv.connector.page_hash.page_keys`; it must return exactly what :mod:`hashlib` returns for
 ``blake2b(message, digest_size=16, salt=previous key, person=tag)`` (tests/unit/test_page_hash.py checks it on
 random inputs at several page sizes). One call hashes every page of a request, so the per-page cost is the
@@ -24,7 +27,7 @@ _SIGMA = np.array([
 _P0 = 0x01010010
 
 
-@njit(inline="always")
+@njit(cache=True)
 def _g(a, b, c, d, x, y):
     a = a + b + x
     d = d ^ a
@@ -47,7 +50,6 @@ def blake2b_chain(words, nblocks, msglen, s0, s1, p0, p1, out):
     zero-padded to whole 128-byte blocks) under BLAKE2b-128 with salt = (s0, s1), the previous page's digest (the
     chain's root for page 0), and personalisation (p0, p1). Writes digests into ``out`` (``uint64 [n, 2]``)."""
     iv = _IV
-    sg = _SIGMA
     for pg in range(words.shape[0]):
         h0 = iv[0] ^ uint64(_P0)
         h1 = iv[1]
@@ -58,7 +60,23 @@ def blake2b_chain(words, nblocks, msglen, s0, s1, p0, p1, out):
         h6 = iv[6] ^ p0
         h7 = iv[7] ^ p1
         for blk in range(nblocks):
-            m = words[pg, blk * 16:(blk + 1) * 16]
+            base = blk * 16
+            m0 = words[pg, base + 0]
+            m1 = words[pg, base + 1]
+            m2 = words[pg, base + 2]
+            m3 = words[pg, base + 3]
+            m4 = words[pg, base + 4]
+            m5 = words[pg, base + 5]
+            m6 = words[pg, base + 6]
+            m7 = words[pg, base + 7]
+            m8 = words[pg, base + 8]
+            m9 = words[pg, base + 9]
+            m10 = words[pg, base + 10]
+            m11 = words[pg, base + 11]
+            m12 = words[pg, base + 12]
+            m13 = words[pg, base + 13]
+            m14 = words[pg, base + 14]
+            m15 = words[pg, base + 15]
             v0, v1, v2, v3, v4, v5, v6, v7 = h0, h1, h2, h3, h4, h5, h6, h7
             v8, v9, v10, v11, v12, v13, v14, v15 = iv[0], iv[1], iv[2], iv[3], iv[4], iv[5], iv[6], iv[7]
             if blk == nblocks - 1:
@@ -66,16 +84,114 @@ def blake2b_chain(words, nblocks, msglen, s0, s1, p0, p1, out):
                 v14 = ~v14
             else:
                 v12 = v12 ^ uint64((blk + 1) * 128)
-            for r in range(12):
-                s = sg[r]
-                v0, v4, v8, v12 = _g(v0, v4, v8, v12, m[s[0]], m[s[1]])
-                v1, v5, v9, v13 = _g(v1, v5, v9, v13, m[s[2]], m[s[3]])
-                v2, v6, v10, v14 = _g(v2, v6, v10, v14, m[s[4]], m[s[5]])
-                v3, v7, v11, v15 = _g(v3, v7, v11, v15, m[s[6]], m[s[7]])
-                v0, v5, v10, v15 = _g(v0, v5, v10, v15, m[s[8]], m[s[9]])
-                v1, v6, v11, v12 = _g(v1, v6, v11, v12, m[s[10]], m[s[11]])
-                v2, v7, v8, v13 = _g(v2, v7, v8, v13, m[s[12]], m[s[13]])
-                v3, v4, v9, v14 = _g(v3, v4, v9, v14, m[s[14]], m[s[15]])
+            # round 0
+            v0, v4, v8, v12 = _g(v0, v4, v8, v12, m0, m1)
+            v1, v5, v9, v13 = _g(v1, v5, v9, v13, m2, m3)
+            v2, v6, v10, v14 = _g(v2, v6, v10, v14, m4, m5)
+            v3, v7, v11, v15 = _g(v3, v7, v11, v15, m6, m7)
+            v0, v5, v10, v15 = _g(v0, v5, v10, v15, m8, m9)
+            v1, v6, v11, v12 = _g(v1, v6, v11, v12, m10, m11)
+            v2, v7, v8, v13 = _g(v2, v7, v8, v13, m12, m13)
+            v3, v4, v9, v14 = _g(v3, v4, v9, v14, m14, m15)
+            # round 1
+            v0, v4, v8, v12 = _g(v0, v4, v8, v12, m14, m10)
+            v1, v5, v9, v13 = _g(v1, v5, v9, v13, m4, m8)
+            v2, v6, v10, v14 = _g(v2, v6, v10, v14, m9, m15)
+            v3, v7, v11, v15 = _g(v3, v7, v11, v15, m13, m6)
+            v0, v5, v10, v15 = _g(v0, v5, v10, v15, m1, m12)
+            v1, v6, v11, v12 = _g(v1, v6, v11, v12, m0, m2)
+            v2, v7, v8, v13 = _g(v2, v7, v8, v13, m11, m7)
+            v3, v4, v9, v14 = _g(v3, v4, v9, v14, m5, m3)
+            # round 2
+            v0, v4, v8, v12 = _g(v0, v4, v8, v12, m11, m8)
+            v1, v5, v9, v13 = _g(v1, v5, v9, v13, m12, m0)
+            v2, v6, v10, v14 = _g(v2, v6, v10, v14, m5, m2)
+            v3, v7, v11, v15 = _g(v3, v7, v11, v15, m15, m13)
+            v0, v5, v10, v15 = _g(v0, v5, v10, v15, m10, m14)
+            v1, v6, v11, v12 = _g(v1, v6, v11, v12, m3, m6)
+            v2, v7, v8, v13 = _g(v2, v7, v8, v13, m7, m1)
+            v3, v4, v9, v14 = _g(v3, v4, v9, v14, m9, m4)
+            # round 3
+            v0, v4, v8, v12 = _g(v0, v4, v8, v12, m7, m9)
+            v1, v5, v9, v13 = _g(v1, v5, v9, v13, m3, m1)
+            v2, v6, v10, v14 = _g(v2, v6, v10, v14, m13, m12)
+            v3, v7, v11, v15 = _g(v3, v7, v11, v15, m11, m14)
+            v0, v5, v10, v15 = _g(v0, v5, v10, v15, m2, m6)
+            v1, v6, v11, v12 = _g(v1, v6, v11, v12, m5, m10)
+            v2, v7, v8, v13 = _g(v2, v7, v8, v13, m4, m0)
+            v3, v4, v9, v14 = _g(v3, v4, v9, v14, m15, m8)
+            # round 4
+            v0, v4, v8, v12 = _g(v0, v4, v8, v12, m9, m0)
+            v1, v5, v9, v13 = _g(v1, v5, v9, v13, m5, m7)
+            v2, v6, v10, v14 = _g(v2, v6, v10, v14, m2, m4)
+            v3, v7, v11, v15 = _g(v3, v7, v11, v15, m10, m15)
+            v0, v5, v10, v15 = _g(v0, v5, v10, v15, m14, m1)
+            v1, v6, v11, v12 = _g(v1, v6, v11, v12, m11, m12)
+            v2, v7, v8, v13 = _g(v2, v7, v8, v13, m6, m8)
+            v3, v4, v9, v14 = _g(v3, v4, v9, v14, m3, m13)
+            # round 5
+            v0, v4, v8, v12 = _g(v0, v4, v8, v12, m2, m12)
+            v1, v5, v9, v13 = _g(v1, v5, v9, v13, m6, m10)
+            v2, v6, v10, v14 = _g(v2, v6, v10, v14, m0, m11)
+            v3, v7, v11, v15 = _g(v3, v7, v11, v15, m8, m3)
+            v0, v5, v10, v15 = _g(v0, v5, v10, v15, m4, m13)
+            v1, v6, v11, v12 = _g(v1, v6, v11, v12, m7, m5)
+            v2, v7, v8, v13 = _g(v2, v7, v8, v13, m15, m14)
+            v3, v4, v9, v14 = _g(v3, v4, v9, v14, m1, m9)
+            # round 6
+            v0, v4, v8, v12 = _g(v0, v4, v8, v12, m12, m5)
+            v1, v5, v9, v13 = _g(v1, v5, v9, v13, m1, m15)
+            v2, v6, v10, v14 = _g(v2, v6, v10, v14, m14, m13)
+            v3, v7, v11, v15 = _g(v3, v7, v11, v15, m4, m10)
+            v0, v5, v10, v15 = _g(v0, v5, v10, v15, m0, m7)
+            v1, v6, v11, v12 = _g(v1, v6, v11, v12, m6, m3)
+            v2, v7, v8, v13 = _g(v2, v7, v8, v13, m9, m2)
+            v3, v4, v9, v14 = _g(v3, v4, v9, v14, m8, m11)
+            # round 7
+            v0, v4, v8, v12 = _g(v0, v4, v8, v12, m13, m11)
+            v1, v5, v9, v13 = _g(v1, v5, v9, v13, m7, m14)
+            v2, v6, v10, v14 = _g(v2, v6, v10, v14, m12, m1)
+            v3, v7, v11, v15 = _g(v3, v7, v11, v15, m3, m9)
+            v0, v5, v10, v15 = _g(v0, v5, v10, v15, m5, m0)
+            v1, v6, v11, v12 = _g(v1, v6, v11, v12, m15, m4)
+            v2, v7, v8, v13 = _g(v2, v7, v8, v13, m8, m6)
+            v3, v4, v9, v14 = _g(v3, v4, v9, v14, m2, m10)
+            # round 8
+            v0, v4, v8, v12 = _g(v0, v4, v8, v12, m6, m15)
+            v1, v5, v9, v13 = _g(v1, v5, v9, v13, m14, m9)
+            v2, v6, v10, v14 = _g(v2, v6, v10, v14, m11, m3)
+            v3, v7, v11, v15 = _g(v3, v7, v11, v15, m0, m8)
+            v0, v5, v10, v15 = _g(v0, v5, v10, v15, m12, m2)
+            v1, v6, v11, v12 = _g(v1, v6, v11, v12, m13, m7)
+            v2, v7, v8, v13 = _g(v2, v7, v8, v13, m1, m4)
+            v3, v4, v9, v14 = _g(v3, v4, v9, v14, m10, m5)
+            # round 9
+            v0, v4, v8, v12 = _g(v0, v4, v8, v12, m10, m2)
+            v1, v5, v9, v13 = _g(v1, v5, v9, v13, m8, m4)
+            v2, v6, v10, v14 = _g(v2, v6, v10, v14, m7, m6)
+            v3, v7, v11, v15 = _g(v3, v7, v11, v15, m1, m5)
+            v0, v5, v10, v15 = _g(v0, v5, v10, v15, m15, m11)
+            v1, v6, v11, v12 = _g(v1, v6, v11, v12, m9, m14)
+            v2, v7, v8, v13 = _g(v2, v7, v8, v13, m3, m12)
+            v3, v4, v9, v14 = _g(v3, v4, v9, v14, m13, m0)
+            # round 10
+            v0, v4, v8, v12 = _g(v0, v4, v8, v12, m0, m1)
+            v1, v5, v9, v13 = _g(v1, v5, v9, v13, m2, m3)
+            v2, v6, v10, v14 = _g(v2, v6, v10, v14, m4, m5)
+            v3, v7, v11, v15 = _g(v3, v7, v11, v15, m6, m7)
+            v0, v5, v10, v15 = _g(v0, v5, v10, v15, m8, m9)
+            v1, v6, v11, v12 = _g(v1, v6, v11, v12, m10, m11)
+            v2, v7, v8, v13 = _g(v2, v7, v8, v13, m12, m13)
+            v3, v4, v9, v14 = _g(v3, v4, v9, v14, m14, m15)
+            # round 11
+            v0, v4, v8, v12 = _g(v0, v4, v8, v12, m14, m10)
+            v1, v5, v9, v13 = _g(v1, v5, v9, v13, m4, m8)
+            v2, v6, v10, v14 = _g(v2, v6, v10, v14, m9, m15)
+            v3, v7, v11, v15 = _g(v3, v7, v11, v15, m13, m6)
+            v0, v5, v10, v15 = _g(v0, v5, v10, v15, m1, m12)
+            v1, v6, v11, v12 = _g(v1, v6, v11, v12, m0, m2)
+            v2, v7, v8, v13 = _g(v2, v7, v8, v13, m11, m7)
+            v3, v4, v9, v14 = _g(v3, v4, v9, v14, m5, m3)
             h0 ^= v0 ^ v8
             h1 ^= v1 ^ v9
             h2 ^= v2 ^ v10
