@@ -230,16 +230,18 @@ def reserve(group: str, rank: int, local_ranks: int, *, requested_bytes: Optiona
             ctx.__exit__(None, None, None)
 
 
-def group_bytes(group: str, ledger_dir: Optional[str] = None) -> Optional[int]:
-    """Bytes per rank that the live workers of ``group`` reserved (the largest entry), None if none did: lets the
-    scheduler process size its index exactly as its workers sized their pools."""
+def group_bytes(group: str, ledger_dir: Optional[str] = None) -> tuple[Optional[int], Optional[int]]:
+    """``(bytes per rank, budget)``: what the live workers of ``group`` reserved (the largest entry) and the host
+    budget, ``(None, None)`` if none did: lets the scheduler process size its index exactly as its workers sized
+    their pools."""
     try:
         path = ledger_path(ledger_dir)
         if not path.exists():
-            return None
+            return None, None
         with _locked(path) as data:
             data["entries"] = live = _live(data["entries"])
+            budget = data.get("budget")
     except OSError:
-        return None
+        return None, None
     mine = [int(e.get("bytes", 0)) for e in live if e.get("group") == group]
-    return max(mine) if mine else None
+    return (max(mine), budget) if mine else (None, None)
