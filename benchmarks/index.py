@@ -147,13 +147,17 @@ def run_sglang(page_size: int, seqs, partial, roots: int, evict_step: int) -> di
 
 # ---------------------------------------------------------------------------------------------------- tierkv
 def run_tierkv(page_size: int, seqs, partial, roots: int, evict_step: int, hashed: bool) -> dict:
-    """``hashed``: every insert and match starts from token ids (page_keys per call, as a new request would);
-    otherwise the keys are computed before the timed loops and only the tree is measured."""
+    """``hashed``: every insert and match starts from token ids (page_keys per call, as a new request would), given
+    as array('q') like SGLang's RadixKey; otherwise the keys are computed before the timed loops and only the tree is
+    measured."""
     root = request_root(bytes(16))
     n, L = len(seqs), len(seqs[0])
     pages = L // page_size
     keys = pkeys = None
-    if not hashed:
+    if hashed:  # the same input SGLang gets: RadixKey(token_ids=array("q", ...)) built before its timed loops
+        seqs = [array("q", s) for s in seqs]
+        partial = [array("q", s) for s in partial]
+    else:
         keys = [page_keys(root, s, page_size) for s in seqs]
         pkeys = [page_keys(root, s, page_size) for s in partial]
     idx = RadixIndex()
@@ -507,7 +511,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-write", action="store_true", help="print only; no results/index.json, no README")
     args = ap.parse_args(argv)
     if args.quick:
-        args.roots, args.branches, args.repeats = 20, 20, 1
+        args.roots, args.branches, args.repeats = min(args.roots, 20), min(args.branches, 20), 1
         args.scale_pages, args.startup_pages = 65536, 20000
     args.page_sizes = [int(x) for x in args.page_sizes.split(",")]
     skip = set(filter(None, args.skip.split(",")))

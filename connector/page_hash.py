@@ -184,15 +184,27 @@ def page_keys(
             or _kernel() is None):
         return page_keys_reference(root, token_ids, page_size, extra_keys, parent, start_page)
     lo, hi = start_page * page_size, n_pages * page_size
-    try:  # array('I') is uint32 on every platform numba runs on; the machine is little-endian (checked in _kernel)
-        tb = array("I", token_ids if lo == 0 and hi == len(token_ids) else token_ids[lo:hi])
-    except (OverflowError, TypeError):  # some page needs int64 (or holds a non-int): per page, through hashlib
-        return page_keys_reference(root, token_ids, page_size, extra_keys, parent, start_page)
+    if isinstance(token_ids, (array, _np().ndarray)):  # already machine integers: converted in C
+        a = _np().asarray(token_ids[lo:hi])
+        if a.dtype.kind not in "iu" or (a.size and (int(a.min()) < 0 or int(a.max()) > 0xFFFFFFFF)):
+            return page_keys_reference(root, token_ids, page_size, extra_keys, parent, start_page)
+        tb = a.astype("<u4")
+    else:
+        try:  # array('I') is uint32 wherever the kernel runs; the machine is little-endian (checked in _kernel)
+            tb = array("I", token_ids if lo == 0 and hi == len(token_ids) else token_ids[lo:hi])
+        except (OverflowError, TypeError):  # some page needs int64 (or holds a non-int): per page, through hashlib
+            return page_keys_reference(root, token_ids, page_size, extra_keys, parent, start_page)
     return _hash_chain(parent if parent is not None else root, tb, n, 4 * page_size, _PERSON_U32)
 
 
+def _np():
+    import numpy
+
+    return numpy
+
+
 def _hash_chain(prev: bytes, tb, n: int, msglen: int, person: bytes) -> list[bytes]:
-    import numpy as np
+    np = _np()
 
     nblocks = max(1, -(-msglen // 128))
     if msglen == 128 * nblocks:

@@ -337,7 +337,8 @@ class RadixIndex:
             mp = len(child.keys)
             j = self._edge_match(child, 1, new_keys, i + 1, n) if mp > 1 else 1
             if child.l2_count == mp and in_l3 is None:  # fast path: every page already has a slot
-                dups.extend(s for s in host_slots[i:i + j] if s != NO_SLOT)
+                given = host_slots[i:i + j]
+                dups.extend(given if NO_SLOT not in given else [s for s in given if s != NO_SLOT])
             else:
                 self._merge_pages(child, j, host_slots, in_l3, i, dups)
             if j < mp:
