@@ -508,7 +508,9 @@ def print_table(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--backends", default="file,zmq,mooncake")
+    ap.add_argument("--backends", default="file,zmq,mooncake,sglang",
+                    help="sglang: the same stores through SGLang's HiCache interface next to SGLang's own classes "
+                    "(benchmarks/storage_sglang.py)")
     ap.add_argument("--pages", default="256K,2M", help="page sizes: 256K, 2M")
     ap.add_argument("--reps", type=int, default=None, help="batches per variant (default 12 for 256 KiB, 5 for 2 MiB)")
     ap.add_argument("--quick", action="store_true")
@@ -555,6 +557,10 @@ def main(argv=None) -> int:
                     pdir = os.path.join(base, "sglang-hicache-file")
                     os.makedirs(pdir)
                     peer = run_peer(pb, reps, pdir, rig)
+                if "sglang" in backends:  # rows of benchmarks/storage_sglang.py, same pages sizes, rig and disk
+                    sgl_if = _load("storage_sglang", Path(__file__).with_name("storage_sglang.py"))
+                    raw.setdefault("sglang_interface", {})[pb] = r_if = sgl_if.bench(pb, reps, base, backends, rig)
+                    all_rows += sgl_if.rows(r_if)
             finally:
                 shutil.rmtree(base, ignore_errors=True)
             raw[pb] = {"file": file_r, "zmq": zmq_r, "mooncake": mc_r, "sglang": peer}

@@ -203,6 +203,10 @@ class TierKVHiCacheStorage(HiCacheStorage):
         self._counts = {"pages_get": 0, "pages_hit": 0, "pages_set": 0, "pages_set_failed": 0, "errors": 0}
         self._metrics = {"prefetch_pgs": [], "backup_pgs": []}
         self._closed = False
+        # staged pages (layouts without an in-place region): one buffer per direction, since SGLang reads and
+        # writes from two threads
+        self._stage: Dict[str, torch.Tensor] = {}
+        self._stage_lock = {"get": threading.Lock(), "set": threading.Lock()}
 
     # ------------------------------------------------------------------ attach
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -336,11 +340,12 @@ class TierKVHiCacheStorage(HiCacheStorage):
         if self.zero_copy:
             dests = [p for s in starts for p in self._split(pool.get_data_page(s, flat=False))]
             return self._get(store, keys, dests)
-        staging = [torch.empty(self.page_bytes, dtype=torch.uint8) for _ in keys]
-        ok = self._get(store, keys, [p for t in staging for p in self._flat_parts(t)])
-        for s, t, o in zip(starts, staging, ok):
-            if o:
-                pool.set_from_flat_data_page(s, t.view(pool.dtype))
+        with self._stage_lock["get"]:
+            staging = self._staging("get", len(keys))
+            ok = self._get(store, keys, [p for t in staging for p in self._flat_parts(t)])
+            for s, t, o in zip(starts, staging, ok):
+                if o:
+                    self._copy_page(pool.get_data_page(s, flat=False), t, to_pool=True)
         return ok
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Any = None) -> List[bool]:
@@ -353,9 +358,32 @@ class TierKVHiCacheStorage(HiCacheStorage):
         starts = self._page_starts(len(keys), host_indices)
         if self.zero_copy:
             srcs = [p for s in starts for p in self._split(pool.get_data_page(s, flat=False))]
-        else:
-            srcs = [p for s in starts for p in self._flat_parts(pool.get_data_page(s, flat=True).contiguous())]
-        return self._set(store, keys, srcs)
+            return self._set(store, keys, srcs)
+        with self._stage_lock["set"]:
+            staging = self._staging("set", len(keys))
+            for s, t in zip(starts, staging):
+                self._copy_page(pool.get_data_page(s, flat=False), t, to_pool=False)
+            return self._set(store, keys, [p for t in staging for p in self._flat_parts(t)])
+
+    def _copy_page(self, page: torch.Tensor, flat: torch.Tensor, to_pool: bool) -> None:
+        """Copy between a host-pool page (``get_data_page(i, flat=False)``, a view) and its flat byte form
+        ``flat`` (uint8, ``page_bytes``), the K and V halves separately: each is one contiguous region in the
+        page-first layouts (a plain memcpy), where one strided copy of the whole page is several times slower."""
+        off = 0
+        for part in ([page[0], page[1]] if _is_mha(self.mem_pool_host) and page.shape[0] == 2 else [page]):
+            n = part.numel() * part.element_size()
+            f = flat[off:off + n].view(part.dtype).view(part.shape)
+            (part.copy_(f) if to_pool else f.copy_(part))
+            off += n
+
+    def _staging(self, direction: str, n: int) -> List[torch.Tensor]:
+        """``n`` page-sized uint8 views of this direction's staging buffer (kept between calls, grown on demand:
+        no allocation and no fresh page faults per batch). Caller holds ``self._stage_lock[direction]``."""
+        buf = self._stage.get(direction)
+        if buf is None or buf.numel() < n * self.page_bytes:
+            buf = self._stage[direction] = torch.empty(n * self.page_bytes, dtype=torch.uint8)
+        pb = self.page_bytes
+        return [buf[i * pb:(i + 1) * pb] for i in range(n)]
 
     # ------------------------------------------------------------------ I/O with accounting
     def _get(self, store: StorageBackend, keys: Sequence[str], dests: List[Any]) -> List[bool]:
