@@ -12,6 +12,8 @@ turns batch by batch (the order rotates every repetition, so machine noise hits 
 | ``lmcache`` | tierkv's ``LMCacheStore`` on a real LMCache 0.5.6 multiprocess server (its own venv,
   ``benchmarks/peers/setup_lmcache_venv.sh``): pages named by their token ids (one key range per batch), data through
   the server's ``/dev/shm`` segment; get = lookup + prefetch wait + prepare/commit retrieve, verified like ``zmq`` |
+| ``lmcache_keys`` | the same store without token ids (how the controller's L3 I/O calls every store today): each
+  page is a one-chunk key range of its own, the 64 ranges pipelined |
 | ``lmcache_native`` | LMCache's own worker-side client (``benchmarks/peers/lmcache_native_peer.py`` in the LMCache
   venv: ``create_transfer_context`` in engine-driven mode, the path LMCache's vLLM integration takes for CPU KV
   caches) on a fresh server of its own: the same batch geometry as 64 blocks of a vLLM-shaped fp16 CPU KV cache
@@ -54,7 +56,7 @@ BATCH = 64
 PAGE_TOKENS = 16
 TARGET = 1.5
 KiB, MiB = 1024, 1024 * 1024
-VARIANTS = ("raw", "zmq", "lmcache")
+VARIANTS = ("raw", "zmq", "lmcache", "lmcache_keys")
 NATIVE_PEER = ROOT / "benchmarks" / "peers" / "lmcache_native_peer.py"
 
 
@@ -129,8 +131,11 @@ def bench(pb: int, reps: int, src: list[torch.Tensor], sums: Optional[list[int]]
                 "zmq": (lambda: zs.batch_set(ks, src, checksums=sums), ok_all, lambda: zs.batch_get(ks, dst), ok_get),
                 "lmcache": (lambda: lm.batch_set(ks, src, checksums=sums, tokens=pts), ok_all,
                             lambda: lm.batch_get(ks, dst, tokens=pts), ok_get),
+                "lmcache_keys": (lambda: lm.batch_set(ks, src, checksums=sums), ok_all,
+                                 lambda: lm.batch_get(ks, dst), ok_get),
             }
-            order = VARIANTS[r % 3:] + VARIANTS[:r % 3]
+            k = r % len(VARIANTS)
+            order = VARIANTS[k:] + VARIANTS[:k]
             for v in order:
                 fset, cset, fget, cget = calls[v]
                 dt, res = SB.timed(fset)
@@ -198,12 +203,13 @@ def bench_native(pb: int, reps: int) -> dict:
 def rows_for(pb: int, res: dict) -> list[dict]:
     rows = []
     for op in ("set", "get"):
-        z, lmr, raw = res[f"zmq_{op}"], res[f"lmcache_{op}"], res[f"raw_{op}"]
+        z, lmr, raw, lmk = res[f"zmq_{op}"], res[f"lmcache_{op}"], res[f"raw_{op}"], res[f"lmcache_keys_{op}"]
         ratio = z["mbps"] / lmr["mbps"] if z["mbps"] and lmr["mbps"] else None
         rows.append({"page_kib": pb // KiB, "op": op, "raw_mbps": raw["mbps"], "zmq_mbps": z["mbps"],
                      "lmcache_mbps": lmr["mbps"], "zmq_p50_ms": z["p50_ms"], "zmq_p99_ms": z["p99_ms"],
                      "lmcache_p50_ms": lmr["p50_ms"], "lmcache_p99_ms": lmr["p99_ms"], "raw_p50_ms": raw["p50_ms"],
-                     "raw_p99_ms": raw["p99_ms"],
+                     "raw_p99_ms": raw["p99_ms"], "lmcache_keys_mbps": lmk["mbps"],
+                     "lmcache_keys_p50_ms": lmk["p50_ms"], "lmcache_keys_p99_ms": lmk["p99_ms"],
                      "zmq_over_lmcache": round(ratio, 2) if ratio else None,
                      "zmq_over_lmcache_paired": _round(SB.paired_ratio(z, lmr)),
                      "lmcache_native_mbps": res.get(f"lmcache_native_{op}", {}).get("mbps"),
@@ -220,12 +226,14 @@ def _round(v):
 
 def table(rows: list[dict]) -> str:
     head = ("| page | op | raw pyzmq MB/s | tierkv zmq MB/s (p50/p99 ms) | LMCache server via lmcache store MB/s "
-            "(p50/p99 ms) | LMCache's own client MB/s (p50/p99 ms) | zmq / LMCache (paired) | target |")
-    out = [head, "|" + "---|" * 8]
+            "(p50/p99 ms) | same, pages named by key MB/s (p50/p99 ms) | LMCache's own client MB/s (p50/p99 ms) | "
+            "zmq / LMCache (paired) | target |")
+    out = [head, "|" + "---|" * 9]
     for r in rows:
         out.append(f"| {r['page_kib']} KiB x {BATCH} | {r['op']} | {r['raw_mbps']:.0f} | {r['zmq_mbps']:.0f} "
                    f"({r['zmq_p50_ms']}/{r['zmq_p99_ms']}) | {r['lmcache_mbps']:.0f} ({r['lmcache_p50_ms']}/"
-                   f"{r['lmcache_p99_ms']}) | {_native(r)} | {r['zmq_over_lmcache']}x ({r['zmq_over_lmcache_paired']}x) | "
+                   f"{r['lmcache_p99_ms']}) | {r['lmcache_keys_mbps']:.0f} ({r['lmcache_keys_p50_ms']}/"
+                   f"{r['lmcache_keys_p99_ms']}) | {_native(r)} | {r['zmq_over_lmcache']}x ({r['zmq_over_lmcache_paired']}x) | "
                    f">= {TARGET}x {'met' if r['meets_target'] else 'NOT met'} |")
     return "\n".join(out)
 
