@@ -38,7 +38,6 @@ import importlib.util
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile

@@ -22,7 +22,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import itertools
 import tempfile
 import time
