@@ -241,10 +241,10 @@ class LMCacheHandle:
         return (slots[0]["offset"], slots[0]["length"]) if slots else None
 
     def corrupt(self, key: str, how: str, namespace: Optional[bytes] = None) -> bool:
-        """Damage the stored chunk of ``key`` in the shared-memory segment: ``flip`` (one payload byte) or
-        ``foreign_namespace`` (a valid header of another namespace). ``truncate`` is impossible (fixed slots)."""
-        if how == "truncate":
-            return False
+        """Damage the stored chunk of ``key`` in the shared-memory segment: ``flip`` (one payload byte),
+        ``foreign_namespace`` (a valid header of another namespace) or ``truncate``: slots have a fixed size, so a
+        record cannot be shorter; the nearest fault is a torn write, the second half of the payload never written
+        (zeros)."""
         where = self.slot_of(key)
         if where is None:
             return False
@@ -256,6 +256,9 @@ class LMCacheHandle:
             if how == "flip":
                 b = os.pread(fd, 1, off + HEADER_BYTES + 7)
                 os.pwrite(fd, bytes([b[0] ^ 0xFF]), off + HEADER_BYTES + 7)
+            elif how == "truncate":
+                half = self.page_bytes // 2
+                os.pwrite(fd, bytes(self.page_bytes - half), off + HEADER_BYTES + half)
             elif how == "foreign_namespace":
                 payload = os.pread(fd, self.page_bytes, off + HEADER_BYTES)
                 os.pwrite(fd, encode_header(key, bytes(16), payload), off)
