@@ -7,8 +7,8 @@ Its ``StorageBackendFactory`` imports this module, checks that :class:`TierKVHiC
 ``HiCacheStorage`` and builds it with ``(HiCacheStorageConfig, kwargs)``; the controller then calls
 :meth:`TierKVHiCacheStorage.register_mem_pool_host` with its host pool (L2), and from two background threads
 ``batch_exists`` (prefetch queries), ``batch_get``/``batch_get_v1`` (L3 -> L2) and ``batch_set``/``batch_set_v1``
-(L2 -> L3). ``l3`` is the ``l3`` section of a tierkv config (``backend: file|zmq|mooncake`` plus that backend's
-keys, optional ``faults``), built by :func:`tierkv.storage_backends.factory.build_backend`, so the same store, with
+(L2 -> L3). ``l3`` is the ``l3`` section of a tierkv config (``backend: file|zmq|mooncake|lmcache`` plus that
+backend's keys, optional ``faults``), built by :func:`tierkv.storage_backends.factory.build_backend`, so the same store, with
 the same checks, serves vLLM (through :mod:`tierkv.connector.vllm_connector`) and SGLang.
 
 This module is the engine edge: nothing in tierkv's core imports it, and it is the only tierkv module importing
@@ -57,7 +57,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from tierkv.connector.page_hash import FORMAT_VERSION, KEY_BYTES, ModelNamespace
 from tierkv.storage_backends.base import StorageBackend
 from tierkv.storage_backends.common import ConfigError, RateLimitedLog, config_error
-from tierkv.storage_backends.factory import build_backend, validate_l3
+from tierkv.storage_backends.factory import L3_BACKENDS, build_backend, validate_l3
 
 logger = logging.getLogger(__name__)
 _warn = RateLimitedLog(logger)
@@ -109,7 +109,8 @@ def parse_extra_config(extra: Optional[dict]) -> SGLangExtraConfig:
     l3 = validate_l3(cfg.l3)
     if l3.backend == "none":
         raise ConfigError("l3.backend 'none' in --hicache-storage-backend-extra-config: the tierkv HiCache backend "
-                          "needs a store; choose one of file, zmq, mooncake (or drop --hicache-storage-backend)")
+                          f"needs a store; choose one of {', '.join(b for b in L3_BACKENDS if b != 'none')} "
+                          "(or drop --hicache-storage-backend)")
     return cfg
 
 
@@ -175,8 +176,8 @@ def map_key(namespace_digest: bytes, sglang_key: str, part: int) -> str:
 
 
 class TierKVHiCacheStorage(HiCacheStorage):
-    """SGLang ``HiCacheStorage`` over one tierkv store (file, ZMQ cache server, Mooncake, and any backend tierkv's
-    factory builds). Built by SGLang's ``StorageBackendFactory`` (``dynamic``) as
+    """SGLang ``HiCacheStorage`` over one tierkv store (file, ZMQ cache server, Mooncake, LMCache server: any backend
+    tierkv's factory builds). Built by SGLang's ``StorageBackendFactory`` (``dynamic``) as
     ``TierKVHiCacheStorage(storage_config, kwargs)``; usable only after :meth:`register_mem_pool_host`.
 
     Page tensors: the copy path takes and returns flat pages as SGLang's host pool makes them

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # SGLang HiCache with a tierkv store as its L3 (docs/architecture.md §10, README "Using L3 with SGLang").
 #
-#   examples/sglang_hicache_tierkv.sh file|zmq|mooncake        (MODEL=... to serve another model)
+#   examples/sglang_hicache_tierkv.sh file|zmq|mooncake|lmcache        (MODEL=... to serve another model)
 #
 # Needs a GPU machine with SGLang 0.5.23 and tierkv installed (pip install -e ".[sglang]" next to SGLang). SGLang
 # loads tierkv's backend with `--hicache-storage-backend dynamic`; the extra config names the class and carries the
@@ -10,7 +10,7 @@
 # same records. Every TP rank opens its own client; pages of another model, dtype, layout, page size or TP rank
 # never match. tests/sglang/test_sglang_server_args.py parses each launch line below with SGLang's own parser.
 set -euo pipefail
-backend=${1:?usage: $0 file|zmq|mooncake}
+backend=${1:?usage: $0 file|zmq|mooncake|lmcache}
 MODEL=${MODEL:-Qwen/Qwen3-8B}
 
 case $backend in
@@ -37,8 +37,18 @@ mooncake)
     --hicache-storage-backend dynamic \
     --hicache-storage-backend-extra-config '{"backend_name": "tierkv", "module_path": "tierkv.connector.sglang_hicache", "class_name": "TierKVHiCacheStorage", "interface_v1": 1, "l3": {"backend": "mooncake", "mooncake": {"master_address": "127.0.0.1:50051", "metadata_server": "http://127.0.0.1:8080/metadata", "protocol": "tcp", "global_segment_size": "4GiB", "timeout_s": 1.0}}}'
   ;;
+lmcache)
+  # LMCache's cache server (its own venv: benchmarks/peers/setup_lmcache_venv.sh); --chunk-size = SGLang's --page-size
+  # = l3.lmcache.page_tokens; tierkv talks to it through its shared-memory segment (--shm-name)
+  python -m lmcache.v1.multiprocess.server --host 127.0.0.1 --port 5555 --chunk-size 64 --l1-size-gb 64 \
+    --supported-transfer-mode engine_driven --shm-name tierkv-sglang &
+  python -m sglang.launch_server --model-path "$MODEL" --page-size 64 \
+    --enable-hierarchical-cache --hicache-ratio 2 --hicache-mem-layout page_first \
+    --hicache-storage-backend dynamic \
+    --hicache-storage-backend-extra-config '{"backend_name": "tierkv", "module_path": "tierkv.connector.sglang_hicache", "class_name": "TierKVHiCacheStorage", "interface_v1": 1, "l3": {"backend": "lmcache", "lmcache": {"endpoint": "tcp://127.0.0.1:5555", "page_tokens": 64, "timeout_s": 1.0}}}'
+  ;;
 *)
-  echo "unknown backend '$backend': use file, zmq or mooncake" >&2
+  echo "unknown backend '$backend': use file, zmq, mooncake or lmcache" >&2
   exit 2
   ;;
 esac

@@ -16,7 +16,7 @@ import _sgl  # noqa: F401  (tests/sglang: shims + SGLang imports, tests/storage 
 from _sgl import attach, build_namespace_for, extra_config, fill_pages, keys, mha_pool, page_bytes_of
 
 TIMEOUT_S = 1.0
-KINDS = ["file", "zmq", "mooncake"]
+KINDS = ["file", "zmq", "mooncake", "lmcache"]
 
 
 def l3_for(h) -> dict:
@@ -25,6 +25,8 @@ def l3_for(h) -> dict:
     if h.name == "zmq":
         return {"backend": "zmq", "zmq": {"endpoint": h.endpoint, "timeout_s": TIMEOUT_S,
                                           "reconnect_backoff_s": 0.05, "max_backoff_s": 0.2}}
+    if h.name == "lmcache":  # page_tokens = the server's chunk size = the host pool's page size (16)
+        return {"backend": "lmcache", "lmcache": h.options(timeout_s=TIMEOUT_S)}
     cfg = h.config(global_segment_size=0)  # a pure client: the pages live in the handle's own client's segment
     cfg["timeout_s"] = TIMEOUT_S
     return {"backend": "mooncake", "mooncake": cfg}
@@ -36,14 +38,14 @@ def xc(h) -> dict:
 
 
 @contextlib.contextmanager
-def rig(kind: str, tmp_path):
+def rig(kind: str, tmp_path, **opts):
     """(handle, adapter, pool): a store of ``kind`` whose fixture client shares the adapter's namespace and part
     size (so ``h.corrupt`` can reach the adapter's records), and the adapter attached to a fresh host pool."""
     pool = mha_pool()
     ns = build_namespace_for(pool, records=2)
     part_bytes = pool.get_data_page(0).numel() * pool.get_data_page(0).element_size() // 2
     mod = importlib.import_module(f"_fixtures_{kind}")
-    with mod.make_backend(tmp_path, part_bytes, ns.digest(), timeout_s=TIMEOUT_S) as h:
+    with mod.make_backend(tmp_path, part_bytes, ns.digest(), timeout_s=TIMEOUT_S, **opts) as h:
         b = attach(xc(h), pool)
         assert b.part_bytes == part_bytes and b.namespace == ns
         try:
@@ -74,7 +76,9 @@ def test_round_trip_leading_run_and_corruption(kind, tmp_path):
         assert b.batch_set(ks[5:], [pool.get_data_page(5 * ps)]) is True
         assert b.batch_exists(ks) == 4 and b.batch_exists(ks[5:]) == 1
         # corruption of one part (K or V record) = a miss, never data; the neighbours still hit
-        for i, how in zip((1, 2, 3), ("flip", "truncate", "foreign_namespace")):
+        # (an LMCache chunk slot has a fixed size: no truncation there, a second flip instead)
+        hows = ("flip", "flip" if kind == "lmcache" else "truncate", "foreign_namespace")
+        for i, how in zip((1, 2, 3), hows):
             assert h.corrupt(b.tierkv_keys(ks[i])[i % 2], how, namespace=b._ns_digest), how
         pool3 = mha_pool()
         b3 = attach(xc(h), pool3)
@@ -90,7 +94,7 @@ def test_restart_and_hang(kind, tmp_path):
     """Restart: the file store keeps its pages; a restarted ZMQ server / Mooncake master loses them (misses, never
     wrong bytes) and serves new ones. Hang (SIGSTOP of the server / master): every call answers within the
     client's bound with misses / False; service returns after SIGCONT."""
-    with rig(kind, tmp_path) as (h, b, pool):
+    with rig(kind, tmp_path, **({"private": True} if kind == "lmcache" else {})) as (h, b, pool):
         idx = fill_pages(pool, 3, seed=21)
         want = [page_bytes_of(pool, i) for i in range(3)]
         ps = pool.page_size

@@ -1,6 +1,6 @@
 """examples/sglang_hicache_tierkv.sh: every ``sglang.launch_server`` line parses with SGLang's own server argument
 parser, its extra config goes through SGLang's own extra-config parsing, and SGLang's factory builds tierkv's
-backend from it (file: a real directory; ZMQ: a real server; Mooncake: config and class only, no master here)."""
+backend from it (file: a real directory; ZMQ: a real server; Mooncake and LMCache: config and class only)."""
 from __future__ import annotations
 
 import argparse
@@ -46,7 +46,7 @@ def parse(argv):
 
 
 def test_script_has_one_launch_line_per_backend():
-    assert sorted(launch_lines()) == ["file", "mooncake", "zmq"]
+    assert sorted(launch_lines()) == ["file", "lmcache", "mooncake", "zmq"]
 
 
 def round_trip(args, extra):
@@ -68,7 +68,7 @@ def round_trip(args, extra):
         b.close()
 
 
-@pytest.mark.parametrize("case", ["file", "zmq", "mooncake"])
+@pytest.mark.parametrize("case", ["file", "zmq", "mooncake", "lmcache"])
 def test_launch_line_parses_and_factory_builds_tierkv(case, tmp_path):
     args, extra = parse(launch_lines()[case])
     assert args.enable_hierarchical_cache and args.hicache_storage_backend == "dynamic"
