@@ -19,6 +19,16 @@ Fault handling (docs/architecture.md §8 R13; LMCache issue #3565 is the failure
   ``reconnect_backoff_s`` (from the second consecutive failure) up to ``max_backoff_s``; during a back-off
   window calls fail at once (counted ``fast_fails``) instead of each waiting ``timeout_s``.
 
+Shared-memory data path (``shm``: ``auto`` | ``on`` | ``off``, docs/architecture.md §5): on the same host the
+client creates a ``/dev/shm`` segment of its own (``shm_bytes``), attaches it to the server (``shm_attach``,
+protocol version 3, with the token when one is set) and then names slots of it in get/set requests instead of
+sending payload frames; control messages still travel over ZMQ. Pages are checked exactly as on the frame path.
+A server that does not offer it (an older one), cannot open the segment, or a segment that cannot be created
+makes the client fall back to payload frames (a warning, counted ``shm_fallbacks``); a restarted server is
+re-attached (``shm_attaches``); a segment whose file was removed is recreated at the next attach
+(``shm_recreated``); after a timed-out call the segment is replaced, so a late server write can never land in
+a slot of a later call. The segment is removed by :meth:`ZmqStore.close`, by the garbage collector or at exit.
+
 Batches larger than ``max_message_bytes`` (or :data:`zmq_protocol.MAX_KEYS` keys) are split into several
 messages that are pipelined on the socket. A set hashes each payload for its header unless the caller passes the
 checksums (``batch_set(..., checksums=...)``, "checksum once").
@@ -28,10 +38,12 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import mmap
 import os
 import random
 import threading
 import time
+import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -63,7 +75,36 @@ FIRST_MESSAGE_BYTES = 1 << 20
 #: the keys of ``l3.zmq`` (the keyword arguments of :class:`ZmqStore`) and their defaults
 OPTION_DEFAULTS: dict[str, Any] = dict(endpoint="tcp://127.0.0.1:5557", timeout_s=1.0, token=None,
                                        max_message_bytes=P.DEFAULT_MAX_MESSAGE_BYTES, reconnect_backoff_s=0.05,
-                                       max_backoff_s=1.0)
+                                       max_backoff_s=1.0, shm="off", shm_bytes=64 << 20)
+#: allowed values of ``l3.zmq.shm`` (YAML's ``on``/``off`` arrive as booleans and are accepted as such)
+SHM_MODES = ("auto", "on", "off")
+#: payload bytes per message on the shared-memory path: the server copies one message's slots while the client
+#: fills (set) or verifies (get) the next one's.
+SHM_MESSAGE_BYTES = 4 << 20
+
+
+def shm_mode(v: Any) -> str:
+    """``l3.zmq.shm`` as one of :data:`SHM_MODES` (``True``/``False``, as YAML reads ``on``/``off``, map to them)."""
+    if v is True:
+        return "on"
+    if v is False:
+        return "off"
+    return v
+
+
+def is_local_endpoint(endpoint: str) -> bool:
+    """True for ``ipc://`` and for ``tcp://`` on a loopback address (127.0.0.0/8, ::1, localhost)."""
+    if endpoint.startswith("ipc://"):
+        return True
+    host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def check_options(cfg: dict, page_bytes: Optional[int] = None) -> None:
@@ -96,6 +137,11 @@ def check_options(cfg: dict, page_bytes: Optional[int] = None) -> None:
     token = c["token"]
     if token is not None and (not isinstance(token, str) or not token):
         raise bad("token", "<hidden>", "must be a non-empty string or null")
+    if shm_mode(c["shm"]) not in SHM_MODES:
+        raise bad("shm", c["shm"], f"allowed values are {', '.join(SHM_MODES)}")
+    sb = c["shm_bytes"]
+    if type(sb) is not int or not (page_bytes or 1) <= sb <= P.MAX_SHM_BYTES:
+        raise bad("shm_bytes", sb, f"must be an int of bytes in [{page_bytes or 1} (one page), {P.MAX_SHM_BYTES}]")
     mmb = c["max_message_bytes"]
     need = (page_bytes or 1) + _PER_KEY_OVERHEAD + _MSG_SLACK
     if type(mmb) is not int or mmb < need:
@@ -136,6 +182,53 @@ def _byte_view(buf: Any, page_bytes: int, writable: bool, what: str, i: int) -> 
     return mv
 
 
+def _remove_segment(path: str, mm: mmap.mmap, pid: int) -> None:
+    """Finalizer of a :class:`_Segment`: unmap it, and remove its file in the process that created it."""
+    try:
+        mm.close()
+    except BufferError:  # a view is still exported (interpreter shutdown): the mapping goes with the process
+        pass
+    if os.getpid() == pid:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+class _Segment:
+    """This client's ``/dev/shm`` segment: ``size`` bytes, file mode 0600, created exclusively under a random
+    :data:`zmq_protocol.SHM_PREFIX` name; the file is removed by :meth:`close`, when the object is collected or
+    at interpreter exit (``weakref.finalize``), only by the creating process (a forked child makes its own).
+
+    Raises:
+        OSError: the segment cannot be created or mapped (no /dev/shm, no space).
+    """
+
+    def __init__(self, size: int):
+        self.size = size
+        self.pid = os.getpid()
+        self.name = P.SHM_PREFIX + os.urandom(12).hex()
+        self.path = os.path.join(P.SHM_DIR, self.name)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            os.unlink(self.path)
+            raise
+        os.close(fd)
+        self.mv = memoryview(mm)
+        self._fin = weakref.finalize(self, _remove_segment, self.path, mm, self.pid)
+
+    def exists(self) -> bool:
+        return os.path.exists(self.path)
+
+    def close(self) -> None:
+        self.mv.release()
+        self._fin()
+
+
 class ZmqStore(StorageBackend):
     """L3 store on a tierkv ZMQ cache server.
 
@@ -149,6 +242,10 @@ class ZmqStore(StorageBackend):
         reconnect_backoff_s: first back-off after a failed exchange (seconds, >= 0); doubles per consecutive
             failure up to ``max_backoff_s``.
         max_backoff_s: longest back-off (seconds, >= reconnect_backoff_s).
+        shm: shared-memory data path: ``"auto"`` (when the endpoint is loopback or ``ipc://`` and the server
+            offers it), ``"on"`` (try it whatever the endpoint), ``"off"`` (default; payload frames only).
+        shm_bytes: size of this client's ``/dev/shm`` segment in bytes (>= one page; default 64 MiB). A batch of
+            more pages than fit is moved in several rounds.
     Raises:
         TypeError: an unknown keyword argument (named in the message).
         ConfigError: (a ValueError) a bad option value; the message names ``l3.zmq.<key>``.
@@ -158,17 +255,18 @@ class ZmqStore(StorageBackend):
     def __init__(self, namespace: bytes, page_bytes: int, endpoint: str = "tcp://127.0.0.1:5557",
                  timeout_s: float = 1.0, token: Optional[str] = None,
                  max_message_bytes: int = P.DEFAULT_MAX_MESSAGE_BYTES, reconnect_backoff_s: float = 0.05,
-                 max_backoff_s: float = 1.0, **kw: Any):
+                 max_backoff_s: float = 1.0, shm: Any = "off", shm_bytes: int = 64 << 20, **kw: Any):
         if kw:
-            raise TypeError(f"ZmqStore got unknown option(s) {', '.join(sorted(kw))}; allowed: endpoint, timeout_s, "
-                            "token, max_message_bytes, reconnect_backoff_s, max_backoff_s")
+            raise TypeError(f"ZmqStore got unknown option(s) {', '.join(sorted(kw))}; allowed: "
+                            f"{', '.join(OPTION_DEFAULTS)}")
 
         if not isinstance(namespace, (bytes, bytearray)) or len(namespace) != 16:
             raise ValueError(f"namespace must be a 16-byte digest, got {namespace!r:.60}")
         if type(page_bytes) is not int or page_bytes <= 0:
             raise ValueError(f"page_bytes must be a positive int, got {page_bytes!r}")
         check_options(dict(endpoint=endpoint, timeout_s=timeout_s, token=token, max_message_bytes=max_message_bytes,
-                           reconnect_backoff_s=reconnect_backoff_s, max_backoff_s=max_backoff_s), page_bytes)
+                           reconnect_backoff_s=reconnect_backoff_s, max_backoff_s=max_backoff_s, shm=shm,
+                           shm_bytes=shm_bytes), page_bytes)
         self.namespace = bytes(namespace)
         self.page_bytes = page_bytes
         self.endpoint = endpoint
@@ -190,7 +288,15 @@ class ZmqStore(StorageBackend):
         self._pid = os.getpid()
         self.c = dict(requests=0, hits=0, misses=0, sets=0, set_failures=0, corrupt=0, errors=0, timeouts=0,
                       reconnects=0, fast_fails=0, stale_replies=0, bad_replies=0, error_replies=0, bytes_in=0,
-                      bytes_out=0, max_pending=0, evictions=0)
+                      bytes_out=0, max_pending=0, evictions=0, shm_pages_in=0, shm_pages_out=0, shm_attaches=0,
+                      shm_fallbacks=0, shm_recreated=0)
+        mode = shm_mode(shm)
+        self.shm = mode
+        self.shm_bytes = int(shm_bytes)
+        #: the shared-memory path is tried (False once it is found unusable: frames from then on)
+        self._shm_on = mode == "on" or (mode == "auto" and is_local_endpoint(endpoint))
+        self._seg: Optional[_Segment] = None
+        self._seg_attached = False
 
     # ----------------------------------------------------------------------------------------- socket
     def _socket(self) -> zmq.Socket:
@@ -230,11 +336,13 @@ class ZmqStore(StorageBackend):
         else:
             log.debug("tierkv zmq server %s: %s (failure %d, back-off %.3fs)", self.endpoint, why, self._fails, back)
 
-    def _exchange(self, msgs: list, on_reply: Callable[[int, dict, list], None]) -> list:
+    def _exchange(self, msgs: list, on_reply: Callable[[int, dict, list], None],
+                  errors: Optional[dict] = None) -> list:
         """Send ``msgs`` (``(header dict, payload buffers)``, or a callable returning one, called just before its
         message is sent), pipelined, and hand each matched, well-formed,
         ``ok`` reply to ``on_reply(index, header, frames)``. Returns one bool per message (answered ok).
-        Never raises for network faults."""
+        A header may carry its own ``v`` (default :data:`zmq_protocol.PROTOCOL_VERSION`); ``errors`` (a dict), when
+        given, receives ``index -> code`` of every error reply. Never raises for network faults."""
         done = [False] * len(msgs)
         if not msgs:
             return done
@@ -254,7 +362,8 @@ class ZmqStore(StorageBackend):
             for i, m in enumerate(msgs):
                 h, payloads = m() if callable(m) else m  # built lazily: overlaps the previous send
                 rid = next(self._ids) & P.MAX_ID
-                h = dict(h, v=P.PROTOCOL_VERSION, id=rid)
+                h = dict(h, id=rid)
+                h.setdefault("v", P.PROTOCOL_VERSION)
                 if self.token is not None:
                     h["token"] = self.token
                 if not sock.poll(max(0, int((deadline - time.monotonic()) * 1000)), zmq.POLLOUT):
@@ -268,7 +377,7 @@ class ZmqStore(StorageBackend):
                     self._failed(f"send failed: {e}")
                     return done
                 self.c["requests"] += 1
-                waiting[rid] = (i, h["op"])
+                waiting[rid] = (i, h["op"], h["v"])
                 self._pending = len(waiting)
                 self.c["max_pending"] = max(self.c["max_pending"], self._pending)
             while waiting:
@@ -302,13 +411,17 @@ class ZmqStore(StorageBackend):
                     continue
                 self._pending = len(waiting)
                 deadline = time.monotonic() + self.timeout_s  # progress: restart the silence clock
-                i, op = slot
-                if rh.get("v") != P.PROTOCOL_VERSION or rh.get("op") != op or not isinstance(rh.get("ok"), bool):
+                i, op, ver = slot
+                if rh.get("v") != ver or rh.get("op") != op or not isinstance(rh.get("ok"), bool):
                     self.c["bad_replies"] += 1
                     continue
                 if not rh["ok"]:
                     self.c["error_replies"] += 1
                     err = rh.get("err")
+                    if errors is not None:
+                        errors[i] = rh.get("code")
+                        if rh.get("code") in ("shm_unknown", "shm", "version"):
+                            continue  # the shared-memory path handles these (re-attach or fall back)
                     log.warning("tierkv zmq server refused %s: %s: %s", op, P.brief(rh.get("code")),
                                 err[:200] if isinstance(err, str) else P.brief(err))
                     continue
@@ -324,6 +437,91 @@ class ZmqStore(StorageBackend):
                 log.info("tierkv zmq server %s reachable again", self.endpoint)
             self._fails = 0
             return done
+
+    # ----------------------------------------------------------------------------------------- shared memory
+    def _drop_segment(self) -> None:
+        if self._seg is not None:
+            if self._seg.pid == os.getpid():
+                self._seg.close()
+            self._seg = None
+        self._seg_attached = False
+
+    def _shm_off(self, why: str) -> None:
+        self.c["shm_fallbacks"] += 1
+        self._shm_on = False
+        self._drop_segment()
+        log.warning("tierkv zmq server %s: shared-memory path not used (%s); pages travel as ZMQ frames",
+                    self.endpoint, why)
+
+    def _shm_ready(self) -> Optional["_Segment"]:
+        """The attached segment, creating and attaching it when needed; None = use frames for this call (or for
+        good, after :meth:`_shm_off`). Called with ``self._lock`` held."""
+        if not self._shm_on or self._closed:
+            return None
+        if self._seg is not None and self._seg.pid != os.getpid():  # forked: the parent's slots are not ours
+            self._seg, self._seg_attached = None, False
+        for attempt in range(2):
+            if self._seg is not None and not self._seg_attached and not self._seg.exists():
+                log.warning("shared-memory segment %s of %s was removed; creating a new one", self._seg.name,
+                            self.endpoint)
+                self.c["shm_recreated"] += 1
+                self._drop_segment()
+            if self._seg is None:
+                try:
+                    self._seg = _Segment(self.shm_bytes)
+                except OSError as e:
+                    self._shm_off(f"cannot create a {self.shm_bytes}-byte segment in {P.SHM_DIR}: {e}")
+                    return None
+            if self._seg_attached:
+                return self._seg
+            errs: dict = {}
+            ok = self._exchange([({"op": "shm_attach", "v": P.SHM_PROTOCOL_VERSION, "name": self._seg.name,
+                                   "size": self._seg.size, "keys": []}, [])], lambda i, rh, fr: None, errs)[0]
+            if ok:
+                self._seg_attached = True
+                self.c["shm_attaches"] += 1
+                return self._seg
+            code = errs.get(0)
+            if code is None:  # no answer: this call fails anyway; try again on the next one
+                return None
+            if code == "shm" and attempt == 0 and not self._seg.exists():
+                continue  # removed between the check and the server's open: make a new one
+            self._shm_off(f"server refused shm_attach ({code})")
+            return None
+        return None
+
+    def _shm_rounds(self, n: int, build: Callable, on_reply: Callable) -> bool:
+        """Run a shared-memory get or set of ``n`` pages: rounds of as many pages as the segment holds, each
+        round split into messages of :data:`SHM_MESSAGE_BYTES` with their own slots. ``build(seg, s, e, slot0)``
+        returns a message; ``on_reply(seg, s, e, slot0, rh, frames)`` applies a reply. Returns False when the
+        segment could not be used (the caller then sends the whole batch as frames). Called with ``self._lock`` held."""
+        seg = self._shm_ready()
+        if seg is None:
+            return False
+        pb = self.page_bytes
+        per_round = min(P.MAX_KEYS, seg.size // pb)
+        per_msg = max(1, min(per_round, SHM_MESSAGE_BYTES // pb))
+        for rs in range(0, n, per_round):
+            chunks = [(s, min(n, rs + per_round, s + per_msg)) for s in range(rs, min(n, rs + per_round), per_msg)]
+            for attempt in range(2):
+                seg = self._seg if attempt == 0 else self._shm_ready()
+                if seg is None:
+                    return False  # the caller moves the whole batch as frames (or fails it as they do)
+                errs: dict = {}
+                ff = self.c["fast_fails"]
+                done = self._exchange(
+                    [lambda s=s, e=e, sg=seg: build(sg, s, e, rs) for s, e in chunks],
+                    lambda ci, rh, fr, sg=seg: on_reply(sg, *chunks[ci], rs, rh, fr), errs)
+                if all(done):
+                    break
+                if any(code == "shm_unknown" for code in errs.values()):  # the server restarted: attach again
+                    self._seg_attached = False
+                    continue
+                if len(errs) < done.count(False) and self.c["fast_fails"] == ff:
+                    # timed out: the server may still copy into these slots later, so never reuse them
+                    self._drop_segment()
+                break
+        return True
 
     # ----------------------------------------------------------------------------------------- interface
     def _chunks(self, n: int, per: int) -> list:
@@ -362,6 +560,13 @@ class ZmqStore(StorageBackend):
             check_key(k)
         dsts = [_byte_view(d, self.page_bytes, True, "destinations", i) for i, d in enumerate(destinations)]
         res = [False] * len(keys)
+        if self._shm_on:
+            with self._lock:
+                if self._get_shm(keys, dsts, res):
+                    nh = sum(res)
+                    self.c["hits"] += nh
+                    self.c["misses"] += len(keys) - nh
+                    return res
         chunks = self._chunks(len(keys), self.keys_per_message)
 
         def on_reply(ci, rh, frames):
@@ -401,6 +606,69 @@ class ZmqStore(StorageBackend):
         self.c["misses"] += len(keys) - nh
         return res
 
+    def _get_shm(self, keys: Sequence[str], dsts: list, res: list) -> bool:
+        pb = self.page_bytes
+
+        def build(seg, s, e, slot0):
+            return {"op": "get", "v": P.SHM_PROTOCOL_VERSION, "ns": self.namespace, "keys": list(keys[s:e]),
+                    "shm": seg.name, "len": pb, "offs": [(i - slot0) * pb for i in range(s, e)]}, []
+
+        def on_reply(seg, s, e, slot0, rh, frames):
+            hits, hdrs = rh.get("hits"), rh.get("hdrs")
+            if frames or not isinstance(hits, list) or len(hits) != e - s or not all(isinstance(x, bool) for x in hits):
+                raise P.ProtocolError("bad_reply", "get reply: 'hits' is not one bool per key")
+            if not isinstance(hdrs, list) or len(hdrs) != sum(hits):
+                raise P.ProtocolError("bad_reply", "get reply: not one header per hit")
+            j = 0
+            for off, hit in enumerate(hits):
+                if not hit:
+                    continue
+                idx, hdr = s + off, hdrs[j]
+                j += 1
+                o = (idx - slot0) * pb
+                slot = seg.mv[o:o + pb]
+                try:
+                    if not isinstance(hdr, bytes):
+                        raise PageFormatError("header is not bin")
+                    verify_payload(slot, decode_header(hdr, keys[idx], self.namespace, pb))
+                except PageFormatError as err:
+                    self.c["corrupt"] += 1
+                    log.warning("page %s from %s is not valid (%s): miss", keys[idx], self.endpoint, err)
+                    continue
+                dsts[idx][:] = slot
+                res[idx] = True
+                self.c["bytes_in"] += pb
+                self.c["shm_pages_in"] += 1
+
+        return self._shm_rounds(len(keys), build, on_reply)
+
+    def _set_shm(self, keys: Sequence[str], kraw: list, srcs: list, sums: Optional[list], res: list) -> bool:
+        pb = self.page_bytes
+
+        def build(seg, s, e, slot0):
+            slots = []
+            for i in range(s, e):
+                o = (i - slot0) * pb
+                slot = seg.mv[o:o + pb]
+                slot[:] = srcs[i]
+                slots.append(slot)
+            # checksums of what the server will copy (the slots), unless the caller gave them
+            hdrs = encode_headers(kraw[s:e], self.namespace, slots, pb, None if sums is None else sums[s:e])
+            return {"op": "set", "v": P.SHM_PROTOCOL_VERSION, "ns": self.namespace, "keys": list(keys[s:e]),
+                    "hdrs": hdrs, "shm": seg.name, "len": pb, "offs": [(i - slot0) * pb for i in range(s, e)]}, []
+
+        def on_reply(seg, s, e, slot0, rh, frames):
+            st = rh.get("stored")
+            if frames or not isinstance(st, list) or len(st) != e - s or not all(isinstance(x, bool) for x in st):
+                raise P.ProtocolError("bad_reply", "set reply: 'stored' is not one bool per key")
+            res[s:e] = st
+            self.c["shm_pages_out"] += sum(st)
+            ev = rh.get("evicted", 0)
+            if type(ev) is int and ev > 0:
+                self.c["evictions"] += ev
+
+        return self._shm_rounds(len(keys), build, on_reply)
+
     def batch_set(self, keys: Sequence[str], sources: Sequence[Buffer],
                   checksums: Optional[Sequence[int]] = None) -> list[bool]:
         """Store ``sources`` (``page_bytes`` buffers, sent zero-copy) under ``keys``; one bool per key.
@@ -418,6 +686,14 @@ class ZmqStore(StorageBackend):
         srcs = [_byte_view(b, self.page_bytes, False, "sources", i) for i, b in enumerate(sources)]
         n = len(keys)
         res = [False] * n
+        if self._shm_on:
+            with self._lock:
+                if self._set_shm(keys, kraw, srcs, sums, res):
+                    ok = sum(res)
+                    self.c["sets"] += ok
+                    self.c["set_failures"] += n - ok
+                    self.c["bytes_out"] += ok * self.page_bytes
+                    return res
         if sums is None:  # pipelined: the next message's pages are hashed while the previous one is sent
             per = max(1, min(self.keys_per_message, PIPELINE_BYTES // self.page_bytes))
             first = max(1, min(per, FIRST_MESSAGE_BYTES // self.page_bytes))
@@ -492,9 +768,12 @@ class ZmqStore(StorageBackend):
         """Client counters: requests, hits, misses, sets, set_failures, corrupt (pages failing verification),
         errors, timeouts, reconnects, fast_fails (calls skipped during back-off), stale_replies, bad_replies,
         error_replies, bytes_in/bytes_out (payload bytes), evictions (server evictions caused by this client's
-        sets), pending (requests awaiting a reply now), max_pending, connected (a socket is open)."""
+        sets), pending (requests awaiting a reply now), max_pending, connected (a socket is open); shared memory:
+        shm (``"attached"``, ``"ready"`` = to be attached on the next call, or ``"off"``), shm_pages_in/out (pages
+        moved through the segment), shm_attaches, shm_fallbacks (times it was found unusable), shm_recreated."""
         s = dict(self.c)  # no lock: never waits behind a call that is waiting for the server
-        s.update(pending=self._pending, connected=self._sock is not None, backend="zmq", endpoint=self.endpoint)
+        s.update(pending=self._pending, connected=self._sock is not None, backend="zmq", endpoint=self.endpoint,
+                 shm="attached" if self._seg_attached else ("ready" if self._shm_on else "off"))
         return s
 
     def close(self) -> None:
@@ -502,6 +781,14 @@ class ZmqStore(StorageBackend):
         with self._lock:
             if self._closed:
                 return
+            if self._seg_attached and self._sock is not None and not self._fails:
+                t, self.timeout_s = self.timeout_s, min(self.timeout_s, 0.2)  # best effort: the server unmaps it
+                try:
+                    self._exchange([({"op": "shm_detach", "v": P.SHM_PROTOCOL_VERSION, "name": self._seg.name,
+                                      "keys": []}, [])], lambda i, rh, fr: None, {})
+                finally:
+                    self.timeout_s = t
+            self._drop_segment()
             self._closed = True
             self._discard_socket()
             if self._ctx is not None:

@@ -20,11 +20,21 @@ Request ``[header, payload_0, payload_1, ...]``
     - ``set``: ``"hdrs": [bin, ...]`` - one page record header (:mod:`.page_format`, 64 bytes) per key; then
       exactly one raw payload frame per key follows the header frame;
     - ``t_corrupt`` (test builds only, ``--enable-test-ops``): ``"how": "truncate" | "flip" | "foreign_namespace"``.
+    - ``shm_attach`` (v3; no ``ns``): ``"name": str, "size": int`` - map the client's shared-memory segment
+      ``/dev/shm/<name>`` (name: :data:`SHM_PREFIX` + hex, :data:`SHM_NAME_RE`; at least ``size`` bytes, a regular
+      file) read-write; reply ``{"attached": True}``. ``shm_detach`` (v3): ``"name"`` - unmap it.
+    - ``get`` and ``set`` with ``"shm": <segment name>`` (v3; the shared-memory data path, docs/architecture.md
+      §5): ``"len": int`` (payload bytes of each page) and ``"offs": [int per key]`` (byte offset of each page's
+      slot in the segment, ``off + len <= size``). A ``set`` then carries no payload frames: the server copies
+      each slot out of the segment (plus ``"hdrs"`` as above). A ``get`` copies each hit into its slot and replies
+      ``{"hits", "hdrs"}`` without payload frames (a stored payload of another length is a miss). A segment the
+      server does not hold (it restarted) is refused with ``code`` ``shm_unknown``; the client re-attaches.
 
 Reply ``[header, payload_0, ...]``
     ``{"v", "id", "op", "ok": bool, "err": str (when not ok), "code": str (when not ok), ...}``
 
-    - ``ping``: ``{"server": "tierkv", "proto": PROTOCOL_VERSION}``;
+    - ``ping``: ``{"server": "tierkv", "proto": PROTOCOL_VERSION, "protos": [supported versions], "shm": bool
+      (the server offers the shared-memory path)}``;
     - ``exists``: ``{"lead": int, "present": [bool] (with "all")}``;
     - ``get``: ``{"hits": [bool per key], "hdrs": [bin per hit]}`` then one payload frame per hit, in key order;
     - ``set``: ``{"stored": [bool per key], "evicted": int (records evicted from memory to make room)}``;
@@ -62,12 +72,25 @@ PROTOCOL_VERSION = 1
 #: sent as version 1 is refused (``code`` ``version``), and a version-1-only server refuses version 2 the same way, so
 #: a tool never mistakes an older server for one that knows the op.
 ADMIN_PROTOCOL_VERSION = 2
-SUPPORTED_VERSIONS = (1, 2)
+#: version that added the shared-memory data path (``shm_attach``/``shm_detach`` and ``get``/``set`` with ``shm``);
+#: a get/set naming a segment must be sent as version 3, so an older server refuses it (``code`` ``version``)
+#: instead of answering as if the field were absent, and the client falls back to payload frames.
+SHM_PROTOCOL_VERSION = 3
+SUPPORTED_VERSIONS = (1, 2, 3)
 
 #: ops every server answers.
-OPS = ("ping", "exists", "get", "set", "delete", "clear", "stats", "scan", "verify")
+OPS = ("ping", "exists", "get", "set", "delete", "clear", "stats", "scan", "verify", "shm_attach", "shm_detach")
 #: ops that need ``v`` >= :data:`ADMIN_PROTOCOL_VERSION`.
 ADMIN_OPS = ("scan", "verify")
+#: ops that need ``v`` >= :data:`SHM_PROTOCOL_VERSION`.
+SHM_OPS = ("shm_attach", "shm_detach")
+#: every client segment is named ``SHM_PREFIX`` + 16 to 64 lowercase hex digits (no path separators, nothing else
+#: under /dev/shm can be named).
+SHM_PREFIX = "tierkv-shm-"
+SHM_NAME_RE = re.compile(r"^tierkv-shm-[0-9a-f]{16,64}$")
+SHM_DIR = "/dev/shm"
+#: largest segment a server maps (bytes).
+MAX_SHM_BYTES = 1 << 40
 #: ops that change or drop stored pages other than by writing them (refused without the token when one is set, like
 #: every op on such a server; listed for documentation and the tests).
 DESTRUCTIVE_OPS = ("delete", "clear", "verify")
@@ -98,7 +121,7 @@ class ProtocolError(ValueError):
     """A frame is malformed, oversized, of the wrong type or disagrees with the frame count.
 
     ``code`` is a short machine-readable reason sent back in error replies (``bad_header``, ``bad_request``,
-    ``too_large``, ``auth``, ``version``, ``unknown_op``)."""
+    ``too_large``, ``auth``, ``version``, ``unknown_op``, ``shm``, ``shm_unknown``)."""
 
     def __init__(self, code: str, msg: str):
         super().__init__(msg)
@@ -213,3 +236,25 @@ def get_bins(h: dict, name: str, count: int) -> list:
 def error_reply(req_id: int, op: str, code: str, msg: str, v: int = PROTOCOL_VERSION) -> bytes:
     """Encoded error reply header (``v``: the request's version when it is one the server speaks)."""
     return pack({"v": v, "id": req_id, "op": op, "ok": False, "code": code, "err": msg[:MAX_STR_BYTES]})
+
+
+def get_shm_name(h: dict, name: str = "name") -> str:
+    """A segment name matching :data:`SHM_NAME_RE` (our prefix, hex, no path separator). Raises :class:`ProtocolError`."""
+    v = h.get(name)
+    if not isinstance(v, str) or not SHM_NAME_RE.match(v):
+        raise ProtocolError("bad_request", f"field {name!r} must be a segment name {SHM_PREFIX}<16-64 hex digits>, "
+                                           f"got {brief(v)}")
+    return v
+
+
+def get_offsets(h: dict, count: int, length: int, size: int) -> list:
+    """``offs``: exactly ``count`` ints with ``0 <= off`` and ``off + length <= size``. Raises :class:`ProtocolError`."""
+    v = h.get("offs")
+    if not isinstance(v, list) or len(v) != count:
+        raise ProtocolError("bad_request", f"field 'offs' must be an array of {count} offsets")
+    hi = size - length
+    for o in v:
+        if type(o) is not int or not 0 <= o <= hi:
+            raise ProtocolError("bad_request", f"slot offset {brief(o)} with len {length} is outside the segment of "
+                                               f"{size} bytes")
+    return v

@@ -18,6 +18,11 @@ with a token every request (the destructive ``delete``, ``clear``, ``verify`` wi
 error replies and log lines carry ``***`` in its place. The admin ops ``scan`` and ``verify`` (protocol version 2)
 serve ``tierkv store stats|verify``.
 
+Same-host clients may attach a shared-memory segment of their own (``shm_attach``, protocol version 3): their
+get/set requests then name slots of it instead of carrying payload frames, and the server copies pages into and
+out of those slots (docs/architecture.md §5, "Shared-memory data path"). The server maps a segment, never creates
+or removes one: it belongs to the client.
+
 Wire format and safety rules: :mod:`.zmq_protocol` (msgpack headers under strict limits, raw payload frames,
 an error reply for every request it can attribute, no pickle). Design inspired by LMCache's MP cache server
 (DEALER/ROUTER, request ids) and SGLang HiCache's storage semantics (leading-run exists), with the fixes
@@ -28,8 +33,10 @@ from __future__ import annotations
 import argparse
 import hmac
 import logging
+import mmap
 import os
 import signal
+import stat
 import struct
 import sys
 import time
@@ -50,6 +57,11 @@ DEFAULT_CAPACITY_BYTES = 1 << 30
 SPILL_NAMESPACE = xxhash.xxh128_digest(b"tierkv/zmq-server/spill/v1")
 _POLL_MS = 100
 _BATCH_RECV = 64
+#: most client shared-memory segments mapped at once; attaching one more unmaps the least recently used.
+MAX_SEGMENTS = 256
+#: a mapped segment whose file is gone (its client closed or died) and that was unused this long is unmapped when
+#: another client attaches (seconds).
+SEGMENT_IDLE_S = 60.0
 
 
 def _nbytes(buf: Any) -> int:
@@ -224,6 +236,9 @@ class CacheServer:
         self.pending_writes = 0
         self.c = dict(requests=0, errors=0, auth_failures=0, too_large=0, dropped=0, hits=0, misses=0, sets=0,
                       set_rejected=0, evictions=0, spilled=0, spill_hits=0, deletes=0, bytes_in=0, bytes_out=0)
+        self.c.update(shm_attached=0, shm_refused=0, shm_bytes_in=0, shm_bytes_out=0)
+        #: client segments: name -> [mmap, memoryview of it, size, last use (monotonic seconds)]
+        self.segments: "OrderedDict[str, list]" = OrderedDict()
         self.spill = _SpillTier(spill_dir, spill_capacity_bytes) if spill_dir else None
         self.started = time.time()
         self._stop = False
@@ -325,8 +340,11 @@ class CacheServer:
                 raise P.ProtocolError("unknown_op", f"unknown op {op[:40]!r}; allowed: {', '.join(P.OPS)}")
             if op in P.ADMIN_OPS and ver < P.ADMIN_PROTOCOL_VERSION:
                 raise P.ProtocolError("version", f"op {op!r} needs protocol version {P.ADMIN_PROTOCOL_VERSION}")
+            if (op in P.SHM_OPS or "shm" in h) and ver < P.SHM_PROTOCOL_VERSION:
+                raise P.ProtocolError("version", f"op {op!r} with shared memory needs protocol version "
+                                                 f"{P.SHM_PROTOCOL_VERSION}")
             payloads = frames[1:]
-            if op != "set" and payloads:
+            if (op != "set" or "shm" in h) and payloads:
                 raise P.ProtocolError("bad_request", f"op {op[:40]!r} takes no payload frames, got {len(payloads)}")
             body, out = fn(self, h, payloads)
         except P.ProtocolError as e:
@@ -344,7 +362,62 @@ class CacheServer:
 
     def _op_ping(self, h, payloads):
         return {"server": "tierkv", "proto": P.PROTOCOL_VERSION, "protos": list(P.SUPPORTED_VERSIONS),
-                "token_required": self.token is not None}, []
+                "token_required": self.token is not None, "shm": os.path.isdir(P.SHM_DIR)}, []
+
+    # ----------------------------------------------------------------------------------------- shared memory
+    def _unmap(self, name: str) -> bool:
+        seg = self.segments.pop(name, None)
+        if seg is None:
+            return False
+        seg[1].release()
+        seg[0].close()
+        return True
+
+    def _op_shm_attach(self, h, payloads):
+        """Map the client's segment ``/dev/shm/<name>`` (at least ``size`` bytes) read-write (v3)."""
+        name = P.get_shm_name(h)
+        size = P.get_int(h, "size", 1, P.MAX_SHM_BYTES)
+        self._unmap(name)  # re-attach (the client re-registers after a restart or a failure): map it afresh
+        now = time.monotonic()
+        for n, seg in list(self.segments.items()):  # segments of clients that went away
+            if now - seg[3] > SEGMENT_IDLE_S and not os.path.exists(os.path.join(P.SHM_DIR, n)):
+                self._unmap(n)
+        while len(self.segments) >= MAX_SEGMENTS:
+            self._unmap(next(iter(self.segments)))
+        try:
+            fd = os.open(os.path.join(P.SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            self.c["shm_refused"] += 1
+            raise P.ProtocolError("shm", f"cannot open segment {name}: {e.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size < size:
+                self.c["shm_refused"] += 1
+                raise P.ProtocolError("shm", f"segment {name} is not a regular file of >= {size} bytes")
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:
+            self.c["shm_refused"] += 1
+            raise P.ProtocolError("shm", f"cannot map segment {name}: {e.strerror}") from None
+        finally:
+            os.close(fd)
+        self.segments[name] = [mm, memoryview(mm), size, now]
+        self.c["shm_attached"] += 1
+        return {"attached": True}, []
+
+    def _op_shm_detach(self, h, payloads):
+        """Unmap the client's segment (v3); the client removes the file."""
+        return {"detached": self._unmap(P.get_shm_name(h))}, []
+
+    def _segment(self, h) -> tuple:
+        """``(memoryview of the segment, its size)`` named by ``shm``. Raises :class:`ProtocolError` (``shm_unknown``
+        when this server does not hold it, e.g. after a restart)."""
+        name = P.get_shm_name(h, "shm")
+        seg = self.segments.get(name)
+        if seg is None:
+            raise P.ProtocolError("shm_unknown", f"segment {name} is not attached")
+        seg[3] = time.monotonic()
+        self.segments.move_to_end(name)
+        return seg[1], seg[2]
 
     def _op_exists(self, h, payloads):
         keys, ns = P.get_keys(h), P.get_ns(h)
@@ -366,6 +439,8 @@ class CacheServer:
 
     def _op_get(self, h, payloads):
         keys, ns = P.get_keys(h), P.get_ns(h)
+        if "shm" in h:
+            return self._op_get_shm(h, keys, ns)
         hits, hdrs, out = [], [], []
         for k in keys:
             rec = self._lookup(ns, k)
@@ -380,8 +455,36 @@ class CacheServer:
             self.c["bytes_out"] += _nbytes(rec[1])
         return {"hits": hits, "hdrs": hdrs}, out
 
+    def _op_get_shm(self, h, keys, ns):
+        """``get`` into slots of the client's segment: one copy per hit from the stored payload into its slot."""
+        mv, size = self._segment(h)
+        length = P.get_int(h, "len", 1, size)
+        offs = P.get_offsets(h, len(keys), length, size)
+        hits, hdrs = [], []
+        for k, off in zip(keys, offs):
+            rec = self._lookup(ns, k)
+            pl = None if rec is None else (rec[1].buffer if isinstance(rec[1], zmq.Frame) else memoryview(rec[1]))
+            if pl is None or pl.nbytes != length:
+                hits.append(False)
+                self.c["misses"] += 1
+                continue
+            mv[off:off + length] = pl.cast("B") if pl.format != "B" or pl.ndim != 1 else pl
+            hits.append(True)
+            hdrs.append(rec[0])
+            self.c["hits"] += 1
+            self.c["bytes_out"] += length
+            self.c["shm_bytes_out"] += length
+        return {"hits": hits, "hdrs": hdrs}, []
+
     def _op_set(self, h, payloads):
         keys, ns = P.get_keys(h), P.get_ns(h)
+        if "shm" in h:  # payloads come out of the client's segment: one copy each, into a bytes object we keep
+            mv, size = self._segment(h)
+            length = P.get_int(h, "len", 1, size)
+            offs = P.get_offsets(h, len(keys), length, size)
+            payloads = [bytes(mv[o:o + length]) for o in offs]
+            self.c["bytes_in"] += length * len(keys)
+            self.c["shm_bytes_in"] += length * len(keys)
         if len(payloads) != len(keys):
             raise P.ProtocolError("bad_request", f"set of {len(keys)} keys carries {len(payloads)} payload frames")
         hdrs = P.get_bins(h, "hdrs", len(keys))
@@ -530,15 +633,17 @@ class CacheServer:
         return {"corrupted": done}, []
 
     _OPS = {"ping": _op_ping, "exists": _op_exists, "get": _op_get, "set": _op_set, "delete": _op_delete,
-            "clear": _op_clear, "stats": _op_stats, "scan": _op_scan, "verify": _op_verify}
+            "clear": _op_clear, "stats": _op_stats, "scan": _op_scan, "verify": _op_verify,
+            "shm_attach": _op_shm_attach, "shm_detach": _op_shm_detach}
 
     def stats(self) -> dict:
         """Server counters: keys, bytes (stored), capacity_bytes, pending_writes, requests, errors, auth_failures,
-        too_large, hits, misses, sets, set_rejected, evictions, spilled, spill_hits, bytes_in/out, rss_bytes."""
+        too_large, hits, misses, sets, set_rejected, evictions, spilled, spill_hits, bytes_in/out, rss_bytes;
+        shared memory: shm_segments (mapped now), shm_attached, shm_refused, shm_bytes_in/out (payload bytes)."""
         s: dict = dict(self.c)
         s.update(keys=len(self.records), bytes=self.used_bytes, capacity_bytes=self.capacity_bytes,
                  pending_writes=self.pending_writes, uptime_s=round(time.time() - self.started, 3),
-                 rss_bytes=_rss_bytes(), pid=os.getpid(), spill=bool(self.spill))
+                 rss_bytes=_rss_bytes(), pid=os.getpid(), spill=bool(self.spill), shm_segments=len(self.segments))
         return s
 
     # ----------------------------------------------------------------------------------------- loop
@@ -579,6 +684,8 @@ class CacheServer:
 
     def close(self) -> None:
         try:
+            for name in list(self.segments):
+                self._unmap(name)
             self.sock.close(0)
             self.ctx.term()
         finally:
