@@ -619,6 +619,11 @@ class ZmqStore(StorageBackend):
                 raise P.ProtocolError("bad_reply", "get reply: 'hits' is not one bool per key")
             if not isinstance(hdrs, list) or len(hdrs) != sum(hits):
                 raise P.ProtocolError("bad_reply", "get reply: not one header per hit")
+            bad = rh.get("bad", 0)
+            if type(bad) is int and bad > 0:  # records of the wrong length: corrupt, so misses
+                self.c["corrupt"] += bad
+                log.warning("%d page(s) from %s have a stored payload of the wrong length: misses", bad,
+                            self.endpoint)
             j = 0
             for off, hit in enumerate(hits):
                 if not hit:

@@ -27,8 +27,9 @@ Request ``[header, payload_0, payload_1, ...]``
       §5): ``"len": int`` (payload bytes of each page) and ``"offs": [int per key]`` (byte offset of each page's
       slot in the segment, ``off + len <= size``). A ``set`` then carries no payload frames: the server copies
       each slot out of the segment (plus ``"hdrs"`` as above). A ``get`` copies each hit into its slot and replies
-      ``{"hits", "hdrs"}`` without payload frames (a stored payload of another length is a miss). A segment the
-      server does not hold (it restarted) is refused with ``code`` ``shm_unknown``; the client re-attaches.
+      ``{"hits", "hdrs", "bad"}`` without payload frames (a stored payload of another length is a miss, counted in
+      ``bad``). A segment the server does not hold (it restarted) is refused with ``code`` ``shm_unknown``; the
+      client re-attaches.
 
 Reply ``[header, payload_0, ...]``
     ``{"v", "id", "op", "ok": bool, "err": str (when not ok), "code": str (when not ok), ...}``

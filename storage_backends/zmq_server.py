@@ -460,11 +460,12 @@ class CacheServer:
         mv, size = self._segment(h)
         length = P.get_int(h, "len", 1, size)
         offs = P.get_offsets(h, len(keys), length, size)
-        hits, hdrs = [], []
+        hits, hdrs, bad = [], [], 0
         for k, off in zip(keys, offs):
             rec = self._lookup(ns, k)
             pl = None if rec is None else (rec[1].buffer if isinstance(rec[1], zmq.Frame) else memoryview(rec[1]))
             if pl is None or pl.nbytes != length:
+                bad += pl is not None
                 hits.append(False)
                 self.c["misses"] += 1
                 continue
@@ -474,7 +475,7 @@ class CacheServer:
             self.c["hits"] += 1
             self.c["bytes_out"] += length
             self.c["shm_bytes_out"] += length
-        return {"hits": hits, "hdrs": hdrs}, []
+        return {"hits": hits, "hdrs": hdrs, "bad": bad}, []
 
     def _op_set(self, h, payloads):
         keys, ns = P.get_keys(h), P.get_ns(h)

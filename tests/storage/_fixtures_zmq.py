@@ -156,7 +156,7 @@ class ZmqHandle:
             args += ["--spill-dir", str(spill_dir)]
         self._server_args = tuple(args)
         self.log_path = os.path.join(self.tmp_path, "server.log")
-        client_keys = ("timeout_s", "reconnect_backoff_s", "max_backoff_s")
+        client_keys = ("timeout_s", "reconnect_backoff_s", "max_backoff_s", "shm", "shm_bytes")
         self._client_opts = {k: v for k, v in opts.items() if k in client_keys}
         self._client_opts.setdefault("timeout_s", DEFAULT_TIMEOUT_S)
         if max_message_bytes:
@@ -249,7 +249,8 @@ def make_backend(tmp_path, page_bytes: int, namespace: bytes, **opts: Any):
 
     Options: ``capacity_pages`` or ``capacity_bytes`` (server memory capacity), ``token``, ``max_message_bytes``,
     ``spill_dir``, ``server_args`` (extra server flags), and client options ``timeout_s``
-    (default :data:`DEFAULT_TIMEOUT_S`), ``reconnect_backoff_s``, ``max_backoff_s``; others are ignored."""
+    (default :data:`DEFAULT_TIMEOUT_S`), ``reconnect_backoff_s``, ``max_backoff_s``, ``shm``, ``shm_bytes``; others
+    are ignored."""
     h = ZmqHandle(tmp_path, page_bytes, namespace, **opts)
     try:
         yield h

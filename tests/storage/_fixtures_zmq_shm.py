@@ -1,0 +1,56 @@
+"""Contract-suite fixture: the ZMQ cache server with the client's shared-memory data path on (``shm="on"``).
+
+The same server subprocess as ``_fixtures_zmq.py``; every client made here moves pages through its own
+``/dev/shm`` segment (a small one, ``SHM_BYTES``, so batches of the suite also take several rounds), and the
+handle checks on close that pages really went that way. The multi-process case is left to the ``zmq`` variant
+(``client_factory`` is None: it costs ~14 s of process start-up and adds nothing segment-specific that
+``test_zmq_shm.py`` does not check with threads).
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _base():
+    name = "_fixtures_zmq"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+NAME = "zmq_shm"
+#: segment of each client: 8 pages of 256 KiB (the suite's largest page), so bigger batches take several rounds.
+SHM_BYTES = 8 * 256 * 1024
+
+
+class ZmqShmHandle(_base().ZmqHandle):
+    name = NAME
+
+    def client_factory(self, namespace=None):
+        return None
+
+    def close(self) -> None:
+        moved = sum(c.c["shm_pages_in"] + c.c["shm_pages_out"] for c in self._clients)
+        used_frames = [c for c in self._clients if c.c["shm_fallbacks"]]
+        super().close()
+        assert not used_frames, "a zmq_shm client fell back to frames"
+        assert moved or not any(c.c["sets"] for c in self._clients), "no page went through shared memory"
+
+
+@contextlib.contextmanager
+def make_backend(tmp_path, page_bytes: int, namespace: bytes, **opts: Any):
+    """Like ``_fixtures_zmq.make_backend`` with ``shm="on"`` and ``shm_bytes`` = max(:data:`SHM_BYTES`, one page)."""
+    opts.setdefault("shm", "on")
+    opts.setdefault("shm_bytes", max(SHM_BYTES, page_bytes))
+    h = ZmqShmHandle(tmp_path, page_bytes, namespace, **opts)
+    try:
+        yield h
+    finally:
+        h.close()
