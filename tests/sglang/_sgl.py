@@ -43,6 +43,23 @@ def mha_pool(layout: str = "page_first", *, layers: int = 2, heads: int = 2, hea
                                 device_capacity_tokens=ntok, start_layer=0, end_layer=layers)
 
 
+def mla_pool(layout: str = "page_first", *, layers: int = 2, kv_lora_rank: int = 64, rope_dim: int = 16,
+             page_size: int = 16, pages: int = 16, dtype=torch.bfloat16):
+    """SGLang's MLA host pool (one latent row of ``kv_lora_rank + rope_dim`` per token and layer) on the CPU."""
+    from sglang.srt.mem_cache.device_pool_info import MLABufferInfo
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    ntok = pages * page_size
+    bufs = tuple(torch.zeros(ntok, 1, kv_lora_rank + rope_dim, dtype=dtype) for _ in range(layers))
+    info = MLABufferInfo(buffers=bufs, data_ptrs=torch.tensor([b.data_ptr() for b in bufs]),
+                         layer_indices=tuple(range(layers)), device_layer_num=layers, page_size=page_size,
+                         kv_lora_rank=kv_lora_rank, qk_rope_head_dim=rope_dim, kv_cache_dim=kv_lora_rank + rope_dim,
+                         dtype=dtype, device=torch.device("cpu"))
+    return MLATokenToKVPoolHost(info, 1.0, 0, page_size, layout, pin_memory=False, device="cpu",
+                                device_capacity_tokens=ntok, start_layer=0, end_layer=layers,
+                                target_layer_num=layers)
+
+
 def storage_config(extra: dict, *, tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
                    mla: bool = False, model: str = MODEL, layout: str = "page_first") -> HiCacheStorageConfig:
     return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,

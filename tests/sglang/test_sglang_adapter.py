@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import _sgl  # noqa: F401  (tests/sglang: shims + SGLang imports)
-from _sgl import attach, extra_config, fill_pages, keys, mha_pool, page_bytes_of, storage_config
+from _sgl import attach, extra_config, fill_pages, keys, mha_pool, mla_pool, page_bytes_of, storage_config
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 from tierkv.connector import page_hash
@@ -43,6 +43,30 @@ def test_both_paths_round_trip_and_share_records(tmp_path, layout, split):
     got = b2.batch_get(ks, [pool2.get_dummy_flat_data_page() for _ in ks])
     assert all(g is not None and torch.equal(g.view(torch.uint8), w) for g, w in zip(got, want))
     b.close(), b2.close()
+
+
+@pytest.mark.parametrize("layout,zero_copy", [("page_first", True), ("page_first_direct", True),
+                                              ("layer_first", False)])
+def test_mla_pages_round_trip_and_are_shared_across_tp_ranks(tmp_path, layout, zero_copy):
+    """MLA: one record per page (in place where the page is one region), and TP rank 1 of 2 reads what rank 0
+    wrote (MLA pages are the same on every rank); an MHA reader of the same store does not."""
+    l3 = file_l3(tmp_path)
+    pool = mla_pool(layout)
+    w = attach(extra_config(l3, split_kv=True), pool, tp_rank=0, tp_size=2, mla=True)
+    assert w.parts_per_page == 1 and w.zero_copy is zero_copy
+    idx = fill_pages(pool, 3, seed=6)
+    want = [page_bytes_of(pool, i) for i in range(3)]
+    ks = keys(3, "mla")
+    assert w.batch_set_v1(ks, idx) == [True] * 3
+    pool2 = mla_pool(layout)
+    r = attach(extra_config(l3), pool2, tp_rank=1, tp_size=2, mla=True)
+    assert r.batch_get_v1(ks, idx) == [True] * 3
+    assert all(torch.equal(page_bytes_of(pool2, i), want[i]) for i in range(3))
+    flat = r.batch_get(ks, [pool2.get_dummy_flat_data_page() for _ in ks])
+    assert all(torch.equal(f.view(torch.uint8), w_) for f, w_ in zip(flat, want))
+    other = attach(extra_config(l3), mha_pool(), tp_rank=1, tp_size=2)
+    assert other.batch_exists(ks) == 0
+    w.close(), r.close(), other.close()
 
 
 def test_leading_run_and_missing_page(tmp_path):
