@@ -186,7 +186,8 @@ class TierKVHiCacheStorage(HiCacheStorage):
     starting at ``host_indices[i * page_size]``).
 
     Attributes (after registration): ``namespace`` (:class:`ModelNamespace`), ``page_bytes`` (bytes of one page),
-    ``parts_per_page``, ``part_bytes``, ``zero_copy`` (False for ``layer_first``: staged), ``store``.
+    ``parts_per_page``, ``part_bytes``, ``zero_copy`` (False for ``layer_first`` and single-record MHA pages:
+    staged), ``store``.
 
     Raises (at attach): :class:`ConfigError` for a bad extra config (see :func:`parse_extra_config`), a namespace
     that cannot be built (:func:`build_namespace`) or a store that cannot start.
@@ -213,6 +214,9 @@ class TierKVHiCacheStorage(HiCacheStorage):
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Receive SGLang's host pool: build the namespace and the store (``l3``), register the pool's buffer with
         the store for zero-copy sets. Raises :class:`ConfigError` (SGLang rolls the attach back)."""
+        if self.store is not None:  # registered again (SGLang registers once per attach): start over on this pool
+            self.close()
+            self._closed = False
         super().register_mem_pool_host(mem_pool_host)
         pool = mem_pool_host
         probe = pool.get_data_page(0, flat=False)

@@ -202,5 +202,11 @@ def test_stats_clear_close(tmp_path):
     assert b.get_stats().backup_pgs == []  # drained, as SGLang's Mooncake backend does
     b.clear()
     assert b.batch_exists(ks) == 0
+    pool2 = mha_pool("layer_first")
+    b.register_mem_pool_host(pool2)  # a second registration rebuilds on the new pool (new layout: new namespace)
+    assert b.zero_copy is False and b.namespace.kv_layout.endswith("/layer_first")
+    idx2 = fill_pages(pool2, 1, seed=7)
+    assert b.batch_set_v1(keys(1, "re"), idx2) == [True] and b.batch_exists(keys(1, "re")) == 1
     b.close()
     b.close()
+    assert b.batch_exists(ks) == 0  # closed: no store, a miss (logged), never an exception into SGLang
