@@ -132,4 +132,4 @@ def test_no_reply_or_log_line_contains_the_token(srv):
 
 def test_ping_lists_protocols_and_whether_a_token_is_required(srv):
     r = _req(srv, op="ping", token=TOKEN)
-    assert r["protos"] == [1, 2] and r["token_required"] is True and r["v"] == 1
+    assert r["protos"] == [1, 2, 3] and r["token_required"] is True and r["v"] == 1 and r["shm"] is True
