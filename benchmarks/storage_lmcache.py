@@ -9,6 +9,8 @@ turns batch by batch (the order rotates every repetition, so machine noise hits 
   reference of ``benchmarks/storage.py``); the ceiling of any ZMQ store |
 | ``zmq`` | tierkv's ``ZmqStore`` on a ``tierkv server`` process (sets pass their checksums; gets verify headers
   and XXH3) |
+| ``zmq_shm`` | the same store and server with ``shm="on"``: pages move through the client's ``/dev/shm`` segment
+  (one batch in size), control messages over ZMQ (docs/architecture.md §5); its own namespace on the server |
 | ``lmcache`` | tierkv's ``LMCacheStore`` on a real LMCache 0.5.6 multiprocess server (its own venv,
   ``benchmarks/peers/setup_lmcache_venv.sh``): pages named by their token ids (one key range per batch), data through
   the server's ``/dev/shm`` segment; get = lookup + prefetch wait + prepare/commit retrieve, verified like ``zmq`` |
@@ -23,7 +25,8 @@ turns batch by batch (the order rotates every repetition, so machine noise hits 
 The same source pages are used by all variants; every variant drops its pages after each repetition (untimed), so
 all receive the next batch into memory their allocator already holds. MB/s = batch bytes / median batch time;
 p50/p99 over the repetitions; the ratio the target is judged on is ``zmq`` MB/s / ``lmcache`` MB/s (target >= 1.5
-on set and on get), plus the paired ratio (median over repetitions of the two batch times measured back to back).
+on set and on get), plus the paired ratio (median over repetitions of the two batch times measured back to back);
+the same ratios for ``zmq_shm`` (``zmq_shm_over_lmcache``, ``zmq_shm_meets_target``).
 
     .venv/bin/python benchmarks/storage_lmcache.py               # ~1-2 min on a 2-core box
     .venv/bin/python benchmarks/storage_lmcache.py --quick       # smoke run, fewer repetitions
@@ -55,7 +58,7 @@ BATCH = 64
 PAGE_TOKENS = 16
 TARGET = 1.5
 KiB, MiB = 1024, 1024 * 1024
-VARIANTS = ("raw", "zmq", "lmcache", "lmcache_keys")
+VARIANTS = ("raw", "zmq", "zmq_shm", "lmcache", "lmcache_keys")
 NATIVE_PEER = ROOT / "benchmarks" / "peers" / "lmcache_native_peer.py"
 
 
@@ -92,12 +95,13 @@ def bench(pb: int, reps: int, src: list[torch.Tensor], sums: Optional[list[int]]
                                               log_path=os.path.join(tempfile.gettempdir(), "tierkv-bench-lmcache.log"))
     ctx = zmq.Context()
     sock = ctx.socket(zmq.REQ)
-    zs = lm = None
+    zs = zsh = lm = None
     try:
         sock.connect(f"tcp://127.0.0.1:{int(raw.stdout.readline())}")
         line = srv.stdout.readline().split()
         assert line[:2] == ["tierkv-server", "ready"], line
         zs = ZmqStore(NS, pb, endpoint=line[2], timeout_s=30.0)
+        zsh = ZmqStore(bytes(range(48, 64)), pb, endpoint=line[2], timeout_s=30.0, shm="on", shm_bytes=BATCH * pb)
         lm = LMCacheStore(NS, pb, endpoint=lm_ep, page_tokens=PAGE_TOKENS, timeout_s=30.0)
         srcv = [memoryview(s.numpy()) for s in src]
         dst = [torch.empty(pb, dtype=torch.uint8) for _ in range(BATCH)]
@@ -128,6 +132,8 @@ def bench(pb: int, reps: int, src: list[torch.Tensor], sums: Optional[list[int]]
             calls = {
                 "raw": (lambda: raw_set(ks), bool, lambda: raw_get(ks), bool),
                 "zmq": (lambda: zs.batch_set(ks, src, checksums=sums), ok_all, lambda: zs.batch_get(ks, dst), ok_get),
+                "zmq_shm": (lambda: zsh.batch_set(ks, src, checksums=sums), ok_all, lambda: zsh.batch_get(ks, dst),
+                            ok_get),
                 "lmcache": (lambda: lm.batch_set(ks, src, checksums=sums, tokens=pts), ok_all,
                             lambda: lm.batch_get(ks, dst, tokens=pts), ok_get),
                 "lmcache_keys": (lambda: lm.batch_set(ks, src, checksums=sums), ok_all,
@@ -150,11 +156,14 @@ def bench(pb: int, reps: int, src: list[torch.Tensor], sums: Optional[list[int]]
             sock.send(b"del")  # every variant drops the batch (untimed)
             sock.recv()
             zs.clear()
+            zsh.clear()
             lm.clear()
         st = lm.stats()
         assert st["corrupt"] == 0 and st["timeouts"] == 0, st
+        st = zsh.stats()
+        assert st["shm_fallbacks"] == 0 and st["shm_pages_in"] == reps * BATCH and st["corrupt"] == 0, st
     finally:
-        for s in (zs, lm):
+        for s in (zs, zsh, lm):
             if s is not None:
                 s.close()
         sock.close(linger=0)
@@ -203,7 +212,9 @@ def rows_for(pb: int, res: dict) -> list[dict]:
     rows = []
     for op in ("set", "get"):
         z, lmr, raw, lmk = res[f"zmq_{op}"], res[f"lmcache_{op}"], res[f"raw_{op}"], res[f"lmcache_keys_{op}"]
+        zsh = res[f"zmq_shm_{op}"]
         ratio = z["mbps"] / lmr["mbps"] if z["mbps"] and lmr["mbps"] else None
+        ratio_shm = zsh["mbps"] / lmr["mbps"] if zsh["mbps"] and lmr["mbps"] else None
         rows.append({"page_kib": pb // KiB, "op": op, "raw_mbps": raw["mbps"], "zmq_mbps": z["mbps"],
                      "lmcache_mbps": lmr["mbps"], "zmq_p50_ms": z["p50_ms"], "zmq_p99_ms": z["p99_ms"],
                      "lmcache_p50_ms": lmr["p50_ms"], "lmcache_p99_ms": lmr["p99_ms"], "raw_p50_ms": raw["p50_ms"],
@@ -211,6 +222,10 @@ def rows_for(pb: int, res: dict) -> list[dict]:
                      "lmcache_keys_p50_ms": lmk["p50_ms"], "lmcache_keys_p99_ms": lmk["p99_ms"],
                      "zmq_over_lmcache": round(ratio, 2) if ratio else None,
                      "zmq_over_lmcache_paired": _round(SB.paired_ratio(z, lmr)),
+                     "zmq_shm_mbps": zsh["mbps"], "zmq_shm_p50_ms": zsh["p50_ms"], "zmq_shm_p99_ms": zsh["p99_ms"],
+                     "zmq_shm_over_lmcache": _round(ratio_shm),
+                     "zmq_shm_over_lmcache_paired": _round(SB.paired_ratio(zsh, lmr)),
+                     "zmq_shm_meets_target": bool(ratio_shm and ratio_shm >= TARGET),
                      "lmcache_native_mbps": res.get(f"lmcache_native_{op}", {}).get("mbps"),
                      "lmcache_native_p50_ms": res.get(f"lmcache_native_{op}", {}).get("p50_ms"),
                      "lmcache_native_p99_ms": res.get(f"lmcache_native_{op}", {}).get("p99_ms"),
@@ -224,16 +239,19 @@ def _round(v):
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| page | op | raw pyzmq MB/s | tierkv zmq MB/s (p50/p99 ms) | LMCache server via lmcache store MB/s "
+    head = ("| page | op | raw pyzmq MB/s | tierkv zmq MB/s (p50/p99 ms) | tierkv zmq shm MB/s (p50/p99 ms) | "
+            "LMCache server via lmcache store MB/s "
             "(p50/p99 ms) | same, pages named by key MB/s (p50/p99 ms) | LMCache's own client MB/s (p50/p99 ms) | "
-            "zmq / LMCache (paired) | target |")
-    out = [head, "|" + "---|" * 9]
+            "zmq / LMCache (paired) | zmq shm / LMCache (paired) | target |")
+    out = [head, "|" + "---|" * 11]
     for r in rows:
         out.append(f"| {r['page_kib']} KiB x {BATCH} | {r['op']} | {r['raw_mbps']:.0f} | {r['zmq_mbps']:.0f} "
-                   f"({r['zmq_p50_ms']}/{r['zmq_p99_ms']}) | {r['lmcache_mbps']:.0f} ({r['lmcache_p50_ms']}/"
+                   f"({r['zmq_p50_ms']}/{r['zmq_p99_ms']}) | {r['zmq_shm_mbps']:.0f} ({r['zmq_shm_p50_ms']}/"
+                   f"{r['zmq_shm_p99_ms']}) | {r['lmcache_mbps']:.0f} ({r['lmcache_p50_ms']}/"
                    f"{r['lmcache_p99_ms']}) | {r['lmcache_keys_mbps']:.0f} ({r['lmcache_keys_p50_ms']}/"
                    f"{r['lmcache_keys_p99_ms']}) | {_native(r)} | {r['zmq_over_lmcache']}x ({r['zmq_over_lmcache_paired']}x) | "
-                   f">= {TARGET}x {'met' if r['meets_target'] else 'NOT met'} |")
+                   f"{r['zmq_shm_over_lmcache']}x ({r['zmq_shm_over_lmcache_paired']}x) | >= {TARGET}x: zmq "
+                   f"{'met' if r['meets_target'] else 'NOT met'}, shm {'met' if r['zmq_shm_meets_target'] else 'NOT met'} |")
     return "\n".join(out)
 
 
