@@ -2,9 +2,8 @@
 
 The same server subprocess as ``_fixtures_zmq.py``; every client made here moves pages through its own
 ``/dev/shm`` segment (a small one, ``SHM_BYTES``, so batches of the suite also take several rounds), and the
-handle checks on close that pages really went that way. The multi-process case is left to the ``zmq`` variant
-(``client_factory`` is None: it costs ~14 s of process start-up and adds nothing segment-specific that
-``test_zmq_shm.py`` does not check with threads).
+handle checks on close that pages really went that way (in this process; the clients of the multi-process case
+each make and attach a segment of their own).
 """
 from __future__ import annotations
 
@@ -32,9 +31,6 @@ SHM_BYTES = 8 * 256 * 1024
 
 class ZmqShmHandle(_base().ZmqHandle):
     name = NAME
-
-    def client_factory(self, namespace=None):
-        return None
 
     def close(self) -> None:
         moved = sum(c.c["shm_pages_in"] + c.c["shm_pages_out"] for c in self._clients)
