@@ -195,10 +195,41 @@ def _remove_segment(path: str, mm: mmap.mmap, pid: int) -> None:
             pass
 
 
+def sweep_dead_segments(shm_dir: str = P.SHM_DIR) -> int:
+    """Remove this user's segment files whose creating process is gone (a client killed by SIGKILL never runs its
+    finalizer). The creator's pid is the first 8 hex digits after :data:`zmq_protocol.SHM_PREFIX`. Removing a file
+    never breaks a live pair (both keep their mappings; a client whose file is gone makes a new one when it must
+    attach again), so a pid seen from another pid namespace costs at most one new segment. Returns files removed."""
+    n = 0
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return 0
+    uid = os.getuid()
+    for name in names:
+        if not P.SHM_NAME_RE.match(name):
+            continue
+        path = os.path.join(shm_dir, name)
+        try:
+            if os.stat(path, follow_symlinks=False).st_uid != uid:
+                continue
+            os.kill(int(name[len(P.SHM_PREFIX):len(P.SHM_PREFIX) + 8], 16), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(path)
+                n += 1
+            except OSError:
+                pass
+        except (OSError, ValueError):  # alive but not ours to signal, or vanished meanwhile
+            continue
+    return n
+
+
 class _Segment:
-    """This client's ``/dev/shm`` segment: ``size`` bytes, file mode 0600, created exclusively under a random
-    :data:`zmq_protocol.SHM_PREFIX` name; the file is removed by :meth:`close`, when the object is collected or
-    at interpreter exit (``weakref.finalize``), only by the creating process (a forked child makes its own).
+    """This client's ``/dev/shm`` segment: ``size`` bytes, file mode 0600, created exclusively under the name
+    :data:`zmq_protocol.SHM_PREFIX` + pid (8 hex digits) + 16 random hex digits; the file is removed by
+    :meth:`close`, when the object is collected or at interpreter exit (``weakref.finalize``), only by the creating
+    process (a forked child makes its own), and by :func:`sweep_dead_segments` when that process died without.
 
     Raises:
         OSError: the segment cannot be created or mapped (no /dev/shm, no space).
@@ -207,7 +238,7 @@ class _Segment:
     def __init__(self, size: int):
         self.size = size
         self.pid = os.getpid()
-        self.name = P.SHM_PREFIX + os.urandom(12).hex()
+        self.name = f"{P.SHM_PREFIX}{self.pid & 0xFFFFFFFF:08x}{os.urandom(8).hex()}"
         self.path = os.path.join(P.SHM_DIR, self.name)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
@@ -468,6 +499,7 @@ class ZmqStore(StorageBackend):
                 self._drop_segment()
             if self._seg is None:
                 try:
+                    sweep_dead_segments()
                     self._seg = _Segment(self.shm_bytes)
                 except OSError as e:
                     self._shm_off(f"cannot create a {self.shm_bytes}-byte segment in {P.SHM_DIR}: {e}")

@@ -68,6 +68,7 @@ def test_round_trip_through_segment_in_rounds_and_removed_on_close(tmp_path):
         assert old.stats()["shm_pages_in"] == 0
         path = c._seg.path
         assert os.path.exists(path) and oct(os.stat(path).st_mode & 0o777) == "0o600"
+        assert c._seg.name[len(P.SHM_PREFIX):][:8] == f"{os.getpid():08x}"
         c.close()
         assert not os.path.exists(path)  # the client removes its segment; the server only unmaps it
         assert old.server_stats()["shm_segments"] == 0
@@ -173,6 +174,22 @@ def test_unusable_segment_falls_back_to_frames(tmp_path, monkeypatch, caplog):
         st = c.stats()
         assert st["shm"] == "off" and st["shm_fallbacks"] == 1 and st["shm_pages_out"] == 0
         assert "pages travel as ZMQ frames" in caplog.text
+
+
+def test_segments_of_dead_processes_are_swept(tmp_path):
+    # a SIGKILLed client leaves its file; the next client that makes a segment removes files of dead pids only
+    dead = os.path.join(P.SHM_DIR, f"{P.SHM_PREFIX}7ffffff0{'ab' * 8}")  # above any pid_max
+    alive = os.path.join(P.SHM_DIR, f"{P.SHM_PREFIX}{os.getpid():08x}{'cd' * 8}")
+    for p in (dead, alive):
+        open(p, "wb").close()
+    try:
+        with FZ.make_backend(tmp_path, PB, NS, shm="on") as h:
+            assert h.backend.batch_set(keys_of(1), pages(1, 8)) == [True]
+            assert not os.path.exists(dead) and os.path.exists(alive)
+    finally:
+        for p in (dead, alive):
+            if os.path.exists(p):
+                os.unlink(p)
 
 
 def test_threads_of_one_client_never_share_slots(tmp_path):
