@@ -251,8 +251,12 @@ def table(rows: list[dict]) -> str:
                    f"{r['lmcache_p99_ms']}) | {r['lmcache_keys_mbps']:.0f} ({r['lmcache_keys_p50_ms']}/"
                    f"{r['lmcache_keys_p99_ms']}) | {_native(r)} | {r['zmq_over_lmcache']}x ({r['zmq_over_lmcache_paired']}x) | "
                    f"{r['zmq_shm_over_lmcache']}x ({r['zmq_shm_over_lmcache_paired']}x) | >= {TARGET}x: zmq "
-                   f"{'met' if r['meets_target'] else 'NOT met'}, shm {'met' if r['zmq_shm_meets_target'] else 'NOT met'} |")
+                   f"{_met(r['meets_target'])}, shm {_met(r['zmq_shm_meets_target'])} |")
     return "\n".join(out)
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "NOT met"
 
 
 def _native(r: dict) -> str:

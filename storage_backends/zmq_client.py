@@ -256,7 +256,10 @@ class _Segment:
         return os.path.exists(self.path)
 
     def close(self) -> None:
-        self.mv.release()
+        try:
+            self.mv.release()
+        except BufferError:  # a slot view is still referenced somewhere: the mapping goes when it is collected
+            pass
         self._fin()
 
 

@@ -240,7 +240,9 @@ def error_reply(req_id: int, op: str, code: str, msg: str, v: int = PROTOCOL_VER
 
 
 def get_shm_name(h: dict, name: str = "name") -> str:
-    """A segment name matching :data:`SHM_NAME_RE` (our prefix, hex, no path separator). Raises :class:`ProtocolError`."""
+    """A segment name matching :data:`SHM_NAME_RE` (our prefix, hex, no path separator).
+
+    Raises :class:`ProtocolError`."""
     v = h.get(name)
     if not isinstance(v, str) or not SHM_NAME_RE.match(v):
         raise ProtocolError("bad_request", f"field {name!r} must be a segment name {SHM_PREFIX}<16-64 hex digits>, "
@@ -249,7 +251,9 @@ def get_shm_name(h: dict, name: str = "name") -> str:
 
 
 def get_offsets(h: dict, count: int, length: int, size: int) -> list:
-    """``offs``: exactly ``count`` ints with ``0 <= off`` and ``off + length <= size``. Raises :class:`ProtocolError`."""
+    """``offs``: exactly ``count`` ints with ``0 <= off`` and ``off + length <= size`` (bytes).
+
+    Raises :class:`ProtocolError`."""
     v = h.get("offs")
     if not isinstance(v, list) or len(v) != count:
         raise ProtocolError("bad_request", f"field 'offs' must be an array of {count} offsets")
