@@ -416,6 +416,7 @@ class TierKVConnector(KVConnectorBase_V1):
             logger.warning("tierkv worker: L3 store '%s' could not start (%s); serving without L3 (jobs are "
                            "answered 'not done', every prefix beyond L2 is recomputed)", self.cfg.l3.backend, e)
             return None, None
+        store.store.describe_namespace(dataclasses.asdict(rank_ns))  # for `tierkv store stats`; never matched on
         c = self.cfg.controller
         checksums = SlotChecksums(host.num_slots)
         l3 = L3IO(store, host, digest, checksums, batch_pages=c.batch_pages, max_backup_pages=c.max_backup_pages,

@@ -122,6 +122,13 @@ class StorageBackend(abc.ABC):
         """Undo :meth:`register_host_buffer` (a no-op for a buffer never registered). Call it only when no
         ``batch_set`` of pages inside ``buffer`` is running."""
 
+    def describe_namespace(self, info: dict[str, Any]) -> bool:
+        """Record what this store's 16-byte namespace digest stands for (``info``: plain JSON-able values, e.g.
+        ``dataclasses.asdict(ModelNamespace)``: model_id, dtype, kv_layout, page_size, ranks), for operators'
+        tools such as ``tierkv store stats``; the digest itself cannot be decoded. Never read back by the store,
+        so it cannot change what matches. Optional: the default records nothing and returns ``False``."""
+        return False
+
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tierkv.storage_backends.base import Buffer, StorageBackend
+from tierkv.storage_backends.base import Buffer, PageTokens, StorageBackend
 from tierkv.storage_backends.page_format import check_checksums, check_key
 
 _OPS = ("get", "set", "exists")
@@ -169,16 +169,19 @@ class FaultyBackend(StorageBackend):
         for k in keys:
             check_key(k)
 
-    def batch_exists(self, keys: Sequence[str]) -> int:
+    def batch_exists(self, keys: Sequence[str], tokens: Optional[Sequence[PageTokens]] = None) -> int:
         self._check(keys)
         self._before("exists")
         fail = self._failing("exists", keys)
         limit = fail.index(True) if True in fail else len(keys)
         if limit == 0:
             return 0
-        return self.inner.batch_exists(list(keys[:limit]))
+        if tokens is None:
+            return self.inner.batch_exists(list(keys[:limit]))
+        return self.inner.batch_exists(list(keys[:limit]), tokens=list(tokens[:limit]))
 
-    def batch_get(self, keys: Sequence[str], destinations: Sequence[Buffer]) -> list[bool]:
+    def batch_get(self, keys: Sequence[str], destinations: Sequence[Buffer],
+                  tokens: Optional[Sequence[PageTokens]] = None) -> list[bool]:
         if len(keys) != len(destinations):
             raise ValueError(f"{len(keys)} keys but {len(destinations)} destinations")
         self._check(keys)
@@ -187,15 +190,17 @@ class FaultyBackend(StorageBackend):
         idx = [i for i, f in enumerate(fail) if not f]
         out = [False] * len(keys)
         if idx:
-            res = self.inner.batch_get([keys[i] for i in idx], [destinations[i] for i in idx])
+            kw = {} if tokens is None else {"tokens": [tokens[i] for i in idx]}
+            res = self.inner.batch_get([keys[i] for i in idx], [destinations[i] for i in idx], **kw)
             for i, r in zip(idx, res):
                 out[i] = r
         return out
 
     def batch_set(self, keys: Sequence[str], sources: Sequence[Buffer],
-                  checksums: Optional[Sequence[int]] = None) -> list[bool]:
-        """Inner ``batch_set`` of the keys not chosen to fail, with their ``checksums`` (passed through as given,
-        validated first: ValueError for a wrong length or type, like every store)."""
+                  checksums: Optional[Sequence[int]] = None,
+                  tokens: Optional[Sequence[PageTokens]] = None) -> list[bool]:
+        """Inner ``batch_set`` of the keys not chosen to fail, with their ``checksums`` and ``tokens`` (passed
+        through as given; checksums validated first: ValueError for a wrong length or type, like every store)."""
         if len(keys) != len(sources):
             raise ValueError(f"{len(keys)} keys but {len(sources)} sources")
         self._check(keys)
@@ -206,10 +211,11 @@ class FaultyBackend(StorageBackend):
         out = [False] * len(keys)
         if idx:
             inner_keys, inner_srcs = [keys[i] for i in idx], [sources[i] for i in idx]
+            kw = {} if tokens is None else {"tokens": [tokens[i] for i in idx]}
             if sums is None:
-                res = self.inner.batch_set(inner_keys, inner_srcs)
+                res = self.inner.batch_set(inner_keys, inner_srcs, **kw)
             else:
-                res = self.inner.batch_set(inner_keys, inner_srcs, checksums=[sums[i] for i in idx])
+                res = self.inner.batch_set(inner_keys, inner_srcs, checksums=[sums[i] for i in idx], **kw)
             for i, r in zip(idx, res):
                 out[i] = r
         return out
@@ -219,6 +225,9 @@ class FaultyBackend(StorageBackend):
 
     def unregister_host_buffer(self, buffer: Buffer) -> None:
         self.inner.unregister_host_buffer(buffer)
+
+    def describe_namespace(self, info: dict[str, Any]) -> bool:
+        return self.inner.describe_namespace(info)
 
     def clear(self) -> None:
         self.inner.clear()

@@ -850,6 +850,10 @@ class FileStore(StorageBackend):
         with self._lock:
             return {"bytes": self._usage, "pages": len(self._index), "capacity_bytes": self.capacity_bytes}
 
+    def describe_namespace(self, info: dict[str, Any]) -> bool:
+        """Write ``<root>/<namespace hex>/namespace.json`` (see :func:`describe_namespace`)."""
+        return describe_namespace(self.root, self.namespace, info)
+
     def stats(self) -> dict[str, Any]:
         """Counters since construction: ``hits``, ``misses``, ``sets``, ``set_failures``, ``corrupt`` (records that
         failed verification), ``errors`` (I/O errors), ``evictions`` (of which ``forced_evictions`` on ENOSPC),

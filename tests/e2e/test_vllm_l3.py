@@ -47,6 +47,7 @@ def runs(tiny_model, tmp_path_factory):
     e2 = run_job(tiny_model, [{"name": "again", "prompts": again}], kv_transfer_config=_tier_config(root),
                  num_gpu_blocks_override=MAX_LEN // P + 2, max_tokens=6, extra_engine_args=args,
                  workdir=tmp_path_factory.mktemp("e2"))
+    e1["l3_root"] = root
     return first, again, ref, e1, e2
 
 
@@ -75,3 +76,22 @@ def test_restarted_engine_loads_prefixes_from_l3_bit_exact(runs):
     assert worker["async_load_pages"] == sched["ctl_l3_hit_tokens"] // P
     assert sched["locked_pages"] == 0 and sched["free_slots"] + sched["l2_pages"] == sched["num_slots"]
     assert e2["leaked_processes"] == 0
+
+
+def test_store_records_what_its_namespace_stands_for(runs, tiny_model):
+    """The engine describes its namespace in the file store (namespace.json), so `tierkv store stats` names the
+    model, dtype and layout of the pages; the digest itself cannot be decoded."""
+    import json
+    import subprocess
+    import sys
+
+    _first, _again, _ref, e1, _e2 = runs
+    root = e1["l3_root"]
+    infos = sorted(root.glob("*/namespace.json"))
+    assert len(infos) == 1, infos                      # one rank, one namespace
+    info = json.loads(infos[0].read_text())
+    assert info["model_id"].startswith(str(tiny_model)) and info["page_size"] == P and info["tp_rank"] == 0
+    out = subprocess.run([sys.executable, "-m", "tierkv.cli", "store", "stats", str(root)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert info["dtype"] in out.stdout and infos[0].parent.name[:8] in out.stdout, out.stdout

@@ -5,6 +5,7 @@ import concurrent.futures as cf
 import sys
 import time
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -173,3 +174,41 @@ def test_shipped_l3_file_config_builds_a_store(tmp_path):
     s = build_backend(cfg.l3, NS, PAGE)
     assert isinstance(s, FileStore) and s.root == str(tmp_path / "l3")
     assert s.batch_set(KEYS[:1], src(1)) == [True] and s.batch_exists(KEYS[:1]) == 1
+
+
+def test_faulty_backend_passes_tokens_and_namespace_description_through(store):
+    """The fault wrapper hands ``tokens`` (only of the keys not chosen to fail) and ``describe_namespace`` to the
+    store it wraps, so a token-keyed store (lmcache) keeps its fast path under fault injection."""
+    import json
+
+    from tierkv.storage_backends.base import PageTokens
+
+    seen = []
+
+    class Recording(FileStore):
+        def batch_set(self, keys, sources, checksums=None, tokens=None):
+            seen.append(("set", list(keys), tokens))
+            return super().batch_set(keys, sources, checksums=checksums)
+
+        def batch_get(self, keys, destinations, tokens=None):
+            seen.append(("get", list(keys), tokens))
+            return super().batch_get(keys, destinations)
+
+        def batch_exists(self, keys, tokens=None):
+            seen.append(("exists", list(keys), tokens))
+            return super().batch_exists(keys)
+
+    inner = Recording(NS, PAGE, root=store.root)
+    toks = [PageTokens(list(range(4 * (i + 1))), bytes(16)) for i in range(4)]
+    f = FaultyBackend(inner, fail_set_keys=[KEYS[1]], fail_get_keys=[KEYS[2]])
+    assert f.batch_set(KEYS[:4], src(4), tokens=toks) == [True, False, True, True]
+    assert f.batch_get(KEYS[:4], [torch.empty(PAGE, dtype=torch.uint8) for _ in range(4)], tokens=toks) == [
+        True, False, False, True]
+    assert f.batch_exists(KEYS[:1], tokens=toks[:1]) == 1
+    assert seen == [("set", [KEYS[0], KEYS[2], KEYS[3]], [toks[0], toks[2], toks[3]]),
+                    ("get", [KEYS[0], KEYS[1], KEYS[3]], [toks[0], toks[1], toks[3]]),
+                    ("exists", [KEYS[0]], [toks[0]])]
+    assert f.describe_namespace({"model_id": "m", "dtype": "bfloat16"}) is True
+    info = json.loads((Path(store.root) / NS.hex() / "namespace.json").read_text())
+    assert info == {"model_id": "m", "dtype": "bfloat16"}
+    inner.close()
