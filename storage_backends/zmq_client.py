@@ -589,8 +589,11 @@ class ZmqStore(StorageBackend):
     def batch_get(self, keys: Sequence[str], destinations: Sequence[Buffer]) -> list[bool]:
         """Fill ``destinations`` (writable ``page_bytes`` buffers) with the pages of ``keys``; one bool per key.
 
-        A page is copied into its destination only after its header (namespace, key, length, header checksum)
-        and payload XXH3-64 are verified; a destination of a miss is left untouched.
+        On the frame path a page is copied into its destination only after its header (namespace, key, length,
+        header checksum) and payload XXH3-64 are verified, and a destination of a miss is left untouched. On the
+        shared-memory path the header is checked, the slot copied, and the XXH3-64 checked on the copy (the slot is
+        shared memory, the destination is not), so a page that fails leaves garbage in its destination, as with
+        the file store; a key the server does not hold leaves it untouched.
         Raises ValueError for bad keys or buffers (caller bugs)."""
         if len(keys) != len(destinations):
             raise ValueError(f"batch_get: {len(keys)} keys but {len(destinations)} destinations")
@@ -669,16 +672,18 @@ class ZmqStore(StorageBackend):
                 idx, hdr = s + off, hdrs[j]
                 j += 1
                 o = (idx - slot0) * pb
-                slot = seg.mv[o:o + pb]
                 try:
                     if not isinstance(hdr, bytes):
                         raise PageFormatError("header is not bin")
-                    verify_payload(slot, decode_header(hdr, keys[idx], self.namespace, pb))
+                    psum = decode_header(hdr, keys[idx], self.namespace, pb)
+                    # copy first, then check the copy: the slot is memory another process can write, the
+                    # destination is not (a page that fails leaves garbage there, as with the file store)
+                    dsts[idx][:] = seg.mv[o:o + pb]
+                    verify_payload(dsts[idx], psum)
                 except PageFormatError as err:
                     self.c["corrupt"] += 1
                     log.warning("page %s from %s is not valid (%s): miss", keys[idx], self.endpoint, err)
                     continue
-                dsts[idx][:] = slot
                 res[idx] = True
                 self.c["bytes_in"] += pb
                 self.c["shm_pages_in"] += 1

@@ -346,6 +346,9 @@ class CacheServer:
             if (op in P.SHM_OPS or "shm" in h) and ver < P.SHM_PROTOCOL_VERSION:
                 raise P.ProtocolError("version", f"op {op!r} with shared memory needs protocol version "
                                                  f"{P.SHM_PROTOCOL_VERSION}")
+            if (op in P.SHM_OPS or "shm" in h) and not _local_peer(frames[0]):
+                self.c["shm_refused"] += 1
+                raise P.ProtocolError("shm", "shared memory is only for clients on this host (loopback)")
             payloads = frames[1:]
             if (op != "set" or "shm" in h) and payloads:
                 raise P.ProtocolError("bad_request", f"op {op[:40]!r} takes no payload frames, got {len(payloads)}")
@@ -737,6 +740,19 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False  # an interface name or host name: assume it is reachable from elsewhere
+
+
+def _local_peer(frame: Any) -> bool:
+    """True when the request came over loopback (ZMQ's ``Peer-Address`` of the frame), or from this process (a
+    frame that is not a ZMQ frame: a direct :meth:`CacheServer.handle` call). Only such clients may use the
+    shared-memory path: a remote client must never reach a local client's segment through the server."""
+    if not isinstance(frame, zmq.Frame):
+        return True
+    try:
+        peer = frame.get("Peer-Address")
+    except (zmq.ZMQError, ValueError, TypeError):
+        return False
+    return isinstance(peer, str) and is_loopback(peer)
 
 
 def _bucket(age_s: float) -> int:
