@@ -11,7 +11,7 @@ import time
 import pytest
 import xxhash
 
-from conftest import NS_A, NS_B, key, one_line_error, page, tierkv
+from _cli_helpers import NS_A, NS_B, key, one_line_error, page, tierkv
 from tierkv.cli import main
 from tierkv.cli_common import EXIT_FOUND, EXIT_NEWER, EXIT_OK, EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_USAGE
 from tierkv.storage_backends.file import FileStore

@@ -9,7 +9,7 @@ import sys
 import msgpack
 import pytest
 
-from conftest import NS_A, key, page
+from _cli_helpers import NS_A, key, page
 from tierkv.storage_backends import zmq_protocol as P
 from tierkv.storage_backends import zmq_server
 
