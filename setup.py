@@ -42,7 +42,7 @@ setup(
         "bench": ["matplotlib>=3.7"],
         # SGLang HiCache backend (connector/sglang_hicache.py). On a GPU machine SGLang itself is installed as usual
         # (with its own torch); these are the packages its storage, host-pool and server-args modules import that a
-        # `pip install --no-deps sglang==0.5.23` leaves out (the CPU install, README "Using L3 with SGLang").
+        # `pip install --no-deps sglang==0.5.23` leaves out (the CPU install: README "Using it with SGLang").
         "sglang": ["orjson", "ipython", "traitlets", "gguf", "msgspec"],
         # LMCache cache server as L3 (storage_backends/lmcache.py): the client speaks LMCache's wire protocol itself
         # and imports nothing from LMCache, so it needs only pyzmq + msgpack (already core dependencies). The server
