@@ -23,6 +23,13 @@ Run through ``benchmarks/storage.py`` (``--backends ...,sglang``; rows appended 
 
     .venv/bin/python benchmarks/storage_sglang.py [--pages 256K,2M] [--reps N] [--backends file,zmq,mooncake]
 
+Torch intra-op threads: 1 (``--torch-threads``), as in an SGLang GPU server, whose model runner calls
+``torch.set_num_threads(1)`` in the scheduler process that also runs the HiCache controller (SGLang 0.5.23,
+``ModelRunner.load_model``). With torch's default (one OpenMP thread per core) the OpenMP barriers of SGLang's own
+host-pool copies (``get_data_page``, ``get_dummy_flat_data_page``, ``set_from_flat_data_page``: the copy-path
+rows) spin against the Mooncake transfer threads; on 2 loaded cores they took 10-20x longer (profiled), which
+timed SGLang's pool under contention rather than the stores.
+
 ``TIERKV_BENCH_MC_OPTS='{"zero_copy_min_page_bytes": 0}'`` adds ``l3.mooncake`` keys to tierkv's Mooncake client
 (experiments; the committed rows use the defaults).
 """
@@ -130,16 +137,28 @@ def _same(src, dst) -> bool:
     return torch.equal(u8(src), u8(dst))
 
 
-def bench(pb: int, reps: int, base_dir: str, backends: list[str], rig=None) -> dict:
+def bench(pb: int, reps: int, base_dir: str, backends: list[str], rig=None, torch_threads: int = 1) -> dict:
     """Per-batch seconds for every (driver, op) of page size ``pb`` bytes. ``rig``: a running
-    ``storage.MooncakeRig`` (master + segment holder), needed for the Mooncake rows."""
+    ``storage.MooncakeRig`` (master + segment holder), needed for the Mooncake rows. ``torch_threads``: torch
+    intra-op threads while it runs (1: as SGLang's GPU server process, see the module docstring; 0: unchanged);
+    restored on return."""
+    prev_threads = torch.get_num_threads()
+    if torch_threads > 0:
+        torch.set_num_threads(torch_threads)
+    try:
+        return _bench(pb, reps, base_dir, backends, rig)
+    finally:
+        torch.set_num_threads(prev_threads)
+
+
+def _bench(pb: int, reps: int, base_dir: str, backends: list[str], rig) -> dict:
     import _sgl
     from sglang.srt.mem_cache.hicache_storage import HiCacheFile
 
     src, mk = _pools(pb)
     dst = mk()
     nbytes = BATCH * pb
-    out: dict = {"page_bytes": pb, "batch": BATCH, "reps": reps, "errors": []}
+    out: dict = {"page_bytes": pb, "batch": BATCH, "reps": reps, "errors": [], "torch_threads": torch.get_num_threads()}
     closers: list[Callable[[], None]] = []
 
     def tierkv(l3: dict, path: str, name: str) -> _Driver:
@@ -273,7 +292,8 @@ def rows(res: dict) -> list[dict]:
                             "target": TARGET if sgl else 0.0, "meets_target": ratio is None or ratio >= TARGET,
                             "sglang_mbps": sgl["mbps"] if sgl else None,
                             "vs_sglang": round(ratio, 3) if ratio is not None else None,
-                            "conditions": "SGLang MHATokenToKVPoolHost page_first bf16; tierkv verifies every "
+                            "conditions": f"SGLang MHATokenToKVPoolHost page_first bf16; torch intra-op threads "
+                                          f"{res.get('torch_threads', '?')}; tierkv verifies every "
                                           "checksum on get and hashes every page on set; "
                                           + ("warm page cache, no fsync" if backend == "file" else
                                              "segment in another process, TCP" if backend == "mooncake" else
@@ -288,6 +308,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=None, help="batches per driver (default 10 for 256 KiB, 5 for 2 MiB)")
     ap.add_argument("--dir", default=str(ROOT / ".cache" / "storage-bench"))
     ap.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "storage_sglang.json"))
+    ap.add_argument("--torch-threads", type=int, default=1,
+                    help="torch intra-op threads (default 1, as SGLang's GPU server process; 0 keeps torch's default)")
     a = ap.parse_args(argv)
     import storage  # benchmarks/storage.py: MooncakeRig, table printer
 
@@ -303,7 +325,7 @@ def main(argv=None) -> int:
         for pb in sizes:
             base = tempfile.mkdtemp(prefix=f"sgl-p{pb}-", dir=a.dir)
             try:
-                res = bench(pb, a.reps or (10 if pb < MiB else 5), base, backends, rig)
+                res = bench(pb, a.reps or (10 if pb < MiB else 5), base, backends, rig, a.torch_threads)
             finally:
                 shutil.rmtree(base, ignore_errors=True)
             raw[pb] = res
@@ -318,6 +340,7 @@ def main(argv=None) -> int:
     table = storage.print_table(all_rows)
     Path(a.out).write_text(json.dumps({"benchmark": "storage_sglang", "rows": all_rows, "raw": {str(k): v for k, v in raw.items()},
                                        "conditions": {"loadavg_start": load0, "loadavg_end": load1,
+                                                      "torch_threads": a.torch_threads or "default",
                                                       "wall_s": round(time.time() - t0, 1)},
                                        "table_md": table}, indent=1))
     print(f"\nwrote {a.out} in {time.time() - t0:.0f}s (load {load0} -> {load1})")
