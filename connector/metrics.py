@@ -68,6 +68,17 @@ class StatsFile:
             self._start_flusher_locked()
             self._wake.notify()
 
+    def write_now(self) -> None:
+        """Write the current counters now, whatever the interval (skipped when nothing changed). For the moments
+        after which no step may come to write them: the engine just went idle, and vLLM's API server may stop it
+        without running any shutdown hook (docs/architecture.md §13)."""
+        if self.path is None:
+            return
+        data = dict(self.snapshot())
+        with self._lock:
+            self._pending = None
+            self._write_locked(data)
+
     def close(self) -> None:
         """Write the last counters and stop the flusher (idempotent)."""
         if self.path is None:

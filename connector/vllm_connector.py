@@ -332,6 +332,8 @@ class TierKVConnector(KVConnectorBase_V1):
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if meta is not None and self._sched is not None:
             self._sched.on_reports(getattr(meta, "reports", []) or [])
+            if not self._sched.requests:  # idle: the last reports of the drained work must reach the file now
+                self._stats.write_now()
 
     def _plan_saves(self, rid: str, tokens_after: int, state, fallback_blocks) -> None:
         if rid not in self._sched.requests:
@@ -349,6 +351,8 @@ class TierKVConnector(KVConnectorBase_V1):
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict]]:
         delay = self._sched.on_finished(request.request_id)
         self._requests.pop(request.request_id, None)
+        if not self._sched.requests:  # the engine may go idle now, and no later step would write the counters
+            self._stats.write_now()
         return delay, None
 
     def reset_cache(self) -> Optional[bool]:
