@@ -15,7 +15,7 @@ import copy
 import os
 from importlib import resources
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -148,13 +148,31 @@ def _format_error(err: ValidationError) -> str:
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "<root>"
         if e["type"] == "extra_forbidden":
-            lines.append(f"unknown config key '{key}'")
+            allowed = _allowed_keys(e["loc"][:-1])
+            lines.append(f"unknown config key '{key}'" + (f": allowed keys are {allowed}" if allowed else ""))
         elif e["type"] == "literal_error":
             allowed = e.get("ctx", {}).get("expected", "")
             lines.append(f"bad value {e.get('input')!r} for '{key}': allowed values are {allowed}")
         else:
             lines.append(f"bad value {e.get('input')!r} for '{key}': {_plain(e['msg'])}")
     return "invalid tierkv config: " + "; ".join(lines)
+
+
+def _allowed_keys(loc: tuple) -> str:
+    """The keys the section at ``loc`` (a pydantic error location, e.g. ``("controller",)``) accepts, quoted and
+    sorted; "" when the section is not a model (a free-form mapping)."""
+    model: Any = TierKVConfig
+    for part in loc:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return ""
+        model = field.annotation
+        for arg in getattr(model, "__args__", ()):  # Optional[Model]: the model
+            if isinstance(arg, type) and issubclass(arg, BaseModel):
+                model = arg
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        return ""
+    return ", ".join(f"'{k}'" for k in sorted(model.model_fields))
 
 
 def _plain(msg: str) -> str:

@@ -24,6 +24,11 @@ def test_unknown_key_named():
         config_from_extra({"host_pool": {"sise_gb": 1}})
     with pytest.raises(ConfigError, match=r"unknown config key 'bogus'"):
         config_from_extra({"bogus": 1})
+    # the message lists the keys that section accepts, so a typo is fixed without opening the docs
+    with pytest.raises(ConfigError, match=r"'controller.write_polcy': allowed keys are .*'write_policy'"):
+        config_from_extra({"controller": {"write_polcy": "write_back"}})
+    with pytest.raises(ConfigError, match=r"'host_pool.sise_gb': allowed keys are .*'size_gb'"):
+        config_from_extra({"host_pool": {"sise_gb": 1}})
 
 
 def test_bad_enum_lists_allowed_values():
