@@ -13,6 +13,10 @@ Charts are written next to their JSON (``<name>_<chart>.png``):
 - ``transfer``: ``_gbps.png``, L1 <-> L2 GB/s per host layout and direction next to the two lines measured in the
   same run: a plain ``copy_`` of the same bytes and the same copy with non-temporal stores.
 - ``reserved_cpu``: ``_tpot.png``, decode milliseconds per token with and without ``VLLM_CPU_NUM_OF_RESERVED_CPU``.
+- ``storage_lmcache``: ``_mbps.png``, tierkv's ZMQ server (frames and shared memory) next to LMCache's server,
+  LMCache's own client and raw pyzmq.
+- ``storage_sglang``: ``_mbps.png``, tierkv's stores through SGLang's HiCacheStorage interface next to SGLang's own
+  classes.
 - ``storage``: ``_mbps.png``, L3 MB/s per store and operation next to the raw medium measured in the same run
   (plain file, raw pyzmq, raw Mooncake) and the SGLang HiCache peer where it ran; files holding several runs show
   the median and the range.
@@ -147,7 +151,51 @@ def plot_reserved_cpu(data: dict, out: Path) -> list[Path]:
     return [_save(fig, out.with_name(out.stem + "_tpot.png"))]
 
 
-PLOTTERS = {"e2e_cpu": plot_e2e, "transfer": plot_transfer, "storage": plot_storage, "reserved_cpu": plot_reserved_cpu}
+_LMC_VARIANTS = [("raw_mbps", "raw pyzmq"), ("zmq_mbps", "tierkv zmq"), ("zmq_shm_mbps", "tierkv zmq shm"),
+                 ("lmcache_mbps", "LMCache server (lmcache store)"), ("lmcache_keys_mbps", "same, named by key"),
+                 ("lmcache_native_mbps", "LMCache's own client")]
+
+
+def _grouped_bars(groups: list[str], series: list[tuple[str, list]], title: str, out: Path) -> list[Path]:
+    """One bar per series in each group (MB/s); ``None`` values are left out."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(max(7, 0.5 * len(groups) * len(series) + 2), 4.2))
+    width = 0.8 / max(1, len(series))
+    for i, (label, vals) in enumerate(series):
+        xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
+        pts = [(x, v) for x, v in zip(xs, vals) if v is not None]
+        if pts:
+            ax.bar([x for x, _ in pts], [v for _, v in pts], width, label=label)
+    ax.set_xticks(range(len(groups)), groups, fontsize=8)
+    ax.set_ylabel("MB/s (batch bytes / median batch time)")
+    ax.set_title(title)
+    ax.legend(fontsize=8, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.12))
+    return [_save(fig, out)]
+
+
+def plot_storage_lmcache(data: dict, path: Path) -> list[Path]:
+    """``storage_lmcache``: MB/s of tierkv's ZMQ server (TCP frames, shared memory) next to LMCache's server and
+    raw pyzmq, per page size and operation."""
+    rows = data["rows"]
+    groups = [f"{r['page_kib']} KiB {r['op']}" for r in rows]
+    series = [(label, [r.get(k) for r in rows]) for k, label in _LMC_VARIANTS if any(r.get(k) for r in rows)]
+    return _grouped_bars(groups, series, f"{path.stem}: L3 servers on loopback, batches of "
+                         f"{data.get('batch_pages', 64)} pages", path.with_name(path.stem + "_mbps.png"))
+
+
+def plot_storage_sglang(data: dict, path: Path) -> list[Path]:
+    """``storage_sglang``: MB/s of tierkv's stores through SGLang's HiCacheStorage interface next to SGLang's own
+    storage class on the same pages."""
+    rows = data["rows"]
+    groups = [f"{r['backend'].split()[0]} {r['page_bytes'] >> 10} KiB\n{r['op']}" for r in rows]
+    series = [("tierkv via SGLang's interface", [r.get("mbps") for r in rows]),
+              ("SGLang's own class", [r.get("sglang_mbps") for r in rows])]
+    return _grouped_bars(groups, series, f"{path.stem}: tierkv stores as SGLang HiCache backends",
+                         path.with_name(path.stem + "_mbps.png"))
+
+
+PLOTTERS = {"e2e_cpu": plot_e2e, "transfer": plot_transfer, "storage": plot_storage, "reserved_cpu": plot_reserved_cpu,
+            "storage_lmcache": plot_storage_lmcache, "storage_sglang": plot_storage_sglang}
 
 
 def render(json_path: str | Path) -> list[Path]:
