@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -143,18 +144,36 @@ def _undot(d: dict) -> dict:
     return out
 
 
+#: problems named in one config error message at most (a file that is not a config at all must not be echoed back)
+MAX_ERRORS_SHOWN = 5
+_KEY_LIKE = re.compile(r"[A-Za-z_][A-Za-z0-9_\-]{0,59}")
+
+
+def _short(v: Any, n: int = 60) -> str:
+    t = v if isinstance(v, str) else repr(v)
+    return t if len(t) <= n else t[: n - 3] + "..."
+
+
 def _format_error(err: ValidationError) -> str:
     lines = []
-    for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+    listed: set = set()
+    errors = err.errors()
+    for e in errors[:MAX_ERRORS_SHOWN]:
+        key = _short(".".join(str(p) for p in e["loc"]) or "<root>")
         if e["type"] == "extra_forbidden":
-            allowed = _allowed_keys(e["loc"][:-1])
+            section = tuple(e["loc"][:-1])
+            allowed = "" if section in listed else _allowed_keys(section)
+            listed.add(section)
+            if not _KEY_LIKE.fullmatch(str(e["loc"][-1])):  # not a key someone mistyped: do not echo file content
+                key = ".".join(str(p) for p in section + ("<an entry that is not a key, not shown>",))
             lines.append(f"unknown config key '{key}'" + (f": allowed keys are {allowed}" if allowed else ""))
         elif e["type"] == "literal_error":
             allowed = e.get("ctx", {}).get("expected", "")
-            lines.append(f"bad value {e.get('input')!r} for '{key}': allowed values are {allowed}")
+            lines.append(f"bad value {_short(e.get('input'))!r} for '{key}': allowed values are {allowed}")
         else:
-            lines.append(f"bad value {e.get('input')!r} for '{key}': {_plain(e['msg'])}")
+            lines.append(f"bad value {_short(e.get('input'))!r} for '{key}': {_plain(e['msg'])}")
+    if len(errors) > MAX_ERRORS_SHOWN:
+        lines.append(f"and {len(errors) - MAX_ERRORS_SHOWN} more problem(s)")
     return "invalid tierkv config: " + "; ".join(lines)
 
 

@@ -870,9 +870,14 @@ def run(args: argparse.Namespace) -> int:
         log.warning("binding %s: the cache server is reachable beyond this machine%s", args.host,
                     "" if token else " and accepts any client (--allow-unauthenticated)")
     tuned = keep_freed_memory(args.capacity_bytes)
-    srv = CacheServer(host=args.host, port=args.port, capacity_bytes=args.capacity_bytes, spill_dir=args.spill_dir,
-                      spill_capacity_bytes=args.spill_capacity_bytes,
-                      max_message_bytes=args.max_message_bytes, token=token, enable_test_ops=args.enable_test_ops)
+    try:
+        srv = CacheServer(host=args.host, port=args.port, capacity_bytes=args.capacity_bytes,
+                          spill_dir=args.spill_dir, spill_capacity_bytes=args.spill_capacity_bytes,
+                          max_message_bytes=args.max_message_bytes, token=token,
+                          enable_test_ops=args.enable_test_ops)
+    except zmq.ZMQError as e:  # address in use, unknown host: the operator's input, not a bug
+        print(f"tierkv server: error: cannot listen on {args.host}:{args.port}: {e.strerror}", file=sys.stderr)
+        return EXIT_REFUSED
     signal.signal(signal.SIGTERM, srv.stop)
     signal.signal(signal.SIGINT, srv.stop)
     print(f"tierkv-server ready {srv.endpoint}", flush=True)

@@ -79,7 +79,28 @@ def _file_root(t: Target) -> str:
         raise CliError(EXIT_USAGE, f"not a directory: {t.text} (a file store is a directory)")
     if not os.access(t.path, os.R_OK | os.X_OK):
         raise CliError(EXIT_USAGE, f"cannot read directory {t.text}: permission denied")
+    _check_store_dir(t)
     return t.path
+
+
+def _check_store_dir(t: Target) -> None:
+    """A file store directory holds only namespace directories (32 hex digits), ``quarantine/`` and the store's
+    temporary files; an empty directory is an empty store. Anything else is refused (exit 2), so a mistyped path
+    given to ``gc`` or ``clear`` is an error, not a silent success."""
+    import re
+
+    from tierkv.storage_backends.file import QUARANTINE_DIR, TMP_PREFIX
+
+    try:
+        names = os.listdir(t.path)
+    except OSError as e:
+        raise CliError(EXIT_USAGE, f"cannot list {t.text}: {e.strerror}") from None
+    foreign = [n for n in names if not (re.fullmatch(r"[0-9a-f]{32}", n) and os.path.isdir(os.path.join(t.path, n)))
+               and n != QUARANTINE_DIR and not n.startswith(TMP_PREFIX)]
+    if foreign:
+        shown = ", ".join(repr(n[:40]) for n in sorted(foreign)[:3]) + (" ..." if len(foreign) > 3 else "")
+        raise CliError(EXIT_USAGE, f"not a tierkv file store: {t.text} holds {len(foreign)} entr"
+                                   f"{'y' if len(foreign) == 1 else 'ies'} a store never writes ({shown})")
 
 
 def _list_files(root: str, namespaces: Optional[list] = None) -> list:

@@ -147,6 +147,7 @@ def test_bad_input_is_one_line_and_a_documented_exit_code(tmp_path, store):
     cases = [
         (["store", "stats", str(tmp_path / "missing")], EXIT_USAGE, "no such directory"),
         (["store", "verify", str(f)], EXIT_USAGE, "not a directory"),
+        (["store", "gc", str(tmp_path), "--max-bytes", "0"], EXIT_USAGE, "not a tierkv file store"),
         (["store", "stats", "http://x:1"], EXIT_USAGE, "unknown store address"),
         (["store", "stats", f"tcp://127.0.0.1:{_free_port()}", "--timeout", "0.5"], EXIT_UNREACHABLE, "no answer"),
         (["store", "stats", f"mooncake://127.0.0.1:{_free_port()}", "--timeout", "0.5"], EXIT_UNREACHABLE,

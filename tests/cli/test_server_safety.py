@@ -133,3 +133,13 @@ def test_no_reply_or_log_line_contains_the_token(srv):
 def test_ping_lists_protocols_and_whether_a_token_is_required(srv):
     r = _req(srv, op="ping", token=TOKEN)
     assert r["protos"] == [1, 2, 3] and r["token_required"] is True and r["v"] == 1 and r["shm"] is True
+
+
+def test_port_in_use_is_a_one_line_error_not_a_crash(srv):
+    """A second server on a port that is taken: exit 2 and one line naming the address, no traceback."""
+    port = srv.endpoint.rsplit(":", 1)[1]
+    r = subprocess.run([sys.executable, "-m", "tierkv.storage_backends.zmq_server", "--port", port],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == zmq_server.EXIT_REFUSED and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and "in use" in lines[0], r.stderr

@@ -135,3 +135,15 @@ def test_prefetch_timeout_base_must_be_positive(value):
     msg = str(e.value)
     assert "'controller.prefetch_timeout_base_s'" in msg and msg.startswith("invalid tierkv config"), msg
     assert config_from_extra({"controller.prefetch_timeout_base_s": 0.01}).controller.prefetch_timeout_base_s == 0.01
+
+
+def test_a_file_that_is_not_a_config_is_not_echoed(tmp_path):
+    """A file given by mistake (here shaped like /etc/shadow) fails with a short message that repeats none of its
+    lines."""
+    f = tmp_path / "shadow"
+    f.write_text("".join(f"user{i}:$6$s3cr3tHASH{i}$abcdefgh:20228:0:99999:7:::\n" for i in range(50)))
+    with pytest.raises(ConfigError) as e:
+        load_config(str(f))
+    msg = str(e.value)
+    assert "s3cr3t" not in msg and "user1" not in msg and len(msg) < 600, msg
+    assert "and 45 more problem(s)" in msg
