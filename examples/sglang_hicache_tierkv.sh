@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# SGLang HiCache with a tierkv store as its L3 (docs/architecture.md §10, README "Using L3 with SGLang").
+# SGLang HiCache with a tierkv store as its L3 (docs/architecture.md §10, README "Using it with SGLang").
 #
 #   examples/sglang_hicache_tierkv.sh file|zmq|mooncake|lmcache        (MODEL=... to serve another model)
 #
@@ -31,7 +31,8 @@ zmq)
   ;;
 mooncake)
   # a Mooncake master (HTTP metadata server on); each rank contributes 4 GiB of store memory
-  mooncake_master -rpc_port 50051 -enable_http_metadata_server=true -http_metadata_server_port 8080 &
+  mooncake_master -rpc_port 50051 -rpc_address 127.0.0.1 -enable_http_metadata_server=true \
+    -http_metadata_server_host 127.0.0.1 -http_metadata_server_port 8080 -metrics_host 127.0.0.1 &
   python -m sglang.launch_server --model-path "$MODEL" --page-size 64 \
     --enable-hierarchical-cache --hicache-ratio 2 --hicache-mem-layout page_first \
     --hicache-storage-backend dynamic \
@@ -39,9 +40,11 @@ mooncake)
   ;;
 lmcache)
   # LMCache's cache server (its own venv: benchmarks/peers/setup_lmcache_venv.sh); --chunk-size = SGLang's --page-size
-  # = l3.lmcache.page_tokens; tierkv talks to it through its shared-memory segment (--shm-name)
-  python -m lmcache.v1.multiprocess.server --host 127.0.0.1 --port 5555 --chunk-size 64 --l1-size-gb 64 \
-    --supported-transfer-mode engine_driven --shm-name tierkv-sglang &
+  # = l3.lmcache.page_tokens; tierkv talks to it through its shared-memory segment (--shm-name). Usage reports and
+  # the 0.0.0.0 Prometheus exporter off, as in configs/l3_lmcache.yaml.
+  LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 "${LMCACHE_PYTHON:-benchmarks/peers/.lmcache-venv/bin/python}" \
+    -m lmcache.v1.multiprocess.server --host 127.0.0.1 --port 5555 --chunk-size 64 --l1-size-gb 64 \
+    --supported-transfer-mode engine_driven --shm-name tierkv-sglang --disable-observability &
   python -m sglang.launch_server --model-path "$MODEL" --page-size 64 \
     --enable-hierarchical-cache --hicache-ratio 2 --hicache-mem-layout page_first \
     --hicache-storage-backend dynamic \
