@@ -38,6 +38,9 @@ SMALL_L1 = MAX_LEN // P + 2
 MAX_TOKENS = 6
 #: scheduling and compute of one short request on a busy 2-core machine, seconds (far below the 5 s slow get)
 MARGIN_S = 1.5
+#: the down-at-start checks only separate "waited at most exists_wait_s" from "hung" (unbounded), so their margin
+#: also covers a first prefill on a CI machine that runs other tests beside this one (seen: > 1.5 s)
+DOWN_MARGIN_S = 6.0
 
 
 def _rounds():
@@ -324,7 +327,7 @@ def _down_checks(ref, res, exists_wait):
     assert wl["again"]["num_cached_tokens"] == rw["again"]["num_cached_tokens"]
     for name in ("first", "again"):
         for ttft in wl[name]["ttft_s"]:
-            assert ttft < exists_wait + MARGIN_S, (name, wl[name]["ttft_s"])
+            assert ttft < exists_wait + DOWN_MARGIN_S, (name, wl[name]["ttft_s"])
     assert res["leaked_processes"] == 0
     return w, c
 
