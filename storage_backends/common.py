@@ -44,6 +44,17 @@ def parse_bytes(value: Union[int, str]) -> int:
     raise ValueError(f"not a byte size: {value!r} (use an int or a string like '6MiB', '10GB')")
 
 
+def check_store_identity(namespace: Any, page_bytes: Any, error: type = ValueError) -> bytes:
+    """The two arguments every store is built with, checked: ``namespace`` a 16-byte digest, ``page_bytes`` a
+    positive int (bytes of one page payload). Returns the namespace as ``bytes``. Raises ``error`` (ValueError by
+    default; the Mooncake store documents TypeError) naming the bad argument."""
+    if not isinstance(namespace, (bytes, bytearray)) or len(namespace) != 16:
+        raise error(f"namespace must be a 16-byte digest, got {namespace!r:.60}")
+    if isinstance(page_bytes, bool) or not isinstance(page_bytes, int) or page_bytes <= 0:
+        raise error(f"page_bytes must be a positive int, got {page_bytes!r}")
+    return bytes(namespace)
+
+
 def config_error(err: ValidationError, prefix: str, model: Optional[type] = None) -> ConfigError:
     """A :class:`ConfigError` naming each bad key as ``<prefix>.<key>`` and what is allowed (for an unknown key, the
     allowed keys when ``model``, the pydantic model that failed, is given)."""

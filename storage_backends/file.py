@@ -62,6 +62,7 @@ from tierkv.storage_backends.common import (  # noqa: F401 - parse_bytes, as_byt
     ConfigError,
     RateLimitedLog,
     as_byte_view,
+    check_store_identity,
     config_error,
     parse_bytes,
 )
@@ -191,10 +192,7 @@ class FileStore(StorageBackend):
     """
 
     def __init__(self, namespace: bytes, page_bytes: int, root: Optional[str] = None, **cfg: Any):
-        if not isinstance(namespace, (bytes, bytearray)) or len(namespace) != 16:
-            raise ValueError(f"namespace must be a 16-byte digest, got {namespace!r}")
-        if not isinstance(page_bytes, int) or isinstance(page_bytes, bool) or page_bytes <= 0:
-            raise ValueError(f"page_bytes must be a positive int, got {page_bytes!r}")
+        check_store_identity(namespace, page_bytes)
         try:
             self.cfg = FileStoreConfig(root=root, **cfg) if root is not None else FileStoreConfig(**cfg)
         except ValidationError as e:

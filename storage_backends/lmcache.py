@@ -61,7 +61,8 @@ import zmq
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tierkv.storage_backends.base import Buffer, PageTokens, StorageBackend
-from tierkv.storage_backends.common import ConfigError, RateLimitedLog, as_byte_view, config_error
+from tierkv.storage_backends.common import (ConfigError, RateLimitedLog, as_byte_view, check_store_identity,
+                                             config_error)
 from tierkv.storage_backends.page_format import (HEADER_BYTES, PageFormatError, check_checksums, check_key,
                                                  decode_header, encode_headers, verify_payload)
 
@@ -188,10 +189,7 @@ class LMCacheStore(StorageBackend):
         if unknown:
             raise TypeError(f"LMCacheStore got unknown option(s) {', '.join(unknown)}; allowed: "
                             f"{', '.join(LMCacheStoreConfig.model_fields)}")
-        if not isinstance(namespace, (bytes, bytearray)) or len(namespace) != 16:
-            raise ValueError(f"namespace must be a 16-byte digest, got {namespace!r:.60}")
-        if type(page_bytes) is not int or page_bytes <= 0:
-            raise ValueError(f"page_bytes must be a positive int, got {page_bytes!r}")
+        check_store_identity(namespace, page_bytes)
         self.cfg = check_options(options)
         self.namespace = bytes(namespace)
         self.page_bytes = page_bytes

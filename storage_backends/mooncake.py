@@ -68,7 +68,8 @@ import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tierkv.storage_backends.base import Buffer, StorageBackend
-from tierkv.storage_backends.common import ConfigError, RateLimitedLog, as_byte_view, config_error, parse_bytes
+from tierkv.storage_backends.common import (ConfigError, RateLimitedLog, as_byte_view, check_store_identity,
+                                             config_error, parse_bytes)
 from tierkv.storage_backends.page_format import (
     HEADER_BYTES,
     PageFormatError,
@@ -303,10 +304,7 @@ class MooncakeStore(StorageBackend):
     """
 
     def __init__(self, namespace: bytes, page_bytes: int, **cfg: Any):
-        if not isinstance(namespace, (bytes, bytearray)) or len(namespace) != 16:
-            raise TypeError(f"namespace must be 16 bytes, got {namespace!r}")
-        if isinstance(page_bytes, bool) or not isinstance(page_bytes, int) or page_bytes <= 0:
-            raise TypeError(f"page_bytes must be a positive int, got {page_bytes!r}")
+        check_store_identity(namespace, page_bytes, error=TypeError)
         try:
             c = MooncakeStoreConfig.model_validate(cfg)
         except ValidationError as e:

@@ -51,7 +51,7 @@ import zmq
 
 from tierkv.storage_backends import zmq_protocol as P
 from tierkv.storage_backends.base import Buffer, StorageBackend
-from tierkv.storage_backends.common import ConfigError
+from tierkv.storage_backends.common import ConfigError, check_store_identity
 from tierkv.storage_backends.page_format import (PageFormatError, check_checksums, check_key, decode_header,
                                                  encode_headers, verify_payload)
 
@@ -297,10 +297,7 @@ class ZmqStore(StorageBackend):
             raise TypeError(f"ZmqStore got unknown option(s) {', '.join(sorted(kw))}; allowed: "
                             f"{', '.join(OPTION_DEFAULTS)}")
 
-        if not isinstance(namespace, (bytes, bytearray)) or len(namespace) != 16:
-            raise ValueError(f"namespace must be a 16-byte digest, got {namespace!r:.60}")
-        if type(page_bytes) is not int or page_bytes <= 0:
-            raise ValueError(f"page_bytes must be a positive int, got {page_bytes!r}")
+        check_store_identity(namespace, page_bytes)
         check_options(dict(endpoint=endpoint, timeout_s=timeout_s, token=token, max_message_bytes=max_message_bytes,
                            reconnect_backoff_s=reconnect_backoff_s, max_backoff_s=max_backoff_s, shm=shm,
                            shm_bytes=shm_bytes), page_bytes)
