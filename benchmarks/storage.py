@@ -240,6 +240,18 @@ while True:
 """
 
 
+def stop_procs(*procs: subprocess.Popen) -> None:
+    """End the benchmark's own server processes: SIGTERM, then SIGKILL after 10 s; close their stdout pipes."""
+    for p in procs:
+        p.terminate()
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        p.stdout.close()
+
+
 def bench_zmq(pb: int, reps: int, src: list[torch.Tensor], sums: Optional[list[int]] = None) -> dict:
     import zmq
 
@@ -290,14 +302,7 @@ def bench_zmq(pb: int, reps: int, src: list[torch.Tensor], sums: Optional[list[i
             store.close()
         sock.close(linger=0)
         ctx.term()
-        for p in (raw, srv):
-            p.terminate()
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-            p.stdout.close()
+        stop_procs(raw, srv)
     return {k: v.summary(nbytes) for k, v in S.items()}
 
 

@@ -168,14 +168,7 @@ def bench(pb: int, reps: int, src: list[torch.Tensor], sums: Optional[list[int]]
                 s.close()
         sock.close(linger=0)
         ctx.term()
-        for p in (raw, srv):
-            p.terminate()
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-            p.stdout.close()
+        SB.stop_procs(raw, srv)
         LMF._stop_proc(lm_proc, lm_shm, grace_s=5.0)
     return {k: v.summary(BATCH * pb) for k, v in S.items()}
 
