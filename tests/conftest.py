@@ -1,0 +1,73 @@
+"""Suite-wide rule: a skipped or xfail test fails the run.
+
+A test that skips proves nothing, and a change (of storage layout, of an installed package) can silently turn a test
+into a skip. So when any test, or any collected module, was skipped, xfailed or xpassed, the run exits with
+``pytest.ExitCode.TESTS_FAILED`` (1) even if every other test passed, and the terminal summary lists each one with
+its reason. ``TIERKV_ALLOW_SKIPS=1`` turns the rule off for local partial runs (the list is still printed).
+
+Tested by ``tests/test_suite_rules.py`` (runs pytest on throwaway test files with ``pytester``).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+ALLOW_ENV = "TIERKV_ALLOW_SKIPS"
+
+
+def _reason(report) -> str:
+    if hasattr(report, "wasxfail"):
+        return f"xfail: {report.wasxfail}" if report.skipped else f"xpass: {report.wasxfail}"
+    lr = report.longrepr
+    if isinstance(lr, tuple) and len(lr) == 3:  # (path, line, "Skipped: reason")
+        return f"{lr[2]} ({lr[0]}:{lr[1]})"
+    return str(lr)
+
+
+class NotRun:
+    """Collects every test (or module) that was skipped, xfailed or xpassed in this session."""
+
+    def __init__(self) -> None:
+        self.found: list[tuple[str, str, str]] = []  # (node id, phase, reason)
+
+    def pytest_runtest_logreport(self, report) -> None:
+        # a skip (skip, skipif, importorskip, empty parametrisation) or an xfail is reported as "skipped"; a
+        # non-strict xpass as "passed" with ``wasxfail``: each one is a test that did not prove what it claims
+        if report.skipped or (report.passed and hasattr(report, "wasxfail")):
+            self.found.append((report.nodeid, report.when, _reason(report)))
+
+    def pytest_collectreport(self, report) -> None:
+        if report.skipped:  # a module skipped at collection (allow_module_level skip, importorskip)
+            self.found.append((report.nodeid or "<collection>", "collect", _reason(report)))
+
+
+_KEY = pytest.StashKey[NotRun]()
+
+
+def pytest_configure(config) -> None:
+    plugin = NotRun()
+    config.stash[_KEY] = plugin
+    config.pluginmanager.register(plugin, "tierkv-not-run")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session, exitstatus) -> None:
+    found = session.config.stash[_KEY].found
+    if found and not os.environ.get(ALLOW_ENV) and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    found = config.stash[_KEY].found
+    if not found:
+        return
+    allowed = bool(os.environ.get(ALLOW_ENV))
+    terminalreporter.section("tests that did not run (skipped / xfail / xpass)", red=not allowed, yellow=allowed)
+    for nodeid, when, why in found:
+        terminalreporter.line(f"{nodeid} [{when}]: {why}")
+    if allowed:
+        terminalreporter.line(f"{len(found)} not run; allowed by {ALLOW_ENV}")
+    else:
+        terminalreporter.line(f"FAILED: {len(found)} test(s) did not run; every test must run and pass "
+                              f"(set {ALLOW_ENV}=1 for a local partial run)", red=True, bold=True)
