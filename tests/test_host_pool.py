@@ -1,6 +1,7 @@
 """HostPool layouts and SlotAllocator: round trips L1 -> L2 -> (L3 page bytes) -> L2 -> L1 for every host layout and
 every device layout, semantic content against a reference, page bytes API, errors."""
 import random
+import zlib
 
 import numpy as np
 import pytest
@@ -145,7 +146,7 @@ RT_CASES = [(d, layout, ratio) for d in DEVICE_LAYOUTS for layout in HOST_POOL_L
 @pytest.mark.parametrize("dname,layout,ratio", RT_CASES)
 def test_round_trip_through_page_bytes(dname, layout, ratio, impl):
     dev, storage, spec, sem, kv = _dev(dname, ratio)
-    rng = random.Random(hash((dname, layout, ratio)) & 0xFFFF)
+    rng = random.Random(zlib.crc32(repr((dname, layout, ratio)).encode()))  # stable seed
     blocks = rng.sample(range(10), 6)
     slots = rng.sample(range(8), 6)
     hp = HostPool.for_device(dev, 8, layout)

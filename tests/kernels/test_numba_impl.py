@@ -5,6 +5,7 @@ subsets, the register-transpose, wide-transpose and element-loop paths, misalign
 handling), ordinary and non-temporal stores; bad input raises before any byte moves; the dispatcher falls back to
 torch without numba."""
 import random
+import zlib
 
 import pytest
 import torch
@@ -16,7 +17,10 @@ from tierkv.kernels import load_pages, numba_impl, save_pages, torch_impl
 from tierkv.kernels.testing import (DEVICE_LAYOUTS, block_bytes_reference, encode_semantic, make_kv_caches,
                                     random_semantic)
 
-pytestmark = pytest.mark.skipif(not numba_impl.available(), reason="numba not installed (the cpu extra installs it)")
+def test_numba_is_installed():
+    """numba is a dependency of the CPU build (``make venv`` installs it): without it every test below fails, never
+    skips, and this one says why."""
+    assert numba_impl.available(), "numba is not importable: install the cpu extra (make venv)"
 
 
 def _dev(name, *, ratio=1, head_dim=16, num_kv_heads=2, dtype=torch.bfloat16, pad_bytes=256, num_layers=3,
@@ -57,7 +61,7 @@ CASES = [(d, r, hd) for d in DEVICE_LAYOUTS for r in (1, 2) for hd in (12, 16, 3
 @pytest.mark.parametrize("dname,ratio,head_dim", CASES)
 def test_save_and_load_match_reference_and_torch(dname, ratio, head_dim, layout):
     dev, storage, spec, sem, kv = _dev(dname, ratio=ratio, head_dim=head_dim)
-    rng = random.Random(hash((dname, ratio, head_dim, layout)) & 0xFFFF)
+    rng = random.Random(zlib.crc32(repr((dname, ratio, head_dim, layout)).encode()))  # stable seed
     for pattern in ("run", "scattered"):
         for layers in (None, [2, 0]):
             if pattern == "run":
