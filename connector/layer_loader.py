@@ -112,6 +112,11 @@ class LayerwiseLoad:
         for ev in self._cuda_events:
             ev.synchronize()
 
+    @property
+    def failed_layer(self) -> Optional[int]:
+        """The first layer whose copy failed (layers from it on are not in L1), or None while none failed."""
+        return self._failed_layer if self._error is not None else None
+
     def cancel(self) -> None:
         """Stop after the layer in progress; later waits raise."""
         self._cancel = True

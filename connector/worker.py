@@ -6,7 +6,10 @@ Engine-free: :class:`tierkv.connector.vllm_connector.TierKVConnector` calls it f
   are synchronous loads in vLLM's sense). With ``layerwise`` they run layer by layer on a background
   thread (:class:`tierkv.connector.layer_loader.LayerwiseLoad`) and each attention layer waits only for its
   own pages (``wait_for_layer_load``), after LMCache's layerwise mode and SGLang HiCache's per-layer
-  load_back; otherwise all layers are copied at once.
+  load_back; otherwise all layers are copied at once. A copy that fails never reaches the engine as an exception:
+  the blocks of the load are reported as failed (``get_block_ids_with_load_errors``) and vLLM recomputes them; in
+  layer-wise mode that is every block of the step's load (they miss the layers from the failed one on), whether
+  the failure surfaces in ``wait_layer``, ``finish_loads`` or ``run_saves``.
 - Saves (L1 -> L2) of a step run in ``wait_for_save``, after the forward wrote the KV, and complete before
   it returns: vLLM may hand the blocks to another request from the next step on.
 - With ``verify`` or an L3 store, the XXH3-64 of every page entering L2 is kept per slot
@@ -119,28 +122,62 @@ class CacheWorker:
                 self._failed_blocks.update(blocks)
                 self.counters.failed_load_blocks += len(blocks)
                 return
-            self.counters.load_pages += len(blocks)
-            self.counters.load_bytes += len(blocks) * self.host.page_bytes
+            if not self.layerwise:  # layer-wise: counted once every layer arrived (finish_loads)
+                self._count_loaded(len(blocks))
         dt = time.perf_counter() - t0
         self.counters.load_seconds += dt
         self.counters.max_load_ms = max(self.counters.max_load_ms, 1e3 * dt)
 
     def wait_layer(self, layer_name: str) -> None:
-        """Block until this layer's pages of the current step's loads are in L1."""
-        if self._pending is not None:
-            idx = self.layer_index.get(layer_name)
-            if idx is None:
-                self.finish_loads()
-            else:
-                self._pending.wait_layer(idx)
+        """Block until this layer's pages of the current step's loads are in L1 (a layer name not among the
+        engine's waits for every layer). Never raises for a failed copy: the load's blocks go to
+        :meth:`take_failed_blocks` and the later waits of the step return at once."""
+        p = self._pending
+        if p is None:
+            return
+        idx = self.layer_index.get(layer_name)
+        if idx is None:
+            self.finish_loads()
+            return
+        try:
+            p.wait_layer(idx)
+        except Exception as e:
+            self._layerwise_failed(p, e)
 
     def finish_loads(self) -> None:
-        """Block until every load of the step is done (re-raises a failure of the background loader)."""
-        if self._pending is not None:
-            p, self._pending = self._pending, None
-            t0 = time.perf_counter()
+        """Block until every load of the step is done. A failure of the background loader is not raised: the
+        load's blocks go to :meth:`take_failed_blocks` (vLLM recomputes them)."""
+        p = self._pending
+        if p is None:
+            return
+        t0 = time.perf_counter()
+        try:
             p.wait_all()
+        except Exception as e:
+            self._layerwise_failed(p, e)
+            return
+        finally:
             self.counters.load_seconds += time.perf_counter() - t0
+        self._pending = None
+        self._count_loaded(len(p.block_ids))
+
+    def _layerwise_failed(self, p, err: BaseException) -> None:
+        """The pending layer-wise load ``p`` failed: wait for its thread to end (nothing writes into L1 after
+        this), report every block of it as failed (each misses the layers from ``p.failed_layer`` on)."""
+        self._pending = None
+        try:
+            p.wait_all()  # joins the copy thread; raises the same failure again
+        except Exception:
+            pass
+        n = len(p.block_ids)
+        self._failed_blocks.update(p.block_ids)
+        self.counters.failed_load_blocks += n
+        _rate_limited.warning("layerwise", "tierkv: layer-wise L2 -> L1 load of %d pages failed at layer %s (%s); "
+                              "reporting them for recompute", n, p.failed_layer, err.__cause__ or err)
+
+    def _count_loaded(self, n: int) -> None:
+        self.counters.load_pages += n
+        self.counters.load_bytes += n * self.host.page_bytes
 
     def _verified_prefix(self, order: PageOrder) -> int:
         if not self.verify or not order.keys:

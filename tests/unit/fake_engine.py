@@ -4,7 +4,10 @@ L1 is a real CPU tensor per layer in vLLM's CPU-backend shape ``[num_blocks, H, 
 the real :class:`DevicePool`; L2 is the real :class:`HostPool`; the scheduler side is the real
 :class:`CacheScheduler` and the worker side the real :class:`CacheWorker`. Only vLLM's scheduler is stubbed:
 block allocation, "computing" a page (writing its fingerprint into the block) and the hook order of one step
-(lookup -> alloc -> build plan -> loads -> forward -> saves).
+(lookup -> alloc -> build plan -> loads -> forward -> saves). With ``layerwise=True`` the forward waits for each
+layer's loads in layer order (vLLM's ``wait_for_layer_load``) and the step's loads end in the save hook (vLLM's
+``wait_for_save``). A block whose load failed (``get_block_ids_with_load_errors``) is recomputed in the same step, as
+vLLM does with ``kv_load_failure_policy=recompute`` (the request computes again from its first failed block).
 
 Fingerprint fill (docs/architecture.md §8): the bytes of page ``i`` of layer ``l`` are a pure function of
 (namespace tag, token prefix up to the end of page ``i``, ``l``), so any page read back from any tier can be
@@ -18,6 +21,8 @@ from typing import Optional
 
 import torch
 
+from tierkv import kernels
+from tierkv.connector import layer_loader
 from tierkv.connector.device_pool import DevicePool
 from tierkv.connector.host_pool import HostPool
 from tierkv.connector.l3_io import L3IO
@@ -28,6 +33,7 @@ from tierkv.connector.worker import CacheWorker
 
 P = 32
 LAYERS, HEADS, HEAD_DIM = 2, 2, 8
+REAL_LOAD_PAGES = kernels.load_pages
 
 
 def fingerprint(tag: str, prefix: list[int], layer: int) -> torch.Tensor:
@@ -62,7 +68,7 @@ class FakeEngine:
 
     def __init__(self, num_blocks: int = 64, num_slots: int = 64, verify: bool = True, policy: str = "lru",
                  store=None, controller: Optional[dict] = None, tp_size: int = 1, batch_pages: int = 4,
-                 clock=None, layout: str = "layer_first"):
+                 clock=None, layout: str = "layer_first", layerwise: bool = False):
         self.ns = ModelNamespace("fake-model", "bfloat16", f"{layout}/LBHNC", P, LAYERS, HEADS, HEAD_DIM,
                                  tp_size=tp_size)
         self.tp_size = tp_size
@@ -80,7 +86,8 @@ class FakeEngine:
                 kw = {} if clock is None else {"clock": clock}
                 l3io = L3IO(st, host, rank_namespace(self.ns, rank), checksums, batch_pages=batch_pages,
                             rank=rank, **kw)
-            self.ranks.append((l1, dev, host, CacheWorker(dev, host, verify=verify, l3=l3io, checksums=checksums)))
+            self.ranks.append((l1, dev, host, CacheWorker(dev, host, verify=verify, l3=l3io, checksums=checksums,
+                                                          layerwise=layerwise)))
         self.l1, self.dev, self.host, self.worker = self.ranks[0][:4]
         ctl = None
         if store is not None:
@@ -121,16 +128,27 @@ class FakeEngine:
                 self.sched.schedule_saves(req.req_id, len(req.tokens), req.blocks)
                 scheduled.append(req)
         plan = self.sched.build_plan()
-        for rank, (_l1, _dev, _host, worker) in enumerate(self.ranks):
+        for rank, (_l1, dev, _host, worker) in enumerate(self.ranks):
             worker.start_loads(plan)
-            worker.finish_loads()
-            self.failed_blocks |= worker.take_failed_blocks()
+            if worker.layerwise:
+                for name in dev.layer_names:  # the forward: each attention layer waits for its own pages
+                    worker.wait_layer(name)
+            else:
+                worker.finish_loads()
             if compute:
                 for req in scheduled:
                     for i in range(req.external // P, len(req.tokens) // P):
                         self.write_page(req, i, rank)
+            worker.finish_loads()  # wait_for_save: the step's loads have ended, then the saves run
             worker.run_saves(plan)
             worker.submit_jobs(plan)
+            failed = worker.take_failed_blocks()
+            self.failed_blocks |= failed
+            if compute:  # kv_load_failure_policy=recompute: from the first failed block on
+                for req in scheduled:
+                    bad = [i for i, b in enumerate(req.blocks[: req.external // P]) if b in failed]
+                    for i in range(bad[0] if bad else req.external // P, req.external // P):
+                        self.write_page(req, i, rank)
         for req in scheduled:
             req.num_computed = len(req.tokens) if compute else req.num_computed
         finished, self.finished_ids = self.finished_ids, set()
@@ -266,3 +284,24 @@ class FakeEngine:
             assert not self.sched.ctl.staging_slots()
             for _l1, _dev, _host, w in self.ranks:
                 assert w.l3 is None or w.l3.pending() == 0
+
+
+def inject_copy_fault(monkeypatch, layer: int) -> list:
+    """Make the L2 -> L1 copy of ``layer`` raise (the layers before it are copied by the real kernel first, as a
+    copy that breaks part-way would leave them). Returns the list of layer lists the copies were asked for."""
+    real = REAL_LOAD_PAGES
+    asked = []
+
+    def faulty(host, dev, slots, block_ids, layers=None, **kw):
+        ls = list(range(dev.num_layers)) if layers is None else list(layers)
+        asked.append(ls)
+        if layer in ls:
+            before = [x for x in ls if x < layer]
+            if before:
+                real(host, dev, slots, block_ids, before, **kw)
+            raise RuntimeError(f"injected copy fault at layer {layer}")
+        return real(host, dev, slots, block_ids, layers, **kw)
+
+    monkeypatch.setattr(kernels, "load_pages", faulty)
+    monkeypatch.setattr(layer_loader, "load_pages", faulty)
+    return asked

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from fake_engine import P, FakeEngine, Req
+from fake_engine import LAYERS, P, FakeEngine, Req, inject_copy_fault
 from tierkv.connector.page_hash import page_keys, request_root
 
 
@@ -182,3 +182,31 @@ def test_r21_soak_random_ops_returns_to_baseline():
             assert len(e.sched.requests) == 0
     assert sum(hits) / len(hits) > 0.5   # hit rate on shared prefixes does not decay
     assert e.worker.counters.checksum_mismatches == 0
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+@pytest.mark.parametrize("k", range(LAYERS))
+def test_copy_failure_at_a_layer_ends_in_recomputed_blocks(monkeypatch, layerwise, k):
+    """An L2 -> L1 copy that fails at layer ``k``: the step completes (no exception reaches the engine), every block
+    of the load is reported (get_block_ids_with_load_errors), the request recomputes them and ends with every page
+    right; the L2 copies are untouched, so once the fault is gone the next request loads them. The same outcome
+    with and without layer-wise loading."""
+    e = FakeEngine(layerwise=layerwise)
+    T = toks(1, 3 * P) + [1]
+    assert e.run(Req("a", T)) == 0
+    asked = inject_copy_fault(monkeypatch, k)
+    r = Req("b", T)
+    assert e.admit(r) == 3 * P
+    e.step()
+    assert asked == ([[x] for x in range(k + 1)] if layerwise else [list(range(LAYERS))])
+    assert e.failed_blocks == set(r.blocks[:3])
+    assert all(e.page_ok(r, i) for i in range(3))   # recomputed from the first failed block
+    c = e.worker.counters
+    assert (c.failed_load_blocks, c.load_pages, c.checksum_mismatches) == (3, 0, 0)
+    e.finish(r)
+    monkeypatch.undo()
+    e.failed_blocks.clear()
+    assert e.run(Req("c", T)) == 3 * P              # loaded bit-exact (checked inside run) from the same L2 pages
+    assert e.failed_blocks == set() and e.worker.counters.load_pages == 3
+    e.idle_check()
+
