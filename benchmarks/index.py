@@ -40,6 +40,10 @@ import tracemalloc
 from array import array
 from pathlib import Path
 
+if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path, not run as a script
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_check import code_state  # noqa: E402  (which commit wrote the result file)
+
 HERE = Path(__file__).resolve().parent
 README = HERE / "README.md"
 RESULTS = HERE / "results"
@@ -522,6 +526,7 @@ def main(argv=None) -> int:
     if "startup" not in skip:
         res["startup"] = bench_startup(args)
     res["loadavg_end"] = loadavg()
+    res["code"] = code_state()
     body = table(res) if "trace" in res else json.dumps(res, indent=1, default=str)
     print(body)
     if not args.no_write:

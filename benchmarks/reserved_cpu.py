@@ -36,6 +36,10 @@ import tempfile
 import time
 from pathlib import Path
 
+if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path, not run as a script
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_check import code_state  # noqa: E402  (which commit wrote the result file)
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -125,7 +129,7 @@ def main(argv=None) -> int:
                    "tpot_ms_range": [min(r["tpot_ms"] for r in rs), max(r["tpot_ms"] for r in rs)],
                    "ttft_ms_median": _median([r["ttft_ms"] for r in rs]),
                    "core_ids": rs[0]["core_ids"]} for n, rs in runs.items()}
-    out = {"benchmark": "reserved_cpu", "quick": a.quick, "preset": preset,
+    out = {"benchmark": "reserved_cpu", "code": code_state(), "quick": a.quick, "preset": preset,
            "params": {"repeats": a.repeats, "prompts": a.prompts, "prompt_len": a.prompt_len,
                       "max_tokens": a.max_tokens},
            "configs": {n: {"connector": CONFIGS[n][0], "VLLM_CPU_NUM_OF_RESERVED_CPU": CONFIGS[n][1]} for n in names},

@@ -54,6 +54,10 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path, not run as a script
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_check import code_state  # noqa: E402  (which commit wrote the result file)
+
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
 import numpy as np  # noqa: E402
@@ -578,7 +582,7 @@ def main(argv=None) -> int:
     print()
     table = print_table(all_rows)
     peer_state = "measured" if PEER_VENV.exists() and not a.no_peer else "not measured (no peer venv)"
-    out = {"benchmark": "storage", "batch_pages": BATCH, "rows": all_rows, "raw": {str(k): v for k, v in raw.items()},
+    out = {"benchmark": "storage", "code": code_state(), "batch_pages": BATCH, "rows": all_rows, "raw": {str(k): v for k, v in raw.items()},
            "conditions": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
                           "torch": torch.__version__, "loadavg_start": load0, "loadavg_end": load1,
                           "dir": a.dir, "wall_s": round(time.time() - t_start, 1), "sglang_peer": peer_state,

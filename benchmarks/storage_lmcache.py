@@ -48,6 +48,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
+if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path, not run as a script
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_check import code_state  # noqa: E402  (which commit wrote the result file)
+
 import numpy as np
 import torch
 
@@ -280,7 +284,7 @@ def run(sizes: list[int], reps: Optional[int], quick: bool, sums_mode: str = "gi
         load1 = f.read().split()[:3]
     md = table(rows)
     print(md)
-    doc = {"benchmark": "storage_lmcache", "batch_pages": BATCH, "page_tokens": PAGE_TOKENS, "rows": rows,
+    doc = {"benchmark": "storage_lmcache", "code": code_state(), "batch_pages": BATCH, "page_tokens": PAGE_TOKENS, "rows": rows,
            "raw": {str(k): v for k, v in raw.items()}, "table_md": md,
            "conditions": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
                           "torch": torch.__version__, "lmcache": "0.5.6 (benchmarks/peers/.lmcache-venv)",

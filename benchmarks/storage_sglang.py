@@ -47,6 +47,10 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path, not run as a script
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_check import code_state  # noqa: E402  (which commit wrote the result file)
+
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -338,7 +342,7 @@ def main(argv=None) -> int:
     with open("/proc/loadavg") as f:
         load1 = f.read().split()[:3]
     table = storage.print_table(all_rows)
-    Path(a.out).write_text(json.dumps({"benchmark": "storage_sglang", "rows": all_rows, "raw": {str(k): v for k, v in raw.items()},
+    Path(a.out).write_text(json.dumps({"benchmark": "storage_sglang", "code": code_state(), "rows": all_rows, "raw": {str(k): v for k, v in raw.items()},
                                        "conditions": {"loadavg_start": load0, "loadavg_end": load1,
                                                       "torch_threads": a.torch_threads or "default",
                                                       "wall_s": round(time.time() - t0, 1)},

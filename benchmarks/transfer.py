@@ -31,6 +31,10 @@ import tempfile
 import time
 from pathlib import Path
 
+if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path, not run as a script
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_check import code_state  # noqa: E402  (which commit wrote the result file)
+
 os.environ.setdefault("TIERKV_COPY_THREADS", "1")  # copies single-threaded, as measured and committed
 
 import torch  # noqa: E402
@@ -256,7 +260,7 @@ def main(argv=None):
     lw = bench_layerwise(device, dev, pools["layer_first"], min(1024, max(batches)),
                          compute_ms=(30.0 if device.type == "cpu" else 1.0))
     out = dict(
-        benchmark="transfer", device=str(device), device_layout=dev.layout_tag, backend=dev.backend,
+        benchmark="transfer", code=code_state(), device=str(device), device_layout=dev.layout_tag, backend=dev.backend,
         model=dict(MODEL, dtype=str(MODEL["dtype"]), page_bytes=dev.num_layers * dev.block_bytes,
                    block_bytes=dev.block_bytes),
         impl=_impl(dev, None).__name__.rsplit(".", 1)[-1],
