@@ -473,7 +473,7 @@ def readme_section(section: str) -> str | None:
     if start < 0:
         return None
     end = text.find("\n## ", start + 1)
-    return text[start + 1:end + 1 if end >= 0 else len(text)]
+    return text[start + 1:end if end >= 0 else len(text)]
 
 
 def render_l3_section(results: dict, json_name: str = "e2e_cpu_l3.json") -> str:
