@@ -27,12 +27,16 @@ def check(buf: bytes, idx: int, page_bytes: int) -> tuple[bool, int, int]:
     return bytes(buf) == page(w, r, i, page_bytes), w, r
 
 
-def writer(factory, keys: list[str], writer_id: int, rounds: int, page_bytes: int, start, out) -> None:
+def writer(factory, keys: list[str], writer_id: int, rounds: int, page_bytes: int, start, out, read_once) -> None:
+    """Write every key ``rounds`` times; half way, wait until the reader has completed a pass (so reads really
+    interleave with the writes; a reader that never gets there fails the writer)."""
     store = factory()
     ok = 0
     start.wait(timeout=120)  # every process has its client: writes overlap with reads
     try:
         for r in range(rounds):
+            if r == rounds // 2 and not read_once.wait(timeout=120):
+                raise AssertionError("the reader completed no pass while the writers were half way")
             res = store.batch_set(keys, [page(writer_id, r, i, page_bytes) for i in range(len(keys))])
             ok += sum(res)
     finally:
@@ -40,11 +44,13 @@ def writer(factory, keys: list[str], writer_id: int, rounds: int, page_bytes: in
     out.put(("writer", writer_id, ok))
 
 
-def reader(factory, keys: list[str], reader_id: int, page_bytes: int, start, stop, out) -> None:
+def reader(factory, keys: list[str], reader_id: int, page_bytes: int, start, stop, out, read_once) -> None:
+    """Read every key until ``stop`` (then one more pass); reports hits, bad pages, passes and the passes that
+    started before ``stop`` (while writers may still write) and the hits in those."""
     import torch
 
     store = factory()
-    hits = bad = passes = 0
+    hits = bad = passes = during = hits_during = 0
     dsts = [torch.zeros(page_bytes, dtype=torch.uint8) for _ in keys]
     start.wait(timeout=120)
     try:
@@ -54,11 +60,14 @@ def reader(factory, keys: list[str], reader_id: int, page_bytes: int, start, sto
             for i, (r, d) in enumerate(zip(res, dsts)):
                 if r:
                     hits += 1
+                    hits_during += not last
                     good, _, _ = check(d.numpy().tobytes(), i, page_bytes)
                     bad += not good
             passes += 1
+            during += not last
+            read_once.set()
             if last:
                 break
     finally:
         store.close()
-    out.put(("reader", reader_id, hits, bad, passes))
+    out.put(("reader", reader_id, hits, bad, passes, during, hits_during))

@@ -15,16 +15,18 @@ client it made. The yielded handle ``h`` has:
   ``h.restart()``);
 - ``h.new_client(namespace=None)``: another client on the same store (``namespace`` default: the same one);
 - ``h.client_factory(namespace=None)``: a picklable zero-argument callable that builds such a client inside a
-  spawned process, or ``None`` if the backend cannot (the multi-process test is then skipped for it);
+  spawned process (required: the multi-process test fails for a fixture without one);
 - ``h.restart()``: restart the server / master (zmq, mooncake) or re-open the directory (file);
 - ``h.persistent``: True if pages survive ``h.restart()``;
 - ``h.write_once`` (optional, default False): a set of a page the store already holds keeps the stored copy
   (LMCache);
 - ``h.supports_stop`` and ``h.stop()`` / ``h.cont()``: SIGSTOP / SIGCONT the server process;
 - ``h.corrupt(key, how)`` with ``how`` in ``"truncate"``, ``"flip"``, ``"foreign_namespace"``: damage the stored
-  page of ``key``; returns False if the backend cannot do that (the case is then skipped for it);
+  page of ``key`` and return True; every fixture implements every ``how``; False (no such record found, e.g. after
+  a change of storage layout) fails the calling test, it never skips it;
 - ``h.capacity_pages``: pages the store keeps before evicting, least recently used first, exactly; ``None`` if it
-  has no exact LRU capacity (the eviction test is then skipped for it).
+  has no exact LRU capacity (``test_contract.EXACT_LRU`` lists the stores the eviction test runs on, with the
+  reason for the others).
 
 A fixture module that is absent generates no parameter; one that fails to import fails its tests.
 """

@@ -13,9 +13,16 @@ import _contract_workers as W
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
-_KINDS = [k for k in ("file", "zmq", "mooncake", "lmcache") if (_HERE / f"_fixtures_{k}.py").exists()]
-EXACT_LRU = [k for k in _KINDS if k in ("file", "zmq")]      # Mooncake and LMCache evict by their own policies
-STOPPABLE = [k for k in _KINDS if k in ("zmq", "mooncake", "lmcache")]  # the file store has no server process
+_KINDS = [k for k in ("file", "zmq", "zmq_shm", "mooncake", "lmcache") if (_HERE / f"_fixtures_{k}.py").exists()]
+# Parametrisations restricted per store (the only ones; every other test runs on every store of conftest.KINDS):
+# - the exact LRU eviction test: Mooncake and LMCache evict by their own policies (watermark, LMCache's), not an exact
+#   LRU of a given number of pages, so there is nothing exact to assert for them;
+# - the SIGSTOP test: the file store has no server process to stop.
+# Stores where a read concurrent with an overwrite of the key may be a miss (never wrong data): Mooncake writes by
+# upsert, which replaces the object (docs/architecture.md §5); the others switch from one whole page to the next.
+MISS_WHILE_OVERWRITTEN = ("mooncake",)
+EXACT_LRU = [k for k in _KINDS if k in ("file", "zmq", "zmq_shm")]
+STOPPABLE = [k for k in _KINDS if k in ("zmq", "zmq_shm", "mooncake", "lmcache")]
 
 KiB = 1024
 NS_A = bytes(range(16))      # the namespace make_store uses by default (conftest.NS_A)
@@ -81,7 +88,7 @@ def test_missing_get_is_a_miss_and_leaves_destination(make_store):
     assert torch.equal(dst[1], src[0])
     assert bool((dst[0] == 0xAB).all()) and bool((dst[2] == 0xAB).all())
     st = b.stats()
-    assert st["misses"] >= 2 and st["hits"] >= 1
+    assert (st["misses"], st["hits"], st["sets"], st["corrupt"]) == (2, 1, 1, 0)
 
 
 def test_overwrite_replaces_page(make_store):
@@ -118,7 +125,7 @@ def test_capacity_evicts_least_recently_used(make_store):
         else:
             assert r, f"page {i} should have survived"
             assert torch.equal(dst[i], src[i])
-    assert b.stats()["evictions"] >= len(expect_gone)
+    assert b.stats()["evictions"] == len(expect_gone)
 
 
 @pytest.mark.parametrize("how", ["truncate", "flip", "foreign_namespace"])
@@ -129,8 +136,9 @@ def test_corrupt_page_is_a_miss_never_data(make_store, how):
     src = pages(3, 16 * KiB, seed=11)
     assert b.batch_set(ks, src) == [True] * 3
     before = b.stats()["corrupt"]
-    if not h.corrupt(ks[1], how):
-        pytest.skip(f"{h.name} cannot corrupt a page by {how}")
+    # every fixture must be able to damage a stored page in every way: one that cannot (e.g. after a change of
+    # storage layout it no longer finds the record) fails here, it never turns this integrity test into a skip
+    assert h.corrupt(ks[1], how) is True, f"{h.name} fixture could not corrupt the stored page by {how!r}"
     dst = empties(3, 16 * KiB)
     assert b.batch_get(ks, dst) == [True, False, True]
     assert torch.equal(dst[0], src[0]) and torch.equal(dst[2], src[2])
@@ -253,11 +261,22 @@ def test_stopped_server_calls_time_out_then_service_resumes(make_store):
     assert torch.equal(d3[0], src[0]) and torch.equal(d3[1], src[1])
 
 
-def test_stats_and_close_idempotent(make_store):
-    b = make_store().backend
+COUNTERS = ("hits", "misses", "sets", "set_failures", "corrupt", "errors", "evictions")
+
+
+def test_stats_count_exactly_and_close_idempotent(make_store):
+    h = make_store()
+    b = h.backend
+    assert {k: b.stats()[k] for k in COUNTERS} == dict.fromkeys(COUNTERS, 0)   # a fresh client
+    ks, src = keys_of(5, salt=13), pages(5, 4096, seed=13)
+    assert b.batch_set(ks[:3], src[:3]) == [True] * 3
+    assert b.batch_get(ks, empties(5, 4096)) == [True, True, True, False, False]
+    assert b.batch_get(ks[1:2], empties(1, 4096)) == [True]
+    assert h.corrupt(ks[2], "flip") is True
+    assert b.batch_get(ks[2:3], empties(1, 4096)) == [False]
     st = b.stats()
-    for k in ("hits", "misses", "sets", "set_failures", "corrupt", "errors", "evictions"):
-        assert k in st, k
+    assert {k: st[k] for k in COUNTERS} == {"hits": 4, "misses": 3, "sets": 3, "set_failures": 0, "corrupt": 1,
+                                             "errors": 0, "evictions": 0}
     b.close()
     b.close()
 
@@ -267,15 +286,18 @@ def test_concurrent_writers_and_readers_across_processes(make_store):
     right key (never torn or mixed), and the final pages are from the last round of some writer."""
     page_bytes = 64 * KiB
     h = make_store(page_bytes=page_bytes)
-    factory = h.client_factory() if hasattr(h, "client_factory") else None
-    if factory is None:
-        pytest.skip(f"{h.name}: no client factory for spawned processes")
+    factory = h.client_factory()
+    assert factory is not None, f"{h.name}: the fixture must give a client factory for spawned processes"
     ks = keys_of(6, salt=99)
+    # every key holds a complete page before the processes start, so every read of the reader must be a hit
+    assert h.backend.batch_set(ks, [W.page(0, 0, i, page_bytes) for i in range(len(ks))]) == [True] * len(ks)
     rounds = 100
     ctx = mp.get_context("spawn")
-    out, stop, start = ctx.Queue(), ctx.Event(), ctx.Barrier(3)
-    writers = [ctx.Process(target=W.writer, args=(factory, ks, w, rounds, page_bytes, start, out)) for w in (1, 2)]
-    readers = [ctx.Process(target=W.reader, args=(factory, ks, r, page_bytes, start, stop, out)) for r in (1,)]
+    out, stop, start, read_once = ctx.Queue(), ctx.Event(), ctx.Barrier(3), ctx.Event()
+    writers = [ctx.Process(target=W.writer, args=(factory, ks, w, rounds, page_bytes, start, out, read_once))
+               for w in (1, 2)]
+    readers = [ctx.Process(target=W.reader, args=(factory, ks, r, page_bytes, start, stop, out, read_once))
+               for r in (1,)]
     procs = readers + writers
     try:
         for p in procs:
@@ -298,14 +320,24 @@ def test_concurrent_writers_and_readers_across_processes(make_store):
     wr = [r for r in results if r[0] == "writer"]
     rd = [r for r in results if r[0] == "reader"]
     assert sorted(w[2] for w in wr) == [rounds * len(ks)] * 2
-    assert all(r[3] == 0 for r in rd), f"readers saw bad pages: {rd}"
-    assert sum(r[2] for r in rd) > 0
-    print(f"{h.name}: reader passes {[r[4] for r in rd]}, hits {[r[2] for r in rd]}")
+    for _, rid, hits, bad, passes, during, hits_during in rd:
+        assert bad == 0, f"reader {rid} saw {bad} bad pages"
+        # at least one whole pass ran while the writers still had rounds to write (they wait for it half way)
+        assert during >= 1, f"reader {rid}: no pass while the writers were writing"
+        if h.name in MISS_WHILE_OVERWRITTEN:
+            assert hits_during > 0 and hits - hits_during == len(ks), (hits, hits_during, passes)
+        else:  # each key always held a complete page, so every read was a hit
+            assert hits == passes * len(ks), (hits, passes)
+    print(f"{h.name}: reader passes {[r[4] for r in rd]} ({[r[5] for r in rd]} during the writes), "
+          f"hits {[r[2] for r in rd]}")
     dst = empties(len(ks), page_bytes)
     assert h.backend.batch_get(ks, dst) == [True] * len(ks)
     for i, d in enumerate(dst):
         good, w, r = W.check(d.numpy().tobytes(), i, page_bytes)
-        assert good and w in (1, 2) and (r == rounds - 1 or getattr(h, "write_once", False))
+        if getattr(h, "write_once", False):  # the first copy stays: the one set before the processes started
+            assert good and (w, r) == (0, 0)
+        else:
+            assert good and w in (1, 2) and r == rounds - 1
 
 
 def test_faulty_wrapper_over_backend(make_store):
