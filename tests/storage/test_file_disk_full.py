@@ -192,17 +192,39 @@ def test_unwritable_root_is_a_config_error(tmp_path, monkeypatch):
     assert ro.batch_exists(["ab" * 16]) == 0
 
 
+_RO_CHECK = """
+import sys
+from tierkv.connector.config import ConfigError
+from tierkv.storage_backends.file import FileStore
+root = sys.argv[1]
+try:
+    FileStore(bytes(range(16)), 4096, root=root)
+except ConfigError as e:
+    print("CONFIG_ERROR:", e)
+else:
+    print("OPENED read-write")
+ro = FileStore(bytes(range(16)), 4096, root=root, read_only=True)  # read_only opens it for reads
+print("READ_ONLY_SET:", ro.batch_set(["ab" * 16], [bytes(4096)]), ro.batch_exists(["ab" * 16]))
+"""
+
+
 def test_read_only_mount_is_a_config_error(tmp_path):
+    """A root on a real read-only filesystem (a tmpfs mounted ``ro``): the store refuses to start unless
+    ``read_only``. The mount is made in a private mount namespace (``unshare -m``; as a non-root user also a user
+    namespace, ``-r``), so it needs no cleanup and cannot leak; where neither is permitted the test fails."""
+    import sys
+
     d = tmp_path / "romnt"
     d.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(d)], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip("mount not permitted here (covered by test_unwritable_root_is_a_config_error)")
-    try:
-        with pytest.raises(ConfigError, match=r"l3\.file\.root"):
-            FileStore(NS, 4096, root=str(d))
-    finally:
-        subprocess.run(["umount", "-l", str(d)], check=False)
+    flags = ["-m"] if os.geteuid() == 0 else ["-r", "-m"]
+    script = 'mount -t tmpfs -o ro,size=1m tmpfs "$1" || exit 97; exec "$2" -c "$3" "$1"'
+    r = subprocess.run(["unshare", *flags, "sh", "-c", script, "sh", str(d), sys.executable, _RO_CHECK],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode != 97, f"cannot mount a read-only tmpfs here (needs root or user namespaces): {r.stderr}"
+    assert r.returncode == 0, f"the check on the read-only mount failed: {r.stderr[-3000:]}"
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("CONFIG_ERROR:") and "l3.file.root" in lines[0], r.stdout
+    assert lines[1] == "READ_ONLY_SET: [False] 0", r.stdout
 
 
 def test_write_errors_at_run_time_are_per_key_failures(tmp_path, monkeypatch, caplog):

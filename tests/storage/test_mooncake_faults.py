@@ -128,10 +128,12 @@ def _run_writer_and_kill(h, keys, mode: str, seg: int) -> None:
         if mode == "session":
             assert "-" not in line.split("[", 1)[1], f"session start failed: {line}"
         else:
-            # let it get into the middle of its loop of sets: wait until at least one of its pages is visible
+            # let it get into the middle of its loop of sets: wait until at least one of its pages is visible, so
+            # the kill falls into a loop of puts that really runs (it writes the same keys again and again)
             deadline = time.monotonic() + 30
             while h.backend.batch_exists(keys[:1]) == 0 and time.monotonic() < deadline:
                 time.sleep(0.01)
+            assert h.backend.batch_exists(keys[:1]) == 1, "the loop writer stored no page within 30 s"
         os.kill(p.pid, signal.SIGKILL)
     finally:
         if p.poll() is None:

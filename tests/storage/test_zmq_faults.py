@@ -433,8 +433,11 @@ def test_r15_writer_dies_mid_put_raw_zmtp(tmp_path):
 _SPAWNER = r"""
 import json, os, random, signal, sys, time
 import msgpack, zmq
+from tierkv.storage_backends.zmq_client import ZmqStore
 ep, spec = sys.argv[1], json.load(open(sys.argv[2]))
 rnd = random.Random(spec["seed"])
+probe = ZmqStore(bytes.fromhex(spec["ns"]), spec["page_bytes"], endpoint=ep, timeout_s=5.0)
+out = []
 for i, (key, hdr_hex) in enumerate(spec["items"]):
     rfd, wfd = os.pipe()
     pid = os.fork()
@@ -454,17 +457,33 @@ for i, (key, hdr_hex) in enumerate(spec["items"]):
     os.close(wfd)
     os.read(rfd, 1)
     os.close(rfd)
-    time.sleep(rnd.uniform(0, spec["max_delay_s"]))
+    when = ("now", "random", "stored")[i % 3]
+    if when == "random":
+        time.sleep(rnd.uniform(0, spec["max_delay_s"]))
+    elif when == "stored":  # let the put complete: the server holds the page before the writer dies
+        deadline = time.monotonic() + 60
+        while probe.batch_exists([key]) == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+    os.kill(pid, signal.SIGSTOP)  # freeze the writer, then look at the server: was its put still in flight?
+    visible = probe.batch_exists([key]) == 1
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
-print(json.dumps({"done": len(spec["items"])}), flush=True)
+    # at once after the kill (later writers' pages may evict it): absent, or the writer's complete page
+    dst = bytearray(spec["page_bytes"])
+    got = probe.batch_get([key], [dst]) == [True]
+    exact = got and bytes(dst) == bytes.fromhex(key) * (spec["page_bytes"] // 16)
+    out.append({"key": key, "when": when, "visible_before_kill": visible, "present_after": got, "exact": exact})
+probe.close()
+print(json.dumps(out), flush=True)
 """
 
 
 def test_r15_writer_process_sigkilled_mid_put(tmp_path):
-    """Writer processes are SIGKILLed at random moments of sending a 16 MiB set: each key is then either absent or the
-    writer's complete page (checked byte for byte), B can overwrite it and reads B's bytes, and the server ends with
-    no pending write."""
+    """Writer processes are SIGKILLed while sending a 16 MiB set: at once after they start sending, at a random
+    moment, or after the server stored the page. Before each kill (the writer frozen by SIGSTOP) the test records
+    whether the server already holds the page: some did and some did not, so kills really hit puts in flight. Then
+    each key is either absent or the writer's complete page (checked byte for byte; a page visible before the kill
+    must be there), B can overwrite it and reads B's bytes, and the server ends with no pending write."""
     pb, n = 16 * MiB, 24
     with FZ.make_backend(tmp_path, pb, NS, capacity_bytes=128 * MiB, timeout_s=5.0) as h:
         ks = keys_of(n, 16)
@@ -477,12 +496,20 @@ def test_r15_writer_process_sigkilled_mid_put(tmp_path):
         r = subprocess.run([sys.executable, str(script), h.endpoint, str(spec)], capture_output=True, text=True,
                            timeout=300)
         assert r.returncode == 0, r.stderr
+        kills = json.loads(r.stdout.strip().splitlines()[-1])
+        assert [k["key"] for k in kills] == ks
+        visible = [k["visible_before_kill"] for k in kills]
+        # every "stored" kill came after the put; at least one kill came while a put was still in flight
+        assert all(v for k, v in zip(kills, visible) if k["when"] == "stored")
+        assert 0 < sum(visible) < n, visible
+        for k in kills:  # as each killed writer left its key: absent, or its complete page; a stored page stays
+            assert k["exact"] == k["present_after"], k
+            assert k["present_after"] or not k["visible_before_kill"], k
+        present = sum(k["present_after"] for k in kills)
         b = h.new_client()
-        present = 0
-        for k in ks:  # first every key as the killed writers left it: absent, or complete and exact
+        for k in ks:  # now (128 MiB hold 8 of the 16 MiB pages): absent, or complete and exact
             d = filled(1, pb)
             if b.batch_get([k], d) == [True]:
-                present += 1
                 assert d[0].numpy().tobytes() == bytes.fromhex(k) * (pb // 16)
             else:
                 assert untouched(d) and b.batch_exists([k]) == 0
@@ -494,4 +521,6 @@ def test_r15_writer_process_sigkilled_mid_put(tmp_path):
         st = h.server_stats()
         assert st["pending_writes"] == 0 and st["errors"] == 0
         assert b.stats()["corrupt"] == 0
-        print(f"R15: {present}/{n} killed writers' pages complete, {n - present} absent; server {st}")
+        by_when = {w: [k["visible_before_kill"] for k in kills if k["when"] == w] for w in ("now", "random")}
+        print(f"R15: stored before the kill {sum(visible)}/{n} (now {sum(by_when['now'])}/{len(by_when['now'])}, "
+              f"random {sum(by_when['random'])}/{len(by_when['random'])}); present after {present}; server {st}")
