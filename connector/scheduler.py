@@ -55,6 +55,24 @@ class _RequestState:
     cursor: Optional[MatchCursor] = None  # where the last lookup's L2 match ended (resumed in O(1) next step)
 
 
+class _NoSlots:
+    """The slot allocator of an L2 of zero pages (an automatic size on a host with no room): nothing to hand out.
+    Same interface as :class:`SlotAllocator`."""
+
+    num_slots = num_free = num_used = 0
+
+    def alloc(self, n: int) -> Optional[list[int]]:
+        return [] if n == 0 else None
+
+    def free(self, slots) -> None:
+        slots = list(slots)
+        if slots:
+            raise ValueError(f"free: slot {slots[0]!r} out of range [0, 0)")
+
+    def is_allocated(self, slot: int) -> bool:
+        return False
+
+
 @dataclass
 class SchedulerCounters:
     """Counters of the scheduler side (tokens unless named otherwise)."""
@@ -103,7 +121,7 @@ class CacheScheduler:
         self.num_slots = num_slots
         self.index = RadixIndex(eviction_policy)
         warm_up()  # load the compiled page hash now, not in the first request's lookup
-        self.allocator = SlotAllocator(num_slots)
+        self.allocator = SlotAllocator(num_slots) if num_slots > 0 else _NoSlots()
         self.requests: dict[str, _RequestState] = {}
         self.counters = SchedulerCounters()
         self._plan = StepPlan()

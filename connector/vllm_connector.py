@@ -88,6 +88,11 @@ def _geometry(kv_cache_config) -> tuple[Any, list[str]]:
     return groups[0].kv_cache_spec, list(groups[0].layer_names)
 
 
+#: the keys behind each way of sizing the L2 pool (named in messages about its size)
+_SIZE_KEYS = {"num_pages": "host_pool.num_pages", "size_gb": "host_pool.size_gb",
+              "automatic size": "host_pool.auto_fraction/auto_max_gb/reserve_gb"}
+
+
 def _dtype_name(dt) -> str:
     return str(dt).replace("torch.", "")
 
@@ -180,8 +185,8 @@ class TierKVConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             from .scheduler import CacheScheduler
             if self.num_slots == 0:
-                logger.warning("tierkv: host pool of %d bytes holds no page of %d bytes; serving without L2",
-                               pool_bytes, self.page_bytes)
+                logger.warning("tierkv: host pool of %d bytes (%s) holds no page of %d bytes; serving without L2",
+                               pool_bytes, _SIZE_KEYS[self._size_from], self.page_bytes)
             ctl = None
             if self.use_l3:
                 ctl = dict(self.cfg.controller.scheduler_kwargs(), world_size=self.world_size)
@@ -217,6 +222,11 @@ class TierKVConnector(KVConnectorBase_V1):
         requested = None
         if hp.num_pages is not None or hp.size_gb is not None:
             requested = self.cfg.host_pool_bytes(self.page_bytes)
+            if requested < self.page_bytes:  # only size_gb can ask for less than one page (num_pages >= 1)
+                raise ConfigError(
+                    f"bad value {hp.size_gb!r} for 'host_pool.size_gb': {requested} bytes hold no page of "
+                    f"{self.page_bytes} bytes ({len(self.layer_names)} layers x {self.page_size} tokens); give at "
+                    f"least {self.page_bytes / 2**30:.3g} GiB, or host_pool.num_pages")
         self._size_from = ("num_pages" if hp.num_pages is not None else "size_gb" if hp.size_gb is not None
                            else "automatic size")
         self._budget = None
@@ -383,7 +393,7 @@ class TierKVConnector(KVConnectorBase_V1):
         dev = DevicePool.from_vllm(caches, num_blocks=self.num_blocks, block_size=self.block_size,
                                    kv_cache_layout=layout, backend=backend, use_mla=self.use_mla)
         if self.num_slots == 0:
-            logger.warning("tierkv worker: no L2 pages; caching disabled")
+            logger.warning("tierkv worker: host pool of 0 pages (%s); caching disabled", _SIZE_KEYS[self._size_from])
             return
         pin = self.cfg.host_pool.pin_memory == "true" or (self.cfg.host_pool.pin_memory == "auto"
                                                             and dev.device.type == "cuda")

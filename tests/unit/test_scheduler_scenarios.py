@@ -210,3 +210,47 @@ def test_copy_failure_at_a_layer_ends_in_recomputed_blocks(monkeypatch, layerwis
     assert e.failed_blocks == set() and e.worker.counters.load_pages == 3
     e.idle_check()
 
+
+def _l2_pages(e, tokens):
+    """Leading pages of ``tokens`` the index holds in L2 (no side effect on it)."""
+    return e.sched.index.match_prefix(page_keys(request_root(e.ns.digest()), tokens, P), require_l2=True).num_pages
+
+
+@pytest.mark.parametrize("policy, victim", [("lru", 0), ("lfu", 1)])
+def test_eviction_policy_through_the_scheduler(policy, victim):
+    """Doc 0 is hit most often but longest ago; docs 1-3 once each, later. Under pressure LRU evicts doc 0 (least
+    recent), LFU evicts doc 1 (fewest hits, then least recent) and keeps doc 0."""
+    e = FakeEngine(num_slots=8, policy=policy)
+    docs = [toks(1000 * (i + 1), 2 * P) + [1] for i in range(4)]
+    for i, d in enumerate(docs):
+        assert e.run(Req(f"d{i}", d)) == 0
+    for j in range(3):
+        assert e.run(Req(f"again{j}", docs[0])) == 2 * P
+    for i in (1, 2, 3):
+        assert e.run(Req(f"once{i}", docs[i])) == 2 * P
+    assert e.sched.allocator.num_free == 0
+    e.run(Req("new", toks(50000, 2 * P) + [1]))   # needs 2 slots: one doc leaves L2
+    assert e.sched.counters.evicted_pages == 2
+    assert [_l2_pages(e, d) for d in docs] == [0 if i == victim else 2 for i in range(4)]
+    e.idle_check()
+
+
+def test_reset_empties_l2_and_the_index_except_locked_pages():
+    """reset_cache (vLLM's reset_prefix_cache(reset_connector=True)): every unlocked page leaves the index and its
+    slot is free again, so the next lookup misses; pages a running request holds locked stay."""
+    e = FakeEngine(num_slots=16)
+    a, b = toks(1, 3 * P) + [1], toks(9000, 2 * P) + [1]
+    e.run(Req("a", a))
+    e.run(Req("b", b))
+    held = Req("held", b)
+    assert e.admit(held) == 2 * P            # locks b's 2 pages until it finishes
+    assert e.sched.index.l2_pages == 5 and e.sched.allocator.num_free == 11
+    assert e.sched.reset() is True
+    assert e.sched.index.l2_pages == 2 and e.sched.index.total_pages == 2 and e.sched.allocator.num_free == 14
+    assert _l2_pages(e, a) == 0 and _l2_pages(e, b) == 2
+    e.step()
+    e.finish(held)
+    assert e.run(Req("a2", a)) == 0          # missed: recomputed and saved again
+    assert e.run(Req("a3", a)) == 3 * P
+    e.idle_check()
+

@@ -1,0 +1,221 @@
+"""TierKVConnector built in-process from vLLM's own config objects (``vllm_parts``): the start-up checks, one test
+per config key whose effect nothing else exercised, and layer-wise load failures through the worker hooks."""
+import logging
+
+import pytest
+import torch
+
+from fake_engine import inject_copy_fault
+from tierkv.connector.config import ConfigError, ControllerConfig
+from tierkv.connector.page_hash import page_keys, request_root
+from tierkv.connector.plan import PageOrder
+from tierkv.connector.vllm_connector import ConnectorPlan
+from vllm_parts import (BLOCK, LAYER_NAMES, NUM_LAYERS, SCHEDULER, WORKER, TierkvLoggerState, connector,
+                        vllm_config, worker_connector, write_model)
+
+PAGE_BYTES = NUM_LAYERS * 2 * BLOCK * 2 * 8 * 2   # layers x H x N x 2D x bf16
+
+
+@pytest.fixture
+def model(tmp_path, monkeypatch, caplog):
+    """A model directory; the test's own host-memory ledger; the tierkv logger recorded by caplog and restored."""
+    monkeypatch.setenv("TIERKV_LEDGER_DIR", str(tmp_path))
+    state = TierkvLoggerState()
+    tk = logging.getLogger("tierkv")  # recorded at the tierkv logger itself: the connector may turn propagation off
+    tk.addHandler(caplog.handler)
+    tk.propagate = False
+    yield write_model(tmp_path / "model")
+    state.restore()
+
+
+def tierkv_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name.startswith("tierkv") and r.levelno == logging.WARNING]
+
+
+def run_step(c, plan: ConnectorPlan) -> set[int]:
+    """One worker step as vLLM's model runner drives it: bind the plan, start loads, each attention layer waits for
+    its own, wait_for_save, then the load errors of the step."""
+    c.bind_connector_metadata(plan)
+    c.start_load_kv(None)
+    for name in LAYER_NAMES:
+        c.wait_for_layer_load(name)
+    c.wait_for_save()
+    errors = c.get_block_ids_with_load_errors()
+    c.clear_connector_metadata()
+    return errors
+
+
+# ------------------------------------------------------------------ layer-wise load failure through the hooks
+@pytest.mark.parametrize("k", range(NUM_LAYERS))
+def test_layerwise_copy_failure_reaches_vllm_as_load_errors(model, monkeypatch, k):
+    c, l1 = worker_connector(model, {"host_pool.num_pages": 8, "layerwise_load": True, "verify_checksums": False})
+    g = torch.Generator().manual_seed(k)
+    for t in l1.values():  # the "forward" computed blocks 3 and 4
+        t[3:5].copy_(torch.randn(2, *t.shape[1:], generator=g).to(torch.bfloat16))
+    assert run_step(c, ConnectorPlan(step=1, saves=[PageOrder("a", [3, 4], [1, 2], [])])) == set()
+    inject_copy_fault(monkeypatch, k)
+    assert run_step(c, ConnectorPlan(step=2, loads=[PageOrder("b", [6, 7], [1, 2], [])])) == {6, 7}
+    assert c.get_block_ids_with_load_errors() == set()  # reported once
+    for li, t in enumerate(l1.values()):  # layers before k arrived, the others not
+        assert torch.equal(t[6:8], t[3:5]) == (li < k), li
+    assert c._worker.counters.failed_load_blocks == 2
+    monkeypatch.undo()
+    assert run_step(c, ConnectorPlan(step=3, loads=[PageOrder("c", [9, 10], [1, 2], [])])) == set()
+    assert all(torch.equal(t[9:11], t[3:5]) for t in l1.values())
+
+
+# ------------------------------------------------------------------ start-up errors
+def test_page_size_other_than_the_block_size_stops_start_up(model):
+    for role in (SCHEDULER, WORKER):
+        with pytest.raises(ConfigError) as e:
+            connector(model, role, {"page_size": 16})
+        assert str(e.value) == ("bad value 16 for 'page_size': with vLLM it must equal the engine block size "
+                                "(32 tokens) or be null")
+    assert connector(model, SCHEDULER, {"page_size": BLOCK, "host_pool.num_pages": 4}).page_size == BLOCK
+
+
+@pytest.mark.parametrize("groups", [2, 3])
+def test_hybrid_model_stops_start_up(model, groups):
+    """Several KV cache groups (hybrid attention): a clear error at start-up, in both roles."""
+    for role in (SCHEDULER, WORKER):
+        with pytest.raises(ConfigError) as e:
+            connector(model, role, {"host_pool.num_pages": 4}, groups=groups)
+        assert str(e.value) == (f"tierkv supports models with one KV cache group; this model has {groups} "
+                                "(hybrid attention is not supported yet)")
+
+
+# ------------------------------------------------------------------ keys
+@pytest.mark.parametrize("value", ["auto", "true", "false"])
+def test_pin_memory(model, caplog, value):
+    """Pinned only when asked for ("true") or, with "auto", for CUDA KV tensors; "true" without CUDA is pageable
+    memory and one warning (the L1 tensors here are CPU tensors, so "auto" never pins)."""
+    c, _l1 = worker_connector(model, {"host_pool.num_pages": 4, "host_pool.pin_memory": value})
+    cuda = torch.cuda.is_available()
+    assert c._worker.host.pinned is (value == "true" and cuda)
+    assert c._worker.host.buffer.is_pinned() is (value == "true" and cuda)
+    pin_warnings = [w for w in tierkv_warnings(caplog) if "pin_memory" in w]
+    assert pin_warnings == (["HostPool: pin_memory requested but CUDA is not available; using pageable memory"]
+                            if value == "true" and not cuda else [])
+
+
+def test_model_id_sets_the_namespace(model):
+    """Pages are keyed under the model identity: another model_id gives other keys for the same tokens, so pages
+    of one model are never matched by another; null = the engine's model path and revision."""
+    T = list(range(1, 3 * BLOCK + 2))
+    conns = {mid: connector(model, SCHEDULER, {"model_id": mid, "host_pool.num_pages": 8})
+             for mid in ("team-a/llama", "team-b/llama", None)}
+    assert conns["team-a/llama"].namespace.model_id == "team-a/llama"
+    assert conns[None].namespace.model_id == f"{model}@"
+    assert len({c.namespace.digest() for c in conns.values()}) == 3
+    keys = {mid: page_keys(request_root(c._sched.ns_digest), T, BLOCK) for mid, c in conns.items()}
+    assert all(len(k) == 3 for k in keys.values()) and len({k for ks in keys.values() for k in ks}) == 9
+    # model A caches the prompt; model B's lookup of the same tokens finds nothing
+    a = conns["team-a/llama"]._sched
+    a.add_request("r", T)
+    assert a.lookup("r", 0) == 0
+    a.schedule_saves("r", len(T), [1, 2, 3, 4])
+    assert len(a.build_plan().saves[0].block_ids) == 3
+    a.on_finished("r")
+    again = connector(model, SCHEDULER, {"model_id": "team-a/llama", "host_pool.num_pages": 8})
+    assert again.namespace.digest() == conns["team-a/llama"].namespace.digest()
+    assert a.index.match_prefix(keys["team-a/llama"]).num_pages == 3
+    assert a.index.match_prefix(keys["team-b/llama"]).num_pages == 0
+    assert a.index.match_prefix(keys[None]).num_pages == 0
+
+
+@pytest.mark.parametrize("level", ["debug", "info", "warning", "error"])
+def test_log_level_sets_the_tierkv_logger_level(model, level):
+    connector(model, SCHEDULER, {"log_level": level, "host_pool.num_pages": 4})
+    want = getattr(logging, level.upper())
+    assert logging.getLogger("tierkv").level == want
+    assert logging.getLogger("tierkv.worker").getEffectiveLevel() == want
+    assert logging.getLogger("tierkv.worker").isEnabledFor(logging.WARNING) is (want <= logging.WARNING)
+
+
+def test_eviction_policy_reaches_the_index(model):
+    for policy in ("lru", "lfu"):
+        assert connector(model, SCHEDULER, {"eviction_policy": policy, "host_pool.num_pages": 4})._sched.index.policy \
+            == policy
+
+
+def test_reset_cache_empties_l2_and_the_index(model):
+    c = connector(model, SCHEDULER, {"host_pool.num_pages": 8})
+    T = list(range(1, 3 * BLOCK + 2))
+    s = c._sched
+    s.add_request("r", T)
+    s.lookup("r", 0)
+    s.schedule_saves("r", len(T), [1, 2, 3, 4])
+    s.build_plan()
+    s.on_finished("r")
+    s.add_request("q", T)
+    assert s.lookup("q", 0) == 3 * BLOCK and s.allocator.num_free == 5
+    assert c.reset_cache() is True
+    assert s.lookup("q", 0) == 0 and s.index.total_pages == 0 and s.allocator.num_free == 8
+    w, _l1 = worker_connector(model, {"host_pool.num_pages": 8})
+    assert w.reset_cache() is None  # the worker side holds no index
+
+
+def test_size_gb_below_one_page_stops_start_up(model):
+    for role in (SCHEDULER, WORKER):
+        with pytest.raises(ConfigError) as e:
+            connector(model, role, {"host_pool.size_gb": 1e-6})
+        assert str(e.value) == (f"bad value 1e-06 for 'host_pool.size_gb': 1073 bytes hold no page of {PAGE_BYTES} "
+                                f"bytes (3 layers x 32 tokens); give at least 5.72e-06 GiB, or host_pool.num_pages")
+
+
+def test_automatic_l2_of_zero_pages_serves_without_l2(model, caplog):
+    """An automatic size on a host with no room (here host_pool.reserve_gb above the host's memory): start-up goes
+    on without L2, saying so with the keys; every lookup answers 0, nothing is saved, the worker hooks are no-ops."""
+    cfg = vllm_config(model, {"host_pool.reserve_gb": 1e9})
+    w, _l1 = worker_connector(model, config=cfg)          # vLLM builds the workers first; they reserve 0 bytes
+    s = connector(model, SCHEDULER, config=cfg)           # the scheduler sizes its index from their reservation
+    assert s.num_slots == 0 and s._sched.num_slots == 0 and w._worker is None
+    T = list(range(1, 3 * BLOCK + 2))
+    s._sched.add_request("r", T)
+    assert s._sched.lookup("r", 0) == 0
+    s._sched.on_alloc("r", [1, 2, 3, 4], 0)
+    s._sched.schedule_saves("r", len(T), [1, 2, 3, 4])
+    assert s._sched.build_plan().saves == [] and s._sched.counters.save_pages == 0
+    assert s.reset_cache() is True
+    s._sched.on_finished("r")
+    s._sched.check_invariants()
+    assert run_step(w, ConnectorPlan(step=1)) == set()
+    assert w.get_finished(set()) == (None, None) and w.build_connector_worker_meta() is None
+    assert [m for m in tierkv_warnings(caplog) if "page" in m] == [
+        "tierkv worker: host pool of 0 pages (host_pool.auto_fraction/auto_max_gb/reserve_gb); caching disabled",
+        f"tierkv: host pool of 0 bytes (host_pool.auto_fraction/auto_max_gb/reserve_gb) holds no page of {PAGE_BYTES} "
+        "bytes; serving without L2"]
+
+
+# ------------------------------------------------------------------ controller keys reach what reads them
+NON_DEFAULT = {"write_policy": "write_back", "write_through_threshold": 5, "prefetch_policy": "timeout",
+               "prefetch_timeout_base_s": 0.75, "prefetch_timeout_per_page_s": 0.01, "exists_wait_s": 0.25,
+               "negative_ttl_s": 3.5, "room_retry_steps": 3, "max_index_pages": 1000, "batch_pages": 8,
+               "max_backup_pages": 100, "shutdown_drain_s": 0.5}
+# where each key ends up: the scheduler's Controller, the worker's L3IO, or the worker's shutdown
+READ_BY = {"write_policy": ("ctl", "write_policy"), "write_through_threshold": ("ctl", "threshold"),
+           "prefetch_policy": ("ctl", "prefetch_policy"), "prefetch_timeout_base_s": ("ctl", "timeout_base_s"),
+           "prefetch_timeout_per_page_s": ("ctl", "timeout_per_page_s"), "exists_wait_s": ("ctl", "exists_wait_s"),
+           "negative_ttl_s": ("ctl", "negative_ttl_s"), "room_retry_steps": ("ctl", "room_retry_steps"),
+           "max_index_pages": ("ctl", "max_index_pages"), "batch_pages": ("l3io", "batch_pages"),
+           "max_backup_pages": ("l3io", "max_backup_pages"), "shutdown_drain_s": ("shutdown", None)}
+
+
+def test_every_controller_key_reaches_what_reads_it(model, tmp_path, monkeypatch):
+    assert set(NON_DEFAULT) == set(READ_BY) == set(ControllerConfig.model_fields)
+    defaults = ControllerConfig()
+    assert all(getattr(defaults, k) != v for k, v in NON_DEFAULT.items())
+    extra = {"host_pool.num_pages": 8, "l3.backend": "file", "l3.file.root": str(tmp_path / "l3"),
+             **{f"controller.{k}": v for k, v in NON_DEFAULT.items()}}
+    s = connector(model, SCHEDULER, extra)
+    w, _l1 = worker_connector(model, extra)
+    ctl, l3io = s._sched.ctl, w._worker.l3
+    assert ctl is not None and l3io is not None
+    drains = []
+    real_close = l3io.close
+    monkeypatch.setattr(l3io, "close", lambda drain_s=10.0: drains.append(drain_s) or real_close(drain_s))
+    w.shutdown()
+    for key, (where, attr) in READ_BY.items():
+        got = {"ctl": lambda: getattr(ctl, attr), "l3io": lambda: getattr(l3io, attr), "shutdown": lambda: drains[0]}
+        assert got[where]() == NON_DEFAULT[key], key
+    assert drains == [0.5]
