@@ -52,7 +52,8 @@ class HostPoolConfig(_Strict):
 class ControllerConfig(_Strict):
     """Backup (L1->L2->L3) and prefetch (L3->L2->L1) policies, after SGLang HiCache's ``--hicache-write-policy``
     and ``--hicache-storage-prefetch-policy``; used only when ``l3.backend`` is not ``none``
-    (:mod:`tierkv.connector.controller`, docs/architecture.md §4). Times in seconds, sizes in pages."""
+    (:mod:`tierkv.connector.controller`, docs/architecture.md §4): with ``none``, values other than the defaults are
+    a ConfigError (:func:`check_controller_used`). Times in seconds, sizes in pages."""
 
     write_policy: Literal["write_through", "write_through_selective", "write_back"] = "write_through"
     write_through_threshold: int = Field(default=2, ge=1)
@@ -243,7 +244,29 @@ def load_config(config_file: Optional[str | os.PathLike] = None, overrides: Opti
         raise ConfigError(_format_error(e)) from None
     # the backend sections of ``l3`` are plain mappings here; their keys are checked by the storage layer
     validate_l3(cfg.l3)
+    check_controller_used(cfg)
     return cfg
+
+
+def check_controller_used(cfg: TierKVConfig) -> None:
+    """Refuse ``controller.*`` values other than the defaults when ``l3.backend`` is ``none``: nothing reads them
+    then (the controller runs only with an L3 store), so a set value would silently do nothing.
+
+    Raises:
+        ConfigError: naming each such key, its value, and that it has no effect without an L3 store.
+    """
+    if cfg.l3.backend != "none":
+        return
+    defaults = ControllerConfig()
+    unused = [k for k in ControllerConfig.model_fields if getattr(cfg.controller, k) != getattr(defaults, k)]
+    if not unused:
+        return
+    lines = [f"bad value {getattr(cfg.controller, k)!r} for 'controller.{k}': the controller.* keys have no "
+             f"effect without an L3 store (l3.backend is 'none'); remove the key or set l3.backend"
+             for k in unused[:MAX_ERRORS_SHOWN]]
+    if len(unused) > MAX_ERRORS_SHOWN:
+        lines.append(f"and {len(unused) - MAX_ERRORS_SHOWN} more problem(s)")
+    raise ConfigError("invalid tierkv config: " + "; ".join(lines))
 
 
 def config_from_extra(extra: Optional[dict]) -> TierKVConfig:

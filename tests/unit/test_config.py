@@ -1,7 +1,12 @@
 """Config: shipped defaults validate; errors name the key and the allowed values."""
 import pytest
 
-from tierkv.connector.config import ConfigError, TierKVConfig, config_from_extra, load_config, shipped_config_path
+from tierkv.cli import main
+from tierkv.cli_common import EXIT_FOUND, EXIT_OK
+from tierkv.connector.config import (ConfigError, ControllerConfig, TierKVConfig, config_from_extra, load_config,
+                                     shipped_config_path)
+
+WITH_L3 = {"l3.backend": "file", "l3.file.root": "/nonexistent/tierkv-l3"}  # validated only, never created
 
 
 def test_defaults_serve_with_empty_extra_config():
@@ -124,8 +129,8 @@ def test_unknown_controller_policy_names_key_and_allowed_values(key, bad, allowe
         assert f"'{key}'" in msg and repr(bad) in msg, msg
         for a in allowed:
             assert f"'{a}'" in msg, (a, msg)
-    for a in allowed:  # and every allowed value is accepted
-        assert getattr(config_from_extra({key: a}).controller, name) == a
+    for a in allowed:  # and every allowed value is accepted (with an L3 store: without one the keys do nothing)
+        assert getattr(config_from_extra({**WITH_L3, key: a}).controller, name) == a
 
 
 @pytest.mark.parametrize("value", [0, 0.0, -0.5])
@@ -134,7 +139,8 @@ def test_prefetch_timeout_base_must_be_positive(value):
         config_from_extra({"controller": {"prefetch_timeout_base_s": value}})
     msg = str(e.value)
     assert "'controller.prefetch_timeout_base_s'" in msg and msg.startswith("invalid tierkv config"), msg
-    assert config_from_extra({"controller.prefetch_timeout_base_s": 0.01}).controller.prefetch_timeout_base_s == 0.01
+    assert config_from_extra({**WITH_L3, "controller.prefetch_timeout_base_s": 0.01}).controller.prefetch_timeout_base_s \
+        == 0.01
 
 
 def test_a_file_that_is_not_a_config_is_not_echoed(tmp_path):
@@ -147,3 +153,50 @@ def test_a_file_that_is_not_a_config_is_not_echoed(tmp_path):
     msg = str(e.value)
     assert "s3cr3t" not in msg and "user1" not in msg and len(msg) < 600, msg
     assert "and 45 more problem(s)" in msg
+
+
+#: a valid value other than the default for every controller key
+NON_DEFAULT = {"write_policy": "write_back", "write_through_threshold": 5, "prefetch_policy": "timeout",
+               "prefetch_timeout_base_s": 0.75, "prefetch_timeout_per_page_s": 0.01, "exists_wait_s": 0.25,
+               "negative_ttl_s": 3.5, "room_retry_steps": 3, "max_index_pages": 1000, "batch_pages": 8,
+               "max_backup_pages": 100, "shutdown_drain_s": 0.5}
+
+
+@pytest.mark.parametrize("key", sorted(ControllerConfig.model_fields))
+def test_controller_keys_without_an_l3_store_are_refused(key):
+    """With l3.backend none nothing reads controller.*: a value other than the default is an error naming the key,
+    not a setting that silently does nothing; the default value itself (as default.yaml spells it) is accepted."""
+    assert set(NON_DEFAULT) == set(ControllerConfig.model_fields)
+    value = NON_DEFAULT[key]
+    for extra in ({f"controller.{key}": value}, {"controller": {key: value}}):
+        with pytest.raises(ConfigError) as e:
+            config_from_extra(extra)
+        assert str(e.value) == (f"invalid tierkv config: bad value {value!r} for 'controller.{key}': the controller.* "
+                                "keys have no effect without an L3 store (l3.backend is 'none'); remove the key or set "
+                                "l3.backend")
+    assert getattr(config_from_extra({**WITH_L3, f"controller.{key}": value}).controller, key) == value
+    default = getattr(ControllerConfig(), key)
+    assert getattr(config_from_extra({f"controller.{key}": default}).controller, key) == default
+
+
+def test_every_unused_controller_key_is_named(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("controller:\n" + "".join(f"  {k}: {v}\n" for k, v in NON_DEFAULT.items()))
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    msg = str(e.value)
+    assert msg.count("have no effect without an L3 store") == 5 and msg.endswith("and 7 more problem(s)")
+    for k in list(NON_DEFAULT)[:5]:
+        assert f"'controller.{k}'" in msg
+
+
+def test_config_check_refuses_controller_keys_without_an_l3_store(tmp_path, capsys):
+    f = tmp_path / "c.yaml"
+    f.write_text("controller:\n  write_policy: write_back\n")
+    assert main(["config", "check", str(f)]) == EXIT_FOUND
+    err = capsys.readouterr().err
+    assert err.strip().endswith("bad value 'write_back' for 'controller.write_policy': the controller.* keys have no "
+                                "effect without an L3 store (l3.backend is 'none'); remove the key or set l3.backend")
+    assert main(["config", "check", str(f), "--set", "l3.backend=file", "--set", f"l3.file.root={tmp_path}"]) \
+        == EXIT_OK
+
