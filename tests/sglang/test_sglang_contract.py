@@ -104,8 +104,7 @@ def test_restart_and_hang(kind, tmp_path):
         pool2 = mha_pool()
         b2 = attach(xc(h), pool2)
         res = b2.batch_get_v1(ks, idx)
-        if h.persistent:
-            assert res == [True] * 3
+        assert res == ([True] * 3 if h.persistent else [False] * 3)  # kept, or a new empty server / master
         assert all(torch.equal(page_bytes_of(pool2, i), want[i]) for i, r in enumerate(res) if r)
         k2 = keys(1, kind + "after")
         deadline = time.monotonic() + 30.0
@@ -114,7 +113,10 @@ def test_restart_and_hang(kind, tmp_path):
             time.sleep(0.05)
         assert b2.batch_get_v1(k2, idx[:ps]) == [True] and torch.equal(page_bytes_of(pool2, 0), want[0])
         b2.close()
-        if not h.supports_stop:
+        # the hang half needs a server process to SIGSTOP: every store but the file store has one (explicit, so a
+        # fixture that loses supports_stop fails here instead of silently skipping the hang half)
+        assert h.supports_stop == (kind != "file"), (kind, h.supports_stop)
+        if kind == "file":
             return
         h.stop()
         try:

@@ -130,10 +130,14 @@ def _run_writer_and_kill(h, keys, mode: str, seg: int) -> None:
         else:
             # let it get into the middle of its loop of sets: wait until at least one of its pages is visible, so
             # the kill falls into a loop of puts that really runs (it writes the same keys again and again)
-            deadline = time.monotonic() + 30
-            while h.backend.batch_exists(keys[:1]) == 0 and time.monotonic() < deadline:
+            # (measured: the writer's first batch_set may not return for tens of seconds while its objects come and
+            # go at the master, so the bound is generous)
+            deadline = time.monotonic() + 90
+            seen = False
+            while not seen and time.monotonic() < deadline:
+                seen = h.backend.batch_exists(keys[:1]) == 1
                 time.sleep(0.01)
-            assert h.backend.batch_exists(keys[:1]) == 1, "the loop writer stored no page within 30 s"
+            assert seen, "the loop writer stored no page within 90 s"
         os.kill(p.pid, signal.SIGKILL)
     finally:
         if p.poll() is None:
