@@ -74,6 +74,14 @@ def test_restarted_engine_loads_prefixes_from_l3_bit_exact(runs):
     assert sched["ctl_l3_hit_tokens"] == sum(want["num_cached_tokens"]) > 0, sched
     assert worker["l3_prefetch_failed_pages"] == 0 and worker["failed_load_blocks"] == 0
     assert worker["async_load_pages"] == sched["ctl_l3_hit_tokens"] // P
+    # vLLM's own counters agree: every reused token was supplied by the connector (L1 and L2 started empty), and
+    # tierkv's Prometheus counters moved by the stats files' counts
+    vc = out["vllm_counters"]
+    assert vc["vllm:prefix_cache_hits"] == 0 and sched["l2_hit_tokens"] == 0
+    assert vc["vllm:external_prefix_cache_hits"] == sched["ctl_l3_hit_tokens"] == vc["vllm:tierkv_ctl_l3_hit_tokens"]
+    assert vc["vllm:tierkv_hit_tokens"] == sched["ctl_l3_hit_tokens"]
+    assert vc["vllm:tierkv_l3_prefetch_pages"] == worker["l3_prefetch_pages"] == sched["ctl_l3_hit_tokens"] // P
+    assert vc["vllm:tierkv_load_pages"] == sched["load_pages"] == sched["ctl_l3_hit_tokens"] // P
     assert sched["locked_pages"] == 0 and sched["free_slots"] + sched["l2_pages"] == sched["num_slots"]
     assert e2["leaked_processes"] == 0
 

@@ -148,11 +148,12 @@ def test_counters_match_the_workload(scrapes):
 
 def test_latency_histogram_and_gauges(scrapes):
     _before, after_l2, m = scrapes
-    # one write-through batch (5 pages < batch_pages), one existence query and one read batch (A3)
+    # one write-through batch (5 pages < batch_pages) after A1, one read batch (A3)
     assert _v(after_l2, "vllm:tierkv_l3_op_seconds_count", op="set") == 1
     assert _v(after_l2, "vllm:tierkv_l3_op_seconds_count", op="get") == 0
     assert _v(m, "vllm:tierkv_l3_op_seconds_count", op="get") == 1
-    assert _v(m, "vllm:tierkv_l3_op_seconds_count", op="exists") >= 1
+    # existence queries: A1 (L3 empty: none found) and A3 (L2 index reset: 5 found); A2 found every page in L2
+    assert _v(m, "vllm:tierkv_l3_op_seconds_count", op="exists") == 2 == _v(m, "vllm:tierkv_ctl_exists_queries_total")
     assert 0 < _v(m, "vllm:tierkv_l3_op_seconds_sum", op="get") < 10
     assert _v(m, "vllm:tierkv_l3_op_seconds_bucket", op="get", le="+Inf") == 1
     assert _v(m, "vllm:tierkv_l2_capacity_pages") == 32

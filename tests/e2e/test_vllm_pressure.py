@@ -4,9 +4,10 @@
 Workload: 4 documents of 5-7 pages, each asked twice in one batch of 8 (96 generated tokens each) with an L1 of
 20 blocks: vLLM runs a few requests at a time and preempts some; the second copy of each document finds its pages
 in L2 (tierkv's ``load_pages``, loaded layer by layer). Then each document is asked once more, one request at a
-time: L1 has long dropped them, so every full page of each prompt comes from L2. L2 holds 40 pages, while the
-workload computes more than 200 distinct pages: L2 evicts (the shared document pages, ancestors of the decoded
-tails, are evicted last, docs/architecture.md §2).
+time: L1 has long dropped them, so every full page of each prompt comes from L2. L2 holds 40 pages, fewer than the
+distinct full pages the batch computes (documents plus decoded tails, 48 here; asserted > 40): L2 evicts, the
+deepest pages first, so the shared document pages, ancestors of the decoded tails, stay (docs/architecture.md §2).
+(With 14 pages, as before, eviction also took the document pages and nothing was ever loaded.)
 """
 import random
 
