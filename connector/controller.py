@@ -79,6 +79,7 @@ class ControllerCounters:
     l3_declined_slow_pages: int = 0     # hits declined: loading would take longer than recomputing
     l3_declined_room_pages: int = 0     # hits declined after waiting for L2 room
     index_l3_evicted_pages: int = 0     # L3-only pages dropped from the index to bound it
+    backup_cancelled_pages: int = 0     # backups cancelled: their pages were computed on a failed load (R31)
 
     def as_dict(self) -> dict:
         return {f"ctl_{k}": v for k, v in self.__dict__.items()}
@@ -93,6 +94,7 @@ class _JobState:
     victim: Optional[RadixNode] = None                # write_back: the node to drop once stored
     reports: list[JobReport] = field(default_factory=list)
     t0: float = 0.0
+    cancelled: bool = False                           # backup of pages that left the index (cancel_backups)
 
 
 class _Ewma:
@@ -245,6 +247,8 @@ class Controller:
         return True
 
     def _end_backup(self, st: _JobState, r: JobReport) -> None:
+        if st.cancelled:  # cancel_backups released everything; its pages left the index
+            return
         self._backing_up.difference_update(st.job.keys)
         flags = [False] * len(st.path)
         for i, ok in zip(st.idx, r.ok):
@@ -264,6 +268,22 @@ class Controller:
             # dropped with it, never marked as stored (R07)
             self.counters.write_back_dropped_pages += sum(1 for f in v.in_l3 if not f)
             self.allocator.free(self.index.drop_l2(v))
+
+    def cancel_backups(self, keys: set[bytes]) -> None:
+        """The pages ``keys`` are leaving the index because they were computed on a broken prefix (their saves were
+        not made; docs/architecture.md §8 R31). A backup job whose pages are all among them is cancelled now: its
+        lock is released and its report, when it comes (every page "not done": the worker does not send a page whose
+        save was not made), changes nothing. A job that also holds other pages keeps running; those pages leave the
+        index once it ended."""
+        for st in self._jobs.values():
+            if st.job.kind != JOB_BACKUP or st.cancelled or not set(st.job.keys) <= keys:
+                continue
+            st.cancelled = True
+            self._backing_up.difference_update(st.job.keys)
+            if st.lock is not None:
+                self.index.unlock(st.lock)
+                st.lock = None
+            self.counters.backup_cancelled_pages += st.job.num_pages
 
     # ------------------------------------------------------------------ L2 room
     def make_room(self, need: int) -> int:

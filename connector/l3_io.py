@@ -57,6 +57,7 @@ class L3Counters:
     backup_pages: int = 0
     backup_failed_pages: int = 0
     backup_dropped_pages: int = 0
+    backup_skipped_pages: int = 0      # not sent: the slot's save was not made (its request's load failed)
     backup_bytes: int = 0
     backup_seconds: float = 0.0
     prefetch_jobs: int = 0
@@ -139,6 +140,7 @@ class L3IO:
         self._reports: list[JobReport] = []
         self._prefetches: dict[int, _Prefetch] = {}
         self._queued_backup_pages = 0
+        self._skip: dict[int, set[int]] = {}  # backup job id -> page indices not to send
         self._busy = 0                      # jobs queued or running
         self._closed = False
         self._read_q: "queue.Queue[Optional[Job]]" = queue.Queue()
@@ -165,16 +167,31 @@ class L3IO:
         self.zero_copy = bool(self._registered)
 
     # ------------------------------------------------------------------ engine thread
-    def submit(self, jobs: Sequence[Job]) -> None:
-        """Queue the step's jobs (call after the step's L1 -> L2 saves). Never blocks on the store."""
+    def submit(self, jobs: Sequence[Job], skip: Optional[dict[int, set[int]]] = None) -> None:
+        """Queue the step's jobs (call after the step's L1 -> L2 saves). Never blocks on the store.
+
+        ``skip``: job id -> indices of backup pages that must not be sent (their slot was not written:
+        docs/architecture.md §8 R31); they are reported not done, and a backup with nothing left to send is reported
+        at once."""
+        skip = skip or {}
         for job in jobs:
             if job.kind == JOB_BACKUP:
+                sk = skip.get(job.job_id)
+                if sk:
+                    self.counters.backup_skipped_pages += len(sk)
+                    if len(sk) >= job.num_pages:
+                        self._report(JobReport(job.job_id, job.kind, [False] * job.num_pages))
+                        continue
+                    with self._lock:
+                        self._skip[job.job_id] = set(sk)
                 with self._lock:
                     fits = self._queued_backup_pages + job.num_pages <= self.max_backup_pages and not self._closed
                     if fits:
                         self._queued_backup_pages += job.num_pages
                         self._busy += 1
                 if not fits:
+                    with self._lock:
+                        self._skip.pop(job.job_id, None)
                     self.counters.backup_dropped_pages += job.num_pages
                     self._log.warning("backup_dropped",
                                       "tierkv L3: backup queue full (%d pages): %d pages not backed up",
@@ -330,28 +347,32 @@ class L3IO:
         ok = [False] * job.num_pages
         nbytes = 0
         pb = self.host.page_bytes
-        for s in range(0, job.num_pages, self.batch_pages):
+        with self._lock:
+            skip = self._skip.pop(job.job_id, set())
+        send = [i for i in range(job.num_pages) if i not in skip]
+        for s in range(0, len(send), self.batch_pages):
             if self._closed:  # shut down: the batches not started are dropped (close() counted them)
                 break
-            e = min(job.num_pages, s + self.batch_pages)
+            e = min(len(send), s + self.batch_pages)
             srcs, sums = [], []
-            for i in range(s, e):
+            for i in send[s:e]:
                 slot, key = job.slots[i], job.keys[i]
-                src = self.host.read_page(slot) if self._direct else self.host.read_page(slot, out=self._wstage[i - s])
+                src = (self.host.read_page(slot) if self._direct
+                       else self.host.read_page(slot, out=self._wstage[len(srcs)]))
                 c = self.checksums.get(slot, key)
                 if c is None:  # not recorded (e.g. verify off and no L3 when it was saved): hash it now
                     c = xxhash.xxh3_64_intdigest(memoryview(src.numpy()))
                 srcs.append(src)
                 sums.append(c)
             try:
-                res = self.store.batch_set(self._keys(job.keys[s:e]), srcs, checksums=sums)
+                res = self.store.batch_set(self._keys([job.keys[i] for i in send[s:e]]), srcs, checksums=sums)
             except Exception as ex:
                 res = [False] * (e - s)
                 self.counters.store_errors += 1
                 self._log.warning("backup", "tierkv L3: backup of %d pages failed: %r", e - s, ex)
-            for i, r in enumerate(res):
+            for i, r in zip(send[s:e], res):
                 if r:
-                    ok[s + i] = True
+                    ok[i] = True
                     nbytes += pb
             if not all(res):
                 self._log.warning("backup_pages", "tierkv L3: %d of %d pages not stored by %r",

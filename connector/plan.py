@@ -5,7 +5,8 @@ Two directions, plain data only (lists of ints and bytes: small and cheap to pic
 - scheduler -> worker: one :class:`StepPlan` per engine step, built by
   :class:`tierkv.connector.scheduler.CacheScheduler` and pickled by the engine to every worker rank (vLLM sends it
   inside ``SchedulerOutput``). ``loads`` (L2 -> L1) and ``saves`` (L1 -> L2) are finished by the worker within the
-  step. ``jobs`` are L3 transfers that outlive the step: each has an id, and the slots, blocks and index nodes it
+  step. ``recomputed`` names requests whose failed load the scheduler side has
+  handled (docs/architecture.md §8 R31). ``jobs`` are L3 transfers that outlive the step: each has an id, and the slots, blocks and index nodes it
   names stay pinned on the scheduler side until the job's report arrives.
 - worker -> scheduler: :class:`JobReport` s, one per job and rank, sent back with the step's output (vLLM:
   ``build_connector_worker_meta`` -> ``update_connector_output``). The scheduler waits for every rank's report of a
@@ -141,6 +142,9 @@ class StepPlan:
     loads: list[PageOrder] = field(default_factory=list)
     saves: list[PageOrder] = field(default_factory=list)
     jobs: list[Job] = field(default_factory=list)
+    #: requests whose failed load of an earlier step the scheduler side has handled (vLLM rolled them back): the
+    #: worker saves their pages again from this plan on (until then it saves none of them, docs §8 R31)
+    recomputed: list[str] = field(default_factory=list)
 
     def is_empty(self) -> bool:
-        return not self.loads and not self.saves and not self.jobs
+        return not self.loads and not self.saves and not self.jobs and not self.recomputed

@@ -495,6 +495,30 @@ class RadixIndex:
             self._push(orig_parent)
         return freed
 
+    def remove_from(self, keys: Sequence[bytes], i: int) -> Optional[list[int]]:
+        """Drop page ``keys[i]`` of the path ``keys`` (from the root), every page after it on its node and the whole
+        subtree below (pages computed on a broken prefix, or a page that failed its load: docs/architecture.md §8
+        R31). Returns the released L2 slots (``[]`` when the page is not indexed), or None, changing nothing, when
+        something there is locked (the caller tries again later)."""
+        if not 0 <= i < len(keys):
+            raise ValueError(f"remove_from: page {i} outside the path of {len(keys)} pages")
+        at = None
+        for node, j, k in self.walk(keys[: i + 1]):
+            if k == i:
+                at = (node, j)
+        if at is None:
+            return []
+        node, j = at
+        if node.lock_ref:
+            return None
+        if j > 0:
+            self._split(node, j)  # ``node`` is now the tail starting at page i
+        orig_parent = node.parent
+        freed = self.remove_prefix_from(node)
+        if orig_parent is not None and orig_parent is not self.root:
+            self._push(orig_parent)
+        return freed
+
     def set_in_l3(self, keys: Sequence[bytes], flags: Sequence[bool]) -> int:
         """Mark the pages ``keys`` (a path from the root) as held by L3 where ``flags[i]`` is true (the store
         acknowledged page i). Pages no longer indexed are skipped. Returns the number of pages newly marked."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from .controller import Controller
@@ -40,6 +40,10 @@ from .radix_index import MatchCursor, RadixIndex, RadixNode
 from .slot_allocator import SlotAllocator
 
 logger = logging.getLogger("tierkv.scheduler")
+
+#: steps after its plan during which a load's failure can still be reported (vLLM reports it with that step's output;
+#: with asynchronous scheduling one or two later plans are built first)
+_LOAD_FAILURE_WINDOW = 32
 
 
 @dataclass
@@ -53,6 +57,10 @@ class _RequestState:
     counted: bool = False                 # prompt counted in hit statistics
     async_hit: bool = False               # the last lookup's answer needs an L3 read
     cursor: Optional[MatchCursor] = None  # where the last lookup's L2 match ended (resumed in O(1) next step)
+    # the last L2 -> L1 load (plan step, its engine blocks, its first page) and the pages [a, b) of each save ordered
+    # since, kept until a failure of that load could no longer be reported (docs/architecture.md §8 R31)
+    load: Optional[tuple[int, list[int], int]] = None
+    saved: list[tuple[int, int]] = field(default_factory=list)
 
 
 class _NoSlots:
@@ -86,6 +94,8 @@ class SchedulerCounters:
     save_skipped_pages: int = 0     # pages not saved for lack of L2 space (all locked)
     evicted_pages: int = 0
     preemptions: int = 0
+    load_failed_requests: int = 0   # requests whose L2 -> L1 load failed (their pages of that step were dropped)
+    load_failed_dropped_pages: int = 0  # pages those requests had saved or loaded from the failure on, dropped
     lookups: int = 0                # get_num_new_matched_tokens calls (vLLM repeats them for waiting requests)
     lookup_seconds: float = 0.0     # time spent in them
     max_lookup_us: float = 0.0      # the slowest one, microseconds
@@ -126,6 +136,7 @@ class CacheScheduler:
         self.counters = SchedulerCounters()
         self._plan = StepPlan()
         self._step = 0
+        self._drops: list[list[bytes]] = []  # paths whose last page must leave the index once nothing there is locked
         self.ctl: Optional[Controller] = None
         if controller is not None and num_slots > 0:
             self.ctl = Controller(self.index, self.allocator, page_size=page_size, **controller)
@@ -245,6 +256,7 @@ class CacheScheduler:
                                           keys[first:last]))
         self.counters.load_pages += last - first
         st.num_indexed = last
+        st.load, st.saved = (self._step + 1, list(block_ids[first:last]), first), []
         if self.ctl is not None:
             self.ctl.after_hit(keys, last)
 
@@ -291,6 +303,11 @@ class CacheScheduler:
         self._plan.saves.append(PageOrder(req_id, list(block_ids[have : have + k]), slots, keys[have : have + k]))
         self.counters.save_pages += k
         st.num_indexed = have + k
+        if st.load is not None:
+            if self._step + 1 - st.load[0] > _LOAD_FAILURE_WINDOW:
+                st.load, st.saved = None, []
+            else:
+                st.saved.append((have, have + k))
         if self.ctl is not None:
             self.ctl.after_save(keys[: have + k], have)
 
@@ -302,6 +319,7 @@ class CacheScheduler:
         self.counters.preemptions += 1
         self._release(st)
         st.num_indexed = 0
+        st.load, st.saved = None, []
 
     def on_finished(self, req_id: str) -> bool:
         """Finished, aborted or errored: release everything held for it. Idempotent. Returns True when an L3
@@ -335,6 +353,65 @@ class CacheScheduler:
         """The workers' job reports of a step (vLLM: ``update_connector_output``)."""
         if self.ctl is not None and reports:
             self.ctl.on_reports(reports)
+            if self._drops:
+                self._retry_drops()
+
+    def on_load_errors(self, invalid_block_ids) -> None:
+        """Engine blocks whose load failed in a step (vLLM: ``KVConnectorOutput.invalid_block_ids``, the union of
+        every rank's ``get_block_ids_with_load_errors``), delivered with that step's output.
+
+        A request whose last L2 -> L1 load names one of them computed its later pages in that step (and in any plan
+        built before this call) on a broken prefix; vLLM rolls it back to its first failed block and recomputes.
+        So (docs/architecture.md §8 R31): its pages from the first failed one on leave the index (those saved since
+        the load were never written: the worker refused them) and their slots are freed, at once or, where
+        something else holds them locked, as soon as it no longer does; a backup of only those pages is cancelled;
+        its lock moves back to the intact prefix, so a page that failed its checksum is not kept pinned; the next
+        plan tells the workers that its saves are good again (``StepPlan.recomputed``), and ``num_indexed`` goes
+        back, so the recomputed pages are saved. Blocks of asynchronous (L3) loads are ignored here: such a request
+        computes nothing before its load ended."""
+        bad = set(invalid_block_ids or ())
+        if bad:
+            for st in self.requests.values():
+                if st.load is not None and not bad.isdisjoint(st.load[1]):
+                    self._load_failed(st, bad)
+        if self._drops:
+            self._retry_drops()
+
+    def _load_failed(self, st: _RequestState, bad: set[int]) -> None:
+        _step, blocks, first = st.load
+        f = first + next(i for i, b in enumerate(blocks) if b in bad)
+        st.load, saved, st.saved = None, st.saved, []
+        self.counters.load_failed_requests += 1
+        self._plan.recomputed.append(st.req_id)
+        keys = st.keys.extend(st.tokens)
+        if st.lock is not None:
+            self.index.unlock(st.lock)
+            st.lock = None
+        if f > 0:
+            m = self.index.match_prefix(keys[:f], require_l2=False, split=True)
+            if m.last_node is not self.index.root:
+                st.lock = self.index.lock(m.last_node)
+        if self.ctl is not None and saved:  # backups of pages whose save the workers did not make
+            self.ctl.cancel_backups({k for a, b in saved for k in keys[a:b]})
+        for i in [f] + [a for a, _b in saved if a > f]:
+            if i < len(keys):
+                self._drops.append(keys[: i + 1])
+        st.num_indexed = min(st.num_indexed, f)
+        logger.info("tierkv: %s: L2 -> L1 load failed from page %d; its pages from there on leave the index and are "
+                    "saved again once recomputed", st.req_id, f)
+
+    def _retry_drops(self) -> None:
+        """Remove the pages queued by :meth:`_load_failed` where nothing holds them locked any more."""
+        left = []
+        for path in self._drops:
+            freed = self.index.remove_from(path, len(path) - 1)
+            if freed is None:
+                left.append(path)
+                continue
+            if freed:
+                self.allocator.free(freed)
+                self.counters.load_failed_dropped_pages += len(freed)
+        self._drops = left
 
     def reset(self) -> bool:
         """Drop every unlocked page from the index (``reset_prefix_cache(reset_connector=True)``)."""

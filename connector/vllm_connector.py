@@ -322,7 +322,8 @@ class TierKVConnector(KVConnectorBase_V1):
         for i, rid in enumerate(cached.req_ids):
             self._plan_saves(rid, cached.num_computed_tokens[i] + n_sched.get(rid, 0), state, None)
         plan = sched.build_plan()
-        meta = ConnectorPlan(step=plan.step, loads=plan.loads, saves=plan.saves, jobs=plan.jobs)
+        meta = ConnectorPlan(step=plan.step, loads=plan.loads, saves=plan.saves, jobs=plan.jobs,
+                             recomputed=plan.recomputed)
         self._stats.maybe_write()
         return meta
 
@@ -339,11 +340,15 @@ class TierKVConnector(KVConnectorBase_V1):
         self._last_prefill_tokens = sum(n for n in n_sched.values() if n > 1)
 
     def update_connector_output(self, connector_output) -> None:
+        if self._sched is None:
+            return
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        if meta is not None and self._sched is not None:
+        if meta is not None:
             self._sched.on_reports(getattr(meta, "reports", []) or [])
-            if not self._sched.requests:  # idle: the last reports of the drained work must reach the file now
-                self._stats.write_now()
+        # blocks whose load failed in that step (every rank's): pages computed on them leave the index (§8 R31)
+        self._sched.on_load_errors(getattr(connector_output, "invalid_block_ids", None) or ())
+        if meta is not None and not self._sched.requests:  # idle: the last reports of the drained work
+            self._stats.write_now()
 
     def _plan_saves(self, rid: str, tokens_after: int, state, fallback_blocks) -> None:
         if rid not in self._sched.requests:
@@ -472,8 +477,7 @@ class TierKVConnector(KVConnectorBase_V1):
         plan = self._get_connector_metadata()
         self._worker.finish_loads()
         if isinstance(plan, StepPlan):
-            if plan.saves:
-                self._worker.run_saves(plan)
+            self._worker.run_saves(plan)  # every step: it also notes this step's failed loads (§8 R31)
             if plan.jobs:
                 self._worker.submit_jobs(plan)
         self._stats.maybe_write()

@@ -12,6 +12,10 @@ Engine-free: :class:`tierkv.connector.vllm_connector.TierKVConnector` calls it f
   the failure surfaces in ``wait_layer``, ``finish_loads`` or ``run_saves``.
 - Saves (L1 -> L2) of a step run in ``wait_for_save``, after the forward wrote the KV, and complete before
   it returns: vLLM may hand the blocks to another request from the next step on.
+- A request whose load failed computed its later pages on a broken prefix: none of its saves is made in that step,
+  nor in later plans until one confirms the scheduler side handled the failure (``StepPlan.recomputed``); a slot
+  whose save was not made is never loaded nor backed up (docs/architecture.md §8 R31). Loads of one step that read
+  the same slot (requests sharing a prefix, admitted together) are copied in rounds (the kernels take a slot once).
 - With ``verify`` or an L3 store, the XXH3-64 of every page entering L2 is kept per slot
   (:class:`tierkv.connector.page_checksums.SlotChecksums`, bounded by the pool) and travels into the L3 record
   header on backup ("checksum once"). With ``verify`` it is checked before the page is loaded again; a mismatch (a
@@ -35,7 +39,7 @@ from .device_pool import DevicePool
 from .host_pool import HostPool
 from .l3_io import L3IO
 from .page_checksums import SlotChecksums
-from .plan import JOB_PREFETCH, JobReport, PageOrder, StepPlan
+from .plan import JOB_BACKUP, JOB_PREFETCH, JobReport, PageOrder, StepPlan
 
 logger = logging.getLogger("tierkv.worker")
 _rate_limited = RateLimitedLog(logger)  # failures that can repeat at traffic rate: one line per kind per 10 s
@@ -58,9 +62,27 @@ class WorkerCounters:
     save_steps: int = 0             # steps with saves (save_seconds / save_steps = mean per step)
     max_save_ms: float = 0.0        # the slowest step's save, milliseconds
     max_load_ms: float = 0.0        # the slowest step's L2 -> L1 load, milliseconds
+    unsaved_pages: int = 0          # saves not made: their request's load failed (computed on a broken prefix)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
+
+
+def _unique_slot_rounds(slots: list[int], blocks: list[int]) -> list[tuple[list[int], list[int]]]:
+    """Split a load into rounds in which no slot appears twice (the kernels take each slot once per call); one round
+    unless two requests of the step load the same L2 page."""
+    rounds: list[tuple[list[int], list[int], set[int]]] = []
+    for s, b in zip(slots, blocks):
+        for r in rounds:
+            if s not in r[2]:
+                break
+        else:
+            r = ([], [], set())
+            rounds.append(r)
+        r[0].append(s)
+        r[1].append(b)
+        r[2].add(s)
+    return [(r[0], r[1]) for r in rounds]
 
 
 class CacheWorker:
@@ -91,6 +113,10 @@ class CacheWorker:
         self._orphan_finished: set[str] = set()
         self._failed_blocks: set[int] = set()
         self._pending = None  # LayerwiseLoad in flight
+        # docs §8 R31: requests whose load failed and whose rollback the scheduler side has not confirmed yet (a plan
+        # built before it knew may still order their saves), and slots whose ordered save was not made (slot -> key)
+        self._suspect: set[str] = set()
+        self._unwritten: dict[int, bytes] = {}
 
     # ----------------------------------------------------------------- loads
     def start_loads(self, plan: StepPlan) -> None:
@@ -109,12 +135,14 @@ class CacheWorker:
         self.counters.steps_with_loads += 1
         if blocks:
             try:
-                if self.layerwise:
+                rounds = _unique_slot_rounds(slots, blocks)
+                if self.layerwise and len(rounds) == 1:
                     from .layer_loader import LayerwiseLoad
                     self._pending = LayerwiseLoad(self.host, self.dev, slots, blocks)
                     self._pending.start()
-                else:
-                    kernels.load_pages(self.host, self.dev, slots, blocks)
+                else:  # several requests read one page (a shared prefix admitted in one step): one copy per round
+                    for r_slots, r_blocks in rounds:
+                        kernels.load_pages(self.host, self.dev, r_slots, r_blocks)
             except Exception:  # never crash the engine: report the blocks, vLLM recomputes them
                 logger.exception("tierkv: L2 -> L1 load of %d pages failed; reporting them for recompute",
                                  len(blocks))
@@ -122,7 +150,7 @@ class CacheWorker:
                 self._failed_blocks.update(blocks)
                 self.counters.failed_load_blocks += len(blocks)
                 return
-            if not self.layerwise:  # layer-wise: counted once every layer arrived (finish_loads)
+            if self._pending is None:  # layer-wise: counted once every layer arrived (finish_loads)
                 self._count_loaded(len(blocks))
         dt = time.perf_counter() - t0
         self.counters.load_seconds += dt
@@ -180,6 +208,13 @@ class CacheWorker:
         self.counters.load_bytes += n * self.host.page_bytes
 
     def _verified_prefix(self, order: PageOrder) -> int:
+        if self._unwritten and order.keys:  # a page whose save was not made is never loaded (docs §8 R31)
+            for i, (slot, key) in enumerate(zip(order.slots, order.keys)):
+                if self._unwritten.get(slot) == key:
+                    _rate_limited.warning("unwritten", "tierkv: L2 page %s in slot %d was never written (its "
+                                          "request's load failed); recomputing from there", key.hex(), slot)
+                    order = PageOrder(order.req_id, order.block_ids[:i], order.slots[:i], order.keys[:i])
+                    break
         if not self.verify or not order.keys:
             return len(order.block_ids)
         for i, (slot, key) in enumerate(zip(order.slots, order.keys)):
@@ -195,18 +230,45 @@ class CacheWorker:
 
     # ----------------------------------------------------------------- saves
     def run_saves(self, plan: StepPlan) -> None:
-        """Perform the plan's L1 -> L2 saves; complete on return."""
+        """Perform the plan's L1 -> L2 saves; complete on return. Call it for every plan (vLLM's ``wait_for_save``),
+        with or without saves: it also notes the requests whose load failed in this step.
+
+        A request whose load failed in this step (any block of its load order), or in an earlier step whose rollback
+        the plan does not confirm yet (``plan.recomputed``), has its pages computed on a broken prefix: none of its
+        saves is made. Their slots are remembered as not written, so no later load or backup reads them
+        (docs/architecture.md §8 R31)."""
+        for rid in plan.recomputed:
+            self._suspect.discard(rid)
+        self.finish_loads()
+        if self._failed_blocks:
+            for o in plan.loads:
+                if not self._failed_blocks.isdisjoint(o.block_ids):
+                    self._suspect.add(o.req_id)
         if not plan.saves:
             return
-        self.finish_loads()
         t0 = time.perf_counter()
-        blocks = [b for o in plan.saves for b in o.block_ids]
-        slots = [s for o in plan.saves for s in o.slots]
-        kernels.save_pages(self.dev, self.host, blocks, slots)
+        saves = plan.saves
+        if self._suspect:
+            saves = []
+            for o in plan.saves:
+                if o.req_id not in self._suspect:
+                    saves.append(o)
+                    continue
+                self.counters.unsaved_pages += len(o.slots)
+                for slot, key in zip(o.slots, o.keys):
+                    self._unwritten[slot] = key
+                    self.checksums.forget(slot)
+        blocks = [b for o in saves for b in o.block_ids]
+        slots = [s for o in saves for s in o.slots]
+        if self._unwritten:
+            for s in slots:
+                self._unwritten.pop(s, None)
+        if blocks:
+            kernels.save_pages(self.dev, self.host, blocks, slots)
         self.counters.save_pages += len(blocks)
         self.counters.save_bytes += len(blocks) * self.host.page_bytes
         if self._keep_checksums:
-            for o in plan.saves:
+            for o in saves:
                 for slot, key in zip(o.slots, o.keys):
                     self.checksums.record(slot, key, self.host.page_checksum(slot))
         dt = time.perf_counter() - t0
@@ -222,7 +284,14 @@ class CacheWorker:
         if not plan.jobs:
             return
         if self.l3 is not None:
-            self.l3.submit(plan.jobs)
+            skip = {}
+            if self._unwritten:  # a page whose save was not made is never sent to L3 (docs §8 R31)
+                for job in plan.jobs:
+                    if job.kind == JOB_BACKUP:
+                        idx = {i for i, (s, k) in enumerate(zip(job.slots, job.keys)) if self._unwritten.get(s) == k}
+                        if idx:
+                            skip[job.job_id] = idx
+            self.l3.submit(plan.jobs, skip=skip)
             return
         for job in plan.jobs:
             self._orphan_reports.append(JobReport(job.job_id, job.kind, [False] * job.num_pages))
@@ -235,6 +304,8 @@ class CacheWorker:
         """Finish the request side of ended prefetches: copy their intact leading pages L2 -> L1, remember the
         blocks that failed (:meth:`take_failed_blocks`). Returns the ids of requests whose asynchronous load ended
         (vLLM: ``finished_recving``)."""
+        if self._suspect and finished_req_ids:
+            self._suspect.difference_update(finished_req_ids)
         if self.l3 is None:
             out, self._orphan_finished = self._orphan_finished, set()
             return out

@@ -6,10 +6,14 @@ the real :class:`DevicePool`; L2 is the real :class:`HostPool`; the scheduler si
 block allocation, "computing" a page (writing its fingerprint into the block) and the hook order of one step
 (lookup -> alloc -> build plan -> loads -> forward -> saves). With ``layerwise=True`` the forward waits for each
 layer's loads in layer order (vLLM's ``wait_for_layer_load``) and the step's loads end in the save hook (vLLM's
-``wait_for_save``). A block whose load failed (``get_block_ids_with_load_errors``) is recomputed in the same step, as
-vLLM does with ``kv_load_failure_policy=recompute`` (the request computes again from its first failed block).
+``wait_for_save``). A request with a block whose load failed (``get_block_ids_with_load_errors``) is rolled back to
+its first failed block and computed again from there by the next :meth:`FakeEngine.step`, as vLLM does with
+``kv_load_failure_policy=recompute``; the failed blocks reach the scheduler side as vLLM's ``invalid_block_ids``.
 
-Fingerprint fill (docs/architecture.md §8): the bytes of page ``i`` of layer ``l`` are a pure function of
+A computed page's bytes depend on what its prefix holds in L1: on the right prefix they are the page's fingerprint,
+on a broken one (a failed load) they differ, as attention over wrong keys and values would make them.
+
+Fingerprint fill (docs/architecture.md §8): the right bytes of page ``i`` of layer ``l`` are a pure function of
 (namespace tag, token prefix up to the end of page ``i``, ``l``), so any page read back from any tier can be
 checked byte for byte.
 """
@@ -103,6 +107,7 @@ class FakeEngine:
         self.delayed: dict[str, Req] = {}    # finished, blocks kept until the worker reports the load ended
         self.failed_blocks: set[int] = set()
         self.recv: set[str] = set()
+        self.rolled_back: set[str] = set()  # requests rolled back to a failed block (recomputed by the next step)
 
     # -------------------------------------------------------------- engine steps
     def admit(self, req: Req) -> int:
@@ -128,6 +133,7 @@ class FakeEngine:
                 self.sched.schedule_saves(req.req_id, len(req.tokens), req.blocks)
                 scheduled.append(req)
         plan = self.sched.build_plan()
+        step_failed: set[int] = set()
         for rank, (_l1, dev, _host, worker) in enumerate(self.ranks):
             worker.start_loads(plan)
             if worker.layerwise:
@@ -135,32 +141,39 @@ class FakeEngine:
                     worker.wait_layer(name)
             else:
                 worker.finish_loads()
-            if compute:
+            if compute:  # the forward computes every scheduled page on top of whatever its prefix holds in L1
                 for req in scheduled:
                     for i in range(req.external // P, len(req.tokens) // P):
                         self.write_page(req, i, rank)
             worker.finish_loads()  # wait_for_save: the step's loads have ended, then the saves run
             worker.run_saves(plan)
             worker.submit_jobs(plan)
-            failed = worker.take_failed_blocks()
-            self.failed_blocks |= failed
-            if compute:  # kv_load_failure_policy=recompute: from the first failed block on
-                for req in scheduled:
-                    bad = [i for i, b in enumerate(req.blocks[: req.external // P]) if b in failed]
-                    for i in range(bad[0] if bad else req.external // P, req.external // P):
-                        self.write_page(req, i, rank)
+            step_failed |= worker.take_failed_blocks()
+        self.failed_blocks |= step_failed
         for req in scheduled:
-            req.num_computed = len(req.tokens) if compute else req.num_computed
+            if not compute:
+                continue
+            # kv_load_failure_policy=recompute: a request with a failed block rolls back to its first failed block;
+            # the next step computes it again from there (this step's output for it is discarded)
+            bad = [i for i, b in enumerate(req.blocks[: req.external // P]) if b in step_failed]
+            if bad:
+                req.external = req.num_computed = bad[0] * P
+                self.rolled_back.add(req.req_id)
+            else:
+                req.num_computed = len(req.tokens)
         finished, self.finished_ids = self.finished_ids, set()
         recv = None
         reports = []
         for _l1, _dev, _host, worker in self.ranks:
             got = worker.poll(finished)
             recv = got if recv is None else recv & got  # vLLM waits for every rank
-            self.failed_blocks |= worker.take_failed_blocks()
+            polled = worker.take_failed_blocks()
+            self.failed_blocks |= polled
+            step_failed |= polled
             reports.extend(worker.take_reports())
         self.recv |= recv or set()
         self.sched.on_reports(reports)
+        self.sched.on_load_errors(step_failed)  # vLLM: KVConnectorOutput.invalid_block_ids, union of the ranks
         for rid in list(self.recv):
             if rid in self.delayed:
                 req = self.delayed.pop(rid)
@@ -180,9 +193,18 @@ class FakeEngine:
         raise AssertionError("controller jobs still pending")
 
     def write_page(self, req: Req, i: int, rank: int = 0) -> None:
-        for layer, t in enumerate(self.ranks[rank][0].values()):
-            t[req.blocks[i]].copy_(fingerprint(req.tag + (f"/r{rank}" if rank else ""), req.tokens[: (i + 1) * P],
-                                               layer))
+        """'Compute' page ``i``: its fingerprint when the page before it holds the right bytes in L1; on top of a
+        wrong prefix (a failed load) bytes that depend on what that prefix holds, so a page computed on a broken
+        prefix differs from the right one (as attention over wrong keys and values would)."""
+        tag = req.tag + (f"/r{rank}" if rank else "")
+        l1 = self.ranks[rank][0]
+        if i > 0 and not self.page_ok(req, i - 1, rank):
+            h = hashlib.blake2b(digest_size=8)
+            for t in l1.values():
+                h.update(t[req.blocks[i - 1]].contiguous().view(torch.uint8).numpy().tobytes())
+            tag += "/on-broken-prefix:" + h.hexdigest()
+        for layer, t in enumerate(l1.values()):
+            t[req.blocks[i]].copy_(fingerprint(tag, req.tokens[: (i + 1) * P], layer))
 
     def page_ok(self, req: Req, i: int, rank: int = 0) -> bool:
         return all(torch.equal(t[req.blocks[i]], fingerprint(req.tag + (f"/r{rank}" if rank else ""),
