@@ -2,8 +2,9 @@
 
 DRAM bit rot (docs/architecture.md §8) cannot be produced on demand in a real engine, so this subclass makes it:
 after ``wait_for_save`` (the step's L1 -> L2 saves are complete and, with ``verify_checksums``, their checksums
-recorded), it inverts the first byte of every run of the page's bytes in the host pool (``HostPool.page_views``:
-one run per layer for ``layer_first``, K and V for the semantic layouts), for the saved pages chosen by the
+recorded), it inverts every bit of the page's bytes in the host pool (``HostPool.page_views``: one run per layer for
+``layer_first``, K and V for the semantic layouts; bf16 values become huge or NaN, so a page loaded anyway changes
+the outputs), for the saved pages chosen by the
 environment variable ``TIERKV_TEST_CORRUPT_SAVES``: comma-separated 0-based ordinals of pages in this worker's save
 order (the n-th page the worker saved since start-up, counting every page of every save order of every step).
 
@@ -44,7 +45,7 @@ class CorruptingTierKVConnector(TierKVConnector):
             for slot in order.slots:
                 if self._saved_so_far in self._corrupt_ordinals:
                     for run in host.page_views(slot):
-                        run[0] ^= 0xFF
+                        run.bitwise_not_()
                     self._corrupted_slots.append(int(slot))
                 self._saved_so_far += 1
 

@@ -247,17 +247,20 @@ def corrupt(tiny_model, tmp_path_factory, workload):
 
 def test_corrupt_l2_page_is_recomputed_and_outputs_equal_the_reference(workload, corrupt, ref):
     """``layer_first`` + ``verify_checksums`` + ``kv_load_failure_policy: recompute``; the first page of ``docs[0]``
-    is corrupted in L2 right after its save (one flipped byte per layer).
+    is corrupted in L2 right after its save (every bit inverted).
 
     Two requests reuse ``docs[0]`` later, ``again[0]`` and the second ``first[0]``, and both get its 4 pages from
     L2 (the L1 of 18 blocks keeps only tenantA's pages between repeats: L1 hits are 288 tokens, asserted below).
-    The page stays indexed (the scheduler side is never told about a checksum failure), so each of the two loads
-    meets the bad page first: 2 checksum mismatches, and every block from it on - the whole 4-page load - is
-    reported to vLLM as failed: 8 blocks. vLLM then recomputes both prompts from token 0, a cold prefill of the
-    prompt; the 6 greedy tokens of these two prompts equal the prefix-cache reference's (deterministic here: same
-    weights, same thread count, sequential requests), and every other request is unaffected (its pages are
+    ``again[0]``'s load meets the bad page first: 1 checksum mismatch, and every block from it on - the whole
+    4-page load - is reported to vLLM as failed: 4 blocks, none copied into L1. The scheduler side learns of the
+    failure: the 4 pages leave the index (``load_failed_dropped_pages``) and, once vLLM recomputed them, are saved
+    again (4 saves more than the workload's distinct pages); the second ``first[0]`` loads these intact copies.
+    vLLM recomputes ``again[0]`` from token 0, a cold prefill of the prompt; its 6 greedy tokens, and those of
+    the second ``first[0]`` that reuses the recomputed pages, equal the prefix-cache reference's (deterministic
+    here: same weights, same thread count, sequential requests). Every other request is unaffected (its pages are
     intact and verified). ``num_cached_tokens`` is vLLM's count at scheduling, before the failure is known, so it
-    equals the reference's too.
+    equals the reference's too. A corrupt page that were loaded anyway would change the outputs (inverted bf16
+    values are huge or NaN).
     """
     prompts, _rep = workload
     assert corrupt["outputs"] == ref["outputs"]
@@ -265,17 +268,21 @@ def test_corrupt_l2_page_is_recomputed_and_outputs_equal_the_reference(workload,
     s = stats_by_role(corrupt)
     sched, worker = s["scheduler"], s["worker"]
     vc = corrupt["vllm_counters"]
+    exp = _expected(prompts, ref["outputs"])
     assert worker["test_corrupted_slots"] == [0]
     assert vc["vllm:prefix_cache_hits"] == 9 * P
-    assert worker["checksum_mismatches"] == 2
-    assert worker["failed_load_blocks"] == 2 * 4
+    assert worker["checksum_mismatches"] == 1
+    assert worker["failed_load_blocks"] == 4
+    assert sched["load_failed_requests"] == 1 and sched["load_failed_dropped_pages"] == 4
+    assert sched["save_pages"] == worker["save_pages"] == exp["pages"] + 4
+    assert sched["l2_pages"] == exp["pages"]
     # the failed pages were never copied into L1; every page that was copied was verified first
-    assert worker["load_pages"] == sched["load_pages"] - 2 * 4
+    assert worker["load_pages"] == sched["load_pages"] - 4
     assert worker["verified_pages"] == worker["load_pages"]
     assert worker["load_bytes"] == worker["load_pages"] * worker["page_bytes"]
-    exp = _expected(prompts, ref["outputs"])
     assert sched["l2_hit_tokens"] == sum(exp["cached"]) - 9 * P == vc["vllm:external_prefix_cache_hits"]
     assert sched["locked_pages"] == 0 and sched["live_requests"] == 0
+    assert sched["free_slots"] + sched["l2_pages"] == sched["num_slots"]
     vc = _prometheus_equals_stats_files(corrupt)
-    assert vc["vllm:tierkv_checksum_mismatches"] == 2 and vc["vllm:tierkv_failed_load_blocks"] == 8
+    assert vc["vllm:tierkv_checksum_mismatches"] == 1 and vc["vllm:tierkv_failed_load_blocks"] == 4
     assert corrupt["leaked_processes"] == 0
