@@ -154,3 +154,38 @@ def test_two_requests_loading_the_same_page_in_one_step_both_get_it(layerwise):
     e.finish(b)
     e.finish(c)
     e.idle_check()
+
+
+def test_a_page_whose_save_was_not_made_is_never_loaded(monkeypatch):
+    """Without checksums (``verify_checksums: false``): a request admitted in plan N+1, built before step N's
+    output, matches the pages its neighbour's failed step N indexed; their slots were never written, so its load
+    stops there (recomputed) instead of copying whatever those slots held."""
+    e = FakeEngine(verify=False)
+    w = e.worker
+    doc = toks(1, 3 * P)
+    assert e.run(Req("seed", doc + [1])) == 0
+    x = Req("x", doc + toks(900, 2 * P) + [1])
+    assert e.admit(x) == 3 * P
+    e.running.pop(x.req_id)
+    e.sched.schedule_saves(x.req_id, 5 * P, x.blocks)
+    plan_n = e.sched.build_plan()
+    inject_copy_fault(monkeypatch, 0)
+    w.start_loads(plan_n)
+    w.finish_loads()
+    monkeypatch.undo()
+    for i in (3, 4):
+        e.write_page(x, i)
+    w.run_saves(plan_n)
+    failed_n = w.take_failed_blocks()
+    assert failed_n == set(x.blocks[:3]) and w.counters.unsaved_pages == 2
+    z = Req("z", x.tokens[: 5 * P] + [2])                  # plan N+1: the index still holds x's 5 pages
+    assert e.admit(z) == 5 * P
+    e.running.pop(z.req_id)
+    plan_n1 = e.sched.build_plan()
+    w.start_loads(plan_n1)
+    w.finish_loads()
+    w.run_saves(plan_n1)
+    assert w.take_failed_blocks() == {z.blocks[3], z.blocks[4]}
+    assert all(e.page_ok(z, i) for i in range(3)) and w.counters.load_pages == 3
+    e.sched.on_load_errors(failed_n)
+    e.sched.check_invariants()
