@@ -319,7 +319,9 @@ class CacheScheduler:
         self.counters.preemptions += 1
         self._release(st)
         st.num_indexed = 0
-        st.load, st.saved = None, []
+        # its load record stays: a failure of that load reported later still takes its pages out of the index. The
+        # resumed request computes on an intact prefix, so the workers may save its pages again (docs §8 R31)
+        self._plan.recomputed.append(req_id)
 
     def on_finished(self, req_id: str) -> bool:
         """Finished, aborted or errored: release everything held for it. Idempotent. Returns True when an L3

@@ -189,3 +189,47 @@ def test_a_page_whose_save_was_not_made_is_never_loaded(monkeypatch):
     assert all(e.page_ok(z, i) for i in range(3)) and w.counters.load_pages == 3
     e.sched.on_load_errors(failed_n)
     e.sched.check_invariants()
+
+
+def test_a_request_preempted_before_its_failure_was_known_saves_again_once_resumed():
+    """Asynchronous scheduling may preempt a request in plan N+1 before step N's output says its load failed. The
+    failure still takes its pages out of the index, and the resumed request (computed from an intact prefix) has its
+    pages saved again: the preemption tells the workers its later saves are good (``StepPlan.recomputed``)."""
+    e = FakeEngine()
+    w = e.worker
+    doc = toks(1, 3 * P)
+    assert e.run(Req("seed", doc + [1])) == 0
+    slot = e.sched.index.match_prefix(keys_of(e, doc)).host_slots[1]
+    page = e.host.read_page(slot).clone()
+    page[7] ^= 0xFF
+    e.host.write_page(slot, page)
+    x = Req("x", doc + toks(900, 2 * P) + [1])
+    assert e.admit(x) == 3 * P
+    e.running.pop(x.req_id)
+    e.sched.schedule_saves(x.req_id, 5 * P, x.blocks)
+    plan_n = e.sched.build_plan()
+    w.start_loads(plan_n)
+    w.finish_loads()
+    for i in (3, 4):
+        e.write_page(x, i)
+    w.run_saves(plan_n)
+    failed_n = w.take_failed_blocks()
+    assert failed_n == {x.blocks[1], x.blocks[2]} and w.counters.unsaved_pages == 2
+    e.sched.on_preempted(x.req_id)                         # plan N+1 preempts x
+    e.free_blocks.extend(x.blocks)
+    plan_n1 = e.sched.build_plan()
+    assert plan_n1.recomputed == [x.req_id]
+    w.start_loads(plan_n1)
+    w.run_saves(plan_n1)
+    e.sched.on_load_errors(failed_n)                       # step N's output
+    assert _indexed(e, x.tokens) == 1
+    e.sched.check_invariants()
+    saves = w.counters.save_pages
+    x2 = Req("x", x.tokens)                                # resumed: page 0 from L2, pages 1..4 computed
+    assert e.admit(x2) == P
+    e.step()
+    assert not e.rolled_back and all(e.page_ok(x2, i) for i in range(5))
+    assert w.counters.save_pages == saves + 4
+    e.finish(x2)
+    assert e.run(Req("c", x.tokens[: 5 * P] + [3])) == 5 * P
+    e.idle_check()
