@@ -494,8 +494,8 @@ restart). `tierkv`: the L2 path alone ({p['l2_gb']} GiB L2), for reference. "loo
 `get_num_new_matched_tokens` and their mean time.
 
 ```bash
-.venv/bin/python benchmarks/e2e_cpu.py --workloads docs --configs ideal,no_connector,example_connector,tierkv,\\
-tierkv_file_wt,restart_file,tierkv_file_wb,tierkv_file_wts,tierkv_zmq_wt,tierkv_mooncake_wt
+.venv/bin/python benchmarks/e2e_cpu.py --workloads {",".join(sorted({"chat" if w == "chat" else "docs" for w in results["workloads"]}))} \\
+  --configs {",".join(results["configs"])}
 ```
 
 {_provenance(results, json_name)}
