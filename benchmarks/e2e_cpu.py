@@ -392,6 +392,11 @@ def _provenance(results: dict, json_name: str) -> str:
             f"own load): {loads}.")
 
 
+#: how the README describes each configuration without L3
+_CONFIG_TEXT = {"ideal": "`ideal` (no connector, big L1)", "no_connector": "`no_connector`",
+                "example_connector": "`example_connector` (vLLM's stock ExampleConnector)", "tierkv": "`tierkv`"}
+
+
 def render_section(results: dict, json_name: str = "e2e_cpu.json") -> str:
     """The ``## e2e_cpu`` (or, for a chat-only run, ``## e2e_cpu_chat``) section of ``benchmarks/README.md``,
     drawn from ``results`` alone. Raises ``results_check.ResultsError`` for a file that cannot back it."""
@@ -422,9 +427,8 @@ def render_section(results: dict, json_name: str = "e2e_cpu.json") -> str:
 `benchmarks/e2e_cpu.py` (issue 2): vLLM's CPU backend serving the `{p['preset']}` model (Llama, hidden 1024, 8 layers,
 16 heads, 4 KV heads, intermediate 2816, vocab 8192, bf16, random weights) with token-id prompts, greedy, one
 request at a time. {" ".join(what[k] for k in kinds)} L1 = {p['l1_blocks']} blocks of 32 tokens, except `ideal`
-({p['ideal_blocks']} blocks); tierkv L2 = {p['l2_gb']} GiB host pool (`layer_first`). Configurations: `ideal` (no
-connector, big L1), `no_connector`, `example_connector` (vLLM's stock ExampleConnector), `tierkv`; each runs in
-its own engine process with `VLLM_CPU_NUM_OF_RESERVED_CPU=0` (equal thread counts, so equal bf16 rounding).
+({p['ideal_blocks']} blocks); tierkv L2 = {p['l2_gb']} GiB host pool (`layer_first`). Configurations:
+{", ".join(_CONFIG_TEXT.get(c, f"`{c}`") for c in results["configs"])}; each runs in its own engine process with `VLLM_CPU_NUM_OF_RESERVED_CPU=0` (equal thread counts, so equal bf16 rounding).
 "L1 hit tok" = vLLM's `prefix_cache_hits`; "connector hit tok" = `external_prefix_cache_hits` (for tierkv:
 tokens loaded from L2). "same as ideal" compares greedy output ids with the `ideal` run.
 
