@@ -147,3 +147,19 @@ def test_the_missing_key_walk():
     assert rc.missing_keys({"a": {"b": 1}, "c": {"x": {"d": 1}, "y": {}}}, schema) == ["c.y.d"]
     assert rc.missing_keys({"c": {}}, schema) == ["a"]
     assert rc.missing_keys({"a": 3, "c": {}}, schema) == ["a"]
+
+
+@pytest.mark.parametrize("section, name", [("e2e_cpu", "e2e_cpu.json"), ("e2e_cpu_l3", "e2e_cpu_l3.json")])
+def test_the_readme_e2e_sections_are_what_the_committed_results_render(section, name):
+    """The tables in benchmarks/README.md are the committed JSON rendered by the current code, measured at a clean
+    commit of this repository's history: never numbers the code did not write."""
+    data = json.loads((REPO / "benchmarks" / "results" / name).read_text())
+    render = e2e.render_l3_section if section == "e2e_cpu_l3" else e2e.render_section
+    assert e2e.readme_section(section) == render(data, name)
+    commit = data["code"]["commit"]
+    assert re.fullmatch(r"[0-9a-f]{40}", commit)
+    shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=REPO, capture_output=True,
+                             text=True).stdout.strip()
+    if shallow == "false":  # a full clone holds the commit (a shallow one may not: the format check above stands)
+        r = subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=REPO, capture_output=True)
+        assert r.returncode == 0, f"{name} was measured at {commit}, which is not in this repository's history"
