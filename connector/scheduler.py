@@ -271,23 +271,24 @@ class CacheScheduler:
         if full <= st.num_indexed:
             return
         keys = st.keys.extend(st.tokens)[:full]
-        m = self.index.match_prefix(keys, require_l2=True, split=True, touch=True)
-        have = m.num_pages
-        need = full - have
-        if need <= 0:
+        # every indexed page of the path, in whatever tier: a page that already has an L2 copy is never saved again
+        # (its slot belongs to the index; saving into a second slot would be freed as a duplicate while the save
+        # order still names it, and a later order of the same plan could be handed that slot: docs §8 R41)
+        m = self.index.match_prefix(keys, require_l2=False, split=True, touch=True)
+        missing = [i for i, s in enumerate(m.host_slots) if s < 0] + list(range(m.num_pages, full))
+        if not missing:
             st.num_indexed = full
             return
+        need = len(missing)
         guard = self.index.lock(m.last_node) if m.last_node is not self.index.root else None
         try:
             if self.allocator.num_free < need:
+                before = self.index.evicted_pages
                 if self.ctl is not None:
-                    before = self.index.evicted_pages
                     self.ctl.make_room(need)
-                    self.counters.evicted_pages += self.index.evicted_pages - before
                 else:
-                    freed = self.index.evict(need - self.allocator.num_free)
-                    self.allocator.free(freed)
-                    self.counters.evicted_pages += len(freed)
+                    self.allocator.free(self.index.evict(need - self.allocator.num_free))
+                self.counters.evicted_pages += self.index.evicted_pages - before
             k = min(need, self.allocator.num_free)
             slots = self.allocator.alloc(k) if k else []
         finally:
@@ -297,19 +298,24 @@ class CacheScheduler:
             self.counters.save_skipped_pages += need - k
         if k == 0:
             return
-        _node, dups = self.index.insert(keys[: have + k], slots, start=have)
-        if dups:
-            self.allocator.free(dups)
-        self._plan.saves.append(PageOrder(req_id, list(block_ids[have : have + k]), slots, keys[have : have + k]))
+        start, end = missing[0], missing[k - 1] + 1  # pages [start, end) all have an L2 copy once this runs
+        given = [-1] * (end - start)
+        for i, s in zip(missing, slots):
+            given[i - start] = s
+        _node, dups = self.index.insert(keys[:end], given, start=start)
+        if dups:  # cannot happen: the path was matched just now and nothing on it changed since (it was locked)
+            raise RuntimeError(f"{req_id}: slots {dups} handed out for pages already in L2")
+        self._plan.saves.append(PageOrder(req_id, [block_ids[i] for i in missing[:k]], slots,
+                                          [keys[i] for i in missing[:k]]))
         self.counters.save_pages += k
-        st.num_indexed = have + k
+        st.num_indexed = full if k == need else end
         if st.load is not None:
             if self._step + 1 - st.load[0] > _LOAD_FAILURE_WINDOW:
                 st.load, st.saved = None, []
             else:
-                st.saved.append((have, have + k))
+                st.saved.append((start, end))
         if self.ctl is not None:
-            self.ctl.after_save(keys[: have + k], have)
+            self.ctl.after_save(keys[:end], start)
 
     def on_preempted(self, req_id: str) -> None:
         """The engine freed the request's blocks; it will be looked up again when resumed."""
