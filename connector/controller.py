@@ -166,7 +166,8 @@ class Controller:
         self._fetching: dict[bytes, int] = {}
         self._exists_pending: dict[bytes, int] = {}
         self._absent: "OrderedDict[bytes, float]" = OrderedDict()
-        self._req_prefetch: dict[str, int] = {}
+        self._req_prefetch: dict[str, int] = {}   # request -> its prefetch job, until the job's report (I/O side)
+        self._recv_open: set[str] = set()          # requests whose load the workers have not named as ended yet
         self._room_waits: dict[str, int] = {}
         self.fetch_s_per_page = _Ewma()
         self.prefill_s_per_token = _Ewma()
@@ -467,6 +468,7 @@ class Controller:
             if f and s != NO_SLOT:
                 self._fetching[k] = job.job_id
         self._req_prefetch[req_id] = job.job_id
+        self._recv_open.add(req_id)
         self._order(_JobState(job, lock=lock, path=path, idx=list(range(first, last))))
         self.counters.prefetch_jobs += 1
         self.counters.prefetch_ordered_pages += need
@@ -520,10 +522,33 @@ class Controller:
                 for s, f in zip(st.job.slots, st.job.fetch) if f and s != NO_SLOT]
 
     def prefetch_in_flight(self, req_id: str) -> bool:
+        """Whether the prefetch job of ``req_id`` has not reported yet (its I/O may still touch staging slots)."""
         return req_id in self._req_prefetch
+
+    def request_side_open(self, req_id: str) -> bool:
+        """Whether the workers have not yet named ``req_id``'s load as ended (vLLM's ``finished_recving``). Only
+        then must the engine keep the request's blocks when it finishes: once the load was named ended the workers
+        never touch its blocks again (a deadline release copies nothing later), and they will not name it a second
+        time, so a delayed free would never end. The I/O side (:meth:`prefetch_in_flight`) pins only L2 staging
+        slots, which its report frees."""
+        return req_id in self._recv_open
+
+    def on_finished_recving(self, req_ids) -> None:
+        """The requests the workers named as having ended their load in a step (every rank agreed)."""
+        self._recv_open.difference_update(req_ids)
 
     def forget_request(self, req_id: str) -> None:
         self._room_waits.pop(req_id, None)
+
+    def end_request(self, req_id: str) -> bool:
+        """``req_id`` finished (or was aborted): returns whether the engine must keep its blocks until the workers
+        name its load as ended (see :meth:`request_side_open`)."""
+        self.forget_request(req_id)
+        open_ = req_id in self._recv_open
+        if open_ and req_id not in self._req_prefetch:  # cannot stay open without a job: never delay for nothing
+            self._recv_open.discard(req_id)
+            return False
+        return open_
 
     # ------------------------------------------------------------------ estimates
     def observe_prefill(self, seconds: float, tokens: int) -> None:

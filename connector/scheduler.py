@@ -330,16 +330,23 @@ class CacheScheduler:
         self._plan.recomputed.append(req_id)
 
     def on_finished(self, req_id: str) -> bool:
-        """Finished, aborted or errored: release everything held for it. Idempotent. Returns True when an L3
-        prefetch into the request's blocks is still running: the engine must keep the blocks until the worker
-        reports the request's load as ended (vLLM: ``request_finished`` -> delay, then ``finished_recving``)."""
+        """Finished, aborted or errored: release everything held for it. Idempotent. Returns True while the workers
+        have not named the request's L3 load as ended: the engine must keep the blocks until they do (vLLM:
+        ``request_finished`` -> delay, then ``finished_recving``). A request whose load they already named as ended
+        (released at its deadline while the read still runs) is never delayed: they would not name it again, and
+        its blocks would never be freed (the read's staging slots stay pinned until its report)."""
         st = self.requests.pop(req_id, None)
         if st is not None:
             self._release(st)
         if self.ctl is None:
             return False
-        self.ctl.forget_request(req_id)
-        return self.ctl.prefetch_in_flight(req_id)
+        return self.ctl.end_request(req_id)
+
+    def on_finished_recving(self, req_ids) -> None:
+        """Requests whose asynchronous (L3) load the workers named as ended in a step (vLLM:
+        ``KVConnectorOutput.finished_recving``, delivered with ``update_connector_output``)."""
+        if self.ctl is not None and req_ids:
+            self.ctl.on_finished_recving(req_ids)
 
     def _release(self, st: _RequestState) -> None:
         if st.lock is not None:

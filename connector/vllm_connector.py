@@ -345,6 +345,8 @@ class TierKVConnector(KVConnectorBase_V1):
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if meta is not None:
             self._sched.on_reports(getattr(meta, "reports", []) or [])
+        # requests whose L3 load the workers named as ended: their blocks are never delayed again at finish
+        self._sched.on_finished_recving(getattr(connector_output, "finished_recving", None) or ())
         # blocks whose load failed in that step (every rank's): pages computed on them leave the index (§8 R31)
         self._sched.on_load_errors(getattr(connector_output, "invalid_block_ids", None) or ())
         if meta is not None and not self._sched.requests:  # idle: the last reports of the drained work

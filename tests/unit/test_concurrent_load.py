@@ -57,3 +57,43 @@ def test_pages_already_in_l2_behind_l3_only_pages_are_not_saved_again_and_no_slo
             assert where[sl] == k
     assert all(where[sl] == k for sl, k in zip(held, keys[2:6]))               # the L2 copies kept their slots
     s.check_invariants()
+
+
+# ---------------------------------------------------------------- blocks of a request released at its deadline
+def _l3_engine_with_doc(tmp_path, doc, **kw):
+    from test_controller import file_store, write_to_l3
+    write_to_l3(tmp_path, doc)
+    return FakeEngine(store=file_store(tmp_path), **kw)
+
+
+def test_a_request_released_at_its_deadline_that_finishes_while_its_read_hangs_gets_its_blocks_freed(tmp_path):
+    """Class 1 of the issue: the worker named the request as finished-receiving at its deadline; the request then
+    ran and finished while its L3 read still hung. Before the fix ``request_finished`` asked vLLM to delay the free
+    (the I/O side was still running) but the worker never names a request twice, so vLLM never freed its blocks
+    (the real engine's KV usage stayed at 77 % at idle)."""
+    from test_controller import _hanging_l3_load
+    now = [0.0]
+    e, faulty, req = _hanging_l3_load(tmp_path, toks(40, 4 * P), clock=lambda: now[0],
+                                      controller={"prefetch_policy": "timeout", "prefetch_timeout_base_s": 0.5,
+                                                  "prefetch_timeout_per_page_s": 0.0})
+    baseline = len(e.free_blocks) + len(req.blocks)
+    now[0] += 0.6                                    # past the deadline (a fake clock: no sleeps)
+    e.step(compute=False)
+    assert "b" in e.recv                             # released: its pages are recomputed
+    e.recv.discard("b")
+    e.waiting.pop("b")
+    e.failed_blocks.clear()
+    e.sched.on_alloc("b", req.blocks, 0)
+    req.external = 0
+    e.running["b"] = req
+    e.step()                                         # it computes its prompt ...
+    e.finish(req)                                    # ... and finishes while the read still hangs
+    assert "b" not in e.delayed, "blocks of a request whose load already ended were held back"
+    assert len(e.free_blocks) == baseline
+    assert len(e.sched.ctl.staging_slots()) == 4     # the staging slots stay pinned until the I/O ended
+    faulty.release()
+    e.settle()
+    assert e.sched.ctl.staging_slots() == []
+    assert e.worker.counters.async_load_pages == 0   # nothing was copied into its blocks after the release
+    e.idle_check()
+    e.close()
