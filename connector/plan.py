@@ -145,6 +145,12 @@ class StepPlan:
     #: requests whose failed load of an earlier step the scheduler side has handled (vLLM rolled them back): the
     #: worker saves their pages again from this plan on (until then it saves none of them, docs §8 R31)
     recomputed: list[str] = field(default_factory=list)
+    #: engine blocks of loads the scheduler side promised but could not order (an error caught at a hook, docs §8
+    #: R41): the workers report them as failed loads, so vLLM recomputes them
+    failed_blocks: list[int] = field(default_factory=list)
+    #: requests whose asynchronous (L3) load could not be ordered: the workers name them as ended (finished_recving)
+    failed_requests: list[str] = field(default_factory=list)
 
     def is_empty(self) -> bool:
-        return not self.loads and not self.saves and not self.jobs and not self.recomputed
+        return not (self.loads or self.saves or self.jobs or self.recomputed or self.failed_blocks
+                    or self.failed_requests)

@@ -99,6 +99,7 @@ class SchedulerCounters:
     lookups: int = 0                # get_num_new_matched_tokens calls (vLLM repeats them for waiting requests)
     lookup_seconds: float = 0.0     # time spent in them
     max_lookup_us: float = 0.0      # the slowest one, microseconds
+    hook_errors: int = 0            # exceptions caught at a vLLM hook (docs §8 R41); each became a miss or failed pages
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -259,6 +260,23 @@ class CacheScheduler:
         st.load, st.saved = (self._step + 1, list(block_ids[first:last]), first), []
         if self.ctl is not None:
             self.ctl.after_hit(keys, last)
+
+    def alloc_failed(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int, is_async: bool) -> None:
+        """:meth:`on_alloc` raised for a request promised ``num_external_tokens`` (docs §8 R41): the next plan tells
+        the workers to report those blocks as failed loads (vLLM recomputes them) and, for an L3 hit, to name the
+        request as ended, so the engine never computes on KV that was not loaded, nor waits for a load never
+        ordered."""
+        self.counters.hook_errors += 1
+        st = self.requests.get(req_id)
+        c = st.last_num_computed if st is not None else 0
+        if num_external_tokens > 0:
+            first, last = c // self.page_size, (c + num_external_tokens) // self.page_size
+            self._plan.failed_blocks.extend(block_ids[first:last])
+            if is_async:
+                self._plan.failed_requests.append(req_id)
+        if st is not None:
+            st.async_hit = False
+            st.num_indexed = 0
 
     def schedule_saves(self, req_id: str, num_tokens_after_step: int, block_ids: Sequence[int]) -> None:
         """Order saves for the pages of ``req_id`` that are full once this step has run

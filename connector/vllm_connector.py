@@ -67,6 +67,29 @@ logger = logging.getLogger("tierkv.vllm")
 class ConnectorPlan(StepPlan, KVConnectorMetadata):
     """The per-step metadata vLLM pickles to every worker: a :class:`StepPlan`."""
 
+    @classmethod
+    def of(cls, plan: StepPlan) -> "ConnectorPlan":
+        """The same plan as vLLM metadata: every field of :class:`StepPlan`, so a new field is never dropped."""
+        return cls(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(StepPlan)})
+
+
+_hook_log = None
+
+
+def _hook_error(counters, hook: str, err: BaseException) -> None:
+    """An exception caught at a vLLM hook (docs/architecture.md §8 R41): counted and logged (at most one line per hook
+    per 10 s, with the traceback of the first); the caller turns it into a miss or failed pages. Nothing from
+    tierkv ever reaches vLLM's forward or its scheduler loop."""
+    global _hook_log
+    if _hook_log is None:
+        from tierkv.storage_backends.common import RateLimitedLog
+        _hook_log = RateLimitedLog(logger)
+    if counters is not None:
+        counters.hook_errors += 1
+    _hook_log.warning(f"hook:{hook}", "tierkv: %s raised %r; served as a miss / failed pages (vLLM recomputes "
+                      "them)", hook, err)
+    logger.debug("tierkv: %s traceback", hook, exc_info=err)
+
 
 class TierKVWorkerMeta(KVConnectorWorkerMetadata):
     """Worker -> scheduler: the :class:`~tierkv.connector.plan.JobReport` s of one step. vLLM merges the ranks' objects
@@ -295,6 +318,16 @@ class TierKVConnector(KVConnectorBase_V1):
                                     cache_salt=getattr(request, "cache_salt", None))
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        try:
+            return self._matched(request, num_computed_tokens)
+        except Exception as e:  # a miss, never an engine crash (docs §8 R41)
+            _hook_error(self._sched.counters, "get_num_new_matched_tokens", e)
+            st = self._sched.requests.get(request.request_id)
+            if st is not None:
+                st.async_hit = False
+            return 0, False
+
+    def _matched(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
         self._track(request)
         if getattr(request, "skip_reading_prefix_cache", False):
             self._sched.requests[request.request_id].last_num_computed = num_computed_tokens
@@ -305,25 +338,37 @@ class TierKVConnector(KVConnectorBase_V1):
         return n, bool(n > 0 and self._sched.lookup_is_async(request.request_id))
 
     def update_state_after_alloc(self, request: "Request", blocks, num_external_tokens: int) -> None:
-        self._track(request)
-        block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
-        self._sched.on_alloc(request.request_id, block_ids, num_external_tokens)
+        block_ids: list[int] = []
+        is_async = False
+        try:
+            self._track(request)
+            block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
+            is_async = self._sched.lookup_is_async(request.request_id)
+            self._sched.on_alloc(request.request_id, block_ids, num_external_tokens)
+        except Exception as e:  # the promised tokens are reported as failed loads: vLLM recomputes them (§8 R41)
+            _hook_error(None, "update_state_after_alloc", e)
+            self._sched.alloc_failed(request.request_id, list(block_ids), num_external_tokens, is_async)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         sched = self._sched
-        self._observe_step(scheduler_output)
-        for rid in scheduler_output.preempted_req_ids or ():
-            sched.on_preempted(rid)
+        try:
+            self._observe_step(scheduler_output)
+            for rid in scheduler_output.preempted_req_ids or ():
+                sched.on_preempted(rid)
+        except Exception as e:
+            _hook_error(sched.counters, "build_connector_meta", e)
         n_sched = scheduler_output.num_scheduled_tokens
         state = getattr(scheduler_output, "kv_connector_block_state", None)
-        for nr in scheduler_output.scheduled_new_reqs:
-            self._plan_saves(nr.req_id, nr.num_computed_tokens + n_sched.get(nr.req_id, 0), state, nr.block_ids)
+        todo = [(nr.req_id, nr.num_computed_tokens + n_sched.get(nr.req_id, 0), nr.block_ids)
+                for nr in scheduler_output.scheduled_new_reqs]
         cached = scheduler_output.scheduled_cached_reqs
-        for i, rid in enumerate(cached.req_ids):
-            self._plan_saves(rid, cached.num_computed_tokens[i] + n_sched.get(rid, 0), state, None)
-        plan = sched.build_plan()
-        meta = ConnectorPlan(step=plan.step, loads=plan.loads, saves=plan.saves, jobs=plan.jobs,
-                             recomputed=plan.recomputed)
+        todo += [(rid, cached.num_computed_tokens[i] + n_sched.get(rid, 0), None) for i, rid in enumerate(cached.req_ids)]
+        for rid, tokens_after, blocks in todo:
+            try:
+                self._plan_saves(rid, tokens_after, state, blocks)
+            except Exception as e:  # that request's pages are not saved this step; nothing else changes (§8 R41)
+                _hook_error(sched.counters, "build_connector_meta", e)
+        meta = ConnectorPlan.of(sched.build_plan())
         self._stats.maybe_write()
         return meta
 
@@ -342,6 +387,12 @@ class TierKVConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output) -> None:
         if self._sched is None:
             return
+        try:
+            self._connector_output(connector_output)
+        except Exception as e:
+            _hook_error(self._sched.counters, "update_connector_output", e)
+
+    def _connector_output(self, connector_output) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if meta is not None:
             self._sched.on_reports(getattr(meta, "reports", []) or [])
@@ -366,7 +417,11 @@ class TierKVConnector(KVConnectorBase_V1):
         self._sched.schedule_saves(rid, tokens_after, ids[0])
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict]]:
-        delay = self._sched.on_finished(request.request_id)
+        try:
+            delay = self._sched.on_finished(request.request_id)
+        except Exception as e:  # the blocks go back at once: the workers never copy into a finished request's blocks
+            _hook_error(self._sched.counters, "request_finished", e)
+            delay = False
         self._requests.pop(request.request_id, None)
         if not self._sched.requests:  # the engine may go idle now, and no later step would write the counters
             self._stats.write_now()
@@ -447,13 +502,21 @@ class TierKVConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
         if self._worker is None:
             return None, None
-        done = self._worker.poll(finished_req_ids)
+        try:
+            done = self._worker.poll(finished_req_ids)
+        except Exception as e:
+            _hook_error(self._worker.counters, "get_finished", e)
+            return None, None
         return None, (done or None)
 
     def build_connector_worker_meta(self) -> Optional[KVConnectorWorkerMetadata]:
         if self._worker is None:
             return None
-        reports = self._worker.take_reports()
+        try:
+            reports = self._worker.take_reports()
+        except Exception as e:
+            _hook_error(self._worker.counters, "build_connector_worker_meta", e)
+            return None
         return TierKVWorkerMeta(reports) if reports else None
 
     def _worker_stats(self) -> dict:
@@ -463,12 +526,25 @@ class TierKVConnector(KVConnectorBase_V1):
         if self._worker is None:
             return
         plan = self._get_connector_metadata()
-        if isinstance(plan, StepPlan) and plan.loads:
-            self._worker.start_loads(plan)
+        if not isinstance(plan, StepPlan):
+            return
+        try:
+            self._worker.take_plan_failures(plan)
+            if plan.loads:
+                self._worker.start_loads(plan)
+        except Exception as e:  # the step's loads are reported failed: vLLM recomputes them (§8 R41)
+            _hook_error(self._worker.counters, "start_load_kv", e)
+            self._worker.fail_loads(plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._worker is not None:
-            self._worker.wait_layer(layer_name)
+            try:
+                self._worker.wait_layer(layer_name)
+            except Exception as e:
+                _hook_error(self._worker.counters, "wait_for_layer_load", e)
+                plan = self._get_connector_metadata()
+                if isinstance(plan, StepPlan):
+                    self._worker.fail_loads(plan)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         return None  # saves run once per step in wait_for_save, after every layer wrote its KV
@@ -477,12 +553,27 @@ class TierKVConnector(KVConnectorBase_V1):
         if self._worker is None:
             return
         plan = self._get_connector_metadata()
-        self._worker.finish_loads()
-        if isinstance(plan, StepPlan):
+        if not isinstance(plan, StepPlan):
+            return
+        try:
+            self._worker.finish_loads()
             self._worker.run_saves(plan)  # every step: it also notes this step's failed loads (§8 R31)
-            if plan.jobs:
+        except Exception as e:  # those pages are not in L2; a later hit on them recomputes (§8 R41)
+            _hook_error(self._worker.counters, "wait_for_save", e)
+            self._worker.forget_saves(plan.saves)
+        if plan.jobs:
+            try:
                 self._worker.submit_jobs(plan)
+            except Exception as e:  # answered "not done" at once, so the scheduler side never waits for them
+                _hook_error(self._worker.counters, "wait_for_save", e)
+                self._worker.fail_jobs(plan.jobs)
         self._stats.maybe_write()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.take_failed_blocks() if self._worker is not None else set()
+        if self._worker is None:
+            return set()
+        try:
+            return self._worker.take_failed_blocks()
+        except Exception as e:
+            _hook_error(self._worker.counters, "get_block_ids_with_load_errors", e)
+            return set()

@@ -63,6 +63,8 @@ class WorkerCounters:
     max_save_ms: float = 0.0        # the slowest step's save, milliseconds
     max_load_ms: float = 0.0        # the slowest step's L2 -> L1 load, milliseconds
     unsaved_pages: int = 0          # saves not made: their request's load failed (computed on a broken prefix)
+    save_failed_pages: int = 0      # saves whose L1 -> L2 copy raised (never loaded nor backed up; docs §8 R41)
+    hook_errors: int = 0            # exceptions caught at a vLLM hook (docs §8 R41): each became failed pages
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -255,16 +257,21 @@ class CacheWorker:
                     saves.append(o)
                     continue
                 self.counters.unsaved_pages += len(o.slots)
-                for slot, key in zip(o.slots, o.keys):
-                    self._unwritten[slot] = key
-                    self.checksums.forget(slot)
+                self.forget_saves([o])
         blocks = [b for o in saves for b in o.block_ids]
         slots = [s for o in saves for s in o.slots]
         if self._unwritten:
             for s in slots:
                 self._unwritten.pop(s, None)
         if blocks:
-            kernels.save_pages(self.dev, self.host, blocks, slots)
+            try:
+                kernels.save_pages(self.dev, self.host, blocks, slots)
+            except Exception as e:  # never into vLLM's forward (docs §8 R41): the pages are simply not in L2
+                self.counters.save_failed_pages += len(blocks)
+                _rate_limited.warning("save", "tierkv: L1 -> L2 save of %d pages failed (%r); they are never "
+                                      "loaded nor backed up, a later hit recomputes them", len(blocks), e)
+                self.forget_saves(saves)
+                return
         self.counters.save_pages += len(blocks)
         self.counters.save_bytes += len(blocks) * self.host.page_bytes
         if self._keep_checksums:
@@ -275,6 +282,47 @@ class CacheWorker:
         self.counters.save_seconds += dt
         self.counters.save_steps += 1
         self.counters.max_save_ms = max(self.counters.max_save_ms, 1e3 * dt)
+
+    def forget_saves(self, saves: Sequence[PageOrder]) -> None:
+        """The slots of ``saves`` were not written (the copy failed or was never made): they are never loaded nor
+        backed up under those keys (a load of one is reported failed, so vLLM recomputes it; docs §8 R31, R41)."""
+        for o in saves:
+            for slot, key in zip(o.slots, o.keys):
+                self._unwritten[slot] = key
+                self.checksums.forget(slot)
+
+    def fail_plan(self, plan: StepPlan) -> None:
+        """A hook could not execute ``plan`` (an exception caught at the vLLM boundary, docs §8 R41): its loads'
+        blocks are reported failed (vLLM recomputes them), its saves are forgotten, and each of its jobs is
+        answered with no page done (a prefetch's request is named as ended with every block failed), so nothing
+        on the scheduler side waits for it."""
+        self.fail_loads(plan)
+        self.forget_saves(plan.saves)
+        self.fail_jobs(plan.jobs)
+
+    def fail_loads(self, plan: StepPlan) -> None:
+        """Report every block of the plan's L2 -> L1 loads as failed (vLLM recomputes them)."""
+        self._pending = None
+        for o in plan.loads:
+            self._failed_blocks.update(o.block_ids)
+            self.counters.failed_load_blocks += len(o.block_ids)
+
+    def take_plan_failures(self, plan: StepPlan) -> None:
+        """Loads the scheduler side promised but could not order (``plan.failed_blocks``, ``plan.failed_requests``,
+        docs §8 R41): their blocks are reported failed and their asynchronous requests named as ended."""
+        if plan.failed_blocks:
+            self._failed_blocks.update(plan.failed_blocks)
+            self.counters.failed_load_blocks += len(plan.failed_blocks)
+        self._orphan_finished.update(plan.failed_requests)
+
+    def fail_jobs(self, jobs) -> None:
+        """Answer ``jobs`` with no page done, at once (no store, or they could not be handed to it)."""
+        for job in jobs:
+            self._orphan_reports.append(JobReport(job.job_id, job.kind, [False] * job.num_pages))
+            if job.kind == JOB_PREFETCH and job.req_id is not None:
+                self._orphan_finished.add(job.req_id)
+                self._failed_blocks.update(job.block_ids)
+                self.counters.failed_load_blocks += len(job.block_ids)
 
     # ----------------------------------------------------------------- L3 jobs
     def submit_jobs(self, plan: StepPlan) -> None:
@@ -293,12 +341,7 @@ class CacheWorker:
                             skip[job.job_id] = idx
             self.l3.submit(plan.jobs, skip=skip)
             return
-        for job in plan.jobs:
-            self._orphan_reports.append(JobReport(job.job_id, job.kind, [False] * job.num_pages))
-            if job.kind == JOB_PREFETCH and job.req_id is not None:
-                self._orphan_finished.add(job.req_id)
-                self._failed_blocks.update(job.block_ids)
-                self.counters.failed_load_blocks += len(job.block_ids)
+        self.fail_jobs(plan.jobs)
 
     def poll(self, finished_req_ids: Sequence[str] = ()) -> set[str]:
         """Finish the request side of ended prefetches: copy their intact leading pages L2 -> L1, remember the
@@ -306,10 +349,11 @@ class CacheWorker:
         (vLLM: ``finished_recving``)."""
         if self._suspect and finished_req_ids:
             self._suspect.difference_update(finished_req_ids)
+        orphans, self._orphan_finished = self._orphan_finished, set()
         if self.l3 is None:
-            out, self._orphan_finished = self._orphan_finished, set()
-            return out
+            return orphans
         res = self.l3.poll(finished_req_ids)
+        res.finished |= orphans
         if res.blocks:
             t0 = time.perf_counter()
             try:
@@ -325,9 +369,9 @@ class CacheWorker:
         return res.finished
 
     def take_reports(self) -> list[JobReport]:
-        if self.l3 is not None:
-            return self.l3.take_reports()
         out, self._orphan_reports = self._orphan_reports, []
+        if self.l3 is not None:
+            out.extend(self.l3.take_reports())
         return out
 
     def close(self, drain_s: float = 10.0) -> None:
