@@ -168,6 +168,8 @@ class TierKVConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        from .cpu_features import request_amx_permission
+        request_amx_permission()  # before any page moves: vLLM's AMX kernels die of SIGILL without it (cpu_features)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.cfg: TierKVConfig = config_from_extra(extra)
         route_logs_to_vllm(self.cfg.log_level)
