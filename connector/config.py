@@ -63,6 +63,7 @@ class ControllerConfig(_Strict):
     exists_wait_s: float = Field(default=1.0, ge=0)
     negative_ttl_s: float = Field(default=2.0, ge=0)
     room_retry_steps: int = Field(default=8, ge=0)
+    room_wait_s: float = Field(default=0.5, ge=0)
     max_index_pages: int = Field(default=1 << 22, ge=1)
     batch_pages: int = Field(default=16, ge=1, le=4096)
     max_backup_pages: int = Field(default=65536, ge=1)

@@ -118,7 +118,8 @@ class Controller:
         prefetch_timeout_per_page_s: the ``controller`` config section.
         exists_wait_s: longest time (seconds) a request waits for an existence answer.
         negative_ttl_s: seconds an absent page is remembered.
-        room_retry_steps: lookups a request may wait for L2 staging room before its L3 hit is declined.
+        room_retry_steps / room_wait_s: a request waits for L2 staging room for at least this many lookups and at
+            least this many seconds (both) before its L3 hit is declined.
         max_index_pages: bound on indexed pages; L3-only pages beyond it leave the index (LRU).
         clock: monotonic seconds.
     Raises:
@@ -129,7 +130,8 @@ class Controller:
                  write_policy: str = "write_through", write_through_threshold: int = 2,
                  prefetch_policy: str = "best_effort", prefetch_timeout_base_s: float = 0.5,
                  prefetch_timeout_per_page_s: float = 0.005, exists_wait_s: float = 1.0,
-                 negative_ttl_s: float = 2.0, room_retry_steps: int = 8, max_index_pages: int = 1 << 22,
+                 negative_ttl_s: float = 2.0, room_retry_steps: int = 8, room_wait_s: float = 0.5,
+                 max_index_pages: int = 1 << 22,
                  clock: Callable[[], float] = time.monotonic):
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"bad value {write_policy!r} for 'controller.write_policy': allowed values are "
@@ -156,6 +158,7 @@ class Controller:
         self.exists_wait_s = exists_wait_s
         self.negative_ttl_s = negative_ttl_s
         self.room_retry_steps = room_retry_steps
+        self.room_wait_s = room_wait_s
         self.max_index_pages = max_index_pages
         self.clock = clock
         self.counters = ControllerCounters()
@@ -168,7 +171,7 @@ class Controller:
         self._absent: "OrderedDict[bytes, float]" = OrderedDict()
         self._req_prefetch: dict[str, int] = {}   # request -> its prefetch job, until the job's report (I/O side)
         self._recv_open: set[str] = set()          # requests whose load the workers have not named as ended yet
-        self._room_waits: dict[str, int] = {}
+        self._room_waits: dict[str, tuple[int, float]] = {}  # request -> (lookups waited, clock at the first)
         self.fetch_s_per_page = _Ewma()
         self.prefill_s_per_token = _Ewma()
 
@@ -329,8 +332,10 @@ class Controller:
             self.allocator.free(self.index.drop_l2(v))
 
     def room_possible(self, need: int) -> bool:
-        """Cheap, side-effect-free guess whether ``need`` slots could be freed now (free + unlocked L2 pages)."""
-        return self.allocator.num_free + max(0, self.index.l2_pages - self.index.locked_pages) >= need
+        """Whether ``need`` slots can be had now: free slots plus L2 copies on unlocked nodes (an unlocked node's
+        whole subtree is unlocked, so :meth:`make_room` reaches every one of them). O(1), no side effect. Pages a
+        running prefetch locks but has not fetched yet are L3-only (no L2 copy) and hide nothing."""
+        return self.allocator.num_free + max(0, self.index.l2_pages - self.index.locked_l2_pages) >= need
 
     # ------------------------------------------------------------------ existence
     def _is_absent(self, key: bytes) -> bool:
@@ -419,16 +424,19 @@ class Controller:
 
     def wait_for_room(self, req_id: str, fetch_pages: int) -> Optional[bool]:
         """Whether a request whose L3 hit needs ``fetch_pages`` staging slots can go ahead (True), should wait a
-        step (None), or must give up its L3 hit (False, after ``room_retry_steps`` waits)."""
+        step (None), or must give up its L3 hit (False, once it waited ``room_retry_steps`` lookups and
+        ``room_wait_s`` seconds: on an engine that loops fast, lookups alone would run out in milliseconds)."""
         if self.room_possible(fetch_pages):
             self._room_waits.pop(req_id, None)
             return True
-        n = self._room_waits.get(req_id, 0) + 1
-        if n > self.room_retry_steps:
+        now = self.clock()
+        n, t0 = self._room_waits.get(req_id, (0, now))
+        n += 1
+        if n > self.room_retry_steps and now - t0 >= self.room_wait_s:
             self._room_waits.pop(req_id, None)
             self.counters.l3_declined_room_pages += fetch_pages
             return False
-        self._room_waits[req_id] = n
+        self._room_waits[req_id] = (n, t0)
         return None
 
     def deadline_s(self, fetch_pages: int) -> Optional[float]:

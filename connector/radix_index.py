@@ -120,6 +120,7 @@ class IndexStats:
     l2_pages: int = 0
     l3_pages: int = 0
     locked_pages: int = 0
+    locked_l2_pages: int = 0
     evictable_pages: int = 0
     evicted_pages: int = 0
     inserted_pages: int = 0
@@ -152,6 +153,7 @@ class RadixIndex:
         self.l2_pages = 0
         self.l3_pages = 0
         self.locked_pages = 0
+        self.locked_l2_pages = 0  # L2 copies on locked nodes: what eviction cannot reclaim now (staging room)
         self.evicted_pages = 0
         self.inserted_pages = 0
         self.splits = 0
@@ -360,6 +362,8 @@ class RadixIndex:
                     child.host_slots[k] = new_slot
                     child.l2_count += 1
                     self.l2_pages += 1
+                    if child.lock_ref:
+                        self.locked_l2_pages += 1
                 else:
                     dups.append(new_slot)
             if in_l3 is not None and in_l3[i + k] and not child.in_l3[k]:
@@ -377,6 +381,7 @@ class RadixIndex:
         while n is not self.root:
             if n.lock_ref == 0:
                 self.locked_pages += n.num_pages
+                self.locked_l2_pages += n.l2_count
             n.lock_ref += 1
             n = n.parent
         return node
@@ -390,6 +395,7 @@ class RadixIndex:
             n.lock_ref -= 1
             if n.lock_ref == 0:
                 self.locked_pages -= n.num_pages
+                self.locked_l2_pages -= n.l2_count
                 self._push(n)
             n = n.parent
 
@@ -628,6 +634,8 @@ class RadixIndex:
         assert l2 == self.l2_pages, (l2, self.l2_pages)
         assert l3 == self.l3_pages, (l3, self.l3_pages)
         assert locked == self.locked_pages, (locked, self.locked_pages)
+        locked_l2 = sum(n.l2_count for n in self._iter_nodes() if n.lock_ref > 0)
+        assert locked_l2 == self.locked_l2_pages, (locked_l2, self.locked_l2_pages)
         assert len(self._heap) <= 4 * self.num_nodes + 1025 and len(self._l3_heap) <= 4 * self.num_nodes + 1025
 
     # ------------------------------------------------------------------ internals

