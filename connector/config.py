@@ -66,12 +66,13 @@ class ControllerConfig(_Strict):
     room_wait_s: float = Field(default=0.5, ge=0)
     max_index_pages: int = Field(default=1 << 22, ge=1)
     batch_pages: int = Field(default=16, ge=1, le=4096)
+    read_threads: Optional[int] = Field(default=None, ge=1, le=64)
     max_backup_pages: int = Field(default=65536, ge=1)
     shutdown_drain_s: float = Field(default=10.0, ge=0)
 
     def scheduler_kwargs(self) -> dict:
         """Keyword arguments of :class:`tierkv.connector.controller.Controller`."""
-        return self.model_dump(exclude={"batch_pages", "max_backup_pages", "shutdown_drain_s"})
+        return self.model_dump(exclude={"batch_pages", "read_threads", "max_backup_pages", "shutdown_drain_s"})
 
 
 class TierKVConfig(_Strict):

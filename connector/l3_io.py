@@ -4,8 +4,11 @@ Design after SGLang HiCache's cache controller (a backup queue and a prefetch qu
 engine's critical path), driven here by the jobs of :mod:`tierkv.connector.plan` instead of a shared tree:
 
 - :meth:`L3IO.submit` takes the step's jobs (after the step's L1 -> L2 saves, so a backup may read a slot saved in
-  the same step). Backups go to the writer thread, prefetches and existence queries to the reader thread: a slow
-  backup never delays a load.
+  the same step). Backups go to the writer thread, prefetches and existence queries to a pool of ``read_threads``
+  reader threads (each with its own staging pages): a slow backup never delays a load, and several requests' reads
+  are in flight at once, so one slow read does not hold the others back.
+- A prefetch's deadline counts from the moment a reader starts it, so queueing behind other reads does not eat
+  it. While it waits in the queue a request waits at most its deadline again; then it is released as late.
 - The threads move bytes between L2 slots and the store in batches of ``batch_pages`` pages. A failed batch fails
   only its own pages; later batches still run (a page is reported done only if the store acknowledged it).
 - Once a job ended, its :class:`~tierkv.connector.plan.JobReport` waits in :meth:`take_reports` for the next step's
@@ -49,6 +52,17 @@ def l3_key(rank_namespace: bytes, key: bytes) -> str:
     """Text key (32 lowercase hex chars) of page ``key`` (16 bytes) in the L3 store, for the rank whose namespace
     digest is ``rank_namespace`` (16 bytes)."""
     return xxhash.xxh3_128_hexdigest(rank_namespace + key)
+
+
+def default_read_threads(store) -> int:
+    """The ``default_read_threads`` of the store under any wrappers (``.inner``: fault injector, ``.store``: timing)."""
+    seen = 0
+    while seen < 8:
+        inner = getattr(store, "inner", None) or getattr(store, "store", None)
+        if inner is None or inner is store:
+            break
+        store, seen = inner, seen + 1
+    return int(getattr(store, "default_read_threads", 2))
 
 
 @dataclass
@@ -110,19 +124,24 @@ class L3IO:
         rank_namespace: 16-byte namespace digest of this rank (model, dtype, layout, TP/PP rank...).
         checksums: the worker's :class:`SlotChecksums` (read for backups, written for prefetched pages).
         batch_pages: pages per store call (>= 1).
+        read_threads: reader threads (>= 1): prefetches and existence queries in flight at once; None = the store's
+            ``default_read_threads`` (looked up through wrappers such as the fault injector and the timing wrapper).
         max_backup_pages: pages queued for backup at most; more are dropped (reported failed, counted).
         log_every_s: at most one warning per kind of failure per this many seconds.
         rank: this worker's rank (written into its reports).
         clock: monotonic clock in seconds (tests pass a fake one to drive deadlines).
     Raises:
-        ValueError: bad ``batch_pages``, ``max_backup_pages`` or namespace length.
+        ValueError: bad ``batch_pages``, ``max_backup_pages``, ``read_threads`` or namespace length.
     """
 
     def __init__(self, store, host, rank_namespace: bytes, checksums: SlotChecksums, *, batch_pages: int = 16,
-                 max_backup_pages: int = 65536, log_every_s: float = 10.0, rank: int = 0,
+                 max_backup_pages: int = 65536, log_every_s: float = 10.0, rank: int = 0, read_threads: Optional[int] = None,
                  clock: Callable[[], float] = time.monotonic):
-        if batch_pages < 1 or max_backup_pages < 1:
-            raise ValueError(f"batch_pages ({batch_pages}) and max_backup_pages ({max_backup_pages}) must be >= 1")
+        if read_threads is None:
+            read_threads = default_read_threads(store)
+        if batch_pages < 1 or max_backup_pages < 1 or read_threads < 1:
+            raise ValueError(f"batch_pages ({batch_pages}), max_backup_pages ({max_backup_pages}) and read_threads "
+                             f"({read_threads}) must be >= 1")
         if len(rank_namespace) != 16:
             raise ValueError(f"rank_namespace must be 16 bytes, got {len(rank_namespace)}")
         self.store = store
@@ -131,6 +150,7 @@ class L3IO:
         self.checksums = checksums
         self.batch_pages = batch_pages
         self.max_backup_pages = max_backup_pages
+        self.read_threads = read_threads
         self.clock = clock
         self.rank = rank
         self.counters = L3Counters()
@@ -145,18 +165,17 @@ class L3IO:
         self._closed = False
         self._read_q: "queue.Queue[Optional[Job]]" = queue.Queue()
         self._write_q: "queue.Queue[Optional[Job]]" = queue.Queue()
-        self._threads = [threading.Thread(target=self._serve, args=(self._read_q,), name="tierkv-l3-read",
-                                          daemon=True),
-                         threading.Thread(target=self._serve, args=(self._write_q,), name="tierkv-l3-write",
-                                          daemon=True)]
-        for t in self._threads:
-            t.start()
         # staging pages for pages that are not one contiguous run in L2 (K and V are two runs), one set per thread,
-        # kept for the life of the object and, like the pool itself, registered with stores that read registered
-        # memory directly (Mooncake: zero-copy puts; a no-op returning False elsewhere)
+        # kept for the life of the object; the writer's, like the pool itself, registered with stores that read
+        # registered memory directly (Mooncake: zero-copy puts; a no-op returning False elsewhere)
         self._direct = host.read_page(0).untyped_storage().data_ptr() == host.buffer.untyped_storage().data_ptr()
         self._wstage = self._staging(batch_pages)
-        self._rstage = self._staging(batch_pages)
+        self._threads = [threading.Thread(target=self._serve, args=(self._read_q, self._staging(batch_pages)),
+                                          name=f"tierkv-l3-read-{i}", daemon=True) for i in range(read_threads)]
+        self._threads.append(threading.Thread(target=self._serve, args=(self._write_q, self._wstage),
+                                              name="tierkv-l3-write", daemon=True))
+        for t in self._threads:
+            t.start()
         self._registered: list[torch.Tensor] = []
         for buf in (host.buffer, self._wstage):
             try:
@@ -203,6 +222,7 @@ class L3IO:
                 with self._lock:
                     self._busy += 1
                     if job.kind == JOB_PREFETCH:
+                        # until a reader starts it, the request waits at most its deadline in the queue
                         now = self.clock()
                         self._prefetches[job.job_id] = _Prefetch(
                             job, time.perf_counter(), None if job.deadline_s is None else now + job.deadline_s,
@@ -269,8 +289,9 @@ class L3IO:
         with self._lock:
             self._closed = True
             dropped = self._queued_backup_pages if not drained else 0
-        for q in (self._read_q, self._write_q):
-            q.put(None)
+        for _ in range(self.read_threads):
+            self._read_q.put(None)
+        self._write_q.put(None)
         if dropped:
             logger.warning("tierkv L3: shutdown after %.1f s with %d pages still queued for backup: dropped",
                            drain_s, dropped)
@@ -292,7 +313,7 @@ class L3IO:
         return d
 
     # ------------------------------------------------------------------ I/O threads
-    def _serve(self, q: "queue.Queue[Optional[Job]]") -> None:
+    def _serve(self, q: "queue.Queue[Optional[Job]]", stage: torch.Tensor) -> None:
         while True:
             job = q.get()
             if job is None:
@@ -301,7 +322,7 @@ class L3IO:
                 if job.kind == JOB_BACKUP:
                     self._run_backup(job)
                 elif job.kind == JOB_PREFETCH:
-                    self._run_prefetch(job)
+                    self._run_prefetch(job, stage)
                 else:
                     self._run_exists(job)
             except Exception as e:  # a bug or a store that raised: the job fails, the thread lives on
@@ -391,11 +412,15 @@ class L3IO:
             self._queued_backup_pages -= job.num_pages
         self._report(JobReport(job.job_id, job.kind, ok, seconds=dt, bytes=nbytes))
 
-    def _run_prefetch(self, job: Job) -> None:
+    def _run_prefetch(self, job: Job, stage: torch.Tensor) -> None:
         with self._lock:
             p = self._prefetches[job.job_id]
+            if not p.request_done:
+                # the deadline runs from here: time spent queued behind other reads does not count against it
+                p.start = time.perf_counter()
+                if job.deadline_s is not None:
+                    p.deadline = self.clock() + job.deadline_s
         todo = [i for i, (f, s) in enumerate(zip(job.fetch, job.slots)) if f and s >= 0]
-        stage = self._rstage
         for b in range(0, len(todo), self.batch_pages):
             with self._lock:
                 if p.cancel:

@@ -498,7 +498,7 @@ class TierKVConnector(KVConnectorBase_V1):
         c = self.cfg.controller
         checksums = SlotChecksums(host.num_slots)
         l3 = L3IO(store, host, digest, checksums, batch_pages=c.batch_pages, max_backup_pages=c.max_backup_pages,
-                  rank=tp_rank + self.tp_size * pp_rank)
+                  rank=tp_rank + self.tp_size * pp_rank, read_threads=c.read_threads)
         return l3, checksums
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:

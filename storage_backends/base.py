@@ -71,6 +71,9 @@ class StorageBackend(abc.ABC):
 
     page_bytes: int
     namespace: bytes
+    #: reads the connector keeps in flight at once against this store by default (``controller.read_threads``):
+    #: calls of different threads must be safe and, to gain anything, able to proceed in parallel
+    default_read_threads: int = 2
 
     def __init_subclass__(cls, **kw: Any) -> None:
         """Give every store the optional ``tokens`` keyword (see the module docstring): a ``batch_*`` method that

@@ -273,6 +273,7 @@ def _probe_endpoints(c: MooncakeStoreConfig) -> None:
 
 
 class MooncakeStore(StorageBackend):
+    default_read_threads = 4  # the client runs up to max_inflight (4) calls at once
     """A :class:`~tierkv.storage_backends.base.StorageBackend` over one ``MooncakeDistributedStore`` client.
 
     Args:

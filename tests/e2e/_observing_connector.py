@@ -27,19 +27,20 @@ class ObservingTierKVConnector(TierKVConnector):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._obs = {"test_prefetch_jobs_with_device_hit": 0, "test_prefetch_device_hit_tokens": 0,
-                     "test_l3_gap_saves": 0, "test_scheduler_file": _scheduler_module.__file__}
-        self._answer: dict[str, tuple[int, int, bool]] = {}  # req id -> (device hit, tokens answered, async)
+                     "test_l3_gap_saves": 0, "test_plan_slot_conflicts": 0,
+                     "test_scheduler_file": _scheduler_module.__file__}
+        self._answer: dict[str, tuple[int, bool]] = {}  # req id -> (device hit of its last lookup, async answer)
         if self._sched is not None:
             inner = self._stats.snapshot
             self._stats.snapshot = lambda: {**inner(), **self._obs}
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         n, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
-        self._answer[request.request_id] = (int(num_computed_tokens), int(n or 0), bool(load_async))
+        self._answer[request.request_id] = (int(num_computed_tokens), bool(load_async))
         return n, load_async
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        device, _n, load_async = self._answer.pop(request.request_id, (0, 0, False))
+        device, load_async = self._answer.pop(request.request_id, (0, False))
         if load_async and num_external_tokens > 0 and device > 0 and self._sched.ctl is not None:
             self._obs["test_prefetch_jobs_with_device_hit"] += 1
             self._obs["test_prefetch_device_hit_tokens"] += device
@@ -54,7 +55,12 @@ class ObservingTierKVConnector(TierKVConnector):
         for rid, tokens_after in todo:
             if self._gap_before_save(rid, tokens_after):
                 self._obs["test_l3_gap_saves"] += 1
-        return super().build_connector_meta(scheduler_output)
+        meta = super().build_connector_meta(scheduler_output)
+        slots = [int(s) for o in getattr(meta, "saves", None) or () for s in o.slots]
+        alloc = self._sched.allocator
+        self._obs["test_plan_slot_conflicts"] += (len(slots) - len(set(slots))
+                                                  + sum(1 for s in set(slots) if not alloc.is_allocated(s)))
+        return meta
 
     def _gap_before_save(self, rid: str, tokens_after: int) -> bool:
         sched = self._sched

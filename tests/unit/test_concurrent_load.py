@@ -145,3 +145,107 @@ def test_waiting_for_room_counts_time_as_well_as_lookups():
     now[0] += 0.2
     assert ctl.wait_for_room("b", 8) is False                       # both budgets spent: declined
     assert ctl.counters.l3_declined_room_pages == 8
+
+
+# ---------------------------------------------------------------- L3 reads of several requests at once
+def _doc_keys(e, doc):
+    return page_keys(request_root(e.sched.ns_digest), doc, P)
+
+
+class _GatedStore:
+    """Wraps a real store; call ``i`` of ``batch_get`` first runs ``before[i]`` (if any): a read whose duration is
+    set by the test (an event it waits for, a fake clock it moves), which a real store cannot do on demand."""
+
+    def __init__(self, inner, before):
+        self.inner, self.before, self.calls = inner, before, 0
+        import threading
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def batch_get(self, keys, dsts, **kw):
+        with self._lock:
+            i, self.calls = self.calls, self.calls + 1
+        if i in self.before:
+            self.before[i]()
+        return self.inner.batch_get(keys, dsts, **kw)
+
+
+def _prefetch_job(jid, rid, keys, slots, blocks, deadline_s=None):
+    from tierkv.connector.plan import JOB_PREFETCH, Job
+    return Job(jid, JOB_PREFETCH, keys, slots=slots, block_ids=blocks, fetch=[True] * len(keys), req_id=rid,
+               deadline_s=deadline_s)
+
+
+def test_reads_of_four_requests_are_in_flight_at_once(tmp_path):
+    """Class 3 of the issue: one reader thread served every L3 read, so four distinct hits queued behind each other
+    and the last ones ran out of time. The file store's default is four readers: four reads that each block in the
+    store are all in flight together, and all complete."""
+    import threading
+    from test_controller import file_store
+    docs = [toks(1000 * (i + 1), 2 * P) for i in range(4)]
+    e0 = FakeEngine(store=file_store(tmp_path))
+    for i, d in enumerate(docs):
+        e0.run_l3(Req(f"w{i}", d + [1]))
+    e0.settle()
+    e0.close()
+    e = FakeEngine(store=file_store(tmp_path))
+    l3 = e.worker.l3
+    assert l3.read_threads == 4
+    gate, started = threading.Event(), threading.Semaphore(0)
+    l3.store = _GatedStore(l3.store, {i: (lambda: (started.release(), gate.wait(30))) for i in range(4)})
+    l3.submit([_prefetch_job(i + 1, f"r{i}", _doc_keys(e, d), [2 * i, 2 * i + 1], [10 + 2 * i, 11 + 2 * i])
+               for i, d in enumerate(docs)])
+    for _ in range(4):                                   # every read is inside the store at the same time
+        assert started.acquire(timeout=10), "reads are serialised: fewer than 4 in flight"
+    gate.set()
+    assert l3.wait_idle(30)
+    res = l3.poll()
+    assert res.finished == {"r0", "r1", "r2", "r3"} and not res.failed_blocks
+    assert [r.ok for r in sorted(l3.take_reports(), key=lambda r: r.job_id)] == [[True, True]] * 4
+    e.close()
+
+
+def test_a_prefetch_deadline_counts_from_the_start_of_its_read(tmp_path):
+    """Class 3: the deadline ran from submission, so a read that waited behind another one lost its time in the
+    queue. With one reader: A's read blocks; B waits in the queue; A ends at t = 0.4 s and B's read starts then
+    (deadline 0.5 s, so until 0.9 s). At t = 0.7 s, B's first batch arrived and its second is still being read: B is
+    not released as late (before the fix it was, at 0.5 s after submission)."""
+    import threading
+    from test_controller import file_store
+    now = [0.0]
+    a, b = toks(1000, 2 * P), toks(5000, 8 * P)
+    e0 = FakeEngine(store=file_store(tmp_path))
+    e0.run_l3(Req("wa", a + [1]))
+    e0.run_l3(Req("wb", b + [1]))
+    e0.settle()
+    e0.close()
+    e = FakeEngine(store=file_store(tmp_path), clock=lambda: now[0], batch_pages=4)
+    e.worker.l3.close()                                  # rebuild it with one reader and the fake clock
+    from tierkv.connector.l3_io import L3IO
+    w = e.worker
+    l3 = L3IO(w.l3.store, w.host, w.l3.rank_namespace, w.checksums, batch_pages=4, read_threads=1,
+              clock=lambda: now[0])
+    w.l3 = l3
+    gate_a, gate_b, in_b = threading.Event(), threading.Event(), threading.Event()
+
+    def b_second_batch():
+        in_b.set()
+        gate_b.wait(30)
+    l3.store = _GatedStore(l3.store, {0: lambda: gate_a.wait(30), 1: lambda: now.__setitem__(0, 0.7),
+                                      2: b_second_batch})
+    l3.submit([_prefetch_job(1, "a", _doc_keys(e, a), [0, 1], [10, 11], deadline_s=0.5),
+               _prefetch_job(2, "b", _doc_keys(e, b), list(range(2, 10)), list(range(20, 28)), deadline_s=0.5)])
+    now[0] = 0.4
+    assert l3.poll().finished == set()
+    gate_a.set()                                         # A ends; B's read starts at 0.4 and moves the clock to 0.7
+    assert in_b.wait(30)
+    res = l3.poll()
+    assert res.finished == {"a"}, "B was released while its read was running within its deadline"
+    gate_b.set()
+    assert l3.wait_idle(30)
+    res = l3.poll()
+    assert res.finished == {"b"} and res.blocks == list(range(20, 28)) and not res.failed_blocks
+    l3.close()
+    e.close()

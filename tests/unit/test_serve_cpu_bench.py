@@ -1,0 +1,98 @@
+"""``benchmarks/serve_cpu.py`` and ``benchmarks/make_multiturn_trace.py``: the trace format and its determinism, the
+/metrics parser, and the README section drawn from the committed result file (drift test, as for e2e_cpu)."""
+import copy
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _load(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+serve = _load("tierkv_bench_serve_cpu", REPO / "benchmarks" / "serve_cpu.py")
+trace = serve.trace_gen
+
+ARGS = dict(conversations=4, turns=3, first_chunks=3, turn_chunks=2, output_len=5)
+
+
+def test_the_trace_is_deterministic_turn_major_and_each_turn_extends_the_last(tmp_path):
+    rows = trace.make_trace(seed=7, **ARGS)
+    assert rows == trace.make_trace(seed=7, **ARGS)
+    a = trace.write_trace(tmp_path / "a.jsonl", rows).read_bytes()
+    assert a == trace.write_trace(tmp_path / "b.jsonl", trace.make_trace(seed=7, **ARGS)).read_bytes()
+    assert [(r["turn"], r["conversation"]) for r in rows] == [(t, c) for t in (1, 2, 3) for c in range(4)]
+    for r in rows:
+        assert set(r) >= {"timestamp", "input_length", "output_length", "hash_ids"}
+        assert r["input_length"] == 32 * len(r["hash_ids"]) and r["output_length"] == 5
+    by = {(r["conversation"], r["turn"]): r["hash_ids"] for r in rows}
+    for c in range(4):
+        assert len(by[(c, 1)]) == 3
+        for t in (2, 3):
+            assert by[(c, t)][:-2] == by[(c, t - 1)] and len(by[(c, t)]) == len(by[(c, t - 1)]) + 2
+    other = trace.make_trace(seed=8, **ARGS)
+    assert not {h for r in rows for h in r["hash_ids"]} & {h for r in other for h in r["hash_ids"]}
+    st = trace.reuse_stats(rows)
+    # smallest gap: conversation 0, turns 1 -> 2, the other three first turns (3 blocks each) in between;
+    # largest: conversation 3, turns 2 -> 3, the other three third turns (7 blocks each) in between
+    assert st["reuse_gap_blocks_min"] == 3 * 3 and st["reuse_gap_blocks_max"] == 3 * 7
+    assert st["reusable_tokens"] == 32 * 4 * (3 + 5) and st["distinct_blocks"] == 4 * 7
+
+
+def test_the_trace_refuses_bad_sizes():
+    with pytest.raises(ValueError):
+        trace.make_trace(seed=0, **{**ARGS, "turns": 0})
+
+
+PROM = """# HELP vllm:prefix_cache_hits_total x
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 64.0
+vllm:prefix_cache_hits_total{engine="1",model_name="m"} 32.0
+vllm:prefix_cache_hits_created{engine="0",model_name="m"} 1.7e9
+vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 3.0
+vllm:tierkv_hit_tokens_total{engine="0",model_name="m",tier="L3"} 96.0
+vllm:tierkv_l2_used_pages{engine="0",model_name="m"} 12.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1",model_name="m"} 2.0
+vllm:num_requests_running{engine="0",model_name="m"} 1.0
+"""
+
+
+def test_metrics_are_summed_over_engines_and_keep_other_labels():
+    m = serve.parse_metrics(PROM)
+    assert m == {"vllm:prefix_cache_hits_total": 96.0, "vllm:request_success_total{finished_reason=length}": 3.0,
+                 "vllm:tierkv_hit_tokens_total{tier=L3}": 96.0, "vllm:tierkv_l2_used_pages": 12.0}
+    assert serve.metric(m, "vllm:request_success_total") == 3.0
+    later = dict(m, **{"vllm:prefix_cache_hits_total": 160.0, "vllm:tierkv_l2_used_pages": 20.0})
+    assert serve.deltas(later, m) == {"vllm:prefix_cache_hits_total": 64.0, "vllm:tierkv_l2_used_pages": 20.0}
+
+
+def _committed():
+    return json.loads((REPO / "benchmarks" / "results" / "serve_cpu.json").read_text())
+
+
+def test_the_readme_section_is_what_the_committed_result_renders():
+    data = _committed()
+    assert serve.readme_section() == serve.render_section(data, "serve_cpu.json")
+    assert re.fullmatch(r"[0-9a-f]{40}", data["code"]["commit"]) and data["code"]["dirty"] == []
+    if data["quick"]:
+        assert "**Quick run**" in serve.readme_section()
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda d: d["conditions"].pop("cpu"), "conditions.cpu"),
+    (lambda d: d["code"].update(commit=None), "does not record the commit"),
+    (lambda d: d["code"].update(dirty=["connector/worker.py"]), "uncommitted changes to connector/worker.py"),
+])
+def test_a_result_without_a_current_key_or_from_dirty_code_is_refused(change, says):
+    data = copy.deepcopy(_committed())
+    change(data)
+    with pytest.raises(serve.results_check.ResultsError, match=re.escape(says)):
+        serve.render_section(data)
