@@ -31,9 +31,15 @@ Prefetch (L3 -> L2 -> L1)
     and then loads it from L2, so one L3 read serves every waiting request.
 
 A hit is never slower than recomputing it
-    Running estimates (EWMA) of the seconds per fetched page (from prefetch reports) and of the engine's prefill
-    seconds per token (:meth:`observe_prefill`); an L3 hit whose estimated load time exceeds the recompute time of
-    its tokens is declined and counted (``l3_declined_slow_pages``). No estimate yet = no decline.
+    Running estimates (EWMA) of the seconds per fetched page (from prefetch reports, timed from the start of each
+    read) and of the engine's prefill seconds per token (:meth:`observe_prefill`: forward time of steps that computed
+    prompt tokens, measured by the workers); an L3 hit whose estimated load time exceeds the recompute time of its
+    tokens is declined and counted (``l3_declined_slow_pages``). No estimate yet = no decline. A declined hit reads
+    nothing, so the fetch estimate would never change again: once it is older than ``probe_interval_s`` the next
+    hit goes ahead as a probe (``l3_probe_hits``) and its read refreshes it. Under ``best_effort`` a request waits at
+    most ``BEST_EFFORT_STALL_FRACTION`` of its estimated recompute time (and at most three times its estimated fetch
+    time), so a store that stalls costs at most that much on top of recomputing: the leading pages that arrived by
+    then are used, the rest recomputed.
 """
 from __future__ import annotations
 
@@ -77,6 +83,7 @@ class ControllerCounters:
     prefetch_no_room_pages: int = 0     # pages not fetched for lack of L2 staging slots
     l3_hit_tokens: int = 0
     l3_declined_slow_pages: int = 0     # hits declined: loading would take longer than recomputing
+    l3_probe_hits: int = 0              # hits taken although estimated slow, to refresh a stale fetch estimate
     l3_declined_room_pages: int = 0     # hits declined after waiting for L2 room
     index_l3_evicted_pages: int = 0     # L3-only pages dropped from the index to bound it
     backup_cancelled_pages: int = 0     # backups cancelled: their pages were computed on a failed load (R31)
@@ -97,13 +104,29 @@ class _JobState:
     cancelled: bool = False                           # backup of pages that left the index (cancel_backups)
 
 
+#: best_effort: the longest wait for L3, as a fraction of the estimated time to recompute the hit's tokens
+BEST_EFFORT_STALL_FRACTION = 0.05
+#: best_effort: the shortest wait for L3 (seconds), whatever the estimates say
+BEST_EFFORT_MIN_WAIT_S = 0.005
+
+
 class _Ewma:
-    def __init__(self, alpha: float = 0.2):
+    """Exponentially weighted running average (weight ``alpha`` for each new sample; the first sample sets it) that
+    remembers when it last got a sample (``clock`` seconds)."""
+
+    def __init__(self, clock: Callable[[], float], alpha: float = 0.2):
         self.alpha = alpha
+        self.clock = clock
         self.value: Optional[float] = None
+        self.at: Optional[float] = None
 
     def add(self, x: float) -> None:
         self.value = x if self.value is None else (1 - self.alpha) * self.value + self.alpha * x
+        self.at = self.clock()
+
+    def age(self) -> float:
+        """Seconds since the last sample (infinite without one)."""
+        return float("inf") if self.at is None else self.clock() - self.at
 
 
 class Controller:
@@ -118,6 +141,8 @@ class Controller:
         prefetch_timeout_per_page_s: the ``controller`` config section.
         exists_wait_s: longest time (seconds) a request waits for an existence answer.
         negative_ttl_s: seconds an absent page is remembered.
+        probe_interval_s: a fetch estimate older than this lets the next hit that it would decline go ahead (a
+            probe that refreshes it).
         room_retry_steps / room_wait_s: a request waits for L2 staging room for at least this many lookups and at
             least this many seconds (both) before its L3 hit is declined.
         max_index_pages: bound on indexed pages; L3-only pages beyond it leave the index (LRU).
@@ -131,6 +156,7 @@ class Controller:
                  prefetch_policy: str = "best_effort", prefetch_timeout_base_s: float = 0.5,
                  prefetch_timeout_per_page_s: float = 0.005, exists_wait_s: float = 1.0,
                  negative_ttl_s: float = 2.0, room_retry_steps: int = 8, room_wait_s: float = 0.5,
+                 probe_interval_s: float = 5.0,
                  max_index_pages: int = 1 << 22,
                  clock: Callable[[], float] = time.monotonic):
         if write_policy not in WRITE_POLICIES:
@@ -159,6 +185,7 @@ class Controller:
         self.negative_ttl_s = negative_ttl_s
         self.room_retry_steps = room_retry_steps
         self.room_wait_s = room_wait_s
+        self.probe_interval_s = probe_interval_s
         self.max_index_pages = max_index_pages
         self.clock = clock
         self.counters = ControllerCounters()
@@ -172,8 +199,8 @@ class Controller:
         self._req_prefetch: dict[str, int] = {}   # request -> its prefetch job, until the job's report (I/O side)
         self._recv_open: set[str] = set()          # requests whose load the workers have not named as ended yet
         self._room_waits: dict[str, tuple[int, float]] = {}  # request -> (lookups waited, clock at the first)
-        self.fetch_s_per_page = _Ewma()
-        self.prefill_s_per_token = _Ewma()
+        self.fetch_s_per_page = _Ewma(clock)
+        self.prefill_s_per_token = _Ewma(clock)
 
     # ------------------------------------------------------------------ plan / report plumbing
     def take_jobs(self) -> list[Job]:
@@ -420,7 +447,13 @@ class Controller:
         per_page, per_token = self.fetch_s_per_page.value, self.prefill_s_per_token.value
         if fetch_pages <= 0 or per_page is None or per_token is None:
             return True
-        return fetch_pages * per_page <= fetch_pages * self.page_size * per_token
+        if fetch_pages * per_page <= fetch_pages * self.page_size * per_token:
+            return True
+        if self.fetch_s_per_page.age() > self.probe_interval_s:  # stale: this hit reads, and refreshes it
+            self.fetch_s_per_page.at = self.clock()  # one probe per interval, not one per waiting request
+            self.counters.l3_probe_hits += 1
+            return True
+        return False
 
     def wait_for_room(self, req_id: str, fetch_pages: int) -> Optional[bool]:
         """Whether a request whose L3 hit needs ``fetch_pages`` staging slots can go ahead (True), should wait a
@@ -443,9 +476,15 @@ class Controller:
         if self.prefetch_policy == "wait_complete":
             return None
         base = self.timeout_base_s + self.timeout_per_page_s * fetch_pages
-        if self.prefetch_policy == "best_effort" and self.prefill_s_per_token.value is not None:
-            return max(self.prefill_s_per_token.value * fetch_pages * self.page_size, 1e-3)
-        return base
+        per_token = self.prefill_s_per_token.value
+        if self.prefetch_policy != "best_effort" or per_token is None:
+            return base
+        wait = BEST_EFFORT_STALL_FRACTION * per_token * fetch_pages * self.page_size
+        if self.fetch_s_per_page.value is not None:
+            wait = min(wait, 3.0 * self.fetch_s_per_page.value * fetch_pages)
+        else:
+            wait = min(wait, base)
+        return max(wait, BEST_EFFORT_MIN_WAIT_S)
 
     def start_prefetch(self, req_id: str, path: Sequence[bytes], first: int, last: int,
                        block_ids: Sequence[int]) -> Job:

@@ -150,6 +150,9 @@ class StepPlan:
     failed_blocks: list[int] = field(default_factory=list)
     #: requests whose asynchronous (L3) load could not be ordered: the workers name them as ended (finished_recving)
     failed_requests: list[str] = field(default_factory=list)
+    #: prompt tokens the engine computes in this step (the workers time the forward of steps with enough of them:
+    #: the controller's recompute estimate)
+    prefill_tokens: int = 0
 
     def is_empty(self) -> bool:
         return not (self.loads or self.saves or self.jobs or self.recomputed or self.failed_blocks

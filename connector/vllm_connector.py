@@ -92,15 +92,19 @@ def _hook_error(counters, hook: str, err: BaseException) -> None:
 
 
 class TierKVWorkerMeta(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: the :class:`~tierkv.connector.plan.JobReport` s of one step. vLLM merges the ranks' objects
+    """Worker -> scheduler: the :class:`~tierkv.connector.plan.JobReport` s of one step and the timed forwards
+    (``(step, prompt tokens, seconds)``) of steps that computed enough prompt tokens. vLLM merges the ranks' objects
     with :meth:`aggregate` (concatenation: the scheduler side waits for every rank's report of a job and merges
-    them page by page)."""
+    them page by page; of a step timed by several ranks it takes the slowest)."""
 
-    def __init__(self, reports: Optional[list[JobReport]] = None):
+    def __init__(self, reports: Optional[list[JobReport]] = None,
+                 forwards: Optional[list[tuple[int, int, float]]] = None):
         self.reports: list[JobReport] = list(reports or [])
+        self.forwards: list[tuple[int, int, float]] = list(forwards or [])
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "TierKVWorkerMeta":
-        return TierKVWorkerMeta(self.reports + list(getattr(other, "reports", []) or []))
+        return TierKVWorkerMeta(self.reports + list(getattr(other, "reports", []) or []),
+                                self.forwards + list(getattr(other, "forwards", []) or []))
 
 
 def _geometry(kv_cache_config) -> tuple[Any, list[str]]:
@@ -205,8 +209,8 @@ class TierKVConnector(KVConnectorBase_V1):
         self._sched = None
         self._worker = None
         self._requests: dict[str, "Request"] = {}
-        self._last_meta_t: Optional[float] = None
-        self._last_prefill_tokens = 0
+        self._fwd: Optional[tuple[int, int, float]] = None   # worker: (step, prompt tokens, start) of this forward
+        self._forwards: list[tuple[int, int, float]] = []      # worker: timed forwards not reported yet
         if role == KVConnectorRole.SCHEDULER:
             from .scheduler import CacheScheduler
             if self.num_slots == 0:
@@ -354,7 +358,6 @@ class TierKVConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         sched = self._sched
         try:
-            self._observe_step(scheduler_output)
             for rid in scheduler_output.preempted_req_ids or ():
                 sched.on_preempted(rid)
         except Exception as e:
@@ -371,20 +374,16 @@ class TierKVConnector(KVConnectorBase_V1):
             except Exception as e:  # that request's pages are not saved this step; nothing else changes (§8 R41)
                 _hook_error(sched.counters, "build_connector_meta", e)
         meta = ConnectorPlan.of(sched.build_plan())
+        meta.prefill_tokens = sum(self._prompt_tokens(rid, done, after - done) for rid, after, _b in todo
+                                  for done in [after - n_sched.get(rid, 0)])
         self._stats.maybe_write()
         return meta
 
-    def _observe_step(self, so: "SchedulerOutput") -> None:
-        # the engine's prefill time per token, for the controller's "never slower than recomputing" check: the
-        # wall time between two build_connector_meta calls is one step; it counts when that step computed at
-        # least a few pages of prompt tokens (decode-only steps say little about prefill cost)
-        now = time.perf_counter()
-        if self._last_meta_t is not None and self._last_prefill_tokens >= 4 * self.page_size \
-                and self._sched.ctl is not None:
-            self._sched.ctl.observe_prefill(now - self._last_meta_t, self._last_prefill_tokens)
-        self._last_meta_t = now
-        n_sched = so.num_scheduled_tokens or {}
-        self._last_prefill_tokens = sum(n for n in n_sched.values() if n > 1)
+    def _prompt_tokens(self, rid: str, computed: int, scheduled: int) -> int:
+        """Of the ``scheduled`` tokens of ``rid`` in a step starting at ``computed``, how many are prompt tokens."""
+        req = self._requests.get(rid)
+        prompt = int(getattr(req, "num_prompt_tokens", 0) or 0) if req is not None else 0
+        return max(0, min(computed + scheduled, prompt) - computed)
 
     def update_connector_output(self, connector_output) -> None:
         if self._sched is None:
@@ -398,12 +397,27 @@ class TierKVConnector(KVConnectorBase_V1):
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if meta is not None:
             self._sched.on_reports(getattr(meta, "reports", []) or [])
+            self._observe_forwards(getattr(meta, "forwards", []) or [])
         # requests whose L3 load the workers named as ended: their blocks are never delayed again at finish
         self._sched.on_finished_recving(getattr(connector_output, "finished_recving", None) or ())
         # blocks whose load failed in that step (every rank's): pages computed on them leave the index (§8 R31)
         self._sched.on_load_errors(getattr(connector_output, "invalid_block_ids", None) or ())
         if meta is not None and not self._sched.requests:  # idle: the last reports of the drained work
             self._stats.write_now()
+
+    def _observe_forwards(self, forwards) -> None:
+        """The engine's prefill time per token, for the controller's "never slower than recomputing" check: forwards
+        the workers timed (start_load_kv -> wait_for_save) in steps that computed at least four pages of prompt
+        tokens; idle time between steps and decode-only steps do not count. Several ranks: the slowest."""
+        ctl = self._sched.ctl
+        if ctl is None or not forwards:
+            return
+        by_step: dict[int, tuple[int, float]] = {}
+        for step, tokens, seconds in forwards:
+            t, s = by_step.get(step, (tokens, 0.0))
+            by_step[step] = (t, max(s, seconds))
+        for tokens, seconds in by_step.values():
+            ctl.observe_prefill(seconds, tokens)
 
     def _plan_saves(self, rid: str, tokens_after: int, state, fallback_blocks) -> None:
         if rid not in self._sched.requests:
@@ -519,7 +533,8 @@ class TierKVConnector(KVConnectorBase_V1):
         except Exception as e:
             _hook_error(self._worker.counters, "build_connector_worker_meta", e)
             return None
-        return TierKVWorkerMeta(reports) if reports else None
+        forwards, self._forwards = self._forwards, []
+        return TierKVWorkerMeta(reports, forwards) if reports or forwards else None
 
     def _worker_stats(self) -> dict:
         return self._worker.stats() if self._worker is not None else {}
@@ -530,6 +545,8 @@ class TierKVConnector(KVConnectorBase_V1):
         plan = self._get_connector_metadata()
         if not isinstance(plan, StepPlan):
             return
+        if plan.prefill_tokens >= 4 * self.page_size:  # timed until wait_for_save: the forward in between
+            self._fwd = (plan.step, plan.prefill_tokens, time.perf_counter())
         try:
             self._worker.take_plan_failures(plan)
             if plan.loads:
@@ -557,6 +574,10 @@ class TierKVConnector(KVConnectorBase_V1):
         plan = self._get_connector_metadata()
         if not isinstance(plan, StepPlan):
             return
+        fwd, self._fwd = self._fwd, None
+        if fwd is not None and fwd[0] == plan.step:
+            self._forwards.append((fwd[0], fwd[1], time.perf_counter() - fwd[2]))
+            del self._forwards[:-64]  # bounded if the scheduler side never collects them
         try:
             self._worker.finish_loads()
             self._worker.run_saves(plan)  # every step: it also notes this step's failed loads (§8 R31)

@@ -249,3 +249,60 @@ def test_a_prefetch_deadline_counts_from_the_start_of_its_read(tmp_path):
     assert res.finished == {"b"} and res.blocks == list(range(20, 28)) and not res.failed_blocks
     l3.close()
     e.close()
+
+
+# ---------------------------------------------------------------- estimates that recover
+def test_a_stale_slow_estimate_lets_one_probe_through_and_a_fast_read_restores_hits():
+    """Class 4: after one slow fetch every later hit was declined, so no read ever refreshed the estimate (ten hits
+    on a healthy store declined, estimate frozen). Now, once the estimate is older than ``probe_interval_s``, one hit
+    goes ahead as a probe; its (fast) read brings the estimate down and hits are taken again."""
+    now = [0.0]
+    _index, _alloc, ctl = _controller(8, probe_interval_s=5.0, clock=lambda: now[0])
+    ctl.observe_prefill(1.0, 10_000)                    # 0.1 ms per token: 3.2 ms per page to recompute
+    ctl.fetch_s_per_page.add(0.125)                     # one slow fetch: 125 ms per page
+    assert [ctl.worth_loading(4) for _ in range(10)] == [False] * 10
+    now[0] += 6.0                                       # the estimate is stale now
+    assert [ctl.worth_loading(4) for _ in range(3)] == [True, False, False]   # one probe per interval
+    assert ctl.counters.l3_probe_hits == 1
+    for _ in range(25):                                 # the probe's read and later ones are fast: 1 ms per page
+        ctl.fetch_s_per_page.add(0.001)
+    assert ctl.worth_loading(4)
+
+
+def test_best_effort_waits_at_most_a_twentieth_of_the_recompute_time():
+    """Class 4: best_effort waited as long as recomputing would take, then recomputed: a stalled store cost about
+    twice the recompute. The wait is now at most 5 % of the estimated recompute time (and at most three times the
+    estimated fetch time), so a stall costs at most 1.05x recomputing."""
+    from tierkv.connector.controller import BEST_EFFORT_MIN_WAIT_S
+    _index, _alloc, ctl = _controller(8, prefetch_policy="best_effort")
+    assert ctl.deadline_s(10) == 0.5 + 0.005 * 10       # no estimate yet: the timeout policy's deadline
+    ctl.observe_prefill(1.0, 1000)                      # 1 ms per token: 10 pages recompute in 0.32 s
+    assert ctl.deadline_s(10) == pytest.approx(0.05 * 0.32)
+    ctl.fetch_s_per_page.add(0.0002)                    # a fast store: 0.2 ms per page
+    assert ctl.deadline_s(10) == pytest.approx(max(3 * 0.0002 * 10, BEST_EFFORT_MIN_WAIT_S))
+    assert ctl.deadline_s(10) <= 0.05 * 0.32
+
+
+def test_the_recompute_estimate_comes_from_timed_forwards_of_prefill_steps(tmp_path, monkeypatch):
+    """Class 4: the prefill estimate was the wall time between two plan builds, idle time and decode steps
+    included. The workers now time the forward (start_load_kv -> wait_for_save) of steps with at least four pages
+    of prompt tokens; the scheduler side takes the slowest rank's time per step."""
+    from types import SimpleNamespace
+    from tierkv.connector.vllm_connector import ConnectorPlan, TierKVWorkerMeta
+    from vllm_parts import worker_connector, connector, SCHEDULER, write_model
+    monkeypatch.setenv("TIERKV_LEDGER_DIR", str(tmp_path))
+    model = write_model(tmp_path / "model")
+    w, _l1 = worker_connector(model, {"host_pool.num_pages": 8})
+    for step, tokens in ((1, 4 * P), (2, 4 * P - 1), (3, 0)):    # only the first has enough prompt tokens
+        w.bind_connector_metadata(ConnectorPlan(step=step, prefill_tokens=tokens))
+        w.start_load_kv(None)
+        w.wait_for_save()
+        w.clear_connector_metadata()
+    meta = w.build_connector_worker_meta()
+    assert [(s, t) for s, t, _dt in meta.forwards] == [(1, 4 * P)] and meta.forwards[0][2] > 0
+    assert w.build_connector_worker_meta() is None               # reported once
+    s = connector(model, SCHEDULER, {"host_pool.num_pages": 8, "l3.backend": "file", "l3.file.root": str(tmp_path)})
+    two_ranks = TierKVWorkerMeta([], [(7, 1000, 0.5)]).aggregate(TierKVWorkerMeta([], [(7, 1000, 0.8)]))
+    s.update_connector_output(SimpleNamespace(kv_connector_worker_meta=two_ranks, finished_recving=None,
+                                              invalid_block_ids=None))
+    assert s._sched.ctl.prefill_s_per_token.value == pytest.approx(0.8 / 1000)
