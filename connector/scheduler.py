@@ -138,6 +138,9 @@ class CacheScheduler:
         self._plan = StepPlan()
         self._step = 0
         self._drops: list[list[bytes]] = []  # paths whose last page must leave the index once nothing there is locked
+        # nodes holding pages whose save the plan being built orders: locked until the plan is handed over, so no
+        # later save or staging slot of the same plan can evict them and be handed their slot (docs §8 R41)
+        self._plan_locks: list[RadixNode] = []
         self.ctl: Optional[Controller] = None
         if controller is not None and num_slots > 0:
             self.ctl = Controller(self.index, self.allocator, page_size=page_size, **controller)
@@ -320,9 +323,10 @@ class CacheScheduler:
         given = [-1] * (end - start)
         for i, s in zip(missing, slots):
             given[i - start] = s
-        _node, dups = self.index.insert(keys[:end], given, start=start)
+        node, dups = self.index.insert(keys[:end], given, start=start)
         if dups:  # cannot happen: the path was matched just now and nothing on it changed since (it was locked)
             raise RuntimeError(f"{req_id}: slots {dups} handed out for pages already in L2")
+        self._plan_locks.append(self.index.lock(node))
         self._plan.saves.append(PageOrder(req_id, [block_ids[i] for i in missing[:k]], slots,
                                           [keys[i] for i in missing[:k]]))
         self.counters.save_pages += k
@@ -377,6 +381,9 @@ class CacheScheduler:
         self._step += 1
         plan, self._plan = self._plan, StepPlan(step=self._step + 1)
         plan.step = self._step
+        for node in self._plan_locks:  # the plan's saves complete within its step: their pages may go from now on
+            self.index.unlock(node)
+        self._plan_locks = []
         if self.ctl is not None:
             self.ctl.keep_free(self.num_slots // 4)
             plan.jobs = self.ctl.take_jobs()

@@ -306,3 +306,24 @@ def test_the_recompute_estimate_comes_from_timed_forwards_of_prefill_steps(tmp_p
     s.update_connector_output(SimpleNamespace(kv_connector_worker_meta=two_ranks, finished_recving=None,
                                               invalid_block_ids=None))
     assert s._sched.ctl.prefill_s_per_token.value == pytest.approx(0.8 / 1000)
+
+
+@pytest.mark.parametrize("with_l3", [False, True])
+def test_pages_saved_in_a_plan_are_not_evicted_for_a_later_save_of_the_same_plan(with_l3):
+    """Another way to one slot in two saves of a plan: under L2 pressure, a later request's save evicted the pages
+    that an earlier save of the same plan had just been given (they were unlocked and not written yet) and was handed
+    their slot. The plan's own pages are now locked until it is handed over: the later save is skipped instead."""
+    s = CacheScheduler(_ns(), P, P, num_slots=4, controller={"write_policy": "write_through_selective"}
+                       if with_l3 else None)
+    s.add_request("x", toks(1, 4 * P + 1))
+    s.add_request("y", toks(90000, 2 * P + 1))
+    s.schedule_saves("x", 4 * P + 1, list(range(10, 15)))
+    s.schedule_saves("y", 2 * P + 1, list(range(20, 23)))
+    plan = s.build_plan()
+    slots = [sl for o in plan.saves for sl in o.slots]
+    assert len(slots) == len(set(slots)) == 4, slots
+    assert [o.req_id for o in plan.saves] == ["x"] and s.counters.save_skipped_pages == 2
+    assert s.index.locked_pages == 0                    # released with the plan
+    s.schedule_saves("y", 2 * P + 1, list(range(20, 23)))   # next step: x's pages may make room now
+    assert [o.req_id for o in s.build_plan().saves] == ["y"]
+    s.check_invariants()
