@@ -100,6 +100,23 @@ class SchedulerCounters:
     lookup_seconds: float = 0.0     # time spent in them
     max_lookup_us: float = 0.0      # the slowest one, microseconds
     hook_errors: int = 0            # exceptions caught at a vLLM hook (docs §8 R41); each became a miss or failed pages
+    # L3 hits: engine steps (plans built) from the first lookup that waited for or hit L3 to the step whose output
+    # named the load ended. An L2 hit costs 0 (loaded in the step that schedules it); 1 is the least an L3 hit costs
+    l3_hits: int = 0
+    l3_hit_wait_steps: int = 0      # summed over the hits
+    l3_hit_wait_steps_1: int = 0    # histogram: hits that waited 0-1 steps, 2, 3-4, 5-8, 9 or more
+    l3_hit_wait_steps_2: int = 0
+    l3_hit_wait_steps_3_4: int = 0
+    l3_hit_wait_steps_5_8: int = 0
+    l3_hit_wait_steps_9_plus: int = 0
+
+    def note_l3_wait(self, steps: int) -> None:
+        """One L3 load ended ``steps`` plans after its request first waited for L3 (a histogram bucket each)."""
+        self.l3_hits += 1
+        self.l3_hit_wait_steps += steps
+        name = ("1" if steps <= 1 else "2" if steps == 2 else "3_4" if steps <= 4 else "5_8" if steps <= 8
+                else "9_plus")
+        setattr(self, f"l3_hit_wait_steps_{name}", getattr(self, f"l3_hit_wait_steps_{name}") + 1)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -141,6 +158,7 @@ class CacheScheduler:
         # nodes holding pages whose save the plan being built orders: locked until the plan is handed over, so no
         # later save or staging slot of the same plan can evict them and be handed their slot (docs §8 R41)
         self._plan_locks: list[RadixNode] = []
+        self._l3_since: dict[str, int] = {}  # request -> plans built when its lookup first waited for / hit L3
         self.ctl: Optional[Controller] = None
         if controller is not None and num_slots > 0:
             self.ctl = Controller(self.index, self.allocator, page_size=page_size, **controller)
@@ -167,7 +185,12 @@ class CacheScheduler:
         """
         t0 = time.perf_counter()
         try:
-            return self._lookup(req_id, num_computed_tokens)
+            n = self._lookup(req_id, num_computed_tokens)
+            if n is None or self.requests[req_id].async_hit:  # waiting for L3, or an L3 hit: its wait starts now
+                self._l3_since.setdefault(req_id, self._step)
+            else:
+                self._l3_since.pop(req_id, None)
+            return n
         finally:
             dt = time.perf_counter() - t0
             c = self.counters
@@ -360,6 +383,7 @@ class CacheScheduler:
         st = self.requests.pop(req_id, None)
         if st is not None:
             self._release(st)
+        self._l3_since.pop(req_id, None)
         if self.ctl is None:
             return False
         return self.ctl.end_request(req_id)
@@ -369,6 +393,10 @@ class CacheScheduler:
         ``KVConnectorOutput.finished_recving``, delivered with ``update_connector_output``)."""
         if self.ctl is not None and req_ids:
             self.ctl.on_finished_recving(req_ids)
+            for rid in req_ids:
+                since = self._l3_since.pop(rid, None)
+                if since is not None:
+                    self.counters.note_l3_wait(self._step - since)
 
     def _release(self, st: _RequestState) -> None:
         if st.lock is not None:

@@ -554,6 +554,11 @@ class TierKVConnector(KVConnectorBase_V1):
         except Exception as e:  # the step's loads are reported failed: vLLM recomputes them (§8 R41)
             _hook_error(self._worker.counters, "start_load_kv", e)
             self._worker.fail_loads(plan)
+        if plan.jobs:
+            try:
+                self._worker.start_reads(plan)  # L3 reads overlap this step's forward
+            except Exception as e:  # not handed over: wait_for_save hands them over with the backups
+                _hook_error(self._worker.counters, "start_load_kv", e)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._worker is not None:
@@ -585,11 +590,12 @@ class TierKVConnector(KVConnectorBase_V1):
             _hook_error(self._worker.counters, "wait_for_save", e)
             self._worker.forget_saves(plan.saves)
         if plan.jobs:
+            todo = self._worker.unsubmitted(plan)
             try:
                 self._worker.submit_jobs(plan)
             except Exception as e:  # answered "not done" at once, so the scheduler side never waits for them
                 _hook_error(self._worker.counters, "wait_for_save", e)
-                self._worker.fail_jobs(plan.jobs)
+                self._worker.fail_jobs(todo)
         self._stats.maybe_write()
 
     def get_block_ids_with_load_errors(self) -> set[int]:

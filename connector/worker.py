@@ -119,6 +119,7 @@ class CacheWorker:
         # built before it knew may still order their saves), and slots whose ordered save was not made (slot -> key)
         self._suspect: set[str] = set()
         self._unwritten: dict[int, bytes] = {}
+        self._read_started: set[int] = set()  # jobs of the current plan handed to the readers by start_reads
 
     # ----------------------------------------------------------------- loads
     def start_loads(self, plan: StepPlan) -> None:
@@ -325,12 +326,38 @@ class CacheWorker:
                 self.counters.failed_load_blocks += len(job.block_ids)
 
     # ----------------------------------------------------------------- L3 jobs
+    def start_reads(self, plan: StepPlan) -> None:
+        """Hand the plan's prefetches and existence queries to the readers now, before the step's forward (vLLM's
+        ``start_load_kv``): they read nothing the step writes, so the read overlaps the forward and a load that ends
+        within it is named finished at this step's end (an L3 hit then costs one engine step more than an L2 hit).
+        Backups wait for :meth:`submit_jobs`, after the step's saves."""
+        reads = [j for j in plan.jobs if j.kind != JOB_BACKUP]
+        if not reads:
+            return
+        if self.l3 is not None:
+            self.l3.submit(reads)
+        else:
+            self.fail_jobs(reads)
+        self._read_started.update(j.job_id for j in reads)
+
+    def unsubmitted(self, plan: StepPlan) -> list:
+        """The plan's jobs :meth:`start_reads` did not hand over (what :meth:`submit_jobs` will)."""
+        return [j for j in plan.jobs if j.job_id not in self._read_started]
+
     def submit_jobs(self, plan: StepPlan) -> None:
-        """Hand the plan's L3 jobs to the I/O threads (after :meth:`run_saves` of the same plan). Without a store
-        (it could not start) every job is answered at once with no page done, so the scheduler side never waits
-        for it: a prefetch's blocks are reported as load errors and its request as finished."""
+        """Hand the plan's L3 jobs not handed over by :meth:`start_reads` to the I/O threads (after
+        :meth:`run_saves` of the same plan). Without a store (it could not start) every job is answered at once with
+        no page done, so the scheduler side never waits for it: a prefetch's blocks are reported as load errors and
+        its request as finished."""
         if not plan.jobs:
             return
+        if self._read_started:
+            jobs = [j for j in plan.jobs if j.job_id not in self._read_started]
+            self._read_started.difference_update(j.job_id for j in plan.jobs)
+            if len(jobs) < len(plan.jobs):
+                plan = StepPlan(step=plan.step, jobs=jobs)
+            if not jobs:
+                return
         if self.l3 is not None:
             skip = {}
             if self._unwritten:  # a page whose save was not made is never sent to L3 (docs §8 R31)

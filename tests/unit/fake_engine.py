@@ -72,10 +72,11 @@ class FakeEngine:
 
     def __init__(self, num_blocks: int = 64, num_slots: int = 64, verify: bool = True, policy: str = "lru",
                  store=None, controller: Optional[dict] = None, tp_size: int = 1, batch_pages: int = 4,
-                 clock=None, layout: str = "layer_first", layerwise: bool = False):
+                 clock=None, layout: str = "layer_first", layerwise: bool = False, reads_end_in_forward: bool = False):
         self.ns = ModelNamespace("fake-model", "bfloat16", f"{layout}/LBHNC", P, LAYERS, HEADS, HEAD_DIM,
                                  tp_size=tp_size)
         self.tp_size = tp_size
+        self.reads_end_in_forward = reads_end_in_forward  # the forward outlasts every L3 read started before it
         self.ranks = []
         for rank in range(tp_size):
             base = torch.zeros(LAYERS, num_blocks, HEADS, P, 2 * HEAD_DIM, dtype=torch.bfloat16)
@@ -136,6 +137,9 @@ class FakeEngine:
         step_failed: set[int] = set()
         for rank, (_l1, dev, _host, worker) in enumerate(self.ranks):
             worker.start_loads(plan)
+            worker.start_reads(plan)  # vLLM's start_load_kv: L3 reads overlap the forward
+            if self.reads_end_in_forward and worker.l3 is not None:
+                assert worker.l3.wait_idle(30)
             if worker.layerwise:
                 for name in dev.layer_names:  # the forward: each attention layer waits for its own pages
                     worker.wait_layer(name)

@@ -327,3 +327,26 @@ def test_pages_saved_in_a_plan_are_not_evicted_for_a_later_save_of_the_same_plan
     s.schedule_saves("y", 2 * P + 1, list(range(20, 23)))   # next step: x's pages may make room now
     assert [o.req_id for o in s.build_plan().saves] == ["y"]
     s.check_invariants()
+
+
+# ---------------------------------------------------------------- engine steps an L3 hit costs
+def test_an_l3_hit_whose_read_ends_within_the_forward_costs_one_step(tmp_path):
+    """Item 4: reads start before the step's forward (``start_load_kv``), so a read that ends within the forward is
+    named finished at the end of the step that ordered it: one step more than an L2 hit. Before, reads were handed
+    over after the forward and the load ended a step later. The steps each L3 hit waited are counted
+    (``l3_hit_wait_steps`` and its histogram)."""
+    from test_controller import file_store, write_to_l3
+    doc = toks(7, 4 * P)
+    write_to_l3(tmp_path, doc)
+    e = FakeEngine(store=file_store(tmp_path), reads_end_in_forward=True)
+    assert e.run_l3(Req("b", doc + [2])) == 4 * P       # a restart: existence query, then the load
+    c = e.sched.counters
+    assert (c.l3_hits, c.l3_hit_wait_steps) == (1, 2)   # one step for the existence answer, one for the load
+    e.sched.reset()                                     # L2 and the index forget the pages; L3 keeps them
+    e.settle()
+    e.sched.index.insert(_doc_keys(e, doc), [NO_SLOT] * 4, in_l3=[True] * 4)   # indexed as L3-only
+    assert e.run_l3(Req("c", doc + [3])) == 4 * P
+    assert (c.l3_hits, c.l3_hit_wait_steps, c.l3_hit_wait_steps_1) == (2, 3, 1)   # the load alone: one step
+    e.settle()
+    e.idle_check()
+    e.close()

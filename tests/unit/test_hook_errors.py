@@ -77,11 +77,13 @@ def test_submitting_jobs_that_raises_answers_them_not_done(model, monkeypatch):
 
     def broken(plan):
         raise RuntimeError("injected")
-    monkeypatch.setattr(c._worker, "submit_jobs", broken)
+    monkeypatch.setattr(c._worker, "start_reads", broken)   # before the forward ...
+    monkeypatch.setattr(c._worker, "submit_jobs", broken)   # ... and after it
     job = Job(7, JOB_PREFETCH, [b"k" * 16, b"j" * 16], slots=[1, 2], block_ids=[5, 6], fetch=[True, True],
               req_id="r", deadline_s=1.0)
     assert run_step(c, ConnectorPlan(step=1, jobs=[job])) == {5, 6}
     assert c.get_finished(set()) == (None, {"r"})            # the request is named as ended: nobody waits for it
+    assert c._worker.counters.hook_errors == 2
     meta = c.build_connector_worker_meta()
     assert [(r.job_id, r.ok) for r in meta.reports] == [(7, [False, False])]
     # loads the scheduler side promised but could not order arrive as plan failures: reported the same way
