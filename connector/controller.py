@@ -15,10 +15,13 @@ Backup (L2 -> L3)
     While a backup runs, the index node holding its pages is locked (its slots cannot be evicted or reused).
 
 Existence (is the rest of this prompt in L3?)
-    A lookup whose prefix ends in the index asks the worker (all ranks) for the leading run present in L3 after it.
-    While the answer is pending :meth:`Controller.l3_extend` returns None (vLLM asks again next step), for at most
-    ``exists_wait_s``; then the request goes on without L3 and the late answer still fills the index. Pages found
-    are inserted as L3-only; the first absent page is remembered for ``negative_ttl_s`` (one query per miss).
+    A lookup whose prefix ends in the index asks for the leading run present in L3 after it. Where the store can
+    answer from the scheduler's process at once (``exists_fn``: the file store, one ``stat`` per key and rank) the
+    answer is used in the same lookup, so neither a miss nor a hit waits a step for it. Otherwise the workers (all
+    ranks) are asked with a job: while the answer is pending :meth:`Controller.l3_extend` returns None (vLLM asks
+    again next step), for at most ``exists_wait_s``; then the request goes on without L3 and the late answer still
+    fills the index. Pages found are inserted as L3-only; the first absent page is remembered for ``negative_ttl_s``
+    (one query per miss).
 
 Prefetch (L3 -> L2 -> L1)
     An L3 hit is an asynchronous load: :meth:`start_prefetch` gives the L3-only pages staging slots (evicting if
@@ -75,6 +78,7 @@ class ControllerCounters:
     exists_queries: int = 0
     exists_found_pages: int = 0
     exists_late_answers: int = 0        # lookups that stopped waiting for an existence answer
+    exists_local_queries: int = 0       # of exists_queries, answered in the scheduler's process at once
     lookups_deferred: int = 0           # lookups answered None (waiting for L3 or for L2 room)
     prefetch_jobs: int = 0
     prefetch_ordered_pages: int = 0
@@ -141,6 +145,8 @@ class Controller:
         prefetch_timeout_per_page_s: the ``controller`` config section.
         exists_wait_s: longest time (seconds) a request waits for an existence answer.
         negative_ttl_s: seconds an absent page is remembered.
+        exists_fn: ``keys -> leading run present in L3 on every rank`` answered synchronously in this process (or
+            None when it cannot answer: the workers are asked instead); None = always ask the workers.
         probe_interval_s: a fetch estimate older than this lets the next hit that it would decline go ahead (a
             probe that refreshes it).
         room_retry_steps / room_wait_s: a request waits for L2 staging room for at least this many lookups and at
@@ -156,7 +162,8 @@ class Controller:
                  prefetch_policy: str = "best_effort", prefetch_timeout_base_s: float = 0.5,
                  prefetch_timeout_per_page_s: float = 0.005, exists_wait_s: float = 1.0,
                  negative_ttl_s: float = 2.0, room_retry_steps: int = 8, room_wait_s: float = 0.5,
-                 probe_interval_s: float = 5.0,
+                 probe_interval_s: float = 5.0, exists_in_scheduler: bool = True,
+                 exists_fn: Optional[Callable[[Sequence[bytes]], Optional[int]]] = None,
                  max_index_pages: int = 1 << 22,
                  clock: Callable[[], float] = time.monotonic):
         if write_policy not in WRITE_POLICIES:
@@ -186,6 +193,8 @@ class Controller:
         self.room_retry_steps = room_retry_steps
         self.room_wait_s = room_wait_s
         self.probe_interval_s = probe_interval_s
+        self.exists_in_scheduler = exists_in_scheduler
+        self.exists_fn = exists_fn if exists_in_scheduler else None
         self.max_index_pages = max_index_pages
         self.clock = clock
         self.counters = ControllerCounters()
@@ -410,6 +419,10 @@ class Controller:
         if start >= len(path) or self._is_absent(path[start]):
             return 0
         first = path[start]
+        if self.exists_fn is not None and first not in self._exists_pending:
+            n = self._exists_here(path, start)
+            if n is not None:
+                return n
         jid = self._exists_pending.get(first)
         if jid is not None:
             st = self._jobs.get(jid)
@@ -423,20 +436,39 @@ class Controller:
         self.counters.exists_queries += 1
         return None
 
+    def _exists_here(self, path: Sequence[bytes], start: int) -> Optional[int]:
+        """Ask ``exists_fn`` about ``path[start:]``; index what it found. None when it could not answer."""
+        try:
+            n = self.exists_fn(list(path[start:]))
+        except Exception as e:  # the workers answer instead
+            _rate_limited.warning("exists_here", "tierkv: existence check in the scheduler failed (%r); asking the "
+                                  "workers", e)
+            return None
+        if n is None:
+            return None
+        self.counters.exists_queries += 1
+        self.counters.exists_local_queries += 1
+        self._found(path[:start], list(path[start:]), n)
+        return n
+
     def _end_exists(self, st: _JobState, r: JobReport) -> None:
         keys = st.job.keys
         self._exists_pending.pop(keys[0], None)
-        n = r.leading
+        self._found(st.path, keys, r.leading)
+
+    def _found(self, prefix: list, keys: list, n: int) -> None:
+        """``keys[:n]`` (after the indexed ``prefix``) are in L3, ``keys[n]`` is not: remember the absent page and
+        index the found ones as L3-only."""
         if n < len(keys):
             self._mark_absent(keys[n])
         if n == 0:
             return
         self.counters.exists_found_pages += n
-        start = len(st.path)
-        m = self.index.match_prefix(st.path, require_l2=False)
+        start = len(prefix)
+        m = self.index.match_prefix(prefix, require_l2=False)
         if m.num_pages < start:
             return  # the prefix left the index meanwhile: a later lookup asks again
-        self.index.insert(st.path + keys[:n], [NO_SLOT] * n, in_l3=[True] * n, start=start)
+        self.index.insert(list(prefix) + keys[:n], [NO_SLOT] * n, in_l3=[True] * n, start=start)
         if self.index.total_pages > self.max_index_pages:
             excess = self.index.total_pages - self.max_index_pages
             self.counters.index_l3_evicted_pages += self.index.evict_l3_only(excess + self.max_index_pages // 16)

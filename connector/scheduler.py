@@ -226,10 +226,9 @@ class CacheScheduler:
             if more is None:
                 ctl.counters.lookups_deferred += 1
                 return None
-            avail += more  # found in L3 but not indexed yet: the report inserts them (next call sees them)
-            if more:
-                ctl.counters.lookups_deferred += 1
-                return None
+            if more:  # answered at once (the scheduler's own existence check): the pages are indexed now
+                m = self.index.match_prefix(keys, require_l2=False)
+                avail = ctl.usable_pages(keys, m.host_slots, m.in_l3)
         if avail <= max(first, l2_run):
             return max(0, l2_run * self.page_size - num_computed_tokens)
         fetch = sum(1 for s in m.host_slots[max(first, l2_run):avail] if s < 0)

@@ -218,7 +218,8 @@ class TierKVConnector(KVConnectorBase_V1):
                                pool_bytes, _SIZE_KEYS[self._size_from], self.page_bytes)
             ctl = None
             if self.use_l3:
-                ctl = dict(self.cfg.controller.scheduler_kwargs(), world_size=self.world_size)
+                ctl = dict(self.cfg.controller.scheduler_kwargs(), world_size=self.world_size,
+                           exists_fn=self._scheduler_exists(pc))
                 if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
                     logger.warning("tierkv: with an L3 store set \"kv_load_failure_policy\": \"recompute\" in "
                                    "--kv-transfer-config; with \"fail\" a page that arrives late or corrupt from L3 "
@@ -238,6 +239,45 @@ class TierKVConnector(KVConnectorBase_V1):
             self._stats = StatsFile(self.cfg.stats_path, "worker", self._worker_stats, snapshot_thread_safe=True)
         self._deltas = CounterDeltas() if role == KVConnectorRole.SCHEDULER else CounterDeltas(SCHEDULER_ONLY)
         atexit.register(self._stats.close)
+
+    def _scheduler_exists(self, pc):
+        """``keys -> leading run present in L3 on every rank`` answered in this (the scheduler's) process, for stores
+        whose existence check is local (``local_exists``: the file store) and without injected faults; None
+        otherwise (or with ``controller.exists_in_scheduler: false``): the workers are asked. One store object per
+        rank namespace (MLA ranks share rank 0's)."""
+        if self.num_slots == 0 or not self.cfg.controller.exists_in_scheduler or self.cfg.l3.faults:
+            return None
+        from tierkv.storage_backends.factory import build_backend
+
+        from .l3_io import l3_key
+        ranks = sorted({(0 if self.use_mla else t, p) for t in range(self.tp_size)
+                        for p in range(int(pc.pipeline_parallel_size))})
+        stores = []
+        try:
+            for tp_rank, pp_rank in ranks:
+                digest = dataclasses.replace(self.namespace, tp_rank=tp_rank, pp_rank=pp_rank).digest()
+                store = build_backend(self.cfg.l3, digest, self.page_bytes)
+                stores.append((digest, store))
+                if not getattr(store, "local_exists", False):
+                    break
+        except Exception as e:  # the workers will say the same; they answer existence instead
+            logger.info("tierkv: L3 existence is asked through the workers (%s)", e)
+            stores.append((None, None))
+        if not stores or any(s is None or not getattr(s, "local_exists", False) for _d, s in stores):
+            for _d, s in stores:
+                if s is not None:
+                    s.close()
+            return None
+        self._exists_stores = [s for _d, s in stores]
+
+        def exists(keys):
+            n = len(keys)
+            for digest, store in stores:
+                n = min(n, int(store.batch_exists([l3_key(digest, k) for k in keys[:n]])))
+                if n == 0:
+                    break
+            return n
+        return exists
 
     def _pool_bytes(self, vllm_config, role) -> int:
         """Bytes of this worker's L2 pool, from the host budget (:mod:`tierkv.connector.host_budget`): a worker
@@ -452,6 +492,8 @@ class TierKVConnector(KVConnectorBase_V1):
             if self._worker._pending is not None:
                 self._worker.finish_loads()
             self._worker.close(self.cfg.controller.shutdown_drain_s)
+        for store in getattr(self, "_exists_stores", ()):
+            store.close()
         self._stats.close()  # the final counters, after the last backups drained
 
     # =========================================================== worker side

@@ -158,6 +158,7 @@ def _pid_alive(pid: int) -> bool:
 
 class FileStore(StorageBackend):
     default_read_threads = 4  # independent files: reads of several threads overlap in the page cache and the disk
+    local_exists = True       # one stat per key
     """L3 page store on a local (or shared POSIX) directory.
 
     Args:

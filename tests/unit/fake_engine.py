@@ -72,7 +72,8 @@ class FakeEngine:
 
     def __init__(self, num_blocks: int = 64, num_slots: int = 64, verify: bool = True, policy: str = "lru",
                  store=None, controller: Optional[dict] = None, tp_size: int = 1, batch_pages: int = 4,
-                 clock=None, layout: str = "layer_first", layerwise: bool = False, reads_end_in_forward: bool = False):
+                 clock=None, layout: str = "layer_first", layerwise: bool = False, reads_end_in_forward: bool = False,
+                 scheduler_exists: bool = False):
         self.ns = ModelNamespace("fake-model", "bfloat16", f"{layout}/LBHNC", P, LAYERS, HEADS, HEAD_DIM,
                                  tp_size=tp_size)
         self.tp_size = tp_size
@@ -100,6 +101,12 @@ class FakeEngine:
             ctl.setdefault("world_size", tp_size)
             if clock is not None:
                 ctl.setdefault("clock", clock)
+            if scheduler_exists:  # the connector's exists_fn: the scheduler process's own store objects, per rank
+                from tierkv.connector.l3_io import l3_key
+                mine = [(rank_namespace(self.ns, r), store(r, rank_namespace(self.ns, r), self.host.page_bytes))
+                        for r in range(tp_size)]
+                self.scheduler_stores = [s for _d, s in mine]
+                ctl["exists_fn"] = lambda keys: min(s.batch_exists([l3_key(d, k) for k in keys]) for d, s in mine)
         self.sched = CacheScheduler(self.ns, P, P, num_slots, policy, controller=ctl)
         self.free_blocks = list(range(1, num_blocks))  # block 0 is vLLM's null block
         self.running: dict[str, Req] = {}

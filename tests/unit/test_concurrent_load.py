@@ -350,3 +350,48 @@ def test_an_l3_hit_whose_read_ends_within_the_forward_costs_one_step(tmp_path):
     e.settle()
     e.idle_check()
     e.close()
+
+
+def test_existence_answered_in_the_scheduler_makes_a_restart_hit_cost_one_step_and_a_miss_none(tmp_path):
+    """Item 4: with the file store the scheduler's process answers existence itself (one stat per key and rank), in
+    the lookup: a restarted engine's L3 hit is ordered in the step of its first lookup (one step in all, like a hit
+    the index already knew), and a prompt L3 does not hold is not deferred at all (before, every new prompt waited
+    for a worker round trip: the tax on misses)."""
+    from test_controller import file_store, write_to_l3
+    doc = toks(7, 4 * P)
+    write_to_l3(tmp_path, doc)
+    e = FakeEngine(store=file_store(tmp_path), reads_end_in_forward=True, scheduler_exists=True)
+    assert e.run_l3(Req("b", doc + [2])) == 4 * P
+    c, cc = e.sched.counters, e.sched.ctl.counters
+    assert (c.l3_hits, c.l3_hit_wait_steps, cc.exists_local_queries, cc.lookups_deferred) == (1, 1, 1, 0)
+    assert e.worker.l3.counters.exists_jobs == 0        # no round trip through the workers
+    e.sched.add_request("new", toks(50000, 4 * P + 1))
+    assert e.sched.lookup("new", 0) == 0                # a miss: answered at once, not None
+    assert cc.exists_local_queries == 2 and cc.lookups_deferred == 0
+    e.settle()
+    e.idle_check()
+    e.close()
+
+
+def test_the_connector_answers_existence_in_the_scheduler_only_for_a_local_store(tmp_path, monkeypatch):
+    """The scheduler role builds its own file store objects (one per rank namespace) and finds a page a worker
+    stored; with ``controller.exists_in_scheduler: false`` or injected faults the workers are asked instead."""
+    import dataclasses
+    from tierkv.connector.l3_io import l3_key
+    from tierkv.storage_backends.file import FileStore
+    from vllm_parts import SCHEDULER, connector, write_model
+    monkeypatch.setenv("TIERKV_LEDGER_DIR", str(tmp_path))
+    model = write_model(tmp_path / "model")
+    base = {"host_pool.num_pages": 8, "l3.backend": "file", "l3.file.root": str(tmp_path / "l3")}
+    s = connector(model, SCHEDULER, base)
+    fn = s._sched.ctl.exists_fn
+    assert fn is not None
+    key = b"\x01" * 16
+    digest = dataclasses.replace(s.namespace, tp_rank=0, pp_rank=0).digest()
+    worker_side = FileStore(digest, s.page_bytes, root=str(tmp_path / "l3"))
+    assert fn([key]) == 0
+    assert worker_side.batch_set([l3_key(digest, key)], [bytes(s.page_bytes)]) == [True]
+    assert fn([key, b"\x02" * 16]) == 1
+    s.shutdown()
+    assert connector(model, SCHEDULER, {**base, "controller.exists_in_scheduler": False})._sched.ctl.exists_fn is None
+    assert connector(model, SCHEDULER, {**base, "l3.faults": {"fail_get": 0.1}})._sched.ctl.exists_fn is None

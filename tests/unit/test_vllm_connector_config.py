@@ -190,7 +190,7 @@ def test_automatic_l2_of_zero_pages_serves_without_l2(model, caplog):
 # ------------------------------------------------------------------ controller keys reach what reads them
 NON_DEFAULT = {"write_policy": "write_back", "write_through_threshold": 5, "prefetch_policy": "timeout",
                "prefetch_timeout_base_s": 0.75, "prefetch_timeout_per_page_s": 0.01, "exists_wait_s": 0.25,
-               "negative_ttl_s": 3.5, "room_retry_steps": 3, "room_wait_s": 0.25, "probe_interval_s": 2.5, "max_index_pages": 1000, "batch_pages": 8, "read_threads": 3,
+               "negative_ttl_s": 3.5, "room_retry_steps": 3, "room_wait_s": 0.25, "probe_interval_s": 2.5, "exists_in_scheduler": False, "max_index_pages": 1000, "batch_pages": 8, "read_threads": 3,
                "max_backup_pages": 100, "shutdown_drain_s": 0.5}
 # where each key ends up: the scheduler's Controller, the worker's L3IO, or the worker's shutdown
 READ_BY = {"write_policy": ("ctl", "write_policy"), "write_through_threshold": ("ctl", "threshold"),
@@ -198,6 +198,7 @@ READ_BY = {"write_policy": ("ctl", "write_policy"), "write_through_threshold": (
            "prefetch_timeout_per_page_s": ("ctl", "timeout_per_page_s"), "exists_wait_s": ("ctl", "exists_wait_s"),
            "negative_ttl_s": ("ctl", "negative_ttl_s"), "room_retry_steps": ("ctl", "room_retry_steps"),
            "room_wait_s": ("ctl", "room_wait_s"), "probe_interval_s": ("ctl", "probe_interval_s"),
+           "exists_in_scheduler": ("ctl", "exists_in_scheduler"),
            "max_index_pages": ("ctl", "max_index_pages"), "batch_pages": ("l3io", "batch_pages"),
            "read_threads": ("l3io", "read_threads"),
            "max_backup_pages": ("l3io", "max_backup_pages"), "shutdown_drain_s": ("shutdown", None)}
