@@ -261,6 +261,12 @@ class CacheScheduler:
             self.counters.lookup_tokens += prefix
             self.counters.device_hit_tokens += c
         self.counters.l2_hit_tokens += from_l2
+        if c >= self.page_size and self.ctl is not None and self.ctl.write_policy == "write_through_selective":
+            # a prefix the engine's own cache (L1) served is a hit too: without this, pages vLLM keeps hitting in
+            # L1 never reach the threshold and are never backed up
+            dev = st.keys.extend(st.tokens)[: c // self.page_size]
+            self.index.match_prefix(dev, require_l2=False, touch=True)
+            self.ctl.after_hit(dev, len(dev))
         if num_external_tokens <= 0:
             return
         first, last = c // self.page_size, (c + num_external_tokens) // self.page_size

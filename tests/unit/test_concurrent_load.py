@@ -395,3 +395,22 @@ def test_the_connector_answers_existence_in_the_scheduler_only_for_a_local_store
     s.shutdown()
     assert connector(model, SCHEDULER, {**base, "controller.exists_in_scheduler": False})._sched.ctl.exists_fn is None
     assert connector(model, SCHEDULER, {**base, "l3.faults": {"fail_get": 0.1}})._sched.ctl.exists_fn is None
+
+
+# ---------------------------------------------------------------- write policies
+def test_write_through_selective_counts_hits_the_engine_served_from_l1():
+    """Class 6: only L2 hits counted towards the threshold, so a prefix vLLM's own prefix cache kept serving from L1
+    was never backed up (nothing reached L3 on the docs workload). Hits of any tier count now."""
+    s = CacheScheduler(_ns(), P, P, num_slots=16, controller={"write_policy": "write_through_selective",
+                                                              "write_through_threshold": 2})
+    doc = toks(1, 4 * P)
+    s.add_request("a", doc + [1])
+    s.schedule_saves("a", 4 * P + 1, list(range(10, 15)))           # computed and saved to L2 (no backup yet)
+    assert [j.kind for j in s.build_plan().jobs] == []
+    for rid in ("b", "c"):                                           # two requests whose prefix L1 still holds
+        s.add_request(rid, doc + [2])
+        assert s.lookup(rid, 4 * P) == 0                             # nothing beyond vLLM's own hit
+        s.on_alloc(rid, list(range(10, 15)), 0)
+        s.on_finished(rid)
+    jobs = s.build_plan().jobs
+    assert [(j.kind, j.num_pages) for j in jobs] == [("backup", 4)]
