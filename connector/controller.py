@@ -491,7 +491,15 @@ class Controller:
         """Whether a request whose L3 hit needs ``fetch_pages`` staging slots can go ahead (True), should wait a
         step (None), or must give up its L3 hit (False, once it waited ``room_retry_steps`` lookups and
         ``room_wait_s`` seconds: on an engine that loops fast, lookups alone would run out in milliseconds)."""
-        if self.room_possible(fetch_pages):
+        if self.write_policy == "write_back" and self.allocator.num_free < fetch_pages:
+            # an L2 copy L3 does not hold yet frees its slot only once its backup is acknowledged: start those
+            # backups now (and free what L3 already holds), and go ahead once the slots are really free, so that the
+            # prefetch gets a staging slot for every page instead of failing the ones it could not have
+            self.make_room(fetch_pages)
+            if self.allocator.num_free >= fetch_pages:
+                self._room_waits.pop(req_id, None)
+                return True
+        elif self.room_possible(fetch_pages):
             self._room_waits.pop(req_id, None)
             return True
         now = self.clock()
