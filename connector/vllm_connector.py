@@ -447,7 +447,7 @@ class TierKVConnector(KVConnectorBase_V1):
 
     def _observe_forwards(self, forwards) -> None:
         """The engine's prefill time per token, for the controller's "never slower than recomputing" check: forwards
-        the workers timed (start_load_kv -> wait_for_save) in steps that computed at least four pages of prompt
+        the workers timed (bind_connector_metadata -> wait_for_save) in steps that computed at least four pages of prompt
         tokens; idle time between steps and decode-only steps do not count. Several ranks: the slowest."""
         ctl = self._sched.ctl
         if ctl is None or not forwards:
@@ -587,8 +587,6 @@ class TierKVConnector(KVConnectorBase_V1):
         plan = self._get_connector_metadata()
         if not isinstance(plan, StepPlan):
             return
-        if plan.prefill_tokens >= 4 * self.page_size:  # timed until wait_for_save: the forward in between
-            self._fwd = (plan.step, plan.prefill_tokens, time.perf_counter())
         try:
             self._worker.take_plan_failures(plan)
             if plan.loads:
@@ -596,11 +594,21 @@ class TierKVConnector(KVConnectorBase_V1):
         except Exception as e:  # the step's loads are reported failed: vLLM recomputes them (§8 R41)
             _hook_error(self._worker.counters, "start_load_kv", e)
             self._worker.fail_loads(plan)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Before every forward (vLLM calls ``start_load_kv`` only after it when the step has no synchronous load):
+        hand the plan's L3 reads to the readers, so they overlap the forward, and start timing the forward."""
+        super().bind_connector_metadata(connector_metadata)
+        plan = connector_metadata
+        if self._worker is None or not isinstance(plan, StepPlan):
+            return
+        if plan.prefill_tokens >= 4 * self.page_size:  # timed until wait_for_save: the forward in between
+            self._fwd = (plan.step, plan.prefill_tokens, time.perf_counter())
         if plan.jobs:
             try:
-                self._worker.start_reads(plan)  # L3 reads overlap this step's forward
+                self._worker.start_reads(plan)
             except Exception as e:  # not handed over: wait_for_save hands them over with the backups
-                _hook_error(self._worker.counters, "start_load_kv", e)
+                _hook_error(self._worker.counters, "bind_connector_metadata", e)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._worker is not None:

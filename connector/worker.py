@@ -328,7 +328,7 @@ class CacheWorker:
     # ----------------------------------------------------------------- L3 jobs
     def start_reads(self, plan: StepPlan) -> None:
         """Hand the plan's prefetches and existence queries to the readers now, before the step's forward (vLLM's
-        ``start_load_kv``): they read nothing the step writes, so the read overlaps the forward and a load that ends
+        ``bind_connector_metadata``): they read nothing the step writes, so the read overlaps the forward and a load that ends
         within it is named finished at this step's end (an L3 hit then costs one engine step more than an L2 hit).
         Backups wait for :meth:`submit_jobs`, after the step's saves."""
         reads = [j for j in plan.jobs if j.kind != JOB_BACKUP]

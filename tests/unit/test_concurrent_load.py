@@ -285,21 +285,28 @@ def test_best_effort_waits_at_most_a_twentieth_of_the_recompute_time():
 
 def test_the_recompute_estimate_comes_from_timed_forwards_of_prefill_steps(tmp_path, monkeypatch):
     """Class 4: the prefill estimate was the wall time between two plan builds, idle time and decode steps
-    included. The workers now time the forward (start_load_kv -> wait_for_save) of steps with at least four pages
-    of prompt tokens; the scheduler side takes the slowest rank's time per step."""
+    included. The workers now time the forward (bind_connector_metadata -> wait_for_save: vLLM calls start_load_kv
+    *after* the forward in steps without a synchronous load) of steps with at least four pages of prompt tokens;
+    the scheduler side takes the slowest rank's time per step."""
     from types import SimpleNamespace
     from tierkv.connector.vllm_connector import ConnectorPlan, TierKVWorkerMeta
     from vllm_parts import worker_connector, connector, SCHEDULER, write_model
     monkeypatch.setenv("TIERKV_LEDGER_DIR", str(tmp_path))
     model = write_model(tmp_path / "model")
+    import tierkv.connector.vllm_connector as vc
     w, _l1 = worker_connector(model, {"host_pool.num_pages": 8})
+    now = [100.0]
+    monkeypatch.setattr(vc.time, "perf_counter", lambda: now[0])
     for step, tokens in ((1, 4 * P), (2, 4 * P - 1), (3, 0)):    # only the first has enough prompt tokens
         w.bind_connector_metadata(ConnectorPlan(step=step, prefill_tokens=tokens))
-        w.start_load_kv(None)
+        now[0] += 0.25                                          # the forward
+        w.start_load_kv(None)                                   # vLLM: after the forward (no synchronous load)
         w.wait_for_save()
         w.clear_connector_metadata()
+    monkeypatch.undo()
+    monkeypatch.setenv("TIERKV_LEDGER_DIR", str(tmp_path))
     meta = w.build_connector_worker_meta()
-    assert [(s, t) for s, t, _dt in meta.forwards] == [(1, 4 * P)] and meta.forwards[0][2] > 0
+    assert meta.forwards == [(1, 4 * P, 0.25)]
     assert w.build_connector_worker_meta() is None               # reported once
     s = connector(model, SCHEDULER, {"host_pool.num_pages": 8, "l3.backend": "file", "l3.file.root": str(tmp_path)})
     two_ranks = TierKVWorkerMeta([], [(7, 1000, 0.5)]).aggregate(TierKVWorkerMeta([], [(7, 1000, 0.8)]))
@@ -331,7 +338,7 @@ def test_pages_saved_in_a_plan_are_not_evicted_for_a_later_save_of_the_same_plan
 
 # ---------------------------------------------------------------- engine steps an L3 hit costs
 def test_an_l3_hit_whose_read_ends_within_the_forward_costs_one_step(tmp_path):
-    """Item 4: reads start before the step's forward (``start_load_kv``), so a read that ends within the forward is
+    """Item 4: reads start before the step's forward (``bind_connector_metadata``), so a read that ends within the forward is
     named finished at the end of the step that ordered it: one step more than an L2 hit. Before, reads were handed
     over after the forward and the load ended a step later. The steps each L3 hit waited are counted
     (``l3_hit_wait_steps`` and its histogram)."""
