@@ -200,3 +200,14 @@ def test_config_check_refuses_controller_keys_without_an_l3_store(tmp_path, caps
     assert main(["config", "check", str(f), "--set", "l3.backend=file", "--set", f"l3.file.root={tmp_path}"]) \
         == EXIT_OK
 
+
+
+@pytest.mark.parametrize("key,value,allowed", [
+    ("read_threads", 0, "greater than or equal to 1"), ("read_threads", 65, "less than or equal to 64"),
+    ("room_wait_s", -1, "greater than or equal to 0"), ("probe_interval_s", 0, "greater than 0"),
+    ("exists_in_scheduler", "maybe", "valid boolean")])
+def test_the_load_keys_refuse_bad_values_naming_the_key_and_the_allowed_range(key, value, allowed):
+    """Keys added for serving under concurrent load: a bad value stops start-up naming the key and what is allowed."""
+    with pytest.raises(ConfigError) as e:
+        config_from_extra({**WITH_L3, f"controller.{key}": value})
+    assert f"bad value '{value}' for 'controller.{key}'" in str(e.value) and allowed in str(e.value)
