@@ -11,7 +11,7 @@ import torch
 from tierkv import kernels
 from tierkv.connector.plan import PageOrder
 from tierkv.connector.vllm_connector import ConnectorPlan
-from vllm_parts import LAYER_NAMES, SCHEDULER, TierkvLoggerState, connector, worker_connector, write_model
+from vllm_parts import SCHEDULER, TierkvLoggerState, connector, run_step, worker_connector, write_model
 
 
 @pytest.fixture
@@ -25,15 +25,6 @@ def model(tmp_path, monkeypatch, caplog):
     state.restore()
 
 
-def run_step(c, plan: ConnectorPlan) -> set[int]:
-    c.bind_connector_metadata(plan)
-    c.start_load_kv(None)
-    for name in LAYER_NAMES:
-        c.wait_for_layer_load(name)
-    c.wait_for_save()
-    errors = c.get_block_ids_with_load_errors()
-    c.clear_connector_metadata()
-    return errors
 
 
 def _fill(l1, blocks, seed):

@@ -10,7 +10,7 @@ from tierkv.connector.config import ConfigError, ControllerConfig
 from tierkv.connector.page_hash import page_keys, request_root
 from tierkv.connector.plan import PageOrder
 from tierkv.connector.vllm_connector import ConnectorPlan
-from vllm_parts import (BLOCK, LAYER_NAMES, NUM_LAYERS, SCHEDULER, WORKER, TierkvLoggerState, connector,
+from vllm_parts import (BLOCK, NUM_LAYERS, SCHEDULER, WORKER, TierkvLoggerState, connector, run_step,
                         vllm_config, worker_connector, write_model)
 
 PAGE_BYTES = NUM_LAYERS * 2 * BLOCK * 2 * 8 * 2   # layers x H x N x 2D x bf16
@@ -32,17 +32,6 @@ def tierkv_warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name.startswith("tierkv") and r.levelno == logging.WARNING]
 
 
-def run_step(c, plan: ConnectorPlan) -> set[int]:
-    """One worker step as vLLM's model runner drives it: bind the plan, start loads, each attention layer waits for
-    its own, wait_for_save, then the load errors of the step."""
-    c.bind_connector_metadata(plan)
-    c.start_load_kv(None)
-    for name in LAYER_NAMES:
-        c.wait_for_layer_load(name)
-    c.wait_for_save()
-    errors = c.get_block_ids_with_load_errors()
-    c.clear_connector_metadata()
-    return errors
 
 
 # ------------------------------------------------------------------ layer-wise load failure through the hooks

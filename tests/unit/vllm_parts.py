@@ -86,3 +86,16 @@ class TierkvLoggerState:
         self.log.setLevel(level)
         self.log.handlers[:] = handlers
         self.log.propagate = propagate
+
+
+def run_step(c, plan) -> set[int]:
+    """One worker step as vLLM's model runner drives it: bind the plan, start loads, each attention layer waits for
+    its own, wait_for_save, then the load errors of the step."""
+    c.bind_connector_metadata(plan)
+    c.start_load_kv(None)
+    for name in LAYER_NAMES:
+        c.wait_for_layer_load(name)
+    c.wait_for_save()
+    errors = c.get_block_ids_with_load_errors()
+    c.clear_connector_metadata()
+    return errors
