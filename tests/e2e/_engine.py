@@ -134,6 +134,9 @@ def run_job(
       (polled every 10 ms, at most ``"timeout_s"``, default 600 s, else the child fails). The test runs
       :func:`run_job` in a thread, waits for ``PATH.reached`` (:func:`wait_for_file`), acts, then creates
       ``PATH.go`` (:func:`release_barrier`). A barrier yields no results (its name is not in ``workloads``).
+    - ``"reset_prefix_cache": True``: the engine drops every cached block of its L1 (``LLM.reset_prefix_cache()``;
+      the child fails if vLLM refuses), e.g. so that a reference engine can rebuild the exact L1 state another
+      engine starts from. Yields no results.
 
     ``kv_transfer_config`` is passed to ``LLM(kv_transfer_config=...)``; for tierkv's connector a
     ``stats_path`` inside ``<workdir>/stats`` is added to its extra config unless one is given.
@@ -149,9 +152,9 @@ def run_job(
     ``ValueError`` for a malformed workload.
     """
     for w in workloads:
-        if "name" not in w or sum(k in w for k in ("prompts", "chats", "barrier")) != 1:
-            raise ValueError(f"workload {w.get('name')!r}: give a name and exactly one of 'prompts', 'chats' or "
-                             "'barrier'")
+        if "name" not in w or sum(k in w for k in ("prompts", "chats", "barrier", "reset_prefix_cache")) != 1:
+            raise ValueError(f"workload {w.get('name')!r}: give a name and exactly one of 'prompts', 'chats', "
+                             "'barrier' or 'reset_prefix_cache'")
     workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="tierkv-e2e-"))
     workdir.mkdir(parents=True, exist_ok=True)
     stats_dir = workdir / "stats"
@@ -466,6 +469,10 @@ def _child(job_path: str, result_path: str) -> None:
         if "barrier" in w:
             Path(str(w["barrier"]) + ".reached").touch()
             wait_for_file(str(w["barrier"]) + ".go", float(w.get("timeout_s", 600.0)))
+            continue
+        if "reset_prefix_cache" in w:
+            if not llm.reset_prefix_cache():
+                raise RuntimeError(f"workload {w['name']!r}: vLLM refused to reset its prefix cache")
             continue
         max_tokens = int(w.get("max_tokens", job["max_tokens"]))
         before = counters()
