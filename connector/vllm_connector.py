@@ -256,7 +256,7 @@ class TierKVConnector(KVConnectorBase_V1):
         try:
             for tp_rank, pp_rank in ranks:
                 digest = dataclasses.replace(self.namespace, tp_rank=tp_rank, pp_rank=pp_rank).digest()
-                store = build_backend(self.cfg.l3, digest, self.page_bytes)
+                store = TimedStore(build_backend(self.cfg.l3, digest, self.page_bytes))  # op="exists" latencies
                 stores.append((digest, store))
                 if not getattr(store, "local_exists", False):
                     break
@@ -343,7 +343,11 @@ class TierKVConnector(KVConnectorBase_V1):
         if self._sched is not None:
             snap = self._sched.stats()
             snap.update(scheduler_gauges(snap))
-            return self._deltas.take(snap)
+            lat: dict[str, list] = {}
+            for store in getattr(self, "_exists_stores", ()):  # existence answered in this process (file store)
+                for k, v in store.take_latencies().items():
+                    lat.setdefault(k, []).extend(v)
+            return self._deltas.take(snap, lat or None)
         snap = self._worker_stats()
         lat = None
         l3 = self._worker.l3 if self._worker is not None else None
