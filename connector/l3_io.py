@@ -43,7 +43,7 @@ import xxhash
 from tierkv.storage_backends.common import RateLimitedLog
 
 from .page_checksums import SlotChecksums
-from .plan import JOB_BACKUP, JOB_PREFETCH, Job, JobReport
+from .plan import JOB_BACKUP, JOB_PREFETCH, Job, JobReport, PageOrder
 
 logger = logging.getLogger("tierkv.l3")
 
@@ -105,11 +105,12 @@ class _Prefetch:
 
 @dataclass
 class PollResult:
-    """What :meth:`L3IO.poll` hands to the engine thread: L2 -> L1 copies to make now (``slots[i]`` ->
-    ``blocks[i]``), requests whose load ended, and block ids whose load failed (to recompute)."""
+    """What :meth:`L3IO.poll` hands to the engine thread: per request whose load ended, the L2 -> L1 copies to make
+    now (``orders``: the leading run of intact pages, ``slots[i]`` -> ``block_ids[i]`` with the page keys, which the
+    worker checks like a synchronous load's before copying), requests whose load ended, and block ids whose load
+    failed (to recompute)."""
 
-    slots: list[int] = field(default_factory=list)
-    blocks: list[int] = field(default_factory=list)
+    orders: list[PageOrder] = field(default_factory=list)
     finished: set[str] = field(default_factory=set)
     failed_blocks: set[int] = field(default_factory=set)
 
@@ -252,8 +253,9 @@ class L3IO:
                         self.counters.prefetch_deadline_misses += 1
                 lead = next((i for i, v in enumerate(p.ok) if not v), len(p.ok))
                 if not p.aborted:
-                    out.slots.extend(p.job.slots[:lead])
-                    out.blocks.extend(p.job.block_ids[:lead])
+                    if lead:
+                        out.orders.append(PageOrder(p.job.req_id, list(p.job.block_ids[:lead]),
+                                                    list(p.job.slots[:lead]), list(p.job.keys[:lead])))
                     out.failed_blocks.update(p.job.block_ids[lead:])
                     if lead < len(p.ok):
                         self.counters.prefetch_late_pages += sum(1 for v in p.ok[lead:] if not v)

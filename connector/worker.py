@@ -381,14 +381,23 @@ class CacheWorker:
             return orphans
         res = self.l3.poll(finished_req_ids)
         res.finished |= orphans
-        if res.blocks:
+        slots, blocks = [], []
+        for order in res.orders:
+            # the pages that were already in L2 pass the same checks as a synchronous load's: a slot whose save was
+            # not made (R31, R41) or that fails its checksum is never copied; the request recomputes from there
+            good = self._verified_prefix(order)
+            slots.extend(order.slots[:good])
+            blocks.extend(order.block_ids[:good])
+            res.failed_blocks.update(order.block_ids[good:])
+        if blocks:
             t0 = time.perf_counter()
             try:
-                kernels.load_pages(self.host, self.dev, res.slots, res.blocks)
-                self.counters.async_load_pages += len(res.blocks)
+                for r_slots, r_blocks in _unique_slot_rounds(slots, blocks):
+                    kernels.load_pages(self.host, self.dev, r_slots, r_blocks)
+                self.counters.async_load_pages += len(blocks)
             except Exception:  # never crash the engine: report the blocks, vLLM recomputes them
-                logger.exception("tierkv: L2 -> L1 copy of %d prefetched pages failed", len(res.blocks))
-                res.failed_blocks.update(res.blocks)
+                logger.exception("tierkv: L2 -> L1 copy of %d prefetched pages failed", len(blocks))
+                res.failed_blocks.update(blocks)
             self.counters.async_load_seconds += time.perf_counter() - t0
         if res.failed_blocks:
             self._failed_blocks.update(res.failed_blocks)

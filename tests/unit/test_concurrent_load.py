@@ -246,7 +246,7 @@ def test_a_prefetch_deadline_counts_from_the_start_of_its_read(tmp_path):
     gate_b.set()
     assert l3.wait_idle(30)
     res = l3.poll()
-    assert res.finished == {"b"} and res.blocks == list(range(20, 28)) and not res.failed_blocks
+    assert res.finished == {"b"} and [o.block_ids for o in res.orders] == [list(range(20, 28))] and not res.failed_blocks
     l3.close()
     e.close()
 
