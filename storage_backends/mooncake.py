@@ -551,20 +551,27 @@ class MooncakeStore(StorageBackend):
     # ------------------------------------------------------------------ interface
 
     def batch_exists(self, keys: Sequence[str]) -> int:
-        """Number of leading ``keys`` whose objects exist (one ``batch_is_exist`` RPC); 0 on timeout/error."""
+        """Number of leading ``keys`` whose objects exist; 0 on timeout/error.
+
+        Mooncake grants a read lease on every object an existence query finds, and leased objects are not evicted
+        (docs/architecture.md §8 R38). Only the leading run can ever be read, so the keys are asked in chunks of
+        1, 2, 4, ... and the query stops at the first absent key: objects after a hole are never leased by it. A full
+        hit of n keys costs about log2(n) + 1 ``batch_is_exist`` RPCs; a call that times out or fails ends the query
+        with 0 (each call is bounded by ``timeout_s``, and no later chunk is asked)."""
         names = self._check_keys(keys)
-        if not names:
-            return 0
-        res = self._call("batch_exists", lambda: self._store.batch_is_exist(names))
-        if res is None:
-            return 0
-        n = 0
-        for r in res:
-            if r != 1:
-                if r < 0:
-                    self._count(errors=1)
-                break
-            n += 1
+        n, size = 0, 1
+        while n < len(names):
+            chunk = names[n:n + size]
+            res = self._call("batch_exists", lambda chunk=chunk: self._store.batch_is_exist(chunk))
+            if res is None:  # a timeout or an error ends the query at once (one timeout_s at most): all misses
+                return 0
+            for r in res:
+                if r != 1:
+                    if r < 0:
+                        self._count(errors=1)
+                    return n
+                n += 1
+            size *= 2
         return n
 
     def batch_get(self, keys: Sequence[str], destinations: Sequence[Buffer]) -> list[bool]:

@@ -570,9 +570,8 @@ def test_r36_a_read_held_by_a_stopped_zmq_server_keeps_its_staging_slots_until_i
 
 
 # ================================================================ R37: the path changes while a prefetch reads
-R37_TOUCHES = ("l2_eviction", "reset_cache", "other_request_saves", "r31_drop_after_copy_fault")
-# "r31_drop_after_checksum_failure" (the body below handles it) fails on this tierkv: a prefetch copies its L2 anchor
-# pages into the request's blocks without the checks a synchronous load makes (reported, not committed)
+R37_TOUCHES = ("l2_eviction", "reset_cache", "other_request_saves", "r31_drop_after_copy_fault",
+               "r31_drop_after_checksum_failure")
 
 
 def _corrupt_l2_page(e, slot):
@@ -677,6 +676,35 @@ def test_r37_a_prefetch_completing_after_its_path_changed_attaches_nothing_under
 
 
 # ================================================================ R38: existence probes and eviction
+def test_r37_a_prefetch_never_hands_its_request_an_l2_anchor_page_whose_save_was_not_made(tmp_path, monkeypatch):
+    """R37: the save of X's pages 0-1 raised (R41): slots unwritten, the index still lists them in L2. A later L3 hit
+    of those 2 L2 pages + 6 L3 pages must not copy the unwritten slots into its blocks: recomputed from page 0. Before
+    the fix a prefetch copied its leading L2 pages without the checks a synchronous load makes."""
+    doc = toks(1, 8 * P)
+    write_to_l3(tmp_path, [doc])
+    e = FakeEngine(num_slots=24, num_blocks=96, store=file_store(tmp_path), scheduler_exists=True,
+                   controller={"prefetch_policy": "wait_complete"})
+    keys = keys_of(e, doc)
+    assert l3io(e).store.batch_delete(l3_keys(e, 0, keys[:2])) == 2
+
+    def failing_save(*_a, **_k):
+        raise RuntimeError("injected save fault")
+    w = Req("w", doc[:2 * P] + [1])
+    assert e.admit(w) == 0
+    monkeypatch.setattr(fake_engine.kernels, "save_pages", failing_save)
+    e.step()
+    monkeypatch.undo()
+    e.finish(w)
+    e.settle()
+    assert e.worker.counters.save_failed_pages == 2 and l2_run(e, keys) == 2
+    a = Req("a", doc + [2])
+    ext = start_async_load(e, a, 8)
+    assert complete_async_load(e, a, ext) == 0          # checks every page it was given
+    e.settle()
+    e.sched.check_invariants()
+    e.close()
+
+
 def _fixture(kind):
     import importlib
     return importlib.import_module(f"_fixtures_{kind}")
@@ -783,3 +811,13 @@ def test_r38_mooncake_pages_probed_but_not_read_stay_evictable(tmp_path):
     assert exists_jobs == MC_PROMPTS
     assert left <= MC_PROMPTS * (MC_PAGES - 1) // 10, f"{left} probed-but-unread pages were never evicted"
     assert ok > 0
+
+
+def test_r38_mooncake_pages_after_an_absent_page_are_not_kept_leased_by_repeated_probes(tmp_path):
+    """R38: page 0 of each prompt is missing, pages 1-119 present; existence probes repeated every negative_ttl_s must
+    not keep the unreadable pages from eviction. Before the fix one query asked every page of the rest of the prompt
+    and Mooncake leased every page it found, although none after the hole can ever be read."""
+    exists_jobs, left, ok, tried = _mooncake_probe_run(tmp_path, first_absent=True)
+    assert exists_jobs > MC_PROMPTS
+    assert left <= MC_PROMPTS * (MC_PAGES - 1) // 10, \
+        f"{left} of {MC_PROMPTS * (MC_PAGES - 1)} pages nobody can read stayed leased by existence probes"
