@@ -667,6 +667,7 @@ def run_config(name: str, p: dict, args, model_dir: str, work: Path, pythonpath:
 
 # ------------------------------------------------------------------------------------------------ soak
 SOAK = dict(requests=2000, concurrency=8, warmup_requests=200, warmup_max_rounds=6, warmup_stable_growth=0.01,
+            warmup_stable_per_process=True,
             num_prefixes=40, prefix_len=1024, suffix_len=64,
             output_len=16, fault_fraction=0.3, fault_seed=7, rss_growth_limit=0.05, idle_timeout_s=60.0)
 SOAK_JSON = "serve_cpu_soak.json"
@@ -927,7 +928,8 @@ def run_soak(p: dict, sp: dict, model_dir: str, work: Path, pythonpath: str, cli
             now = engine_processes(srv)
             r0, r1 = sum(v["rss_kib"] for v in prev.values()), sum(v["rss_kib"] for v in now.values())
             stable = (set(now) == set(prev) and all(now[k]["threads"] == v["threads"] for k, v in prev.items())
-                      and r1 - r0 < sp["warmup_stable_growth"] * r0)
+                      and all(now[k]["rss_kib"] - v["rss_kib"] < sp["warmup_stable_growth"] * v["rss_kib"]
+                              for k, v in prev.items() if k in now))
             s["warmup"].append({"round": i, "error": err or None, "rss_kib": r1, "rss_growth": round((r1 - r0) / r0, 4),
                                 "threads": {k: v["threads"] for k, v in now.items()}, "stable": stable,
                                 **({k: res.get(k) for k in ("completed", "failed", "duration")} if res else {})})
@@ -1131,8 +1133,9 @@ suffixes, {s['output_len']} output tokens) through the API server at `--max-conc
 configuration `tierkv_l3_zmq` (L1 {p['l1_blocks']} blocks, L2 {p['l3_l2_pages']} pages, `tierkv server` L3 with
 shm auto, write_through) with the L3 wrapped in the `faulty` store: `l3.faults` fail_get = fail_set = fail_exists
 = {s['fault_fraction']}, seed {s['fault_seed']}. After a warm-up ({s['warmup_requests']} requests at the same
-concurrency per round, on other prefixes, until a round leaves thread counts unchanged and resident memory grown by
-under {s.get('warmup_stable_growth', 0) * 100:.0f} %: {len(s.get('warmup') or [])} round(s), at most
+concurrency per round, on other prefixes, until a round leaves thread counts unchanged and {"every process's" if
+s.get('warmup_stable_per_process') else "the processes' total"} resident memory grown by under
+{s.get('warmup_stable_growth', 0) * 100:.0f} %: {len(s.get('warmup') or [])} round(s), at most
 {s.get('warmup_max_rounds')}), the soak's client runs; a thread SIGKILLs the ZMQ server by its PID once vLLM counts
 {kill.get('at_requests')} finished requests (it had counted {kill.get('counted_at_kill')}) and starts a new one on
 the same port ({kill.get('restart_s')} s to its ready line; the new server is empty). Then, with the engine idle,
