@@ -251,6 +251,11 @@ class Controller:
     def pending_jobs(self) -> int:
         return len(self._jobs) + len(self._outbox)
 
+    def pins_pending(self) -> bool:
+        """Whether a backup or prefetch (jobs that pin index nodes or staging slots) has not reported yet."""
+        return any(st.job.kind != JOB_EXISTS for st in self._jobs.values()) or \
+            any(j.kind != JOB_EXISTS for j in self._outbox)
+
     # ------------------------------------------------------------------ backup
     def after_save(self, path: Sequence[bytes], start: int) -> None:
         """Pages ``path[start:]`` were just given L2 slots and saved (in this step's plan)."""

@@ -487,6 +487,16 @@ class TierKVConnector(KVConnectorBase_V1):
             self._stats.write_now()
         return delay, None
 
+    def has_pending_push_work(self) -> bool:
+        """Keeps vLLM's engine stepping (empty steps, no forward) while a backup or prefetch has not reported: its
+        report arrives only with a step's output, and until then it pins L2 pages and slots. Without this an engine
+        that went idle right after a burst kept them pinned until the next request (docs/architecture.md §4)."""
+        try:
+            return self._sched is not None and self._sched.ctl is not None and self._sched.ctl.pins_pending()
+        except Exception as e:
+            _hook_error(self._sched.counters, "has_pending_push_work", e)
+            return False
+
     def reset_cache(self) -> Optional[bool]:
         return self._sched.reset() if self._sched is not None else None
 

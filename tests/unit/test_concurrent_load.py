@@ -440,3 +440,33 @@ def test_write_back_waits_for_acknowledged_slots_instead_of_fetching_without_the
     assert alloc.num_free >= 4 and ctl.wait_for_room("r", 4) is True
     job = ctl.start_prefetch("r", hit, 0, 4, [1, 2, 3, 4])
     assert NO_SLOT not in job.slots and ctl.counters.prefetch_no_room_pages == 0
+
+
+def test_the_engine_keeps_stepping_while_a_backup_or_prefetch_has_not_reported(tmp_path, monkeypatch):
+    """Job reports arrive only with a step's output: an engine that went idle right after a burst kept the pins of
+    its last backups and prefetches until the next request (the soak's "back to baseline at idle"). The connector
+    asks vLLM to keep stepping (``has_pending_push_work``) exactly while such a job is out; an existence query
+    pins nothing and does not count."""
+    from types import SimpleNamespace
+    from tierkv.connector.plan import JobReport
+    from tierkv.connector.vllm_connector import TierKVWorkerMeta
+    from vllm_parts import SCHEDULER, connector, write_model
+    monkeypatch.setenv("TIERKV_LEDGER_DIR", str(tmp_path))
+    model = write_model(tmp_path / "model")
+    s = connector(model, SCHEDULER, {"host_pool.num_pages": 8, "l3.backend": "file", "l3.file.root": str(tmp_path),
+                                     "controller.exists_in_scheduler": False})
+    ctl = s._sched.ctl
+    assert not s.has_pending_push_work()
+    keys = _keys(1, 3)
+    assert ctl.l3_extend(keys, 0) is None                 # an existence job: pins nothing
+    assert not s.has_pending_push_work()
+    s._sched.index.insert(keys, s._sched.allocator.alloc(3))
+    ctl.after_save(keys, 0)                               # a backup: pins its pages until its report
+    assert s.has_pending_push_work()
+    jobs = ctl.take_jobs()
+    assert s.has_pending_push_work()
+    out = SimpleNamespace(kv_connector_worker_meta=TierKVWorkerMeta([JobReport(j.job_id, j.kind, [True] * j.num_pages)
+                                                                      for j in jobs]),
+                          finished_recving=None, invalid_block_ids=None)
+    s.update_connector_output(out)
+    assert not s.has_pending_push_work() and s._sched.index.locked_pages == 0
