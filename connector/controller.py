@@ -251,10 +251,17 @@ class Controller:
     def pending_jobs(self) -> int:
         return len(self._jobs) + len(self._outbox)
 
+    #: a job out longer than this (seconds) no longer keeps an idle engine stepping: its pins are released by the first
+    #: step after its report (a store that hangs for good must not keep the engine core spinning)
+    PIN_STEPPING_MAX_S = 120.0
+
     def pins_pending(self) -> bool:
-        """Whether a backup or prefetch (jobs that pin index nodes or staging slots) has not reported yet."""
-        return any(st.job.kind != JOB_EXISTS for st in self._jobs.values()) or \
-            any(j.kind != JOB_EXISTS for j in self._outbox)
+        """Whether a backup or prefetch (jobs that pin index nodes or staging slots), ordered less than
+        :attr:`PIN_STEPPING_MAX_S` ago, has not reported yet."""
+        if any(j.kind != JOB_EXISTS for j in self._outbox):
+            return True
+        oldest = self.clock() - self.PIN_STEPPING_MAX_S
+        return any(st.job.kind != JOB_EXISTS and st.t0 >= oldest for st in self._jobs.values())
 
     # ------------------------------------------------------------------ backup
     def after_save(self, path: Sequence[bytes], start: int) -> None:

@@ -470,3 +470,11 @@ def test_the_engine_keeps_stepping_while_a_backup_or_prefetch_has_not_reported(t
                           finished_recving=None, invalid_block_ids=None)
     s.update_connector_output(out)
     assert not s.has_pending_push_work() and s._sched.index.locked_pages == 0
+    now = [0.0]
+    ctl.clock = lambda: now[0]                            # a job out for good stops keeping the engine stepping
+    s._sched.index.insert(_keys(500, 2), s._sched.allocator.alloc(2))
+    ctl.after_save(_keys(500, 2), 0)
+    ctl.take_jobs()
+    assert s.has_pending_push_work()
+    now[0] += ctl.PIN_STEPPING_MAX_S + 1
+    assert not s.has_pending_push_work()
