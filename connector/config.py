@@ -22,12 +22,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tierkv.storage_backends.common import ConfigError  # noqa: F401 - re-exported: tierkv.connector.config.ConfigError
-from tierkv.storage_backends.factory import L3_BACKENDS, L3Config, validate_l3  # noqa: F401 - re-exported
+from tierkv.storage_backends.factory import L3Config, validate_l3  # noqa: F401 - re-exported
 
 HOST_POOL_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
-EVICTION_POLICIES = ("lru", "lfu")
 
 
 class _Strict(BaseModel):

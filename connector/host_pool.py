@@ -39,7 +39,6 @@ import torch
 import xxhash
 
 from .device_pool import DevicePool, KVGeometry
-from .slot_allocator import SlotAllocator  # noqa: F401  (re-exported: it used to live here)
 
 log = logging.getLogger(__name__)
 

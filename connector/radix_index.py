@@ -79,9 +79,6 @@ class RadixNode:
     def num_pages(self) -> int:
         return len(self.keys)
 
-    def is_leaf(self) -> bool:
-        return not self.children
-
     def __repr__(self) -> str:  # pragma: no cover - debugging aid
         return f"RadixNode(id={self.id}, pages={len(self.keys)}, lock_ref={self.lock_ref}, children={len(self.children)})"
 
@@ -537,11 +534,6 @@ class RadixIndex:
                 marked += 1
         self.l3_pages += marked
         return marked
-
-    def evictable_leaves(self) -> Iterator[RadixNode]:
-        for node in self._iter_nodes():
-            if self._evictable(node):
-                yield node
 
     def remove_prefix_from(self, node: RadixNode) -> list[int]:
         """Drop ``node`` and its whole subtree (e.g. pages found corrupt). Returns the released L2 slots.

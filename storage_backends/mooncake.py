@@ -816,10 +816,6 @@ class MooncakeStore(StorageBackend):
         pat = "^" + re.escape(self._prefix)
         self._call("clear", lambda: self._store.remove_by_regex(pat, True))
 
-    def healthy(self) -> bool:
-        """``True`` if the client reaches its master now (Mooncake ``health_check``), within ``timeout_s``."""
-        return self._call("health_check", self._store.health_check) == 0
-
     def stats(self) -> dict[str, Any]:
         """Counters: ``hits``, ``misses`` (corrupt included), ``sets``, ``set_failures``, ``corrupt`` (records that
         failed verification), ``removed_corrupt``, ``errors`` (Mooncake error codes/exceptions), ``timeouts``,

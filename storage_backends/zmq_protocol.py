@@ -92,9 +92,6 @@ SHM_NAME_RE = re.compile(r"^tierkv-shm-[0-9a-f]{16,64}$")
 SHM_DIR = "/dev/shm"
 #: largest segment a server maps (bytes).
 MAX_SHM_BYTES = 1 << 40
-#: ops that change or drop stored pages other than by writing them (refused without the token when one is set, like
-#: every op on such a server; listed for documentation and the tests).
-DESTRUCTIVE_OPS = ("delete", "clear", "verify")
 #: upper bounds (seconds) of the age histogram returned by ``scan``; the last bucket is open-ended.
 AGE_BUCKETS_S = (60, 600, 3600, 6 * 3600, 86400, 7 * 86400)
 #: ops answered only by a server started with ``--enable-test-ops``.

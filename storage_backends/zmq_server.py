@@ -43,7 +43,6 @@ import time
 from collections import OrderedDict
 from typing import Any, Optional
 
-import xxhash
 import zmq
 
 from tierkv.storage_backends import zmq_protocol as P
@@ -53,8 +52,6 @@ log = logging.getLogger("tierkv.zmq_server")
 
 DEFAULT_PORT = 5557
 DEFAULT_CAPACITY_BYTES = 1 << 30
-#: namespace digest written into spilled records (the spill store holds opaque server records).
-SPILL_NAMESPACE = xxhash.xxh128_digest(b"tierkv/zmq-server/spill/v1")
 _POLL_MS = 100
 _BATCH_RECV = 64
 #: most client shared-memory segments mapped at once; attaching one more unmaps the least recently used.

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierkv.connector.device_pool import DevicePool
-from tierkv.connector.host_pool import HOST_POOL_LAYOUTS, HostPool, SlotAllocator
+from tierkv.connector.host_pool import HOST_POOL_LAYOUTS, HostPool
+from tierkv.connector.slot_allocator import SlotAllocator
 from tierkv.connector.page_hash import ModelNamespace
 from tierkv.kernels import load_pages, save_pages
 from tierkv.kernels.testing import (DEVICE_LAYOUTS, block_bytes_reference, encode_semantic, make_kv_caches,

@@ -195,7 +195,7 @@ def _admin(args) -> ZmqAdmin:
 
 # ----------------------------------------------------------------------------------------------- stats
 def _stats_file(args) -> dict:
-    from tierkv.storage_backends.file import QUARANTINE_DIR, read_record_file  # noqa: F401
+    from tierkv.storage_backends.file import QUARANTINE_DIR
     from tierkv.storage_backends.page_format import HEADER_BYTES, VERSION, PageFormatError, read_header
 
     root = _file_root(args._target)
