@@ -21,6 +21,7 @@ demo: $(STAMP)
 	$(VPY) examples/demo.py
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	$(VPY) -m pytest tests $(PYTEST_ARGS)
 
 bench: $(STAMP)

@@ -32,7 +32,6 @@ import json
 import os
 import random
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -50,7 +49,7 @@ RESULTS = HERE / "results"
 SECTION = "index"
 VOCAB = 128_000
 
-from tierkv.connector.page_hash import (ModelNamespace, RequestKeys, page_keys, page_keys_reference,  # noqa: E402
+from tierkv.connector.page_hash import (ModelNamespace, page_keys, page_keys_reference,  # noqa: E402
                                         request_root, warm_up)
 from tierkv.connector.radix_index import NO_SLOT, RadixIndex  # noqa: E402
 from tierkv.connector.scheduler import CacheScheduler  # noqa: E402

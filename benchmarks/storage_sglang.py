@@ -45,7 +45,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path, not run as a script
     sys.path.insert(0, str(Path(__file__).resolve().parent))

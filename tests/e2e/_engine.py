@@ -409,7 +409,6 @@ def _child(job_path: str, result_path: str) -> None:
     job = json.loads(Path(job_path).read_text())
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
-    from vllm.inputs import TokensPrompt
 
     kwargs = dict(job["engine_args"])
     if job.get("kv_transfer_config"):

@@ -2,7 +2,6 @@
 restart while data holders stay up), a hung (SIGSTOPped) or dead master, and bad configuration."""
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import subprocess
@@ -15,7 +14,7 @@ import pytest
 import torch
 
 from _fixtures_mooncake import make_backend
-from mooncake_master import MooncakeMaster, free_ports
+from mooncake_master import free_ports
 
 from tierkv.connector.config import ConfigError, load_config
 from tierkv.storage_backends.factory import build_backend

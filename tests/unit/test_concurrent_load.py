@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 
 from fake_engine import P, FakeEngine, Req
-from tierkv import kernels
 from tierkv.connector.page_hash import ModelNamespace, page_keys, request_root
 from tierkv.connector.radix_index import NO_SLOT
 from tierkv.connector.scheduler import CacheScheduler

@@ -11,7 +11,6 @@ import threading
 import pytest
 import torch
 
-from tierkv import kernels
 from tierkv.connector import layer_loader, worker as worker_mod
 from tierkv.connector.device_pool import DevicePool
 from tierkv.connector.host_pool import HostPool
