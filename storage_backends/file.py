@@ -22,7 +22,7 @@ Where it comes from and what it does differently:
   order) is rebuilt from the directory at start: page files sorted by mtime (a write sets its record's mtime to an
   exact stamp; a hit is stamped in memory at read time and written to the file's mtime lazily, one ``utime`` per page
   per ``touch_flush_s`` and at close/rescan/exit, so recency survives restarts without a syscall per hit), files of
-  the wrong size quarantined, temporary files of dead writers removed. About 40 µs per file on a busy 2-core VM (one ``stat``); see ``tests/storage/test_file_index.py``.
+  the wrong size quarantined, temporary files of dead writers removed. One ``stat`` per file (tested in ``tests/storage/test_file_restart.py``).
 - Mooncake's offload tier and DingoCache filled their disk (R20). Here the capacity (bytes of page files, headers
   included) is enforced by LRU eviction out of the box (default: 90 % of what the filesystem can give us at start),
   and ``ENOSPC``/``EDQUOT`` on a write evicts ``enospc_evict_pages`` records and retries once; a failed write leaves
