@@ -620,15 +620,11 @@ class Controller:
         return [s for st in self._jobs.values() if st.job.kind == JOB_PREFETCH
                 for s, f in zip(st.job.slots, st.job.fetch) if f and s != NO_SLOT]
 
-    def prefetch_in_flight(self, req_id: str) -> bool:
-        """Whether the prefetch job of ``req_id`` has not reported yet (its I/O may still touch staging slots)."""
-        return req_id in self._req_prefetch
-
     def request_side_open(self, req_id: str) -> bool:
         """Whether the workers have not yet named ``req_id``'s load as ended (vLLM's ``finished_recving``). Only
         then must the engine keep the request's blocks when it finishes: once the load was named ended the workers
         never touch its blocks again (a deadline release copies nothing later), and they will not name it a second
-        time, so a delayed free would never end. The I/O side (:meth:`prefetch_in_flight`) pins only L2 staging
+        time, so a delayed free would never end. The I/O side (the job, until its report) pins only L2 staging
         slots, which its report frees."""
         return req_id in self._recv_open
 

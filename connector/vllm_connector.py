@@ -256,17 +256,13 @@ class TierKVConnector(KVConnectorBase_V1):
         try:
             for tp_rank, pp_rank in ranks:
                 digest = dataclasses.replace(self.namespace, tp_rank=tp_rank, pp_rank=pp_rank).digest()
-                store = TimedStore(build_backend(self.cfg.l3, digest, self.page_bytes))  # op="exists" latencies
-                stores.append((digest, store))
-                if not getattr(store, "local_exists", False):
-                    break
-        except Exception as e:  # the workers will say the same; they answer existence instead
+                stores.append((digest, TimedStore(build_backend(self.cfg.l3, digest, self.page_bytes))))  # timed
+                if not getattr(stores[-1][1], "local_exists", False):
+                    raise LookupError(f"the {self.cfg.l3.backend} store answers existence over the network")
+        except Exception as e:  # not local, or could not start here: the workers answer existence
             logger.info("tierkv: L3 existence is asked through the workers (%s)", e)
-            stores.append((None, None))
-        if not stores or any(s is None or not getattr(s, "local_exists", False) for _d, s in stores):
-            for _d, s in stores:
-                if s is not None:
-                    s.close()
+            for _d, store in stores:
+                store.close()
             return None
         self._exists_stores = [s for _d, s in stores]
 
