@@ -1311,17 +1311,7 @@ def main(argv=None) -> int:
                      f"{2 * SOAK['num_prefixes']}")
         return soak_main(args, p)
 
-    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    work = REPO / "runs" / time.strftime("serve_cpu-%Y%m%d-%H%M%S")
-    work.mkdir(parents=True, exist_ok=True)
-    print(f"[serve_cpu] run directory {work}", flush=True)
-    make_tiny_model = _load("tierkv_make_tiny_model", REPO / "examples" / "make_tiny_model.py")
-    model_dir = make_tiny_model.make_model(REPO / "runs" / "serve_cpu" / "models" / p["preset"], p["preset"])
-    if args.code == "head":
-        pythonpath, code = code_snapshot(work)
-        pythonpath = str(pythonpath)
-    else:
-        pythonpath, code = "", dict(results_check.code_state(), source="working tree")
+    started, work, model_dir, pythonpath, code = _prepare(args, p, "serve_cpu")
     traces: dict[tuple[int, int], tuple[Path, list[dict]]] = {}
     trace_info = {}
     if "multiturn" in args.workloads:
@@ -1363,20 +1353,26 @@ def main(argv=None) -> int:
     return 0
 
 
-def soak_main(args, p: dict) -> int:
-    """``--soak N``: one soak (:func:`run_soak`), its JSON and the README subsection; 1 if a check failed."""
-    sp = dict(SOAK, requests=args.soak)
+def _prepare(args, p: dict, name: str):
+    """Start time, a new run directory ``runs/<name>-<time>``, the model of ``p["preset"]`` and the code measured
+    (``--code``: a git-archive snapshot of HEAD on PYTHONPATH, or the working tree): ``(started, work, model_dir,
+    pythonpath, code)``."""
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    work = REPO / "runs" / time.strftime("serve_cpu_soak-%Y%m%d-%H%M%S")
+    work = REPO / "runs" / time.strftime(f"{name}-%Y%m%d-%H%M%S")
     work.mkdir(parents=True, exist_ok=True)
-    print(f"[serve_cpu] soak: run directory {work}", flush=True)
+    print(f"[serve_cpu] run directory {work}", flush=True)
     make_tiny_model = _load("tierkv_make_tiny_model", REPO / "examples" / "make_tiny_model.py")
     model_dir = make_tiny_model.make_model(REPO / "runs" / "serve_cpu" / "models" / p["preset"], p["preset"])
     if args.code == "head":
         pythonpath, code = code_snapshot(work)
-        pythonpath = str(pythonpath)
-    else:
-        pythonpath, code = "", dict(results_check.code_state(), source="working tree")
+        return started, work, model_dir, str(pythonpath), code
+    return started, work, model_dir, "", dict(results_check.code_state(), source="working tree")
+
+
+def soak_main(args, p: dict) -> int:
+    """``--soak N``: one soak (:func:`run_soak`), its JSON and the README subsection; 1 if a check failed."""
+    sp = dict(SOAK, requests=args.soak)
+    started, work, model_dir, pythonpath, code = _prepare(args, p, "serve_cpu_soak")
     timeout = max(args.client_timeout, 3.0 * sp["requests"])
     s = run_soak(p, sp, model_dir, work, pythonpath, timeout, args.soak_config)
     data = {"benchmark": "serve_cpu_soak", "quick": sp["requests"] < SOAK["requests"], "params": p,
