@@ -292,15 +292,6 @@ class CacheWorker:
                 self._unwritten[slot] = key
                 self.checksums.forget(slot)
 
-    def fail_plan(self, plan: StepPlan) -> None:
-        """A hook could not execute ``plan`` (an exception caught at the vLLM boundary, docs §8 R41): its loads'
-        blocks are reported failed (vLLM recomputes them), its saves are forgotten, and each of its jobs is
-        answered with no page done (a prefetch's request is named as ended with every block failed), so nothing
-        on the scheduler side waits for it."""
-        self.fail_loads(plan)
-        self.forget_saves(plan.saves)
-        self.fail_jobs(plan.jobs)
-
     def fail_loads(self, plan: StepPlan) -> None:
         """Report every block of the plan's L2 -> L1 loads as failed (vLLM recomputes them)."""
         self._pending = None
@@ -328,8 +319,9 @@ class CacheWorker:
     # ----------------------------------------------------------------- L3 jobs
     def start_reads(self, plan: StepPlan) -> None:
         """Hand the plan's prefetches and existence queries to the readers now, before the step's forward (vLLM's
-        ``bind_connector_metadata``): they read nothing the step writes, so the read overlaps the forward and a load that ends
-        within it is named finished at this step's end (an L3 hit then costs one engine step more than an L2 hit).
+        ``bind_connector_metadata``): they read nothing the step writes, so the read overlaps the forward and a load
+        that ends within it is named finished at this step's end (an L3 hit then costs one engine step more than an
+        L2 hit).
         Backups wait for :meth:`submit_jobs`, after the step's saves."""
         reads = [j for j in plan.jobs if j.kind != JOB_BACKUP]
         if not reads:
@@ -352,7 +344,7 @@ class CacheWorker:
         if not plan.jobs:
             return
         if self._read_started:
-            jobs = [j for j in plan.jobs if j.job_id not in self._read_started]
+            jobs = self.unsubmitted(plan)
             self._read_started.difference_update(j.job_id for j in plan.jobs)
             if len(jobs) < len(plan.jobs):
                 plan = StepPlan(step=plan.step, jobs=jobs)
