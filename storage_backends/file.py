@@ -157,8 +157,6 @@ def _pid_alive(pid: int) -> bool:
 
 
 class FileStore(StorageBackend):
-    default_read_threads = 4  # independent files: reads of several threads overlap in the page cache and the disk
-    local_exists = True       # one stat per key
     """L3 page store on a local (or shared POSIX) directory.
 
     Args:
@@ -192,6 +190,9 @@ class FileStore(StorageBackend):
         ConfigError: bad option values, or ``root`` cannot be created or written (and not ``read_only``).
         ValueError: ``namespace`` not 16 bytes, ``page_bytes`` not positive.
     """
+
+    default_read_threads = 4  # independent files: reads of several threads overlap in the page cache and the disk
+    local_exists = True       # one stat per key
 
     def __init__(self, namespace: bytes, page_bytes: int, root: Optional[str] = None, **cfg: Any):
         check_store_identity(namespace, page_bytes)

@@ -273,7 +273,6 @@ def _probe_endpoints(c: MooncakeStoreConfig) -> None:
 
 
 class MooncakeStore(StorageBackend):
-    default_read_threads = 4  # the client runs up to max_inflight (4) calls at once
     """A :class:`~tierkv.storage_backends.base.StorageBackend` over one ``MooncakeDistributedStore`` client.
 
     Args:
@@ -303,6 +302,8 @@ class MooncakeStore(StorageBackend):
         TypeError: ``namespace``/``page_bytes`` of the wrong type.
         ImportError: the Mooncake wheel is not installed.
     """
+
+    default_read_threads = 4  # the client runs up to max_inflight (4) calls at once
 
     def __init__(self, namespace: bytes, page_bytes: int, **cfg: Any):
         check_store_identity(namespace, page_bytes, error=TypeError)
