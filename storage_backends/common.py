@@ -57,10 +57,14 @@ def check_store_identity(namespace: Any, page_bytes: Any, error: type = ValueErr
 
 def config_error(err: ValidationError, prefix: str, model: Optional[type] = None) -> ConfigError:
     """A :class:`ConfigError` naming each bad key as ``<prefix>.<key>`` and what is allowed (for an unknown key, the
-    allowed keys when ``model``, the pydantic model that failed, is given)."""
+    allowed keys when ``model``, the pydantic model that failed, is given). The value of a field declared with
+    ``repr=False`` (a secret such as ``l3.zmq.token``) is shown as ``'<hidden>'``."""
     lines = []
     for e in err.errors():
         key = ".".join([prefix] + [str(p) for p in e["loc"]])
+        field = model.model_fields.get(str(e["loc"][0])) if model is not None and e["loc"] else None
+        if field is not None and not field.repr:
+            e["input"] = "<hidden>"
         if e["type"] == "extra_forbidden":
             allowed = f"; allowed keys: {', '.join(model.model_fields)}" if model is not None else ""
             lines.append(f"unknown config key '{key}'{allowed}")

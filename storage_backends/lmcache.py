@@ -58,7 +58,7 @@ from typing import Any, Optional, Sequence
 
 import msgpack
 import zmq
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from tierkv.storage_backends.base import Buffer, PageTokens, StorageBackend
 from tierkv.storage_backends.common import (ConfigError, RateLimitedLog, as_byte_view, check_store_identity,
@@ -130,6 +130,22 @@ class LMCacheStoreConfig(BaseModel):
             raise ValueError("must be a finite number of seconds")
         return v
 
+    @field_validator("max_backoff_s")
+    @classmethod
+    def _max_backoff(cls, v: float, info: ValidationInfo) -> float:
+        first = info.data.get("reconnect_backoff_s")
+        if first is not None and v < first:
+            raise ValueError(f"must be >= reconnect_backoff_s ({first})")
+        return v
+
+    @field_validator("worker_id")
+    @classmethod
+    def _worker(cls, v: int, info: ValidationInfo) -> int:
+        n = info.data.get("world_size")
+        if n is not None and v >= n:
+            raise ValueError(f"must be < l3.lmcache.world_size ({n})")
+        return v
+
 
 def check_options(cfg: dict) -> LMCacheStoreConfig:
     """Validate the ``l3.lmcache`` section without connecting.
@@ -138,16 +154,9 @@ def check_options(cfg: dict) -> LMCacheStoreConfig:
         ConfigError: naming ``l3.lmcache.<key>`` and what is allowed.
     """
     try:
-        c = LMCacheStoreConfig.model_validate(cfg)
+        return LMCacheStoreConfig.model_validate(cfg)
     except ValidationError as e:
         raise config_error(e, "l3.lmcache", LMCacheStoreConfig) from None
-    if c.max_backoff_s < c.reconnect_backoff_s:
-        raise ConfigError(f"invalid tierkv config: bad value {c.max_backoff_s!r} for 'l3.lmcache.max_backoff_s': "
-                          f"must be >= reconnect_backoff_s ({c.reconnect_backoff_s})")
-    if c.worker_id >= c.world_size:
-        raise ConfigError(f"invalid tierkv config: bad value {c.worker_id!r} for 'l3.lmcache.worker_id': must be < "
-                          f"l3.lmcache.world_size ({c.world_size})")
-    return c
 
 
 class _Failed(Exception):

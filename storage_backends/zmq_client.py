@@ -48,10 +48,11 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 import zmq
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from tierkv.storage_backends import zmq_protocol as P
 from tierkv.storage_backends.base import Buffer, StorageBackend
-from tierkv.storage_backends.common import ConfigError, check_store_identity
+from tierkv.storage_backends.common import check_store_identity, config_error
 from tierkv.storage_backends.page_format import (PageFormatError, check_checksums, check_key, decode_header,
                                                  encode_headers, verify_payload)
 
@@ -75,10 +76,6 @@ FIRST_MESSAGE_BYTES = 1 << 20
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
-#: the keys of ``l3.zmq`` (the keyword arguments of :class:`ZmqStore`) and their defaults
-OPTION_DEFAULTS: dict[str, Any] = dict(endpoint="tcp://127.0.0.1:5557", timeout_s=1.0, token=None,
-                                       max_message_bytes=P.DEFAULT_MAX_MESSAGE_BYTES, reconnect_backoff_s=0.05,
-                                       max_backoff_s=1.0, shm="off", shm_bytes=64 << 20)
 #: allowed values of ``l3.zmq.shm`` (YAML's ``on``/``off`` arrive as booleans and are accepted as such)
 SHM_MODES = ("auto", "on", "off")
 #: payload bytes per message on the shared-memory path: the server copies one message's slots while the client
@@ -110,46 +107,104 @@ def is_local_endpoint(endpoint: str) -> bool:
         return False
 
 
-def check_options(cfg: dict, page_bytes: Optional[int] = None) -> None:
+def _seconds(v: Any, positive: bool) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (positive and v == 0):
+        raise ValueError(f"must be a finite number of seconds {'> 0' if positive else '>= 0'}")
+    return float(v)
+
+
+class ZmqStoreConfig(BaseModel):
+    """The ``l3.zmq`` section (the keyword arguments of :class:`ZmqStore`). Validated with the page size, when known,
+    in the validation context (``context={"page_bytes": n}``): ``shm_bytes`` and ``max_message_bytes`` must then
+    hold one page."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    endpoint: str = "tcp://127.0.0.1:5557"
+    timeout_s: float = 1.0
+    token: Optional[str] = Field(default=None, repr=False)  # a secret: error messages and ``config check`` hide it
+    max_message_bytes: int = P.DEFAULT_MAX_MESSAGE_BYTES
+    reconnect_backoff_s: float = 0.05
+    max_backoff_s: float = 1.0
+    shm: str = "off"
+    shm_bytes: int = 64 << 20
+
+    @field_validator("endpoint", mode="before")
+    @classmethod
+    def _endpoint(cls, v: Any) -> str:
+        if not isinstance(v, str) or not v.startswith(("tcp://", "ipc://")):
+            raise ValueError("must look like 'tcp://HOST:PORT' or 'ipc://PATH'")
+        return v
+
+    @field_validator("timeout_s", mode="before")
+    @classmethod
+    def _timeout(cls, v: Any) -> float:
+        return _seconds(v, positive=True)
+
+    @field_validator("reconnect_backoff_s", mode="before")
+    @classmethod
+    def _backoff(cls, v: Any) -> float:
+        return _seconds(v, positive=False)
+
+    @field_validator("max_backoff_s", mode="before")
+    @classmethod
+    def _max_backoff(cls, v: Any, info: ValidationInfo) -> float:
+        v = _seconds(v, positive=False)
+        first = info.data.get("reconnect_backoff_s")
+        if first is not None and v < first:
+            raise ValueError(f"must be >= reconnect_backoff_s ({first})")
+        return v
+
+    @field_validator("token", mode="before")
+    @classmethod
+    def _token(cls, v: Any) -> Optional[str]:
+        if v is not None and (not isinstance(v, str) or not v):
+            raise ValueError("must be a non-empty string or null")
+        return v
+
+    @field_validator("shm", mode="before")
+    @classmethod
+    def _shm(cls, v: Any) -> str:
+        v = shm_mode(v)
+        if v not in SHM_MODES:
+            raise ValueError(f"allowed values are {', '.join(SHM_MODES)}")
+        return v
+
+    @field_validator("shm_bytes", mode="before")
+    @classmethod
+    def _shm_bytes(cls, v: Any, info: ValidationInfo) -> int:
+        page_bytes = (info.context or {}).get("page_bytes")
+        if type(v) is not int or not (page_bytes or 1) <= v <= P.MAX_SHM_BYTES:
+            raise ValueError(f"must be an int of bytes in [{page_bytes or 1} (one page), {P.MAX_SHM_BYTES}]")
+        return v
+
+    @field_validator("max_message_bytes", mode="before")
+    @classmethod
+    def _max_message(cls, v: Any, info: ValidationInfo) -> int:
+        page_bytes = (info.context or {}).get("page_bytes")
+        need = (page_bytes or 1) + _PER_KEY_OVERHEAD + _MSG_SLACK
+        if type(v) is not int or v < need:
+            held = f"one page of page_bytes={page_bytes}" if page_bytes else "one page plus 64 KiB"
+            raise ValueError(f"must be an int >= {need} to hold {held}")
+        return v
+
+
+#: the keys of ``l3.zmq`` and their defaults
+OPTION_DEFAULTS: dict[str, Any] = {k: f.default for k, f in ZmqStoreConfig.model_fields.items()}
+
+
+def check_options(cfg: dict, page_bytes: Optional[int] = None) -> ZmqStoreConfig:
     """Validate the ``l3.zmq`` section without connecting (the connector checks it at start-up, before any
     backend exists). ``page_bytes`` (bytes of one page), when known, also checks that ``max_message_bytes``
-    holds one page.
+    and ``shm_bytes`` hold one page.
 
     Raises:
         ConfigError: an unknown key (the allowed ones are listed) or a bad value, naming ``l3.zmq.<key>``.
     """
-    unknown = sorted(set(cfg) - set(OPTION_DEFAULTS))
-    if unknown:
-        raise ConfigError(f"invalid tierkv config: unknown config key(s) {', '.join(f'l3.zmq.{k}' for k in unknown)}; "
-                          f"allowed: {', '.join(OPTION_DEFAULTS)}")
-    c = {**OPTION_DEFAULTS, **cfg}
-
-    def bad(key: str, value: Any, want: str) -> ConfigError:
-        return ConfigError(f"invalid tierkv config: bad value {value!r:.80} for 'l3.zmq.{key}': {want}")
-
-    endpoint = c["endpoint"]
-    if not isinstance(endpoint, str) or not endpoint.startswith(("tcp://", "ipc://")):
-        raise bad("endpoint", endpoint, "must look like 'tcp://HOST:PORT' or 'ipc://PATH'")
-    for name, positive in (("timeout_s", True), ("reconnect_backoff_s", False), ("max_backoff_s", False)):
-        v = c[name]
-        if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
-                or (positive and v == 0)):
-            raise bad(name, v, f"must be a finite number of seconds {'> 0' if positive else '>= 0'}")
-    if c["max_backoff_s"] < c["reconnect_backoff_s"]:
-        raise bad("max_backoff_s", c["max_backoff_s"], f"must be >= reconnect_backoff_s ({c['reconnect_backoff_s']})")
-    token = c["token"]
-    if token is not None and (not isinstance(token, str) or not token):
-        raise bad("token", "<hidden>", "must be a non-empty string or null")
-    if shm_mode(c["shm"]) not in SHM_MODES:
-        raise bad("shm", c["shm"], f"allowed values are {', '.join(SHM_MODES)}")
-    sb = c["shm_bytes"]
-    if type(sb) is not int or not (page_bytes or 1) <= sb <= P.MAX_SHM_BYTES:
-        raise bad("shm_bytes", sb, f"must be an int of bytes in [{page_bytes or 1} (one page), {P.MAX_SHM_BYTES}]")
-    mmb = c["max_message_bytes"]
-    need = (page_bytes or 1) + _PER_KEY_OVERHEAD + _MSG_SLACK
-    if type(mmb) is not int or mmb < need:
-        held = f"one page of page_bytes={page_bytes}" if page_bytes else "one page plus 64 KiB"
-        raise bad("max_message_bytes", mmb, f"must be an int >= {need} to hold {held}")
+    try:
+        return ZmqStoreConfig.model_validate(cfg, context={"page_bytes": page_bytes})
+    except ValidationError as e:
+        raise config_error(e, "l3.zmq", ZmqStoreConfig) from None
 
 
 def _byte_view(buf: Any, page_bytes: int, writable: bool, what: str, i: int) -> memoryview:
@@ -272,6 +327,7 @@ class ZmqStore(StorageBackend):
     Args:
         namespace: 16-byte namespace digest written into and checked against every page header.
         page_bytes: bytes of one page payload (> 0).
+        options: the keys of :class:`ZmqStoreConfig` (``l3.zmq.*``):
         endpoint: server address, ``tcp://HOST:PORT`` (default ``tcp://127.0.0.1:5557``) or ``ipc://PATH``.
         timeout_s: seconds without a reply after which an exchange fails (> 0).
         token: shared secret the server was started with (``--token``), or None.
@@ -289,27 +345,22 @@ class ZmqStore(StorageBackend):
         ValueError: bad ``namespace`` or ``page_bytes``.
     """
 
-    def __init__(self, namespace: bytes, page_bytes: int, endpoint: str = "tcp://127.0.0.1:5557",
-                 timeout_s: float = 1.0, token: Optional[str] = None,
-                 max_message_bytes: int = P.DEFAULT_MAX_MESSAGE_BYTES, reconnect_backoff_s: float = 0.05,
-                 max_backoff_s: float = 1.0, shm: Any = "off", shm_bytes: int = 64 << 20, **kw: Any):
-        if kw:
-            raise TypeError(f"ZmqStore got unknown option(s) {', '.join(sorted(kw))}; allowed: "
-                            f"{', '.join(OPTION_DEFAULTS)}")
-
+    def __init__(self, namespace: bytes, page_bytes: int, **options: Any):
+        unknown = sorted(set(options) - set(ZmqStoreConfig.model_fields))
+        if unknown:
+            raise TypeError(f"ZmqStore got unknown option(s) {', '.join(unknown)}; allowed: "
+                            f"{', '.join(ZmqStoreConfig.model_fields)}")
         check_store_identity(namespace, page_bytes)
-        check_options(dict(endpoint=endpoint, timeout_s=timeout_s, token=token, max_message_bytes=max_message_bytes,
-                           reconnect_backoff_s=reconnect_backoff_s, max_backoff_s=max_backoff_s, shm=shm,
-                           shm_bytes=shm_bytes), page_bytes)
+        cfg = check_options(options, page_bytes)
         self.namespace = bytes(namespace)
         self.page_bytes = page_bytes
-        self.endpoint = endpoint
-        self.timeout_s = float(timeout_s)
-        self.token = token
-        self.max_message_bytes = max_message_bytes
-        self.reconnect_backoff_s = float(reconnect_backoff_s)
-        self.max_backoff_s = float(max_backoff_s)
-        self.keys_per_message = max(1, min(P.MAX_KEYS, (max_message_bytes - _MSG_SLACK) // (page_bytes + _PER_KEY_OVERHEAD)))
+        self.endpoint = cfg.endpoint
+        self.timeout_s = cfg.timeout_s
+        self.token = cfg.token
+        self.max_message_bytes = cfg.max_message_bytes
+        self.reconnect_backoff_s = cfg.reconnect_backoff_s
+        self.max_backoff_s = cfg.max_backoff_s
+        self.keys_per_message = max(1, min(P.MAX_KEYS, (cfg.max_message_bytes - _MSG_SLACK) // (page_bytes + _PER_KEY_OVERHEAD)))
         self._lock = threading.RLock()
         self._ctx: Optional[zmq.Context] = zmq.Context()
         self._sock: Optional[zmq.Socket] = None
@@ -324,11 +375,11 @@ class ZmqStore(StorageBackend):
                       reconnects=0, fast_fails=0, stale_replies=0, bad_replies=0, error_replies=0, bytes_in=0,
                       bytes_out=0, max_pending=0, evictions=0, shm_pages_in=0, shm_pages_out=0, shm_attaches=0,
                       shm_fallbacks=0, shm_recreated=0)
-        mode = shm_mode(shm)
+        mode = cfg.shm
         self.shm = mode
-        self.shm_bytes = int(shm_bytes)
+        self.shm_bytes = cfg.shm_bytes
         #: the shared-memory path is tried (False once it is found unusable: frames from then on)
-        self._shm_on = mode == "on" or (mode == "auto" and is_local_endpoint(endpoint))
+        self._shm_on = mode == "on" or (mode == "auto" and is_local_endpoint(cfg.endpoint))
         self._seg: Optional[_Segment] = None
         self._seg_attached = False
 

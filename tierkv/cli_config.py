@@ -6,7 +6,7 @@ The key list is generated from the schema, never written by hand:
   :class:`~tierkv.connector.config.HostPoolConfig`, :class:`~tierkv.connector.config.ControllerConfig`,
   :class:`tierkv.storage_backends.factory.L3Config`) and the models of the backend sections
   (:class:`~tierkv.storage_backends.file.FileStoreConfig`, :class:`~tierkv.storage_backends.mooncake.MooncakeStoreConfig`,
-  :class:`~tierkv.storage_backends.faulty.FaultsConfig`) plus ``zmq_client.OPTION_DEFAULTS`` for ``l3.zmq``;
+  :class:`~tierkv.storage_backends.zmq_client.ZmqStoreConfig`, :class:`~tierkv.storage_backends.faulty.FaultsConfig`);
 - meanings: a field's pydantic ``description`` where it has one, else the comment next to (or above) the key in the
   shipped commented configs (``configs/default.yaml``, ``configs/l3_<backend>.yaml``), else the ``Args:`` entry of the
   class that takes the key (``FaultyBackend`` for ``l3.faults``).
@@ -67,8 +67,10 @@ def _sections() -> list[tuple[str, Any]]:
     from tierkv.storage_backends.file import FileStoreConfig
     from tierkv.storage_backends.lmcache import LMCacheStoreConfig
     from tierkv.storage_backends.mooncake import MooncakeStoreConfig
+    from tierkv.storage_backends.zmq_client import ZmqStoreConfig
 
-    return [("", TierKVConfig), ("host_pool", HostPoolConfig), ("l3", L3Config), ("l3.file", FileStoreConfig),
+    return [("", TierKVConfig), ("host_pool", HostPoolConfig), ("l3", L3Config), ("l3.zmq", ZmqStoreConfig),
+            ("l3.file", FileStoreConfig),
             ("l3.mooncake", MooncakeStoreConfig), ("l3.lmcache", LMCacheStoreConfig), ("l3.faults", FaultsConfig),
             ("controller", ControllerConfig)]
 
@@ -162,8 +164,6 @@ def _plain_rst(text: str) -> str:
 
 def config_keys() -> list[dict]:
     """Every configuration key: ``{"key", "type", "default", "meaning"}`` (dotted keys, schema order)."""
-    from tierkv.storage_backends.zmq_client import OPTION_DEFAULTS
-
     meanings = _meanings()
     rows: list[dict] = []
     for prefix, model in _sections():
@@ -176,20 +176,7 @@ def config_keys() -> list[dict]:
                 continue
             rows.append({"key": key, "type": _type_name(ann), "default": _default(field),
                          "meaning": field.description or meanings.get(key, "")})
-        if prefix == "l3":
-            for name, default in OPTION_DEFAULTS.items():
-                key = f"l3.zmq.{name}"
-                rows.append({"key": key, "type": _zmq_type(name, default), "default": default,
-                             "meaning": meanings.get(key, "")})
     return rows
-
-
-def _zmq_type(name: str, default: Any) -> str:
-    if name == "token":
-        return "str or null"
-    if isinstance(default, float):
-        return "float"
-    return type(default).__name__
 
 
 def _fmt_default(v: Any) -> str:
@@ -240,7 +227,7 @@ def effective_config(cfg: Any) -> dict:
     from tierkv.storage_backends.file import FileStoreConfig
     from tierkv.storage_backends.faulty import FaultsConfig
     from tierkv.storage_backends.mooncake import MooncakeStoreConfig
-    from tierkv.storage_backends.zmq_client import OPTION_DEFAULTS
+    from tierkv.storage_backends.zmq_client import ZmqStoreConfig
 
     d = cfg.model_dump(mode="json")
     l3 = d["l3"]
@@ -249,7 +236,7 @@ def effective_config(cfg: Any) -> dict:
         sub.setdefault("root", ".")
         l3["file"] = FileStoreConfig.model_validate(sub).model_dump(mode="json")
     if cfg.l3.backend == "zmq" or cfg.l3.zmq:
-        l3["zmq"] = {**OPTION_DEFAULTS, **cfg.l3.zmq}
+        l3["zmq"] = ZmqStoreConfig.model_validate(dict(cfg.l3.zmq)).model_dump(mode="json")
         if l3["zmq"].get("token"):
             l3["zmq"]["token"] = "<hidden>"
     if cfg.l3.backend == "mooncake" or cfg.l3.mooncake:
