@@ -114,6 +114,15 @@ BEST_EFFORT_STALL_FRACTION = 0.05
 BEST_EFFORT_MIN_WAIT_S = 0.005
 
 
+@dataclass
+class LookupAnswer:
+    """The controller's answer to one lookup (:meth:`Controller.lookup`): the request can load the leading
+    ``pages`` pages of its path (from L2 only, or with ``is_async`` from L2 and L3: an asynchronous load)."""
+
+    pages: int
+    is_async: bool = False
+
+
 class _Ewma:
     """Exponentially weighted running average (weight ``alpha`` for each new sample; the first sample sets it) that
     remembers when it last got a sample (``clock`` seconds)."""
@@ -484,6 +493,42 @@ class Controller:
         if self.index.total_pages > self.max_index_pages:
             excess = self.index.total_pages - self.max_index_pages
             self.counters.index_l3_evicted_pages += self.index.evict_l3_only(excess + self.max_index_pages // 16)
+
+    # ------------------------------------------------------------------ lookup
+    def lookup(self, req_id: str, keys: Sequence[bytes], l2_run: int, first: int) -> Optional[LookupAnswer]:
+        """How much of ``keys`` (the request's full pages that may count, at most all but its last token) request
+        ``req_id`` can load, given that ``keys[:l2_run]`` have L2 copies and ``keys[:first]`` are in L1 already.
+        None = not known yet (another request is fetching these pages, an existence answer or L2 staging room is
+        pending): vLLM asks again next step. Counts the deferred lookups and the hits declined as slow."""
+        m = self.index.match_prefix(keys, require_l2=False)
+        avail = self.usable_pages(keys, m.host_slots, m.in_l3)
+        lo = max(first, l2_run)
+        i, wait = self.fetch_state(keys[lo:avail + 1], req_id)
+        if wait:
+            self.counters.lookups_deferred += 1
+            return None  # another request is fetching these pages: load them from L2 once they landed
+        avail = min(avail, lo + i)
+        if avail == m.num_pages and avail < len(keys):
+            more = self.l3_extend(keys, avail)
+            if more is None:
+                self.counters.lookups_deferred += 1
+                return None
+            if more:  # answered at once (the scheduler's own existence check): the pages are indexed now
+                m = self.index.match_prefix(keys, require_l2=False)
+                avail = self.usable_pages(keys, m.host_slots, m.in_l3)
+        if avail <= lo:
+            return LookupAnswer(l2_run)
+        fetch = sum(1 for s in m.host_slots[lo:avail] if s < 0)
+        if not self.worth_loading(fetch):
+            self.counters.l3_declined_slow_pages += fetch
+            return LookupAnswer(l2_run)
+        room = self.wait_for_room(req_id, fetch)
+        if room is None:
+            self.counters.lookups_deferred += 1
+            return None
+        if not room:
+            return LookupAnswer(l2_run)
+        return LookupAnswer(avail, is_async=True)
 
     # ------------------------------------------------------------------ prefetch
     def worth_loading(self, fetch_pages: int) -> bool:

@@ -208,41 +208,14 @@ class CacheScheduler:
         all_keys = st.keys.extend(st.tokens)  # hashes only pages not hashed before: O(1) for a waiting request
         # the L2 run, resumed from the last lookup's cursor: O(1) when nothing on the path changed (docs §9)
         l2_run, st.cursor = self.index.match_len(all_keys, cap_pages, require_l2=True, cursor=st.cursor)
-        ctl = self.ctl
-        if ctl is None or l2_run == cap_pages:  # with L3 too: nothing more to find when L2 holds every page
-            return max(0, l2_run * self.page_size - num_computed_tokens)
-        keys = all_keys[:cap_pages]
-        m = self.index.match_prefix(keys, require_l2=False)
-        avail = ctl.usable_pages(keys, m.host_slots, m.in_l3)
         first = num_computed_tokens // self.page_size
-        lo = max(first, l2_run)
-        i, wait = ctl.fetch_state(keys[lo:avail + 1], req_id)
-        if wait:
-            ctl.counters.lookups_deferred += 1
-            return None  # another request is fetching these pages: load them from L2 once they landed
-        avail = min(avail, lo + i)
-        if avail == m.num_pages and avail < cap_pages:
-            more = ctl.l3_extend(keys, avail)
-            if more is None:
-                ctl.counters.lookups_deferred += 1
-                return None
-            if more:  # answered at once (the scheduler's own existence check): the pages are indexed now
-                m = self.index.match_prefix(keys, require_l2=False)
-                avail = ctl.usable_pages(keys, m.host_slots, m.in_l3)
-        if avail <= max(first, l2_run):
+        if self.ctl is None or l2_run == cap_pages:  # with L3 too: nothing more to find when L2 holds every page
             return max(0, l2_run * self.page_size - num_computed_tokens)
-        fetch = sum(1 for s in m.host_slots[max(first, l2_run):avail] if s < 0)
-        if not ctl.worth_loading(fetch):
-            ctl.counters.l3_declined_slow_pages += fetch
-            return max(0, l2_run * self.page_size - num_computed_tokens)
-        room = ctl.wait_for_room(req_id, fetch)
-        if room is None:
-            ctl.counters.lookups_deferred += 1
+        ans = self.ctl.lookup(req_id, all_keys[:cap_pages], l2_run, first)
+        if ans is None:
             return None
-        if not room:
-            return max(0, l2_run * self.page_size - num_computed_tokens)
-        st.async_hit = True
-        return avail * self.page_size - num_computed_tokens
+        st.async_hit = ans.is_async
+        return max(0, ans.pages * self.page_size - num_computed_tokens)
 
     def lookup_is_async(self, req_id: str) -> bool:
         """Whether the last :meth:`lookup` answer of ``req_id`` needs an L3 read (vLLM: ``load_async=True``)."""
