@@ -139,6 +139,58 @@ def route_logs_to_vllm(level: str) -> None:
         tk.propagate = False
 
 
+#: seconds the scheduler's own copy of a networked store (``local_exists``) waits for an existence answer: a dead or
+#: busy server costs the scheduler's loop at most this once per back-off window, and the workers are asked instead
+SCHEDULER_EXISTS_TIMEOUT_S = 0.05
+
+
+def scheduler_exists(l3_cfg, digests: list, page_bytes: int):
+    """``(exists, stores)`` answering "how many leading page keys are in L3 under every one of ``digests``" in the
+    calling (the engine scheduler's) process, or None when the store cannot answer here: it is not ``local_exists``
+    (the file store and a ZMQ server on this machine are) or could not be built (logged at INFO; the workers are
+    asked instead).
+
+    ``exists(keys) -> int | None`` takes connector page keys (bytes); it returns None, so the lookup asks the workers
+    instead of taking a dead or slow server's silence for "absent", when the store counted a failure during the query
+    (``errors``, ``timeouts`` or ``fast_fails`` in its ``stats()``). ``stores`` are the
+    :class:`~tierkv.connector.store_metrics.TimedStore` wrappers (one per digest; the caller closes them). A store with
+    a ``timeout_s`` waits at most :data:`SCHEDULER_EXISTS_TIMEOUT_S` here.
+    """
+    from tierkv.storage_backends.factory import build_backend
+
+    from .l3_io import l3_key
+    stores: list = []
+    try:
+        for digest in digests:
+            stores.append((digest, TimedStore(build_backend(l3_cfg, digest, page_bytes))))
+            store = stores[-1][1].store
+            if not getattr(store, "local_exists", False):
+                raise LookupError(f"the {getattr(l3_cfg, 'backend', '?')} store answers existence over the network")
+            if hasattr(store, "timeout_s"):
+                store.timeout_s = min(float(store.timeout_s), SCHEDULER_EXISTS_TIMEOUT_S)
+    except Exception as e:  # not local, or could not start here: the workers answer existence
+        logger.info("tierkv: L3 existence is asked through the workers (%s)", e)
+        for _d, store in stores:
+            store.close()
+        return None
+
+    def failures(store) -> int:
+        st = store.stats() or {}
+        return sum(int(st.get(k, 0) or 0) for k in ("errors", "timeouts", "fast_fails"))
+
+    def exists(keys):
+        n = len(keys)
+        for digest, store in stores:
+            before = failures(store)
+            n = min(n, int(store.batch_exists([l3_key(digest, k) for k in keys[:n]])))
+            if failures(store) != before:
+                return None
+            if n == 0:
+                break
+        return n
+    return exists, [s for _d, s in stores]
+
+
 def _l3_target(cfg: TierKVConfig) -> str:
     l3 = cfg.l3
     if l3.backend == "none":
@@ -241,38 +293,18 @@ class TierKVConnector(KVConnectorBase_V1):
         atexit.register(self._stats.close)
 
     def _scheduler_exists(self, pc):
-        """``keys -> leading run present in L3 on every rank`` answered in this (the scheduler's) process, for stores
-        whose existence check is local (``local_exists``: the file store) and without injected faults; None
-        otherwise (or with ``controller.exists_in_scheduler: false``): the workers are asked. One store object per
-        rank namespace (MLA ranks share rank 0's)."""
+        """The scheduler's existence function (:func:`scheduler_exists`) over every rank namespace (MLA ranks share
+        rank 0's), or None (the workers are asked): also with no L2, ``controller.exists_in_scheduler: false`` or
+        injected faults."""
         if self.num_slots == 0 or not self.cfg.controller.exists_in_scheduler or self.cfg.l3.faults:
             return None
-        from tierkv.storage_backends.factory import build_backend
-
-        from .l3_io import l3_key
         ranks = sorted({(0 if self.use_mla else t, p) for t in range(self.tp_size)
                         for p in range(int(pc.pipeline_parallel_size))})
-        stores = []
-        try:
-            for tp_rank, pp_rank in ranks:
-                digest = dataclasses.replace(self.namespace, tp_rank=tp_rank, pp_rank=pp_rank).digest()
-                stores.append((digest, TimedStore(build_backend(self.cfg.l3, digest, self.page_bytes))))  # timed
-                if not getattr(stores[-1][1], "local_exists", False):
-                    raise LookupError(f"the {self.cfg.l3.backend} store answers existence over the network")
-        except Exception as e:  # not local, or could not start here: the workers answer existence
-            logger.info("tierkv: L3 existence is asked through the workers (%s)", e)
-            for _d, store in stores:
-                store.close()
+        digests = [dataclasses.replace(self.namespace, tp_rank=t, pp_rank=p).digest() for t, p in ranks]
+        built = scheduler_exists(self.cfg.l3, digests, self.page_bytes)
+        if built is None:
             return None
-        self._exists_stores = [s for _d, s in stores]
-
-        def exists(keys):
-            n = len(keys)
-            for digest, store in stores:
-                n = min(n, int(store.batch_exists([l3_key(digest, k) for k in keys[:n]])))
-                if n == 0:
-                    break
-            return n
+        exists, self._exists_stores = built
         return exists
 
     def _pool_bytes(self, vllm_config, role) -> int:
@@ -340,7 +372,7 @@ class TierKVConnector(KVConnectorBase_V1):
             snap = self._sched.stats()
             snap.update(scheduler_gauges(snap))
             lat: dict[str, list] = {}
-            for store in getattr(self, "_exists_stores", ()):  # existence answered in this process (file store)
+            for store in getattr(self, "_exists_stores", ()):  # existence answered in this process
                 for k, v in store.take_latencies().items():
                     lat.setdefault(k, []).extend(v)
             return self._deltas.take(snap, lat or None)

@@ -74,8 +74,8 @@ class StorageBackend(abc.ABC):
     #: reads the connector keeps in flight at once against this store by default (``controller.read_threads``):
     #: calls of different threads must be safe and, to gain anything, able to proceed in parallel
     default_read_threads: int = 2
-    #: ``batch_exists`` is a local, bounded operation (no network round trip) that the engine's scheduler process may
-    #: call in its own loop (``controller.exists_in_scheduler``)
+    #: ``batch_exists`` is a local, bounded operation (no network round trip, or one to a server on this machine under
+    #: a short timeout) that the engine's scheduler process may call in its own loop (``controller.exists_in_scheduler``)
     local_exists: bool = False
 
     def __init_subclass__(cls, **kw: Any) -> None:

@@ -613,6 +613,13 @@ class ZmqStore(StorageBackend):
     def _chunks(self, n: int, per: int) -> list:
         return [(s, min(n, s + per)) for s in range(0, n, per)]
 
+    @property
+    def local_exists(self) -> bool:
+        """True when the server is on this machine (``ipc://`` or a loopback ``tcp://`` address): an existence query
+        is one short round trip that the engine's scheduler may make in its own loop (``controller.exists_in_scheduler``;
+        the scheduler's copy of the store caps ``timeout_s``)."""
+        return is_local_endpoint(self.endpoint)
+
     def batch_exists(self, keys: Sequence[str]) -> int:
         """Number of leading ``keys`` present on the server (0 on any failure)."""
         for k in keys:
