@@ -373,7 +373,7 @@ class TierKVHiCacheStorage(HiCacheStorage):
     def _copy_page(self, page: torch.Tensor, flat: torch.Tensor, to_pool: bool) -> None:
         """Copy between a host-pool page (``get_data_page(i, flat=False)``, a view) and its flat byte form
         ``flat`` (uint8, ``page_bytes``), the K and V halves separately: each is one contiguous region in the
-        page-first layouts (a plain memcpy), where one strided copy of the whole page is several times slower."""
+        page-first layouts (a plain memcpy), cheaper than one strided copy of the whole page."""
         off = 0
         for part in ([page[0], page[1]] if _is_mha(self.mem_pool_host) and page.shape[0] == 2 else [page]):
             n = part.numel() * part.element_size()

@@ -9,7 +9,7 @@ One dispatch API:
 ``layers`` selects a subset of layer indices (None = all). The implementation is picked by the device of the
 KV tensors: on CPU :mod:`tierkv.kernels.numba_impl` (one compiled pass per part, register transposes for the CPU
 backend's transposed K, non-temporal stores) when numba is installed, else :mod:`tierkv.kernels.torch_impl` (slice
-``copy_`` of merged runs / ``index_select`` gathers; never ``index_copy_``, measured ~8x slower for 64 KiB pages);
+``copy_`` of merged runs / ``index_select`` gathers, never an ``index_copy_`` scatter);
 :mod:`tierkv.kernels.triton_impl` on CUDA (one Triton gather/scatter launch per part and step on a side stream,
 reading/writing pinned host memory directly). ``impl="numba"|"torch"|"triton"`` forces one (the Triton kernels
 also run on CPU tensors under ``TRITON_INTERPRET=1``, which is how CI tests them); env ``TIERKV_CPU_KERNELS=torch``

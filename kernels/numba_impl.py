@@ -11,20 +11,19 @@ a page is read once even where K and V interleave in device memory (FlashAttenti
   (block, head), while the host layouts hold it token-major ``[N, D]``. A unit transposes 16 source rows of 16
   elements (mode 1) or 32 of them into 16 destination rows of 64 bytes, whole cache lines (mode 3), with LLVM
   vector shuffles: three rounds of in-lane unpacks of 16-, 32- and 64-bit pieces and a 128-bit lane merge, the
-  classic SSE/AVX2 register transpose (``vpunpck*``, ``vperm2i128``). A scalar element loop runs at ~3 GB/s.
+  classic SSE/AVX2 register transpose (``vpunpck*``, ``vperm2i128``).
 * **tile transpose** (mode 2): an element loop, for other element sizes or dims that are not multiples of 16.
 
-Memory behaviour, each choice measured on the 2-core AMD EPYC (Zen 3, AVX2) VM this was written on:
+Memory behaviour (each choice was measured: benchmarks/README.md, "Measurements behind code choices"):
 
 * Units run in **source order** and pairs in source order, so reads stream front to back.
 * Row stores of whole aligned 32-byte pieces are **non-temporal** (``vmovntdq``: a line goes to memory without
   first being read into cache). torch's ``copy_`` uses ordinary stores, so every destination line is read before
-  it is written; a contiguous 256 MiB copy runs at 8.9 GB/s with ``copy_`` and 16.8 GB/s with non-temporal
-  stores. That is why a strided gather can match or beat ``copy_`` here. Transposes store non-temporally only when
-  their 16 destination rows are at most :data:`NT_TRANSPOSE_MAX_STRIDE` bytes apart.
+  it is written, which is why a strided gather can match or beat ``copy_`` here. Transposes store non-temporally
+  only when their 16 destination rows are at most :data:`NT_TRANSPOSE_MAX_STRIDE` bytes apart.
 * A ``fence`` ends every call, so the bytes are visible to other threads when it returns.
 * The intrinsics take raw addresses, not arrays: numba reference-counts arrays passed into helper functions, and
-  that cost an atomic pair per 128-byte row (3x slower).
+  that costs an atomic pair per 128-byte row.
 
 Single-threaded (no ``prange``): the engine's threads are left alone (vLLM's CPU worker refuses
 ``torch.set_num_threads``), and :mod:`tierkv.kernels.torch_impl` with ``TIERKV_COPY_THREADS=1`` is the comparison.
@@ -271,8 +270,8 @@ class _Group:
         self.pieces.append((dev_off, host_off, mode, rowbytes, dirs))
 
     def units(self, save: bool):
-        """(src offsets, dst offsets, lengths, modes) of one page in source order (reads stream front to back;
-        measured faster than destination order once the stores are non-temporal); rows that continue each other on
+        """(src offsets, dst offsets, lengths, modes) of one page in source order (reads stream front to back,
+        which beats destination order once the stores are non-temporal); rows that continue each other on
         both sides are merged."""
         pieces = [p for p in self.pieces if save in p[4]]
         src = np.concatenate([p[0] if save else p[1] for p in pieces])

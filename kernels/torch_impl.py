@@ -5,8 +5,8 @@ Pairs (block, slot) are merged into runs of consecutive blocks and consecutive s
 when the device pool has all-layer views (vLLM's single shared allocation), so a batch of consecutive pages is a
 handful of large copies. Saves of scattered block ids into consecutive slots (what the slot allocator hands out)
 are one ``torch.index_select(..., out=host_slice)`` gather per slot run instead. ``index_copy_``/``index_put_``
-scatter is never used (about 2 GB/s for 64 KiB pages where ``copy_`` reaches 17 GB/s on the machine this was
-measured on); loads into scattered blocks are slice copies per run. Copies run with :data:`COPY_THREADS` intra-op
+scatter is never used (slower than ``copy_``: benchmarks/README.md, "Measurements behind code choices");
+loads into scattered blocks are slice copies per run. Copies run with :data:`COPY_THREADS` intra-op
 threads (default: torch's own, see there).
 
 * ``layer_first`` (opaque bytes): ``host[l, s:s+k, :] <-> dev_bytes[l, b:b+k, :]``.

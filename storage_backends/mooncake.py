@@ -11,7 +11,7 @@ so a truncated, corrupted or foreign record (another namespace, another key, e.g
 to another object after a restart, docs/architecture.md §8 R16) is a miss, is counted in ``stats()["corrupt"]`` and is
 removed from the store so the key can be written again.
 
-Data path (measured on a 2-core CPU box against the same calls on bare payloads, see ``benchmarks/storage.py``):
+Data path (``benchmarks/storage.py`` times it against the same calls on bare payloads):
 
 - set, zero-copy: pages of at least ``zero_copy_min_page_bytes`` (1 MiB) lying inside a buffer the caller declared
   with :meth:`MooncakeStore.register_host_buffer` (the host pool; memory that stays allocated while registered)
@@ -295,7 +295,7 @@ class MooncakeStore(StorageBackend):
         remove_corrupt: remove an object whose record fails verification (so the key can be stored again).
         zero_copy_min_page_bytes: smallest page sent zero-copy from a registered host buffer (default 1 MiB);
             smaller pages are staged: over TCP the separate 64-byte header slice costs more than copying a small
-            page (measured: 64 x 256 KiB two-slice puts ~1.5x the time of one-slice puts; at 2 MiB no difference).
+            page (measured: benchmarks/README.md, "Measurements behind code choices").
     Raises:
         ConfigError (a ``ValueError``): an unknown key or bad value, naming ``l3.mooncake.<key>``;
             or the client cannot join the master within ``setup_timeout_s``.

@@ -53,8 +53,7 @@ Reply ``[header, payload_0, ...]``
 A request the server cannot parse gets an error reply (``id`` 0 when the id itself is unreadable) or is
 dropped; the server keeps serving other clients.
 
-Safety (docs/architecture.md §8 R19, and the opposite of LMCache's MP server, which unpickles client bytes and does
-not answer a request it rejects): nothing is ever unpickled; headers are decoded with msgpack under strict
+Safety (docs/architecture.md §8 R19): nothing is ever unpickled; headers are decoded with msgpack under strict
 limits (header frame size, string/bin/array/map lengths, the C decoder's bounded nesting, no extension types);
 payloads are raw bytes that the server stores and returns without interpreting them. Pages are checked by
 the *client* (page header + XXH3) on every read.

@@ -703,7 +703,7 @@ def keep_freed_memory(capacity_bytes: int) -> bool:
     libzmq's I/O thread mallocs every received payload frame and the server keeps it as the stored page; with
     glibc's defaults, freed frames (evicted, deleted, cleared pages) often go back to the kernel (a per-thread
     arena's empty heap is unmapped, the main heap is trimmed), so the next pages land in fresh memory and pay a
-    page fault per 4 KiB (measured: ~11k faults and ~25 % of the time of a 64 x 2 MiB set batch on a 2-core box).
+    page fault per 4 KiB (the cost measured: benchmarks/README.md, "Measurements behind code choices").
     Here one arena serves every thread (``M_ARENA_MAX`` 1: no per-thread heaps to unmap), frames up to 32 MiB come
     from it (``M_MMAP_THRESHOLD``), and up to ``capacity_bytes`` of free memory stays mapped for reuse
     (``M_TRIM_THRESHOLD``), so a server that has once been full keeps receiving into already-mapped memory.
