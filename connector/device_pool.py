@@ -31,10 +31,15 @@ When all layers are views of one storage at a constant layer stride (what vLLM d
 Kernel blocks: when the backend's kernel block is smaller than the manager block, vLLM registers
 ``num_blocks * r`` rows; manager block ``b`` is rows ``b*r .. b*r+r-1`` (they must be adjacent in memory).
 
-CPU ``amx`` ISA caveat: vLLM's CPU backend picks the ``amx`` ISA on CPUs with AMX-BF16 and then packs a page
-differently from ``vec``/``vec16``. The ``cpu`` decode is a bijection of a page's elements either way, so every
-round trip stays bit-exact; only the *meaning* of semantic host layouts would differ, which is why
-:attr:`DevicePool.layout_tag` (part of the page-key namespace) names the ISA family when it can tell.
+CPU ISA caveat: vLLM's CPU backend picks an attention ISA per engine (``amx`` on CPUs with AMX tiles for bf16
+models and blocks of a multiple of 32 tokens, else ``vec``, ``vec16``, ``neon``, ...; vLLM's ``_get_attn_isa``) and
+packs a page's bytes differently under ``amx``. The ``cpu`` decode is a bijection of a page's elements either way,
+so every round trip stays bit-exact; but the page *bytes* (opaque ``layer_first`` rows) and the meaning of semantic
+host layouts differ, so :attr:`DevicePool.layout_tag`, built by :func:`device_layout_tag`, names the device kind,
+the exact ISA the engine uses and the layout (e.g. ``"cpu-amx/LBHNC"``, ``"cpu-vec/LBHNC"``, ``"flash/LBNHC"``).
+It is part of the page-key namespace (``ModelNamespace.kv_layout``, via ``HostPool.kv_layout``); the vLLM
+connector computes the same tag in the scheduler process, which has no tensors, with :func:`device_kind` and
+:func:`device_layout_tag`.
 """
 from __future__ import annotations
 
@@ -69,6 +74,38 @@ _LAYOUTS = {
 }
 _UNSUPPORTED_LAYOUTS = ("BHLNC", "LHBNC")
 DEVICE_KINDS = ("cpu", "flash", "mla")
+
+
+#: layout name aliases -> the ``KVCacheLayout`` name used in :func:`device_layout_tag` (one name per byte order)
+_LAYOUT_CANON = {"NHD": "LBNHC", "HND": "LBHNC"}
+
+
+def device_kind(backend: Optional[str], device_type: str, use_mla: bool) -> str:
+    """The device kind (``"cpu"``, ``"flash"`` or ``"mla"``) of an attention ``backend`` name (None = the platform's
+    default: ``"cpu"`` for ``device_type == "cpu"``, else ``"flash"``); any backend naming MLA, or ``use_mla``, is
+    ``"mla"``. Raises ValueError for a backend name this adapter does not know."""
+    b = (backend or "").strip()
+    if use_mla or "mla" in b.lower():
+        return "mla"
+    if not b:
+        return "cpu" if device_type == "cpu" else "flash"
+    if b.lower() not in _BACKEND_KINDS:
+        raise ValueError(f"unknown attention backend {backend!r}; supported: "
+                         f"{sorted(k.upper() for k in _BACKEND_KINDS)} and MLA backends")
+    return _BACKEND_KINDS[b.lower()]
+
+
+def device_layout_tag(kind: str, kv_cache_layout: Optional[str], isa: Optional[str] = None) -> str:
+    """Text naming how a device packs a page's bytes: ``"<kind>[-<isa>]/<layout>"``.
+
+    ``isa`` is the CPU attention ISA (``"amx"``, ``"vec"``, ``"vec16"``, ``"neon"``, ...; only for ``kind == "cpu"``,
+    ignored otherwise); the layout is the ``KVCacheLayout`` name with the aliases ``NHD``/``HND`` written as
+    ``LBNHC``/``LBHNC`` (same bytes, one name). The CPU backend's layout is always ``LBHNC``."""
+    lay = (kv_cache_layout or "").upper()
+    lay = _LAYOUT_CANON.get(lay, lay) or "auto"
+    if kind == "cpu":
+        return f"cpu-{isa or 'vec'}/LBHNC"
+    return f"{kind}/{lay}"
 
 
 def _cpu_has_amx() -> bool:
@@ -144,12 +181,13 @@ class DevicePool:
         kind: ``"cpu"``, ``"flash"`` or ``"mla"``; kv_cache_layout: the ``KVCacheLayout`` name;
         backend: the attention backend name as given (or inferred).
         geometry: :class:`KVGeometry`.
-        layout_tag: short text naming the device byte layout, e.g. ``"cpu-vec/LBHNC"``; part of the page-key
+        isa: the CPU attention ISA named in the tag (None for other kinds).
+        layout_tag: :func:`device_layout_tag` of this pool, e.g. ``"cpu-vec/LBHNC"``; part of the page-key
             namespace (``ModelNamespace.kv_layout``) via ``HostPool.kv_layout``.
     """
 
     def __init__(self, layer_names: list[str], tensors: list[torch.Tensor], *, num_blocks: int, block_size: int,
-                 kind: str, kv_cache_layout: str, backend: str, use_mla: bool):
+                 kind: str, kv_cache_layout: str, backend: str, use_mla: bool, isa: Optional[str] = None):
         if kind not in DEVICE_KINDS:
             raise ValueError(f"device kind {kind!r} unknown; allowed: {DEVICE_KINDS}")
         if not tensors:
@@ -216,10 +254,10 @@ class DevicePool:
             token_major = _LAYOUTS[kv_cache_layout][0]
             if h > 1 and n > 1 and token_major != (sN > sH):
                 raise ValueError(f"KV tensor strides {t4[0].stride()} contradict kv_cache_layout={kv_cache_layout!r}")
-        isa = ""
-        if kind == "cpu":
-            isa = "-amx" if (self.dtype == torch.bfloat16 and _cpu_has_amx()) else "-vec"
-        self.layout_tag = f"{kind}{isa}/{kv_cache_layout}"
+        if kind == "cpu" and not isa:  # the engine did not say: vLLM's choice for bf16 and 32-token blocks
+            isa = "amx" if (self.dtype == torch.bfloat16 and _cpu_has_amx() and block_size % 32 == 0) else "vec"
+        self.isa = isa if kind == "cpu" else None
+        self.layout_tag = device_layout_tag(kind, kv_cache_layout, self.isa)
         # per-layer typed offsets (elements) into the shared storage
         self._offsets = [t.storage_offset() for t in t4]
         same_storage = all(t.untyped_storage().data_ptr() == t4[0].untyped_storage().data_ptr() for t in t4)
@@ -239,7 +277,7 @@ class DevicePool:
     @classmethod
     def from_vllm(cls, kv_caches: dict[str, torch.Tensor], *, num_blocks: int, block_size: int,
                   kv_cache_layout: Optional[str] = None, backend: Optional[str] = None,
-                  use_mla: bool = False) -> "DevicePool":
+                  use_mla: bool = False, isa: Optional[str] = None) -> "DevicePool":
         """Wrap the ``kv_caches`` vLLM passes to ``register_kv_caches``.
 
         Args:
@@ -253,6 +291,9 @@ class DevicePool:
                 containing ``MLA``, ...); None = ``CPU_ATTN`` for CPU tensors, ``FLASH_ATTN`` otherwise (MLA when
                 ``use_mla`` or the tensors are 3-D).
             use_mla: the model uses MLA (one latent vector per token).
+            isa: the CPU attention ISA the engine packs pages with (vLLM's ``layer.isa``: ``amx``, ``vec``,
+                ``vec16``, ...); None = ``amx`` for bf16 on a CPU with AMX and blocks of a multiple of 32 tokens, else
+                ``vec``. Ignored for other kinds. Named in :attr:`layout_tag`.
         Raises:
             ValueError: unknown backend or layout, a layout whose blocks are not dense byte runs, shapes that
                 disagree with ``num_blocks``/``block_size``, or tensors that differ between layers.
@@ -270,21 +311,12 @@ class DevicePool:
                              f"dense run of memory; supported: {sorted(_LAYOUTS)}")
         if layout is not None and layout not in _LAYOUTS:
             raise ValueError(f"unknown kv_cache_layout {kv_cache_layout!r}; supported: {sorted(_LAYOUTS)}")
-        b = (backend or "").strip()
-        if use_mla or "mla" in b.lower() or t0.dim() == 3:
-            kind = "mla"
+        kind = device_kind(backend, t0.device.type, use_mla or t0.dim() == 3)
+        if kind == "mla":
             if t0.dim() not in (3, 4):
                 raise ValueError(f"MLA KV tensor must be [B, N, C] or [B, 1, N, C], got shape {tuple(t0.shape)}")
             use_mla = True
         else:
-            if b:
-                key = b.lower()
-                if key not in _BACKEND_KINDS:
-                    raise ValueError(f"unknown attention backend {backend!r}; supported: "
-                                     f"{sorted(k.upper() for k in _BACKEND_KINDS)} and MLA backends")
-                kind = _BACKEND_KINDS[key]
-            else:
-                kind = "cpu" if t0.device.type == "cpu" else "flash"
             if t0.dim() != 4:
                 raise ValueError(f"KV tensor for backend {backend or kind!r} must be 4-D [B, H, N, 2D] (vLLM 0.32), got "
                                  f"shape {tuple(t0.shape)}; the pre-0.32 [2, B, N, H, D] layout is not supported")
@@ -299,7 +331,7 @@ class DevicePool:
                 sB, sH, sN, _ = t0.stride()
                 layout = "LBNHC" if sN > sH else "LBHNC"
         return cls(names, tensors, num_blocks=num_blocks, block_size=block_size, kind=kind,
-                   kv_cache_layout=layout, backend=backend or kind, use_mla=use_mla)
+                   kv_cache_layout=layout, backend=backend or kind, use_mla=use_mla, isa=isa)
 
     # ------------------------------------------------------------------ views
     def _stack(self, layer: Optional[int], raw: torch.Tensor, offset: int, sizes, strides) -> torch.Tensor:

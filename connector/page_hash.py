@@ -69,12 +69,14 @@ def _canonical(value: Any) -> bytes:
 class ModelNamespace:
     """Everything that changes the bytes of a page, shared by all requests of one engine rank.
 
-    Fields: ``model_id`` (path or name, plus revision if any), ``dtype`` (KV element type, e.g.
-    ``"bfloat16"``, ``"fp8_e4m3"``), ``kv_layout`` (the byte layout pages are stored in: the host-pool layout
-    plus the engine's device layout, e.g. ``"layer_first/LBHNC"``), ``page_size`` (tokens), ``num_layers``,
-    ``num_kv_heads`` (on this rank), ``head_dim``, ``tp_rank``/``tp_size``, ``pp_rank``/``pp_size``,
+    Fields: ``model_id`` (path or name, plus revision if any), ``dtype`` (KV element type as stored, e.g.
+    ``"bfloat16"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``: FP8 caches are ``uint8`` tensors in vLLM, so the cache dtype's
+    name is used), ``kv_layout`` (the byte layout pages are stored in: the host-pool layout plus the device pool's
+    packing, e.g. ``"layer_first/cpu-amx/LBHNC"``, ``"layer_first/flash/LBNHC"``), ``page_size`` (tokens),
+    ``num_layers``, ``num_kv_heads`` (on this rank), ``head_dim``, ``tp_rank``/``tp_size``, ``pp_rank``/``pp_size``,
     ``use_mla`` (MLA pages are identical across TP ranks, so ``tp_rank`` is ignored for them) and ``extra``
-    (any further identity, e.g. a quantisation scheme).
+    (further facts that change the bytes, as ``(name, value)`` pairs; the vLLM connector puts the model's dtype,
+    its weight quantisation and the host byte order there).
     """
 
     model_id: str
@@ -104,10 +106,59 @@ class ModelNamespace:
         return _h(_DOMAIN, b"ns", _canonical(d))
 
 
+def adapter_digest(path: str) -> str:
+    """Content digest of a LoRA adapter: xxh3-128 (hex) over every regular file under ``path`` (or the file
+    ``path``), in sorted relative-path order, each as its relative path, its size and its bytes; names starting with
+    ``.`` are skipped (VCS and cache folders). So the weights (``*.safetensors``/``*.bin``) and ``adapter_config.json``
+    (rank, alpha, target modules: they change the outputs too) are in it. Reads every byte once.
+    Raises OSError when ``path`` does not exist or holds no file."""
+    import xxhash
+
+    root = os.path.abspath(path)
+    if os.path.isfile(root):
+        files = [(os.path.basename(root), root)]
+    else:
+        files = []
+        for d, dirs, names in os.walk(root):
+            dirs[:] = [x for x in dirs if not x.startswith(".")]
+            files += [(os.path.relpath(os.path.join(d, n), root), os.path.join(d, n)) for n in names
+                      if not n.startswith(".") and os.path.isfile(os.path.join(d, n))]
+    if not files:
+        raise OSError(f"no adapter files under {path!r}")
+    h = xxhash.xxh3_128()
+    for rel, full in sorted(files):
+        rb = rel.replace(os.sep, "/").encode()
+        h.update(struct.pack("<Q", len(rb)) + rb + struct.pack("<Q", os.path.getsize(full)))
+        with open(full, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+_LORA_IDS: dict = {}
+
+
+def lora_identity(name: Optional[str], path: Optional[str], adapter_id: Any = None) -> Optional[str]:
+    """What a LoRA request puts into its key chain (:func:`request_root`'s ``lora``): ``"<name>@xxh3:<digest>"``
+    with :func:`adapter_digest` of the adapter's files, so a changed adapter under the same name never meets pages
+    of the old one and two adapters never share pages. None for no adapter (an empty name is none).
+
+    The digest is computed once per (name, path, ``adapter_id``) in a process (the engine loads an adapter's weights
+    once per id) and cached. Raises OSError when the files cannot be read (the caller decides what to do)."""
+    if not name:
+        return None
+    k = (name, path, adapter_id)
+    ident = _LORA_IDS.get(k)
+    if ident is None:
+        ident = _LORA_IDS[k] = f"{name}@xxh3:{adapter_digest(path or '')}"
+    return ident
+
+
 def request_root(namespace_digest: bytes, lora: Optional[str] = None, cache_salt: Optional[str] = None) -> bytes:
     """Root of one request's key chain (16 bytes).
 
-    ``lora`` is the LoRA adapter name (``None`` = base model); ``cache_salt`` is vLLM's per-request salt.
+    ``lora`` is the LoRA adapter's identity (:func:`lora_identity`: name and content digest; ``None`` = base model);
+    ``cache_salt`` is vLLM's per-request salt.
     An empty salt is the same as no salt (both mean "shared with every unsalted request"); an empty LoRA name
     is the same as no LoRA.
     """

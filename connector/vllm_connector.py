@@ -41,6 +41,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -51,7 +52,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from .config import ConfigError, TierKVConfig, config_from_extra
 from .host_budget import group_bytes, reserve
 from .metrics import StatsFile
-from .page_hash import ModelNamespace
+from .page_hash import ModelNamespace, lora_identity
 from .plan import JobReport, StepPlan
 from .store_metrics import TimedStore
 from .vllm_metrics import SCHEDULER_ONLY, CounterDeltas, TierKVPromMetrics, TierKVStats, scheduler_gauges
@@ -124,6 +125,95 @@ def _dtype_name(dt) -> str:
     return str(dt).replace("torch.", "")
 
 
+#: ``--kv-cache-dtype`` values whose pages are exactly the bytes of the KV tensors tierkv copies
+_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def kv_dtype_name(cache_dtype: Optional[str], spec_dtype, fp8_fnuz: bool = False) -> str:
+    """The namespace's ``dtype``: the KV element type as stored. ``auto``/``bfloat16``/``float16``: the KV tensors'
+    dtype; FP8: the ``--kv-cache-dtype`` name (vLLM keeps every FP8 cache in ``uint8`` tensors, so the tensor dtype
+    cannot tell e4m3 from e5m2), with ``-fnuz`` on platforms whose FP8 is the fnuz variant (other bytes). Per-tensor
+    k/v scales are not stored with pages: in vLLM 0.32 they are 1.0 or read from the checkpoint, so the model
+    identity fixes them. Raises ConfigError for other cache dtypes (their scales or packing live outside the KV
+    tensors tierkv copies, or have not been verified)."""
+    cd = str(cache_dtype or "auto")
+    if cd not in _KV_CACHE_DTYPES:
+        raise ConfigError(f"--kv-cache-dtype {cd} is not supported by tierkv (its pages were not verified to hold "
+                          f"every byte a hit needs); use one of {', '.join(_KV_CACHE_DTYPES)} or serve without tierkv")
+    if cd.startswith("fp8"):
+        return cd + ("-fnuz" if fp8_fnuz else "")
+    return _dtype_name(spec_dtype)
+
+
+def device_packing(vllm_config, spec, use_mla: bool) -> tuple[str, Optional[str]]:
+    """(device kind, CPU attention ISA or None) of this engine's KV tensors, known
+    without the tensors (the scheduler process has none): the kind from the attention backend and the platform,
+    the ISA from vLLM's own choice (``cpu_attn._get_attn_isa`` over the model dtype, block size, head size and
+    cache dtype, which reads the CPU's AMX/AVX-512 support)."""
+    from vllm.platforms import current_platform
+
+    from .device_pool import device_kind
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    backend = getattr(backend, "name", backend)
+    kind = device_kind(backend, "cpu" if current_platform.is_cpu() else "cuda", use_mla)
+    isa = None
+    if kind == "cpu":
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+        isa = _get_attn_isa(vllm_config.model_config.dtype, int(spec.block_size), int(spec.head_size),
+                            vllm_config.cache_config.cache_dtype)
+    return kind, isa
+
+
+_PROCESS_NONCE = os.urandom(8).hex()
+_unhashed_adapters: set = set()
+
+
+def lora_key(lora_request) -> Optional[str]:
+    """The LoRA identity a request's key chain starts from (``None`` without an adapter): the adapter's name and
+    the content digest of its files (:func:`tierkv.connector.page_hash.lora_identity`, computed once per adapter in
+    this process), the files found as vLLM's worker finds them (``get_adapter_absolute_path``). When they cannot be
+    read here, the identity is the name plus this process's random nonce, with one warning per adapter: its pages
+    are then reused inside this engine only, never through a store shared with another engine."""
+    if lora_request is None or not getattr(lora_request, "lora_name", None):
+        return None
+    name, path = lora_request.lora_name, getattr(lora_request, "lora_path", None) or ""
+    adapter_id = getattr(lora_request, "lora_int_id", None)
+    if path and not os.path.exists(path):
+        try:
+            from vllm.lora.utils import get_adapter_absolute_path
+            path = get_adapter_absolute_path(path)
+        except Exception:  # not resolvable here: adapter_digest raises OSError below
+            pass
+    try:
+        return lora_identity(name, path, adapter_id)
+    except OSError as e:
+        if (name, path) not in _unhashed_adapters:
+            _unhashed_adapters.add((name, path))
+            logger.warning("tierkv: LoRA adapter %r: its files at %r cannot be read (%s); its pages are reused inside "
+                           "this engine only", name, path, e)
+        return f"{name}@process:{_PROCESS_NONCE}:{adapter_id}"
+
+
+def page_namespace_facts(vllm_config, kv_cache_config, spec, use_mla: bool, host_layout: str) -> dict:
+    """The ``ModelNamespace`` fields, besides model id and geometry, that change a page's bytes: ``dtype``
+    (:func:`kv_dtype_name`), ``kv_layout`` (``"<host layout>/<device packing>"``, equal to the worker's
+    ``HostPool.kv_layout``: :func:`tierkv.connector.device_pool.device_layout_tag` of :func:`device_packing`) and
+    ``extra`` (the model dtype, the weights' quantisation method and the host byte order)."""
+    import sys
+
+    from vllm.platforms import current_platform
+
+    from .device_pool import device_layout_tag
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    kind, isa = device_packing(vllm_config, spec, use_mla)
+    layout = kv_cache_config.kv_cache_layout or cc.kv_cache_layout
+    fnuz = bool(getattr(current_platform, "is_fp8_fnuz", lambda: False)())
+    return dict(dtype=kv_dtype_name(cc.cache_dtype, spec.dtype, fnuz),
+                kv_layout=f"{host_layout}{'-mla' if use_mla else ''}/{device_layout_tag(kind, layout, isa)}",
+                extra=(("model_dtype", _dtype_name(mc.dtype)), ("quantization", mc.quantization or None),
+                       ("byteorder", sys.byteorder)))
+
+
 def route_logs_to_vllm(level: str) -> None:
     """Send the ``tierkv`` loggers' records to vLLM's handlers (same format and stream as vLLM's own lines).
 
@@ -192,14 +282,13 @@ def scheduler_exists(l3_cfg, digests: list, page_bytes: int):
 
 
 def _l3_target(cfg: TierKVConfig) -> str:
+    from tierkv.storage_backends.factory import l3_target
+
     l3 = cfg.l3
     if l3.backend == "none":
         return "none"
-    sec = getattr(l3, l3.backend) or {}
-    where = {"file": sec.get("root"), "zmq": sec.get("endpoint"), "mooncake": sec.get("master_address"),
-             "lmcache": sec.get("endpoint")}.get(l3.backend)
     faults = " with injected faults" if l3.faults else ""
-    return f"{l3.backend}({where}){faults}"
+    return f"{l3.backend}({l3_target(l3)}){faults}"
 
 
 def startup_line(cfg: TierKVConfig, *, num_slots: int, page_bytes: int, page_size: int, ranks: int, size_from: str,
@@ -250,12 +339,11 @@ class TierKVConnector(KVConnectorBase_V1):
         model_id = self.cfg.model_id or f"{mc.model}@{getattr(mc, 'revision', None) or ''}"
         self.tp_size = int(pc.tensor_parallel_size)
         self.namespace = ModelNamespace(
-            model_id=model_id, dtype=_dtype_name(spec.dtype),
-            kv_layout=f"{self.cfg.host_pool.layout}/{cache_config.kv_cache_layout or kv_cache_config.kv_cache_layout}",
-            page_size=self.page_size, num_layers=len(self.layer_names),
+            model_id=model_id, page_size=self.page_size, num_layers=len(self.layer_names),
             num_kv_heads=int(getattr(spec, "num_kv_heads", 1)), head_dim=int(getattr(spec, "head_size", 0)),
             tp_rank=0, tp_size=self.tp_size, pp_rank=0, pp_size=int(pc.pipeline_parallel_size),
-            use_mla=self.use_mla)
+            use_mla=self.use_mla,
+            **page_namespace_facts(vllm_config, kv_cache_config, spec, self.use_mla, self.cfg.host_pool.layout))
         self.world_size = self.tp_size * int(pc.pipeline_parallel_size)
         self.use_l3 = self.cfg.l3.backend != "none"
         self._sched = None
@@ -391,7 +479,7 @@ class TierKVConnector(KVConnectorBase_V1):
     def _track(self, request: "Request") -> None:
         if request.request_id not in self._requests:
             self._requests[request.request_id] = request
-            lora = request.lora_request.lora_name if getattr(request, "lora_request", None) else None
+            lora = lora_key(getattr(request, "lora_request", None))
             self._sched.add_request(request.request_id, request.all_token_ids, lora=lora,
                                     cache_salt=getattr(request, "cache_salt", None))
 
@@ -552,14 +640,23 @@ class TierKVConnector(KVConnectorBase_V1):
         except AttributeError:
             pass
         caches = {n: kv_caches[n] for n in self.layer_names if n in kv_caches} or kv_caches
+        _kind, isa = device_packing(self._vllm_config, self.spec, self.use_mla)
         dev = DevicePool.from_vllm(caches, num_blocks=self.num_blocks, block_size=self.block_size,
-                                   kv_cache_layout=layout, backend=backend, use_mla=self.use_mla)
+                                   kv_cache_layout=layout, backend=backend, use_mla=self.use_mla, isa=isa)
+        for name in self.layer_names[:1]:  # the ISA vLLM's CPU backend gave its layers, where it already did
+            layer = self._vllm_config.compilation_config.static_forward_context.get(name)
+            if isa is not None and getattr(layer, "isa", isa) != isa:
+                raise ConfigError(f"tierkv: vLLM packs KV pages with the {layer.isa!r} ISA but the page namespace "
+                                  f"names {isa!r}")
         if self.num_slots == 0:
             logger.warning("tierkv worker: host pool of 0 pages (%s); caching disabled", _SIZE_KEYS[self._size_from])
             return
         pin = self.cfg.host_pool.pin_memory == "true" or (self.cfg.host_pool.pin_memory == "auto"
                                                             and dev.device.type == "cuda")
         host = HostPool.for_device(dev, self.num_slots, self.cfg.host_pool.layout, pin_memory=pin)
+        if host.kv_layout != self.namespace.kv_layout:
+            raise ConfigError(f"tierkv: pages are laid out as {host.kv_layout!r} in the worker but the page "
+                              f"namespace names {self.namespace.kv_layout!r}")
         if host.page_bytes != self.page_bytes:
             raise ConfigError(f"tierkv: page of {host.page_bytes} bytes in the worker but {self.page_bytes} "
                               "bytes from the KV cache spec")
