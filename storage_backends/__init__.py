@@ -1,9 +1,9 @@
 """L3 storage backends (docs/architecture.md §5): one interface (:class:`StorageBackend`), the file store (:class:`FileStore`),
 the fault-injection wrapper (:class:`FaultyBackend`) and :func:`build_backend` (from the ``l3`` config section).
 
-The networked stores are imported lazily so their dependencies are only needed by who uses them:
-``ZmqStore`` (``tierkv.storage_backends.zmq_client``) and ``MooncakeStore`` (``tierkv.storage_backends.mooncake``)
-are reachable as attributes of this package, e.g. ``tierkv.storage_backends.ZmqStore``.
+The other stores are imported lazily, so their dependencies are only needed by who uses them: every store class of
+:data:`~tierkv.storage_backends.factory.BACKENDS` (``ZmqStore``, ``MooncakeStore``, ``LMCacheStore``) is reachable as
+an attribute of this package, e.g. ``tierkv.storage_backends.ZmqStore``.
 """
 from __future__ import annotations
 
@@ -11,17 +11,14 @@ import importlib
 from typing import Any
 
 from tierkv.storage_backends.base import StorageBackend
-from tierkv.storage_backends.factory import build_backend
+from tierkv.storage_backends.factory import BACKENDS, build_backend
 from tierkv.storage_backends.faulty import FaultsConfig, FaultyBackend
 from tierkv.storage_backends.file import FileStore, FileStoreConfig
 
 __all__ = ["StorageBackend", "FileStore", "FileStoreConfig", "FaultyBackend", "FaultsConfig", "build_backend",
-           "ZmqStore", "MooncakeStore"]
+           *(b.cls for b in BACKENDS.values() if b.cls != "FileStore")]
 
-_LAZY = {
-    "ZmqStore": "tierkv.storage_backends.zmq_client",
-    "MooncakeStore": "tierkv.storage_backends.mooncake",
-}
+_LAZY = {b.cls: b.module for b in BACKENDS.values()}
 
 
 def __getattr__(name: str) -> Any:

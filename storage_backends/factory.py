@@ -3,48 +3,84 @@
 Like SGLang HiCache's ``StorageBackendFactory`` (backends registered by name and imported lazily), but every
 backend's keys are validated up front and an error names the key (``l3.file.capacity_bytes``) and what is allowed.
 
-Convention for the networked backends: ``ZmqStore`` (``tierkv.storage_backends.zmq_client``) and ``MooncakeStore``
-(``tierkv.storage_backends.mooncake``) and ``LMCacheStore`` (``tierkv.storage_backends.lmcache``) take
-``(namespace: bytes, page_bytes: int, **cfg)`` where ``cfg`` is their
-sub-section (``l3.zmq`` / ``l3.mooncake`` / ``l3.lmcache``) as given, and raise ``ConfigError`` or ``TypeError`` for bad keys.
-They are imported only when selected, so a missing optional dependency only matters to who uses it.
+Every backend is one entry of :data:`BACKENDS`: its module, its store class and the pydantic model of its section.
+The ``l3`` config model (:data:`L3Config`), :func:`validate_l3`, :func:`build_backend`, the lazy attributes of
+``tierkv.storage_backends``, ``tierkv config`` and the engine's start-up line all read that table. A store class takes
+``(namespace: bytes, page_bytes: int, **section)`` where ``section`` is its ``l3.<name>`` mapping as given, and raises
+``ConfigError`` or ``TypeError`` for bad keys. A backend's module is imported only when its section is used, so a
+missing optional dependency only matters to who uses it.
 """
 from __future__ import annotations
 
 import importlib
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, NamedTuple, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from tierkv.storage_backends.base import StorageBackend
 from tierkv.storage_backends.common import ConfigError, config_error
 from tierkv.storage_backends.faulty import FaultsConfig, FaultyBackend
-from tierkv.storage_backends.file import FileStore, FileStoreConfig
 
-#: the values of ``l3.backend``
-L3_BACKENDS = ("none", "file", "zmq", "mooncake", "lmcache")
 
-#: backend name -> (module, class) for the lazily imported networked backends
-LAZY_BACKENDS = {
-    "zmq": ("tierkv.storage_backends.zmq_client", "ZmqStore"),
-    "mooncake": ("tierkv.storage_backends.mooncake", "MooncakeStore"),
-    "lmcache": ("tierkv.storage_backends.lmcache", "LMCacheStore"),
+class Backend(NamedTuple):
+    """One L3 backend: everything the factory, the config loader, the CLI and the engine's start-up line need."""
+
+    #: module holding the store class and its config model (imported only when the backend's section is used)
+    module: str
+    #: the store class: ``cls(namespace, page_bytes, **section)``
+    cls: str
+    #: the pydantic model of the ``l3.<name>`` section, in ``module``
+    config: str
+    #: the section key that says where pages go (shown in the engine's start-up line)
+    target: str
+    #: values for required keys when the section is set but another backend is selected (so a section not in use is
+    #: still checked for typos without demanding what only a built store needs)
+    placeholders: dict[str, Any] = {}
+
+    def import_module(self, name: str):
+        try:
+            return importlib.import_module(self.module)
+        except ImportError as e:
+            raise ConfigError(f"l3.backend '{name}' is not available: cannot import {self.module} ({e})") from e
+
+    def config_model(self, name: str) -> type:
+        return getattr(self.import_module(name), self.config)
+
+
+#: ``l3.backend`` name -> its backend; one entry adds a backend everywhere (config keys, validation, build, CLI)
+BACKENDS: dict[str, Backend] = {
+    "file": Backend("tierkv.storage_backends.file", "FileStore", "FileStoreConfig", "root", {"root": "."}),
+    "zmq": Backend("tierkv.storage_backends.zmq_client", "ZmqStore", "ZmqStoreConfig", "endpoint"),
+    "mooncake": Backend("tierkv.storage_backends.mooncake", "MooncakeStore", "MooncakeStoreConfig", "master_address"),
+    "lmcache": Backend("tierkv.storage_backends.lmcache", "LMCacheStore", "LMCacheStoreConfig", "endpoint",
+                       {"page_tokens": 16}),
 }
 
+#: the values of ``l3.backend``
+L3_BACKENDS = ("none", *BACKENDS)
 
-class L3Config(BaseModel):
-    """The ``l3`` section of the tierkv config (a field of :class:`tierkv.connector.config.TierKVConfig`, which
-    re-exports this class). ``backend`` selects one store; its own keys live under the section of the same name as
-    plain mappings and are validated by :func:`validate_l3` (at config load) and :func:`build_backend`."""
 
+class _L3Base(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    backend: Literal["none", "file", "zmq", "mooncake", "lmcache"] = "none"
-    file: dict[str, Any] = Field(default_factory=dict)
-    zmq: dict[str, Any] = Field(default_factory=dict)
-    mooncake: dict[str, Any] = Field(default_factory=dict)
-    lmcache: dict[str, Any] = Field(default_factory=dict)
-    faults: dict[str, Any] = Field(default_factory=dict)
+
+L3Config = create_model(
+    "L3Config", __base__=_L3Base, __module__=__name__,
+    __doc__="""The ``l3`` section of the tierkv config (a field of :class:`tierkv.connector.config.TierKVConfig`, which
+    re-exports this class). ``backend`` selects one store (one of :data:`L3_BACKENDS`); each backend's keys live under
+    the section of its name as plain mappings and are validated by :func:`validate_l3` (at config load) and
+    :func:`build_backend`; ``faults`` wraps the store in :class:`~tierkv.storage_backends.faulty.FaultyBackend`.""",
+    backend=(Literal[L3_BACKENDS], "none"),
+    **{name: (dict[str, Any], Field(default_factory=dict)) for name in BACKENDS},
+    faults=(dict[str, Any], Field(default_factory=dict)),
+)
+
+
+def l3_target(l3: Any) -> Optional[str]:
+    """Where the selected store keeps pages, as its section says (``root``, ``endpoint``...), or None."""
+    if l3.backend == "none":
+        return None
+    return (getattr(l3, l3.backend) or {}).get(BACKENDS[l3.backend].target)
 
 
 def _l3(l3_cfg: Union[dict, L3Config, None]) -> L3Config:
@@ -75,45 +111,27 @@ def validate_l3(l3_cfg: Union[dict, L3Config, None]) -> L3Config:
             FaultsConfig.model_validate(cfg.faults)
         except ValidationError as e:
             raise config_error(e, "l3.faults", FaultsConfig) from None
-    if cfg.file or cfg.backend == "file":
-        sub = dict(cfg.file)
-        if cfg.backend != "file":  # root is required only when the file store is the one built
-            sub.setdefault("root", ".")
-        try:
-            FileStoreConfig.model_validate(sub)
-        except ValidationError as e:
-            raise config_error(e, "l3.file", FileStoreConfig) from None
-    if cfg.zmq or cfg.backend == "zmq":
-        from tierkv.storage_backends.zmq_client import check_options  # pyzmq: only when the section is used
-
-        check_options(dict(cfg.zmq))
-    if cfg.mooncake or cfg.backend == "mooncake":
-        from tierkv.storage_backends.mooncake import MooncakeStoreConfig  # the wheel itself is imported later
-
-        try:
-            MooncakeStoreConfig.model_validate(dict(cfg.mooncake))
-        except ValidationError as e:
-            raise config_error(e, "l3.mooncake", MooncakeStoreConfig) from None
-    if cfg.lmcache or cfg.backend == "lmcache":
-        from tierkv.storage_backends.lmcache import check_options as check_lmcache  # pyzmq, msgpack only
-
-        sub = dict(cfg.lmcache)
-        if cfg.backend != "lmcache":  # page_tokens is required only when the lmcache store is the one built
-            sub.setdefault("page_tokens", 16)
-        check_lmcache(sub)
+    for name, backend in BACKENDS.items():
+        section = getattr(cfg, name)
+        if section or cfg.backend == name:
+            backend_section(name, section, selected=cfg.backend == name)
     return cfg
 
 
-def _lazy_class(name: str) -> type:
-    mod_name, cls_name = LAZY_BACKENDS[name]
+def backend_section(name: str, section: dict, selected: bool = True) -> BaseModel:
+    """The ``l3.<name>`` section validated by its backend's config model (every default filled in). A section of a
+    backend that is not ``selected`` gets the backend's placeholders for keys only a built store needs.
+
+    Raises:
+        ConfigError: naming ``l3.<name>.<key>`` and what is allowed, or the backend's module cannot be imported.
+    """
+    backend = BACKENDS[name]
+    model = backend.config_model(name)
+    sub = dict(section) if selected else {**backend.placeholders, **section}
     try:
-        mod = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise ConfigError(f"l3.backend '{name}' is not available: cannot import {mod_name} ({e})") from e
-    try:
-        return getattr(mod, cls_name)
-    except AttributeError:
-        raise ConfigError(f"l3.backend '{name}' is not available: {mod_name} has no {cls_name}") from None
+        return model.model_validate(sub)
+    except ValidationError as e:
+        raise config_error(e, f"l3.{name}", model) from None
 
 
 def build_backend(l3_cfg: Union[dict, L3Config, None], namespace: bytes, page_bytes: int) -> Optional[StorageBackend]:
@@ -141,19 +159,20 @@ def build_backend(l3_cfg: Union[dict, L3Config, None], namespace: bytes, page_by
     if name == "none":
         if faults is not None:
             raise ConfigError("l3.faults is set but l3.backend is 'none': faults wrap a store; choose one of "
-                              "file, zmq, mooncake, lmcache")
+                              f"{', '.join(BACKENDS)}")
         return None
-    sub: dict[str, Any] = dict(getattr(cfg, name))
-    if name == "file":
-        store: StorageBackend = FileStore(namespace, page_bytes, **sub)
-    else:
-        cls = _lazy_class(name)
-        try:
-            store = cls(namespace, page_bytes, **sub)
-        except ConfigError:
-            raise
-        except TypeError as e:
-            raise ConfigError(f"invalid tierkv config: bad keys in 'l3.{name}': {e}") from e
+    backend = BACKENDS[name]
+    mod = backend.import_module(name)
+    try:
+        cls = getattr(mod, backend.cls)
+    except AttributeError:
+        raise ConfigError(f"l3.backend '{name}' is not available: {backend.module} has no {backend.cls}") from None
+    try:
+        store: StorageBackend = cls(namespace, page_bytes, **getattr(cfg, name))
+    except ConfigError:
+        raise
+    except TypeError as e:
+        raise ConfigError(f"invalid tierkv config: bad keys in 'l3.{name}': {e}") from e
     if faults is not None:
         store = FaultyBackend.from_config(store, faults)
     return store
