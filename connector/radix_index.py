@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
 NO_SLOT = -1
+_L2, _L3 = 1, 2  # tier bits of :mod:`tierkv.connector.kv_events`
 
 
 class RadixNode:
@@ -156,6 +157,9 @@ class RadixIndex:
         self.splits = 0
         self.num_nodes = 1
         self.match_steps = 0
+        #: optional observer of tier changes (:class:`tierkv.connector.kv_events.TierEvents`): told which pages gain
+        #: or lose an L2 copy or an L3 copy and which leave the index
+        self.events = None
         # bumped when a node loses L2 copies while a child still holds some (only a write_back victim that gained
         # L2 children while its backup ran): then a cached match below it cannot see the loss, so all are redone
         self._epoch = 0
@@ -324,6 +328,8 @@ class RadixIndex:
                     node.l2_sub += 1
                     self._refresh_sub(node)
                 self.l3_pages += sum(tail_l3)
+                if self.events is not None:
+                    self._announce(leaf.keys, tail_slots, tail_l3)
                 self.num_nodes += 1
                 added = n - i
                 self.total_pages += added
@@ -352,6 +358,7 @@ class RadixIndex:
     def _merge_pages(self, child: RadixNode, j: int, host_slots: Sequence[int], in_l3: Optional[Sequence[bool]],
                      i: int, dups: list[int]) -> None:
         had_l2 = child.l2_count > 0
+        got_l2, got_l3 = [], []
         for k in range(j):
             new_slot = host_slots[i + k]
             if new_slot != NO_SLOT:
@@ -359,6 +366,7 @@ class RadixIndex:
                     child.host_slots[k] = new_slot
                     child.l2_count += 1
                     self.l2_pages += 1
+                    got_l2.append(child.keys[k])
                     if child.lock_ref:
                         self.locked_l2_pages += 1
                 else:
@@ -366,6 +374,10 @@ class RadixIndex:
             if in_l3 is not None and in_l3[i + k] and not child.in_l3[k]:
                 child.in_l3[k] = True
                 self.l3_pages += 1
+                got_l3.append(child.keys[k])
+        if self.events is not None:
+            self.events.stored(_L2, got_l2)
+            self.events.stored(_L3, got_l3)
         if not had_l2 and child.l2_count:
             child.parent.l2_children += 1
             self._refresh_sub(child)
@@ -440,6 +452,8 @@ class RadixIndex:
             self._epoch += 1  # an ancestor loses L2 above a descendant that keeps it: cursors cannot see that
         node.gen += 1
         freed = [sl for sl in node.host_slots if sl != NO_SLOT] if node.l2_count else []
+        if self.events is not None:
+            self.events.removed(_L2, [k for k, sl in zip(node.keys, node.host_slots) if sl != NO_SLOT])
         node.host_slots = [NO_SLOT] * node.num_pages
         self._set_l2_count(node, 0)
         self._refresh_sub(node)
@@ -481,15 +495,19 @@ class RadixIndex:
             if i not in want or not node.in_l3[j]:
                 continue
             if node.host_slots[j] == NO_SLOT:
-                cut = (node, j)
+                cut = (node, j, i)
                 break
             node.in_l3[j] = False
             self.l3_pages -= 1
+            if self.events is not None:
+                self.events.removed(_L3, [node.keys[j]])
         if cut is None:
             return []
-        node, j = cut
+        node, j, at = cut
         if node.lock_ref:
             return []
+        if self.events is not None:  # the store lost the listed pages from the cut on; the rest leaves the index
+            self.events.removed(_L3, [keys[i] for i in sorted(want) if at <= i < len(keys)])
         if j > 0:
             self._split(node, j)  # ``node`` is now the tail starting at the page to forget
         orig_parent = node.parent
@@ -532,6 +550,8 @@ class RadixIndex:
             if flags[i] and not node.in_l3[j]:
                 node.in_l3[j] = True
                 marked += 1
+                if self.events is not None:
+                    self.events.stored(_L3, [node.keys[j]])
         self.l3_pages += marked
         return marked
 
@@ -757,7 +777,14 @@ class RadixIndex:
         self._push(top)
         return top
 
+    def _announce(self, keys: Sequence[bytes], slots: Sequence[int], l3: Sequence[bool]) -> None:
+        self.events.stored(_L2, [k for k, s in zip(keys, slots) if s != NO_SLOT])
+        self.events.stored(_L3, [k for k, f in zip(keys, l3) if f])
+
     def _remove_leaf(self, node: RadixNode) -> None:
+        if self.events is not None:
+            self.events.removed(_L2, [k for k, s in zip(node.keys, node.host_slots) if s != NO_SLOT])
+            self.events.forgotten(node.keys)
         parent = node.parent
         del parent.children[node.keys[0]]
         if node.l2_count:

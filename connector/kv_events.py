@@ -1,0 +1,235 @@
+"""KV events for tierkv's tiers: vLLM's ``BlockStored`` / ``BlockRemoved`` for pages entering and leaving L2 and L3.
+
+Routers that send a request to the engine holding its prefix learn what each engine holds from vLLM's KV events
+(``--kv-events-config``). vLLM publishes its own L1 blocks (``medium="GPU"``); this module adds tierkv's tiers, so a
+prefix kept in L2 or L3 stays visible after it left L1 (docs/architecture.md §4, "KV events").
+
+What is published (decided after vLLM 0.32's own offloading tiers, ``v1/kv_offload``):
+
+- L2 (host pool): ``medium="CPU"``, ``locality="LOCAL"``, ``ownership=None``, as vLLM's CPU offloading tier.
+- L3: ``medium="STORAGE"``, as vLLM's secondary tiers (``fs``, ``obj``), and ``ownership="L3:<backend>"`` (e.g.
+  ``"L3:file"``, ``"L3:zmq"``), the field vLLM documents as "secondary offloading tier identifier"; ``locality`` is
+  ``"LOCAL"`` for the file store and ``"REMOTE"`` for the networked stores (zmq, mooncake, lmcache), which other
+  engines may read too.
+- Block hashes are vLLM's own (``request.block_hashes``, converted as vLLM converts its L1 ones), not tierkv's page
+  keys: one tierkv page is one vLLM block, so an L2 or L3 event names the same hash, parent hash and token ids as
+  vLLM's L1 event for the same tokens. ``block_size``, ``lora_id``, ``lora_name`` and ``extra_keys`` (LoRA name,
+  cache salt on the first block, multimodal identifiers) are filled as vLLM fills them; ``group_idx`` is 0 (tierkv
+  serves one KV cache group). A run of consecutive pages of one prefix is one ``BlockStored``.
+- Stored: a page gets an L2 copy (saved L1 -> L2, or fetched L3 -> L2), or L3 acknowledged it (backup confirmed, or
+  an existence answer found it: what a restarted engine announces for pages an earlier run left in L3).
+  Removed: its L2 copy went (eviction, ``reset_cache``, a page dropped after a failed load), or the store told us it
+  lost the L3 copy (a read found it missing or corrupt). A page the index merely forgets while the store still holds
+  it (L3-only pages beyond the index bound, ``reset_cache``) is not announced as removed from L3: it is still there.
+  ``reset_cache`` publishes a ``BlockRemoved`` per L2 page rather than ``AllBlocksCleared``: that event has no medium,
+  and vLLM publishes the connector's events after its own of the same step, so it would also erase L1 blocks vLLM
+  announced after its own reset.
+
+The index reports only real changes (a page gains or loses a copy), so a page is announced once per tier until it
+leaves it, and a removal is published only for a tier it was announced in (per-page tier bits): the stream is exact
+for a consumer that applies it in order. A page the index forgot and finds again in L3 is announced again. Events are buffered between engine steps in a bounded list: past
+``max_buffered`` page events of one step the rest is dropped and counted (``kv_events_dropped``); the engine never
+waits for a subscriber. Only built when vLLM's KV events are enabled.
+
+Engine-free except :func:`page_infos` and :meth:`TierEvents.take_vllm_events`, which import vLLM when called.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+L2, L3 = 1, 2  # tier bits
+
+#: page events buffered between two engine steps before the rest is dropped (counted)
+DEFAULT_MAX_BUFFERED = 100_000
+#: described pages not (yet) in the index kept for a later store (oldest forgotten first)
+DEFAULT_MAX_PENDING = 65_536
+
+#: L3 backends whose store is on this host only
+_LOCAL_STORES = ("file",)
+
+
+@dataclass(slots=True)
+class PageInfo:
+    """What an event says about one page: vLLM's block hash of its block and of the block before it (None for the
+    first), its token ids, LoRA, vLLM's extra keys of the block (tagged, as vLLM hashes them), and the tiers it has
+    been announced in (bits :data:`L2`, :data:`L3`)."""
+
+    block_hash: Any
+    parent_hash: Any
+    token_ids: tuple
+    lora_id: Optional[int] = None
+    lora_name: Optional[str] = None
+    extra_keys: Optional[tuple] = None
+    tiers: int = 0
+
+
+#: ``(request id, first page, end page) -> [PageInfo or None per page]``
+Resolver = Callable[[str, int, int], Sequence[Optional[PageInfo]]]
+
+
+class TierEvents:
+    """Per-page tier changes of one engine's index, turned into vLLM KV events.
+
+    The radix index calls :meth:`stored`, :meth:`removed` and :meth:`forgotten` (it holds this object as
+    ``RadixIndex.events``); the scheduler calls :meth:`describe` with a request's page keys before pages of that
+    request can enter the index, so each page's vLLM block hash is known when it does, and still known when it
+    leaves (the request may be gone by then). vLLM's ``take_events`` drains the buffer once per step
+    (:meth:`take_vllm_events`).
+
+    Args:
+        resolve: gives the :class:`PageInfo` of pages of a live request (:func:`page_infos` in the connector).
+        block_size: tokens per page (vLLM's block size).
+        l3_backend: the L3 store's backend name, or None without L3.
+        max_buffered: page events kept between two :meth:`take` calls; later ones are dropped and counted.
+        max_pending: described pages not in the index kept (oldest forgotten first).
+    """
+
+    def __init__(self, resolve: Resolver, *, block_size: int, l3_backend: Optional[str] = None,
+                 max_buffered: int = DEFAULT_MAX_BUFFERED, max_pending: int = DEFAULT_MAX_PENDING):
+        self.resolve = resolve
+        self.block_size = int(block_size)
+        self.l3_backend = l3_backend
+        self.max_buffered = int(max_buffered)
+        self.max_pending = int(max_pending)
+        self._known: dict[bytes, PageInfo] = {}                    # pages in the index
+        self._pending: OrderedDict[bytes, PageInfo] = OrderedDict()  # described, not in the index yet
+        self._out: list[tuple[bool, int, PageInfo]] = []           # (stored?, tier, page) since the last take
+        self.counters = {"kv_events_stored_pages": 0, "kv_events_removed_pages": 0, "kv_events_dropped": 0,
+                         "kv_events_undescribed_pages": 0}
+
+    # ------------------------------------------------------------------ scheduler side
+    def describe(self, req_id: str, keys: Sequence[bytes], start: int, end: int) -> None:
+        """Pages ``keys[start:end]`` of request ``req_id`` may enter the index: remember their vLLM block hashes.
+        Pages already known are skipped (O(1) when the last one is known)."""
+        end = min(end, len(keys))
+        if start >= end or keys[end - 1] in self._known or keys[end - 1] in self._pending:
+            return
+        todo = [i for i in range(start, end) if keys[i] not in self._known and keys[i] not in self._pending]
+        if not todo:
+            return
+        infos = self.resolve(req_id, todo[0], todo[-1] + 1)
+        for i in todo:
+            info = infos[i - todo[0]] if i - todo[0] < len(infos) else None
+            if info is not None:
+                self._pending[keys[i]] = info
+        while len(self._pending) > self.max_pending:
+            self._pending.popitem(last=False)
+
+    # ------------------------------------------------------------------ index observer
+    def _info(self, key: bytes) -> Optional[PageInfo]:
+        info = self._known.get(key)
+        if info is None:
+            info = self._pending.pop(key, None)
+            if info is not None:
+                self._known[key] = info
+        return info
+
+    def _emit(self, stored: bool, tier: int, info: PageInfo) -> None:
+        if len(self._out) >= self.max_buffered:
+            self.counters["kv_events_dropped"] += 1
+            return
+        self._out.append((stored, tier, info))
+        self.counters["kv_events_stored_pages" if stored else "kv_events_removed_pages"] += 1
+
+    def stored(self, tier: int, keys: Sequence[bytes]) -> None:
+        """The pages ``keys`` now have a copy in ``tier`` (:data:`L2` or :data:`L3`)."""
+        for k in keys:
+            info = self._info(k)
+            if info is None:
+                self.counters["kv_events_undescribed_pages"] += 1
+            else:
+                info.tiers |= tier
+                self._emit(True, tier, info)
+
+    def removed(self, tier: int, keys: Sequence[bytes]) -> None:
+        """The pages ``keys`` lost their copy in ``tier``."""
+        for k in keys:
+            info = self._known.get(k)
+            if info is not None and info.tiers & tier:
+                info.tiers &= ~tier
+                self._emit(False, tier, info)
+
+    def forgotten(self, keys: Sequence[bytes]) -> None:
+        """The pages ``keys`` left the index (after :meth:`removed` for the copies that went)."""
+        for k in keys:
+            self._known.pop(k, None)
+
+    # ------------------------------------------------------------------ publishing
+    def take(self) -> list[tuple[bool, int, PageInfo]]:
+        """The page events since the last call, in order: ``(stored?, tier, page)``."""
+        out, self._out = self._out, []
+        return out
+
+    def stats(self) -> dict:
+        return dict(self.counters)
+
+    def take_vllm_events(self) -> list:
+        """The page events since the last call as vLLM events (:meth:`to_vllm` of :meth:`take`)."""
+        return self.to_vllm(self.take())
+
+    def to_vllm(self, records: Sequence[tuple[bool, int, PageInfo]]) -> list:
+        """Page events as vLLM ``BlockStored`` / ``BlockRemoved`` events: consecutive stores of one tier whose pages
+        chain (each page's parent is the page before it, same LoRA) form one ``BlockStored``; consecutive removals of
+        one tier form one ``BlockRemoved``."""
+        if not records:
+            return []
+        from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored
+        from vllm.v1.core.kv_cache_utils import to_event_extra_keys
+
+        l3 = self.l3_backend
+        tier_fields = {L2: dict(medium=MEDIUM_CPU, locality="LOCAL", ownership=None),
+                       L3: dict(medium=MEDIUM_STORAGE, locality="LOCAL" if l3 in _LOCAL_STORES else "REMOTE",
+                                ownership=f"L3:{l3}")}
+        events = []
+        i, n = 0, len(records)
+        while i < n:
+            stored, tier, first = records[i]
+            run = [first]
+            j = i + 1
+            while j < n and records[j][0] == stored and records[j][1] == tier:
+                nxt = records[j][2]
+                if stored and (nxt.parent_hash != run[-1].block_hash or nxt.lora_name != first.lora_name):
+                    break
+                run.append(nxt)
+                j += 1
+            if stored:
+                events.append(BlockStored(
+                    block_hashes=[p.block_hash for p in run], parent_block_hash=first.parent_hash,
+                    token_ids=[t for p in run for t in p.token_ids], block_size=self.block_size,
+                    lora_id=first.lora_id, lora_name=first.lora_name,
+                    extra_keys=to_event_extra_keys([p.extra_keys for p in run]), group_idx=0,
+                    **tier_fields[tier]))
+            else:
+                events.append(BlockRemoved(block_hashes=[p.block_hash for p in run], group_idx=0,
+                                           **tier_fields[tier]))
+            i = j
+        return events
+
+
+def page_infos(request, start: int, end: int, block_size: int, hash_block_size: Optional[int] = None) -> list:
+    """:class:`PageInfo` of pages ``[start, end)`` of a vLLM ``Request`` (None for a page whose block hash vLLM has
+    not computed yet), with the hashes, tokens, LoRA and extra keys vLLM puts in its own ``BlockStored`` for the
+    same blocks."""
+    if request is None:
+        return []
+    from vllm.v1.core.kv_cache_utils import (generate_block_hash_extra_keys, maybe_convert_block_hash,
+                                             resolve_block_hashes)
+    hashes = resolve_block_hashes(request.block_hashes, hash_block_size or block_size, block_size)
+    tokens = request.all_token_ids
+    lora = getattr(request, "lora_request", None)
+    lora_id = lora.adapter_id if lora is not None else None
+    lora_name = lora.name if lora is not None else None
+    out: list[Optional[PageInfo]] = []
+    mm_idx = 0
+    for i in range(start, end):
+        if i >= len(hashes) or (i + 1) * block_size > len(tokens):
+            out.append(None)
+            continue
+        extra, mm_idx = generate_block_hash_extra_keys(request, i * block_size, (i + 1) * block_size, mm_idx)
+        out.append(PageInfo(block_hash=maybe_convert_block_hash(hashes[i]),
+                            parent_hash=maybe_convert_block_hash(hashes[i - 1]) if i > 0 else None,
+                            token_ids=tuple(tokens[i * block_size:(i + 1) * block_size]),
+                            lora_id=lora_id, lora_name=lora_name, extra_keys=extra))
+    return out
