@@ -222,8 +222,8 @@ def page_keys(
         list of 16-byte keys for pages ``start_page .. len(token_ids) // page_size - 1``.
     Raises:
         ValueError: ``start_page > 0`` without ``parent``. struct.error: a token outside the int64 range.
-    Cost: one BLAKE2b compression per page of up to 32 tokens (uint32), plus converting the Python ints once;
-    about 0.3 µs a page at page size 16 on one core (benchmarks/README.md, section index).
+    Cost: one BLAKE2b compression per page of up to 32 tokens (uint32), plus converting the Python ints once
+    (throughput: benchmarks/README.md, section index).
     """
     n_pages = len(token_ids) // page_size
     if start_page > 0 and parent is None:
@@ -275,7 +275,7 @@ _SPLITTERS = [struct.Struct(f"{KEY_BYTES}s" * (1 << k)) for k in range(11)]  # 1
 
 
 def split_keys(b: bytes) -> list[bytes]:
-    """``b`` (a multiple of 16 bytes) cut into 16-byte keys; struct does it in C, about 6x faster than slicing."""
+    """``b`` (a multiple of 16 bytes) cut into 16-byte keys (struct does it in C, faster than slicing)."""
     out: list[bytes] = []
     n, off = len(b) // KEY_BYTES, 0
     big = _SPLITTERS[-1]
