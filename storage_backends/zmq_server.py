@@ -1,7 +1,7 @@
 """tierkv ZMQ cache server: a standalone process that holds L3 pages in memory for several engines.
 
-Run it as ``tierkv server`` or ``python -m tierkv.storage_backends.zmq_server`` (same flags; see
-:func:`add_arguments`). It binds a ZMQ ROUTER socket on ``--host`` (127.0.0.1 unless a wider address is
+Run it as ``tierkv server`` or ``python -m tierkv.storage_backends.zmq_server`` (same flags; the command line is
+:mod:`tierkv.cli_server`). It binds a ZMQ ROUTER socket on ``--host`` (127.0.0.1 unless a wider address is
 given explicitly) and ``--port`` (0 = any free port), prints one line ``tierkv-server ready tcp://HOST:PORT``
 on stdout once it is listening, and exits cleanly on SIGTERM/SIGINT.
 
@@ -13,7 +13,7 @@ under ``--spill-dir`` and are read back (and promoted to memory) on a later get.
 inside a payload: the client wraps every page with a :mod:`.page_format` header and verifies it on read.
 
 Safe by default (docs/architecture.md §12): a ``--host`` beyond loopback without a token (``--token``,
-``--token-file``, ``$TIERKV_SERVER_TOKEN``) refuses to start (exit 2) unless ``--allow-unauthenticated`` is given;
+``--token-file``, ``$TIERKV_SERVER_TOKEN``) refuses to start (exit 5) unless ``--allow-unauthenticated`` is given;
 with a token every request (the destructive ``delete``, ``clear``, ``verify`` with ``fix`` included) must carry it;
 error replies and log lines carry ``***`` in its place. The admin ops ``scan`` and ``verify`` (protocol version 2)
 serve ``tierkv store stats|verify``.
@@ -30,12 +30,10 @@ docs/architecture.md §8 R13, R15, R19 call for.
 """
 from __future__ import annotations
 
-import argparse
 import hmac
 import logging
 import mmap
 import os
-import signal
 import stat
 import struct
 import sys
@@ -46,7 +44,6 @@ from typing import Any, Optional
 import zmq
 
 from tierkv.storage_backends import zmq_protocol as P
-from tierkv.storage_backends.common import parse_bytes
 
 log = logging.getLogger("tierkv.zmq_server")
 
@@ -707,7 +704,7 @@ def keep_freed_memory(capacity_bytes: int) -> bool:
     Here one arena serves every thread (``M_ARENA_MAX`` 1: no per-thread heaps to unmap), frames up to 32 MiB come
     from it (``M_MMAP_THRESHOLD``), and up to ``capacity_bytes`` of free memory stays mapped for reuse
     (``M_TRIM_THRESHOLD``), so a server that has once been full keeps receiving into already-mapped memory.
-    Call it before the ZMQ context exists (:func:`run` does). A no-op (False) off glibc."""
+    Call it before the ZMQ context exists (:func:`tierkv.cli_server.run` does). A no-op (False) off glibc."""
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -720,11 +717,6 @@ def keep_freed_memory(capacity_bytes: int) -> bool:
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(m_arena_max, 1) and mallopt(m_mmap_threshold, 32 << 20)
                 and mallopt(m_trim_threshold, min(int(capacity_bytes), (1 << 31) - 1)))
-
-
-#: exit status of ``tierkv server`` when it refuses to start (unsafe bind, unreadable token file); argparse errors
-#: exit with 2 as well
-EXIT_REFUSED = 2
 
 
 def is_loopback(host: str) -> bool:
@@ -791,108 +783,7 @@ def _rss_bytes() -> int:
         return 0
 
 
-#: the smallest ``--max-message-bytes`` the CLI accepts: a client needs one page plus 64 KiB of slack per message
-#: (see ``l3.zmq.max_message_bytes``), so below this no realistic page could be stored
-MIN_CLI_MAX_MESSAGE_BYTES = 1 << 20
+if __name__ == "__main__":  # ``python -m tierkv.storage_backends.zmq_server`` = ``tierkv server``
+    from tierkv.cli_server import main
 
-
-def _size(text: str) -> int:
-    """Parse a byte size the way the YAML configs do (:func:`tierkv.storage_backends.common.parse_bytes`): an integer,
-    or a number with a unit, ``K``/``KB``/``M``/``MB``/``G``/``GB`` = powers of 1000 and ``KiB``/``MiB``/``GiB`` =
-    powers of 1024 (``512MiB``, ``8GiB``, ``10GB``). Raises argparse.ArgumentTypeError otherwise or for sizes <= 0."""
-    try:
-        v = parse_bytes(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid byte size {text!r} (e.g. 1073741824, 512MiB, 8GiB, 10GB)") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"byte size must be > 0, got {text!r}")
-    return v
-
-
-def _message_size(text: str) -> int:
-    v = _size(text)
-    if v < MIN_CLI_MAX_MESSAGE_BYTES:
-        raise argparse.ArgumentTypeError(
-            f"--max-message-bytes {text!r} is below {MIN_CLI_MAX_MESSAGE_BYTES} bytes (1 MiB): clients need one page "
-            "plus 64 KiB per message, so every set would be refused")
-    return v
-
-
-def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Server flags (shared by ``tierkv server`` and ``python -m tierkv.storage_backends.zmq_server``)."""
-    p.add_argument("--host", default="127.0.0.1",
-                   help="bind address (default 127.0.0.1; give 0.0.0.0 or an interface address explicitly to expose it)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port, 0 = any free port (default {DEFAULT_PORT})")
-    p.add_argument("--capacity-bytes", type=_size, default=DEFAULT_CAPACITY_BYTES,
-                   help="in-memory capacity in bytes (e.g. 8GiB; KiB/MiB/GiB = 1024-based, KB/MB/GB or K/M/G = "
-                        "1000-based, as in the YAML configs), LRU eviction (default 1 GiB)")
-    p.add_argument("--spill-dir", default=None, help="spill evicted pages to a file store in this directory (optional)")
-    p.add_argument("--spill-capacity-bytes", type=_size, default=None,
-                   help="capacity of the spill store (per page record size; default: the file store's default)")
-    p.add_argument("--max-message-bytes", type=_message_size, default=P.DEFAULT_MAX_MESSAGE_BYTES,
-                   help="refuse larger messages (at least 1MiB; default 64MiB)")
-    p.add_argument("--token", default=os.environ.get("TIERKV_SERVER_TOKEN"),
-                   help="shared secret every request must carry (default: $TIERKV_SERVER_TOKEN, else none; prefer the "
-                        "variable or --token-file: a command line is visible to other users in ps)")
-    p.add_argument("--token-file", default=None, help="read the token from this file (first line; overrides --token)")
-    p.add_argument("--allow-unauthenticated", action="store_true",
-                   help="allow a --host beyond loopback without a token (any client that reaches the port may read, "
-                        "write and clear pages); without it such a server refuses to start (exit 2)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--enable-test-ops", action="store_true", help=argparse.SUPPRESS)
-    return p
-
-
-def run(args: argparse.Namespace) -> int:
-    """Start a server from parsed :func:`add_arguments` flags and serve until SIGTERM/SIGINT. Returns 0."""
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    token = args.token
-    if getattr(args, "token_file", None):
-        try:
-            with open(args.token_file) as f:
-                token = f.read().strip()
-        except OSError as e:
-            print(f"tierkv server: error: cannot read --token-file {args.token_file!r}: {e.strerror}", file=sys.stderr)
-            return EXIT_REFUSED
-        if not token:
-            print(f"tierkv server: error: --token-file {args.token_file!r} is empty", file=sys.stderr)
-            return EXIT_REFUSED
-    if not is_loopback(args.host):
-        if not token and not args.allow_unauthenticated:
-            print(f"tierkv server: error: refusing to listen on {args.host} (beyond this machine) without a token: "
-                  "give --token/--token-file/$TIERKV_SERVER_TOKEN, or --allow-unauthenticated to accept any client",
-                  file=sys.stderr)
-            return EXIT_REFUSED
-        log.warning("binding %s: the cache server is reachable beyond this machine%s", args.host,
-                    "" if token else " and accepts any client (--allow-unauthenticated)")
-    tuned = keep_freed_memory(args.capacity_bytes)
-    try:
-        srv = CacheServer(host=args.host, port=args.port, capacity_bytes=args.capacity_bytes,
-                          spill_dir=args.spill_dir, spill_capacity_bytes=args.spill_capacity_bytes,
-                          max_message_bytes=args.max_message_bytes, token=token,
-                          enable_test_ops=args.enable_test_ops)
-    except zmq.ZMQError as e:  # address in use, unknown host: the operator's input, not a bug
-        print(f"tierkv server: error: cannot listen on {args.host}:{args.port}: {e.strerror}", file=sys.stderr)
-        return EXIT_REFUSED
-    signal.signal(signal.SIGTERM, srv.stop)
-    signal.signal(signal.SIGINT, srv.stop)
-    print(f"tierkv-server ready {srv.endpoint}", flush=True)
-    log.info("serving on %s, capacity %d bytes, spill %s, malloc tuned %s, token %s", srv.endpoint,
-             srv.capacity_bytes, args.spill_dir, tuned, "required" if token else "none")
-    try:
-        srv.serve_forever()
-    finally:
-        srv.close()
-        log.info("stopped")
-    return 0
-
-
-def main(argv: Optional[list] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tierkv.storage_backends.zmq_server",
-                                description="tierkv L3 cache server (ZMQ ROUTER, msgpack headers, raw payload frames)")
-    return run(add_arguments(p).parse_args(argv))
-
-
-if __name__ == "__main__":
     sys.exit(main())

@@ -3,7 +3,7 @@
 Subcommands (argparse sub-parsers; each module that owns a command provides ``add_arguments(parser)`` and
 ``run(args) -> int``; it is imported when the parser is built):
 
-- ``tierkv server ...``: the L3 ZMQ cache server (:mod:`tierkv.storage_backends.zmq_server`), e.g.
+- ``tierkv server ...``: the L3 ZMQ cache server (:mod:`tierkv.cli_server`), e.g.
   ``tierkv server --port 5557 --capacity-bytes 8GiB [--spill-dir DIR] [--token SECRET]``.
 - ``tierkv store stats|verify|gc|clear``: :mod:`tierkv.cli_store`; ``tierkv config check|docs``:
   :mod:`tierkv.cli_config`; ``tierkv bench e2e|transfer|storage``: :mod:`tierkv.cli_bench`. Exit codes and the
@@ -21,7 +21,7 @@ from typing import Optional
 
 #: (subcommand, module providing add_arguments/run, one-line help)
 COMMANDS: list[tuple[str, str, str]] = [
-    ("server", "tierkv.storage_backends.zmq_server", "run the L3 ZMQ cache server"),
+    ("server", "tierkv.cli_server", "run the L3 ZMQ cache server"),
     ("store", "tierkv.cli_store", "inspect and maintain an L3 store: stats, verify, gc, clear"),
     ("config", "tierkv.cli_config", "validate a config file (check) or list every config key (docs)"),
     ("bench", "tierkv.cli_bench", "run a benchmark: e2e, transfer, storage"),

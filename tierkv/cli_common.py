@@ -9,7 +9,9 @@ Exit codes (the same for every subcommand, documented in README "Operating tierk
 2    bad input: unknown flag or value, missing path, not a store, a config file that cannot be read
 3    the store is unreachable: a ``tierkv server`` or Mooncake master that does not answer
 4    the store (or server) was written by / speaks a newer format or protocol version than this tierkv
-5    refused: wrong or missing ``--token``, or an operation the store kind cannot do (e.g. verify a Mooncake store)
+5    refused: wrong or missing ``--token``, an operation the store kind cannot do (e.g. verify a Mooncake store),
+     or ``tierkv server`` refusing to start (a bind beyond loopback without a token, an unreadable or empty
+     ``--token-file``, an address it cannot listen on)
 70   internal error (a bug: one line still; ``TIERKV_DEBUG=1`` shows the traceback)
 130  interrupted (Ctrl-C)
 ==== ==========================================================================================================

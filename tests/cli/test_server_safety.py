@@ -11,6 +11,7 @@ import pytest
 
 from _cli_helpers import NS_A, key, page
 from tierkv.storage_backends import zmq_protocol as P
+from tierkv import cli_server
 from tierkv.storage_backends import zmq_server
 
 TOKEN = "Tk-9f3c2a7e51"
@@ -20,7 +21,7 @@ TOKEN = "Tk-9f3c2a7e51"
 def test_non_loopback_bind_without_token_refuses_to_start(host, fresh_env):
     r = subprocess.run([sys.executable, "-m", "tierkv.storage_backends.zmq_server", "--host", host, "--port", "0"],
                        capture_output=True, text=True, timeout=60)
-    assert r.returncode == zmq_server.EXIT_REFUSED and r.stdout == ""  # no ready line: it never listened
+    assert r.returncode == cli_server.EXIT_REFUSED and r.stdout == ""  # no ready line: it never listened
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "--allow-unauthenticated" in lines[0] and host in lines[0]
 
@@ -46,17 +47,17 @@ def test_non_loopback_bind_starts_with_token_or_explicit_opt_out(monkeypatch, ex
 
     monkeypatch.setattr(zmq_server, "CacheServer", fake_server)
     monkeypatch.setattr(zmq_server, "keep_freed_memory", lambda n: False)
-    args = zmq_server.add_arguments(argparse.ArgumentParser()).parse_args(["--host", "0.0.0.0", *extra])
+    args = cli_server.add_arguments(argparse.ArgumentParser()).parse_args(["--host", "0.0.0.0", *extra])
     with pytest.raises(_Bound):
-        zmq_server.run(args)
+        cli_server.run(args)
     assert seen["host"] == "0.0.0.0" and seen["token"] == expect_token
 
 
 def test_token_file_is_read_and_an_empty_one_refused(tmp_path, monkeypatch, fresh_env):
     f = tmp_path / "tok"
     f.write_text("")
-    args = zmq_server.add_arguments(argparse.ArgumentParser()).parse_args(["--token-file", str(f)])
-    assert zmq_server.run(args) == zmq_server.EXIT_REFUSED
+    args = cli_server.add_arguments(argparse.ArgumentParser()).parse_args(["--token-file", str(f)])
+    assert cli_server.run(args) == cli_server.EXIT_REFUSED
     f.write_text(TOKEN + "\n")
     seen = {}
 
@@ -66,7 +67,7 @@ def test_token_file_is_read_and_an_empty_one_refused(tmp_path, monkeypatch, fres
 
     monkeypatch.setattr(zmq_server, "CacheServer", fake_server)
     with pytest.raises(_Bound):
-        zmq_server.run(args)
+        cli_server.run(args)
     assert seen["token"] == TOKEN
 
 
@@ -136,10 +137,10 @@ def test_ping_lists_protocols_and_whether_a_token_is_required(srv):
 
 
 def test_port_in_use_is_a_one_line_error_not_a_crash(srv):
-    """A second server on a port that is taken: exit 2 and one line naming the address, no traceback."""
+    """A second server on a port that is taken: exit 5 (refused) and one line naming the address, no traceback."""
     port = srv.endpoint.rsplit(":", 1)[1]
     r = subprocess.run([sys.executable, "-m", "tierkv.storage_backends.zmq_server", "--port", port],
                        capture_output=True, text=True, timeout=60)
-    assert r.returncode == zmq_server.EXIT_REFUSED and r.stdout == ""
+    assert r.returncode == cli_server.EXIT_REFUSED and r.stdout == ""
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and "in use" in lines[0], r.stderr

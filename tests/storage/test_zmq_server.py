@@ -20,7 +20,7 @@ import torch
 
 import _fixtures_zmq as FZ
 from tierkv.storage_backends import zmq_protocol as P
-from tierkv.storage_backends import zmq_server
+from tierkv import cli_server
 from tierkv.storage_backends.zmq_client import ZmqStore
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -69,7 +69,7 @@ def assert_error(rep, code: str):
 
 # ----------------------------------------------------------------------------------------------- entry points
 def test_default_bind_is_loopback(srv):
-    assert zmq_server.add_arguments(__import__("argparse").ArgumentParser()).parse_args([]).host == "127.0.0.1"
+    assert cli_server.add_arguments(__import__("argparse").ArgumentParser()).parse_args([]).host == "127.0.0.1"
     assert srv.endpoint.startswith("tcp://127.0.0.1:")
     # the kernel's listening socket for that port is bound to 127.0.0.1 only (0100007F), not 0.0.0.0
     listen = []
@@ -483,7 +483,7 @@ def test_cli_sizes_mean_what_the_yaml_configs_mean():
     """`tierkv server` parses sizes with the YAML configs' parser: GiB/MiB are 1024-based, GB/G 1000-based."""
     import argparse
 
-    from tierkv.storage_backends import zmq_server as S
+    from tierkv import cli_server as S
     from tierkv.storage_backends.file import parse_bytes
 
     p = S.add_arguments(argparse.ArgumentParser())
