@@ -84,6 +84,7 @@ class ControllerCounters:
     prefetch_ordered_pages: int = 0
     prefetch_loaded_pages: int = 0      # leading pages that reached L2 intact
     prefetch_failed_pages: int = 0
+    prefetch_cancelled_pages: int = 0   # never read: the request was released (deadline) or aborted first
     prefetch_no_room_pages: int = 0     # pages not fetched for lack of L2 staging slots
     l3_hit_tokens: int = 0
     l3_declined_slow_pages: int = 0     # hits declined: loading would take longer than recomputing
@@ -633,7 +634,9 @@ class Controller:
         if ok_idx and r.seconds > 0:
             self.fetch_s_per_page.add(r.seconds / len(ok_idx))
         self.counters.prefetch_loaded_pages += len(ok_idx)
-        self.counters.prefetch_failed_pages += sum(1 for i in bad_idx if not r.ok[i])
+        # pages a rank never read (its request was released first) are not failures of the store
+        self.counters.prefetch_failed_pages += max(0, sum(1 for i in bad_idx if not r.ok[i]) - r.cancelled)
+        self.counters.prefetch_cancelled_pages += r.cancelled
         first = st.idx[0] if st.idx else 0
         # publish the pages that arrived intact (the path is locked, so every page is still indexed)
         if ok_idx:

@@ -76,7 +76,8 @@ class L3Counters:
     backup_seconds: float = 0.0
     prefetch_jobs: int = 0
     prefetch_pages: int = 0
-    prefetch_failed_pages: int = 0
+    prefetch_failed_pages: int = 0     # read and missing, corrupt or failed (not the cancelled ones)
+    prefetch_cancelled_pages: int = 0  # never read: their request was released (deadline) or aborted first
     prefetch_late_pages: int = 0       # arrived after the request's deadline, or never fetched because of it
     prefetch_bytes: int = 0
     prefetch_seconds: float = 0.0
@@ -97,6 +98,7 @@ class _Prefetch:
     ok: list[bool]
     io_done: bool = False
     cancel: bool = False
+    cancelled: int = 0                      # pages not read because ``cancel`` came first
     request_done: bool = False
     aborted: bool = False
     bytes: int = 0
@@ -426,6 +428,7 @@ class L3IO:
         for b in range(0, len(todo), self.batch_pages):
             with self._lock:
                 if p.cancel:
+                    p.cancelled = len(todo) - b
                     break
             idx = todo[b:b + self.batch_pages]
             dsts = [stage[j] for j in range(len(idx))]
@@ -464,11 +467,13 @@ class L3IO:
             c = self.counters
             c.prefetch_jobs += 1
             c.prefetch_pages += fetched
-            c.prefetch_failed_pages += sum(1 for f, v in zip(p.job.fetch, p.ok) if f and not v)
+            c.prefetch_failed_pages += sum(1 for f, v in zip(p.job.fetch, p.ok) if f and not v) - p.cancelled
+            c.prefetch_cancelled_pages += p.cancelled
             c.prefetch_bytes += p.bytes
             c.prefetch_seconds += max(0.0, p.end - p.start)
             self._reports.append(JobReport(jid, JOB_PREFETCH, list(p.ok), rank=self.rank,
-                                           seconds=max(0.0, p.end - p.start), bytes=p.bytes))
+                                           seconds=max(0.0, p.end - p.start), bytes=p.bytes,
+                                           cancelled=p.cancelled))
 
     def _report(self, r: JobReport) -> None:
         r.rank = self.rank

@@ -95,7 +95,9 @@ class Job:
 @dataclass
 class JobReport:
     """What one worker rank did with one job. ``ok[i]``: page i done (see the kinds); ``seconds``: wall time
-    from the start of the job on that rank to its end; ``bytes``: payload bytes moved."""
+    from the start of the job on that rank to its end; ``bytes``: payload bytes moved; ``cancelled``: pages of a
+    prefetch never read because its request was released or aborted first (the last ``cancelled`` pages it was to
+    read, all ``ok`` False)."""
 
     job_id: int
     kind: str
@@ -103,6 +105,7 @@ class JobReport:
     rank: int = 0
     seconds: float = 0.0
     bytes: int = 0
+    cancelled: int = 0
 
     @property
     def leading(self) -> int:
@@ -129,7 +132,7 @@ def merge_reports(reports: list[JobReport]) -> JobReport:
                              f"({len(first.ok)} pages)")
     ok = [all(col) for col in zip(*(r.ok for r in reports))] if first.ok else []
     return JobReport(first.job_id, first.kind, ok, rank=-1, seconds=max(r.seconds for r in reports),
-                     bytes=sum(r.bytes for r in reports))
+                     bytes=sum(r.bytes for r in reports), cancelled=max(r.cancelled for r in reports))
 
 
 @dataclass

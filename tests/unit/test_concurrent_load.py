@@ -98,6 +98,27 @@ def test_a_request_released_at_its_deadline_that_finishes_while_its_read_hangs_g
     e.close()
 
 
+def test_pages_never_read_because_their_request_was_released_count_as_cancelled_not_failed(tmp_path):
+    """The serve benchmark's unexplained "failed" L3 reads (32 pages with a healthy ZMQ server): pages a prefetch
+    never read, because its request was released at its deadline first, were counted as failed reads of the store
+    (worker and scheduler side)."""
+    from test_controller import _hanging_l3_load
+    now = [0.0]
+    e, faulty, req = _hanging_l3_load(tmp_path, toks(40, 4 * P), clock=lambda: now[0], batch_pages=1,
+                                      controller={"prefetch_policy": "timeout", "prefetch_timeout_base_s": 0.5,
+                                                  "prefetch_timeout_per_page_s": 0.0})
+    now[0] += 0.6                                    # past the deadline while the first page's read hangs
+    e.step(compute=False)
+    assert "b" in e.recv
+    faulty.release()                                 # the first read returns; the other three are never sent
+    e.settle()
+    w, c = e.worker.l3.counters, e.sched.ctl.counters
+    assert (w.prefetch_pages, w.prefetch_failed_pages, w.prefetch_cancelled_pages) == (1, 0, 3)
+    assert (c.prefetch_failed_pages, c.prefetch_cancelled_pages) == (0, 3)
+    assert w.prefetch_late_pages == 4 and w.prefetch_deadline_misses == 1
+    e.close()
+
+
 # ---------------------------------------------------------------- staging room while other prefetches run
 def _controller(num_slots, **kw):
     from tierkv.connector.controller import Controller
