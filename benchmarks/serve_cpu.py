@@ -1053,8 +1053,7 @@ def ratio_table(data: dict) -> str:
              "TTFT p99 ratio vs ideal (min-max) | pairs |", "|---|---|---|---|---|---|---|---|---|"]
 
     def rng(v):
-        s = sorted(v)
-        return f"{s[0]:.2f}-{s[-1]:.2f}, {s[len(s) // 2]:.2f}" if s else "-"
+        return f"{min(v):.2f}-{max(v):.2f}, {statistics.median(v):.2f}" if v else "-"
     for cname in data["configs"]:
         if cname not in TARGETS:
             continue
@@ -1064,7 +1063,7 @@ def ratio_table(data: dict) -> str:
                 tgt = NO_REUSE_TARGET if w == "random" else TARGETS[cname]
                 rq = paired_ratios(data, cname, ref, w, c, "request_throughput")
                 tt = paired_ratios(data, cname, "ideal", w, c, "p99_ttft_ms")
-                med = sorted(rq)[len(rq) // 2] if rq else None
+                med = statistics.median(rq) if rq else None
                 meets = "-" if med is None else ("yes" if med >= tgt else "no")
                 lines.append(f"| {cname} | {w} | {c} | {rng(rq)} | {ref} | >= {tgt} | {meets} | "
                              f"{rng(tt) if w != 'random' else '-'} | {len(rq)} |")

@@ -167,3 +167,22 @@ def test_soak_checks_pass_on_a_clean_record():
 def test_soak_checks_fail_on_each_problem(change, fails):
     checks = serve.soak_checks(_soak_record(**change))
     assert [n for n, c in checks.items() if c["result"] == "FAIL"] == [fails]
+
+
+def test_ratios_pair_runs_of_the_same_repeat_and_compare_random_with_no_connector():
+    def run(w, c, r, rps, p99):
+        return {"workload": w, "concurrency": c, "repeat": r, "request_throughput": rps, "p99_ttft_ms": p99}
+    data = {"selection": {"workloads": ["multiturn", "random"], "concurrency": [4], "repeats": 1, "rounds": 3},
+            "configs": {
+                "ideal": {"runs": [run("multiturn", 4, 0, 10.0, 100.0), run("multiturn", 4, 1, 20.0, 100.0),
+                                   run("random", 4, 0, 99.0, 1.0)]},
+                "none": {"runs": [run("random", 4, 0, 8.0, 1.0), run("random", 4, 2, 4.0, 1.0)]},
+                "tierkv_l2": {"runs": [run("multiturn", 4, 0, 9.0, 150.0), run("multiturn", 4, 1, 20.0, 110.0),
+                                       run("multiturn", 4, 2, 5.0, 1.0), run("random", 4, 0, 8.0, 1.0),
+                                       run("random", 4, 2, 2.0, 1.0)]}}}
+    # repeat 2 of multiturn has no ideal run: left out; random is paired with no connector, not the ideal
+    assert serve.paired_ratios(data, "tierkv_l2", "ideal", "multiturn", 4, "request_throughput") == [0.9, 1.0]
+    assert serve.paired_ratios(data, "tierkv_l2", "none", "random", 4, "request_throughput") == [1.0, 0.5]
+    rows = {tuple(c.strip() for c in line.split("|")[1:4]): line for line in serve.ratio_table(data).splitlines()}
+    assert "| 0.90-1.00, 0.95 | ideal | >= 0.95 | yes | 1.10-1.50, 1.30 | 2 |" in rows[("tierkv_l2", "multiturn", "4")]
+    assert "| 0.50-1.00, 0.75 | none | >= 0.97 | no | - | 2 |" in rows[("tierkv_l2", "random", "4")]
