@@ -122,6 +122,127 @@ class LookupAnswer:
 
     pages: int
     is_async: bool = False
+    #: why the pages after ``pages`` are not a hit: ``(reason, end)`` segments in page order, each covering the pages
+    #: from the previous segment's end (or ``pages``) to ``end``; a reason of :data:`MISS_REASONS`
+    rest: list[tuple[str, int]] = field(default_factory=list)
+
+
+#: why a lookup token did not become a hit, each a counter ``lookup_<reason>_tokens`` (docs/architecture.md §4):
+#: ``miss`` in no tier (or known absent), ``declined_slow`` in L3 but loading was estimated slower than recomputing,
+#: ``no_room`` no L2 staging slot for it, ``late`` its L3 read (or the existence answer) came after the deadline,
+#: ``failed`` its read failed, was corrupt or its copy did not pass the checks, ``skipped`` the request's own
+#: controls (``kv_transfer_params``) excluded it, ``aborted`` the request ended while its L3 load ran
+MISS_REASONS = ("miss", "declined_slow", "no_room", "late", "failed", "skipped", "aborted")
+#: the parts a lookup token can be served from
+HIT_PARTS = ("l1", "l2", "l3")
+#: upper bounds (seconds) of the reuse-distance histogram's buckets (and +Inf)
+REUSE_BUCKETS_S = (1.0, 10.0, 60.0, 300.0, 1800.0, 3600.0, 14400.0, 86400.0)
+
+
+class LookupStats:
+    """Where the tokens of every counted lookup went, and how long pages waited in a tier for their hit.
+
+    A request counts once, at its first admission: its page-aligned prefix (all but its last token) is split into
+    :data:`HIT_PARTS` and :data:`MISS_REASONS`; the tokens of an L3 load are ``waiting`` until the load's outcome is
+    known (which pages reached L1, and why the others did not). So ``sum(parts) + waiting`` is the lookup total.
+
+    Reuse distance: seconds between a page's store in a tier (its L1 -> L2 save or its publication after a
+    prefetch for L2; its confirmed backup for L3) and a hit on it there, one sample per page hit. L3 store times
+    are kept for the latest ``max_l3_times`` backed-up pages only (pages of earlier backups, or stored by another
+    engine, are not measured).
+
+    Args:
+        num_slots: L2 slots (one store time each).
+        clock: monotonic seconds.
+        max_samples: samples kept per tier between two :meth:`take_samples` calls (more are counted in the
+            histogram but not shipped).
+        max_l3_times: L3 store times kept.
+    """
+
+    def __init__(self, num_slots: int, clock: Callable[[], float] = time.monotonic, max_samples: int = 4096,
+                 max_l3_times: int = 1 << 17):
+        self.tokens = dict.fromkeys(HIT_PARTS + MISS_REASONS, 0)
+        self.waiting = 0
+        self.clock = clock
+        self.l2_stored_at = [-1.0] * num_slots
+        self.l3_stored_at: "OrderedDict[bytes, float]" = OrderedDict()
+        self.max_l3_times = max_l3_times
+        self.max_samples = max_samples
+        self.samples: dict[str, list[float]] = {"L2": [], "L3": []}
+        self.hist = {t: [0] * (len(REUSE_BUCKETS_S) + 1) for t in self.samples}
+        self.hist_sum = dict.fromkeys(self.samples, 0.0)
+
+    def add(self, part: str, tokens: int) -> None:
+        if tokens > 0:
+            self.tokens[part] += tokens
+
+    def stored_l2(self, slots: Sequence[int]) -> None:
+        now = self.clock()
+        for s in slots:
+            if 0 <= s < len(self.l2_stored_at):
+                self.l2_stored_at[s] = now
+
+    def stored_l3(self, keys: Sequence[bytes]) -> None:
+        now = self.clock()
+        for k in keys:
+            self.l3_stored_at[k] = now
+            self.l3_stored_at.move_to_end(k)
+        while len(self.l3_stored_at) > self.max_l3_times:
+            self.l3_stored_at.popitem(last=False)
+
+    def hit_l2(self, slots: Sequence[int]) -> None:
+        """Pages in these L2 slots were hit now."""
+        n = len(self.l2_stored_at)
+        self._observe("L2", [self.l2_stored_at[s] for s in slots if 0 <= s < n])
+
+    def hit_l3(self, keys: Sequence[bytes]) -> None:
+        """Pages with these keys are read from L3 for a hit now."""
+        self._observe("L3", [self.l3_stored_at.get(k, -1.0) for k in keys])
+
+    def _observe(self, tier: str, times: list[float]) -> None:
+        now = self.clock()
+        buf, hist = self.samples[tier], self.hist[tier]
+        for t in times:
+            if t < 0:
+                continue
+            d = max(0.0, now - t)
+            hist[next((i for i, b in enumerate(REUSE_BUCKETS_S) if d <= b), len(REUSE_BUCKETS_S))] += 1
+            self.hist_sum[tier] += d
+            if len(buf) < self.max_samples:
+                buf.append(d)
+
+    def take_samples(self) -> dict[str, list[float]]:
+        """Reuse distances (seconds) observed since the last call, by tier (``L2``, ``L3``); tiers without one are
+        left out."""
+        out = {t: v for t, v in self.samples.items() if v}
+        for t in out:
+            self.samples[t] = []
+        return out
+
+    def as_dict(self) -> dict:
+        d = {f"lookup_{k}_tokens": v for k, v in self.tokens.items()}
+        d["lookup_waiting_tokens"] = self.waiting
+        hist = {}
+        for tier, counts in self.hist.items():
+            cum, le = 0, {}
+            for b, n in zip([*(f"{b:g}" for b in REUSE_BUCKETS_S), "+Inf"], counts):
+                cum += n
+                le[b] = cum
+            hist[tier] = {"count": cum, "sum": round(self.hist_sum[tier], 3), "le": le}
+        d["reuse_distance_seconds"] = hist
+        return d
+
+
+@dataclass
+class _Outcome:
+    """The counted admission of a request whose hit needs an L3 read: its tokens wait in :class:`LookupStats` until
+    both the request side (which leading pages reached L1) and the job's report (which pages arrived) are known."""
+
+    tokens: int
+    job: Optional[Job] = None
+    served: Optional[int] = None        # leading pages of the job copied into the request's blocks
+    ok: Optional[list[bool]] = None     # the job's merged report
+    cancelled: int = 0                  # of its pages to read, the last ones never read (request released first)
 
 
 class _Ewma:
@@ -163,6 +284,8 @@ class Controller:
             least this many seconds (both) before its L3 hit is declined.
         max_index_pages: bound on indexed pages; L3-only pages beyond it leave the index (LRU).
         clock: monotonic seconds.
+        lookup_stats: the scheduler's :class:`LookupStats` (the controller resolves the outcome of L3 loads and
+            records L3 store times into it); None = its own.
     Raises:
         ValueError: an unknown policy (naming the allowed ones), a deadline <= 0, world_size < 1.
     """
@@ -175,7 +298,7 @@ class Controller:
                  probe_interval_s: float = 5.0, exists_in_scheduler: bool = True,
                  exists_fn: Optional[Callable[[Sequence[bytes]], Optional[int]]] = None,
                  max_index_pages: int = 1 << 22,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, lookup_stats: Optional[LookupStats] = None):
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"bad value {write_policy!r} for 'controller.write_policy': allowed values are "
                              f"{', '.join(WRITE_POLICIES)}")
@@ -220,6 +343,8 @@ class Controller:
         self._room_waits: dict[str, tuple[int, float]] = {}  # request -> (lookups waited, clock at the first)
         self.fetch_s_per_page = _Ewma(clock)
         self.prefill_s_per_token = _Ewma(clock)
+        self.lookup_stats = lookup_stats if lookup_stats is not None else LookupStats(allocator.num_slots, clock)
+        self._outcomes: dict[str, _Outcome] = {}  # request -> its counted L3 load, until its outcome is known
 
     # ------------------------------------------------------------------ plan / report plumbing
     def take_jobs(self) -> list[Job]:
@@ -319,6 +444,7 @@ class Controller:
         for k, ok in zip(st.job.keys, r.ok):
             if ok:
                 self._absent.pop(k, None)  # an earlier "absent" answer is stale now
+        self.lookup_stats.stored_l3([k for k, ok in zip(st.job.keys, r.ok) if ok])
         stored = sum(r.ok)
         self.counters.backup_stored_pages += stored
         self.counters.backup_failed_pages += len(r.ok) - stored
@@ -508,28 +634,34 @@ class Controller:
         if wait:
             self.counters.lookups_deferred += 1
             return None  # another request is fetching these pages: load them from L2 once they landed
+        end = len(keys)
+        # pages past the deadline of a fetch that still runs are not offered: late
+        rest = [("late", avail), ("miss", end)] if lo + i < avail else [("miss", end)]
         avail = min(avail, lo + i)
-        if avail == m.num_pages and avail < len(keys):
+        if avail == m.num_pages and avail < end:
+            late = self.counters.exists_late_answers
             more = self.l3_extend(keys, avail)
             if more is None:
                 self.counters.lookups_deferred += 1
                 return None
+            if self.counters.exists_late_answers != late:  # the request went on without the existence answer
+                rest = [("late", end)]
             if more:  # answered at once (the scheduler's own existence check): the pages are indexed now
                 m = self.index.match_prefix(keys, require_l2=False)
                 avail = self.usable_pages(keys, m.host_slots, m.in_l3)
         if avail <= lo:
-            return LookupAnswer(l2_run)
+            return LookupAnswer(l2_run, rest=rest)
         fetch = sum(1 for s in m.host_slots[lo:avail] if s < 0)
         if not self.worth_loading(fetch):
             self.counters.l3_declined_slow_pages += fetch
-            return LookupAnswer(l2_run)
+            return LookupAnswer(l2_run, rest=[("declined_slow", avail)] + rest)
         room = self.wait_for_room(req_id, fetch)
         if room is None:
             self.counters.lookups_deferred += 1
             return None
         if not room:
-            return LookupAnswer(l2_run)
-        return LookupAnswer(avail, is_async=True)
+            return LookupAnswer(l2_run, rest=[("no_room", avail)] + rest)
+        return LookupAnswer(avail, is_async=True, rest=rest)
 
     # ------------------------------------------------------------------ prefetch
     def worth_loading(self, fetch_pages: int) -> bool:
@@ -614,6 +746,11 @@ class Controller:
                 self._fetching[k] = job.job_id
         self._req_prefetch[req_id] = job.job_id
         self._recv_open.add(req_id)
+        self.lookup_stats.hit_l2([s for s, f in zip(slots, fetch) if not f])
+        self.lookup_stats.hit_l3([k for k, f in zip(job.keys, fetch) if f])
+        o = self._outcomes.get(req_id)
+        if o is not None and o.job is None:
+            o.job = job
         self._order(_JobState(job, lock=lock, path=path, idx=list(range(first, last))))
         self.counters.prefetch_jobs += 1
         self.counters.prefetch_ordered_pages += need
@@ -640,6 +777,7 @@ class Controller:
         first = st.idx[0] if st.idx else 0
         # publish the pages that arrived intact (the path is locked, so every page is still indexed)
         if ok_idx:
+            self.lookup_stats.stored_l2([job.slots[i] for i in ok_idx])
             ok_set = set(ok_idx)
             last = first + max(ok_idx) + 1
             slots = [job.slots[i] if i in ok_set else NO_SLOT for i in range(last - first)]
@@ -662,6 +800,10 @@ class Controller:
             if freed:
                 self.allocator.free(freed)
             self.after_save(st.path, 0)  # write_through: back up again what is in L2 and no longer in L3
+        o = self._outcomes.get(job.req_id)
+        if o is not None and o.job is not None and o.job.job_id == job.job_id:
+            o.ok, o.cancelled = list(r.ok), r.cancelled
+            self._resolve(job.req_id)
 
     def staging_slots(self) -> list[int]:
         """Slots held by running prefetches for pages not yet published into the index."""
@@ -676,9 +818,54 @@ class Controller:
         slots, which its report frees."""
         return req_id in self._recv_open
 
-    def on_finished_recving(self, req_ids) -> None:
-        """The requests the workers named as having ended their load in a step (every rank agreed)."""
+    def on_finished_recving(self, req_ids, invalid_block_ids=()) -> None:
+        """The requests the workers named as having ended their load in a step (every rank agreed), with the blocks
+        whose load failed in that step (vLLM's ``invalid_block_ids``, delivered with the same output)."""
         self._recv_open.difference_update(req_ids)
+        bad = set(invalid_block_ids or ())
+        for rid in req_ids:
+            o = self._outcomes.get(rid)
+            if o is not None and o.job is not None and o.served is None:
+                o.served = next((i for i, b in enumerate(o.job.block_ids) if b in bad), o.job.num_pages)
+                self._resolve(rid)
+
+    # ------------------------------------------------------------------ outcome of counted L3 loads
+    def expect_outcome(self, req_id: str, tokens: int) -> None:
+        """The counted admission of ``req_id`` takes ``tokens`` through an L3 load (ordered next by
+        :meth:`start_prefetch`): they wait in :attr:`lookup_stats` until the load's outcome is known."""
+        self._outcomes[req_id] = _Outcome(tokens)
+        self.lookup_stats.waiting += tokens
+
+    def outcome_failed(self, req_id: str) -> None:
+        """The load expected for ``req_id`` could not be ordered: its tokens were not served (``failed``)."""
+        o = self._outcomes.get(req_id)
+        if o is not None and o.job is None:
+            del self._outcomes[req_id]
+            self.lookup_stats.waiting -= o.tokens
+            self.lookup_stats.add("failed", o.tokens)
+
+    def _resolve(self, req_id: str) -> None:
+        """Split a counted L3 load's tokens once both sides are known: the leading pages copied into L1 by the tier
+        they came from (already in L2, or read from L3), the rest by why the first of them was not: no staging slot
+        (``no_room``), arrived intact after the request was released or never read because it was released first
+        (``late``), else ``failed``."""
+        o = self._outcomes.get(req_id)
+        if o is None or o.job is None or o.served is None or o.ok is None:
+            return
+        del self._outcomes[req_id]
+        ls, job, ps = self.lookup_stats, o.job, self.page_size
+        ls.waiting -= o.tokens
+        served = min(o.served, job.num_pages, o.tokens // ps)
+        from_l3 = sum(1 for f in job.fetch[:served] if f)
+        ls.add("l3", from_l3 * ps)
+        ls.add("l2", (served - from_l3) * ps)
+        if served < job.num_pages:
+            f = served
+            to_read = [i for i in range(job.num_pages) if job.fetch[i] and job.slots[i] != NO_SLOT]
+            never_read = set(to_read[len(to_read) - o.cancelled:]) if o.cancelled else set()
+            reason = ("no_room" if job.fetch[f] and job.slots[f] == NO_SLOT
+                      else "late" if job.fetch[f] and (o.ok[f] or f in never_read) else "failed")
+            ls.add(reason, o.tokens - served * ps)
 
     def forget_request(self, req_id: str) -> None:
         self._room_waits.pop(req_id, None)
@@ -687,6 +874,11 @@ class Controller:
         """``req_id`` finished (or was aborted): returns whether the engine must keep its blocks until the workers
         name its load as ended (see :meth:`request_side_open`)."""
         self.forget_request(req_id)
+        o = self._outcomes.get(req_id)
+        if o is not None and o.served is None:  # ended before its load did: nothing reached its blocks
+            del self._outcomes[req_id]
+            self.lookup_stats.waiting -= o.tokens
+            self.lookup_stats.add("aborted", o.tokens)
         open_ = req_id in self._recv_open
         if open_ and req_id not in self._req_prefetch:  # cannot stay open without a job: never delay for nothing
             self._recv_open.discard(req_id)

@@ -33,10 +33,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from .controller import Controller
+from .controller import Controller, LookupStats
 from .page_hash import ModelNamespace, RequestKeys, request_root, warm_up
 from .plan import JobReport, PageOrder, StepPlan
 from .radix_index import MatchCursor, RadixIndex, RadixNode
+from .request_params import RequestControls
 from .slot_allocator import SlotAllocator
 
 logger = logging.getLogger("tierkv.scheduler")
@@ -55,6 +56,11 @@ class _RequestState:
     last_num_computed: int = 0            # argument of the last lookup (device prefix hit, tokens)
     num_indexed: int = 0                  # leading pages known to be in the index with an L2 copy
     counted: bool = False                 # prompt counted in hit statistics
+    reads: bool = True                    # False: the engine never lets it read a cache (not counted)
+    load_cap: Optional[int] = None        # most pages tierkv may load for it (its kv_transfer_params), None = all
+    save_cap: Optional[int] = None        # most leading pages tierkv may save for it, None = all
+    # why the pages after the last lookup's hit are not a hit: (reason, end page) segments (LookupAnswer.rest)
+    rest: list[tuple[str, int]] = field(default_factory=list)
     async_hit: bool = False               # the last lookup's answer needs an L3 read
     cursor: Optional[MatchCursor] = None  # where the last lookup's L2 match ended (resumed in O(1) next step)
     # the last L2 -> L1 load (plan step, its engine blocks, its first page) and the pages [a, b) of each save ordered
@@ -86,7 +92,10 @@ class SchedulerCounters:
     """Counters of the scheduler side (tokens unless named otherwise)."""
 
     requests: int = 0
-    lookup_tokens: int = 0          # page-aligned prefix tokens of admitted requests (what could be reused)
+    # page-aligned prefix tokens of admitted requests that may read a cache (what could be reused); split by
+    # LookupStats into lookup_<part>_tokens (docs/architecture.md §4)
+    lookup_tokens: int = 0
+    request_params_refused: int = 0  # requests whose kv_transfer_params["tierkv"] was malformed (served without tierkv)
     device_hit_tokens: int = 0      # of those, already in L1 (engine prefix cache)
     l2_hit_tokens: int = 0          # of those, loaded from L2
     load_pages: int = 0
@@ -150,6 +159,7 @@ class CacheScheduler:
         self.index = RadixIndex(eviction_policy)
         warm_up()  # load the compiled page hash now, not in the first request's lookup
         self.allocator = SlotAllocator(num_slots) if num_slots > 0 else _NoSlots()
+        self.lookup_stats = LookupStats(num_slots, (controller or {}).get("clock", time.monotonic))
         self.requests: dict[str, _RequestState] = {}
         self.counters = SchedulerCounters()
         self._plan = StepPlan()
@@ -161,19 +171,31 @@ class CacheScheduler:
         self._l3_since: dict[str, int] = {}  # request -> plans built when its lookup first waited for / hit L3
         self.ctl: Optional[Controller] = None
         if controller is not None and num_slots > 0:
-            self.ctl = Controller(self.index, self.allocator, page_size=page_size, **controller)
+            self.ctl = Controller(self.index, self.allocator, page_size=page_size, lookup_stats=self.lookup_stats,
+                                  **controller)
 
     # ----------------------------------------------------------------- requests
     def add_request(self, req_id: str, tokens: Sequence[int], lora: Optional[str] = None,
-                    cache_salt: Optional[str] = None) -> None:
-        """Register a request (idempotent). ``tokens`` is a live sequence of all its token ids."""
+                    cache_salt: Optional[str] = None, controls: Optional[RequestControls] = None) -> None:
+        """Register a request (idempotent). ``tokens`` is a live sequence of all its token ids; ``controls`` its
+        per-request controls (what tierkv may load and save for it)."""
         st = self.requests.get(req_id)
         if st is None:
             root = request_root(self.ns_digest, lora, cache_salt)
-            self.requests[req_id] = _RequestState(req_id, RequestKeys(root, self.page_size), tokens)
+            st = self.requests[req_id] = _RequestState(req_id, RequestKeys(root, self.page_size), tokens)
             self.counters.requests += 1
+            if controls is not None:
+                st.load_cap, st.save_cap = controls.load_pages(self.page_size), controls.save_pages(self.page_size)
         else:
             st.tokens = tokens
+
+    def no_read(self, req_id: str, num_computed_tokens: int) -> None:
+        """The engine never lets ``req_id`` read a cache (vLLM: ``skip_reading_prefix_cache``, e.g. prompt logprobs):
+        it loads nothing and is not counted in the lookup statistics."""
+        st = self.requests[req_id]
+        st.last_num_computed = num_computed_tokens
+        st.reads = False
+        st.async_hit = False
 
     def lookup(self, req_id: str, num_computed_tokens: int) -> Optional[int]:
         """Tokens beyond ``num_computed_tokens`` (the engine's device hit, page-aligned) loadable from L2 or L3, or
@@ -202,7 +224,11 @@ class CacheScheduler:
         st = self.requests[req_id]
         st.last_num_computed = num_computed_tokens
         st.async_hit = False
-        cap_pages = max(0, (len(st.tokens) - 1) // self.page_size)
+        st.reads = True
+        full = max(0, (len(st.tokens) - 1) // self.page_size)
+        cap_pages = full if st.load_cap is None else min(full, st.load_cap)
+        # pages the request's controls exclude: skipped, whatever the tiers hold
+        st.rest = [("miss", cap_pages), ("skipped", full)]
         if cap_pages == 0 or self.num_slots == 0:
             return 0
         all_keys = st.keys.extend(st.tokens)  # hashes only pages not hashed before: O(1) for a waiting request
@@ -215,7 +241,30 @@ class CacheScheduler:
         if ans is None:
             return None
         st.async_hit = ans.is_async
+        st.rest = ans.rest + [("skipped", full)]
         return max(0, ans.pages * self.page_size - num_computed_tokens)
+
+    def _count_lookup(self, st: _RequestState, c: int, ext: int) -> None:
+        """The first admission of a request that may read a cache: its prefix tokens into the lookup total, split
+        into L1 (the engine's device hit ``c``), the ``ext`` tokens it takes from us (L2 now, or waiting for the
+        outcome of its L3 load) and, for the pages after those, the reasons the last lookup gave."""
+        ps = self.page_size
+        full = max(0, (len(st.tokens) - 1) // ps)
+        self.counters.lookup_tokens += full * ps
+        self.counters.device_hit_tokens += c
+        ls = self.lookup_stats
+        ls.add("l1", c)
+        if ext > 0 and st.async_hit and self.ctl is not None:
+            self.ctl.expect_outcome(st.req_id, ext)
+        else:
+            ls.add("l2", ext)
+        pos = (c + ext) // ps
+        for reason, end in st.rest:
+            end = min(end, full)
+            if end > pos:
+                ls.add(reason, (end - pos) * ps)
+                pos = end
+        ls.add("miss", (full - pos) * ps)
 
     def lookup_is_async(self, req_id: str) -> bool:
         """Whether the last :meth:`lookup` answer of ``req_id`` needs an L3 read (vLLM: ``load_async=True``)."""
@@ -228,11 +277,9 @@ class CacheScheduler:
         st = self.requests[req_id]
         c = st.last_num_computed
         from_l2 = 0 if (st.async_hit and self.ctl is not None) else num_external_tokens  # L3 hits: ctl counters
-        if not st.counted:
+        if not st.counted and st.reads:
             st.counted = True
-            prefix = max(0, (len(st.tokens) - 1) // self.page_size) * self.page_size
-            self.counters.lookup_tokens += prefix
-            self.counters.device_hit_tokens += c
+            self._count_lookup(st, c, num_external_tokens)
         self.counters.l2_hit_tokens += from_l2
         if c >= self.page_size and self.ctl is not None and self.ctl.write_policy == "write_through_selective":
             # a prefix the engine's own cache (L1) served is a hit too: without this, pages vLLM keeps hitting in
@@ -252,6 +299,7 @@ class CacheScheduler:
             st.num_indexed = 0  # known after the report; schedule_saves matches again
             return
         m = self.index.match_prefix(keys, require_l2=True, split=True, touch=True)
+        self.lookup_stats.hit_l2(m.host_slots[first:last])
         if m.num_pages < last:  # cannot happen: nothing evicts between lookup and alloc in one schedule()
             raise RuntimeError(f"{req_id}: promised {last} pages from L2 but only {m.num_pages} are there")
         if st.lock is not None:
@@ -278,6 +326,8 @@ class CacheScheduler:
             self._plan.failed_blocks.extend(block_ids[first:last])
             if is_async:
                 self._plan.failed_requests.append(req_id)
+            if self.ctl is not None:
+                self.ctl.outcome_failed(req_id)
         if st is not None:
             st.async_hit = False
             st.num_indexed = 0
@@ -290,6 +340,8 @@ class CacheScheduler:
         if st is None or self.num_slots == 0:
             return
         full = min(num_tokens_after_step, len(st.tokens), len(block_ids) * self.page_size) // self.page_size
+        if st.save_cap is not None:  # the request's controls: only its first pages, or none
+            full = min(full, st.save_cap)
         if full <= st.num_indexed:
             return
         keys = st.keys.extend(st.tokens)[:full]
@@ -328,6 +380,7 @@ class CacheScheduler:
         if dups:  # cannot happen: the path was matched just now and nothing on it changed since (it was locked)
             raise RuntimeError(f"{req_id}: slots {dups} handed out for pages already in L2")
         self._plan_locks.append(self.index.lock(node))
+        self.lookup_stats.stored_l2(slots)
         self._plan.saves.append(PageOrder(req_id, [block_ids[i] for i in missing[:k]], slots,
                                           [keys[i] for i in missing[:k]]))
         self.counters.save_pages += k
@@ -366,11 +419,12 @@ class CacheScheduler:
             return False
         return self.ctl.end_request(req_id)
 
-    def on_finished_recving(self, req_ids) -> None:
+    def on_finished_recving(self, req_ids, invalid_block_ids=()) -> None:
         """Requests whose asynchronous (L3) load the workers named as ended in a step (vLLM:
-        ``KVConnectorOutput.finished_recving``, delivered with ``update_connector_output``)."""
+        ``KVConnectorOutput.finished_recving``, delivered with ``update_connector_output``) and the blocks whose load
+        failed in that step (``invalid_block_ids``: where each request's load was cut)."""
         if self.ctl is not None and req_ids:
-            self.ctl.on_finished_recving(req_ids)
+            self.ctl.on_finished_recving(req_ids, invalid_block_ids)
             for rid in req_ids:
                 since = self._l3_since.pop(rid, None)
                 if since is not None:
@@ -467,6 +521,7 @@ class CacheScheduler:
 
     def stats(self) -> dict:
         d = self.counters.as_dict()
+        d.update(self.lookup_stats.as_dict())
         s = self.index.stats()
         if self.ctl is not None:
             d.update(self.ctl.stats())

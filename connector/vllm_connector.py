@@ -54,8 +54,10 @@ from .host_budget import group_bytes, reserve
 from .metrics import StatsFile
 from .page_hash import ModelNamespace, lora_identity
 from .plan import JobReport, StepPlan
+from .request_params import RequestControls, RequestParamsError, parse_controls
 from .store_metrics import TimedStore
-from .vllm_metrics import SCHEDULER_ONLY, CounterDeltas, TierKVPromMetrics, TierKVStats, scheduler_gauges
+from .vllm_metrics import (REUSE_KEYS, SCHEDULER_ONLY, CounterDeltas, TierKVPromMetrics, TierKVStats,
+                           scheduler_gauges)
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.config import VllmConfig
@@ -90,6 +92,18 @@ def _hook_error(counters, hook: str, err: BaseException) -> None:
     _hook_log.warning(f"hook:{hook}", "tierkv: %s raised %r; served as a miss / failed pages (vLLM recomputes "
                       "them)", hook, err)
     logger.debug("tierkv: %s traceback", hook, exc_info=err)
+
+
+_params_log_obj = None
+
+
+def _params_log():
+    """The rate-limited logger of refused request controls (one line per 10 s)."""
+    global _params_log_obj
+    if _params_log_obj is None:
+        from tierkv.storage_backends.common import RateLimitedLog
+        _params_log_obj = RateLimitedLog(logger)
+    return _params_log_obj
 
 
 class TierKVWorkerMeta(KVConnectorWorkerMetadata):
@@ -349,6 +363,7 @@ class TierKVConnector(KVConnectorBase_V1):
         self._sched = None
         self._worker = None
         self._requests: dict[str, "Request"] = {}
+        self._param_errors: dict[str, str] = {}  # request -> why its kv_transfer_params["tierkv"] was refused
         self._fwd: Optional[tuple[int, int, float]] = None   # worker: (step, prompt tokens, start) of this forward
         self._forwards: list[tuple[int, int, float]] = []      # worker: timed forwards not reported yet
         if role == KVConnectorRole.SCHEDULER:
@@ -463,6 +478,9 @@ class TierKVConnector(KVConnectorBase_V1):
             for store in getattr(self, "_exists_stores", ()):  # existence answered in this process
                 for k, v in store.take_latencies().items():
                     lat.setdefault(k, []).extend(v)
+            tiers = {tier: key for key, tier in REUSE_KEYS.items()}
+            for tier, v in self._sched.lookup_stats.take_samples().items():
+                lat[tiers[tier]] = v
             return self._deltas.take(snap, lat or None)
         snap = self._worker_stats()
         lat = None
@@ -481,7 +499,21 @@ class TierKVConnector(KVConnectorBase_V1):
             self._requests[request.request_id] = request
             lora = lora_key(getattr(request, "lora_request", None))
             self._sched.add_request(request.request_id, request.all_token_ids, lora=lora,
-                                    cache_salt=getattr(request, "cache_salt", None))
+                                    cache_salt=getattr(request, "cache_salt", None), controls=self._controls(request))
+
+    def _controls(self, request: "Request") -> Optional[RequestControls]:
+        """The request's tierkv controls (``kv_transfer_params["tierkv"]``, :mod:`tierkv.connector.request_params`).
+        Malformed ones (a front-end without the :mod:`tierkv.connector.vllm_params_check` validator let them through)
+        are refused here: the request is served without tierkv (nothing loaded, nothing saved), the refusal is
+        counted (``request_params_refused``) and logged, and its response's ``kv_transfer_params`` carries
+        ``{"tierkv_error": <message naming the field>}``."""
+        try:
+            return parse_controls(getattr(request, "kv_transfer_params", None))
+        except RequestParamsError as e:
+            self._sched.counters.request_params_refused += 1
+            self._param_errors[request.request_id] = str(e)
+            _params_log().warning("params", "tierkv: request %s: %s; served without tierkv", request.request_id, e)
+            return RequestControls(load=False, save=False)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
         try:
@@ -495,8 +527,8 @@ class TierKVConnector(KVConnectorBase_V1):
 
     def _matched(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
         self._track(request)
-        if getattr(request, "skip_reading_prefix_cache", False):
-            self._sched.requests[request.request_id].last_num_computed = num_computed_tokens
+        if getattr(request, "skip_reading_prefix_cache", False):  # vLLM ignores any answer: not counted either
+            self._sched.no_read(request.request_id, num_computed_tokens)
             return 0, False
         n = self._sched.lookup(request.request_id, num_computed_tokens)
         if n is None:
@@ -558,8 +590,10 @@ class TierKVConnector(KVConnectorBase_V1):
         if meta is not None:
             self._sched.on_reports(getattr(meta, "reports", []) or [])
             self._observe_forwards(getattr(meta, "forwards", []) or [])
-        # requests whose L3 load the workers named as ended: their blocks are never delayed again at finish
-        self._sched.on_finished_recving(getattr(connector_output, "finished_recving", None) or ())
+        # requests whose L3 load the workers named as ended: their blocks are never delayed again at finish; the
+        # blocks whose load failed in that step say where each load was cut (the lookup statistics)
+        self._sched.on_finished_recving(getattr(connector_output, "finished_recving", None) or (),
+                                        getattr(connector_output, "invalid_block_ids", None) or ())
         # blocks whose load failed in that step (every rank's): pages computed on them leave the index (§8 R31)
         self._sched.on_load_errors(getattr(connector_output, "invalid_block_ids", None) or ())
         if meta is not None and not self._sched.requests:  # idle: the last reports of the drained work
@@ -601,7 +635,8 @@ class TierKVConnector(KVConnectorBase_V1):
         self._requests.pop(request.request_id, None)
         if not self._sched.requests:  # the engine may go idle now, and no later step would write the counters
             self._stats.write_now()
-        return delay, None
+        err = self._param_errors.pop(request.request_id, None)
+        return delay, ({"tierkv_error": err} if err is not None else None)  # the response's kv_transfer_params
 
     def has_pending_push_work(self) -> bool:
         """Keeps vLLM's engine stepping (empty steps, no forward) while a backup or prefetch has not reported: its

@@ -11,7 +11,13 @@ sums the workers' stats, ships them to the front-end, logs them with the other p
 - ``vllm:tierkv_l3_errors_total`` / ``vllm:tierkv_l3_timeouts_total``: store calls that failed / timed out
   (included in :data:`COUNTERS`);
 - gauges (:data:`GAUGES`): L2 occupancy and capacity (pages), pages waiting for a backup or a prefetch;
-- ``vllm:tierkv_l3_op_seconds{op="get"|"set"|"exists"}``: histogram of the wall time of each batched store call.
+- ``vllm:tierkv_l3_op_seconds{op="get"|"set"|"exists"}``: histogram of the wall time of each batched store call;
+- ``vllm:tierkv_lookup_outcome_tokens_total{outcome=...}``: every counted lookup token by where it was served
+  (``l1``, ``l2``, ``l3``) or why it was not (:data:`LOOKUP_OUTCOMES`); with the gauge
+  ``vllm:tierkv_lookup_waiting_tokens`` (L3 loads whose outcome is not known yet) they sum to
+  ``vllm:tierkv_lookup_tokens_total``;
+- ``vllm:tierkv_reuse_distance_seconds{tier="L2"|"L3"}``: histogram of the seconds between a page's store in a tier
+  and a hit on it there (one sample per page hit): what L2 and L3 must hold to keep today's hits.
 
 Counters fed by the L3 I/O threads reach ``/metrics`` with the next engine step: an idle engine reports nothing new.
 Modelled on how vLLM's own offloading and NIXL connectors report their transfers.
@@ -24,9 +30,22 @@ from typing import Any, Optional
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from .controller import REUSE_BUCKETS_S
+
 #: counter key -> Prometheus help text
 COUNTERS = {
-    "lookup_tokens": "Page-aligned prompt prefix tokens of admitted requests (tokens).",
+    "lookup_tokens": "Page-aligned prompt prefix tokens of admitted requests that may read a cache (tokens).",
+    "lookup_l1_tokens": "Lookup tokens served from L1, the engine's own prefix cache (tokens).",
+    "lookup_l2_tokens": "Lookup tokens served from the tierkv L2 host pool (tokens).",
+    "lookup_l3_tokens": "Lookup tokens served from L3 (tokens).",
+    "lookup_miss_tokens": "Lookup tokens in no tier (tokens).",
+    "lookup_declined_slow_tokens": "Lookup tokens in L3 whose load was estimated slower than recomputing (tokens).",
+    "lookup_no_room_tokens": "Lookup tokens in L3 not loaded for lack of L2 staging room (tokens).",
+    "lookup_late_tokens": "Lookup tokens whose L3 read or existence answer came after the request's deadline (tokens).",
+    "lookup_failed_tokens": "Lookup tokens whose L3 read failed or was corrupt, or whose copy failed its checks (tokens).",
+    "lookup_skipped_tokens": "Lookup tokens the request's own kv_transfer_params excluded from loading (tokens).",
+    "lookup_aborted_tokens": "Lookup tokens of requests that ended while their L3 load ran (tokens).",
+    "request_params_refused": "Requests whose kv_transfer_params.tierkv was malformed (served without tierkv).",
     "device_hit_tokens": "Prefix tokens already in L1, the engine's own prefix cache (tokens).",
     "l2_hit_tokens": "Prefix tokens loaded from the tierkv L2 host pool instead of recomputed (tokens).",
     "load_pages": "Pages loaded into L1 from L2 (including pages that came L3 -> L2 first) (pages).",
@@ -68,13 +87,27 @@ GAUGES = {
     "l2_capacity_pages": "L2 host pool slots (pages).",
     "pending_backup_pages": "Pages ordered to L3 whose backup has not been confirmed by every rank yet (pages).",
     "pending_prefetch_pages": "Pages being read L3 -> L2 for waiting requests (pages).",
+    "lookup_waiting_tokens": "Lookup tokens of L3 loads whose outcome is not known yet (tokens).",
 }
+
+#: counter key -> ``outcome`` label of ``vllm:tierkv_lookup_outcome_tokens_total``
+LOOKUP_OUTCOMES = {f"lookup_{o}_tokens": o for o in ("l1", "l2", "l3", "miss", "declined_slow", "no_room", "late",
+                                                     "failed", "skipped", "aborted")}
 
 #: hit-token counter key -> tier label of ``vllm:tierkv_hit_tokens_total``
 HIT_TIERS = {"l2_hit_tokens": "L2", "ctl_l3_hit_tokens": "L3"}
 
 #: stats key holding a list of latencies (seconds) -> ``op`` label of ``vllm:tierkv_l3_op_seconds``
 LATENCY_KEYS = {"l3_get_seconds": "get", "l3_set_seconds": "set", "l3_exists_seconds": "exists"}
+
+#: stats key holding a list of reuse distances (seconds) -> ``tier`` label of ``vllm:tierkv_reuse_distance_seconds``
+REUSE_KEYS = {"reuse_l2_seconds": "L2", "reuse_l3_seconds": "L3"}
+
+#: stats keys that hold lists of samples (shipped as they are, concatenated when steps are merged)
+SAMPLE_KEYS = {**LATENCY_KEYS, **REUSE_KEYS}
+
+#: bucket bounds of ``vllm:tierkv_reuse_distance_seconds`` (seconds): a second to a day, as in the stats file
+REUSE_BUCKETS = REUSE_BUCKETS_S
 
 #: bucket bounds of ``vllm:tierkv_l3_op_seconds`` (seconds): local file reads to slow remote stores
 L3_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -93,14 +126,14 @@ class TierKVStats(KVConnectorStats):
         for k, v in (other.data or {}).items():
             if k in GAUGES:
                 out[k] = v
-            elif k in LATENCY_KEYS:
+            elif k in SAMPLE_KEYS:
                 out[k] = list(out.get(k, ())) + list(v)
             else:
                 out[k] = out.get(k, 0) + v
         return TierKVStats(data=out)
 
     def reduce(self) -> dict[str, int | float]:
-        d = {k: v for k, v in self.data.items() if v and k not in LATENCY_KEYS}
+        d = {k: v for k, v in self.data.items() if v and k not in SAMPLE_KEYS}
         if self.data.get("lookup_tokens"):
             d["l2_hit_rate"] = round(self.data.get("l2_hit_tokens", 0) / self.data["lookup_tokens"], 4)
         for k, op in LATENCY_KEYS.items():
@@ -123,7 +156,7 @@ class CounterDeltas:
         self._keys = [k for k in COUNTERS if k not in set(exclude)]
 
     def take(self, snapshot: dict[str, Any], latencies: Optional[dict[str, list]] = None) -> Optional[TierKVStats]:
-        """``latencies``: samples to ship as they are (keys of :data:`LATENCY_KEYS`, lists of seconds)."""
+        """``latencies``: samples to ship as they are (keys of :data:`SAMPLE_KEYS`, lists of seconds)."""
         delta: dict[str, Any] = {}
         for k in self._keys:
             v = snapshot.get(k)
@@ -141,7 +174,7 @@ class CounterDeltas:
                 delta[k] = v
             self._last[k] = v
         for k, v in (latencies or {}).items():
-            if v and k in LATENCY_KEYS:
+            if v and k in SAMPLE_KEYS:
                 delta[k] = list(v)
         return TierKVStats(data=delta) if delta else None
 
@@ -150,6 +183,8 @@ def scheduler_gauges(stats: dict[str, Any]) -> dict[str, int]:
     """The :data:`GAUGES` from a :meth:`tierkv.connector.scheduler.CacheScheduler.stats` snapshot."""
     out = {"l2_capacity_pages": stats.get("num_slots", 0),
            "l2_used_pages": stats.get("num_slots", 0) - stats.get("free_slots", 0)}
+    if "lookup_waiting_tokens" in stats:
+        out["lookup_waiting_tokens"] = stats["lookup_waiting_tokens"]
     if "ctl_backing_up_pages" in stats:
         out["pending_backup_pages"] = stats["ctl_backing_up_pages"]
         out["pending_prefetch_pages"] = stats.get("ctl_fetching_pages", 0)
@@ -190,6 +225,18 @@ class TierKVPromMetrics(KVConnectorPromMetrics):
                                 documentation="Wall time of one batched L3 store call (seconds).",
                                 labelnames=labelnames + ["op"], buckets=list(L3_LATENCY_BUCKETS)),
             per_engine_labelvalues, LATENCY_KEYS.values())
+        self.outcomes = _per_engine_and_label(
+            self._counter_cls(name="vllm:tierkv_lookup_outcome_tokens",
+                              documentation="Counted lookup tokens by where they were served or why they were not "
+                                            "(tokens).",
+                              labelnames=labelnames + ["outcome"]),
+            per_engine_labelvalues, LOOKUP_OUTCOMES.values())
+        self.reuse = _per_engine_and_label(
+            self._histogram_cls(name="vllm:tierkv_reuse_distance_seconds",
+                                documentation="Seconds between a page's store in a tier and a hit on it there (one "
+                                              "sample per page hit).",
+                                labelnames=labelnames + ["tier"], buckets=list(REUSE_BUCKETS)),
+            per_engine_labelvalues, REUSE_KEYS.values())
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for k, v in (transfer_stats_data or {}).items():
@@ -198,8 +245,9 @@ class TierKVPromMetrics(KVConnectorPromMetrics):
                 if g is not None:
                     g.set(v)
                 continue
-            if k in LATENCY_KEYS:
-                h = self.l3_latency.get(engine_idx, {}).get(LATENCY_KEYS[k])
+            if k in SAMPLE_KEYS:
+                h = (self.l3_latency.get(engine_idx, {}).get(LATENCY_KEYS[k]) if k in LATENCY_KEYS
+                     else self.reuse.get(engine_idx, {}).get(REUSE_KEYS[k]))
                 if h is not None:
                     for x in v:
                         h.observe(x)
@@ -210,3 +258,6 @@ class TierKVPromMetrics(KVConnectorPromMetrics):
                 tier = HIT_TIERS.get(k)
                 if tier is not None:
                     self.hit_tokens[engine_idx][tier].inc(v)
+                outcome = LOOKUP_OUTCOMES.get(k)
+                if outcome is not None:
+                    self.outcomes[engine_idx][outcome].inc(v)

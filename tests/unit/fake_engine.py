@@ -183,7 +183,7 @@ class FakeEngine:
             step_failed |= polled
             reports.extend(worker.take_reports())
         self.recv |= recv or set()
-        self.sched.on_finished_recving(recv or set())  # vLLM: KVConnectorOutput.finished_recving
+        self.sched.on_finished_recving(recv or set(), step_failed)  # vLLM: finished_recving, invalid_block_ids
         self.sched.on_reports(reports)
         self.sched.on_load_errors(step_failed)  # vLLM: KVConnectorOutput.invalid_block_ids, union of the ranks
         for rid in list(self.recv):
