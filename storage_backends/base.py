@@ -20,9 +20,9 @@ Semantics follow SGLang HiCache's ``HiCacheStorage`` so the same classes plug in
 
 Token ids (optional, every store): ``batch_exists``, ``batch_get`` and ``batch_set`` take a keyword ``tokens``: ``None``
 (the default) or one :class:`PageTokens` per key, the token ids that produced the page. Stores whose keys already name
-the prefix (file, zmq, mooncake) ignore it; a store keyed by token ids (``lmcache``: LMCache's server hashes token
-chunks itself) uses it to name pages the way that server does. A store class that does not declare the parameter
-accepts and ignores it (:meth:`StorageBackend.__init_subclass__`), so callers may always pass it.
+the prefix (file, zmq, mooncake) declare it and ignore it; a store keyed by token ids (``lmcache``: LMCache's server
+hashes token chunks itself) uses it to name pages the way that server does. Every store declares the parameter, so
+callers may always pass it.
 
 No method raises for a per-key failure or a dead/slow medium: errors become ``False``/0, are counted in
 ``stats()`` and logged; ``ValueError`` is raised only for caller bugs (bad key text, wrong buffer size, a
@@ -31,8 +31,6 @@ No method raises for a per-key failure or a dead/slow medium: errors become ``Fa
 from __future__ import annotations
 
 import abc
-import functools
-import inspect
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Sequence, Union
 
 if TYPE_CHECKING:  # no torch import at run time: the cache server process stays small and starts fast
@@ -54,17 +52,6 @@ class PageTokens(NamedTuple):
     root: bytes
 
 
-_TOKEN_METHODS = ("batch_exists", "batch_get", "batch_set")
-
-
-def _ignoring_tokens(fn):
-    @functools.wraps(fn)
-    def wrapper(self, *args, tokens=None, **kwargs):
-        return fn(self, *args, **kwargs)
-
-    return wrapper
-
-
 class StorageBackend(abc.ABC):
     """One L3 store. Attributes: ``page_bytes`` (bytes of one page payload), ``namespace`` (16-byte digest
     written into and checked against every stored page's header)."""
@@ -77,18 +64,6 @@ class StorageBackend(abc.ABC):
     #: ``batch_exists`` is a local, bounded operation (no network round trip, or one to a server on this machine under
     #: a short timeout) that the engine's scheduler process may call in its own loop (``controller.exists_in_scheduler``)
     local_exists: bool = False
-
-    def __init_subclass__(cls, **kw: Any) -> None:
-        """Give every store the optional ``tokens`` keyword (see the module docstring): a ``batch_*`` method that
-        declares neither ``tokens`` nor ``**kwargs`` is wrapped to accept and ignore it."""
-        super().__init_subclass__(**kw)
-        for name in _TOKEN_METHODS:
-            fn = cls.__dict__.get(name)
-            if fn is None or getattr(fn, "__isabstractmethod__", False):
-                continue
-            params = inspect.signature(fn).parameters
-            if "tokens" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-                setattr(cls, name, _ignoring_tokens(fn))
 
     @abc.abstractmethod
     def batch_exists(self, keys: Sequence[str], tokens: Optional[Sequence[PageTokens]] = None) -> int:

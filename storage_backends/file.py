@@ -57,7 +57,7 @@ from typing import Any, Literal, Optional, Sequence
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from tierkv.storage_backends.base import Buffer, StorageBackend
+from tierkv.storage_backends.base import Buffer, PageTokens, StorageBackend
 from tierkv.storage_backends.common import (  # noqa: F401 - parse_bytes, as_byte_view: also imported from here
     ConfigError,
     RateLimitedLog,
@@ -449,7 +449,7 @@ class FileStore(StorageBackend):
         return n
 
     # ------------------------------------------------------------------ interface
-    def batch_exists(self, keys: Sequence[str]) -> int:
+    def batch_exists(self, keys: Sequence[str], tokens: Optional[Sequence[PageTokens]] = None) -> int:
         """Number of leading ``keys`` whose record file is present with the right size.
 
         Looks at the directory (one ``stat`` per key), so pages written by other processes count. A record whose
@@ -479,7 +479,8 @@ class FileStore(StorageBackend):
                 self._index[path] = size
                 self._usage += size
 
-    def batch_get(self, keys: Sequence[str], destinations: Sequence[Buffer]) -> list[bool]:
+    def batch_get(self, keys: Sequence[str], destinations: Sequence[Buffer],
+                  tokens: Optional[Sequence[PageTokens]] = None) -> list[bool]:
         """Read pages into ``destinations`` (each a writable contiguous CPU buffer of ``page_bytes`` bytes, e.g. a
         ``torch.uint8`` host-pool page), directly with ``readv`` (no intermediate copy).
 
@@ -637,7 +638,8 @@ class FileStore(StorageBackend):
         return got
 
     def batch_set(self, keys: Sequence[str], sources: Sequence[Buffer],
-                  checksums: Optional[Sequence[int]] = None) -> list[bool]:
+                  checksums: Optional[Sequence[int]] = None,
+                  tokens: Optional[Sequence[PageTokens]] = None) -> list[bool]:
         """Store pages from ``sources`` (each a contiguous CPU buffer of ``page_bytes`` bytes).
 
         Each record is written to a temporary file in its final directory, optionally fsynced, and renamed over the

@@ -67,7 +67,7 @@ import torch
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from tierkv.storage_backends.base import Buffer, StorageBackend
+from tierkv.storage_backends.base import Buffer, PageTokens, StorageBackend
 from tierkv.storage_backends.common import (ConfigError, RateLimitedLog, as_byte_view, check_store_identity,
                                              config_error, parse_bytes)
 from tierkv.storage_backends.page_format import (
@@ -551,7 +551,7 @@ class MooncakeStore(StorageBackend):
 
     # ------------------------------------------------------------------ interface
 
-    def batch_exists(self, keys: Sequence[str]) -> int:
+    def batch_exists(self, keys: Sequence[str], tokens: Optional[Sequence[PageTokens]] = None) -> int:
         """Number of leading ``keys`` whose objects exist; 0 on timeout/error.
 
         Mooncake grants a read lease on every object an existence query finds, and leased objects are not evicted
@@ -575,7 +575,8 @@ class MooncakeStore(StorageBackend):
             size *= 2
         return n
 
-    def batch_get(self, keys: Sequence[str], destinations: Sequence[Buffer]) -> list[bool]:
+    def batch_get(self, keys: Sequence[str], destinations: Sequence[Buffer],
+                  tokens: Optional[Sequence[PageTokens]] = None) -> list[bool]:
         """Fetch, verify and copy pages into ``destinations`` (writable, ``page_bytes`` each). A destination is
         written only for a verified hit."""
         names = self._check_keys(keys)
@@ -647,7 +648,8 @@ class MooncakeStore(StorageBackend):
         return bad
 
     def batch_set(self, keys: Sequence[str], sources: Sequence[Buffer],
-                  checksums: Optional[Sequence[int]] = None) -> list[bool]:
+                  checksums: Optional[Sequence[int]] = None,
+                  tokens: Optional[Sequence[PageTokens]] = None) -> list[bool]:
         """Store pages (``page_bytes`` each) as header+payload records, replacing any existing record of a key
         (Mooncake upsert). ``True`` per key once Mooncake has accepted the whole record. ``checksums``: one XXH3-64
         per source (see :meth:`StorageBackend.batch_set`), written into the headers as given on both set paths (no

@@ -51,7 +51,7 @@ import zmq
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from tierkv.storage_backends import zmq_protocol as P
-from tierkv.storage_backends.base import Buffer, StorageBackend
+from tierkv.storage_backends.base import Buffer, PageTokens, StorageBackend
 from tierkv.storage_backends.common import check_store_identity, config_error
 from tierkv.storage_backends.page_format import (PageFormatError, check_checksums, check_key, decode_header,
                                                  encode_headers, verify_payload)
@@ -620,7 +620,7 @@ class ZmqStore(StorageBackend):
         the scheduler's copy of the store caps ``timeout_s``)."""
         return is_local_endpoint(self.endpoint)
 
-    def batch_exists(self, keys: Sequence[str]) -> int:
+    def batch_exists(self, keys: Sequence[str], tokens: Optional[Sequence[PageTokens]] = None) -> int:
         """Number of leading ``keys`` present on the server (0 on any failure)."""
         for k in keys:
             check_key(k)
@@ -641,7 +641,8 @@ class ZmqStore(StorageBackend):
                 break
         return lead
 
-    def batch_get(self, keys: Sequence[str], destinations: Sequence[Buffer]) -> list[bool]:
+    def batch_get(self, keys: Sequence[str], destinations: Sequence[Buffer],
+                  tokens: Optional[Sequence[PageTokens]] = None) -> list[bool]:
         """Fill ``destinations`` (writable ``page_bytes`` buffers) with the pages of ``keys``; one bool per key.
 
         On the frame path a page is copied into its destination only after its header (namespace, key, length,
@@ -773,7 +774,8 @@ class ZmqStore(StorageBackend):
         return self._shm_rounds(len(keys), build, on_reply)
 
     def batch_set(self, keys: Sequence[str], sources: Sequence[Buffer],
-                  checksums: Optional[Sequence[int]] = None) -> list[bool]:
+                  checksums: Optional[Sequence[int]] = None,
+                  tokens: Optional[Sequence[PageTokens]] = None) -> list[bool]:
         """Store ``sources`` (``page_bytes`` buffers, sent zero-copy) under ``keys``; one bool per key.
 
         The server stores a message's pages whole or not at all (ZMQ delivers multipart messages atomically). A

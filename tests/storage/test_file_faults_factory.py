@@ -212,3 +212,22 @@ def test_faulty_backend_passes_tokens_and_namespace_description_through(store):
     info = json.loads((Path(store.root) / NS.hex() / "namespace.json").read_text())
     assert info == {"model_id": "m", "dtype": "bfloat16"}
     inner.close()
+
+
+def test_every_store_declares_the_tokens_parameter(store):
+    """Callers may pass ``tokens`` to any store (base.py): every registered store class and the fault wrapper declare
+    it on the three batch methods, and a store keyed by the page key (file) ignores it."""
+    import importlib
+    import inspect
+
+    from tierkv.storage_backends.base import PageTokens
+    from tierkv.storage_backends.factory import BACKENDS
+
+    classes = [getattr(importlib.import_module(b.module), b.cls) for b in BACKENDS.values()] + [FaultyBackend]
+    for cls in classes:
+        for name in ("batch_exists", "batch_get", "batch_set"):
+            assert "tokens" in inspect.signature(getattr(cls, name)).parameters, (cls.__name__, name)
+    toks = [PageTokens(list(range(4)), bytes(16))]
+    assert store.batch_set(KEYS[:1], src(1), tokens=toks) == [True]
+    assert store.batch_exists(KEYS[:1], tokens=toks) == 1
+    assert store.batch_get(KEYS[:1], [torch.empty(PAGE, dtype=torch.uint8)], tokens=toks) == [True]
