@@ -8,6 +8,10 @@ question and generates 4 tokens, so every request computes the KV of exactly 5 f
 2. ``POST /reset_prefix_cache`` (L1 only), then ``A2``: the 5 pages come from L2 (160 tokens).
 3. ``POST /reset_prefix_cache?reset_external=true`` (L1 and tierkv's L2 index), then ``A3``: the 5 pages come from
    L3 (160 tokens, one existence query, one read batch).
+
+The server validates tierkv's request controls at entry (``--logits-processors`` with
+:class:`tierkv.connector.vllm_params_check.TierKVParamsCheck`): one request with ``{"tierkv": {"save": false}}``, and
+malformed ones answered 400.
 """
 import json
 import os
@@ -69,7 +73,8 @@ def server(tiny_model, tmp_path_factory):
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model, "--host", "127.0.0.1",
            "--port", str(port), "--block-size", str(P), "--enable-prefix-caching", "--enforce-eager",
            "--dtype", "bfloat16", "--max-model-len", "512", "--num-gpu-blocks-override", "20", "--max-num-seqs", "4",
-           "--seed", "0", "--kv-transfer-config", json.dumps(kv)]
+           "--seed", "0", "--kv-transfer-config", json.dumps(kv),
+           "--logits-processors", "tierkv.connector.vllm_params_check:TierKVParamsCheck"]
     log_path = tmp / "server.log"
     log = open(log_path, "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(tmp), start_new_session=True)
@@ -170,6 +175,41 @@ def test_dashboard_names_only_scraped_metrics(scrapes):
     names = {n for e in exprs for n in re.findall(r"vllm:[a-z0-9_:]+", e)}
     assert len(names) >= 8, names
     assert not names - scraped, sorted(names - scraped)
+
+
+def _outcomes(m) -> dict:
+    return {dict(lab)["outcome"]: v for (name, lab), v in m.items()
+            if name == "vllm:tierkv_lookup_outcome_tokens_total" and v}
+
+
+def test_request_controls_and_malformed_ones(server, scrapes):
+    """After the workload: a new document with ``{"tierkv": {"save": false}}`` is computed and none of its pages is
+    saved (nothing reaches L2 or L3: the stats-file test below still finds A1's pages only); every counted lookup
+    token is served from a tier or has a reason, and the parts sum to the lookup total; a mistyped and an unknown
+    field are answered 400 naming the field, and the server goes on serving."""
+    base, model = server[0], server[1]
+    _before, _after_l2, m0 = scrapes
+    tokens = DOC_PAGES * P
+    rng = random.Random(99)
+    doc = [rng.randrange(10, 1000) for _ in range(DOC_PAGES * P + 10)]
+    r = requests.post(f"{base}/v1/completions", timeout=300, json={
+        "model": model, "prompt": doc, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+        "kv_transfer_params": {"tierkv": {"save": False}}})
+    assert r.status_code == 200, r.text
+    m = _scrape(base)
+    assert _v(m, "vllm:tierkv_save_pages_total") == _v(m0, "vllm:tierkv_save_pages_total") == DOC_PAGES
+    assert _v(m, "vllm:tierkv_lookup_tokens_total") == 4 * tokens
+    assert _outcomes(m) == {"l2": tokens, "l3": tokens, "miss": 2 * tokens}     # A2, A3; A1 and this request
+    assert _v(m, "vllm:tierkv_lookup_waiting_tokens") == 0
+    assert sum(_outcomes(m).values()) == _v(m, "vllm:tierkv_lookup_tokens_total")
+    assert _v(m, "vllm:tierkv_reuse_distance_seconds_count", tier="L2") == DOC_PAGES        # A2's hit
+    for bad, field in (({"save": "no"}, "kv_transfer_params.tierkv.save"),
+                       ({"load_max_token": 64}, "kv_transfer_params.tierkv.load_max_token")):
+        r = requests.post(f"{base}/v1/completions", timeout=60, json={
+            "model": model, "prompt": doc, "max_tokens": 4, "kv_transfer_params": {"tierkv": bad}})
+        assert r.status_code == 400, r.text
+        assert field in r.json()["error"]["message"], r.text
+    assert requests.get(f"{base}/health", timeout=10).status_code == 200
 
 
 def test_startup_line_in_server_log(server, scrapes):
