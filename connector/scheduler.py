@@ -237,6 +237,8 @@ class CacheScheduler:
         first = num_computed_tokens // self.page_size
         if self.ctl is None or l2_run == cap_pages:  # with L3 too: nothing more to find when L2 holds every page
             return max(0, l2_run * self.page_size - num_computed_tokens)
+        if self.index.events is not None:  # KV events: pages an L3 existence answer may index (kv_events.py)
+            self.index.events.describe(req_id, all_keys, l2_run, cap_pages)
         ans = self.ctl.lookup(req_id, all_keys[:cap_pages], l2_run, first)
         if ans is None:
             return None
@@ -376,6 +378,8 @@ class CacheScheduler:
         given = [-1] * (end - start)
         for i, s in zip(missing, slots):
             given[i - start] = s
+        if self.index.events is not None:  # KV events: the pages entering L2 now (kv_events.py)
+            self.index.events.describe(req_id, keys, start, end)
         node, dups = self.index.insert(keys[:end], given, start=start)
         if dups:  # cannot happen: the path was matched just now and nothing on it changed since (it was locked)
             raise RuntimeError(f"{req_id}: slots {dups} handed out for pages already in L2")
@@ -525,6 +529,8 @@ class CacheScheduler:
         s = self.index.stats()
         if self.ctl is not None:
             d.update(self.ctl.stats())
+        if self.index.events is not None:
+            d.update(self.index.events.stats())
         d.update(index_nodes=s.nodes, index_pages=s.pages, l2_pages=s.l2_pages, l3_pages=s.l3_pages,
                  locked_pages=s.locked_pages,
                  free_slots=self.allocator.num_free, num_slots=self.num_slots,

@@ -381,6 +381,7 @@ class TierKVConnector(KVConnectorBase_V1):
                                    "ends its request with an error instead of being recomputed")
             self._sched = CacheScheduler(self.namespace, self.page_size, self.block_size, self.num_slots,
                                          self.cfg.eviction_policy, controller=ctl)
+            self._events = self._tier_events(vllm_config)
             max_pages = (int(mc.max_model_len) + self.page_size - 1) // self.page_size
             if 0 < self.num_slots < max_pages:
                 logger.warning("tierkv: L2 holds %d pages, fewer than one request of max_model_len (%d pages); "
@@ -648,6 +649,39 @@ class TierKVConnector(KVConnectorBase_V1):
             _hook_error(self._sched.counters, "has_pending_push_work", e)
             return False
 
+    def _tier_events(self, vllm_config):
+        """The :class:`~tierkv.connector.kv_events.TierEvents` feeding :meth:`take_events`, attached to the index,
+        when vLLM publishes KV events (``--kv-events-config`` with ``enable_kv_cache_events``) and L2 holds pages;
+        None otherwise (then the index pays nothing for events)."""
+        ev_cfg = getattr(vllm_config, "kv_events_config", None)
+        if ev_cfg is None or not getattr(ev_cfg, "enable_kv_cache_events", False) or self.num_slots == 0:
+            return None
+        from .kv_events import TierEvents, page_infos
+        hash_block_size = int(getattr(self.kv_cache_config, "hash_block_size", 0) or self.block_size)
+
+        def resolve(req_id: str, start: int, end: int):
+            return page_infos(self._requests.get(req_id), start, end, self.block_size, hash_block_size)
+
+        events = TierEvents(resolve, block_size=self.block_size,
+                            l3_backend=self.cfg.l3.backend if self.use_l3 else None)
+        self._sched.index.events = events
+        return events
+
+    def take_events(self):
+        """vLLM's ``BlockStored`` / ``BlockRemoved`` events for pages that entered or left L2 (``medium="CPU"``) or
+        L3 (``medium="STORAGE"``, ``ownership="L3:<backend>"``) since the last step (:mod:`tierkv.connector.kv_events`);
+        vLLM publishes them after its own L1 events of the step. Empty when KV events are off."""
+        events = getattr(self, "_events", None)
+        if events is None:
+            return ()
+        records = events.take()
+        try:
+            return events.to_vllm(records)
+        except Exception as e:  # those events are lost (counted as dropped); the engine goes on (§8 R41)
+            _hook_error(self._sched.counters, "take_events", e)
+            events.counters["kv_events_dropped"] += len(records)
+            return ()
+
     def reset_cache(self) -> Optional[bool]:
         return self._sched.reset() if self._sched is not None else None
 
@@ -821,6 +855,12 @@ class TierKVConnector(KVConnectorBase_V1):
                 _hook_error(self._worker.counters, "wait_for_save", e)
                 self._worker.fail_jobs(todo)
         self._stats.maybe_write()
+
+    def get_kv_connector_kv_cache_events(self):
+        """None: a worker has no tier events of its own. What a worker learns about L3 (a page stored, missing or
+        corrupt) reaches the scheduler side in its job reports, where the index changes and :meth:`take_events`
+        publishes it."""
+        return None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self._worker is None:
