@@ -455,18 +455,22 @@ class TierKVConnector(KVConnectorBase_V1):
     # =========================================================== class-level hooks
     @property
     def requires_kv_delivery(self) -> bool:
+        """False: tierkv is a best-effort cache, a page it cannot deliver is recomputed."""
         return False
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> Optional[str]:
+        """None: any KV cache layout; the device pool adapter reads the one vLLM resolved from the strides."""
         return None  # any layout: the device pool adapter reads the one vLLM resolved
 
     @classmethod
     def build_kv_connector_stats(cls, data: Optional[dict] = None) -> TierKVStats:
+        """A ``TierKVStats`` over ``data`` (vLLM rebuilds the workers' stats)."""
         return TierKVStats(data=dict(data or {}))
 
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        """The ``vllm:tierkv_*`` Prometheus series (``TierKVPromMetrics``)."""
         return TierKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_kv_connector_stats(self) -> Optional[TierKVStats]:
@@ -493,6 +497,7 @@ class TierKVConnector(KVConnectorBase_V1):
 
     # =========================================================== scheduler side
     def on_new_request(self, request: "Request") -> None:
+        """Register the request (tokens, LoRA name, cache salt) with the scheduler side."""
         self._track(request)
 
     def _track(self, request: "Request") -> None:
@@ -517,6 +522,11 @@ class TierKVConnector(KVConnectorBase_V1):
             return RequestControls(load=False, save=False)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        """How many tokens beyond vLLM's own prefix-cache hit tierkv can add, from the request's full pages (hashed once
+        per request) matched against the index: ``(n, False)`` for an L2 hit, ``(n, True)`` for a hit that needs L3 (an
+        asynchronous load), ``(None, False)`` while an L3 existence answer or L2 staging room is pending (vLLM asks
+        again next step), ``(0, False)`` after an error. The index changes only by existence answers (pages found in L3)
+        and, under ``write_back``, by backups of L2 victims started to make room (docs/architecture.md §4)."""
         try:
             return self._matched(request, num_computed_tokens)
         except Exception as e:  # a miss, never an engine crash (docs §8 R41)
@@ -537,6 +547,9 @@ class TierKVConnector(KVConnectorBase_V1):
         return n, bool(n > 0 and self._sched.lookup_is_async(request.request_id))
 
     def update_state_after_alloc(self, request: "Request", blocks, num_external_tokens: int) -> None:
+        """L2 hit: lock the matched path and add a load order (L2 slots -> the request's new engine blocks) to the
+        step's plan; L3 hit: give its L3-only pages staging slots and order a prefetch job. After an error the promised
+        blocks go into the next plan as failed loads (vLLM recomputes them)."""
         block_ids: list[int] = []
         is_async = False
         try:
@@ -549,6 +562,10 @@ class TierKVConnector(KVConnectorBase_V1):
             self._sched.alloc_failed(request.request_id, list(block_ids), num_external_tokens, is_async)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        """Release preempted requests; for each scheduled request order saves of the pages that are full once this step
+        has run and have no L2 copy yet (slots allocated, unlocked L2 copies evicted; the plan's own new pages stay
+        locked until it is handed over) and index them; count the step's prompt tokens; hand the plan
+        (``ConnectorPlan``) over."""
         sched = self._sched
         try:
             for rid in scheduler_output.preempted_req_ids or ():
@@ -579,6 +596,8 @@ class TierKVConnector(KVConnectorBase_V1):
         return max(0, min(computed + scheduled, prompt) - computed)
 
     def update_connector_output(self, connector_output) -> None:
+        """The workers' job reports and timed forwards; ``finished_recving`` (L3 loads ended: those blocks are never
+        delayed again); vLLM's ``invalid_block_ids``: pages computed on a failed load leave the index (docs §8 R31)."""
         if self._sched is None:
             return
         try:
@@ -628,6 +647,9 @@ class TierKVConnector(KVConnectorBase_V1):
         self._sched.schedule_saves(rid, tokens_after, ids[0])
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict]]:
+        """Release the request's lock; ``(True, ...)`` (vLLM keeps the blocks) only while the workers have not named
+        its L3 load as ended, else ``(False, ...)``; the dict (the response's ``kv_transfer_params``) is None, or
+        ``{"tierkv_error": ...}`` when the request's tierkv controls were refused."""
         try:
             delay = self._sched.on_finished(request.request_id)
         except Exception as e:  # the blocks go back at once: the workers never copy into a finished request's blocks
@@ -683,9 +705,13 @@ class TierKVConnector(KVConnectorBase_V1):
             return ()
 
     def reset_cache(self) -> Optional[bool]:
+        """Drop every unlocked page from the index and free its L2 slots (vLLM's ``reset_prefix_cache``); None on a
+        worker."""
         return self._sched.reset() if self._sched is not None else None
 
     def shutdown(self) -> None:
+        """Both roles: write the final counters; a worker finishes its running loads and gives queued backups
+        ``controller.shutdown_drain_s`` to reach the store."""
         self._stats.maybe_write(force=True)
         if self._worker is not None:
             if self._worker._pending is not None:
@@ -697,6 +723,9 @@ class TierKVConnector(KVConnectorBase_V1):
 
     # =========================================================== worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Build the device pool adapter over vLLM's KV tensors and the host pool (as many slots as the scheduler side),
+        with an L3 store this rank's store and I/O threads (a store that cannot start: a warning, served without L3);
+        warm the kernels up."""
         from .. import kernels
         from .device_pool import DevicePool
         from .host_pool import HostPool
@@ -766,6 +795,8 @@ class TierKVConnector(KVConnectorBase_V1):
         return l3, checksums
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
+        """Requests whose asynchronous (L3) load ended (``finished_recving``), after their leading run of intact pages
+        was copied L2 -> L1; never ``finished_sending`` (saves end within their step)."""
         if self._worker is None:
             return None, None
         try:
@@ -776,6 +807,7 @@ class TierKVConnector(KVConnectorBase_V1):
         return None, (done or None)
 
     def build_connector_worker_meta(self) -> Optional[KVConnectorWorkerMetadata]:
+        """The step's job reports and timed forwards (``TierKVWorkerMeta``), None when there are none."""
         if self._worker is None:
             return None
         try:
@@ -790,6 +822,9 @@ class TierKVConnector(KVConnectorBase_V1):
         return self._worker.stats() if self._worker is not None else {}
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        """Start the plan's L2 -> L1 loads (all at once, or layer by layer with ``layerwise_load``) so they end before
+        the layers read them; vLLM calls it before the forward only in steps with such synchronous loads, after it
+        otherwise."""
         if self._worker is None:
             return
         plan = self._get_connector_metadata()
@@ -819,6 +854,8 @@ class TierKVConnector(KVConnectorBase_V1):
                 _hook_error(self._worker.counters, "bind_connector_metadata", e)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
+        """Layer by layer: wait until this layer's L2 -> L1 copies are done; a failed copy reports the step's loads as
+        failed blocks."""
         if self._worker is not None:
             try:
                 self._worker.wait_layer(layer_name)
@@ -829,9 +866,12 @@ class TierKVConnector(KVConnectorBase_V1):
                     self._worker.fail_loads(plan)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        """Nothing: saves run once per step in ``wait_for_save``, after every layer wrote its KV."""
         return None  # saves run once per step in wait_for_save, after every layer wrote its KV
 
     def wait_for_save(self) -> None:
+        """End the forward's timing; finish the step's loads and run its L1 -> L2 saves, complete when the hook returns
+        (none of a request whose load failed, docs §8 R31); then hand the plan's backups to the writer."""
         if self._worker is None:
             return
         plan = self._get_connector_metadata()
@@ -863,6 +903,8 @@ class TierKVConnector(KVConnectorBase_V1):
         return None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks whose page failed its checksum, whose copy raised or whose L3 page did not arrive in time; vLLM
+        recomputes them."""
         if self._worker is None:
             return set()
         try:
