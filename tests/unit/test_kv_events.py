@@ -181,3 +181,34 @@ def test_a_removal_is_published_only_for_a_tier_the_page_was_announced_in():
     ev.removed(L3, keys)               # never announced in L3
     ev.removed(L2, keys[:1])
     assert [(s, t, i.block_hash[0]) for s, t, i in ev.take()] == [(True, L2, 0), (True, L2, 1), (False, L2, 0)]
+
+
+def test_page_infos_name_the_blocks_as_vllms_own_l1_events_with_lora_and_cache_salt():
+    """A vLLM ``Request`` with a LoRA adapter and a cache salt: tierkv's L2 event for its pages carries the hashes,
+    parents, tokens, LoRA and extra keys of vLLM's own L1 ``BlockStored`` for the same blocks (vLLM's BlockPool)."""
+    from vllm.lora.request import LoRARequest
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    from tierkv.connector.kv_events import page_infos
+    init_none_hash(sha256)
+    tokens = toks(40, 3 * P + 5)
+    r = Request("r", tokens, SamplingParams(max_tokens=1), None, lora_request=LoRARequest("ad", 7, "/nowhere"),
+                cache_salt="tenant-1", block_hasher=get_request_block_hasher(P, sha256))
+    pool = BlockPool(16, True, P, enable_kv_cache_events=True)
+    pool.cache_full_blocks(r, pool.get_new_blocks(3), 0, 3, P, 0)
+    l1 = [e for e in pool.take_events() if isinstance(e, BlockStored)]
+    ev = TierEvents(lambda rid, a, b: page_infos(r, a, b, P), block_size=P, l3_backend=None)
+    keys = [bytes([i]) * 16 for i in range(3)]
+    ev.describe("r", keys, 0, 3)
+    ev.stored(L2, keys)
+    (ours,) = ev.take_vllm_events()
+    assert ours.block_hashes == [h for e in l1 for h in e.block_hashes]
+    assert ours.parent_block_hash == l1[0].parent_block_hash is None
+    assert ours.token_ids == [t for e in l1 for t in e.token_ids] == tokens[: 3 * P]
+    assert ours.extra_keys == [k for e in l1 for k in e.extra_keys] and ours.extra_keys[0] == ("ad", "tenant-1")
+    assert (ours.lora_id, ours.lora_name) == (l1[0].lora_id, l1[0].lora_name) == (7, "ad")
+    assert ours.medium == "CPU" and l1[0].medium == "GPU"
