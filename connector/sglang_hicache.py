@@ -20,7 +20,8 @@ index 32-hex (16-byte) keys and check a 16-byte namespace digest in every record
 
     tierkv_key(page, part) = BLAKE2b-128("tierkv/sglang-key/v1" || namespace digest || SGLang key || part)
 
-where the namespace (:class:`tierkv.connector.page_hash.ModelNamespace`) holds the served model name, the KV dtype,
+where the namespace (:class:`tierkv.connector.page_hash.ModelNamespace`) holds the served model name, the KV dtype
+(for SGLang's ``uint8`` FP8 pools with the ``kv_cache_dtype`` of the extra config),
 the host pool class and layout (plus SGLang's ``storage_format_tag``), page size in tokens, layer count, heads and
 head dims, TP rank/size (ignored for MLA, whose pages are identical on every rank), PP rank/size, attention-CP and
 DCP shard, and tierkv's ``FORMAT_VERSION``. So a page written by TP rank 0 of 2, by another dtype or layout, or
@@ -81,7 +82,9 @@ class SGLangExtraConfig(BaseModel):
     as two records (K half, V half), which the zero-copy path reads and writes in place in the host pool, or as one
     record (staged through one page copy each way, half the records: fewer files for the file store). Default
     (``None``): one record for ``l3.backend: file``, two otherwise. Part of the namespace: writers and readers of
-    one store must agree (a mismatch is a miss).
+    one store must agree (a mismatch is a miss). ``kv_cache_dtype``: the ``--kv-cache-dtype`` SGLang serves with;
+    required when it is an FP8 format, because SGLang's host pool holds FP8 caches as ``uint8`` and cannot tell
+    e4m3 from e5m2 (part of the namespace).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -90,6 +93,7 @@ class SGLangExtraConfig(BaseModel):
     model_id: Optional[str] = None
     namespace_extra: List[str] = Field(default_factory=list)
     split_kv: Optional[bool] = None
+    kv_cache_dtype: Optional[str] = None
 
 
 def parse_extra_config(extra: Optional[dict]) -> SGLangExtraConfig:
@@ -129,12 +133,15 @@ def records_per_page(pool: Any, split_kv: Optional[bool], backend: str) -> int:
 
 
 def build_namespace(storage_config: HiCacheStorageConfig, pool: Any, model_id: Optional[str] = None,
-                    namespace_extra: Sequence[str] = (), records: int = 1) -> ModelNamespace:
-    """The tierkv namespace of one SGLang rank's pages (see the module docstring for what it holds).
+                    namespace_extra: Sequence[str] = (), records: int = 1,
+                    kv_cache_dtype: Optional[str] = None) -> ModelNamespace:
+    """The tierkv namespace of one SGLang rank's pages (see the module docstring for what it holds). The dtype is
+    the host pool's; a ``uint8`` pool (SGLang's storage of every FP8 format) adds ``kv_cache_dtype``.
 
     Raises:
-        ConfigError: no model name (SGLang's ``--served-model-name``/model path, or ``model_id``), or
-            ``tp_lcm_size`` head splitting (``should_split_heads``), which this adapter does not store.
+        ConfigError: no model name (SGLang's ``--served-model-name``/model path, or ``model_id``),
+            ``tp_lcm_size`` head splitting (``should_split_heads``), which this adapter does not store, or a
+            ``uint8`` pool without ``kv_cache_dtype``.
     """
     name = model_id or storage_config.model_name
     if not name:
@@ -154,8 +161,15 @@ def build_namespace(storage_config: HiCacheStorageConfig, pool: Any, model_id: O
              ("dcp", storage_config.dcp_rank, storage_config.dcp_size, storage_config.logical_page_size or 0),
              ("records_per_page", int(records))]
     extra += [("user", str(x)) for x in namespace_extra]
+    dtype = str(pool.dtype).removeprefix("torch.")
+    if dtype == "uint8":
+        if not kv_cache_dtype:
+            raise ConfigError("SGLang's host pool holds this KV cache as uint8 (how it stores FP8), which does not "
+                              "say which FP8 format: set 'kv_cache_dtype' in --hicache-storage-backend-extra-config "
+                              "to SGLang's --kv-cache-dtype (e.g. fp8_e4m3, fp8_e5m2)")
+        dtype += f"/{kv_cache_dtype}"
     return ModelNamespace(
-        model_id=str(name), dtype=str(pool.dtype).removeprefix("torch."), kv_layout=layout,
+        model_id=str(name), dtype=dtype, kv_layout=layout,
         page_size=int(pool.page_size), num_layers=int(pool.layer_num),
         num_kv_heads=int(pool.head_num) if mha else 1,
         head_dim=int(pool.head_dim) if mha else int(getattr(pool, "kv_cache_dim", 0) or 0),
@@ -225,7 +239,7 @@ class TierKVHiCacheStorage(HiCacheStorage):
             raise ConfigError(f"split_kv: a page of {type(pool).__name__} ({pool.layout}) has no K/V axis first "
                               f"(shape {tuple(probe.shape)}); set split_kv false")
         ns = build_namespace(self.storage_config, pool, self.cfg.model_id, self.cfg.namespace_extra,
-                             self.parts_per_page)
+                             self.parts_per_page, self.cfg.kv_cache_dtype)
         self.page_bytes = probe.numel() * probe.element_size()
         if self.page_bytes % self.parts_per_page:
             raise ConfigError(f"host pool page of {self.page_bytes} bytes does not split into "

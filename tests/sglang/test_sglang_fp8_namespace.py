@@ -1,0 +1,30 @@
+"""SGLang's host pool holds every FP8 KV cache as ``uint8`` (issue 20 item 2): the adapter's namespace then names the
+``kv_cache_dtype`` of the extra config, so e4m3 and e5m2 pages never share keys, and refuses a uint8 pool without it
+(one line naming the key) instead of mixing the formats."""
+import pytest
+import torch
+
+from _sgl import attach, extra_config, mha_pool, storage_config
+from tierkv.connector.config import ConfigError
+from tierkv.connector.sglang_hicache import build_namespace
+
+
+def _digest(pool, kv_cache_dtype=None):
+    return build_namespace(storage_config({}, layout=pool.layout), pool, kv_cache_dtype=kv_cache_dtype).digest()
+
+
+def test_fp8_formats_in_a_uint8_pool_get_different_namespaces_and_bf16_another():
+    u8, bf = mha_pool(dtype=torch.uint8), mha_pool(dtype=torch.bfloat16)
+    d = {f: _digest(u8, f) for f in ("fp8_e4m3", "fp8_e5m2")}
+    assert d["fp8_e4m3"] != d["fp8_e5m2"] != _digest(bf)
+    assert _digest(mha_pool(dtype=torch.uint8), "fp8_e4m3") == d["fp8_e4m3"]   # equal facts, equal digests
+    assert _digest(bf, "fp8_e4m3") == _digest(bf)   # not a uint8 pool: the pool's dtype says it all
+
+
+def test_a_uint8_pool_without_kv_cache_dtype_is_refused_at_attach(tmp_path):
+    pool = mha_pool(dtype=torch.uint8)
+    with pytest.raises(ConfigError, match="kv_cache_dtype"):
+        attach(extra_config({"backend": "file", "file": {"root": str(tmp_path)}}), pool)
+    b = attach(extra_config({"backend": "file", "file": {"root": str(tmp_path)}}, kv_cache_dtype="fp8_e5m2"), pool)
+    assert b.namespace.dtype == "uint8/fp8_e5m2"
+    b.close()
