@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import logging
 import time
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -164,7 +165,7 @@ class LookupStats:
         self.tokens = dict.fromkeys(HIT_PARTS + MISS_REASONS, 0)
         self.waiting = 0
         self.clock = clock
-        self.l2_stored_at = [-1.0] * num_slots
+        self.l2_stored_at = array("d", [-1.0]) * num_slots  # 8 bytes per slot
         self.l3_stored_at: "OrderedDict[bytes, float]" = OrderedDict()
         self.max_l3_times = max_l3_times
         self.max_samples = max_samples
