@@ -269,6 +269,7 @@ class VllmServer:
         env = dict(os.environ)
         env.update(SERVER_ENV)
         env["PYTHONPATH"] = os.pathsep.join(p for p in [pythonpath, env.get("PYTHONPATH")] if p)
+        env["TIERKV_ESTIMATES_DIR"] = str(log_path.parent)  # every server starts without a stored estimate
         self._log = open(log_path, "wb")
         # cwd = the log's directory, not the repository: ``python -m`` puts its cwd first on sys.path, and the
         # repository's own ``tierkv/`` folder there would shadow the snapshot on PYTHONPATH

@@ -382,6 +382,15 @@ class TierKVConnector(KVConnectorBase_V1):
             self._sched = CacheScheduler(self.namespace, self.page_size, self.block_size, self.num_slots,
                                          self.cfg.eviction_policy, controller=ctl)
             self._events = self._tier_events(vllm_config)
+            self._estimates = None
+            if self._sched.ctl is not None:  # a predecessor's recompute estimate (connector/estimates.py)
+                from .estimates import EstimateFile
+                self._estimates = EstimateFile(self.namespace.digest().hex())
+                prior = self._estimates.load()
+                if prior is not None:
+                    self._sched.ctl.observe_prefill(prior, 1)
+                    logger.info("tierkv: recompute estimate %.1f us/token from %s", 1e6 * prior,
+                                self._estimates.path)
             max_pages = (int(mc.max_model_len) + self.page_size - 1) // self.page_size
             if 0 < self.num_slots < max_pages:
                 logger.warning("tierkv: L2 holds %d pages, fewer than one request of max_model_len (%d pages); "
@@ -632,6 +641,8 @@ class TierKVConnector(KVConnectorBase_V1):
             by_step[step] = (t, max(s, seconds))
         for tokens, seconds in by_step.values():
             ctl.observe_prefill(seconds, tokens)
+        if getattr(self, "_estimates", None) is not None:
+            self._estimates.maybe_save(ctl.prefill_s_per_token.value)
 
     def _plan_saves(self, rid: str, tokens_after: int, state, fallback_blocks) -> None:
         if rid not in self._sched.requests:

@@ -71,3 +71,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     else:
         terminalreporter.line(f"FAILED: {len(found)} test(s) did not run; every test must run and pass "
                               f"(set {ALLOW_ENV}=1 for a local partial run)", red=True, bold=True)
+
+
+@pytest.fixture(autouse=True)
+def _own_estimates_dir(tmp_path_factory, monkeypatch):
+    """Every test's engines and connectors keep their stored recompute estimate (connector/estimates.py) in a
+    directory of their own, so no test starts from another test's estimate."""
+    monkeypatch.setenv("TIERKV_ESTIMATES_DIR", str(tmp_path_factory.mktemp("estimates")))

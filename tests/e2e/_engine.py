@@ -183,6 +183,9 @@ def run_job(
         result_path.unlink()
 
     child_env = dict(os.environ)
+    # each engine starts without a predecessor's recompute estimate (connector/estimates.py) unless ``env`` names
+    # a directory shared by several engines
+    child_env["TIERKV_ESTIMATES_DIR"] = str(workdir)
     for k, v in {**DEFAULT_ENV, **(env or {})}.items():
         if v is None:
             child_env.pop(k, None)
