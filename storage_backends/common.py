@@ -15,7 +15,8 @@ from typing import Any, Optional, Union
 
 from pydantic import ValidationError
 
-__all__ = ["ConfigError", "parse_bytes", "config_error", "as_byte_view", "RateLimitedLog"]
+__all__ = ["ConfigError", "parse_bytes", "config_error", "as_byte_view", "RateLimitedLog", "Counters",
+           "STORE_COUNTERS"]
 
 
 class ConfigError(ValueError):
@@ -145,3 +146,22 @@ class RateLimitedLog:
             self._last[kind] = now
             n = self._suppressed.pop(kind, 0)
         self._log.warning(msg + (f" (+{n} similar suppressed)" if n else ""), *args)
+
+
+#: the counters every store reports in ``stats()`` under these names and with this meaning: pages a get found and
+#: did not find, pages a set stored and failed to store, records that failed verification, failed operations, pages
+#: evicted, payload bytes read (gets) and written (sets)
+STORE_COUNTERS = ("hits", "misses", "sets", "set_failures", "corrupt", "errors", "evictions", "bytes_read",
+                  "bytes_written")
+
+
+class Counters(dict):
+    """A store's counters: :data:`STORE_COUNTERS` and the store's own ``names``, all 0. ``add(name=n, ...)`` adds to
+    several; the store provides the locking its calls need."""
+
+    def __init__(self, *names: str):
+        super().__init__(dict.fromkeys((*STORE_COUNTERS, *names), 0))
+
+    def add(self, **deltas: float) -> None:
+        for k, v in deltas.items():
+            self[k] += v

@@ -60,6 +60,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tierkv.storage_backends.base import Buffer, PageTokens, StorageBackend
 from tierkv.storage_backends.common import (  # noqa: F401 - parse_bytes, as_byte_view: also imported from here
     ConfigError,
+    Counters,
     RateLimitedLog,
     as_byte_view,
     check_store_identity,
@@ -226,9 +227,8 @@ class FileStore(StorageBackend):
         self._hdr_len = struct.pack("<Q", page_bytes)
         self._warn = RateLimitedLog(log)
         self._touch = self.cfg.touch_on_read and not self.cfg.read_only
-        self._c = dict(hits=0, misses=0, sets=0, set_failures=0, corrupt=0, errors=0, evictions=0,
-                       forced_evictions=0, enospc=0, quarantined=0, deleted_bad=0, temp_removed=0,
-                       bytes_read=0, bytes_written=0, scan_files=0, scan_seconds=0.0)
+        self.counters = Counters("forced_evictions", "enospc", "quarantined", "deleted_bad", "temp_removed",
+                                 "scan_files", "scan_seconds")
         if self.cfg.capacity_bytes is not None and self.cfg.capacity_bytes < self.record_bytes:
             raise ConfigError(f"bad value {self.cfg.capacity_bytes!r} for 'l3.file.capacity_bytes': smaller than one "
                               f"record ({self.record_bytes} bytes = 64-byte header + page_bytes)")
@@ -354,10 +354,10 @@ class FileStore(StorageBackend):
                 index[p] = self.record_bytes
             self._index = index
             self._usage = sum(index.values())
-            self._c["temp_removed"] += n_tmp
-            self._c["scan_files"] = len(entries)
+            self.counters["temp_removed"] += n_tmp
+            self.counters["scan_files"] = len(entries)
             dt = time.perf_counter() - t0
-            self._c["scan_seconds"] = dt
+            self.counters["scan_seconds"] = dt
         if n_q or n_tmp:
             log.info("file store %s: scan found %d pages, quarantined %d bad records, removed %d temp files (%.3f s)",
                      self.root, len(entries), n_q, n_tmp, dt)
@@ -402,10 +402,10 @@ class FileStore(StorageBackend):
                                    f"{os.path.basename(path)}.{os.getpid()}.{time.time_ns()}.bad")
                 os.rename(path, dst)
                 self._quarantine_count += 1
-                self._c["quarantined"] += 1
+                self.counters["quarantined"] += 1
             else:
                 os.unlink(path)
-                self._c["deleted_bad"] += 1
+                self.counters["deleted_bad"] += 1
         except FileNotFoundError:
             pass
         except OSError as e:
@@ -445,7 +445,7 @@ class FileStore(StorageBackend):
         for p, size in reversed(skipped):  # back to the least recently used end, in their order
             self._index[p] = size
             self._index.move_to_end(p, last=False)
-        self._c["evictions"] += n
+        self.counters["evictions"] += n
         return n
 
     # ------------------------------------------------------------------ interface
@@ -593,7 +593,7 @@ class FileStore(StorageBackend):
             if touch and hit_paths:
                 self._last_stamp = t
                 flush = len(touches) >= _TOUCH_MAX_PENDING or time.monotonic() >= self._touch_due
-            c = self._c
+            c = self.counters
             c["hits"] += len(hit_paths)
             c["misses"] += misses
             c["corrupt"] += corrupt
@@ -657,7 +657,7 @@ class FileStore(StorageBackend):
                  for i, s in enumerate(sources)]
         if self._closed or self.cfg.read_only:
             with self._lock:
-                self._c["set_failures"] += len(keys)
+                self.counters["set_failures"] += len(keys)
             return [False] * len(keys)
         out = [False] * len(keys)
         dirs: set[str] = set()
@@ -685,16 +685,16 @@ class FileStore(StorageBackend):
                 ok = self._write_one(k, kraws[i], p, views[i], stamp, psum=None if sums is None else sums[i])
                 if ok is False:  # out of space below our capacity: forced eviction, then one retry
                     with lock:
-                        self._c["enospc"] += 1
+                        self.counters["enospc"] += 1
                         forced = self._evict_locked(count=self.cfg.enospc_evict_pages, keep=p)
-                        self._c["forced_evictions"] += forced
+                        self.counters["forced_evictions"] += forced
                     if forced:
                         ok = self._write_one(k, kraws[i], p, views[i], stamp, last_try=True,
                                              psum=None if sums is None else sums[i])
                     else:
                         ok = None
                         with lock:
-                            self._c["errors"] += 1
+                            self.counters["errors"] += 1
                         self._warn.warning("enospc", "file store %s: filesystem full and nothing left to evict; "
                                            "page %s not stored", self.root, k)
                 return ok
@@ -725,7 +725,7 @@ class FileStore(StorageBackend):
             self._fsync_dir(dirs.pop())
         n_ok = sum(out)
         with lock:
-            c = self._c
+            c = self.counters
             c["sets"] += n_ok
             c["set_failures"] += len(keys) - n_ok
             c["bytes_written"] += n_ok * self.page_bytes
@@ -794,7 +794,7 @@ class FileStore(StorageBackend):
             if e.errno in (errno.ENOSPC, errno.EDQUOT) and not last_try:
                 return False
             with self._lock:
-                self._c["errors"] += 1
+                self.counters["errors"] += 1
             self._warn.warning("write", "file store %s: cannot store page %s: %s", self.root, key, e)
             return None
 
@@ -863,7 +863,7 @@ class FileStore(StorageBackend):
         ``enospc``, ``quarantined``, ``deleted_bad``, ``temp_removed``, ``bytes_read``, ``bytes_written`` (payload
         bytes), plus ``usage_bytes``, ``usage_pages``, ``capacity_bytes``, ``scan_files``, ``scan_seconds``."""
         with self._lock:
-            d = dict(self._c)
+            d = dict(self.counters)
             d.update(usage_bytes=self._usage, usage_pages=len(self._index), capacity_bytes=self.capacity_bytes,
                      backend="file", root=self.root)
         return d

@@ -61,7 +61,7 @@ import zmq
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from tierkv.storage_backends.base import Buffer, PageTokens, StorageBackend
-from tierkv.storage_backends.common import (ConfigError, RateLimitedLog, as_byte_view, check_store_identity,
+from tierkv.storage_backends.common import (ConfigError, Counters, RateLimitedLog, as_byte_view, check_store_identity,
                                              config_error)
 from tierkv.storage_backends.page_format import (HEADER_BYTES, PageFormatError, check_checksums, check_key,
                                                  decode_header, encode_headers, verify_payload)
@@ -228,9 +228,8 @@ class LMCacheStore(StorageBackend):
         self._pid = os.getpid()
         self._warn = RateLimitedLog(log)
         self._bad_keys: OrderedDict = OrderedDict()
-        self.c = dict(requests=0, hits=0, misses=0, sets=0, set_failures=0, already_present=0, corrupt=0, errors=0,
-                      timeouts=0, reconnects=0, registrations=0, fast_fails=0, stale_replies=0, bad_replies=0,
-                      shm_lost=0, refused=0, bytes_in=0, bytes_out=0, evictions=0)
+        self.counters = Counters("requests", "already_present", "timeouts", "reconnects", "registrations",
+                                 "fast_fails", "stale_replies", "bad_replies", "shm_lost", "refused")
         with self._lock:
             try:
                 self._ensure_ready()
@@ -307,14 +306,14 @@ class LMCacheStore(StorageBackend):
             uid = next(self._uids) & 0x7FFFFFFFFFFF
             frames = [pack(uid), pack(OPS.get(call[0], call[0]))] + [pack(a, use_bin_type=True) for a in call[1:]]
             if not sock.poll(max(0, int((deadline - time.monotonic()) * 1000)), zmq.POLLOUT):
-                self.c["timeouts"] += 1
+                self.counters["timeouts"] += 1
                 raise _Failed(f"not connected ({call[0]} could not be sent within {self.timeout_s}s)")
             try:
                 sock.send_multipart(frames, zmq.NOBLOCK)
             except zmq.ZMQError as e:
-                self.c["errors"] += 1
+                self.counters["errors"] += 1
                 raise _Failed(f"send failed: {e}") from None
-            self.c["requests"] += 1
+            self.counters["requests"] += 1
             if i < len(calls):
                 waiting[uid] = i
             else:
@@ -324,7 +323,7 @@ class LMCacheStore(StorageBackend):
             if not sock.poll(max(1, int(left * 1000)) if left > 0 else 0, zmq.POLLIN):
                 if time.monotonic() < deadline:
                     continue
-                self.c["timeouts"] += 1
+                self.counters["timeouts"] += 1
                 ops = sorted({calls[i][0] for i in waiting.values()})
                 raise _Failed(f"no reply to {', '.join(ops)} within {self.timeout_s}s (LMCache does not answer a "
                               "request it rejects)")
@@ -333,20 +332,20 @@ class LMCacheStore(StorageBackend):
             except zmq.Again:
                 continue
             except zmq.ZMQError as e:
-                self.c["errors"] += 1
+                self.counters["errors"] += 1
                 raise _Failed(f"receive failed: {e}") from None
             try:
                 uid = msgpack.unpackb(frames[0])
                 result = msgpack.unpackb(frames[2], raw=False) if len(frames) > 2 else None
             except Exception:  # noqa: BLE001 - any undecodable reply is discarded, never applied
-                self.c["bad_replies"] += 1
+                self.counters["bad_replies"] += 1
                 continue
             if type(uid) is int and uid in self._fire_and_forget:
                 self._fire_and_forget.discard(uid)
                 continue
             i = waiting.pop(uid, None) if type(uid) is int else None
             if i is None:
-                self.c["stale_replies"] += 1
+                self.counters["stale_replies"] += 1
                 continue
             results[i] = result
             deadline = time.monotonic() + self.timeout_s
@@ -398,7 +397,7 @@ class LMCacheStore(StorageBackend):
             "block_size": self.page_tokens, "num_layers": 1, "hidden_dim_size": self._hidden, "dtype_str": "uint8",
             "use_mla": False, "num_physical_slots": self.page_tokens}))
         reg = self._calls(calls)[-1]
-        self.c["registrations"] += 1
+        self.counters["registrations"] += 1
         if not isinstance(reg, dict) or not reg.get("shm_name") or not isinstance(reg.get("pool_size"), int):
             self._refused = (f"LMCache server {self.endpoint} offers no shared-memory segment (got {reg!r:.120}); "
                              "start it with --shm-name (tierkv never uses LMCache's pickle transfer)")
@@ -407,7 +406,7 @@ class LMCacheStore(StorageBackend):
             try:
                 self._map_shm(reg["shm_name"], reg["pool_size"])
             except (OSError, ValueError) as e:
-                self.c["shm_lost"] += 1
+                self.counters["shm_lost"] += 1
                 self._registered_at = 0.0
                 raise _Failed(f"cannot map the server's shared memory {reg['shm_name']!r}: {e}") from None
         self._registered_at = time.monotonic()
@@ -417,7 +416,7 @@ class LMCacheStore(StorageBackend):
         self._socket()
         if self._server_reconnected():
             self._registered_at = 0.0
-            self.c["reconnects"] += 1
+            self.counters["reconnects"] += 1
         if not self._checked:
             size = self._calls([("get_chunk_size",)])[0]
             if size != self.page_tokens:
@@ -428,7 +427,7 @@ class LMCacheStore(StorageBackend):
                 return
             self._checked = True
         if self._shm is not None and not self._shm_intact():
-            self.c["shm_lost"] += 1
+            self.counters["shm_lost"] += 1
             self._warn.warning("shm", "LMCache shared memory /dev/shm/%s disappeared or was replaced; registering "
                                "again", self._shm_name)
             self._unmap_shm()
@@ -440,13 +439,13 @@ class LMCacheStore(StorageBackend):
         """Under the lock: may this call talk to the server? Counts the reason when not."""
         if self._closed or self._refused:
             if self._refused:
-                self.c["refused"] += n_calls
+                self.counters["refused"] += n_calls
                 self._warn.warning("refused", "LMCache store disabled: %s", self._refused)
             else:
-                self.c["errors"] += n_calls
+                self.counters["errors"] += n_calls
             return False
         if time.monotonic() < self._retry_at:
-            self.c["fast_fails"] += n_calls
+            self.counters["fast_fails"] += n_calls
             return False
         try:
             self._ensure_ready()
@@ -576,8 +575,8 @@ class LMCacheStore(StorageBackend):
                 except _Failed as e:
                     self._failed(str(e))
         nh = sum(res)
-        self.c["hits"] += nh
-        self.c["misses"] += len(keys) - nh
+        self.counters["hits"] += nh
+        self.counters["misses"] += len(keys) - nh
         return res
 
     def _get(self, keys, groups, dsts, res) -> None:
@@ -607,7 +606,7 @@ class LMCacheStore(StorageBackend):
                         payload = shm[off + HEADER_BYTES:off + self.slot_bytes]
                         verify_payload(payload, psum)
                     except (PageFormatError, KeyError, TypeError) as e:
-                        self.c["corrupt"] += 1
+                        self.counters["corrupt"] += 1
                         self._bad_keys[keys[i]] = True
                         while len(self._bad_keys) > BAD_KEYS_KEPT:
                             self._bad_keys.popitem(last=False)
@@ -616,7 +615,7 @@ class LMCacheStore(StorageBackend):
                         continue
                     dsts[i][:] = payload
                     res[i] = True
-                    self.c["bytes_in"] += self.page_bytes
+                    self.counters["bytes_read"] += self.page_bytes
         finally:
             forget = [("commit_retrieve", self._key(r, self.cfg.worker_id), self._instance) for r in ranges]
             self._calls([], forget + [("end_session", g.rid) for g in groups])
@@ -645,8 +644,8 @@ class LMCacheStore(StorageBackend):
                     except _Failed as e:
                         self._failed(str(e))
         ok = sum(res)
-        self.c["sets"] += ok
-        self.c["set_failures"] += len(keys) - ok
+        self.counters["sets"] += ok
+        self.counters["set_failures"] += len(keys) - ok
         return res
 
     def _set(self, keys, kraw, srcs, sums, groups, res) -> None:
@@ -659,7 +658,7 @@ class LMCacheStore(StorageBackend):
             slots = ctx.get("slots") if isinstance(ctx, dict) else None
             idxs = ctx.get("chunk_indices") if isinstance(ctx, dict) else None
             if not isinstance(slots, list) or not isinstance(idxs, list) or len(slots) != len(idxs):
-                self.c["bad_replies"] += 1
+                self.counters["bad_replies"] += 1
                 continue
             reserved = set()
             good = True
@@ -676,7 +675,7 @@ class LMCacheStore(StorageBackend):
                 shm[off + HEADER_BYTES:off + self.slot_bytes] = srcs[i]
                 reserved.add(ci)
             if not good:  # still commit: the server releases what it reserved (a page with a bad slot is a miss)
-                self.c["bad_replies"] += 1
+                self.counters["bad_replies"] += 1
             if slots:  # nothing reserved (every chunk already held): nothing to commit
                 commits.append(("commit_store", self._key(g, self.cfg.worker_id), inst, b""))
             committed.append((g, reserved, good, len(commits) - 1 if slots else None))
@@ -687,10 +686,10 @@ class LMCacheStore(StorageBackend):
             for ci, i in enumerate(g.idx):
                 if ci in reserved:
                     res[i] = True
-                    self.c["bytes_out"] += self.page_bytes
+                    self.counters["bytes_written"] += self.page_bytes
                     self._bad_keys.pop(keys[i], None)
                 else:  # the server holds this chunk already and keeps its copy
-                    self.c["already_present"] += 1
+                    self.counters["already_present"] += 1
                     res[i] = keys[i] not in self._bad_keys  # a copy found corrupt stays a miss: say so
 
     # ------------------------------------------------------------------------------------------- misc
@@ -720,10 +719,10 @@ class LMCacheStore(StorageBackend):
         """Counters: requests, hits, misses, sets, set_failures, already_present (sets of chunks the server already
         held), corrupt (slots failing tierkv's header or checksum), errors, timeouts, reconnects (server connection
         dropped and came back), registrations, fast_fails (calls skipped during back-off), stale_replies,
-        bad_replies, shm_lost, refused (calls of a store disabled by a chunk-size mismatch), bytes_in/bytes_out
+        bad_replies, shm_lost, refused (calls of a store disabled by a chunk-size mismatch), bytes_read/bytes_written
         (payload bytes), evictions (always 0: LMCache does not report them); plus backend, endpoint, lm_model,
         page_tokens."""
-        s = dict(self.c)
+        s = dict(self.counters)
         s.update(backend="lmcache", endpoint=self.endpoint, lm_model=self.lm_model, page_tokens=self.page_tokens,
                  connected=self._sock is not None, disabled=self._refused)
         return s

@@ -68,7 +68,7 @@ import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tierkv.storage_backends.base import Buffer, PageTokens, StorageBackend
-from tierkv.storage_backends.common import (ConfigError, RateLimitedLog, as_byte_view, check_store_identity,
+from tierkv.storage_backends.common import (ConfigError, Counters, RateLimitedLog, as_byte_view, check_store_identity,
                                              config_error, parse_bytes)
 from tierkv.storage_backends.page_format import (
     HEADER_BYTES,
@@ -329,10 +329,8 @@ class MooncakeStore(StorageBackend):
         self._host: dict[int, tuple[int, int, Any]] = {}  # registered host buffers: ptr -> (start, end, owner)
         self._inflight = 0
         self._closed = False
-        self._rlog = RateLimitedLog(log)
-        self._counters = dict(hits=0, misses=0, sets=0, set_failures=0, corrupt=0, errors=0, timeouts=0,
-                              busy=0, evictions=0, bytes_in=0, bytes_out=0, removed_corrupt=0, set_retries=0,
-                              zero_copy_sets=0, staged_sets=0)
+        self._warn = RateLimitedLog(log)
+        self.counters = Counters("timeouts", "busy", "removed_corrupt", "set_retries", "zero_copy_sets", "staged_sets")
 
         if c.protocol == "tcp" and re.match(r"^[0-9.]+$", c.local_hostname):
             os.environ.setdefault("MC_TCP_BIND_ADDRESS", c.local_hostname)
@@ -371,8 +369,7 @@ class MooncakeStore(StorageBackend):
 
     def _count(self, **inc: int) -> None:
         with self._lock:
-            for k, v in inc.items():
-                self._counters[k] += v
+            self.counters.add(**inc)
 
     @staticmethod
     def _span(buffer: Any) -> tuple[int, int, Any]:
@@ -487,11 +484,11 @@ class MooncakeStore(StorageBackend):
                 raise ValueError("MooncakeStore is closed")
             busy = self._inflight >= self.cfg.max_inflight
             if busy:
-                self._counters["busy"] += 1
+                self.counters["busy"] += 1
             else:
                 self._inflight += 1
         if busy:
-            self._rlog.warning("busy", "mooncake %s: %d calls still outstanding (master hung?); failing fast",
+            self._warn.warning("busy", "mooncake %s: %d calls still outstanding (master hung?); failing fast",
                                what, self.cfg.max_inflight)
             if hold:
                 hold.drop()
@@ -515,11 +512,11 @@ class MooncakeStore(StorageBackend):
             return fut.result(timeout=self.timeout_s)
         except cf.TimeoutError:
             self._count(timeouts=1)
-            self._rlog.warning("timeout", "mooncake %s: no answer within %.2fs from master %s; treated as a miss",
+            self._warn.warning("timeout", "mooncake %s: no answer within %.2fs from master %s; treated as a miss",
                                what, self.timeout_s, self.cfg.master_address)
         except Exception as e:  # noqa: BLE001 - a client error is a per-call failure, never a crash
             self._count(errors=1)
-            self._rlog.warning("error", "mooncake %s failed: %s: %s", what, type(e).__name__, e)
+            self._warn.warning("error", "mooncake %s failed: %s: %s", what, type(e).__name__, e)
         return None
 
     def _staging_hold(self, what: str, n: int, fail_counter: str) -> Optional[tuple[_Staging, _Hold]]:
@@ -527,11 +524,11 @@ class MooncakeStore(StorageBackend):
             st = self._take_staging(n)
         except Exception as e:  # noqa: BLE001
             self._count(errors=1, **{fail_counter: n})
-            self._rlog.warning("staging", "mooncake: cannot register a staging buffer: %s", e)
+            self._warn.warning("staging", "mooncake: cannot register a staging buffer: %s", e)
             return None
         if st is None:
             self._count(busy=1, **{fail_counter: n})
-            self._rlog.warning("busy", "mooncake %s: %d calls still outstanding (master hung?); failing fast",
+            self._warn.warning("busy", "mooncake %s: %d calls still outstanding (master hung?); failing fast",
                                what, self.cfg.max_inflight)
             return None
         return st, _Hold(lambda: self._staging.give(st))
@@ -625,7 +622,7 @@ class MooncakeStore(StorageBackend):
                     except PageFormatError as e:
                         bad.append(i)
                         if not recheck:
-                            self._rlog.warning("corrupt", "mooncake: page %s is not a valid record (%s); a miss",
+                            self._warn.warning("corrupt", "mooncake: page %s is not a valid record (%s); a miss",
                                                keys[i], e)
                         continue
                     dsts[i][:] = rec[HEADER_BYTES:]
@@ -636,15 +633,15 @@ class MooncakeStore(StorageBackend):
                 elif r >= 0 or r == MC_BUFFER_TOO_SMALL:  # a record of another length: truncated or foreign
                     bad.append(i)
                     if not recheck:
-                        self._rlog.warning("corrupt", "mooncake: page %s has a record of the wrong length (%d); "
+                        self._warn.warning("corrupt", "mooncake: page %s has a record of the wrong length (%d); "
                                            "a miss", keys[i], r)
                 else:
                     errors += 1
                     misses += 1
-                    self._rlog.warning("get_error", "mooncake batch_get: key %s failed with code %d", keys[i], r)
+                    self._warn.warning("get_error", "mooncake batch_get: key %s failed with code %d", keys[i], r)
         finally:
             hold.drop()
-        self._count(hits=hits, misses=misses, errors=errors, bytes_out=hits * pb)
+        self._count(hits=hits, misses=misses, errors=errors, bytes_read=hits * pb)
         return bad
 
     def batch_set(self, keys: Sequence[str], sources: Sequence[Buffer],
@@ -742,7 +739,7 @@ class MooncakeStore(StorageBackend):
             if not ok:
                 rest.append(i)
         n_ok = n - len(rest)
-        self._count(sets=n_ok, zero_copy_sets=n_ok, bytes_in=n_ok * pb)
+        self._count(sets=n_ok, zero_copy_sets=n_ok, bytes_written=n_ok * pb)
         return rest
 
     def _set_chunk(self, keys, names, srcs, idx: list[int], out: list[bool], sums: Optional[list[int]] = None) -> None:
@@ -800,10 +797,10 @@ class MooncakeStore(StorageBackend):
                 out[i] = r == 0
             codes = sorted({r for r in res if r != 0})
             if codes:
-                self._rlog.warning("set_error", "mooncake batch_set: %d of %d pages failed (codes %s)",
+                self._warn.warning("set_error", "mooncake batch_set: %d of %d pages failed (codes %s)",
                                    sum(1 for r in res if r != 0), n, codes)
         n_ok = sum(out[i] for i in idx)
-        self._count(sets=n_ok, staged_sets=n_ok, set_failures=n - n_ok, bytes_in=n_ok * self.page_bytes,
+        self._count(sets=n_ok, staged_sets=n_ok, set_failures=n - n_ok, bytes_written=n_ok * self.page_bytes,
                     set_retries=retried[0])
 
     def remove(self, keys: Sequence[str]) -> list[bool]:
@@ -824,9 +821,9 @@ class MooncakeStore(StorageBackend):
         failed verification), ``removed_corrupt``, ``errors`` (Mooncake error codes/exceptions), ``timeouts``,
         ``busy`` (calls refused while ``max_inflight`` were outstanding), ``set_retries``, ``zero_copy_sets`` /
         ``staged_sets`` (pages stored by each set path), ``evictions`` (always 0:
-        Mooncake evicts on its own), ``bytes_in``/``bytes_out`` (payload bytes stored/returned), ``inflight``."""
+        Mooncake evicts on its own), ``bytes_read``/``bytes_written`` (payload bytes returned/stored), ``inflight``."""
         with self._lock:
-            s = dict(self._counters)
+            s = dict(self.counters)
             s["inflight"] = self._inflight
         s["backend"] = "mooncake"
         return s

@@ -52,7 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from tierkv.storage_backends import zmq_protocol as P
 from tierkv.storage_backends.base import Buffer, PageTokens, StorageBackend
-from tierkv.storage_backends.common import check_store_identity, config_error
+from tierkv.storage_backends.common import Counters, RateLimitedLog, check_store_identity, config_error
 from tierkv.storage_backends.page_format import (PageFormatError, check_checksums, check_key, decode_header,
                                                  encode_headers, verify_payload)
 
@@ -371,10 +371,10 @@ class ZmqStore(StorageBackend):
         self._pending = 0
         self._closed = False
         self._pid = os.getpid()
-        self.c = dict(requests=0, hits=0, misses=0, sets=0, set_failures=0, corrupt=0, errors=0, timeouts=0,
-                      reconnects=0, fast_fails=0, stale_replies=0, bad_replies=0, error_replies=0, bytes_in=0,
-                      bytes_out=0, max_pending=0, evictions=0, shm_pages_in=0, shm_pages_out=0, shm_attaches=0,
-                      shm_fallbacks=0, shm_recreated=0)
+        self._warn = RateLimitedLog(log)
+        self.counters = Counters("requests", "timeouts", "reconnects", "fast_fails", "stale_replies", "bad_replies",
+                                 "error_replies", "max_pending", "shm_pages_in", "shm_pages_out", "shm_attaches",
+                                 "shm_fallbacks", "shm_recreated")
         mode = cfg.shm
         self.shm = mode
         self.shm_bytes = cfg.shm_bytes
@@ -398,7 +398,7 @@ class ZmqStore(StorageBackend):
                 s.setsockopt(zmq.IPV6, 1)
             s.connect(self.endpoint)
             if self._ever_connected:
-                self.c["reconnects"] += 1
+                self.counters["reconnects"] += 1
             self._ever_connected = True
             self._sock = s
         return self._sock
@@ -433,13 +433,13 @@ class ZmqStore(StorageBackend):
             return done
         with self._lock:
             if self._closed:
-                self.c["errors"] += len(msgs)
+                self.counters["errors"] += len(msgs)
                 return done
             if os.getpid() != self._pid:  # forked: the parent's context and socket are not usable here
                 self._ctx, self._sock, self._pid = zmq.Context(), None, os.getpid()
             now = time.monotonic()
             if now < self._retry_at:
-                self.c["fast_fails"] += len(msgs)
+                self.counters["fast_fails"] += len(msgs)
                 return done
             sock = self._socket()
             deadline = now + self.timeout_s
@@ -452,19 +452,19 @@ class ZmqStore(StorageBackend):
                 if self.token is not None:
                     h["token"] = self.token
                 if not sock.poll(max(0, int((deadline - time.monotonic()) * 1000)), zmq.POLLOUT):
-                    self.c["timeouts"] += 1
+                    self.counters["timeouts"] += 1
                     self._failed("not connected (send timed out)")
                     return done
                 try:
                     sock.send_multipart([P.pack(h)] + list(payloads), zmq.NOBLOCK, copy=False)
                 except zmq.ZMQError as e:
-                    self.c["errors"] += 1
+                    self.counters["errors"] += 1
                     self._failed(f"send failed: {e}")
                     return done
-                self.c["requests"] += 1
+                self.counters["requests"] += 1
                 waiting[rid] = (i, h["op"], h["v"])
                 self._pending = len(waiting)
-                self.c["max_pending"] = max(self.c["max_pending"], self._pending)
+                self.counters["max_pending"] = max(self.counters["max_pending"], self._pending)
             while waiting:
                 left = deadline - time.monotonic()
                 # past the deadline, still look once without waiting: a reply that arrived while this thread was
@@ -472,7 +472,7 @@ class ZmqStore(StorageBackend):
                 if not sock.poll(max(1, int(left * 1000)) if left > 0 else 0, zmq.POLLIN):
                     if time.monotonic() < deadline:
                         continue
-                    self.c["timeouts"] += 1
+                    self.counters["timeouts"] += 1
                     self._failed(f"no reply within {self.timeout_s}s")
                     return done
                 try:
@@ -480,41 +480,41 @@ class ZmqStore(StorageBackend):
                 except zmq.Again:
                     continue
                 except zmq.ZMQError as e:
-                    self.c["errors"] += 1
+                    self.counters["errors"] += 1
                     self._failed(f"receive failed: {e}")
                     return done
                 try:
                     rh = P.unpack_header(frames[0].buffer, max_map_len=256)
                 except P.ProtocolError as e:
-                    self.c["bad_replies"] += 1
+                    self.counters["bad_replies"] += 1
                     log.debug("discarding undecodable reply: %s", e)
                     continue
                 rid = rh.get("id")
                 slot = waiting.pop(rid, None) if type(rid) is int else None
                 if slot is None:
-                    self.c["stale_replies"] += 1  # an older request's reply, or one never asked for
+                    self.counters["stale_replies"] += 1  # an older request's reply, or one never asked for
                     continue
                 self._pending = len(waiting)
                 deadline = time.monotonic() + self.timeout_s  # progress: restart the silence clock
                 i, op, ver = slot
                 if rh.get("v") != ver or rh.get("op") != op or not isinstance(rh.get("ok"), bool):
-                    self.c["bad_replies"] += 1
+                    self.counters["bad_replies"] += 1
                     continue
                 if not rh["ok"]:
-                    self.c["error_replies"] += 1
+                    self.counters["error_replies"] += 1
                     err = rh.get("err")
                     if errors is not None:
                         errors[i] = rh.get("code")
                         if rh.get("code") in ("shm_unknown", "shm", "version"):
                             continue  # the shared-memory path handles these (re-attach or fall back)
-                    log.warning("tierkv zmq server refused %s: %s: %s", op, P.brief(rh.get("code")),
-                                err[:200] if isinstance(err, str) else P.brief(err))
+                    self._warn.warning("refused", "tierkv zmq server refused %s: %s: %s", op, P.brief(rh.get("code")),
+                                       err[:200] if isinstance(err, str) else P.brief(err))
                     continue
                 try:
                     on_reply(i, rh, frames[1:])
                 except (P.ProtocolError, TypeError, ValueError, KeyError, IndexError) as e:
-                    self.c["bad_replies"] += 1
-                    log.warning("malformed %s reply from %s discarded: %s", op, self.endpoint, e)
+                    self.counters["bad_replies"] += 1
+                    self._warn.warning("malformed", "malformed %s reply from %s discarded: %s", op, self.endpoint, e)
                     continue
                 done[i] = True
             self._pending = 0
@@ -532,7 +532,7 @@ class ZmqStore(StorageBackend):
         self._seg_attached = False
 
     def _shm_off(self, why: str) -> None:
-        self.c["shm_fallbacks"] += 1
+        self.counters["shm_fallbacks"] += 1
         self._shm_on = False
         self._drop_segment()
         log.warning("tierkv zmq server %s: shared-memory path not used (%s); pages travel as ZMQ frames",
@@ -549,7 +549,7 @@ class ZmqStore(StorageBackend):
             if self._seg is not None and not self._seg_attached and not self._seg.exists():
                 log.warning("shared-memory segment %s of %s was removed; creating a new one", self._seg.name,
                             self.endpoint)
-                self.c["shm_recreated"] += 1
+                self.counters["shm_recreated"] += 1
                 self._drop_segment()
             if self._seg is None:
                 try:
@@ -565,7 +565,7 @@ class ZmqStore(StorageBackend):
                                    "size": self._seg.size, "keys": []}, [])], lambda i, rh, fr: None, errs)[0]
             if ok:
                 self._seg_attached = True
-                self.c["shm_attaches"] += 1
+                self.counters["shm_attaches"] += 1
                 return self._seg
             code = errs.get(0)
             if code is None:  # no answer: this call fails anyway; try again on the next one
@@ -594,7 +594,7 @@ class ZmqStore(StorageBackend):
                 if seg is None:
                     return False  # the caller moves the whole batch as frames (or fails it as they do)
                 errs: dict = {}
-                ff = self.c["fast_fails"]
+                ff = self.counters["fast_fails"]
                 done = self._exchange(
                     [lambda s=s, e=e, sg=seg: build(sg, s, e, rs) for s, e in chunks],
                     lambda ci, rh, fr, sg=seg: on_reply(sg, *chunks[ci], rs, rh, fr), errs)
@@ -603,7 +603,7 @@ class ZmqStore(StorageBackend):
                 if any(code == "shm_unknown" for code in errs.values()):  # the server restarted: attach again
                     self._seg_attached = False
                     continue
-                if len(errs) < done.count(False) and self.c["fast_fails"] == ff:
+                if len(errs) < done.count(False) and self.counters["fast_fails"] == ff:
                     # timed out: the server may still copy into these slots later, so never reuse them
                     self._drop_segment()
                 break
@@ -661,8 +661,8 @@ class ZmqStore(StorageBackend):
             with self._lock:
                 if self._get_shm(keys, dsts, res):
                     nh = sum(res)
-                    self.c["hits"] += nh
-                    self.c["misses"] += len(keys) - nh
+                    self.counters["hits"] += nh
+                    self.counters["misses"] += len(keys) - nh
                     return res
         chunks = self._chunks(len(keys), self.keys_per_message)
 
@@ -690,17 +690,18 @@ class ZmqStore(StorageBackend):
                         raise PageFormatError(f"payload frame of {buf.nbytes} bytes, expected {self.page_bytes}")
                     verify_payload(buf, psum)
                 except PageFormatError as err:
-                    self.c["corrupt"] += 1
-                    log.warning("page %s from %s is not valid (%s): miss", keys[idx], self.endpoint, err)
+                    self.counters["corrupt"] += 1
+                    self._warn.warning("corrupt", "page %s from %s is not valid (%s): miss", keys[idx], self.endpoint,
+                                       err)
                     continue
                 dsts[idx][:] = buf
                 res[idx] = True
-                self.c["bytes_in"] += self.page_bytes
+                self.counters["bytes_read"] += self.page_bytes
 
         self._exchange([({"op": "get", "ns": self.namespace, "keys": list(keys[s:e])}, []) for s, e in chunks], on_reply)
         nh = sum(res)
-        self.c["hits"] += nh
-        self.c["misses"] += len(keys) - nh
+        self.counters["hits"] += nh
+        self.counters["misses"] += len(keys) - nh
         return res
 
     def _get_shm(self, keys: Sequence[str], dsts: list, res: list) -> bool:
@@ -718,9 +719,9 @@ class ZmqStore(StorageBackend):
                 raise P.ProtocolError("bad_reply", "get reply: not one header per hit")
             bad = rh.get("bad", 0)
             if type(bad) is int and bad > 0:  # records of the wrong length: corrupt, so misses
-                self.c["corrupt"] += bad
-                log.warning("%d page(s) from %s have a stored payload of the wrong length: misses", bad,
-                            self.endpoint)
+                self.counters["corrupt"] += bad
+                self._warn.warning("corrupt", "%d page(s) from %s have a stored payload of the wrong length: misses",
+                                   bad, self.endpoint)
             j = 0
             for off, hit in enumerate(hits):
                 if not hit:
@@ -737,12 +738,13 @@ class ZmqStore(StorageBackend):
                     dsts[idx][:] = seg.mv[o:o + pb]
                     verify_payload(dsts[idx], psum)
                 except PageFormatError as err:
-                    self.c["corrupt"] += 1
-                    log.warning("page %s from %s is not valid (%s): miss", keys[idx], self.endpoint, err)
+                    self.counters["corrupt"] += 1
+                    self._warn.warning("corrupt", "page %s from %s is not valid (%s): miss", keys[idx], self.endpoint,
+                                       err)
                     continue
                 res[idx] = True
-                self.c["bytes_in"] += pb
-                self.c["shm_pages_in"] += 1
+                self.counters["bytes_read"] += pb
+                self.counters["shm_pages_in"] += 1
 
         return self._shm_rounds(len(keys), build, on_reply)
 
@@ -766,10 +768,10 @@ class ZmqStore(StorageBackend):
             if frames or not isinstance(st, list) or len(st) != e - s or not all(isinstance(x, bool) for x in st):
                 raise P.ProtocolError("bad_reply", "set reply: 'stored' is not one bool per key")
             res[s:e] = st
-            self.c["shm_pages_out"] += sum(st)
+            self.counters["shm_pages_out"] += sum(st)
             ev = rh.get("evicted", 0)
             if type(ev) is int and ev > 0:
-                self.c["evictions"] += ev
+                self.counters["evictions"] += ev
 
         return self._shm_rounds(len(keys), build, on_reply)
 
@@ -795,9 +797,9 @@ class ZmqStore(StorageBackend):
             with self._lock:
                 if self._set_shm(keys, kraw, srcs, sums, res):
                     ok = sum(res)
-                    self.c["sets"] += ok
-                    self.c["set_failures"] += n - ok
-                    self.c["bytes_out"] += ok * self.page_bytes
+                    self.counters["sets"] += ok
+                    self.counters["set_failures"] += n - ok
+                    self.counters["bytes_written"] += ok * self.page_bytes
                     return res
         if sums is None:  # pipelined: the next message's pages are hashed while the previous one is sent
             per = max(1, min(self.keys_per_message, PIPELINE_BYTES // self.page_bytes))
@@ -822,13 +824,13 @@ class ZmqStore(StorageBackend):
             res[s:e] = st
             ev = rh.get("evicted", 0)
             if type(ev) is int and ev > 0:
-                self.c["evictions"] += ev
+                self.counters["evictions"] += ev
 
         self._exchange(msgs, on_reply)
         ok = sum(res)
-        self.c["sets"] += ok
-        self.c["set_failures"] += len(keys) - ok
-        self.c["bytes_out"] += ok * self.page_bytes
+        self.counters["sets"] += ok
+        self.counters["set_failures"] += len(keys) - ok
+        self.counters["bytes_written"] += ok * self.page_bytes
         return res
 
     def batch_delete(self, keys: Sequence[str]) -> int:
@@ -851,7 +853,7 @@ class ZmqStore(StorageBackend):
         """Drop every page of this store's namespace on the server (other namespaces are kept). A failure is
         counted and logged, not raised."""
         if not self._exchange([({"op": "clear", "ns": self.namespace, "keys": []}, [])], lambda i, rh, fr: None)[0]:
-            self.c["errors"] += 1
+            self.counters["errors"] += 1
 
     def ping(self) -> bool:
         """True when the server answers a ping within ``timeout_s``."""
@@ -872,11 +874,11 @@ class ZmqStore(StorageBackend):
     def stats(self) -> dict:
         """Client counters: requests, hits, misses, sets, set_failures, corrupt (pages failing verification),
         errors, timeouts, reconnects, fast_fails (calls skipped during back-off), stale_replies, bad_replies,
-        error_replies, bytes_in/bytes_out (payload bytes), evictions (server evictions caused by this client's
+        error_replies, bytes_read/bytes_written (payload bytes), evictions (server evictions caused by this client's
         sets), pending (requests awaiting a reply now), max_pending, connected (a socket is open); shared memory:
         shm (``"attached"``, ``"ready"`` = to be attached on the next call, or ``"off"``), shm_pages_in/out (pages
         moved through the segment), shm_attaches, shm_fallbacks (times it was found unusable), shm_recreated."""
-        s = dict(self.c)  # no lock: never waits behind a call that is waiting for the server
+        s = dict(self.counters)  # no lock: never waits behind a call that is waiting for the server
         s.update(pending=self._pending, connected=self._sock is not None, backend="zmq", endpoint=self.endpoint,
                  shm="attached" if self._seg_attached else ("ready" if self._shm_on else "off"))
         return s

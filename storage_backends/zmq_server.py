@@ -44,6 +44,7 @@ from typing import Any, Optional
 import zmq
 
 from tierkv.storage_backends import zmq_protocol as P
+from tierkv.storage_backends.common import Counters
 
 log = logging.getLogger("tierkv.zmq_server")
 
@@ -231,9 +232,8 @@ class CacheServer:
         self.written: dict[tuple[bytes, str], float] = {}  # time.time() of each in-memory record's last set (scan)
         self.used_bytes = 0
         self.pending_writes = 0
-        self.c = dict(requests=0, errors=0, auth_failures=0, too_large=0, dropped=0, hits=0, misses=0, sets=0,
-                      set_rejected=0, evictions=0, spilled=0, spill_hits=0, deletes=0, bytes_in=0, bytes_out=0)
-        self.c.update(shm_attached=0, shm_refused=0, shm_bytes_in=0, shm_bytes_out=0)
+        self.counters = Counters("requests", "auth_failures", "too_large", "dropped", "spilled", "spill_hits", "deletes",
+                                 "shm_attached", "shm_refused", "shm_bytes_in", "shm_bytes_out")
         #: client segments: name -> [mmap, memoryview of it, size, last use (monotonic seconds)]
         self.segments: "OrderedDict[str, list]" = OrderedDict()
         self.spill = _SpillTier(spill_dir, spill_capacity_bytes) if spill_dir else None
@@ -262,9 +262,9 @@ class CacheServer:
             (ns, key), (hdr, payload) = self.records.popitem(last=False)
             self.written.pop((ns, key), None)
             self.used_bytes -= len(hdr) + _nbytes(payload)
-            self.c["evictions"] += 1
+            self.counters["evictions"] += 1
             if self.spill is not None and self.spill.put(ns, key, hdr, payload):
-                self.c["spilled"] += 1
+                self.counters["spilled"] += 1
 
     def _put(self, ns: bytes, key: str, hdr: bytes, payload: Any, born: Optional[float] = None) -> bool:
         size = len(hdr) + _nbytes(payload)
@@ -289,7 +289,7 @@ class CacheServer:
         if self.spill is not None:
             got = self.spill.get(ns, key)
             if got is not None:
-                self.c["spill_hits"] += 1
+                self.counters["spill_hits"] += 1
                 self._put(ns, key, got[0], got[1], born=got[2] if len(got) > 2 else None)
                 return got
         return None
@@ -302,21 +302,21 @@ class CacheServer:
         """Answer one request (``frames`` = header frame + payload frames, without the ROUTER identity).
 
         Returns the reply frames, or None to drop the message. Never raises for bad input."""
-        self.c["requests"] += 1
+        self.counters["requests"] += 1
         if not frames:
-            self.c["dropped"] += 1
+            self.counters["dropped"] += 1
             return None
         req_id, op, ver = 0, "", P.PROTOCOL_VERSION
         try:
             total = sum(len(f) for f in frames)
-            self.c["bytes_in"] += total
+            self.counters["bytes_written"] += total
             h = P.unpack_header(frames[0].buffer if isinstance(frames[0], zmq.Frame) else frames[0])
             rid = h.get("id")
             if type(rid) is int and 0 <= rid <= P.MAX_ID:
                 req_id = rid
             op = h.get("op") if isinstance(h.get("op"), str) else ""
             if total > self.max_message_bytes:
-                self.c["too_large"] += 1
+                self.counters["too_large"] += 1
                 raise P.ProtocolError("too_large", f"message of {total} bytes > limit {self.max_message_bytes}")
             req_id = P.get_int(h, "id")
             v = h.get("v")
@@ -328,7 +328,7 @@ class CacheServer:
             if self.token is not None:
                 tok = h.get("token")
                 if not isinstance(tok, str) or not hmac.compare_digest(tok.encode(), self.token):
-                    self.c["auth_failures"] += 1
+                    self.counters["auth_failures"] += 1
                     raise P.ProtocolError("auth", "missing or wrong token")
             fn = self._OPS.get(op)
             if fn is None and self.enable_test_ops and op in P.TEST_OPS:
@@ -341,18 +341,18 @@ class CacheServer:
                 raise P.ProtocolError("version", f"op {op!r} with shared memory needs protocol version "
                                                  f"{P.SHM_PROTOCOL_VERSION}")
             if (op in P.SHM_OPS or "shm" in h) and not _local_peer(frames[0]):
-                self.c["shm_refused"] += 1
+                self.counters["shm_refused"] += 1
                 raise P.ProtocolError("shm", "shared memory is only for clients on this host (loopback)")
             payloads = frames[1:]
             if (op != "set" or "shm" in h) and payloads:
                 raise P.ProtocolError("bad_request", f"op {op[:40]!r} takes no payload frames, got {len(payloads)}")
             body, out = fn(self, h, payloads)
         except P.ProtocolError as e:
-            self.c["errors"] += 1
+            self.counters["errors"] += 1
             log.debug("request %d (%s) refused: %s", req_id, self._redact(op), self._redact(str(e)))
             return [P.error_reply(req_id, self._redact(op), e.code, self._redact(str(e)), v=ver)]
         except Exception as e:  # a bug must not take down the server
-            self.c["errors"] += 1
+            self.counters["errors"] += 1
             log.exception("request %d (%s) failed", req_id, self._redact(op))
             return [P.error_reply(req_id, self._redact(op), "internal", self._redact(f"{type(e).__name__}: {e}"),
                                   v=ver)]
@@ -387,21 +387,21 @@ class CacheServer:
         try:
             fd = os.open(os.path.join(P.SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as e:
-            self.c["shm_refused"] += 1
+            self.counters["shm_refused"] += 1
             raise P.ProtocolError("shm", f"cannot open segment {name}: {e.strerror}") from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size < size:
-                self.c["shm_refused"] += 1
+                self.counters["shm_refused"] += 1
                 raise P.ProtocolError("shm", f"segment {name} is not a regular file of >= {size} bytes")
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED | _POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as e:
-            self.c["shm_refused"] += 1
+            self.counters["shm_refused"] += 1
             raise P.ProtocolError("shm", f"cannot map segment {name}: {e.strerror}") from None
         finally:
             os.close(fd)
         self.segments[name] = [mm, memoryview(mm), size, now]
-        self.c["shm_attached"] += 1
+        self.counters["shm_attached"] += 1
         return {"attached": True}, []
 
     def _op_shm_detach(self, h, payloads):
@@ -446,13 +446,13 @@ class CacheServer:
             rec = self._lookup(ns, k)
             if rec is None:
                 hits.append(False)
-                self.c["misses"] += 1
+                self.counters["misses"] += 1
                 continue
             hits.append(True)
             hdrs.append(rec[0])
             out.append(rec[1])
-            self.c["hits"] += 1
-            self.c["bytes_out"] += _nbytes(rec[1])
+            self.counters["hits"] += 1
+            self.counters["bytes_read"] += _nbytes(rec[1])
         return {"hits": hits, "hdrs": hdrs}, out
 
     def _op_get_shm(self, h, keys, ns):
@@ -467,14 +467,14 @@ class CacheServer:
             if pl is None or pl.nbytes != length:
                 bad += pl is not None
                 hits.append(False)
-                self.c["misses"] += 1
+                self.counters["misses"] += 1
                 continue
             mv[off:off + length] = pl.cast("B") if pl.format != "B" or pl.ndim != 1 else pl
             hits.append(True)
             hdrs.append(rec[0])
-            self.c["hits"] += 1
-            self.c["bytes_out"] += length
-            self.c["shm_bytes_out"] += length
+            self.counters["hits"] += 1
+            self.counters["bytes_read"] += length
+            self.counters["shm_bytes_out"] += length
         return {"hits": hits, "hdrs": hdrs, "bad": bad}, []
 
     def _op_set(self, h, payloads):
@@ -484,22 +484,22 @@ class CacheServer:
             length = P.get_int(h, "len", 1, size)
             offs = P.get_offsets(h, len(keys), length, size)
             payloads = [bytes(mv[o:o + length]) for o in offs]
-            self.c["bytes_in"] += length * len(keys)
-            self.c["shm_bytes_in"] += length * len(keys)
+            self.counters["bytes_written"] += length * len(keys)
+            self.counters["shm_bytes_in"] += length * len(keys)
         if len(payloads) != len(keys):
             raise P.ProtocolError("bad_request", f"set of {len(keys)} keys carries {len(payloads)} payload frames")
         hdrs = P.get_bins(h, "hdrs", len(keys))
         self.pending_writes += 1
-        ev0 = self.c["evictions"]
+        ev0 = self.counters["evictions"]
         try:
             stored = []
             for k, hdr, frame in zip(keys, hdrs, payloads):
                 ok = self._put(ns, k, hdr, frame)
                 stored.append(ok)
-                self.c["sets" if ok else "set_rejected"] += 1
+                self.counters["sets" if ok else "set_failures"] += 1
         finally:
             self.pending_writes -= 1
-        return {"stored": stored, "evicted": self.c["evictions"] - ev0}, []
+        return {"stored": stored, "evicted": self.counters["evictions"] - ev0}, []
 
     def _op_delete(self, h, payloads):
         n, ns = 0, P.get_ns(h)
@@ -510,7 +510,7 @@ class CacheServer:
                 self.used_bytes -= len(rec[0]) + _nbytes(rec[1])
             spilled = self.spill.delete(ns, k) if self.spill is not None else False
             n += int(rec is not None or spilled)
-        self.c["deletes"] += n
+        self.counters["deletes"] += n
         return {"deleted": n}, []
 
     def _op_clear(self, h, payloads):
@@ -639,9 +639,10 @@ class CacheServer:
 
     def stats(self) -> dict:
         """Server counters: keys, bytes (stored), capacity_bytes, pending_writes, requests, errors, auth_failures,
-        too_large, hits, misses, sets, set_rejected, evictions, spilled, spill_hits, bytes_in/out, rss_bytes;
+        too_large, hits, misses, sets, set_failures (sets refused), evictions, spilled, spill_hits, bytes_read (served),
+        bytes_written (received), rss_bytes;
         shared memory: shm_segments (mapped now), shm_attached, shm_refused, shm_bytes_in/out (payload bytes)."""
-        s: dict = dict(self.c)
+        s: dict = dict(self.counters)
         s.update(keys=len(self.records), bytes=self.used_bytes, capacity_bytes=self.capacity_bytes,
                  pending_writes=self.pending_writes, uptime_s=round(time.time() - self.started, 3),
                  rss_bytes=_rss_bytes(), pid=os.getpid(), spill=bool(self.spill), shm_segments=len(self.segments))
@@ -678,9 +679,9 @@ class CacheServer:
                 try:
                     sock.send_multipart([ident] + reply, zmq.NOBLOCK, copy=False)
                 except zmq.Again:
-                    self.c["dropped"] += 1
+                    self.counters["dropped"] += 1
                 except zmq.ZMQError as e:
-                    self.c["dropped"] += 1
+                    self.counters["dropped"] += 1
                     log.warning("reply dropped: %s", e)
 
     def close(self) -> None:

@@ -33,11 +33,11 @@ class ZmqShmHandle(_base().ZmqHandle):
     name = NAME
 
     def close(self) -> None:
-        moved = sum(c.c["shm_pages_in"] + c.c["shm_pages_out"] for c in self._clients)
-        used_frames = [c for c in self._clients if c.c["shm_fallbacks"]]
+        moved = sum(c.counters["shm_pages_in"] + c.counters["shm_pages_out"] for c in self._clients)
+        used_frames = [c for c in self._clients if c.counters["shm_fallbacks"]]
         super().close()
         assert not used_frames, "a zmq_shm client fell back to frames"
-        assert moved or not any(c.c["sets"] for c in self._clients), "no page went through shared memory"
+        assert moved or not any(c.counters["sets"] for c in self._clients), "no page went through shared memory"
 
 
 @contextlib.contextmanager

@@ -524,3 +524,19 @@ def test_r15_writer_process_sigkilled_mid_put(tmp_path):
         by_when = {w: [k["visible_before_kill"] for k in kills if k["when"] == w] for w in ("now", "random")}
         print(f"R15: stored before the kill {sum(visible)}/{n} (now {sum(by_when['now'])}/{len(by_when['now'])}, "
               f"random {sum(by_when['random'])}/{len(by_when['random'])}); present after {present}; server {st}")
+
+
+def test_corrupt_pages_are_logged_rate_limited(tmp_path, caplog):
+    """Pages that fail verification are counted one by one but logged at most once per kind and period (a whole
+    batch of bad pages is one warning line, docs/architecture.md §13)."""
+    import logging
+
+    with FZ.make_backend(tmp_path, 4096, NS, timeout_s=5.0) as h:
+        ks = keys_of(6, salt=91)
+        assert h.backend.batch_set(ks, pages(6, 4096, seed=5)) == [True] * 6
+        assert all(h.corrupt(k, "flip") for k in ks)
+        with caplog.at_level(logging.WARNING, logger="tierkv.zmq_client"):
+            assert h.backend.batch_get(ks, filled(6, 4096)) == [False] * 6
+            assert h.backend.batch_get(ks, filled(6, 4096)) == [False] * 6
+        assert h.backend.stats()["corrupt"] == 12
+        assert len([r for r in caplog.records if "is not valid" in r.getMessage()]) == 1
