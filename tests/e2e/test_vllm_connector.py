@@ -135,7 +135,8 @@ def _prometheus_equals_stats_files(res) -> dict:
     s = stats_by_role(res)
     sched, worker = s["scheduler"], s["worker"]
     vc = res["vllm_counters"]
-    keys = [n[len("vllm:tierkv_"):] for n in vc if n.startswith("vllm:tierkv_") and n != "vllm:tierkv_hit_tokens"]
+    labelled = ("vllm:tierkv_hit_tokens", "vllm:tierkv_lookup_outcome_tokens")  # families summed over a label
+    keys = [n[len("vllm:tierkv_"):] for n in vc if n.startswith("vllm:tierkv_") and n not in labelled]
     assert set(keys) >= set(PAGE_COUNTERS) | {"l2_hit_tokens", "load_bytes", "checksum_mismatches",
                                               "failed_load_blocks", "preemptions"}, keys
     for k in keys:
@@ -143,6 +144,9 @@ def _prometheus_equals_stats_files(res) -> dict:
         # vLLM's in-process reader (LLM.get_metrics) truncates counter values to int
         assert vc[f"vllm:tierkv_{k}"] == int(want), (k, vc[f"vllm:tierkv_{k}"], want)
     assert vc["vllm:tierkv_hit_tokens"] == sched["l2_hit_tokens"] + sched.get("ctl_l3_hit_tokens", 0)
+    # every counted lookup token was served from a tier or has a reason; nothing is waiting once the workload ended
+    assert sched["lookup_waiting_tokens"] == 0
+    assert vc["vllm:tierkv_lookup_outcome_tokens"] == sched["lookup_tokens"] == vc["vllm:tierkv_lookup_tokens"]
     return vc
 
 
