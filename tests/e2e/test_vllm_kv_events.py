@@ -93,7 +93,8 @@ def server(tiny_model, tmp_path_factory):
     env = dict(os.environ, **DEFAULT_ENV, VLLM_SERVER_DEV_MODE="1")
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model, "--host", "127.0.0.1",
            "--port", str(port), "--block-size", str(P), "--enable-prefix-caching", "--enforce-eager",
-           "--dtype", "bfloat16", "--max-model-len", "512", "--num-gpu-blocks-override", "24", "--max-num-seqs", "2",
+           "--dtype", "bfloat16", "--max-model-len", "256", "--max-num-batched-tokens", "256",
+           "--num-gpu-blocks-override", "24", "--max-num-seqs", "2",
            "--seed", "0", "--kv-transfer-config", json.dumps(kv), "--kv-events-config", json.dumps(events_cfg)]
     log_path = tmp / "server.log"
     log = open(log_path, "wb")
