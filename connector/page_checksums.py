@@ -5,9 +5,13 @@ intact from L3), and travels from there: into the L3 record header on backup (th
 payload again) and into the check before an L2 -> L1 load when ``verify_checksums`` is on. The table has one
 entry per slot, so its size is bounded by the pool (``num_slots`` x 25 bytes); the entry also names the page key,
 so a slot that was reused for another page never passes for the old one.
+
+Two threads write it: the worker's step (saves) and the L3 readers (prefetched pages). The table owns its
+consistency: every call holds its lock, so an entry is never seen half written (a new key with the old checksum).
 """
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import numpy as np
@@ -29,6 +33,7 @@ class SlotChecksums:
         self._sums = np.zeros(num_slots, dtype=np.uint64)
         self._keys = np.zeros((num_slots, 16), dtype=np.uint8)  # raw bytes ("S16" would drop trailing NULs)
         self._valid = np.zeros(num_slots, dtype=bool)
+        self._lock = threading.Lock()
 
     def record(self, slot: int, key: bytes, checksum: int) -> None:
         """Slot ``slot`` now holds page ``key`` (16 bytes) whose bytes hash to ``checksum``."""
@@ -36,20 +41,28 @@ class SlotChecksums:
             raise ValueError(f"slot {slot} out of range [0, {self.num_slots})")
         if len(key) != 16:
             raise ValueError(f"page key must be 16 bytes, got {len(key)}")
-        self._sums[slot] = checksum
-        self._keys[slot] = np.frombuffer(key, dtype=np.uint8)
-        self._valid[slot] = True
+        k = np.frombuffer(key, dtype=np.uint8)
+        with self._lock:
+            self._sums[slot] = checksum
+            self._keys[slot] = k
+            self._valid[slot] = True
 
     def get(self, slot: int, key: bytes) -> Optional[int]:
         """The checksum recorded for ``key`` in ``slot``, or None (never recorded, or the slot now holds another
         page)."""
-        if not 0 <= slot < self.num_slots or not self._valid[slot] or self._keys[slot].tobytes() != key:
+        if not 0 <= slot < self.num_slots:
             return None
-        return int(self._sums[slot])
+        with self._lock:
+            if not self._valid[slot] or self._keys[slot].tobytes() != key:
+                return None
+            return int(self._sums[slot])
 
     def forget(self, slot: int) -> None:
+        """Slot ``slot`` holds no known page any more (no-op for a slot out of range)."""
         if 0 <= slot < self.num_slots:
-            self._valid[slot] = False
+            with self._lock:
+                self._valid[slot] = False
 
     def __len__(self) -> int:
-        return int(self._valid.sum())
+        with self._lock:
+            return int(self._valid.sum())
