@@ -15,7 +15,7 @@ What is published (decided after vLLM 0.32's own offloading tiers, ``v1/kv_offlo
   keys: one tierkv page is one vLLM block, so an L2 or L3 event names the same hash, parent hash and token ids as
   vLLM's L1 event for the same tokens. ``block_size``, ``lora_id``, ``lora_name`` and ``extra_keys`` (LoRA name,
   cache salt on the first block, multimodal identifiers) are filled as vLLM fills them; ``group_idx`` is 0 (tierkv
-  serves one KV cache group). A run of consecutive pages of one prefix is one ``BlockStored``.
+  serves one KV cache group) and ``kv_cache_spec_kind`` that group's kind. A run of consecutive pages of one prefix is one ``BlockStored``.
 - Stored: a page gets an L2 copy (saved L1 -> L2, or fetched L3 -> L2), or L3 acknowledged it (backup confirmed, or
   an existence answer found it: what a restarted engine announces for pages an earlier run left in L3).
   Removed: its L2 copy went (eviction, ``reset_cache``, a page dropped after a failed load), or the store told us it
@@ -94,13 +94,17 @@ class TierEvents:
         l3_backend: the L3 store's backend name, or None without L3.
         max_buffered: page events kept between two :meth:`take` calls; later ones are dropped and counted.
         max_pending: described pages not in the index kept (oldest forgotten first).
+        spec_kind: vLLM's ``kv_cache_spec_kind`` of the engine's KV cache group (e.g. ``"full_attention"``), put on
+            every ``BlockStored`` as vLLM puts it on its own.
     """
 
     def __init__(self, resolve: Resolver, *, block_size: int, l3_backend: Optional[str] = None,
-                 max_buffered: int = DEFAULT_MAX_BUFFERED, max_pending: int = DEFAULT_MAX_PENDING):
+                 max_buffered: int = DEFAULT_MAX_BUFFERED, max_pending: int = DEFAULT_MAX_PENDING,
+                 spec_kind: Optional[str] = None):
         self.resolve = resolve
         self.block_size = int(block_size)
         self.l3_backend = l3_backend
+        self.spec_kind = spec_kind
         self.max_buffered = int(max_buffered)
         self.max_pending = int(max_pending)
         self._known: dict[bytes, PageInfo] = {}                    # pages in the index
@@ -210,7 +214,7 @@ class TierEvents:
                     token_ids=[t for p in run for t in p.token_ids], block_size=self.block_size,
                     lora_id=first.lora_id, lora_name=first.lora_name,
                     extra_keys=to_event_extra_keys([p.extra_keys for p in run]), group_idx=0,
-                    **tier_fields[tier]))
+                    kv_cache_spec_kind=self.spec_kind, **tier_fields[tier]))
             else:
                 events.append(BlockRemoved(block_hashes=[p.block_hash for p in run], group_idx=0,
                                            **tier_fields[tier]))

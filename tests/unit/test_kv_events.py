@@ -201,7 +201,8 @@ def test_page_infos_name_the_blocks_as_vllms_own_l1_events_with_lora_and_cache_s
     pool = BlockPool(16, True, P, enable_kv_cache_events=True)
     pool.cache_full_blocks(r, pool.get_new_blocks(3), 0, 3, P, 0)
     l1 = [e for e in pool.take_events() if isinstance(e, BlockStored)]
-    ev = TierEvents(lambda rid, a, b: page_infos(r, a, b, P), block_size=P, l3_backend=None)
+    ev = TierEvents(lambda rid, a, b: page_infos(r, a, b, P), block_size=P, l3_backend=None,
+                    spec_kind="full_attention")
     keys = [bytes([i]) * 16 for i in range(3)]
     ev.describe("r", keys, 0, 3)
     ev.stored(L2, keys)
