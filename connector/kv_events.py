@@ -15,7 +15,8 @@ What is published (decided after vLLM 0.32's own offloading tiers, ``v1/kv_offlo
   keys: one tierkv page is one vLLM block, so an L2 or L3 event names the same hash, parent hash and token ids as
   vLLM's L1 event for the same tokens. ``block_size``, ``lora_id``, ``lora_name`` and ``extra_keys`` (LoRA name,
   cache salt on the first block, multimodal identifiers) are filled as vLLM fills them; ``group_idx`` is 0 (tierkv
-  serves one KV cache group) and ``kv_cache_spec_kind`` that group's kind. A run of consecutive pages of one prefix is one ``BlockStored``.
+  serves one KV cache group) and ``kv_cache_spec_kind`` that group's kind. A run of consecutive pages of one prefix
+  is one ``BlockStored``.
 - Stored: a page gets an L2 copy (saved L1 -> L2, or fetched L3 -> L2), or L3 acknowledged it (backup confirmed, or
   an existence answer found it: what a restarted engine announces for pages an earlier run left in L3).
   Removed: its L2 copy went (eviction, ``reset_cache``, a page dropped after a failed load), or the store told us it
@@ -27,11 +28,12 @@ What is published (decided after vLLM 0.32's own offloading tiers, ``v1/kv_offlo
 
 The index reports only real changes (a page gains or loses a copy), so a page is announced once per tier until it
 leaves it, and a removal is published only for a tier it was announced in (per-page tier bits): the stream is exact
-for a consumer that applies it in order. A page the index forgot and finds again in L3 is announced again. Events are buffered between engine steps in a bounded list: past
-``max_buffered`` page events of one step the rest is dropped and counted (``kv_events_dropped``); the engine never
-waits for a subscriber. Only built when vLLM's KV events are enabled.
+for a consumer that applies it in order. A page the index forgot and finds again in L3 is announced again. Events
+are buffered between engine steps in a bounded list: past ``max_buffered`` page events of one step the rest is
+dropped and counted (``kv_events_dropped``); the engine never waits for a subscriber. Only built when vLLM's KV
+events are enabled.
 
-Engine-free except :func:`page_infos` and :meth:`TierEvents.take_vllm_events`, which import vLLM when called.
+Engine-free except :func:`page_infos` and :meth:`TierEvents.to_vllm`, which import vLLM when called.
 """
 from __future__ import annotations
 
