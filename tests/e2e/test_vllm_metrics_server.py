@@ -203,6 +203,13 @@ def test_request_controls_and_malformed_ones(server, scrapes):
     assert _v(m, "vllm:tierkv_lookup_waiting_tokens") == 0
     assert sum(_outcomes(m).values()) == _v(m, "vllm:tierkv_lookup_tokens_total")
     assert _v(m, "vllm:tierkv_reuse_distance_seconds_count", tier="L2") == DOC_PAGES        # A2's hit
+    # vLLM never lets a request with prompt logprobs read a cache: it is not counted (nor saved: it asks not to be)
+    r = requests.post(f"{base}/v1/completions", timeout=300, json={
+        "model": model, "prompt": doc, "max_tokens": 1, "prompt_logprobs": 1,
+        "kv_transfer_params": {"tierkv": {"save": False}}})
+    assert r.status_code == 200, r.text
+    m2 = _scrape(base)
+    assert _v(m2, "vllm:tierkv_lookup_tokens_total") == 4 * tokens and _outcomes(m2) == _outcomes(m)
     for bad, field in (({"save": "no"}, "kv_transfer_params.tierkv.save"),
                        ({"load_max_token": 64}, "kv_transfer_params.tierkv.load_max_token")):
         r = requests.post(f"{base}/v1/completions", timeout=60, json={
