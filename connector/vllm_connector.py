@@ -695,7 +695,12 @@ class TierKVConnector(KVConnectorBase_V1):
         def resolve(req_id: str, start: int, end: int):
             return page_infos(self._requests.get(req_id), start, end, self.block_size, hash_block_size)
 
-        events = TierEvents(resolve, block_size=self.block_size,
+        try:
+            from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
+            kind = get_kv_cache_spec_kind(self.spec).value
+        except Exception:  # a vLLM without the helper: the events go out without it
+            kind = None
+        events = TierEvents(resolve, block_size=self.block_size, spec_kind=kind,
                             l3_backend=self.cfg.l3.backend if self.use_l3 else None)
         self._sched.index.events = events
         return events

@@ -157,7 +157,8 @@ def test_a_document_is_announced_in_l1_l2_l3_and_its_l2_eviction_in_l2_only(serv
     for medium, owner in (("CPU", None), ("STORAGE", "L3:file")):
         ours = [e for e in sub.events if isinstance(e, BlockStored) and e.medium == medium]
         assert stored_hashes(ours, medium) == a_hashes, medium
-        assert all(e.block_size == P and e.ownership == owner for e in ours)
+        assert all(e.block_size == P and e.ownership == owner and e.group_idx == 0 for e in ours)
+        assert {e.kv_cache_spec_kind for e in ours} == {e.kv_cache_spec_kind for e in l1} == {"full_attention"}
         parent = None
         for e in ours:  # same parents and tokens as vLLM's L1 events for these blocks
             assert e.parent_block_hash == a_blocks[e.block_hashes[0]][0]
