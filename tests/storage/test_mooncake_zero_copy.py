@@ -213,6 +213,7 @@ def test_zero_copy_set_with_checksums_stores_exact_records_without_hashing(zc, m
     assert b.batch_set(ks, pages, checksums=sums) == [True] * 6
     assert big == [] and puts == [6]
     monkeypatch.setattr(xxhash, "xxh3_64_intdigest", real)
+    monkeypatch.setattr(b, "_store", client)  # the real client again before the fixture closes the store
     st = b.stats()
     assert st["zero_copy_sets"] == 6 and st["staged_sets"] == 0, st
     for k, p in zip(ks, pages):
