@@ -33,6 +33,8 @@ from __future__ import annotations
 import abc
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Sequence, Union
 
+from tierkv.storage_backends.common import as_byte_view
+
 if TYPE_CHECKING:  # no torch import at run time: the cache server process stays small and starts fast
     import torch
 
@@ -85,6 +87,18 @@ class StorageBackend(abc.ABC):
         makes that page a miss when read. Raises ValueError for a bad key, a buffer of the wrong size or a
         ``checksums`` of the wrong length or type (:func:`~tierkv.storage_backends.page_format.check_checksums`).
         ``tokens``: see :class:`PageTokens`."""
+
+    def _views(self, keys: Sequence[str], buffers: Sequence[Buffer], writable: bool, what: str) -> list[memoryview]:
+        """The buffer checks every ``batch_get`` (``writable``, ``what="destinations"``) and ``batch_set``
+        (``what="sources"``) starts with: one buffer per key, each a contiguous CPU buffer of ``page_bytes`` bytes.
+        Returns their flat byte views (:func:`~tierkv.storage_backends.common.as_byte_view`, no copy).
+
+        Raises:
+            ValueError: a length mismatch or a bad buffer (named ``<what>[i]``).
+        """
+        if len(keys) != len(buffers):
+            raise ValueError(f"{len(keys)} keys but {len(buffers)} {what}")
+        return [as_byte_view(b, self.page_bytes, writable, f"{what}[{i}]") for i, b in enumerate(buffers)]
 
     def register_host_buffer(self, buffer: Buffer) -> bool:
         """Declare ``buffer`` (e.g. the whole host pool: a contiguous CPU ``torch.uint8`` tensor of any size) as

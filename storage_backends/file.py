@@ -490,11 +490,8 @@ class FileStore(StorageBackend):
         ValueError for a bad key, a length mismatch between ``keys`` and ``destinations`` or a buffer of the wrong
         size."""
         kraws = self._check_keys(keys)
-        if len(keys) != len(destinations):
-            raise ValueError(f"{len(keys)} keys but {len(destinations)} destinations")
         pb = self.page_bytes
-        views = [as_byte_view(d, pb, writable=True, what=f"destinations[{i}]")
-                 for i, d in enumerate(destinations)]
+        views = self._views(keys, destinations, True, "destinations")
         if self._closed:
             return [False] * len(keys)
         out = [False] * len(keys)
@@ -650,11 +647,8 @@ class FileStore(StorageBackend):
         makes that record fail verification on read (a miss; the record is quarantined). Raises ValueError for a bad
         key, a length mismatch, a buffer of the wrong size or bad ``checksums``."""
         kraws = self._check_keys(keys)
-        if len(keys) != len(sources):
-            raise ValueError(f"{len(keys)} keys but {len(sources)} sources")
         sums = check_checksums(checksums, len(keys))
-        views = [as_byte_view(s, self.page_bytes, writable=False, what=f"sources[{i}]")
-                 for i, s in enumerate(sources)]
+        views = self._views(keys, sources, False, "sources")
         if self._closed or self.cfg.read_only:
             with self._lock:
                 self.counters["set_failures"] += len(keys)

@@ -61,7 +61,7 @@ import zmq
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from tierkv.storage_backends.base import Buffer, PageTokens, StorageBackend
-from tierkv.storage_backends.common import (ConfigError, Counters, RateLimitedLog, as_byte_view, check_store_identity,
+from tierkv.storage_backends.common import (ConfigError, Counters, RateLimitedLog, check_store_identity,
                                              config_error)
 from tierkv.storage_backends.page_format import (HEADER_BYTES, PageFormatError, check_checksums, check_key,
                                                  decode_header, encode_headers, verify_payload)
@@ -559,10 +559,8 @@ class LMCacheStore(StorageBackend):
         A page is copied only after its header (namespace, key, length) and payload XXH3-64 verify; the destination
         of a miss is left untouched. ``tokens``: see :class:`PageTokens`. Raises ValueError for bad keys, buffers or
         tokens (caller bugs)."""
-        if len(keys) != len(destinations):
-            raise ValueError(f"batch_get: {len(keys)} keys but {len(destinations)} destinations")
         self._check_keys(keys)
-        dsts = [as_byte_view(d, self.page_bytes, True, f"destinations[{i}]") for i, d in enumerate(destinations)]
+        dsts = self._views(keys, destinations, True, "destinations")
         res = [False] * len(keys)
         if not keys:
             return res
@@ -628,11 +626,9 @@ class LMCacheStore(StorageBackend):
         into the slot the server reserved in its shared memory, then published with ``commit_store``; a set that
         fails before the commit leaves nothing visible. ``checksums``, ``tokens``: see
         :meth:`StorageBackend.batch_set`. Raises ValueError for bad keys, buffers, checksums or tokens."""
-        if len(keys) != len(sources):
-            raise ValueError(f"batch_set: {len(keys)} keys but {len(sources)} sources")
         kraw = self._check_keys(keys)
         sums = check_checksums(checksums, len(keys))
-        srcs = [as_byte_view(b, self.page_bytes, False, f"sources[{i}]") for i, b in enumerate(sources)]
+        srcs = self._views(keys, sources, False, "sources")
         res = [False] * len(keys)
         if keys:
             groups = self._groups(keys, tokens)

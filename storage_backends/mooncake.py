@@ -68,7 +68,7 @@ import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tierkv.storage_backends.base import Buffer, PageTokens, StorageBackend
-from tierkv.storage_backends.common import (ConfigError, Counters, RateLimitedLog, as_byte_view, check_store_identity,
+from tierkv.storage_backends.common import (ConfigError, Counters, RateLimitedLog, check_store_identity,
                                              config_error, parse_bytes)
 from tierkv.storage_backends.page_format import (
     HEADER_BYTES,
@@ -577,10 +577,7 @@ class MooncakeStore(StorageBackend):
         """Fetch, verify and copy pages into ``destinations`` (writable, ``page_bytes`` each). A destination is
         written only for a verified hit."""
         names = self._check_keys(keys)
-        if len(destinations) != len(names):
-            raise ValueError(f"batch_get: {len(names)} keys but {len(destinations)} destinations")
-        dsts = [np.frombuffer(as_byte_view(d, self.page_bytes, True, f"destination {i}"), dtype=np.uint8)
-                for i, d in enumerate(destinations)]
+        dsts = [np.frombuffer(v, dtype=np.uint8) for v in self._views(keys, destinations, True, "destinations")]
         out = [False] * len(names)
         for a, b in self._chunks(len(names)):
             bad = self._get_chunk(keys, names, dsts, list(range(a, b)), out, recheck=True)
@@ -653,10 +650,8 @@ class MooncakeStore(StorageBackend):
         payload is hashed); a wrong one makes that record fail verification on read (a miss; the object is
         removed with ``remove_corrupt``). Raises ValueError for bad keys, buffers or ``checksums``."""
         names = self._check_keys(keys)
-        if len(sources) != len(names):
-            raise ValueError(f"batch_set: {len(names)} keys but {len(sources)} sources")
         sums = check_checksums(checksums, len(names))
-        srcs = [as_byte_view(s, self.page_bytes, False, f"source {i}") for i, s in enumerate(sources)]
+        srcs = self._views(keys, sources, False, "sources")
         out = [False] * len(names)
         for a, b in self._chunks(len(names)):
             direct, staged = [], []

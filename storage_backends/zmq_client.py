@@ -46,7 +46,6 @@ import time
 import weakref
 from typing import Any, Callable, Optional, Sequence
 
-import torch
 import zmq
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
@@ -205,39 +204,6 @@ def check_options(cfg: dict, page_bytes: Optional[int] = None) -> ZmqStoreConfig
         return ZmqStoreConfig.model_validate(cfg, context={"page_bytes": page_bytes})
     except ValidationError as e:
         raise config_error(e, "l3.zmq", ZmqStoreConfig) from None
-
-
-def _byte_view(buf: Any, page_bytes: int, writable: bool, what: str, i: int) -> memoryview:
-    """A flat uint8 memoryview of ``buf`` (torch CPU tensor, memoryview, bytearray, bytes) of ``page_bytes`` bytes.
-
-    Raises:
-        ValueError: wrong size, non-contiguous or non-CPU tensor, read-only destination.
-    """
-    if (type(buf) is torch.Tensor and buf.dtype is torch.uint8 and buf.dim() == 1 and buf.is_contiguous()
-            and buf.device.type == "cpu" and not buf.requires_grad):
-        mv = memoryview(buf.numpy())  # fast path: a host-pool page as the pool hands it out
-    elif isinstance(buf, torch.Tensor):
-        if buf.device.type != "cpu":
-            raise ValueError(f"{what}[{i}] must be a CPU tensor, got device {buf.device}")
-        if not buf.is_contiguous():
-            raise ValueError(f"{what}[{i}] must be a contiguous tensor")
-        t = buf.detach()
-        if t.dtype != torch.uint8:
-            t = t.reshape(-1).view(torch.uint8)
-        mv = memoryview(t.reshape(-1).numpy())
-    else:
-        try:
-            mv = memoryview(buf)
-        except TypeError:
-            raise ValueError(f"{what}[{i}] of type {type(buf).__name__} is not a buffer") from None
-        if not mv.contiguous:
-            raise ValueError(f"{what}[{i}] must be contiguous")
-        mv = mv.cast("B") if (mv.format != "B" or mv.ndim != 1) else mv
-    if mv.nbytes != page_bytes:
-        raise ValueError(f"{what}[{i}] has {mv.nbytes} bytes, expected page_bytes={page_bytes}")
-    if writable and mv.readonly:
-        raise ValueError(f"{what}[{i}] is read-only")
-    return mv
 
 
 def _remove_segment(path: str, mm: mmap.mmap, pid: int) -> None:
@@ -651,11 +617,9 @@ class ZmqStore(StorageBackend):
         shared memory, the destination is not), so a page that fails leaves garbage in its destination, as with
         the file store; a key the server does not hold leaves it untouched.
         Raises ValueError for bad keys or buffers (caller bugs)."""
-        if len(keys) != len(destinations):
-            raise ValueError(f"batch_get: {len(keys)} keys but {len(destinations)} destinations")
         for k in keys:
             check_key(k)
-        dsts = [_byte_view(d, self.page_bytes, True, "destinations", i) for i, d in enumerate(destinations)]
+        dsts = self._views(keys, destinations, True, "destinations")
         res = [False] * len(keys)
         if self._shm_on:
             with self._lock:
@@ -786,11 +750,9 @@ class ZmqStore(StorageBackend):
         written into the headers as given (no payload is hashed; the server does not check payloads, so a wrong
         value is found by the reader: a miss). Raises ValueError for bad keys, buffers or ``checksums`` (caller
         bugs)."""
-        if len(keys) != len(sources):
-            raise ValueError(f"batch_set: {len(keys)} keys but {len(sources)} sources")
         kraw = [check_key(k) for k in keys]
         sums = check_checksums(checksums, len(keys))
-        srcs = [_byte_view(b, self.page_bytes, False, "sources", i) for i, b in enumerate(sources)]
+        srcs = self._views(keys, sources, False, "sources")
         n = len(keys)
         res = [False] * n
         if self._shm_on:
