@@ -163,7 +163,9 @@ def table(data: dict) -> str:
     return "\n".join(lines)
 
 
-def write_readme(data: dict) -> None:
+def render_section(data: dict) -> str:
+    """The ``## l3_hit_ttft`` section of ``benchmarks/README.md``, drawn from ``data`` alone (refused by
+    ``results_check.ResultsError`` for a file without a commit, measured on uncommitted code, or lacking keys)."""
     results_check.check_results(data, {"params": None, "code": {"commit": None, "dirty": None}, "phases": None,
                                        "summary": None, "conditions": None}, f"{SECTION}.json")
     p, cond = data["params"], data["conditions"]
@@ -190,6 +192,12 @@ Measured {data['started_at']} on tierkv commit `{results_check.short(data['code'
 .venv/bin/python benchmarks/l3_hit_ttft.py --readme-from benchmarks/results/l3_hit_ttft.json
 ```
 """
+    return body
+
+
+def write_readme(data: dict) -> None:
+    """Replace (or add, before "Measurements behind code choices") the section in ``benchmarks/README.md``."""
+    body = render_section(data)
     text = README.read_text()
     start = text.find(f"## {SECTION}\n")
     if start < 0:
