@@ -125,7 +125,9 @@ def run_job(
     Each workload is a dict with ``name`` and either
 
     - ``"prompts": list[list[int]]`` (token ids), optional ``"sequential": bool`` (default True: one request
-      at a time, timed; False: all in one ``LLM.generate`` call), optional ``"max_tokens"``; or
+      at a time, timed; False: all in one ``LLM.generate`` call), optional ``"max_tokens"``, optional
+      ``"extend": NAME`` (an earlier prompts workload: prompt ``i`` sent is that workload's prompt ``i``, its output
+      ``i`` and then prompt ``i`` given here, so a later round can reuse pages the engine wrote while decoding); or
     - ``"chats": list[list[list[int]]]`` (per chat, the user messages as token ids): turn ``t`` of every
       chat is sent (chats interleaved, turn-major), its prompt being the chat's previous prompt, the model's
       previous answer (generated ids) and user message ``t``.
@@ -467,6 +469,7 @@ def _child(job_path: str, result_path: str) -> None:
         return snap
 
     results: dict[str, dict] = {}
+    sent: dict[str, list] = {}   # the prompts each prompts workload sent (for ``extend``)
     for w in job["workloads"]:
         if "barrier" in w:
             Path(str(w["barrier"]) + ".reached").touch()
@@ -480,14 +483,21 @@ def _child(job_path: str, result_path: str) -> None:
         before = counters()
         t_w = time.monotonic()
         extra_cols: dict[str, list] = {}
-        if "prompts" in w and w.get("sequential", True):
-            rows = [one(p, max_tokens) for p in w["prompts"]]
-        elif "prompts" in w:
-            outs = llm.generate([_tokens_prompt(p) for p in w["prompts"]], params(max_tokens),
+        prompts = w.get("prompts")
+        if prompts is not None and "extend" in w:
+            base = sent[w["extend"]]
+            prompts = [list(b) + list(results[w["extend"]]["outputs"][i]) + list(p)
+                       for i, (b, p) in enumerate(zip(base, prompts))]
+        if prompts is not None:
+            sent[w["name"]] = prompts
+        if prompts is not None and w.get("sequential", True):
+            rows = [one(p, max_tokens) for p in prompts]
+        elif prompts is not None:
+            outs = llm.generate([_tokens_prompt(p) for p in prompts], params(max_tokens),
                                 use_tqdm=False)
             rows = [{"output": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens,
                      "ttft_s": None, "latency_s": None, "finish_reason": o.outputs[0].finish_reason,
-                     "prompt_len": _prompt_len(p)} for o, p in zip(outs, w["prompts"])]
+                     "prompt_len": _prompt_len(p)} for o, p in zip(outs, prompts)]
         else:
             chats = w["chats"]
             history = [[] for _ in chats]
