@@ -666,7 +666,7 @@ def readme_section(res: dict[str, Any], source: str = "benchmarks/results/gpu_ch
                            ("round trip", "round_trip", "pages loaded back bit-identical")):
         part = p[key]
         if part["status"] != "measured":
-            out.append(f"| {name} | {tgt} | {part['status']} {part.get('reason', '')} |")
+            out.append(f"| {name} | {tgt} | {(part['status'] + ' ' + part.get('reason', '')).strip()} |")
             continue
         detail = ""
         if key == "overlap":
@@ -710,7 +710,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--pinned-probe", nargs=2, metavar=("GIB", "HOW"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.readme_from:
-        print(readme_section(json.loads(Path(args.readme_from).read_text()), args.readme_from), end="")
+        src = Path(args.readme_from).resolve()
+        shown = src.relative_to(ROOT) if src.is_relative_to(ROOT) else Path("benchmarks/results") / src.name
+        print(readme_section(json.loads(src.read_text()), str(shown)), end="")
         return 0
     if args.pinned_probe:
         print(json.dumps(pinned_probe(int(args.pinned_probe[0]), args.pinned_probe[1])))

@@ -1,0 +1,98 @@
+"""``benchmarks/gpu_check.py --quick`` on this machine's CPU under ``TRITON_INTERPRET=1`` (the interpreter is picked
+when triton is imported, hence a subprocess): the one command prepared for a CUDA machine keeps running between GPU
+runs. Its JSON must hold every correctness case passed (Triton = torch, bit for bit), the controller round trip
+through a file L3 passed for every host layout, and the CUDA-only parts reported as not measured, not failed; its
+``--readme-from`` renders a README section from a result file alone."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    """(result dict, stdout, seconds) of one quick run."""
+    out = tmp_path_factory.mktemp("gpu_check") / "quick.json"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out)], env=env, capture_output=True,
+                       text=True, timeout=300)
+    took = time.perf_counter() - t0
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return json.loads(out.read_text()), r.stdout, took
+
+
+def test_quick_run_passes_every_correctness_case_and_the_round_trip(quick):
+    res, stdout, took = quick
+    assert took < 60, f"quick mode took {took:.0f} s"
+    assert res["mode"] == "quick" and res["passed"] is True
+    m = res["machine"]
+    assert m["triton_interpret"] is True and m["device"] == "cpu"
+    for key in ("torch", "triton", "cuda", "gpu", "driver", "python"):
+        assert key in m
+    c = res["parts"]["correctness"]
+    assert c["passed"] is True and c["n_failed"] == 0 and c["n_not_run"] == 0
+    cases = c["cases"]
+    assert all(x["passed"] and x["save_equal"] and x["load_equal"] and x["round_trip_restored"] for x in cases)
+    # every host layout x GPU KV layout x dtype, all layers and a subset, one and two kernel blocks per page
+    assert {x["host_layout"] for x in cases} == {"layer_first", "page_first", "page_first_direct"}
+    assert {x["device_layout"] for x in cases} == {"flash_attn_nhd", "flashinfer_hnd", "mla"}
+    assert {x["dtype"] for x in cases} == {"bf16", "fp8_e4m3", "fp8_as_uint8"}
+    assert {str(x["layers"]) for x in cases} == {"all", "[1]"}
+    assert {x["kernel_blocks_per_page"] for x in cases} == {1, 2}
+    assert len(cases) == 3 * 3 * 3 * 2 * 2
+    for x in cases:  # random non-contiguous block ids
+        assert sorted(x["blocks"]) != list(range(min(x["blocks"]), min(x["blocks"]) + len(x["blocks"]))) \
+            or sorted(x["load_blocks"]) != list(range(min(x["load_blocks"]), min(x["load_blocks"]) + 3))
+    rt = res["parts"]["round_trip"]
+    assert rt["status"] == "measured" and rt["passed"] is True
+    assert [r["host_layout"] for r in rt["runs"]] == ["layer_first", "page_first", "page_first_direct"]
+    for r in rt["runs"]:
+        assert r["passed"] and r["l1_empty_before_load"]
+        assert r["backed_up_pages"] == r["prefetch_loaded_pages"] == r["pages"]
+        assert r["l1"].endswith("flash/LBNHC")
+    for part in ("bandwidth", "overlap", "pinned"):
+        assert res["parts"][part]["status"] == "cpu: not measured" and res["parts"][part]["passed"] is None
+    assert "correctness  PASS: 108/108" in stdout and "overall      PASS" in stdout
+
+
+def test_readme_section_renders_from_the_result_file(quick, tmp_path):
+    res = quick[0]
+    # a CUDA-shaped result: the measured parts' fields as the script writes them (values made up for the render)
+    gpu = copy.deepcopy(res)
+    gpu["machine"].update(gpu="NVIDIA H200", driver="580.159.04", cuda="13.0")
+    row = {"device_layout": "flash_attn_nhd", "host_layout": "layer_first", "page_bytes": 65536, "passed": False,
+           "save": {"kernel_gbps": 40.0, "copy_gbps": 50.0, "ratio": 0.8, "passed": True},
+           "load": {"kernel_gbps": 30.0, "copy_gbps": 50.0, "ratio": 0.6, "passed": False}}
+    gpu["parts"]["bandwidth"] = {"status": "measured", "passed": False, "rows": [row], "n_failed": 1}
+    gpu["parts"]["overlap"] = {"status": "measured", "passed": True, "slowdown": 0.012, "transfer_hidden": 0.97}
+    gpu["parts"]["pinned"] = {"status": "measured", "passed": False, "rows": [
+        {"gib": 5, "how": "hostpool", "taken_bytes": 8 * 2**30, "taken_over_requested": 1.6, "passed": False}]}
+    gpu["passed"] = False
+    path = tmp_path / "gpu_check.json"
+    path.write_text(json.dumps(gpu))
+    r = subprocess.run([sys.executable, str(SCRIPT), "--readme-from", str(path)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    md = r.stdout
+    assert md.startswith("## gpu_check\n")
+    assert "NVIDIA H200 (driver 580.159.04" in md and "Overall: **FAIL**" in md
+    assert "| correctness | Triton = torch reference, bit for bit | PASS: 108/108 cases, 0 not run |" in md
+    assert "| 64 KiB | flash_attn_nhd | layer_first | 40.0 | 50.0 | 0.8 | 30.0 | 50.0 | 0.6 |" in md
+    assert "slowdown 1.2%, transfer hidden 97%" in md
+    assert "| 5 GiB | hostpool | 8.00 GiB | 1.6 | FAIL |" in md
+    # the CPU result renders too, its CUDA-only parts named as not measured
+    path.write_text(json.dumps(res))
+    r = subprocess.run([sys.executable, str(SCRIPT), "--readme-from", str(path)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and "| bandwidth | >= 0.8 of a contiguous pinned copy | cpu: not measured |" in r.stdout
