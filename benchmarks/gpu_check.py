@@ -4,6 +4,10 @@
     TRITON_INTERPRET=1 python benchmarks/gpu_check.py --quick --out /tmp/q.json   # CPU (CI): tiny shapes
     python benchmarks/gpu_check.py --readme-from gpu_check.json    # prints a "## gpu_check" README section
 
+``--readme-from`` runs in the checkout: a result from the GPU machine (a copy of the working tree without ``.git``)
+records the git blob hashes of its code files, and the section names the commit whose files they are; a result of
+uncommitted code, a ``--quick`` run or a file lacking a key is refused (``results_check.check_results``).
+
 Five parts, each recorded with its target and a pass/fail (``passed``: true, false, or null when not measured)
 in one JSON file, and summed up on stdout:
 
@@ -601,6 +605,75 @@ def round_trip(torch, device, quick: bool, pydantic_from: str) -> dict[str, Any]
             "runs": runs, "passed": all(r["passed"] for r in runs)}
 
 
+# ---------------------------------------------------------------------------------------------- code identity
+#: folders whose .py/.yaml files make up the code a run measured (blob hashes recorded in the result)
+CODE_DIRS = ("connector", "kernels", "storage_backends", "tierkv", "configs", "benchmarks", "tests/unit")
+
+
+def _git_blob_sha(data: bytes) -> str:
+    import hashlib
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def code_files(root: Path = ROOT) -> dict[str, str]:
+    """``{path: git blob sha1}`` of the code files under :data:`CODE_DIRS` (the GPU machine gets a copy of the
+    working tree without ``.git``: these hashes let ``--readme-from``, run in the checkout, name the commit)."""
+    out = {}
+    for d in CODE_DIRS:
+        for f in sorted((root / d).rglob("*")):
+            if f.suffix in (".py", ".yaml") and "__pycache__" not in f.parts and f.is_file():
+                out[f.relative_to(root).as_posix()] = _git_blob_sha(f.read_bytes())
+    return out
+
+
+def commit_of(files: dict[str, str], repo: Path = ROOT, depth: int = 300) -> Optional[str]:
+    """The newest of the last ``depth`` commits of ``repo`` whose code files (:data:`CODE_DIRS`, .py/.yaml) are
+    exactly ``files``; None when none is (the run measured uncommitted code)."""
+    try:
+        revs = subprocess.run(["git", "rev-list", "-n", str(depth), "HEAD"], cwd=repo, capture_output=True,
+                              text=True, check=True, timeout=60).stdout.split()
+        for rev in revs:
+            ls = subprocess.run(["git", "ls-tree", "-r", rev, "--", *CODE_DIRS], cwd=repo, capture_output=True,
+                                text=True, check=True, timeout=60).stdout
+            tree = {}
+            for line in ls.splitlines():
+                meta, _, path = line.partition("\t")
+                if path.endswith((".py", ".yaml")):
+                    tree[path] = meta.split()[2]
+            if tree == files:
+                return rev
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return None
+
+
+#: keys ``--readme-from`` needs (results_check.check_results refuses a file without them)
+README_SCHEMA = {"mode": None, "quick": None, "machine": {"gpu": None, "driver": None, "torch": None, "triton": None,
+                                                          "cuda": None, "python": None},
+                 "wall_s": None, "passed": None, "code": {"commit": None, "dirty": None},
+                 "parts": {"correctness": {"passed": None, "cases": None, "n_cases": None, "n_failed": None,
+                                           "n_not_run": None},
+                           "bandwidth": {"status": None, "passed": None}, "overlap": {"status": None, "passed": None},
+                           "pinned": {"status": None, "passed": None},
+                           "round_trip": {"status": None, "passed": None}}}
+
+
+def checked_for_readme(res: dict[str, Any], name: str, repo: Path = ROOT) -> dict[str, Any]:
+    """``res`` ready for a README table: when it ran outside a git checkout (the GPU machine), its commit is found
+    from its code files' hashes (:func:`commit_of`); then ``results_check.check_results`` (every key present, a
+    commit, no dirty code, not --quick) must pass. Raises ``results_check.ResultsError`` naming what is wrong."""
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    from results_check import check_results
+    code = res.get("code") or {}
+    if not code.get("commit") and code.get("files"):
+        found = commit_of(code["files"], repo)
+        res = dict(res, code=dict(code, commit=found, dirty=[] if found else
+                                  ["(code files match no recent commit of this checkout)"]))
+    check_results(res, README_SCHEMA, name)
+    return res
+
+
 # ---------------------------------------------------------------------------------------------- report
 def _fmt_pass(p) -> str:
     return "n/a" if p is None else ("PASS" if p else "FAIL")
@@ -710,9 +783,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--pinned-probe", nargs=2, metavar=("GIB", "HOW"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.readme_from:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
         src = Path(args.readme_from).resolve()
         shown = src.relative_to(ROOT) if src.is_relative_to(ROOT) else Path("benchmarks/results") / src.name
-        print(readme_section(json.loads(src.read_text()), str(shown)), end="")
+        from results_check import ResultsError
+        try:
+            res = checked_for_readme(json.loads(src.read_text()), str(shown))
+        except ResultsError as e:
+            print(f"gpu_check: {e}", file=sys.stderr)
+            return 2
+        print(readme_section(res, str(shown)), end="")
         return 0
     if args.pinned_probe:
         print(json.dumps(pinned_probe(int(args.pinned_probe[0]), args.pinned_probe[1])))
@@ -728,9 +808,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from results_check import code_state
-    res: dict[str, Any] = {"schema": 1, "mode": "quick" if args.quick else "full",
+    code = code_state(ROOT)
+    code["files"] = code_files(ROOT)
+    res: dict[str, Any] = {"schema": 1, "mode": "quick" if args.quick else "full", "quick": args.quick,
                            "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                           "machine": machine_info(torch, device), "tierkv": found, "code": code_state(ROOT),
+                           "machine": machine_info(torch, device), "tierkv": found, "code": code,
                            "budget_s": args.budget_s, "parts": {}}
     parts = res["parts"]
     # the budget share kept for the parts after each one (seconds left at which a part stops)

@@ -6,6 +6,7 @@ through a file L3 passed for every host layout, and the CUDA-only parts reported
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import os
 import subprocess
@@ -66,10 +67,36 @@ def test_quick_run_passes_every_correctness_case_and_the_round_trip(quick):
     assert "correctness  PASS: 108/108" in stdout and "overall      PASS" in stdout
 
 
+def _head_code_files() -> tuple[str, dict[str, str]]:
+    """HEAD's commit and its code files as ``gpu_check.code_files`` records them, read from git (not the tree)."""
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    gc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gc)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    ls = subprocess.run(["git", "ls-tree", "-r", "HEAD", "--", *gc.CODE_DIRS], cwd=ROOT, capture_output=True,
+                        text=True, check=True).stdout
+    files = {}
+    for line in ls.splitlines():
+        meta, _, path = line.partition("\t")
+        if path.endswith((".py", ".yaml")):
+            files[path] = meta.split()[2]
+    return head, files
+
+
+def _readme(path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), "--readme-from", str(path)], capture_output=True, text=True,
+                          timeout=120)
+
+
 def test_readme_section_renders_from_the_result_file(quick, tmp_path):
     res = quick[0]
-    # a CUDA-shaped result: the measured parts' fields as the script writes them (values made up for the render)
+    assert res["code"]["files"]["kernels/triton_impl.py"]  # the run records its code files' blob hashes
+    # a CUDA-shaped full result from a machine without .git: the measured parts' fields as the script writes them
+    # (values made up for the render), code files those of HEAD
+    head, files = _head_code_files()
     gpu = copy.deepcopy(res)
+    gpu.update(mode="full", quick=False, code={"commit": None, "dirty": ["(not a git checkout)"], "files": files})
     gpu["machine"].update(gpu="NVIDIA H200", driver="580.159.04", cuda="13.0")
     row = {"device_layout": "flash_attn_nhd", "host_layout": "layer_first", "page_bytes": 65536, "passed": False,
            "save": {"kernel_gbps": 40.0, "copy_gbps": 50.0, "ratio": 0.8, "passed": True},
@@ -81,18 +108,39 @@ def test_readme_section_renders_from_the_result_file(quick, tmp_path):
     gpu["passed"] = False
     path = tmp_path / "gpu_check.json"
     path.write_text(json.dumps(gpu))
-    r = subprocess.run([sys.executable, str(SCRIPT), "--readme-from", str(path)], capture_output=True, text=True,
-                       timeout=120)
+    r = _readme(path)
     assert r.returncode == 0, r.stderr[-2000:]
     md = r.stdout
     assert md.startswith("## gpu_check\n")
+    assert f"commit {head[:10]}" in md    # named from the code files' hashes
     assert "NVIDIA H200 (driver 580.159.04" in md and "Overall: **FAIL**" in md
     assert "| correctness | Triton = torch reference, bit for bit | PASS: 108/108 cases, 0 not run |" in md
     assert "| 64 KiB | flash_attn_nhd | layer_first | 40.0 | 50.0 | 0.8 | 30.0 | 50.0 | 0.6 |" in md
     assert "slowdown 1.2%, transfer hidden 97%" in md
     assert "| 5 GiB | hostpool | 8.00 GiB | 1.6 | FAIL |" in md
-    # the CPU result renders too, its CUDA-only parts named as not measured
-    path.write_text(json.dumps(res))
-    r = subprocess.run([sys.executable, str(SCRIPT), "--readme-from", str(path)], capture_output=True, text=True,
-                       timeout=120)
+    # a CPU full result renders too, its CUDA-only parts named as not measured
+    cpu = dict(gpu, parts=res["parts"], passed=True)
+    path.write_text(json.dumps(cpu))
+    r = _readme(path)
     assert r.returncode == 0 and "| bandwidth | >= 0.8 of a contiguous pinned copy | cpu: not measured |" in r.stdout
+
+
+def test_readme_refuses_uncommitted_code_quick_runs_and_missing_keys(quick, tmp_path):
+    res = quick[0]
+    head, files = _head_code_files()
+    full = dict(copy.deepcopy(res), mode="full", quick=False)
+    path = tmp_path / "r.json"
+    changed = dict(files, **{"kernels/triton_impl.py": "0" * 40})   # code that no commit holds
+    path.write_text(json.dumps(dict(full, code={"commit": None, "dirty": ["(not a git checkout)"],
+                                                "files": changed})))
+    r = _readme(path)
+    assert r.returncode == 2 and "match no recent commit" in r.stderr and not r.stdout
+    path.write_text(json.dumps(dict(res, code={"commit": None, "dirty": [], "files": files})))  # the quick run
+    r = _readme(path)
+    assert r.returncode == 2 and "--quick smoke run" in r.stderr
+    broken = copy.deepcopy(full)
+    broken["code"] = {"commit": head, "dirty": []}
+    del broken["parts"]["overlap"]
+    path.write_text(json.dumps(broken))
+    r = _readme(path)
+    assert r.returncode == 2 and "parts.overlap" in r.stderr
