@@ -88,12 +88,27 @@ class TierKVConfig(_Strict):
     layerwise_load: bool = False
     verify_checksums: bool = False
     stats_path: Optional[str] = None
+    trace_path: Optional[str] = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @field_validator("stats_path")
     @classmethod
     def _expand(cls, v: Optional[str]) -> Optional[str]:
         return os.path.expanduser(v) if v else v
+
+    @field_validator("trace_path")
+    @classmethod
+    def _trace_file(cls, v: Optional[str]) -> Optional[str]:
+        # a file the scheduler side can create: not empty, not a directory, in a directory that exists
+        if v is None:
+            return v
+        p = os.path.expanduser(v)
+        if not p.strip() or p.endswith(os.sep) or os.path.isdir(p):
+            raise ValueError("must name a file to write the lookup trace to (not a directory, not empty)")
+        parent = os.path.dirname(os.path.abspath(p))
+        if not os.path.isdir(parent):
+            raise ValueError(f"its directory {parent!r} does not exist")
+        return p
 
     def host_pool_bytes(self, page_bytes: int, available_bytes: Optional[int] = None) -> int:
         """Bytes of DRAM for L2 given the size of one page (all layers, bytes).

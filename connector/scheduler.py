@@ -169,6 +169,8 @@ class CacheScheduler:
         # later save or staging slot of the same plan can evict them and be handed their slot (docs §8 R41)
         self._plan_locks: list[RadixNode] = []
         self._l3_since: dict[str, int] = {}  # request -> plans built when its lookup first waited for / hit L3
+        #: the lookup trace writer (config ``trace_path``, :class:`tierkv.connector.lookup_trace.LookupTrace`) or None
+        self.trace = None
         self.ctl: Optional[Controller] = None
         if controller is not None and num_slots > 0:
             self.ctl = Controller(self.index, self.allocator, page_size=page_size, lookup_stats=self.lookup_stats,
@@ -281,7 +283,16 @@ class CacheScheduler:
         from_l2 = 0 if (st.async_hit and self.ctl is not None) else num_external_tokens  # L3 hits: ctl counters
         if not st.counted and st.reads:
             st.counted = True
-            self._count_lookup(st, c, num_external_tokens)
+            if self.trace is None:
+                self._count_lookup(st, c, num_external_tokens)
+            else:  # the lookup trace (trace_path): this lookup's page keys and where its tokens went
+                ls = self.lookup_stats
+                before, waiting = dict(ls.tokens), ls.waiting
+                self._count_lookup(st, c, num_external_tokens)
+                outcome = {k: v - before[k] for k, v in ls.tokens.items()}
+                outcome["l3"] += ls.waiting - waiting
+                self.trace.lookup(st.keys.extend(st.tokens), max(0, (len(st.tokens) - 1) // self.page_size),
+                                  outcome, st.load_cap, st.save_cap)
         self.counters.l2_hit_tokens += from_l2
         if c >= self.page_size and self.ctl is not None and self.ctl.write_policy == "write_through_selective":
             # a prefix the engine's own cache (L1) served is a hit too: without this, pages vLLM keeps hitting in
@@ -531,6 +542,8 @@ class CacheScheduler:
             d.update(self.ctl.stats())
         if self.index.events is not None:
             d.update(self.index.events.stats())
+        if self.trace is not None:
+            d.update(self.trace.stats())
         d.update(index_nodes=s.nodes, index_pages=s.pages, l2_pages=s.l2_pages, l3_pages=s.l3_pages,
                  locked_pages=s.locked_pages,
                  free_slots=self.allocator.num_free, num_slots=self.num_slots,

@@ -6,7 +6,8 @@ Subcommands (argparse sub-parsers; each module that owns a command provides ``ad
 - ``tierkv server ...``: the L3 ZMQ cache server (:mod:`tierkv.cli_server`), e.g.
   ``tierkv server --port 5557 --capacity-bytes 8GiB [--spill-dir DIR] [--token SECRET]``.
 - ``tierkv store stats|verify|gc|clear``: :mod:`tierkv.cli_store`; ``tierkv config check|docs``:
-  :mod:`tierkv.cli_config`; ``tierkv bench e2e|transfer|storage``: :mod:`tierkv.cli_bench`. Exit codes and the
+  :mod:`tierkv.cli_config`; ``tierkv bench e2e|transfer|storage``: :mod:`tierkv.cli_bench`; ``tierkv plan TRACE
+  --l2 SIZES --l3 SIZES``: :mod:`tierkv.cli_plan`. Exit codes and the
   one-line error rule: :mod:`tierkv.cli_common` (docs/architecture.md §12).
 
 To add a command, append a ``(name, module, help)`` entry to :data:`COMMANDS`.
@@ -25,6 +26,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("store", "tierkv.cli_store", "inspect and maintain an L3 store: stats, verify, gc, clear"),
     ("config", "tierkv.cli_config", "validate a config file (check) or list every config key (docs)"),
     ("bench", "tierkv.cli_bench", "run a benchmark: e2e, transfer, storage"),
+    ("plan", "tierkv.cli_plan", "size L2 and L3: replay a request trace, hit rate and tokens per tier"),
 ]
 
 

@@ -1,0 +1,379 @@
+"""``tierkv plan TRACE --l2 SIZES --l3 SIZES``: size L2 and L3 by replaying a request trace (docs/architecture.md §6).
+
+Each request of the trace goes through tierkv's own scheduler side, :class:`tierkv.connector.scheduler.CacheScheduler`
+(its :class:`~tierkv.connector.radix_index.RadixIndex`, :class:`~tierkv.connector.slot_allocator.SlotAllocator` and
+LRU/LFU eviction), with ``num_slots`` = the L2 size, as the fake engine of the tests drives it: add the request,
+look up, allocate (lock the L2 hit), save its full pages (evicting), build the step's plan, finish. No engine, no
+page bytes. What is a model and not tierkv's code:
+
+- L3 is an LRU set of page keys of the given size (what the file store's capacity does), written through: every page
+  that enters L2 is in L3 at once (``controller.write_policy: write_through`` with instant backups). A lookup takes
+  the L2 run from the index, then the run of following pages L3 holds; those pages enter L2 as the prefetch would.
+- Requests are replayed one at a time, in file order (no concurrency, timestamps are not used), and there is no L1
+  model: a page vLLM's own prefix cache would serve counts as an L2 (or L3) hit here.
+
+Trace formats (one JSON object per line; blank lines are skipped):
+
+- vLLM's ``timed_trace`` (``benchmarks/make_multiturn_trace.py``, Mooncake's published traces): ``hash_ids`` (ints,
+  one per chunk of ``--page-size`` tokens, the prompt's chunks in order), ``input_length``, ``output_length``
+  (optional). Page i's key chains the ids of chunks 0..i (equal id prefixes give equal keys, as token prefixes do).
+  Pages of generated tokens (``output_length``) are saved too, as in the engine, under keys of their own request
+  (``--no-output-pages``: not modelled).
+- the lookup trace tierkv records when ``trace_path`` is set (:mod:`tierkv.connector.lookup_trace`): a header with the
+  page size, then per lookup the hex page keys, how many the lookup offered and the outcome the engine saw.
+
+A malformed line is one error naming the file and line number (exit 2, :mod:`tierkv.cli_common`).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Optional
+
+from tierkv.cli_common import EXIT_OK, EXIT_USAGE, CliError, fail, progress
+
+DEFAULT_PAGE_SIZE = 32
+
+
+@dataclass
+class TraceRequest:
+    """One request to replay: ``keys`` of every full page it saves, the first ``lookup_pages`` of which its lookup
+    offers; the per-request caps of a recorded trace; the outcome the recording engine saw (recorded traces)."""
+
+    keys: list[bytes]
+    lookup_pages: int
+    load_cap: Optional[int] = None
+    save_cap: Optional[int] = None
+    recorded: dict = field(default_factory=dict)
+
+
+@dataclass
+class Trace:
+    kind: str                       # "timed_trace" or "tierkv"
+    page_size: int
+    requests: list[TraceRequest]
+    header: dict = field(default_factory=dict)
+
+
+class _Len:
+    """A token sequence of which the scheduler side only reads the length (``len(st.tokens)``)."""
+
+    __slots__ = ("n",)
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class _GivenKeys:
+    """Stands in for :class:`tierkv.connector.page_hash.RequestKeys`: the page keys come from the trace, not from
+    hashing token ids. ``extend(tokens)`` returns the keys of the full pages of ``len(tokens)`` tokens."""
+
+    __slots__ = ("keys", "page_size")
+
+    def __init__(self, keys: list[bytes], page_size: int):
+        self.keys, self.page_size = keys, page_size
+
+    def extend(self, token_ids) -> list[bytes]:
+        n = len(token_ids) // self.page_size
+        return self.keys if n >= len(self.keys) else self.keys[:n]
+
+
+# --------------------------------------------------------------------------------------------- reading traces
+def _bad(path: str, lineno: int, what: str) -> CliError:
+    return CliError(EXIT_USAGE, f"{path}:{lineno}: {what}")
+
+
+def _int(v, path: str, lineno: int, name: str, minimum: int = 0) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+        raise _bad(path, lineno, f"'{name}' must be an integer >= {minimum}, got {str(v)[:40]!r}")
+    return v
+
+
+def _chain(prev: bytes, item: bytes) -> bytes:
+    return hashlib.blake2b(item, digest_size=16, key=prev).digest()
+
+
+def read_trace(path: str, page_size: Optional[int] = None, output_pages: bool = True) -> Trace:
+    """Parse a trace file (either format, see the module docstring).
+
+    Raises:
+        CliError(EXIT_USAGE): an unreadable or empty file, or a malformed line (the message names its number).
+    """
+    from tierkv.connector.lookup_trace import FORMAT, HEADER_KEY
+
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise CliError(EXIT_USAGE, f"cannot read trace {path}: {e.strerror or e}") from None
+    kind: Optional[str] = None
+    header: dict = {}
+    ps = page_size
+    reqs: list[TraceRequest] = []
+    root = b"tierkv-plan/timed_trace/root"
+    with f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                rec = json.loads(raw)
+            except (ValueError, UnicodeDecodeError) as e:
+                raise _bad(path, lineno, f"not a JSON line ({str(e)[:80]})") from None
+            if not isinstance(rec, dict):
+                raise _bad(path, lineno, "expected a JSON object per line")
+            if HEADER_KEY in rec:
+                if kind is not None:
+                    raise _bad(path, lineno, "a tierkv trace header after the first line")
+                if rec[HEADER_KEY] != FORMAT:
+                    raise _bad(path, lineno, f"tierkv lookup trace format {rec[HEADER_KEY]!r}; this tierkv reads "
+                                             f"format {FORMAT}")
+                rec_ps = _int(rec.get("page_size"), path, lineno, "page_size", 1)
+                if ps is not None and ps != rec_ps:
+                    raise _bad(path, lineno, f"the trace was recorded with page_size {rec_ps}, not --page-size {ps}")
+                kind, header, ps = "tierkv", rec, rec_ps
+                continue
+            if "hash_ids" in rec:
+                if kind not in (None, "timed_trace"):
+                    raise _bad(path, lineno, "a timed_trace line ('hash_ids') in a tierkv lookup trace")
+                kind = "timed_trace"
+                ps = ps or DEFAULT_PAGE_SIZE
+                ids = rec["hash_ids"]
+                if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in ids):
+                    raise _bad(path, lineno, "'hash_ids' must be a list of integers")
+                n_in = _int(rec.get("input_length"), path, lineno, "input_length")
+                n_out = _int(rec.get("output_length", 0), path, lineno, "output_length")
+                full_in = n_in // ps
+                keys: list[bytes] = []
+                prev = root
+                for h in ids[:full_in]:
+                    prev = _chain(prev, str(h).encode())
+                    keys.append(prev)
+                # pages of tokens no other request shares: a cut chunk, pages past the ids, generated tokens
+                computed = n_in + n_out - 1 if (output_pages and n_out > 0) else n_in
+                own = _chain(root, f"request {len(reqs)} line {lineno}".encode())
+                for i in range(len(keys), computed // ps):
+                    keys.append(_chain(own, str(i).encode()))
+                reqs.append(TraceRequest(keys, max(0, (n_in - 1) // ps)))
+                continue
+            if "keys" in rec:
+                if kind != "tierkv":
+                    raise _bad(path, lineno, "a lookup record ('keys') without the tierkv trace header on line 1")
+                ks = rec["keys"]
+                if not isinstance(ks, list):
+                    raise _bad(path, lineno, "'keys' must be a list of hex page keys")
+                try:
+                    keys = [bytes.fromhex(k) for k in ks]
+                except (TypeError, ValueError):
+                    keys = []
+                if len(keys) != len(ks) or any(len(k) != 16 for k in keys):
+                    raise _bad(path, lineno, "'keys' must be page keys of 32 hex characters")
+                lp = _int(rec.get("lookup_pages"), path, lineno, "lookup_pages")
+                if lp > len(keys):
+                    raise _bad(path, lineno, f"'lookup_pages' {lp} exceeds the {len(keys)} keys given")
+                caps = [None if rec.get(c) is None else _int(rec[c], path, lineno, c) for c in ("load_cap", "save_cap")]
+                out = rec.get("outcome", {})
+                if not isinstance(out, dict) or not all(isinstance(v, int) for v in out.values()):
+                    raise _bad(path, lineno, "'outcome' must map parts to token counts")
+                reqs.append(TraceRequest(keys, lp, caps[0], caps[1], out))
+                continue
+            raise _bad(path, lineno, "neither a timed_trace line ('hash_ids') nor a tierkv lookup record ('keys')")
+    if not reqs:
+        raise CliError(EXIT_USAGE, f"{path}: no requests in the trace")
+    return Trace(kind or "timed_trace", ps or DEFAULT_PAGE_SIZE, reqs, header)
+
+
+# --------------------------------------------------------------------------------------------- replay
+def replay(trace: Trace, l2_pages: int, l3_pages: int = 0, policy: str = "lru") -> dict:
+    """Replay ``trace`` through a :class:`CacheScheduler` of ``l2_pages`` slots and an LRU L3 of ``l3_pages`` pages.
+
+    Returns the tokens of every lookup per tier: ``lookup_tokens``, ``l2_tokens``, ``l3_tokens``, ``miss_tokens``,
+    ``hit_rate`` ((L2 + L3) / lookup), and the scheduler's ``evicted_pages`` and ``save_skipped_pages``."""
+    from tierkv.connector.page_hash import ModelNamespace
+    from tierkv.connector.scheduler import CacheScheduler
+
+    ps = trace.page_size
+    sched = CacheScheduler(ModelNamespace("tierkv-plan", "-", "-", ps, 1, 1, 1), ps, ps, l2_pages, policy)
+    l3: "OrderedDict[bytes, None]" = OrderedDict()
+    tot = dict.fromkeys(("lookup_tokens", "l2_tokens", "l3_tokens", "miss_tokens"), 0)
+    for i, r in enumerate(trace.requests):
+        rid = f"r{i}"
+        n_keys = len(r.keys)
+        # a prompt of k + 1 tokens past its lookup pages: (len - 1) // ps = lookup_pages, len // ps <= its keys
+        tokens = _Len(r.lookup_pages * ps + 1 if r.lookup_pages < n_keys else n_keys * ps + 1)
+        sched.add_request(rid, tokens)
+        st = sched.requests[rid]
+        st.keys = _GivenKeys(r.keys, ps)
+        st.load_cap, st.save_cap = r.load_cap, r.save_cap
+        ext = sched.lookup(rid, 0) or 0
+        cap = r.lookup_pages if r.load_cap is None else min(r.lookup_pages, r.load_cap)
+        n2 = ext // ps
+        n3 = 0
+        if l3_pages:
+            while n2 + n3 < cap and r.keys[n2 + n3] in l3:
+                n3 += 1
+        tot["lookup_tokens"] += r.lookup_pages * ps
+        tot["l2_tokens"] += n2 * ps
+        tot["l3_tokens"] += n3 * ps
+        tot["miss_tokens"] += (r.lookup_pages - n2 - n3) * ps
+        blocks = list(range(n_keys + 1))
+        sched.on_alloc(rid, blocks, ext)
+        tokens.n = max(tokens.n, n_keys * ps)
+        sched.schedule_saves(rid, tokens.n, blocks)
+        sched.build_plan()
+        sched.on_finished(rid)
+        if l3_pages:  # write-through: what this request saved (or hit) is in L3, most recent last
+            saved = n_keys if r.save_cap is None else min(n_keys, max(r.save_cap, n2 + n3))
+            for k in r.keys[:saved]:
+                l3[k] = None
+                l3.move_to_end(k)
+            while len(l3) > l3_pages:
+                l3.popitem(last=False)
+    c = sched.counters
+    tot.update(l2_pages=l2_pages, l3_pages=l3_pages,
+               hit_rate=(tot["l2_tokens"] + tot["l3_tokens"]) / tot["lookup_tokens"] if tot["lookup_tokens"] else 0.0,
+               evicted_pages=c.evicted_pages, save_skipped_pages=c.save_skipped_pages)
+    return tot
+
+
+def recorded_totals(trace: Trace) -> dict:
+    """Tokens per outcome part summed over a recorded trace (what the recording engine saw)."""
+    out: dict = {}
+    for r in trace.requests:
+        for k, v in r.recorded.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+# --------------------------------------------------------------------------------------------- output
+def parse_sizes(text: str, flag: str) -> list[int]:
+    """``"256,1024,4096"`` -> ``[256, 1024, 4096]`` (pages, each >= 0, duplicates dropped, order kept)."""
+    out: list[int] = []
+    for part in text.split(","):
+        p = part.strip().replace("_", "")
+        if not p.isdigit():
+            raise CliError(EXIT_USAGE, f"{flag} {text!r}: expected page counts separated by commas, e.g. 256,1024")
+        if int(p) not in out:
+            out.append(int(p))
+    return out
+
+
+def format_table(rows: list[dict]) -> str:
+    head = f"{'L2 pages':>9} {'L3 pages':>9} {'hit rate':>9} {'L2 tokens':>12} {'L3 tokens':>12} {'miss tokens':>12}"
+    lines = [head]
+    for r in rows:
+        lines.append(f"{r['l2_pages']:>9} {r['l3_pages']:>9} {100 * r['hit_rate']:>8.1f}% {r['l2_tokens']:>12,} "
+                     f"{r['l3_tokens']:>12,} {r['miss_tokens']:>12,}")
+    return "\n".join(lines)
+
+
+def write_chart(rows: list[dict], path: str, title: str) -> None:
+    """Hit rate against L2 size, one line per L3 size, plus each pair's tokens per tier as stacked bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    l3s = sorted({r["l3_pages"] for r in rows})
+    l2s = sorted({r["l2_pages"] for r in rows})
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for l3 in l3s:
+        pts = sorted((r["l2_pages"], 100 * r["hit_rate"]) for r in rows if r["l3_pages"] == l3)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"L3 {l3} pages")
+    if len(l2s) > 1 and min(l2s) > 0 and max(l2s) / min(l2s) >= 10:
+        ax.set_xscale("log")
+    ax.set_xlabel("L2 size (pages)")
+    ax.set_ylabel("hit rate (% of lookup tokens)")
+    ax.set_ylim(0, 100)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    labels = [f"{r['l2_pages']}/{r['l3_pages']}" for r in rows]
+    x = range(len(rows))
+    bottom = [0] * len(rows)
+    for key, name in (("l2_tokens", "L2"), ("l3_tokens", "L3"), ("miss_tokens", "miss")):
+        vals = [r[key] for r in rows]
+        bx.bar(x, vals, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    bx.set_xticks(list(x))
+    bx.set_xticklabels(labels, rotation=45, ha="right")
+    bx.set_xlabel("L2 / L3 pages")
+    bx.set_ylabel("lookup tokens")
+    bx.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def cmd_plan(args) -> int:
+    l2s = parse_sizes(args.l2, "--l2")
+    l3s = parse_sizes(args.l3, "--l3")
+    if args.page_size is not None and args.page_size < 1:
+        raise CliError(EXIT_USAGE, f"--page-size {args.page_size}: must be >= 1")
+    trace = read_trace(args.trace, args.page_size, output_pages=not args.no_output_pages)
+    policy = args.policy or trace.header.get("eviction_policy", "lru")
+    if policy not in ("lru", "lfu"):
+        raise CliError(EXIT_USAGE, f"eviction policy {policy!r}: lru or lfu")
+    rows = []
+    bar = progress(len(l2s) * len(l3s), "replaying", quiet=args.json, unit="replay")
+    with bar:
+        for l3 in l3s:
+            for l2 in l2s:
+                rows.append(replay(trace, l2, l3, policy))
+                bar.update(1)
+    desc = (f"{args.trace}: {trace.kind}, {len(trace.requests)} requests, page {trace.page_size} tokens, policy "
+            f"{policy}; replayed one request at a time through tierkv's scheduler side, L3 an LRU written through, "
+            f"no L1 model")
+    rec = recorded_totals(trace) if trace.kind == "tierkv" else {}
+    if args.chart:
+        try:
+            write_chart(rows, args.chart, f"tierkv plan: {args.trace} ({policy})")
+        except OSError as e:
+            raise CliError(EXIT_USAGE, f"cannot write chart {args.chart}: {e.strerror or e}") from None
+    if args.json:
+        print(json.dumps({"trace": args.trace, "format": trace.kind, "requests": len(trace.requests),
+                          "page_size": trace.page_size, "policy": policy, "recorded": rec or None, "results": rows},
+                         indent=1))
+        return EXIT_OK
+    print(desc)
+    print(format_table(rows))
+    if rec:
+        hdr = trace.header
+        print(f"recorded run (L2 {hdr.get('l2_pages')} pages, {hdr.get('eviction_policy')}): "
+              + ", ".join(f"{k} {v:,}" for k, v in sorted(rec.items())) + " tokens")
+    if args.chart:
+        print(f"chart: {args.chart}")
+    return EXIT_OK
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.description = ("Replay a request trace through tierkv's index and eviction code for each pair of L2 and L3 "
+                     "sizes and print the hit rate and the tokens served per tier (L2, L3, miss). TRACE: vLLM's "
+                     "timed_trace JSONL (hash_ids per request) or a lookup trace tierkv wrote (config trace_path).")
+    p.epilog = "exit codes: 0 ok, 2 bad input (missing or malformed trace: the line is named, bad sizes)"
+    p.add_argument("trace", metavar="TRACE", help="JSONL trace file")
+    p.add_argument("--l2", default="1024", metavar="SIZES",
+                   help="L2 sizes in pages, comma-separated (default 1024), e.g. 256,1024,4096")
+    p.add_argument("--l3", default="0", metavar="SIZES",
+                   help="L3 sizes in pages, comma-separated (default 0: no L3), e.g. 0,16384")
+    p.add_argument("--policy", choices=("lru", "lfu"), default=None,
+                   help="L2 eviction policy (default: the recorded trace's, else lru)")
+    p.add_argument("--page-size", type=int, default=None,
+                   help=f"tokens per page = per hash id of a timed_trace (default {DEFAULT_PAGE_SIZE}; a recorded "
+                        "trace names its own)")
+    p.add_argument("--no-output-pages", action="store_true",
+                   help="timed_trace: do not model the pages of generated tokens (the engine saves them too)")
+    p.add_argument("--chart", metavar="PATH", default=None, help="write a chart (PNG, matplotlib) to PATH")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return cmd_plan(args)
+    except CliError as e:
+        return fail("tierkv plan", e)
