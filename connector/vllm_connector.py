@@ -382,6 +382,10 @@ class TierKVConnector(KVConnectorBase_V1):
             self._sched = CacheScheduler(self.namespace, self.page_size, self.block_size, self.num_slots,
                                          self.cfg.eviction_policy, controller=ctl)
             self._events = self._tier_events(vllm_config)
+            if self.cfg.trace_path:  # the lookup trace for `tierkv plan` (connector/lookup_trace.py)
+                from .lookup_trace import LookupTrace
+                self._sched.trace = LookupTrace(self.cfg.trace_path, self.page_size, self.num_slots,
+                                                self.cfg.eviction_policy)
             self._estimates = None
             if self._sched.ctl is not None:  # a predecessor's recompute estimate (connector/estimates.py)
                 from .estimates import EstimateFile
