@@ -208,7 +208,8 @@ def correctness(torch, device, quick: bool, budget: Budget, stop_at: float) -> d
                             case.update(passed=False, error=f"{type(e).__name__}: {e}"[:500])
                         cases.append(case)
     failed = [c for c in cases if not c["passed"]]
-    return {"target": "every case bit-identical to the torch reference", "cases": cases, "n_cases": len(cases),
+    return {"status": "measured", "target": "every case bit-identical to the torch reference", "cases": cases,
+            "n_cases": len(cases),
             "n_failed": len(failed), "n_not_run": not_run,
             "passed": bool(cases) and not failed and not not_run}
 
@@ -338,6 +339,11 @@ def _bw_one(torch, device, DevicePool, HostPool, save_pages, load_pages, name, h
     nbytes = n * page_bytes
     dflat = flat.view(torch.uint8)[:nbytes]
     out = {"page_bytes": page_bytes, "layers": n_layers, "pages": n, "bytes": nbytes}
+    # host-side share of a call: argument checks and the launch lists (no byte moves), to tell Python from PCIe
+    from tierkv.kernels import triton_impl, validate_transfer
+    def prep() -> None:
+        list(triton_impl._jobs(dev, host, *validate_transfer(dev, host, blocks, slots, None)))
+    out["host_prep_ms"] = round(1e3 * _timed(torch, device, prep, reps), 3)
     ok = True
     for direction, fn, copy in (
             ("L1->L2", lambda: save_pages(dev, host, blocks, slots, impl="triton"),
@@ -651,8 +657,7 @@ def commit_of(files: dict[str, str], repo: Path = ROOT, depth: int = 300) -> Opt
 README_SCHEMA = {"mode": None, "quick": None, "machine": {"gpu": None, "driver": None, "torch": None, "triton": None,
                                                           "cuda": None, "python": None},
                  "wall_s": None, "passed": None, "code": {"commit": None, "dirty": None},
-                 "parts": {"correctness": {"passed": None, "cases": None, "n_cases": None, "n_failed": None,
-                                           "n_not_run": None},
+                 "parts": {"correctness": {"status": None, "passed": None},
                            "bandwidth": {"status": None, "passed": None}, "overlap": {"status": None, "passed": None},
                            "pinned": {"status": None, "passed": None},
                            "round_trip": {"status": None, "passed": None}}}
@@ -679,6 +684,12 @@ def _fmt_pass(p) -> str:
     return "n/a" if p is None else ("PASS" if p else "FAIL")
 
 
+def _not_measured(part: dict[str, Any]) -> str:
+    """A part that did not measure: its status and why (reason or error)."""
+    why = part.get("reason") or part.get("error") or ""
+    return f"{part['status']}: {why}" if why else part["status"]
+
+
 def summary(res: dict[str, Any]) -> str:
     """Short text summary of a result (what the script prints)."""
     m = res["machine"]
@@ -686,11 +697,14 @@ def summary(res: dict[str, Any]) -> str:
              f"triton {m['triton']}, cuda {m['cuda']}, {res['wall_s']} s"]
     p = res["parts"]
     c = p["correctness"]
-    lines.append(f"  correctness  {_fmt_pass(c['passed'])}: {c['n_cases'] - c['n_failed']}/{c['n_cases']} cases "
-                 f"bit-identical, {c['n_not_run']} not run")
-    for fc in [x for x in c["cases"] if not x["passed"]][:5]:
-        lines.append(f"    failed: {fc['device_layout']} {fc['dtype']} {fc['host_layout']} layers={fc['layers']} "
-                     f"r={fc['kernel_blocks_per_page']} {fc.get('error', '')}")
+    if c["status"] == "measured":
+        lines.append(f"  correctness  {_fmt_pass(c['passed'])}: {c['n_cases'] - c['n_failed']}/{c['n_cases']} "
+                     f"cases bit-identical, {c['n_not_run']} not run")
+        for fc in [x for x in c["cases"] if not x["passed"]][:5]:
+            lines.append(f"    failed: {fc['device_layout']} {fc['dtype']} {fc['host_layout']} layers={fc['layers']} "
+                         f"r={fc['kernel_blocks_per_page']} {fc.get('error', '')}")
+    else:
+        lines.append(f"  correctness  {_not_measured(c)}")
     bw = p["bandwidth"]
     if bw["status"] == "measured":
         ratios = [r[d]["ratio"] for r in bw["rows"] if "save" in r for d in ("save", "load")]
@@ -698,25 +712,25 @@ def summary(res: dict[str, Any]) -> str:
                      f"{min(ratios) if ratios else None}, median {statistics.median(ratios) if ratios else None} "
                      f"(target >= {BW_TARGET}); {bw['n_failed']} of {len(bw['rows'])} rows below")
     else:
-        lines.append(f"  bandwidth    {bw['status']}")
+        lines.append(f"  bandwidth    {_not_measured(bw)}")
     ov = p["overlap"]
     if ov["status"] == "measured":
         lines.append(f"  overlap      {_fmt_pass(ov['passed'])}: compute slowdown {ov['slowdown']:.1%} (target <= "
                      f"{SLOWDOWN_TARGET:.0%}), transfer hidden {ov['transfer_hidden']:.0%}")
     else:
-        lines.append(f"  overlap      {ov['status']}")
+        lines.append(f"  overlap      {_not_measured(ov)}")
     pn = p["pinned"]
     if pn["status"] == "measured":
         lines.append(f"  pinned       {_fmt_pass(pn['passed'])}: " + ", ".join(
             f"{r['gib']} GiB {r['how']} -> {r.get('taken_over_requested', 'err')}x" for r in pn["rows"]))
     else:
-        lines.append(f"  pinned       {pn['status']}")
+        lines.append(f"  pinned       {_not_measured(pn)}")
     rt = p["round_trip"]
     if rt["status"] == "measured":
         lines.append(f"  round trip   {_fmt_pass(rt['passed'])}: " + ", ".join(
             f"{r['host_layout']} {'ok' if r['passed'] else r.get('error', 'FAIL')}" for r in rt["runs"]))
     else:
-        lines.append(f"  round trip   {rt['status']}: {rt.get('reason', '')}")
+        lines.append(f"  round trip   {_not_measured(rt)}")
     lines.append(f"  overall      {_fmt_pass(res['passed'])}")
     return "\n".join(lines)
 
@@ -731,15 +745,19 @@ def readme_section(res: dict[str, Any], source: str = "benchmarks/results/gpu_ch
            f"Overall: **{_fmt_pass(res['passed'])}**.", "",
            "| part | target | result |", "| --- | --- | --- |"]
     c = p["correctness"]
-    out.append(f"| correctness | Triton = torch reference, bit for bit | {_fmt_pass(c['passed'])}: "
-               f"{c['n_cases'] - c['n_failed']}/{c['n_cases']} cases, {c['n_not_run']} not run |")
+    if c["status"] == "measured":
+        out.append(f"| correctness | Triton = torch reference, bit for bit | {_fmt_pass(c['passed'])}: "
+                   f"{c['n_cases'] - c['n_failed']}/{c['n_cases']} cases, {c['n_not_run']} not run |")
+    else:
+        out.append(f"| correctness | Triton = torch reference, bit for bit | "
+                   f"{_not_measured(c)[:200].replace('|', '/')} |")
     for name, key, tgt in (("bandwidth", "bandwidth", f">= {BW_TARGET} of a contiguous pinned copy"),
                            ("overlap", "overlap", f"compute slowdown <= {SLOWDOWN_TARGET:.0%}"),
                            ("pinned memory", "pinned", f"taken <= requested x {1 + PINNED_SLACK}"),
                            ("round trip", "round_trip", "pages loaded back bit-identical")):
         part = p[key]
         if part["status"] != "measured":
-            out.append(f"| {name} | {tgt} | {(part['status'] + ' ' + part.get('reason', '')).strip()} |")
+            out.append(f"| {name} | {tgt} | {_not_measured(part)[:200].replace('|', '/')} |")
             continue
         detail = ""
         if key == "overlap":
@@ -815,19 +833,29 @@ def main(argv: Optional[list[str]] = None) -> int:
                            "machine": machine_info(torch, device), "tierkv": found, "code": code,
                            "budget_s": args.budget_s, "parts": {}}
     parts = res["parts"]
-    # the budget share kept for the parts after each one (seconds left at which a part stops)
-    parts["correctness"] = correctness(torch, device, args.quick, budget, stop_at=0.55 * args.budget_s)
-    parts["round_trip"] = round_trip(torch, device, args.quick, pyd)
-    parts["bandwidth"] = bandwidth(torch, device, args.quick, budget, stop_at=0.25 * args.budget_s)
-    parts["overlap"] = overlap(torch, device, args.quick, budget)
-    parts["pinned"] = pinned(torch, device, args.quick, budget, stop_at=15.0)
-    res["wall_s"] = round(time.perf_counter() - t0, 1)
-    verdicts = [p["passed"] for p in parts.values() if p["passed"] is not None]
-    res["passed"] = bool(verdicts) and all(verdicts)
     default = ROOT / "benchmarks" / "results" / ("gpu_check_quick.json" if args.quick else "gpu_check.json")
     out = Path(args.out) if args.out else default
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1) + "\n")
+    # each part's stop point: the budget seconds left at which it stops (what it did not run is recorded)
+    plan = (("correctness", lambda: correctness(torch, device, args.quick, budget, stop_at=0.55 * args.budget_s)),
+            ("round_trip", lambda: round_trip(torch, device, args.quick, pyd)),
+            ("bandwidth", lambda: bandwidth(torch, device, args.quick, budget, stop_at=0.25 * args.budget_s)),
+            ("overlap", lambda: overlap(torch, device, args.quick, budget)),
+            ("pinned", lambda: pinned(torch, device, args.quick, budget, stop_at=15.0)))
+    for name, _run in plan:
+        parts[name] = {"status": "not run (an earlier part did not end)", "passed": False}
+    for name, run_part in plan:
+        print(f"gpu_check: {name} ...", flush=True)
+        try:
+            parts[name] = run_part()
+        except Exception as e:  # one broken part must not lose the others' results
+            import traceback
+            parts[name] = {"status": "error", "passed": False, "error": f"{type(e).__name__}: {e}"[:1000],
+                           "traceback": traceback.format_exc()[-3000:]}
+        res["wall_s"] = round(time.perf_counter() - t0, 1)
+        verdicts = [p["passed"] for p in parts.values() if p["passed"] is not None]
+        res["passed"] = bool(verdicts) and all(verdicts)
+        out.write_text(json.dumps(res, indent=1) + "\n")   # after every part: a run killed later keeps these
     print(summary(res))
     print(f"wrote {out}")
     return 0 if res["passed"] else 1

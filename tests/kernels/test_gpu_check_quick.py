@@ -144,3 +144,21 @@ def test_readme_refuses_uncommitted_code_quick_runs_and_missing_keys(quick, tmp_
     path.write_text(json.dumps(broken))
     r = _readme(path)
     assert r.returncode == 2 and "parts.overlap" in r.stderr
+
+
+def test_a_part_that_broke_is_reported_not_lost(quick):
+    """summary() and the README section name a part that raised (its error) or was skipped (its reason) and keep
+    the others."""
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    gc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gc)
+    res = copy.deepcopy(quick[0])
+    res["parts"]["correctness"] = {"status": "error", "passed": False, "error": "RuntimeError: a | b"}
+    res["parts"]["round_trip"] = {"status": "skipped", "passed": None, "reason": gc.NEEDS_PYDANTIC}
+    res["passed"] = False
+    text = gc.summary(res)
+    assert "correctness  error: RuntimeError: a | b" in text and "overall      FAIL" in text
+    assert "round trip   skipped: needs pydantic: not on the GPU machine" in text
+    md = gc.readme_section(res)
+    assert "| correctness | Triton = torch reference, bit for bit | error: RuntimeError: a / b |" in md
+    assert "| round trip | pages loaded back bit-identical | skipped: needs pydantic" in md
