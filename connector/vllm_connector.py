@@ -578,7 +578,11 @@ class TierKVConnector(KVConnectorBase_V1):
         """Release preempted requests; for each scheduled request order saves of the pages that are full once this step
         has run and have no L2 copy yet (slots allocated, unlocked L2 copies evicted; the plan's own new pages stay
         locked until it is handed over) and index them; count the step's prompt tokens; hand the plan
-        (``ConnectorPlan``) over."""
+        (``ConnectorPlan``) over.
+
+        Full means full of verified tokens: under speculative decoding the step's draft tokens
+        (``scheduled_spec_decode_tokens``) do not count, and neither does any token not yet in the request's token
+        list (the scheduler side caps at its length)."""
         sched = self._sched
         try:
             for rid in scheduler_output.preempted_req_ids or ():
@@ -591,9 +595,13 @@ class TierKVConnector(KVConnectorBase_V1):
                 for nr in scheduler_output.scheduled_new_reqs]
         cached = scheduler_output.scheduled_cached_reqs
         todo += [(rid, cached.num_computed_tokens[i] + n_sched.get(rid, 0), None) for i, rid in enumerate(cached.req_ids)]
+        drafts = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
         for rid, tokens_after, blocks in todo:
             try:
-                self._plan_saves(rid, tokens_after, state, blocks)
+                # speculative decoding: the step's draft tokens are verified only after it, so a page they would fill
+                # is saved in a later step, once its tokens are verified (the KV of a rejected draft, written in this
+                # step, never reaches L2, and the page's key is that of the final tokens)
+                self._plan_saves(rid, tokens_after - len(drafts.get(rid, ())), state, blocks)
             except Exception as e:  # that request's pages are not saved this step; nothing else changes (§8 R41)
                 _hook_error(sched.counters, "build_connector_meta", e)
         meta = ConnectorPlan.of(sched.build_plan())
