@@ -6,11 +6,13 @@ LRU/LFU eviction), with ``num_slots`` = the L2 size, as the fake engine of the t
 look up, allocate (lock the L2 hit), save its full pages (evicting), build the step's plan, finish. No engine, no
 page bytes. What is a model and not tierkv's code:
 
-- L3 is an LRU set of page keys of the given size (what the file store's capacity does), written through: every page
-  that enters L2 is in L3 at once (``controller.write_policy: write_through`` with instant backups). A lookup takes
+- L3 is an LRU set of page keys of the given size (what the file store's capacity does; refreshed by L3 reads and
+  writes), written through: every page saved to L2 is in L3 at once (``controller.write_policy: write_through`` with instant backups). A lookup takes
   the L2 run from the index, then the run of following pages L3 holds; those pages enter L2 as the prefetch would.
-- Requests are replayed one at a time, in file order (no concurrency, timestamps are not used), and there is no L1
-  model: a page vLLM's own prefix cache would serve counts as an L2 (or L3) hit here.
+  With an L2 of 0 pages there is no L3 either (tierkv reads L3 through L2).
+- Requests are replayed one at a time, in file order (no concurrency, timestamps are not used).
+- L1 (vLLM's own prefix cache): none by default, so a page it would serve counts as an L2 (or L3) hit here;
+  ``--l1 PAGES`` models it as an LRU of blocks, ``--l1 recorded`` takes each lookup's L1 hit from a recorded trace.
 
 Trace formats (one JSON object per line; blank lines are skipped):
 
@@ -188,18 +190,25 @@ def read_trace(path: str, page_size: Optional[int] = None, output_pages: bool = 
 
 
 # --------------------------------------------------------------------------------------------- replay
-def replay(trace: Trace, l2_pages: int, l3_pages: int = 0, policy: str = "lru") -> dict:
+def replay(trace: Trace, l2_pages: int, l3_pages: int = 0, policy: str = "lru", l1=None) -> dict:
     """Replay ``trace`` through a :class:`CacheScheduler` of ``l2_pages`` slots and an LRU L3 of ``l3_pages`` pages.
 
-    Returns the tokens of every lookup per tier: ``lookup_tokens``, ``l2_tokens``, ``l3_tokens``, ``miss_tokens``,
-    ``hit_rate`` ((L2 + L3) / lookup), and the scheduler's ``evicted_pages`` and ``save_skipped_pages``."""
+    ``l1``: None (no L1 model), a number of pages (vLLM's prefix cache as an LRU of blocks: a request hits the
+    longest run of its first pages held there, and afterwards holds all of its pages, its first ones freed last), or
+    ``"recorded"`` (a recorded trace: each lookup's L1 tokens as the recording engine saw them). tierkv is then asked
+    for the pages after the L1 hit, as vLLM asks it.
+
+    Returns the tokens of every lookup per tier: ``lookup_tokens``, ``l1_tokens``, ``l2_tokens``, ``l3_tokens``,
+    ``miss_tokens``, ``hit_rate`` ((L1 + L2 + L3) / lookup), and the scheduler's ``evicted_pages`` and
+    ``save_skipped_pages``."""
     from tierkv.connector.page_hash import ModelNamespace
     from tierkv.connector.scheduler import CacheScheduler
 
     ps = trace.page_size
     sched = CacheScheduler(ModelNamespace("tierkv-plan", "-", "-", ps, 1, 1, 1), ps, ps, l2_pages, policy)
     l3: "OrderedDict[bytes, None]" = OrderedDict()
-    tot = dict.fromkeys(("lookup_tokens", "l2_tokens", "l3_tokens", "miss_tokens"), 0)
+    l1_lru: "OrderedDict[bytes, None]" = OrderedDict()
+    tot = dict.fromkeys(("lookup_tokens", "l1_tokens", "l2_tokens", "l3_tokens", "miss_tokens"), 0)
     for i, r in enumerate(trace.requests):
         rid = f"r{i}"
         n_keys = len(r.keys)
@@ -209,33 +218,46 @@ def replay(trace: Trace, l2_pages: int, l3_pages: int = 0, policy: str = "lru") 
         st = sched.requests[rid]
         st.keys = _GivenKeys(r.keys, ps)
         st.load_cap, st.save_cap = r.load_cap, r.save_cap
-        ext = sched.lookup(rid, 0) or 0
+        n1 = 0  # pages the engine's own cache (L1) serves
+        if l1 == "recorded":
+            n1 = min(r.lookup_pages, r.recorded.get("l1", 0) // ps)
+        elif l1:
+            while n1 < r.lookup_pages and r.keys[n1] in l1_lru:
+                n1 += 1
+        ext = sched.lookup(rid, n1 * ps) or 0
         cap = r.lookup_pages if r.load_cap is None else min(r.lookup_pages, r.load_cap)
         n2 = ext // ps
         n3 = 0
-        if l3_pages:
-            while n2 + n3 < cap and r.keys[n2 + n3] in l3:
+        if l3_pages and l2_pages:  # tierkv reads L3 only through L2 (staging slots): no L2, no L3
+            while n1 + n2 + n3 < cap and r.keys[n1 + n2 + n3] in l3:
                 n3 += 1
         tot["lookup_tokens"] += r.lookup_pages * ps
+        tot["l1_tokens"] += n1 * ps
         tot["l2_tokens"] += n2 * ps
         tot["l3_tokens"] += n3 * ps
-        tot["miss_tokens"] += (r.lookup_pages - n2 - n3) * ps
+        tot["miss_tokens"] += (r.lookup_pages - n1 - n2 - n3) * ps
         blocks = list(range(n_keys + 1))
         sched.on_alloc(rid, blocks, ext)
         tokens.n = max(tokens.n, n_keys * ps)
         sched.schedule_saves(rid, tokens.n, blocks)
-        sched.build_plan()
+        plan = sched.build_plan()
         sched.on_finished(rid)
-        if l3_pages:  # write-through: what this request saved (or hit) is in L3, most recent last
-            saved = n_keys if r.save_cap is None else min(n_keys, max(r.save_cap, n2 + n3))
-            for k in r.keys[:saved]:
+        if l3_pages and l2_pages:  # write-through: the pages read from L3 and those saved to L2 now, most recent last
+            for k in r.keys[n1 + n2:n1 + n2 + n3] + [k for o in plan.saves for k in o.keys]:
                 l3[k] = None
                 l3.move_to_end(k)
             while len(l3) > l3_pages:
                 l3.popitem(last=False)
+        if l1 and l1 != "recorded":  # vLLM frees a request's blocks last one first: its first pages stay longest
+            for k in reversed(r.keys):
+                l1_lru[k] = None
+                l1_lru.move_to_end(k)
+            while len(l1_lru) > l1:
+                l1_lru.popitem(last=False)
     c = sched.counters
     tot.update(l2_pages=l2_pages, l3_pages=l3_pages,
-               hit_rate=(tot["l2_tokens"] + tot["l3_tokens"]) / tot["lookup_tokens"] if tot["lookup_tokens"] else 0.0,
+               hit_rate=(tot["l1_tokens"] + tot["l2_tokens"] + tot["l3_tokens"]) / tot["lookup_tokens"]
+               if tot["lookup_tokens"] else 0.0,
                evicted_pages=c.evicted_pages, save_skipped_pages=c.save_skipped_pages)
     return tot
 
@@ -262,12 +284,14 @@ def parse_sizes(text: str, flag: str) -> list[int]:
     return out
 
 
-def format_table(rows: list[dict]) -> str:
-    head = f"{'L2 pages':>9} {'L3 pages':>9} {'hit rate':>9} {'L2 tokens':>12} {'L3 tokens':>12} {'miss tokens':>12}"
-    lines = [head]
+def format_table(rows: list[dict], l1: bool = False) -> str:
+    """One line per pair of sizes; the L1 tokens column only with an L1 model."""
+    head = f"{'L2 pages':>9} {'L3 pages':>9} {'hit rate':>9}" + (f" {'L1 tokens':>12}" if l1 else "")
+    lines = [head + f" {'L2 tokens':>12} {'L3 tokens':>12} {'miss tokens':>12}"]
     for r in rows:
-        lines.append(f"{r['l2_pages']:>9} {r['l3_pages']:>9} {100 * r['hit_rate']:>8.1f}% {r['l2_tokens']:>12,} "
-                     f"{r['l3_tokens']:>12,} {r['miss_tokens']:>12,}")
+        lines.append(f"{r['l2_pages']:>9} {r['l3_pages']:>9} {100 * r['hit_rate']:>8.1f}%"
+                     + (f" {r['l1_tokens']:>12,}" if l1 else "")
+                     + f" {r['l2_tokens']:>12,} {r['l3_tokens']:>12,} {r['miss_tokens']:>12,}")
     return "\n".join(lines)
 
 
@@ -294,7 +318,10 @@ def write_chart(rows: list[dict], path: str, title: str) -> None:
     labels = [f"{r['l2_pages']}/{r['l3_pages']}" for r in rows]
     x = range(len(rows))
     bottom = [0] * len(rows)
-    for key, name in (("l2_tokens", "L2"), ("l3_tokens", "L3"), ("miss_tokens", "miss")):
+    parts = (("l2_tokens", "L2"), ("l3_tokens", "L3"), ("miss_tokens", "miss"))
+    if any(r["l1_tokens"] for r in rows):
+        parts = (("l1_tokens", "L1"),) + parts
+    for key, name in parts:
         vals = [r[key] for r in rows]
         bx.bar(x, vals, bottom=bottom, label=name)
         bottom = [b + v for b, v in zip(bottom, vals)]
@@ -315,6 +342,15 @@ def cmd_plan(args) -> int:
     if args.page_size is not None and args.page_size < 1:
         raise CliError(EXIT_USAGE, f"--page-size {args.page_size}: must be >= 1")
     trace = read_trace(args.trace, args.page_size, output_pages=not args.no_output_pages)
+    l1 = None
+    if args.l1 == "recorded":
+        if trace.kind != "tierkv":
+            raise CliError(EXIT_USAGE, "--l1 recorded needs a trace tierkv recorded (trace_path), not a timed_trace")
+        l1 = "recorded"
+    elif args.l1 is not None:
+        if not args.l1.isdigit():
+            raise CliError(EXIT_USAGE, f"--l1 {args.l1!r}: a number of pages, or 'recorded'")
+        l1 = int(args.l1) or None
     policy = args.policy or trace.header.get("eviction_policy", "lru")
     if policy not in ("lru", "lfu"):
         raise CliError(EXIT_USAGE, f"eviction policy {policy!r}: lru or lfu")
@@ -323,11 +359,12 @@ def cmd_plan(args) -> int:
     with bar:
         for l3 in l3s:
             for l2 in l2s:
-                rows.append(replay(trace, l2, l3, policy))
+                rows.append(replay(trace, l2, l3, policy, l1))
                 bar.update(1)
     desc = (f"{args.trace}: {trace.kind}, {len(trace.requests)} requests, page {trace.page_size} tokens, policy "
             f"{policy}; replayed one request at a time through tierkv's scheduler side, L3 an LRU written through, "
-            f"no L1 model")
+            + ("no L1 model" if l1 is None else "L1 as recorded" if l1 == "recorded" else
+               f"L1 an LRU of {l1} pages"))
     rec = recorded_totals(trace) if trace.kind == "tierkv" else {}
     if args.chart:
         try:
@@ -336,11 +373,11 @@ def cmd_plan(args) -> int:
             raise CliError(EXIT_USAGE, f"cannot write chart {args.chart}: {e.strerror or e}") from None
     if args.json:
         print(json.dumps({"trace": args.trace, "format": trace.kind, "requests": len(trace.requests),
-                          "page_size": trace.page_size, "policy": policy, "recorded": rec or None, "results": rows},
+                          "page_size": trace.page_size, "policy": policy, "l1": l1, "recorded": rec or None, "results": rows},
                          indent=1))
         return EXIT_OK
     print(desc)
-    print(format_table(rows))
+    print(format_table(rows, l1 is not None))
     if rec:
         hdr = trace.header
         print(f"recorded run (L2 {hdr.get('l2_pages')} pages, {hdr.get('eviction_policy')}): "
@@ -365,6 +402,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=None,
                    help=f"tokens per page = per hash id of a timed_trace (default {DEFAULT_PAGE_SIZE}; a recorded "
                         "trace names its own)")
+    p.add_argument("--l1", metavar="PAGES|recorded", default=None,
+                   help="model vLLM's own prefix cache (L1) as an LRU of PAGES blocks, or take each lookup's L1 hit "
+                        "from a recorded trace; default: no L1 model (what L1 would serve counts as L2 or L3 hits)")
     p.add_argument("--no-output-pages", action="store_true",
                    help="timed_trace: do not model the pages of generated tokens (the engine saves them too)")
     p.add_argument("--chart", metavar="PATH", default=None, help="write a chart (PNG, matplotlib) to PATH")

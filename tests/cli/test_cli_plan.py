@@ -59,5 +59,8 @@ def test_plan_bad_input_is_one_line(tmp_path):
     trace.write_text(json.dumps(rows[0]) + "\n")
     r = tierkv("plan", str(trace), "--l2", "16,lots")
     assert r.returncode == 2 and "--l2" in one_line_error(r)
+    for bad in ("recorded", "lots"):
+        r = tierkv("plan", str(trace), "--l1", bad)
+        assert r.returncode == 2 and "--l1" in one_line_error(r)
     r = tierkv("plan", str(trace), "--chart", str(tmp_path / "no-dir" / "c.png"))
     assert r.returncode == 2 and "cannot write chart" in one_line_error(r)

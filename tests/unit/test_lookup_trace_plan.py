@@ -80,6 +80,36 @@ def test_timed_trace_keys_follow_prefixes(tmp_path):
     r = replay(t, 64)
     assert (r["lookup_tokens"], r["l2_tokens"]) == ((3 + 4 + 1) * 32, 3 * 32)
     assert len(read_trace(str(p), output_pages=False).requests[1].keys) == 4
+    # an L1 model: vLLM's prefix cache serves the first pages, tierkv is asked for the rest
+    big = replay(t, 64, l1=64)
+    assert (big["l1_tokens"], big["l2_tokens"], big["miss_tokens"]) == (3 * 32, 0, 5 * 32)
+    small = replay(t, 64, l1=2)  # L1 keeps the first two pages of request 0 (its first pages are freed last)
+    assert (small["l1_tokens"], small["l2_tokens"], small["miss_tokens"]) == (2 * 32, 32, 5 * 32)
+    assert small["hit_rate"] == big["hit_rate"] == 3 / 8
+    # no L2, no L3 (tierkv reads L3 through L2)
+    assert replay(t, 0, 4096)["l3_tokens"] == 0
+    # an L2 of one page: request 0 saves page 0 only (the rest is skipped); it reaches L3, the skipped pages do not
+    one = replay(t, 1, 4096)
+    assert (one["l2_tokens"], one["l3_tokens"], one["save_skipped_pages"]) == (32, 0, 3 + 5 + 1)
+    p.write_text("".join(json.dumps({"hash_ids": ids, "input_length": 32 * n, "output_length": 1}) + "\n"
+                         for ids, n in (([1, 2, 3, 4], 4), ([5, 6, 7, 8], 4), ([1, 2, 3, 4, 5], 5))))
+    t = read_trace(str(p))  # the second request pushes the first out of an L2 of 4 pages; L3 still has it
+    assert [(r["l2_tokens"], r["l3_tokens"]) for r in (replay(t, 4), replay(t, 4, 8), replay(t, 4, 4), replay(t, 8))] \
+        == [(0, 0), (0, 128), (0, 0), (128, 0)]
+
+
+def test_l1_as_recorded(tmp_path):
+    p = tmp_path / "rec.jsonl"
+    keys = ["0a" * 16, "0b" * 16, "0c" * 16, "0d" * 16]
+    rows = [{"tierkv_lookup_trace": 1, "page_size": 32, "l2_pages": 16, "eviction_policy": "lru"},
+            {"t": 0, "keys": keys, "lookup_pages": 3, "outcome": {"miss": 96}},
+            {"t": 1, "keys": keys, "lookup_pages": 3, "outcome": {"l1": 64, "l2": 32}}]
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    t = read_trace(str(p))
+    r = replay(t, 16, l1="recorded")
+    assert (r["l1_tokens"], r["l2_tokens"], r["miss_tokens"]) == (64, 32, 96) == (
+        recorded_totals(t)["l1"], recorded_totals(t)["l2"], recorded_totals(t)["miss"])
+    assert replay(t, 16)["l2_tokens"] == 96  # without an L1 model, L2 serves all three pages
 
 
 @pytest.mark.parametrize("line,what", [
