@@ -15,7 +15,8 @@ No token ids are written (a key is a one-way hash), so a trace can be shared. Pa
 that never read a cache (vLLM's ``prompt_logprobs``), are not in it.
 
 The writer never fails the engine: lines are buffered (at most :data:`FLUSH_LINES`: written when that many wait, at
-the first lookup :data:`FLUSH_S` seconds after the last write, and at exit); an ``OSError`` is counted
+the first lookup :data:`FLUSH_S` seconds after the last write, when the scheduler side has no request left, and at
+exit); an ``OSError`` is counted
 (``trace_errors``) and logged once, and from then on no line is written: the lost ones are counted
 (``trace_dropped_lines``). ``trace_lines`` counts the lines written.
 """

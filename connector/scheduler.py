@@ -430,6 +430,8 @@ class CacheScheduler:
         if st is not None:
             self._release(st)
         self._l3_since.pop(req_id, None)
+        if self.trace is not None and not self.requests:  # the engine may go idle: its lookups reach the file now
+            self.trace.flush()
         if self.ctl is None:
             return False
         return self.ctl.end_request(req_id)

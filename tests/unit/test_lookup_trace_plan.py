@@ -182,6 +182,20 @@ def test_writer_buffers_and_is_bounded(tmp_path, monkeypatch):
     w.close()
 
 
+def test_trace_is_written_when_the_last_request_ends(tmp_path):
+    e = FakeEngine(num_blocks=64, num_slots=16)
+    path = tmp_path / "t.jsonl"
+    e.sched.trace = LookupTrace(str(path), P, 16, "lru", clock=lambda: 0.0)  # no time-based flush
+    a, b = Req("a", list(range(2 * P + 1))), Req("b", list(range(2 * P + 1)))
+    e.admit(a)
+    e.admit(b)
+    e.step()
+    e.finish(a)
+    assert not path.exists()  # one request still runs: the lines wait in the buffer
+    e.finish(b)
+    assert len(path.read_text().splitlines()) == 3
+
+
 def test_trace_path_config_key(tmp_path):
     assert load_config(None, {"trace_path": str(tmp_path / "t.jsonl")}).trace_path == str(tmp_path / "t.jsonl")
     assert load_config(None, {}).trace_path is None
