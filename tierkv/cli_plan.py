@@ -337,11 +337,14 @@ def write_chart(rows: list[dict], path: str, title: str) -> None:
 
 
 def cmd_plan(args) -> int:
-    l2s = parse_sizes(args.l2, "--l2")
+    l2s = parse_sizes(args.l2, "--l2") if args.l2 is not None else None
     l3s = parse_sizes(args.l3, "--l3")
     if args.page_size is not None and args.page_size < 1:
         raise CliError(EXIT_USAGE, f"--page-size {args.page_size}: must be >= 1")
     trace = read_trace(args.trace, args.page_size, output_pages=not args.no_output_pages)
+    if l2s is None:  # a recorded trace: the recording engine's L2 size, else 1024 pages
+        rec_l2 = trace.header.get("l2_pages")
+        l2s = [rec_l2 if isinstance(rec_l2, int) and not isinstance(rec_l2, bool) and rec_l2 >= 0 else 1024]
     l1 = None
     if args.l1 == "recorded":
         if trace.kind != "tierkv":
@@ -393,8 +396,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                      "timed_trace JSONL (hash_ids per request) or a lookup trace tierkv wrote (config trace_path).")
     p.epilog = "exit codes: 0 ok, 2 bad input (missing or malformed trace: the line is named, bad sizes)"
     p.add_argument("trace", metavar="TRACE", help="JSONL trace file")
-    p.add_argument("--l2", default="1024", metavar="SIZES",
-                   help="L2 sizes in pages, comma-separated (default 1024), e.g. 256,1024,4096")
+    p.add_argument("--l2", default=None, metavar="SIZES",
+                   help="L2 sizes in pages, comma-separated, e.g. 256,1024,4096 (default: a recorded trace's own L2 "
+                        "size, else 1024)")
     p.add_argument("--l3", default="0", metavar="SIZES",
                    help="L3 sizes in pages, comma-separated (default 0: no L3), e.g. 0,16384")
     p.add_argument("--policy", choices=("lru", "lfu"), default=None,

@@ -64,3 +64,20 @@ def test_plan_bad_input_is_one_line(tmp_path):
         assert r.returncode == 2 and "--l1" in one_line_error(r)
     r = tierkv("plan", str(trace), "--chart", str(tmp_path / "no-dir" / "c.png"))
     assert r.returncode == 2 and "cannot write chart" in one_line_error(r)
+
+
+def test_plan_recorded_trace_defaults_to_its_l2_size(tmp_path):
+    trace = tmp_path / "rec.jsonl"
+    keys = [f"{i:032x}" for i in range(1, 5)]
+    rows = [{"tierkv_lookup_trace": 1, "page_size": 16, "l2_pages": 3, "eviction_policy": "lfu"},
+            {"t": 0, "keys": keys, "lookup_pages": 3, "outcome": {"miss": 48}},
+            {"t": 1, "keys": keys, "lookup_pages": 4, "outcome": {"l2": 48, "miss": 16}}]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r, out = tierkv("plan", str(trace), "--json", json_out=True)
+    assert r.returncode == 0, r.stderr
+    assert out["format"] == "tierkv" and out["page_size"] == 16 and out["policy"] == "lfu"
+    assert out["recorded"] == {"l2": 48, "miss": 64}
+    [res] = out["results"]
+    assert (res["l2_pages"], res["l2_tokens"], res["miss_tokens"]) == (3, 48, 64)
+    r = tierkv("plan", str(trace), "--l2", "0,8")
+    assert r.returncode == 0 and "recorded run (L2 3 pages, lfu): l2 48, miss 64 tokens" in r.stdout
