@@ -34,6 +34,7 @@ import abc
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Sequence, Union
 
 from tierkv.storage_backends.common import as_byte_view
+from tierkv.storage_backends.page_format import check_key
 
 if TYPE_CHECKING:  # no torch import at run time: the cache server process stays small and starts fast
     import torch
@@ -87,6 +88,18 @@ class StorageBackend(abc.ABC):
         makes that page a miss when read. Raises ValueError for a bad key, a buffer of the wrong size or a
         ``checksums`` of the wrong length or type (:func:`~tierkv.storage_backends.page_format.check_checksums`).
         ``tokens``: see :class:`PageTokens`."""
+
+    @staticmethod
+    def _keys(keys: Sequence[str]) -> list[bytes]:
+        """The key check every batch method starts with: a sequence (not one string) of page keys in text form, each
+        valid (:func:`~tierkv.storage_backends.page_format.check_key`). Returns their 16 raw bytes each.
+
+        Raises:
+            ValueError: naming the first bad key.
+        """
+        if isinstance(keys, (str, bytes)):
+            raise ValueError("keys must be a sequence of key strings, not a single string")
+        return [check_key(k) for k in keys]
 
     def _views(self, keys: Sequence[str], buffers: Sequence[Buffer], writable: bool, what: str) -> list[memoryview]:
         """The buffer checks every ``batch_get`` (``writable``, ``what="destinations"``) and ``batch_set``

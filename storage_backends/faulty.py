@@ -20,7 +20,7 @@ from typing import Any, Iterable, Optional, Sequence
 from pydantic import BaseModel, ConfigDict, Field
 
 from tierkv.storage_backends.base import Buffer, PageTokens, StorageBackend
-from tierkv.storage_backends.page_format import check_checksums, check_key
+from tierkv.storage_backends.page_format import check_checksums
 
 _OPS = ("get", "set", "exists")
 
@@ -162,15 +162,8 @@ class FaultyBackend(StorageBackend):
         return out
 
     # ------------------------------------------------------------------ interface
-    @staticmethod
-    def _check(keys: Sequence[str]) -> None:
-        if isinstance(keys, (str, bytes)):
-            raise ValueError("keys must be a sequence of key strings, not a single string")
-        for k in keys:
-            check_key(k)
-
     def batch_exists(self, keys: Sequence[str], tokens: Optional[Sequence[PageTokens]] = None) -> int:
-        self._check(keys)
+        self._keys(keys)
         self._before("exists")
         fail = self._failing("exists", keys)
         limit = fail.index(True) if True in fail else len(keys)
@@ -184,7 +177,7 @@ class FaultyBackend(StorageBackend):
                   tokens: Optional[Sequence[PageTokens]] = None) -> list[bool]:
         if len(keys) != len(destinations):
             raise ValueError(f"{len(keys)} keys but {len(destinations)} destinations")
-        self._check(keys)
+        self._keys(keys)
         self._before("get")
         fail = self._failing("get", keys)
         idx = [i for i, f in enumerate(fail) if not f]
@@ -203,7 +196,7 @@ class FaultyBackend(StorageBackend):
         through as given; checksums validated first: ValueError for a wrong length or type, like every store)."""
         if len(keys) != len(sources):
             raise ValueError(f"{len(keys)} keys but {len(sources)} sources")
-        self._check(keys)
+        self._keys(keys)
         sums = check_checksums(checksums, len(keys))
         self._before("set")
         fail = self._failing("set", keys)

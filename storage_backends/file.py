@@ -73,7 +73,6 @@ from tierkv.storage_backends.page_format import (
     VERSION,
     PageFormatError,
     check_checksums,
-    check_key,
     decode_header,
 )
 
@@ -378,12 +377,6 @@ class FileStore(StorageBackend):
     def _path(self, key: str) -> str:
         return f"{self.ns_dir}/{key[:2]}/{key}{PAGE_SUFFIX}"
 
-    def _check_keys(self, keys: Sequence[str]) -> list[bytes]:
-        """Validate every key (ValueError naming the first bad one); returns their 16 raw bytes."""
-        if isinstance(keys, (str, bytes)):
-            raise ValueError("keys must be a sequence of key strings, not a single string")
-        return [check_key(k) for k in keys]
-
     def _discard_bad(self, path: str, reason: str, ino: Optional[int] = None) -> None:
         """Quarantine (or delete) a record that failed verification; never raises."""
         if self.cfg.read_only:
@@ -454,7 +447,7 @@ class FileStore(StorageBackend):
 
         Looks at the directory (one ``stat`` per key), so pages written by other processes count. A record whose
         payload was corrupted in place is only found out by :meth:`batch_get`. Raises ValueError for a bad key."""
-        self._check_keys(keys)
+        self._keys(keys)
         if self._closed:
             return 0
         n = 0
@@ -489,7 +482,7 @@ class FileStore(StorageBackend):
         corrupt/foreign/truncated (counted in ``corrupt``, quarantined; the destination may hold garbage). Raises
         ValueError for a bad key, a length mismatch between ``keys`` and ``destinations`` or a buffer of the wrong
         size."""
-        kraws = self._check_keys(keys)
+        kraws = self._keys(keys)
         pb = self.page_bytes
         views = self._views(keys, destinations, True, "destinations")
         if self._closed:
@@ -646,7 +639,7 @@ class FileStore(StorageBackend):
         :meth:`StorageBackend.batch_set`), written into the headers instead of hashing the payloads; a wrong one
         makes that record fail verification on read (a miss; the record is quarantined). Raises ValueError for a bad
         key, a length mismatch, a buffer of the wrong size or bad ``checksums``."""
-        kraws = self._check_keys(keys)
+        kraws = self._keys(keys)
         sums = check_checksums(checksums, len(keys))
         views = self._views(keys, sources, False, "sources")
         if self._closed or self.cfg.read_only:
@@ -795,7 +788,7 @@ class FileStore(StorageBackend):
     def batch_delete(self, keys: Sequence[str]) -> int:
         """Remove the records of ``keys`` (absent ones are ignored). Returns how many files were removed.
         Raises ValueError for a bad key."""
-        self._check_keys(keys)
+        self._keys(keys)
         if self.cfg.read_only:
             return 0
         n = 0

@@ -63,8 +63,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from tierkv.storage_backends.base import Buffer, PageTokens, StorageBackend
 from tierkv.storage_backends.common import (ConfigError, Counters, RateLimitedLog, check_store_identity,
                                              config_error)
-from tierkv.storage_backends.page_format import (HEADER_BYTES, PageFormatError, check_checksums, check_key,
-                                                 decode_header, encode_headers, verify_payload)
+from tierkv.storage_backends.page_format import (HEADER_BYTES, PageFormatError, check_checksums, decode_header, encode_headers, verify_payload)
 
 log = logging.getLogger("tierkv.lmcache")
 
@@ -506,9 +505,6 @@ class LMCacheStore(StorageBackend):
             g.rid = f"tierkv-{uuid.uuid4().hex}"
         return groups
 
-    def _check_keys(self, keys: Sequence[str]) -> list:
-        return [check_key(k) for k in keys]
-
     # ------------------------------------------------------------------------------------------- lookups
     def _lookup(self, groups: list) -> list:
         """Leading chunks present per group (prefetched into the server's L1 and read-locked). Raises _Failed."""
@@ -531,7 +527,7 @@ class LMCacheStore(StorageBackend):
     def batch_exists(self, keys: Sequence[str], tokens: Optional[Sequence[PageTokens]] = None) -> int:
         """Number of leading ``keys`` present (0 on any failure). ``tokens``: see :class:`PageTokens`.
         Raises ValueError for bad keys or tokens."""
-        self._check_keys(keys)
+        self._keys(keys)
         if not keys:
             return 0
         groups = self._groups(keys, tokens)
@@ -559,7 +555,7 @@ class LMCacheStore(StorageBackend):
         A page is copied only after its header (namespace, key, length) and payload XXH3-64 verify; the destination
         of a miss is left untouched. ``tokens``: see :class:`PageTokens`. Raises ValueError for bad keys, buffers or
         tokens (caller bugs)."""
-        self._check_keys(keys)
+        self._keys(keys)
         dsts = self._views(keys, destinations, True, "destinations")
         res = [False] * len(keys)
         if not keys:
@@ -626,7 +622,7 @@ class LMCacheStore(StorageBackend):
         into the slot the server reserved in its shared memory, then published with ``commit_store``; a set that
         fails before the commit leaves nothing visible. ``checksums``, ``tokens``: see
         :meth:`StorageBackend.batch_set`. Raises ValueError for bad keys, buffers, checksums or tokens."""
-        kraw = self._check_keys(keys)
+        kraw = self._keys(keys)
         sums = check_checksums(checksums, len(keys))
         srcs = self._views(keys, sources, False, "sources")
         res = [False] * len(keys)

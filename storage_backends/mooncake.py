@@ -535,11 +535,8 @@ class MooncakeStore(StorageBackend):
 
     def _check_keys(self, keys: Sequence[str]) -> list[str]:
         """Object names of ``keys``; ``ValueError`` (from :func:`check_key`) for any bad key, before any I/O."""
-        names = []
-        for k in keys:
-            check_key(k)
-            names.append(self._prefix + k)
-        return names
+        self._keys(keys)
+        return [self._prefix + k for k in keys]
 
     def _chunks(self, n: int):
         step = self._slots_per_staging

@@ -52,7 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from tierkv.storage_backends import zmq_protocol as P
 from tierkv.storage_backends.base import Buffer, PageTokens, StorageBackend
 from tierkv.storage_backends.common import Counters, RateLimitedLog, check_store_identity, config_error
-from tierkv.storage_backends.page_format import (PageFormatError, check_checksums, check_key, decode_header,
+from tierkv.storage_backends.page_format import (PageFormatError, check_checksums, decode_header,
                                                  encode_headers, verify_payload)
 
 log = logging.getLogger("tierkv.zmq_client")
@@ -588,8 +588,7 @@ class ZmqStore(StorageBackend):
 
     def batch_exists(self, keys: Sequence[str], tokens: Optional[Sequence[PageTokens]] = None) -> int:
         """Number of leading ``keys`` present on the server (0 on any failure)."""
-        for k in keys:
-            check_key(k)
+        self._keys(keys)
         lead = 0
         for s, e in self._chunks(len(keys), P.MAX_KEYS):
             got: dict = {}
@@ -617,8 +616,7 @@ class ZmqStore(StorageBackend):
         shared memory, the destination is not), so a page that fails leaves garbage in its destination, as with
         the file store; a key the server does not hold leaves it untouched.
         Raises ValueError for bad keys or buffers (caller bugs)."""
-        for k in keys:
-            check_key(k)
+        self._keys(keys)
         dsts = self._views(keys, destinations, True, "destinations")
         res = [False] * len(keys)
         if self._shm_on:
@@ -750,7 +748,7 @@ class ZmqStore(StorageBackend):
         written into the headers as given (no payload is hashed; the server does not check payloads, so a wrong
         value is found by the reader: a miss). Raises ValueError for bad keys, buffers or ``checksums`` (caller
         bugs)."""
-        kraw = [check_key(k) for k in keys]
+        kraw = self._keys(keys)
         sums = check_checksums(checksums, len(keys))
         srcs = self._views(keys, sources, False, "sources")
         n = len(keys)
@@ -797,8 +795,7 @@ class ZmqStore(StorageBackend):
 
     def batch_delete(self, keys: Sequence[str]) -> int:
         """Delete ``keys`` on the server; returns how many existed (0 on failure)."""
-        for k in keys:
-            check_key(k)
+        self._keys(keys)
         n = [0]
 
         def on_reply(i, rh, frames):
