@@ -681,7 +681,10 @@ class Controller:
     def wait_for_room(self, req_id: str, fetch_pages: int) -> Optional[bool]:
         """Whether a request whose L3 hit needs ``fetch_pages`` staging slots can go ahead (True), should wait a
         step (None), or must give up its L3 hit (False, once it waited ``room_retry_steps`` lookups and
-        ``room_wait_s`` seconds: on an engine that loops fast, lookups alone would run out in milliseconds)."""
+        ``room_wait_s`` seconds: on an engine that loops fast, lookups alone would run out in milliseconds). Under
+        ``best_effort`` with a recompute estimate the wait for room is part of the same stall budget as the wait for
+        the read (:meth:`deadline_s`): it gives up after one retry once that budget is spent, so a job stuck on a
+        stalled store, which keeps its staging slots, does not make every later hit wait ``room_wait_s``."""
         if self.write_policy == "write_back" and self.allocator.num_free < fetch_pages:
             # an L2 copy L3 does not hold yet frees its slot only once its backup is acknowledged: start those
             # backups now (and free what L3 already holds), and go ahead once the slots are really free, so that the
@@ -696,7 +699,10 @@ class Controller:
         now = self.clock()
         n, t0 = self._room_waits.get(req_id, (0, now))
         n += 1
-        if n > self.room_retry_steps and now - t0 >= self.room_wait_s:
+        steps, wait_s = self.room_retry_steps, self.room_wait_s
+        if self.prefetch_policy == "best_effort" and self.prefill_s_per_token.value is not None:
+            steps, wait_s = min(steps, 1), min(wait_s, self.deadline_s(fetch_pages))
+        if n > steps and now - t0 >= wait_s:
             self._room_waits.pop(req_id, None)
             self.counters.l3_declined_room_pages += fetch_pages
             return False

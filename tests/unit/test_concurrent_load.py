@@ -167,6 +167,25 @@ def test_waiting_for_room_counts_time_as_well_as_lookups():
     assert ctl.counters.l3_declined_room_pages == 8
 
 
+def test_under_best_effort_waiting_for_room_spends_the_same_stall_budget_as_the_read():
+    """l3_hit_ttft's stalled store: a job stuck on the store keeps its staging slots, so every later L3 hit found no
+    room and waited ``room_wait_s`` (0.5 s) before recomputing: 5x a recompute of 100 ms. With a recompute estimate
+    the room wait is bounded by the best_effort budget (5 % of recomputing the hit)."""
+    now = [0.0]
+    index, alloc, ctl = _controller(8, room_retry_steps=8, room_wait_s=0.5, clock=lambda: now[0])
+    ctl.observe_prefill(1.0, 1000)                                  # 1 ms per prompt token
+    budget = ctl.deadline_s(8)
+    assert budget == pytest.approx(0.05 * 1e-3 * 8 * P) and budget < 0.5
+    a, b = _keys(1, 8), _keys(100000, 8)
+    index.insert(a, [NO_SLOT] * 8, in_l3=[True] * 8)
+    index.insert(b, [NO_SLOT] * 8, in_l3=[True] * 8)
+    ctl.start_prefetch("a", a, 0, 8, list(range(8)))                # every slot staged, nothing evictable
+    assert ctl.wait_for_room("b", 8) is None
+    now[0] += budget
+    assert ctl.wait_for_room("b", 8) is False                       # declined after the budget, not after 0.5 s
+    assert ctl.counters.l3_declined_room_pages == 8
+
+
 # ---------------------------------------------------------------- L3 reads of several requests at once
 def _doc_keys(e, doc):
     return page_keys(request_root(e.sched.ns_digest), doc, P)
