@@ -48,7 +48,10 @@ Reply ``[header, payload_0, ...]``
     - ``verify`` (v2; ``"fix": bool``, optional ``ns``): checks each record's page header (checksum, magic, version,
       namespace, key, length) and payload XXH3-64 against its stored header; ``{"checked", "good", "bad", "newer",
       "removed": int, "reasons": {str: int}}``. With ``fix`` the bad records are dropped (records of a newer page
-      format version are counted as ``newer`` and never dropped).
+      format version are counted as ``newer`` and never dropped). With ``"limit": int`` (1..:data:`MAX_KEYS`) a
+      request checks at most that many records and the reply adds ``"session": int, "done": bool``; a request with
+      ``"session"`` (and ``limit``) goes on where the last one stopped, the counts being the session's totals, so the
+      server answers other requests between the steps (``tierkv store verify`` sends 256 records per request).
 
 A request the server cannot parse gets an error reply (``id`` 0 when the id itself is unreadable) or is
 dropped; the server keeps serving other clients.

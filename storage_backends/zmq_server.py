@@ -31,6 +31,7 @@ docs/architecture.md §8 R13, R15, R19 call for.
 from __future__ import annotations
 
 import hmac
+import itertools
 import logging
 import mmap
 import os
@@ -60,6 +61,10 @@ SEGMENT_IDLE_S = 60.0
 #: segments are mapped with their pages faulted in up front (Linux ``MAP_POPULATE``), so the first calls through a
 #: fresh segment do not pay a page fault per 4 KiB
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+#: payload bytes one ``verify`` step hashes at most (a step stops after the record that crosses it).
+VERIFY_SLICE_BYTES = 64 << 20
+#: ``verify`` sessions kept between steps (one per running ``tierkv store verify``).
+MAX_VERIFY_SESSIONS = 8
 
 
 def _nbytes(buf: Any) -> int:
@@ -237,6 +242,9 @@ class CacheServer:
         #: client segments: name -> [mmap, memoryview of it, size, last use (monotonic seconds)]
         self.segments: "OrderedDict[str, list]" = OrderedDict()
         self.spill = _SpillTier(spill_dir, spill_capacity_bytes) if spill_dir else None
+        #: unfinished ``verify`` sessions: id -> job (see :meth:`_op_verify`)
+        self._verifies: "OrderedDict[int, dict]" = OrderedDict()
+        self._verify_ids = itertools.count(int.from_bytes(os.urandom(6), "little"))
         self.started = time.time()
         self._stop = False
         self.ctx = zmq.Context()
@@ -569,39 +577,84 @@ class CacheServer:
             out.append(d)
         return {"namespaces": out, "age_buckets_s": list(P.AGE_BUCKETS_S), "now": now}, []
 
-    def _op_verify(self, h, payloads):
-        """Check every record (or those of ``ns``); with ``fix`` drop the bad ones (v2)."""
+    def _verify_records(self, ns: Optional[bytes]):
+        """Yield ``(ns, key, header, payload, where)`` for a verify: the in-memory records of a snapshot of the keys
+        taken at the first step (a record dropped or replaced meanwhile is skipped, its replacement being checked in
+        its place), then the spilled records as :meth:`_SpillTier.records` walks them. Between two steps of a session
+        other requests run, so a record moved between memory and the spill directory meanwhile (evicted, or read back
+        by a get) may be checked twice or not at all."""
+        for k in [k for k in self.records if ns is None or k[0] == ns]:
+            rec = self.records.get(k)
+            if rec is not None:
+                yield k[0], k[1], rec[0], rec[1], "memory"
+        if self.spill is not None:
+            for rns, key, hdr, payload, _born, where in self.spill.records(ns, skip=self.records):
+                yield rns, key, hdr, payload, where
+
+    def _verify_step(self, job: dict, limit: Optional[int]) -> bool:
+        """Check up to ``limit`` records (None: all) of ``job`` (its counters are updated in place), or fewer once
+        :data:`VERIFY_SLICE_BYTES` of payload were hashed; with ``job["fix"]`` drop the bad ones. Returns True when
+        the job has no records left."""
         from tierkv.storage_backends import page_format
 
-        fix = P.get_bool(h, "fix")
-        ns = P.get_ns(h) if "ns" in h else None
-        checked = ok = bad = newer = removed = 0
-        reasons: dict[str, int] = {}
-        for rns, key, hdr, payload, _born, where in self._all_records(ns):
-            checked += 1
+        n = hashed = 0
+        for rns, key, hdr, payload, where in job["records"]:
+            job["checked"] += 1
+            n += 1
+            hashed += _nbytes(payload)
             try:
                 page_format.check_record(hdr, payload.buffer if isinstance(payload, zmq.Frame) else payload,
                                          key=key, namespace=rns)
-                ok += 1
-                continue
+                job["good"] += 1
             except page_format.NewerFormatError:
-                newer += 1
-                continue
+                job["newer"] += 1
             except page_format.PageFormatError as e:
-                bad += 1
-                reasons[str(e)] = reasons.get(str(e), 0) + 1
-            if fix:
-                rec = self.records.pop((rns, key), None) if where == "memory" else None
-                if rec is not None:
-                    self.written.pop((rns, key), None)
-                    self.used_bytes -= len(rec[0]) + _nbytes(rec[1])
-                    removed += 1
-                elif where == "spill" and self.spill.delete(rns, key):
-                    removed += 1
-        if removed:
-            log.info("verify: dropped %d bad records", removed)
-        return {"checked": checked, "good": ok, "bad": bad, "newer": newer, "removed": removed,
-                "reasons": reasons}, []
+                job["bad"] += 1
+                job["reasons"][str(e)] = job["reasons"].get(str(e), 0) + 1
+                if job["fix"]:
+                    cur = self.records.get((rns, key)) if where == "memory" else None
+                    if cur is not None and cur[0] is hdr and cur[1] is payload:  # the record checked, not a newer one
+                        del self.records[(rns, key)]
+                        self.written.pop((rns, key), None)
+                        self.used_bytes -= len(hdr) + _nbytes(payload)
+                        job["removed"] += 1
+                    elif where == "spill" and self.spill.delete(rns, key):
+                        job["removed"] += 1
+            if limit is not None and (n >= limit or hashed >= VERIFY_SLICE_BYTES):
+                return False
+        return True
+
+    def _op_verify(self, h, payloads):
+        """Check every record (or those of ``ns``); with ``fix`` drop the bad ones (v2).
+
+        Without ``limit`` the whole store is checked before the reply (what older tools send). With ``limit`` (1 ..
+        :data:`zmq_protocol.MAX_KEYS` records) a request checks at most that many records (and at most
+        :data:`VERIFY_SLICE_BYTES` of payload) and the reply carries ``session`` and ``done``; the next request names
+        the ``session`` to go on, so other clients' requests are answered between the steps of a long verify.
+        Counts in a reply are the session's totals so far. At most :data:`MAX_VERIFY_SESSIONS` sessions are kept (the
+        least recently used one is dropped); naming an unknown one is a ``bad_request``."""
+        limit = P.get_int(h, "limit", 1, P.MAX_KEYS) if "limit" in h else None
+        if "session" in h:
+            sid = P.get_int(h, "session")
+            job = self._verifies.pop(sid, None)
+            if job is None:
+                raise P.ProtocolError("bad_request", f"verify session {sid} is unknown (finished, or dropped after "
+                                                     f"{MAX_VERIFY_SESSIONS} newer ones)")
+        else:
+            sid = next(self._verify_ids) & P.MAX_ID
+            job = {"fix": P.get_bool(h, "fix"), "records": self._verify_records(P.get_ns(h) if "ns" in h else None),
+                   "checked": 0, "good": 0, "bad": 0, "newer": 0, "removed": 0, "reasons": {}}
+        done = self._verify_step(job, limit)
+        if not done:
+            self._verifies[sid] = job
+            while len(self._verifies) > MAX_VERIFY_SESSIONS:
+                self._verifies.popitem(last=False)
+        elif job["removed"]:
+            log.info("verify: dropped %d bad records", job["removed"])
+        body = {k: job[k] for k in ("checked", "good", "bad", "newer", "removed", "reasons")}
+        if limit is not None:
+            body.update(session=sid, done=done)
+        return body, []
 
     def _op_t_corrupt(self, h, payloads):
         """Test-only: damage a stored record in place (``how`` in :data:`zmq_protocol.CORRUPT_HOWS`)."""

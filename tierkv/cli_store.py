@@ -419,18 +419,39 @@ def _verify_file(args) -> dict:
             "action": ("deleted" if args.delete else "quarantined") if args.fix else "none", "reasons": reasons}
 
 
-def _verify_zmq(args) -> dict:
+#: records a ``tierkv server`` checks per ``verify`` request (it answers other clients between two requests)
+VERIFY_RECORDS_PER_REQUEST = 256
+
+
+def verify_server(a: ZmqAdmin, namespace: Optional[str], fix: bool, quiet: bool = True,
+                  per_request: int = VERIFY_RECORDS_PER_REQUEST, on_step: Optional[Any] = None) -> dict:
+    """Verify a ``tierkv server``'s records in steps of ``per_request`` records (a ``verify`` session, protocol 2):
+    the server answers other requests between two steps. ``on_step(reply)``, when given, is called after every step
+    but the last with the running totals (``checked``, ``good``, ``bad``, ``newer``, ``removed``, ``reasons``).
+    A server that does not know sessions checks everything in its first reply (then no ``on_step`` call). Returns
+    the last reply. Raises :class:`CliError` as :meth:`ZmqAdmin.call` does."""
     from tierkv.storage_backends import zmq_protocol as P
 
+    fields: dict = {"fix": bool(fix), "limit": per_request}
+    if namespace:
+        fields["ns"] = bytes.fromhex(namespace)
+    with progress(None, "verifying", quiet) as bar:
+        r = a.call("verify", v=P.ADMIN_PROTOCOL_VERSION, **fields)
+        while r.get("done") is False and type(r.get("session")) is int:
+            bar.update(int(r.get("checked", 0)) - bar.n)
+            if on_step is not None:
+                on_step(r)
+            r = a.call("verify", v=P.ADMIN_PROTOCOL_VERSION, session=r["session"], limit=per_request)
+    return r
+
+
+def _verify_zmq(args) -> dict:
     a = _admin(args)
     try:
         if not a.need_admin():
             raise CliError(EXIT_REFUSED, f"{args._target.text} speaks protocol 1 only; 'store verify' needs a "
                                          "tierkv server with protocol 2 (upgrade the server)")
-        fields: dict = {"fix": bool(args.fix)}
-        if args.namespace:
-            fields["ns"] = bytes.fromhex(args.namespace)
-        r = a.call("verify", v=P.ADMIN_PROTOCOL_VERSION, timeout_s=max(args.timeout, 600.0), **fields)
+        r = verify_server(a, args.namespace, args.fix, args.quiet)
     finally:
         a.close()
     if r.get("newer"):

@@ -215,6 +215,41 @@ def test_server_stats_and_verify_include_spilled_pages(tmp_path, capsys, fresh_e
         h.close()
 
 
+def test_server_verify_runs_in_steps_and_other_clients_are_answered_in_between(tmp_path, fresh_env):
+    """A verify of 30 records (20 in memory, 10 spilled) in steps of 7: after the first step, with 7 of 30 checked,
+    another client's exists and get are answered; then the verify goes on to all 30 and drops the corrupt one."""
+    from _fixtures_zmq import ZmqHandle
+
+    from tierkv.cli_common import parse_target
+    from tierkv.cli_store import ZmqAdmin, verify_server
+
+    h = ZmqHandle(tmp_path, PB_A, NS_A, capacity_pages=20, spill_dir=str(tmp_path / "spill"))
+    try:
+        keys = [key(i) for i in range(30)]
+        assert all(h.backend.batch_set(keys, [page(i, PB_A) for i in range(30)]))
+        assert h.corrupt(key(25), "flip")
+        other = h.new_client()
+        steps, answered = [], []
+
+        def between(r):
+            steps.append(r["checked"])
+            if len(steps) == 1:  # the verify is running: 7 of 30 checked
+                got = bytearray(PB_A)
+                answered.append((other.batch_exists(keys), other.batch_get([key(29)], [got]), bytes(got)))
+
+        a = ZmqAdmin(parse_target(h.endpoint), None, 5.0)
+        try:
+            r = verify_server(a, None, True, per_request=7, on_step=between)
+        finally:
+            a.close()
+        assert steps == [7, 14, 21, 28]
+        assert answered == [(30, [True], bytes(page(29, PB_A)))]
+        assert (r["checked"], r["good"], r["bad"], r["removed"], r["done"]) == (30, 29, 1, 1, True)
+        assert other.batch_exists([key(25)]) == 0 and other.batch_exists([key(24)]) == 1
+    finally:
+        h.close()
+
+
 # ----------------------------------------------------------------------------------------------- Mooncake master
 def test_mooncake_master_stats_and_clear(tmp_path, capsys):
     from mooncake_master import MooncakeMaster
