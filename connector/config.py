@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tierkv.storage_backends.common import ConfigError  # noqa: F401 - re-exported: tierkv.connector.config.ConfigError
 from tierkv.storage_backends.factory import L3Config, validate_l3  # noqa: F401 - re-exported
 
+#: the names below are defined here only; the host pool, the controller and the config models use them
 HOST_POOL_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
@@ -41,7 +42,7 @@ class HostPoolConfig(_Strict):
 
     size_gb: Optional[float] = Field(default=None, gt=0)
     num_pages: Optional[int] = Field(default=None, gt=0)
-    layout: Literal["layer_first", "page_first", "page_first_direct"] = "layer_first"
+    layout: Literal[HOST_POOL_LAYOUTS] = "layer_first"
     pin_memory: Literal["auto", "true", "false"] = "auto"
     auto_fraction: float = Field(default=0.25, gt=0, le=0.9)
     auto_max_gb: float = Field(default=8.0, gt=0)
@@ -54,9 +55,9 @@ class ControllerConfig(_Strict):
     (:mod:`tierkv.connector.controller`, docs/architecture.md §4): with ``none``, values other than the defaults are
     a ConfigError (:func:`check_controller_used`). Times in seconds, sizes in pages."""
 
-    write_policy: Literal["write_through", "write_through_selective", "write_back"] = "write_through"
+    write_policy: Literal[WRITE_POLICIES] = "write_through"
     write_through_threshold: int = Field(default=2, ge=1)
-    prefetch_policy: Literal["best_effort", "wait_complete", "timeout"] = "best_effort"
+    prefetch_policy: Literal[PREFETCH_POLICIES] = "best_effort"
     prefetch_timeout_base_s: float = Field(default=0.5, gt=0)
     prefetch_timeout_per_page_s: float = Field(default=0.005, ge=0)
     exists_wait_s: float = Field(default=1.0, ge=0)

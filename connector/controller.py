@@ -55,6 +55,7 @@ from typing import Callable, Optional, Sequence
 
 from tierkv.storage_backends.common import RateLimitedLog
 
+from .config import PREFETCH_POLICIES, WRITE_POLICIES
 from .plan import JOB_BACKUP, JOB_EXISTS, JOB_PREFETCH, Job, JobReport, merge_reports
 from .radix_index import NO_SLOT, RadixIndex, RadixNode
 from .slot_allocator import SlotAllocator
@@ -62,8 +63,27 @@ from .slot_allocator import SlotAllocator
 logger = logging.getLogger("tierkv.controller")
 _rate_limited = RateLimitedLog(logger)  # one line per kind per 10 s, with the count of those suppressed
 
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+def reclaim_l2(index: RadixIndex, allocator, target: int, *,
+               back_up: Optional[Callable[[RadixNode], Optional[int]]] = None, freeing: Optional[int] = None) -> None:
+    """The one L2 reclaim loop (the scheduler without an L3 and the controller both use it): take victims in the
+    index's policy order (:meth:`RadixIndex.pop_l2_victim`) until ``target`` slots are free, or no victim is left.
+
+    ``back_up(victim)`` may keep a victim's L2 copy for now (write_back: its pages go to L3 first) and return how
+    many slots it will free later; None drops the victim's L2 copy at once and returns its slots to ``allocator``.
+    With ``freeing`` (slots already being freed that way) the target counts those as free, so it is met by slots
+    free *or being freed* (reclaiming ahead of need); without it only free slots count (room needed now).
+    """
+    ahead = freeing is not None
+    pending = freeing or 0
+    while allocator.num_free + pending < target:
+        v = index.pop_l2_victim()
+        if v is None:
+            return
+        later = back_up(v) if back_up is not None else None
+        if later is None:
+            allocator.free(index.drop_l2(v))
+        elif ahead:
+            pending += later
 
 
 @dataclass
@@ -476,21 +496,10 @@ class Controller:
 
     # ------------------------------------------------------------------ L2 room
     def make_room(self, need: int) -> int:
-        """Free L2 slots until ``need`` are free or nothing more can go now. Victims whose pages L3 holds lose
-        their L2 copy at once; under ``write_back`` a victim with pages not yet in L3 is backed up first and freed
-        when the store acknowledged it (later). Returns the number of free slots."""
-        while self.allocator.num_free < need:
-            v = self.index.pop_l2_victim()
-            if v is None:
-                break
-            missing = [j for j, f in enumerate(v.in_l3) if not f]
-            if self.write_policy == "write_back" and missing:
-                path = self.index.path_keys(v)
-                off = len(path) - v.num_pages
-                if self._backup(path, [off + j for j in missing], victim=v):
-                    self.counters.write_back_pages += len(missing)
-                    continue
-            self.allocator.free(self.index.drop_l2(v))
+        """Free L2 slots until ``need`` are free or nothing more can go now (:func:`reclaim_l2`, with this
+        controller's write-back rule: a victim with pages not yet in L3 is backed up first and freed when the store
+        acknowledged it, later). Returns the number of free slots."""
+        reclaim_l2(self.index, self.allocator, need, back_up=self._write_back_victim)
         return self.allocator.num_free
 
     def keep_free(self, target: int) -> None:
@@ -501,20 +510,21 @@ class Controller:
             return
         freeing = sum(sum(1 for sl in st.victim.host_slots if sl != NO_SLOT)
                       for st in self._jobs.values() if st.victim is not None)
-        while self.allocator.num_free + freeing < target:
-            v = self.index.pop_l2_victim()
-            if v is None:
-                return
-            held = sum(1 for sl in v.host_slots if sl != NO_SLOT)
-            missing = [j for j, f in enumerate(v.in_l3) if not f]
-            if missing:
-                path = self.index.path_keys(v)
-                off = len(path) - v.num_pages
-                if self._backup(path, [off + j for j in missing], victim=v):
-                    self.counters.write_back_pages += len(missing)
-                    freeing += held
-                    continue
-            self.allocator.free(self.index.drop_l2(v))
+        reclaim_l2(self.index, self.allocator, target, back_up=self._write_back_victim, freeing=freeing)
+
+    def _write_back_victim(self, v: RadixNode) -> Optional[int]:
+        """:func:`reclaim_l2`'s ``back_up`` under ``write_back``: back up the victim's pages L3 lacks and keep its L2
+        copy until the report; returns how many of its slots that will free, or None (nothing to back up, another
+        policy, or the backup could not start: drop it now)."""
+        missing = [j for j, f in enumerate(v.in_l3) if not f]
+        if self.write_policy != "write_back" or not missing:
+            return None
+        path = self.index.path_keys(v)
+        off = len(path) - v.num_pages
+        if not self._backup(path, [off + j for j in missing], victim=v):
+            return None
+        self.counters.write_back_pages += len(missing)
+        return sum(1 for sl in v.host_slots if sl != NO_SLOT)
 
     def room_possible(self, need: int) -> bool:
         """Whether ``need`` slots can be had now: free slots plus L2 copies on unlocked nodes (an unlocked node's

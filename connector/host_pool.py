@@ -38,11 +38,10 @@ import numpy as np
 import torch
 import xxhash
 
+from .config import HOST_POOL_LAYOUTS
 from .device_pool import DevicePool, KVGeometry
 
 log = logging.getLogger(__name__)
-
-HOST_POOL_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 
 
 def _as_uint8(src) -> torch.Tensor:

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from .controller import Controller, LookupStats
+from .controller import Controller, LookupStats, reclaim_l2
 from .page_hash import ModelNamespace, RequestKeys, request_root, warm_up
 from .plan import JobReport, PageOrder, StepPlan
 from .radix_index import MatchCursor, RadixIndex, RadixNode
@@ -374,7 +374,7 @@ class CacheScheduler:
                 if self.ctl is not None:
                     self.ctl.make_room(need)
                 else:
-                    self.allocator.free(self.index.evict(need - self.allocator.num_free))
+                    reclaim_l2(self.index, self.allocator, need)
                 self.counters.evicted_pages += self.index.evicted_pages - before
             k = min(need, self.allocator.num_free)
             slots = self.allocator.alloc(k) if k else []

@@ -481,6 +481,24 @@ def test_write_back_waits_for_acknowledged_slots_instead_of_fetching_without_the
     assert NO_SLOT not in job.slots and ctl.counters.prefetch_no_room_pages == 0
 
 
+def test_room_needed_now_passes_over_victims_that_must_first_be_written_back():
+    """One reclaim routine (``controller.reclaim_l2``) serves room needed now (``make_room``) and room made ahead of
+    need (``keep_free``). Needed now, a write_back victim whose pages L3 lacks frees nothing yet, so the routine goes
+    on to victims L3 already holds; ahead of need, the slots of started backups count as being freed."""
+    index, alloc, ctl = _controller(8, write_policy="write_back")
+    old, held = _keys(1, 4), _keys(100000, 4)
+    index.insert(old, alloc.alloc(4))                                # least recent: not in L3, must be backed up
+    index.insert(held, alloc.alloc(4), in_l3=[True] * 4)             # in L3 already: its L2 copy can go now
+    assert alloc.num_free == 0
+    assert ctl.make_room(4) == 4                                     # the held pages went; old is being backed up
+    assert [j.kind for j in ctl.take_jobs()] == ["backup"] and ctl.counters.write_back_pages == 4
+    index2, alloc2, ctl2 = _controller(8, write_policy="write_back")
+    index2.insert(old, alloc2.alloc(4))
+    index2.insert(held, alloc2.alloc(4), in_l3=[True] * 4)
+    ctl2.keep_free(4)                                                # 4 slots being freed are enough ahead of need
+    assert alloc2.num_free == 0 and ctl2.counters.write_back_pages == 4
+
+
 def test_the_engine_keeps_stepping_while_a_backup_or_prefetch_has_not_reported(tmp_path, monkeypatch):
     """Job reports arrive only with a step's output: an engine that went idle right after a burst kept the pins of
     its last backups and prefetches until the next request (the soak's "back to baseline at idle"). The connector
