@@ -20,7 +20,8 @@ engine's critical path), driven here by the jobs of :mod:`tierkv.connector.plan`
   reported finished. Batches not yet started are then skipped; the job's report (which frees its slots on the
   scheduler side) is sent only when no thread touches its slots any more.
 - L3 keys are per rank: ``xxh3_128(rank namespace || page key)``, so two tensor-parallel ranks never share a record
-  and each record header names the rank's namespace.
+  and each record header names the rank's namespace. MLA pages are the same bytes on every rank, so every rank
+  uses TP rank 0's namespace (one record per page, read by every rank) and only a ``backup_writer`` writes it.
 - Checksums: a backup passes the XXH3-64 recorded when the page entered L2 (:class:`SlotChecksums`) to
   ``batch_set(..., checksums=...)``; the store writes it into the header and never hashes the payload again.
 
@@ -72,6 +73,7 @@ class L3Counters:
     backup_failed_pages: int = 0
     backup_dropped_pages: int = 0
     backup_skipped_pages: int = 0      # not sent: the slot's save was not made (its request's load failed)
+    backup_other_rank_pages: int = 0   # not sent, reported done: another rank writes the one shared record (MLA)
     backup_bytes: int = 0
     backup_seconds: float = 0.0
     prefetch_jobs: int = 0
@@ -133,13 +135,17 @@ class L3IO:
         log_every_s: at most one warning per kind of failure per this many seconds.
         rank: this worker's rank (written into its reports).
         clock: monotonic clock in seconds (tests pass a fake one to drive deadlines).
+        backup_writer: False on a rank whose records another rank writes (MLA: every TP rank but 0 shares rank 0's
+            namespace, so the same key and bytes): its backups send nothing and report their pages done (counted in
+            ``backup_other_rank_pages``); the controller ends a backup with the minimum over ranks, i.e. the writer's
+            outcome. Reads and existence queries are unaffected.
     Raises:
         ValueError: bad ``batch_pages``, ``max_backup_pages``, ``read_threads`` or namespace length.
     """
 
     def __init__(self, store, host, rank_namespace: bytes, checksums: SlotChecksums, *, batch_pages: int = 16,
                  max_backup_pages: int = 65536, log_every_s: float = 10.0, rank: int = 0, read_threads: Optional[int] = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, backup_writer: bool = True):
         if read_threads is None:
             read_threads = default_read_threads(store)
         if batch_pages < 1 or max_backup_pages < 1 or read_threads < 1:
@@ -156,6 +162,7 @@ class L3IO:
         self.read_threads = read_threads
         self.clock = clock
         self.rank = rank
+        self.backup_writer = backup_writer
         self.counters = L3Counters()
         self._log = RateLimitedLog(logger, log_every_s)
         self._lock = threading.Lock()
@@ -206,6 +213,13 @@ class L3IO:
                         continue
                     with self._lock:
                         self._skip[job.job_id] = set(sk)
+                if not self.backup_writer:  # the writer rank stores the shared record; its report decides
+                    with self._lock:
+                        self._skip.pop(job.job_id, None)
+                    done = [i not in (sk or ()) for i in range(job.num_pages)]
+                    self.counters.backup_other_rank_pages += sum(done)
+                    self._report(JobReport(job.job_id, job.kind, done))
+                    continue
                 with self._lock:
                     fits = self._queued_backup_pages + job.num_pages <= self.max_backup_pages and not self._closed
                     if fits:

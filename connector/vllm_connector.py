@@ -29,7 +29,8 @@ computed the pages; L3 jobs go to the I/O threads right after and report back th
 rather than failing the request.
 
 With an L3 store the worker builds its store with its own rank's namespace (TP and PP rank; rank 0 for MLA, whose
-pages are the same on every rank). A store that cannot start (server down, unwritable directory) is a logged
+pages are the same on every rank: TP rank 0 writes each record once, every rank reads it).
+A store that cannot start (server down, unwritable directory) is a logged
 warning and the worker serves without L3 (its jobs are answered "not done"); a bad ``l3`` key or value stops
 start-up with a ConfigError naming it.
 
@@ -819,7 +820,8 @@ class TierKVConnector(KVConnectorBase_V1):
         c = self.cfg.controller
         checksums = SlotChecksums(host.num_slots)
         l3 = L3IO(store, host, digest, checksums, batch_pages=c.batch_pages, max_backup_pages=c.max_backup_pages,
-                  rank=tp_rank + self.tp_size * pp_rank, read_threads=c.read_threads)
+                  rank=tp_rank + self.tp_size * pp_rank, read_threads=c.read_threads,
+                  backup_writer=not self.use_mla or tp_rank == 0)  # MLA: TP rank 0 writes the one shared record
         return l3, checksums
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
