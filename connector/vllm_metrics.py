@@ -75,6 +75,13 @@ COUNTERS = {
     "l3_store_errors": "L3 store calls that raised (connection, timeout, I/O errors).",
     "l3_errors": "L3 store failures: calls that raised plus errors the store absorbed (I/O, connection).",
     "l3_timeouts": "L3 store calls abandoned after the store's timeout_s (ZMQ, Mooncake).",
+    "kv_events_stored_pages": "L2/L3 pages announced to vLLM's KV event publisher as stored (pages).",
+    "kv_events_removed_pages": "L2/L3 pages announced to vLLM's KV event publisher as removed (pages).",
+    "kv_events_dropped": "L2/L3 page events dropped because the publisher's buffer was full (events).",
+    "kv_events_undescribed_pages": "Pages that entered a tier without block hashes to announce (no event sent) (pages).",
+    "trace_lines": "Lookup lines written to the trace_path file.",
+    "trace_errors": "Write errors of the trace_path file.",
+    "trace_dropped_lines": "Lookup lines not written to the trace_path file (after a write error).",
 }
 
 #: counters that both roles keep; only the scheduler's count (one per engine) is reported: the workers' copies

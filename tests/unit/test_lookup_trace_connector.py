@@ -44,3 +44,5 @@ def test_trace_path_records_the_connectors_lookups(model, tmp_path):
     assert len(want) == 3 and lines[1]["keys"] == lines[2]["keys"] == want and lines[1]["lookup_pages"] == 3
     t = read_trace(written)
     assert len(t.requests) == 2 and t.header["eviction_policy"] == "lfu"
+    stats = c.get_kv_connector_stats()  # what vLLM ships to /metrics (vllm:tierkv_trace_lines_total)
+    assert stats.data["trace_lines"] == 2 and "trace_dropped_lines" not in stats.data
