@@ -43,7 +43,6 @@ the page is present); LMCache evicts by its own L1 policy (``--eviction-policy``
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import mmap
@@ -57,12 +56,12 @@ from collections import OrderedDict
 from typing import Any, Optional, Sequence
 
 import msgpack
-import zmq
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from tierkv.storage_backends.base import Buffer, PageTokens, StorageBackend
 from tierkv.storage_backends.common import (ConfigError, Counters, RateLimitedLog, check_store_identity,
                                              config_error)
+from tierkv.storage_backends.zmq_channel import ChannelFailed, RequestChannel
 from tierkv.storage_backends.page_format import (HEADER_BYTES, PageFormatError, check_checksums, decode_header, encode_headers, verify_payload)
 
 log = logging.getLogger("tierkv.lmcache")
@@ -158,10 +157,6 @@ def check_options(cfg: dict) -> LMCacheStoreConfig:
         raise config_error(e, "l3.lmcache", LMCacheStoreConfig) from None
 
 
-class _Failed(Exception):
-    """An exchange did not complete (timeout, send/receive error): the batch is a miss."""
-
-
 class _Group:
     """Consecutive pages sent as one LMCache key range: ``idx`` (positions in the batch), the token ids, the range."""
 
@@ -208,11 +203,6 @@ class LMCacheStore(StorageBackend):
         self.slot_bytes = HEADER_BYTES + page_bytes
         self._hidden = -(-self.slot_bytes // (2 * self.page_tokens))
         self._lock = threading.RLock()
-        self._ctx: Optional[zmq.Context] = zmq.Context()
-        self._sock: Optional[zmq.Socket] = None
-        self._mon: Optional[zmq.Socket] = None
-        self._uids = itertools.count(random.getrandbits(40))
-        self._fire_and_forget: set = set()
         self._instance: Optional[int] = None
         self._registered_at = 0.0
         self._checked = False       # the server's chunk size was compared with page_tokens
@@ -221,18 +211,18 @@ class LMCacheStore(StorageBackend):
         self._shm_view: Optional[memoryview] = None
         self._shm_name = ""
         self._shm_ino: Optional[tuple] = None
-        self._fails = 0
-        self._retry_at = 0.0
         self._closed = False
-        self._pid = os.getpid()
         self._warn = RateLimitedLog(log)
         self._bad_keys: OrderedDict = OrderedDict()
         self.counters = Counters("requests", "already_present", "timeouts", "reconnects", "registrations",
                                  "fast_fails", "stale_replies", "bad_replies", "shm_lost", "refused")
+        self._chan = RequestChannel(self.endpoint, timeout_s=self.timeout_s, backoff_s=self.cfg.reconnect_backoff_s,
+                                    max_backoff_s=self.cfg.max_backoff_s, counters=self.counters, log=log,
+                                    what="LMCache server", hwm=100000, monitor=True, on_fork=self._forked)
         with self._lock:
             try:
                 self._ensure_ready()
-            except _Failed as e:
+            except ChannelFailed as e:
                 self._failed(f"not reachable at start-up ({e})")
         if self._refused:
             msg = self._refused
@@ -240,114 +230,37 @@ class LMCacheStore(StorageBackend):
             raise ConfigError(msg)
 
     # ------------------------------------------------------------------------------------------- wire
-    def _socket(self) -> zmq.Socket:
-        if self._sock is None:
-            if os.getpid() != self._pid:  # forked: the parent's context is not usable here
-                self._ctx, self._pid, self._mon, self._shm, self._shm_view = zmq.Context(), os.getpid(), None, None, None
-                self._instance = None
-            s = self._ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.IMMEDIATE, 1)  # nothing is queued while the server is away
-            s.setsockopt(zmq.SNDHWM, 100000)
-            s.setsockopt(zmq.RCVHWM, 100000)
-            s.setsockopt(zmq.RECONNECT_IVL, 20)
-            s.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
-            self._mon = s.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            s.connect(self.endpoint)
-            self._sock = s
-        return self._sock
-
-    def _discard_socket(self) -> None:
-        if self._sock is not None:
-            try:
-                self._sock.disable_monitor()
-            except zmq.ZMQError:
-                pass
-            self._sock.close(0)
-            self._sock = None
-        if self._mon is not None:
-            self._mon.close(0)
-            self._mon = None
-        self._fire_and_forget.clear()
-
-    def _server_reconnected(self) -> bool:
-        """True when the TCP connection dropped since the last look (server restarted or went away)."""
-        if self._mon is None:
-            return False
-        seen = False
-        while True:
-            try:
-                self._mon.recv_multipart(zmq.NOBLOCK)
-                seen = True
-            except zmq.Again:
-                return seen
+    def _forked(self) -> None:
+        """In a forked child: the parent's mapping and registration are not this process's."""
+        self._shm = self._shm_view = None
+        self._instance = None
 
     def _failed(self, why: str) -> None:
-        self._discard_socket()
-        self._fails += 1
+        self._chan.failed(why)
         self._registered_at = 0.0  # register (a fresh instance) before the next data call
-        back = 0.0 if self._fails < 2 else min(self.cfg.reconnect_backoff_s * 2 ** (self._fails - 2),
-                                               self.cfg.max_backoff_s)
-        self._retry_at = time.monotonic() + back
-        self._warn.warning("fail", "LMCache server %s: %s; pages count as misses (failure %d, back-off %.3fs)",
-                           self.endpoint, why, self._fails, back)
 
     def _calls(self, calls: Sequence[tuple], forget: Sequence[tuple] = ()) -> list:
-        """Send ``calls`` (``(op, *args)``) pipelined and return their results in order; ``forget`` is sent after
-        them without waiting for replies (their late replies are dropped). Raises :class:`_Failed` when a reply does
-        not arrive within ``timeout_s`` of silence (the clock restarts at every reply) or the socket fails."""
-        sock = self._socket()
-        deadline = time.monotonic() + self.timeout_s
-        waiting: dict[int, int] = {}
+        """Send ``calls`` (``(op, *args)``) pipelined through the request channel and return their results in order;
+        ``forget`` is sent after them without waiting for replies (their late replies are dropped). Raises
+        :class:`ChannelFailed` when a reply does not arrive within ``timeout_s`` of silence (the clock restarts at
+        every reply) or the socket fails."""
         results: list = [None] * len(calls)
         pack = msgpack.packb
-        for i, call in enumerate(list(calls) + list(forget)):
-            uid = next(self._uids) & 0x7FFFFFFFFFFF
-            frames = [pack(uid), pack(OPS.get(call[0], call[0]))] + [pack(a, use_bin_type=True) for a in call[1:]]
-            if not sock.poll(max(0, int((deadline - time.monotonic()) * 1000)), zmq.POLLOUT):
-                self.counters["timeouts"] += 1
-                raise _Failed(f"not connected ({call[0]} could not be sent within {self.timeout_s}s)")
-            try:
-                sock.send_multipart(frames, zmq.NOBLOCK)
-            except zmq.ZMQError as e:
-                self.counters["errors"] += 1
-                raise _Failed(f"send failed: {e}") from None
-            self.counters["requests"] += 1
-            if i < len(calls):
-                waiting[uid] = i
-            else:
-                self._fire_and_forget.add(uid)
-        while waiting:
-            left = deadline - time.monotonic()
-            if not sock.poll(max(1, int(left * 1000)) if left > 0 else 0, zmq.POLLIN):
-                if time.monotonic() < deadline:
-                    continue
-                self.counters["timeouts"] += 1
-                ops = sorted({calls[i][0] for i in waiting.values()})
-                raise _Failed(f"no reply to {', '.join(ops)} within {self.timeout_s}s (LMCache does not answer a "
-                              "request it rejects)")
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                continue
-            except zmq.ZMQError as e:
-                self.counters["errors"] += 1
-                raise _Failed(f"receive failed: {e}") from None
-            try:
-                uid = msgpack.unpackb(frames[0])
-                result = msgpack.unpackb(frames[2], raw=False) if len(frames) > 2 else None
-            except Exception:  # noqa: BLE001 - any undecodable reply is discarded, never applied
-                self.counters["bad_replies"] += 1
-                continue
-            if type(uid) is int and uid in self._fire_and_forget:
-                self._fire_and_forget.discard(uid)
-                continue
-            i = waiting.pop(uid, None) if type(uid) is int else None
-            if i is None:
-                self.counters["stale_replies"] += 1
-                continue
+
+        def encode(call, uid):
+            return [pack(uid), pack(OPS.get(call[0], call[0]))] + [pack(a, use_bin_type=True) for a in call[1:]]
+
+        def decode(frames):
+            return (msgpack.unpackb(frames[0].bytes),
+                    msgpack.unpackb(frames[2].bytes, raw=False) if len(frames) > 2 else None)
+
+        def on_reply(i, result, frames):
             results[i] = result
-            deadline = time.monotonic() + self.timeout_s
+
+        def describe(idx):
+            return f"to {', '.join(sorted({calls[i][0] for i in idx}))}; LMCache does not answer a request it rejects"
+
+        self._chan.exchange(calls, encode, decode, on_reply, forget, describe)
         return results
 
     # ------------------------------------------------------------------------------------------- session
@@ -407,13 +320,13 @@ class LMCacheStore(StorageBackend):
             except (OSError, ValueError) as e:
                 self.counters["shm_lost"] += 1
                 self._registered_at = 0.0
-                raise _Failed(f"cannot map the server's shared memory {reg['shm_name']!r}: {e}") from None
+                raise ChannelFailed(f"cannot map the server's shared memory {reg['shm_name']!r}: {e}") from None
         self._registered_at = time.monotonic()
 
     def _ensure_ready(self) -> None:
-        """Connect, check the chunk size once, register when needed. Raises :class:`_Failed`."""
-        self._socket()
-        if self._server_reconnected():
+        """Connect, check the chunk size once, register when needed. Raises :class:`ChannelFailed`."""
+        self._chan.socket()
+        if self._chan.disconnected():
             self._registered_at = 0.0
             self.counters["reconnects"] += 1
         if not self._checked:
@@ -443,12 +356,11 @@ class LMCacheStore(StorageBackend):
             else:
                 self.counters["errors"] += n_calls
             return False
-        if time.monotonic() < self._retry_at:
-            self.counters["fast_fails"] += n_calls
+        if self._chan.backing_off(n_calls):
             return False
         try:
             self._ensure_ready()
-        except _Failed as e:
+        except ChannelFailed as e:
             self._failed(str(e))
             return False
         if self._refused:
@@ -456,9 +368,7 @@ class LMCacheStore(StorageBackend):
         return True
 
     def _ok(self) -> None:
-        if self._fails:
-            log.info("LMCache server %s reachable again", self.endpoint)
-        self._fails = 0
+        self._chan.ok()
 
     # ------------------------------------------------------------------------------------------- keys
     def _key(self, g: _Group, worker: Optional[int]) -> dict:
@@ -507,7 +417,7 @@ class LMCacheStore(StorageBackend):
 
     # ------------------------------------------------------------------------------------------- lookups
     def _lookup(self, groups: list) -> list:
-        """Leading chunks present per group (prefetched into the server's L1 and read-locked). Raises _Failed."""
+        """Leading chunks present per group (prefetched into the server's L1 and read-locked). Raises ChannelFailed."""
         C = self.page_tokens
         res = self._calls([("lookup", self._key(g, None), 1) for g in groups])
         del res
@@ -538,7 +448,7 @@ class LMCacheStore(StorageBackend):
                 counts = self._lookup(groups)
                 forget = [("free_lookup_locks", self._key(g, None), 1) for g in groups]
                 self._calls([], forget + [("end_session", g.rid) for g in groups])
-            except _Failed as e:
+            except ChannelFailed as e:
                 self._failed(str(e))
                 return 0
             self._ok()
@@ -566,7 +476,7 @@ class LMCacheStore(StorageBackend):
                 try:
                     self._get(keys, groups, dsts, res)
                     self._ok()
-                except _Failed as e:
+                except ChannelFailed as e:
                     self._failed(str(e))
         nh = sum(res)
         self.counters["hits"] += nh
@@ -633,7 +543,7 @@ class LMCacheStore(StorageBackend):
                     try:
                         self._set(keys, kraw, srcs, sums, groups, res)
                         self._ok()
-                    except _Failed as e:
+                    except ChannelFailed as e:
                         self._failed(str(e))
         ok = sum(res)
         self.counters["sets"] += ok
@@ -692,7 +602,7 @@ class LMCacheStore(StorageBackend):
                 return False
             try:
                 return self._calls([("noop",)])[0] == "OK"
-            except _Failed as e:
+            except ChannelFailed as e:
                 self._failed(str(e))
                 return False
 
@@ -704,7 +614,7 @@ class LMCacheStore(StorageBackend):
                 return
             try:
                 self._calls([("clear", False)])
-            except _Failed as e:
+            except ChannelFailed as e:
                 self._failed(str(e))
 
     def stats(self) -> dict:
@@ -716,7 +626,7 @@ class LMCacheStore(StorageBackend):
         page_tokens."""
         s = dict(self.counters)
         s.update(backend="lmcache", endpoint=self.endpoint, lm_model=self.lm_model, page_tokens=self.page_tokens,
-                 connected=self._sock is not None, disabled=self._refused)
+                 connected=self._chan.connected, disabled=self._refused)
         return s
 
     def close(self) -> None:
@@ -726,16 +636,13 @@ class LMCacheStore(StorageBackend):
             if self._closed:
                 return
             self._closed = True
-            if self._instance is not None and self._sock is not None and not self._fails and not self._refused:
+            if self._instance is not None and self._chan.connected and not self._chan.fails and not self._refused:
                 try:
                     self._calls([("unregister_kv_cache_engine_driven_context", self._instance)])
-                except _Failed:
+                except ChannelFailed:
                     pass
-            self._discard_socket()
+            self._chan.close()
             self._unmap_shm()
-            if self._ctx is not None:
-                self._ctx.term()
-                self._ctx = None
 
     def __repr__(self) -> str:
         return f"LMCacheStore({self.endpoint}, page_tokens={self.page_tokens}, model={self.lm_model})"

@@ -35,23 +35,20 @@ checksums (``batch_set(..., checksums=...)``, "checksum once").
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import mmap
 import os
-import random
 import threading
-import time
 import weakref
 from typing import Any, Callable, Optional, Sequence
 
-import zmq
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from tierkv.storage_backends import zmq_protocol as P
 from tierkv.storage_backends.base import Buffer, PageTokens, StorageBackend
 from tierkv.storage_backends.common import Counters, RateLimitedLog, check_store_identity, config_error
+from tierkv.storage_backends.zmq_channel import ChannelFailed, RequestChannel
 from tierkv.storage_backends.page_format import (PageFormatError, check_checksums, decode_header,
                                                  encode_headers, verify_payload)
 
@@ -321,26 +318,20 @@ class ZmqStore(StorageBackend):
         self.namespace = bytes(namespace)
         self.page_bytes = page_bytes
         self.endpoint = cfg.endpoint
-        self.timeout_s = cfg.timeout_s
         self.token = cfg.token
         self.max_message_bytes = cfg.max_message_bytes
         self.reconnect_backoff_s = cfg.reconnect_backoff_s
         self.max_backoff_s = cfg.max_backoff_s
         self.keys_per_message = max(1, min(P.MAX_KEYS, (cfg.max_message_bytes - _MSG_SLACK) // (page_bytes + _PER_KEY_OVERHEAD)))
         self._lock = threading.RLock()
-        self._ctx: Optional[zmq.Context] = zmq.Context()
-        self._sock: Optional[zmq.Socket] = None
-        self._ever_connected = False
-        self._ids = itertools.count(random.getrandbits(48))
-        self._fails = 0
-        self._retry_at = 0.0
-        self._pending = 0
         self._closed = False
-        self._pid = os.getpid()
         self._warn = RateLimitedLog(log)
         self.counters = Counters("requests", "timeouts", "reconnects", "fast_fails", "stale_replies", "bad_replies",
                                  "error_replies", "max_pending", "shm_pages_in", "shm_pages_out", "shm_attaches",
                                  "shm_fallbacks", "shm_recreated")
+        self._chan = RequestChannel(cfg.endpoint, timeout_s=cfg.timeout_s, backoff_s=cfg.reconnect_backoff_s,
+                                    max_backoff_s=cfg.max_backoff_s, counters=self.counters, log=log,
+                                    what="tierkv zmq server", hwm=10000, max_message_bytes=cfg.max_message_bytes)
         mode = cfg.shm
         self.shm = mode
         self.shm_bytes = cfg.shm_bytes
@@ -349,48 +340,20 @@ class ZmqStore(StorageBackend):
         self._seg: Optional[_Segment] = None
         self._seg_attached = False
 
-    # ----------------------------------------------------------------------------------------- socket
-    def _socket(self) -> zmq.Socket:
-        if self._sock is None:
-            s = self._ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing while disconnected
-            s.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)  # a peer sending a bigger frame is dropped
-            s.setsockopt(zmq.SNDHWM, 10000)
-            s.setsockopt(zmq.RCVHWM, 10000)
-            s.setsockopt(zmq.RECONNECT_IVL, 20)
-            s.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
-            if self.endpoint.startswith("tcp://["):
-                s.setsockopt(zmq.IPV6, 1)
-            s.connect(self.endpoint)
-            if self._ever_connected:
-                self.counters["reconnects"] += 1
-            self._ever_connected = True
-            self._sock = s
-        return self._sock
+    # ----------------------------------------------------------------------------------------- requests
+    @property
+    def timeout_s(self) -> float:
+        """Seconds without a reply after which an exchange fails (``l3.zmq.timeout_s``; may be changed)."""
+        return self._chan.timeout_s
 
-    def _discard_socket(self) -> None:
-        if self._sock is not None:
-            self._sock.close(0)  # drops everything still queued on it (bounded pending queue)
-            self._sock = None
-        self._pending = 0
-
-    def _failed(self, why: str) -> None:
-        self._discard_socket()
-        self._fails += 1
-        # the first failure may be a one-off (the next call reconnects at once); from the second consecutive
-        # failure on, calls within the back-off window fail immediately instead of each waiting timeout_s
-        back = 0.0 if self._fails < 2 else min(self.reconnect_backoff_s * (2 ** (self._fails - 2)), self.max_backoff_s)
-        self._retry_at = time.monotonic() + back
-        if self._fails == 1:
-            log.warning("tierkv zmq server %s: %s; pages count as misses, reconnecting with back-off", self.endpoint, why)
-        else:
-            log.debug("tierkv zmq server %s: %s (failure %d, back-off %.3fs)", self.endpoint, why, self._fails, back)
+    @timeout_s.setter
+    def timeout_s(self, v: float) -> None:
+        self._chan.timeout_s = v
 
     def _exchange(self, msgs: list, on_reply: Callable[[int, dict, list], None],
                   errors: Optional[dict] = None) -> list:
         """Send ``msgs`` (``(header dict, payload buffers)``, or a callable returning one, called just before its
-        message is sent), pipelined, and hand each matched, well-formed,
+        message is sent) through the request channel, pipelined, and hand each matched, well-formed,
         ``ok`` reply to ``on_reply(index, header, frames)``. Returns one bool per message (answered ok).
         A header may carry its own ``v`` (default :data:`zmq_protocol.PROTOCOL_VERSION`); ``errors`` (a dict), when
         given, receives ``index -> code`` of every error reply. Never raises for network faults."""
@@ -401,92 +364,52 @@ class ZmqStore(StorageBackend):
             if self._closed:
                 self.counters["errors"] += len(msgs)
                 return done
-            if os.getpid() != self._pid:  # forked: the parent's context and socket are not usable here
-                self._ctx, self._sock, self._pid = zmq.Context(), None, os.getpid()
-            now = time.monotonic()
-            if now < self._retry_at:
-                self.counters["fast_fails"] += len(msgs)
+            if self._chan.backing_off(len(msgs)):
                 return done
-            sock = self._socket()
-            deadline = now + self.timeout_s
-            waiting: dict[int, tuple[int, str]] = {}
-            for i, m in enumerate(msgs):
+            sent: dict[int, tuple] = {}
+
+            def encode(m, rid):
                 h, payloads = m() if callable(m) else m  # built lazily: overlaps the previous send
-                rid = next(self._ids) & P.MAX_ID
                 h = dict(h, id=rid)
                 h.setdefault("v", P.PROTOCOL_VERSION)
                 if self.token is not None:
                     h["token"] = self.token
-                if not sock.poll(max(0, int((deadline - time.monotonic()) * 1000)), zmq.POLLOUT):
-                    self.counters["timeouts"] += 1
-                    self._failed("not connected (send timed out)")
-                    return done
-                try:
-                    sock.send_multipart([P.pack(h)] + list(payloads), zmq.NOBLOCK, copy=False)
-                except zmq.ZMQError as e:
-                    self.counters["errors"] += 1
-                    self._failed(f"send failed: {e}")
-                    return done
-                self.counters["requests"] += 1
-                waiting[rid] = (i, h["op"], h["v"])
-                self._pending = len(waiting)
-                self.counters["max_pending"] = max(self.counters["max_pending"], self._pending)
-            while waiting:
-                left = deadline - time.monotonic()
-                # past the deadline, still look once without waiting: a reply that arrived while this thread was
-                # not running (a long GC pause, a stopped process) is an answer, not a timeout
-                if not sock.poll(max(1, int(left * 1000)) if left > 0 else 0, zmq.POLLIN):
-                    if time.monotonic() < deadline:
-                        continue
-                    self.counters["timeouts"] += 1
-                    self._failed(f"no reply within {self.timeout_s}s")
-                    return done
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    continue
-                except zmq.ZMQError as e:
-                    self.counters["errors"] += 1
-                    self._failed(f"receive failed: {e}")
-                    return done
-                try:
-                    rh = P.unpack_header(frames[0].buffer, max_map_len=256)
-                except P.ProtocolError as e:
-                    self.counters["bad_replies"] += 1
-                    log.debug("discarding undecodable reply: %s", e)
-                    continue
-                rid = rh.get("id")
-                slot = waiting.pop(rid, None) if type(rid) is int else None
-                if slot is None:
-                    self.counters["stale_replies"] += 1  # an older request's reply, or one never asked for
-                    continue
-                self._pending = len(waiting)
-                deadline = time.monotonic() + self.timeout_s  # progress: restart the silence clock
-                i, op, ver = slot
+                sent[rid] = (h["op"], h["v"])
+                return [P.pack(h)] + list(payloads)
+
+            def decode(frames):
+                rh = P.unpack_header(frames[0].buffer, max_map_len=256)
+                return rh.get("id"), rh
+
+            def apply(i, rh, frames):
+                op, ver = sent[rh["id"]]
                 if rh.get("v") != ver or rh.get("op") != op or not isinstance(rh.get("ok"), bool):
                     self.counters["bad_replies"] += 1
-                    continue
+                    return
                 if not rh["ok"]:
                     self.counters["error_replies"] += 1
                     err = rh.get("err")
                     if errors is not None:
                         errors[i] = rh.get("code")
                         if rh.get("code") in ("shm_unknown", "shm", "version"):
-                            continue  # the shared-memory path handles these (re-attach or fall back)
+                            return  # the shared-memory path handles these (re-attach or fall back)
                     self._warn.warning("refused", "tierkv zmq server refused %s: %s: %s", op, P.brief(rh.get("code")),
                                        err[:200] if isinstance(err, str) else P.brief(err))
-                    continue
+                    return
                 try:
                     on_reply(i, rh, frames[1:])
                 except (P.ProtocolError, TypeError, ValueError, KeyError, IndexError) as e:
                     self.counters["bad_replies"] += 1
                     self._warn.warning("malformed", "malformed %s reply from %s discarded: %s", op, self.endpoint, e)
-                    continue
+                    return
                 done[i] = True
-            self._pending = 0
-            if self._fails:
-                log.info("tierkv zmq server %s reachable again", self.endpoint)
-            self._fails = 0
+
+            try:
+                self._chan.exchange(msgs, encode, decode, apply)
+            except ChannelFailed as e:
+                self._chan.failed(str(e))
+                return done
+            self._chan.ok()
             return done
 
     # ----------------------------------------------------------------------------------------- shared memory
@@ -838,7 +761,8 @@ class ZmqStore(StorageBackend):
         shm (``"attached"``, ``"ready"`` = to be attached on the next call, or ``"off"``), shm_pages_in/out (pages
         moved through the segment), shm_attaches, shm_fallbacks (times it was found unusable), shm_recreated."""
         s = dict(self.counters)  # no lock: never waits behind a call that is waiting for the server
-        s.update(pending=self._pending, connected=self._sock is not None, backend="zmq", endpoint=self.endpoint,
+        s.update(pending=self._chan.pending, max_pending=self._chan.max_pending, connected=self._chan.connected,
+                 backend="zmq", endpoint=self.endpoint,
                  shm="attached" if self._seg_attached else ("ready" if self._shm_on else "off"))
         return s
 
@@ -847,7 +771,7 @@ class ZmqStore(StorageBackend):
         with self._lock:
             if self._closed:
                 return
-            if self._seg_attached and self._sock is not None and not self._fails:
+            if self._seg_attached and self._chan.connected and not self._chan.fails:
                 t, self.timeout_s = self.timeout_s, min(self.timeout_s, 0.2)  # best effort: the server unmaps it
                 try:
                     self._exchange([({"op": "shm_detach", "v": P.SHM_PROTOCOL_VERSION, "name": self._seg.name,
@@ -856,7 +780,4 @@ class ZmqStore(StorageBackend):
                     self.timeout_s = t
             self._drop_segment()
             self._closed = True
-            self._discard_socket()
-            if self._ctx is not None:
-                self._ctx.term()
-                self._ctx = None
+            self._chan.close()
