@@ -12,8 +12,8 @@ What is published (decided after vLLM 0.32's own offloading tiers, ``v1/kv_offlo
   ``"LOCAL"`` for the file store and ``"REMOTE"`` for the networked stores (zmq, mooncake, lmcache), which other
   engines may read too.
 - Block hashes are vLLM's own (``request.block_hashes``, converted as vLLM converts its L1 ones), not tierkv's page
-  keys: one tierkv page is one vLLM block, so an L2 or L3 event names the same hash, parent hash and token ids as
-  vLLM's L1 event for the same tokens. ``block_size``, ``lora_id``, ``lora_name`` and ``extra_keys`` (LoRA name,
+  keys: an L2 or L3 event names the same hashes, parent hash and token ids as vLLM's L1 event for the same tokens; a
+  tierkv page of k vLLM blocks (``page_size`` = k x the block size) is announced as its k blocks. ``block_size``, ``lora_id``, ``lora_name`` and ``extra_keys`` (LoRA name,
   cache salt on the first block, multimodal identifiers) are filled as vLLM fills them; ``group_idx`` is 0 (tierkv
   serves one KV cache group) and ``kv_cache_spec_kind`` that group's kind. A run of consecutive pages of one prefix
   is one ``BlockStored``.
@@ -57,7 +57,11 @@ _LOCAL_STORES = ("file",)
 class PageInfo:
     """What an event says about one page: vLLM's block hash of its block and of the block before it (None for the
     first), its token ids (any sequence; :func:`pack_tokens` keeps them in 4 bytes each), LoRA, vLLM's extra keys of
-    the block (tagged, as vLLM hashes them), and the tiers it has been announced in (bits :data:`L2`, :data:`L3`)."""
+    the block (tagged, as vLLM hashes them), and the tiers it has been announced in (bits :data:`L2`, :data:`L3`).
+
+    A page of several vLLM blocks (``page_size`` = k x the block size): ``block_hash`` and ``extra_keys`` are its
+    last block's, ``inner_hashes`` and ``inner_extra`` those of its k - 1 blocks before (in order), ``parent_hash``
+    that of the block before its first and ``token_ids`` all its tokens."""
 
     block_hash: Any
     parent_hash: Any
@@ -66,6 +70,16 @@ class PageInfo:
     lora_name: Optional[str] = None
     extra_keys: Optional[tuple] = None
     tiers: int = 0
+    inner_hashes: tuple = ()
+    inner_extra: tuple = ()
+
+    def block_hashes(self) -> list:
+        """vLLM's block hashes of the page's blocks, in order."""
+        return [*self.inner_hashes, self.block_hash]
+
+    def block_extra_keys(self) -> list:
+        """vLLM's extra keys of the page's blocks, in order."""
+        return [*self.inner_extra, self.extra_keys]
 
 
 def pack_tokens(tokens: Sequence[int]) -> Sequence[int]:
@@ -212,24 +226,41 @@ class TierEvents:
                 j += 1
             if stored:
                 events.append(BlockStored(
-                    block_hashes=[p.block_hash for p in run], parent_block_hash=first.parent_hash,
+                    block_hashes=[h for p in run for h in p.block_hashes()], parent_block_hash=first.parent_hash,
                     token_ids=[t for p in run for t in p.token_ids], block_size=self.block_size,
                     lora_id=first.lora_id, lora_name=first.lora_name,
-                    extra_keys=to_event_extra_keys([p.extra_keys for p in run]), group_idx=0,
+                    extra_keys=to_event_extra_keys([e for p in run for e in p.block_extra_keys()]), group_idx=0,
                     kv_cache_spec_kind=self.spec_kind, **tier_fields[tier]))
             else:
-                events.append(BlockRemoved(block_hashes=[p.block_hash for p in run], group_idx=0,
+                events.append(BlockRemoved(block_hashes=[h for p in run for h in p.block_hashes()], group_idx=0,
                                            **tier_fields[tier]))
             i = j
         return events
 
 
-def page_infos(request, start: int, end: int, block_size: int, hash_block_size: Optional[int] = None) -> list:
-    """:class:`PageInfo` of pages ``[start, end)`` of a vLLM ``Request`` (None for a page whose block hash vLLM has
-    not computed yet), with the hashes, tokens, LoRA and extra keys vLLM puts in its own ``BlockStored`` for the
-    same blocks."""
+def page_infos(request, start: int, end: int, block_size: int, hash_block_size: Optional[int] = None,
+               blocks_per_page: int = 1) -> list:
+    """:class:`PageInfo` of pages ``[start, end)`` of a vLLM ``Request`` (None for a page one of whose block hashes
+    vLLM has not computed yet), with the hashes, tokens, LoRA and extra keys vLLM puts in its own ``BlockStored`` for
+    the same blocks. A page is ``blocks_per_page`` blocks of ``block_size`` tokens (vLLM's block size)."""
     if request is None:
         return []
+    k = blocks_per_page
+    if k > 1:
+        blocks = page_infos(request, start * k, end * k, block_size, hash_block_size)
+        out = []
+        for p in range(end - start):
+            part = blocks[p * k:(p + 1) * k]
+            if len(part) < k or any(b is None for b in part):
+                out.append(None)
+                continue
+            last = part[-1]
+            out.append(PageInfo(block_hash=last.block_hash, parent_hash=part[0].parent_hash,
+                                token_ids=pack_tokens([t for b in part for t in b.token_ids]),
+                                lora_id=last.lora_id, lora_name=last.lora_name, extra_keys=last.extra_keys,
+                                inner_hashes=tuple(b.block_hash for b in part[:-1]),
+                                inner_extra=tuple(b.extra_keys for b in part[:-1])))
+        return out
     from vllm.v1.core.kv_cache_utils import (generate_block_hash_extra_keys, maybe_convert_block_hash,
                                              resolve_block_hashes)
     hashes = resolve_block_hashes(request.block_hashes, hash_block_size or block_size, block_size)

@@ -269,10 +269,10 @@ class L3IO:
                         self.counters.prefetch_deadline_misses += 1
                 lead = next((i for i, v in enumerate(p.ok) if not v), len(p.ok))
                 if not p.aborted:
+                    order = p.job.page_order()
                     if lead:
-                        out.orders.append(PageOrder(p.job.req_id, list(p.job.block_ids[:lead]),
-                                                    list(p.job.slots[:lead]), list(p.job.keys[:lead])))
-                    out.failed_blocks.update(p.job.block_ids[lead:])
+                        out.orders.append(order.head(lead))
+                    out.failed_blocks.update(order.blocks_from(lead))
                     if lead < len(p.ok):
                         self.counters.prefetch_late_pages += sum(1 for v in p.ok[lead:] if not v)
                 out.finished.add(p.job.req_id)

@@ -38,22 +38,66 @@ JOB_EXISTS = "exists"
 JOB_KINDS = (JOB_BACKUP, JOB_PREFETCH, JOB_EXISTS)
 
 
+def block_slots(slots: list[int], num_blocks: int, blocks_per_page: int, skip_blocks: int) -> list[int]:
+    """The L2 block slots (``page slot * blocks_per_page + block of the page``, the host pool's block rows) of
+    ``num_blocks`` engine blocks that start ``skip_blocks`` blocks into the page ``slots[0]`` and run on through the
+    pages of ``slots`` in order."""
+    k = blocks_per_page
+    if k == 1 and skip_blocks == 0:
+        return list(slots[:num_blocks])
+    return [slots[(skip_blocks + i) // k] * k + (skip_blocks + i) % k for i in range(num_blocks)]
+
+
+def _check_blocks(what: str, n_blocks: int, n_pages: int, k: int, skip: int) -> None:
+    if not isinstance(k, int) or k < 1 or not 0 <= skip < k:
+        raise ValueError(f"{what}: blocks_per_page must be an int >= 1 and skip_blocks in [0, blocks_per_page), got "
+                         f"{k!r} and {skip!r}")
+    want = max(0, n_pages * k - skip)
+    if n_blocks != want:
+        raise ValueError(f"{what}: {n_blocks} blocks for {n_pages} pages of {k} blocks less {skip} skipped "
+                         f"(want {want})")
+
+
 @dataclass
 class PageOrder:
     """Move pages between L1 blocks and L2 slots for one request, within the step.
 
-    ``block_ids[i]`` (engine block id) <-> ``slots[i]`` (L2 host slot); ``keys[i]`` is the 16-byte page key,
-    used for checksum verification and L3 backup.
+    A page spans ``blocks_per_page`` consecutive engine blocks of the request (``page_size`` =
+    ``blocks_per_page`` x the engine block size). ``slots[i]`` is page i's L2 host slot and ``keys[i]`` its 16-byte
+    page key (checksum verification, L3 backup). ``block_ids`` are the engine block ids, in order, of those pages
+    less the first ``skip_blocks`` blocks of the first page (a load whose first page starts in blocks the engine
+    already holds in L1): ``len(block_ids) == blocks_per_page * len(slots) - skip_blocks``. With one block per page
+    (the default) ``block_ids[i]`` <-> ``slots[i]``.
+
+    Raises:
+        ValueError: ``block_ids`` of another length, ``blocks_per_page`` < 1 or ``skip_blocks`` outside
+            ``[0, blocks_per_page)``.
     """
 
     req_id: str
     block_ids: list[int]
     slots: list[int]
     keys: list[bytes] = field(default_factory=list)
+    blocks_per_page: int = 1
+    skip_blocks: int = 0
 
     def __post_init__(self) -> None:
-        if len(self.block_ids) != len(self.slots):
-            raise ValueError(f"order for {self.req_id}: {len(self.block_ids)} blocks vs {len(self.slots)} slots")
+        _check_blocks(f"order for {self.req_id}", len(self.block_ids), len(self.slots), self.blocks_per_page,
+                      self.skip_blocks if self.slots else 0)
+
+    def block_slots(self) -> list[int]:
+        """One L2 block slot per entry of ``block_ids`` (:func:`block_slots`): what the kernels copy from or to."""
+        return block_slots(self.slots, len(self.block_ids), self.blocks_per_page, self.skip_blocks)
+
+    def head(self, n: int) -> "PageOrder":
+        """The order of its first ``n`` pages (their blocks, slots and keys)."""
+        k, skip = self.blocks_per_page, (self.skip_blocks if n > 0 else 0)
+        return PageOrder(self.req_id, list(self.block_ids[:max(0, n * k - self.skip_blocks)]), list(self.slots[:n]),
+                         list(self.keys[:n]), k, skip)
+
+    def blocks_from(self, n: int) -> list[int]:
+        """The engine blocks of pages ``n`` and after."""
+        return list(self.block_ids[max(0, n * self.blocks_per_page - self.skip_blocks):])
 
 
 @dataclass
@@ -73,23 +117,38 @@ class Job:
     fetch: list[bool] = field(default_factory=list)
     req_id: Optional[str] = None
     deadline_s: Optional[float] = None
+    #: a prefetch's ``block_ids`` as in :class:`PageOrder`: ``blocks_per_page`` blocks per page, less the first
+    #: ``skip_blocks`` of the first page (already in L1)
+    blocks_per_page: int = 1
+    skip_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in JOB_KINDS:
             raise ValueError(f"job {self.job_id}: unknown kind {self.kind!r}; allowed: {', '.join(JOB_KINDS)}")
         n = len(self.keys)
-        for name in ("slots", "block_ids", "fetch"):
+        for name in ("slots", "fetch"):
             v = getattr(self, name)
             if v and len(v) != n:
                 raise ValueError(f"job {self.job_id}: {len(v)} {name} for {n} pages")
+        if self.block_ids:
+            _check_blocks(f"job {self.job_id}", len(self.block_ids), n, self.blocks_per_page, self.skip_blocks)
         if self.kind == JOB_BACKUP and len(self.slots) != n:
             raise ValueError(f"backup job {self.job_id} needs one slot per page")
-        if self.kind == JOB_PREFETCH and not (len(self.slots) == len(self.block_ids) == len(self.fetch) == n):
+        if self.kind == JOB_PREFETCH and not (len(self.slots) == len(self.fetch) == n and (self.block_ids or n == 0)):
             raise ValueError(f"prefetch job {self.job_id} needs slots, block_ids and fetch for every page")
 
     @property
     def num_pages(self) -> int:
         return len(self.keys)
+
+    def page_order(self) -> PageOrder:
+        """A prefetch as a :class:`PageOrder` (its blocks, slots and keys); slice it with :meth:`PageOrder.head`."""
+        return PageOrder(self.req_id or "", list(self.block_ids), list(self.slots), list(self.keys),
+                         self.blocks_per_page, self.skip_blocks if self.keys else 0)
+
+    def page_of_block(self, i: int) -> int:
+        """The page (index into ``keys``) of ``block_ids[i]``."""
+        return (self.skip_blocks + i) // self.blocks_per_page
 
 
 @dataclass

@@ -63,10 +63,26 @@ class _RequestState:
     rest: list[tuple[str, int]] = field(default_factory=list)
     async_hit: bool = False               # the last lookup's answer needs an L3 read
     cursor: Optional[MatchCursor] = None  # where the last lookup's L2 match ended (resumed in O(1) next step)
-    # the last L2 -> L1 load (plan step, its engine blocks, its first page) and the pages [a, b) of each save ordered
-    # since, kept until a failure of that load could no longer be reported (docs/architecture.md §8 R31)
+    # the last L2 -> L1 load (plan step, its engine blocks, the request's block index of the first of them) and the
+    # pages [a, b) of each save ordered since, kept until a failure of that load could no longer be reported
+    # (docs/architecture.md §8 R31)
     load: Optional[tuple[int, list[int], int]] = None
     saved: list[tuple[int, int]] = field(default_factory=list)
+
+
+def check_page_size(page_size, block_size: int) -> int:
+    """Engine blocks per page: ``page_size // block_size``.
+
+    Raises:
+        ValueError: ``page_size`` is not a whole multiple (1, 2, 3...) of ``block_size`` (the message names
+            ``page_size`` and the allowed values).
+    """
+    if (isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < block_size
+            or page_size % block_size):
+        raise ValueError(f"bad value {page_size!r} for 'page_size': a page is k whole engine blocks of {block_size} "
+                         f"tokens; allowed: {block_size}, {2 * block_size}, {4 * block_size}, ... (k x {block_size}, "
+                         "k an integer >= 1), or null for one block")
+    return page_size // block_size
 
 
 class _NoSlots:
@@ -136,25 +152,28 @@ class CacheScheduler:
 
     Args:
         namespace: identity of the engine's pages (model, dtype, layout, page size, geometry, TP size).
-        page_size: tokens per page; must equal ``block_size`` (one page = one engine block).
+        page_size: tokens per page: ``k`` x ``block_size`` for an integer ``k`` >= 1 (a page spans ``k``
+            consecutive engine blocks of a request; hits, loads, saves, L2 slots and L3 records are whole pages,
+            except that a load skips the blocks of its first page the engine already holds in L1).
         block_size: the engine's block size in tokens.
         num_slots: pages in the L2 host pool (same number on every worker rank).
         eviction_policy: ``"lru"`` or ``"lfu"`` for the radix index.
         controller: keyword arguments of :class:`~tierkv.connector.controller.Controller` (policies, deadlines,
             ``world_size``) when an L3 store is configured; None = L1 <-> L2 only.
     Raises:
-        ValueError: page_size != block_size, num_slots < 0, or a bad controller setting.
+        ValueError: page_size not a whole multiple of block_size, num_slots < 0, or a bad controller setting.
     """
 
     def __init__(self, namespace: ModelNamespace, page_size: int, block_size: int, num_slots: int,
                  eviction_policy: str = "lru", controller: Optional[dict] = None):
-        if page_size != block_size:
-            raise ValueError(f"page_size ({page_size} tokens) must equal the engine block size ({block_size})")
+        check_page_size(page_size, block_size)
         if num_slots < 0:
             raise ValueError(f"num_slots must be >= 0, got {num_slots}")
         self.namespace = namespace
         self.ns_digest = namespace.digest()
         self.page_size = page_size
+        self.block_size = block_size
+        self.blocks_per_page = page_size // block_size
         self.num_slots = num_slots
         self.index = RadixIndex(eviction_policy)
         warm_up()  # load the compiled page hash now, not in the first request's lookup
@@ -262,13 +281,13 @@ class CacheScheduler:
             self.ctl.expect_outcome(st.req_id, ext)
         else:
             ls.add("l2", ext)
-        pos = (c + ext) // ps
+        pos = c + ext  # tokens; with pages of several blocks the L1 hit may end inside a page
         for reason, end in st.rest:
-            end = min(end, full)
+            end = min(end, full) * ps
             if end > pos:
-                ls.add(reason, (end - pos) * ps)
+                ls.add(reason, end - pos)
                 pos = end
-        ls.add("miss", (full - pos) * ps)
+        ls.add("miss", max(0, full * ps - pos))
 
     def lookup_is_async(self, req_id: str) -> bool:
         """Whether the last :meth:`lookup` answer of ``req_id`` needs an L3 read (vLLM: ``load_async=True``)."""
@@ -303,11 +322,16 @@ class CacheScheduler:
         if num_external_tokens <= 0:
             return
         first, last = c // self.page_size, (c + num_external_tokens) // self.page_size
+        k = self.blocks_per_page
+        # the engine's L1 hit ``c`` is whole blocks, not always whole pages: the first page's blocks in L1 stay as
+        # they are and only the blocks after them are loaded
+        b0 = c // self.block_size
+        skip, blocks = b0 - first * k, list(block_ids[b0:last * k])
         keys = st.keys.extend(st.tokens)[:last]
         if st.async_hit and self.ctl is not None:
             st.async_hit = False
             self.ctl.forget_request(req_id)
-            self.ctl.start_prefetch(req_id, keys, first, last, list(block_ids[first:last]))
+            self.ctl.start_prefetch(req_id, keys, first, last, blocks, k, skip)
             self.counters.load_pages += last - first
             st.num_indexed = 0  # known after the report; schedule_saves matches again
             return
@@ -318,11 +342,10 @@ class CacheScheduler:
         if st.lock is not None:
             self.index.unlock(st.lock)
         st.lock = self.index.lock(m.last_node)
-        self._plan.loads.append(PageOrder(req_id, list(block_ids[first:last]), m.host_slots[first:last],
-                                          keys[first:last]))
+        self._plan.loads.append(PageOrder(req_id, blocks, m.host_slots[first:last], keys[first:last], k, skip))
         self.counters.load_pages += last - first
         st.num_indexed = last
-        st.load, st.saved = (self._step + 1, list(block_ids[first:last]), first), []
+        st.load, st.saved = (self._step + 1, blocks, b0), []
         if self.ctl is not None:
             self.ctl.after_hit(keys, last)
 
@@ -335,8 +358,8 @@ class CacheScheduler:
         st = self.requests.get(req_id)
         c = st.last_num_computed if st is not None else 0
         if num_external_tokens > 0:
-            first, last = c // self.page_size, (c + num_external_tokens) // self.page_size
-            self._plan.failed_blocks.extend(block_ids[first:last])
+            last = (c + num_external_tokens) // self.page_size
+            self._plan.failed_blocks.extend(block_ids[c // self.block_size:last * self.blocks_per_page])
             if is_async:
                 self._plan.failed_requests.append(req_id)
             if self.ctl is not None:
@@ -352,7 +375,7 @@ class CacheScheduler:
         st = self.requests.get(req_id)
         if st is None or self.num_slots == 0:
             return
-        full = min(num_tokens_after_step, len(st.tokens), len(block_ids) * self.page_size) // self.page_size
+        full = min(num_tokens_after_step, len(st.tokens), len(block_ids) * self.block_size) // self.page_size
         if st.save_cap is not None:  # the request's controls: only its first pages, or none
             full = min(full, st.save_cap)
         if full <= st.num_indexed:
@@ -396,8 +419,9 @@ class CacheScheduler:
             raise RuntimeError(f"{req_id}: slots {dups} handed out for pages already in L2")
         self._plan_locks.append(self.index.lock(node))
         self.lookup_stats.stored_l2(slots)
-        self._plan.saves.append(PageOrder(req_id, [block_ids[i] for i in missing[:k]], slots,
-                                          [keys[i] for i in missing[:k]]))
+        bpp = self.blocks_per_page
+        self._plan.saves.append(PageOrder(req_id, [b for i in missing[:k] for b in block_ids[i * bpp:(i + 1) * bpp]],
+                                          slots, [keys[i] for i in missing[:k]], bpp))
         self.counters.save_pages += k
         st.num_indexed = full if k == need else end
         if st.load is not None:
@@ -495,8 +519,8 @@ class CacheScheduler:
             self._retry_drops()
 
     def _load_failed(self, st: _RequestState, bad: set[int]) -> None:
-        _step, blocks, first = st.load
-        f = first + next(i for i, b in enumerate(blocks) if b in bad)
+        _step, blocks, first_block = st.load
+        f = (first_block + next(i for i, b in enumerate(blocks) if b in bad)) // self.blocks_per_page
         st.load, saved, st.saved = None, st.saved, []
         self.counters.load_failed_requests += 1
         self._plan.recomputed.append(st.req_id)

@@ -35,7 +35,8 @@ warning and the worker serves without L3 (its jobs are answered "not done"); a b
 start-up with a ConfigError naming it.
 
 Constraints (checked at start-up, clear errors): one KV cache group (vLLM turns the hybrid manager off for
-us), ``page_size`` equal to the engine block size.
+us), ``page_size`` a whole multiple (k >= 1) of the engine block size: a page spans k consecutive blocks of a
+request.
 """
 from __future__ import annotations
 
@@ -336,9 +337,11 @@ class TierKVConnector(KVConnectorBase_V1):
         cache_config = vllm_config.cache_config
         self.block_size = int(cache_config.block_size)
         self.page_size = int(self.cfg.page_size or self.block_size)
-        if self.page_size != self.block_size:
-            raise ConfigError(f"bad value {self.page_size} for 'page_size': with vLLM it must equal the engine "
-                              f"block size ({self.block_size} tokens) or be null")
+        from .scheduler import check_page_size
+        try:  # a page is k whole engine blocks of the request (k >= 1)
+            self.blocks_per_page = check_page_size(self.page_size, self.block_size)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if kv_cache_config is None:
             raise ConfigError("tierkv needs vLLM's kv_cache_config (vLLM >= 0.32)")
         self.kv_cache_config = kv_cache_config
@@ -347,7 +350,7 @@ class TierKVConnector(KVConnectorBase_V1):
         self.num_blocks = int(kv_cache_config.num_blocks)
         self.use_mla = type(spec).__name__.startswith("MLA") or "MLA" in type(spec).__name__
         layer_block_bytes = int(spec.page_size_bytes)
-        self.page_bytes = layer_block_bytes * len(self.layer_names)
+        self.page_bytes = layer_block_bytes * len(self.layer_names) * self.blocks_per_page
         mc, pc = vllm_config.model_config, vllm_config.parallel_config
         pool_bytes = self._pool_bytes(vllm_config, role)
         self.num_slots = pool_bytes // self.page_bytes
@@ -706,7 +709,8 @@ class TierKVConnector(KVConnectorBase_V1):
         hash_block_size = int(getattr(self.kv_cache_config, "hash_block_size", 0) or self.block_size)
 
         def resolve(req_id: str, start: int, end: int):
-            return page_infos(self._requests.get(req_id), start, end, self.block_size, hash_block_size)
+            return page_infos(self._requests.get(req_id), start, end, self.block_size, hash_block_size,
+                              self.blocks_per_page)
 
         try:
             from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
@@ -780,7 +784,11 @@ class TierKVConnector(KVConnectorBase_V1):
             return
         pin = self.cfg.host_pool.pin_memory == "true" or (self.cfg.host_pool.pin_memory == "auto"
                                                             and dev.device.type == "cuda")
-        host = HostPool.for_device(dev, self.num_slots, self.cfg.host_pool.layout, pin_memory=pin)
+        host = HostPool.for_device(dev, self.num_slots * self.blocks_per_page, self.cfg.host_pool.layout,
+                                   pin_memory=pin)
+        if self.blocks_per_page > 1:  # page slot s = the pool's block rows s*k .. s*k+k-1
+            from .worker import MultiBlockPages
+            host = MultiBlockPages(host, self.blocks_per_page)
         if host.kv_layout != self.namespace.kv_layout:
             raise ConfigError(f"tierkv: pages are laid out as {host.kv_layout!r} in the worker but the page "
                               f"namespace names {self.namespace.kv_layout!r}")
@@ -792,7 +800,7 @@ class TierKVConnector(KVConnectorBase_V1):
             l3, checksums = self._build_l3(host)
         self._worker = CacheWorker(dev, host, verify=self.cfg.verify_checksums,
                                    layerwise=self.cfg.layerwise_load, l3=l3, checksums=checksums)
-        kernels.warm_up(dev, host)
+        kernels.warm_up(dev, getattr(host, "block_pool", host))
         self._stats.start_polling()  # counters moved by the L3 I/O threads between steps reach stats_path too
         logger.debug("tierkv worker: %r, L2 %s, L3 %s", dev, host, l3.store if l3 is not None else "none")
 

@@ -87,12 +87,70 @@ def _unique_slot_rounds(slots: list[int], blocks: list[int]) -> list[tuple[list[
     return [(r[0], r[1]) for r in rounds]
 
 
+class MultiBlockPages:
+    """Pages of ``blocks_per_page`` engine blocks over a :class:`HostPool` of block rows (``block_pool``, its
+    ``num_slots`` a multiple of ``blocks_per_page``): page slot ``s`` is block rows ``s*k .. s*k+k-1``. The kernels
+    copy blocks with ``block_pool`` and block rows (:meth:`tierkv.connector.plan.PageOrder.block_slots`); L3, the
+    checksums and the scheduler side see ``num_slots`` pages of ``page_bytes`` = ``k`` x the block pool's page bytes.
+
+    Page bytes (what :meth:`read_page` returns, L3 stores and :meth:`page_checksum` hashes) are the page's runs in
+    the block pool's layout: ``layer_first`` one run per layer holding the ``k`` blocks of that layer in order
+    (``[L, k*block_bytes]``), ``page_first`` / ``page_first_direct`` K then V of the ``k`` blocks (MLA: one run).
+    Same interface as :class:`HostPool` for everything page-level (``read_page``, ``write_page``, ``page_views``,
+    ``page_checksum``, ``buffer``, ``layout``, ``kv_layout``).
+
+    Raises:
+        ValueError: ``blocks_per_page`` < 1 or not dividing ``block_pool.num_slots``.
+    """
+
+    def __init__(self, block_pool: HostPool, blocks_per_page: int):
+        k = blocks_per_page
+        if not isinstance(k, int) or k < 1 or block_pool.num_slots % k:
+            raise ValueError(f"MultiBlockPages: blocks_per_page must be an int >= 1 dividing the pool's "
+                             f"{block_pool.num_slots} block rows, got {k!r}")
+        self.block_pool, self.blocks_per_page = block_pool, k
+        self.num_slots = block_pool.num_slots // k
+        self.num_layers, self.layout, self.geometry = block_pool.num_layers, block_pool.layout, block_pool.geometry
+        self.block_bytes = block_pool.block_bytes * k
+        self.page_bytes = block_pool.page_bytes * k
+        self.buffer, self.nbytes, self.pinned = block_pool.buffer, block_pool.nbytes, block_pool.pinned
+        self.semantic = block_pool.semantic
+        S, L = self.num_slots, self.num_layers
+        if self.layout == "layer_first":
+            self._pages = self.buffer.view(L, S, self.block_bytes).transpose(0, 1)  # [S, L, k*bb]
+        elif self.geometry.use_mla:
+            self._pages = self.buffer.view(S, 1, self.page_bytes)
+        else:
+            self._pages = self.buffer.view(2, S, self.page_bytes // 2).transpose(0, 1)  # [S, 2, bytes/2]
+
+    @property
+    def kv_layout(self) -> str:
+        return self.block_pool.kv_layout
+
+    @property
+    def device_tag(self):
+        return self.block_pool.device_tag
+
+    def check_compatible(self, dev: DevicePool) -> None:
+        self.block_pool.check_compatible(dev)
+
+    _check_slot = HostPool._check_slot
+    page_views = HostPool.page_views
+    read_page = HostPool.read_page
+    write_page = HostPool.write_page
+    page_checksum = HostPool.page_checksum
+
+    def __repr__(self) -> str:
+        return f"MultiBlockPages({self.blocks_per_page} blocks per page, {self.num_slots} pages of {self.block_pool!r})"
+
+
 class CacheWorker:
     """Executes :class:`StepPlan` loads and saves between ``dev`` (L1) and ``host`` (L2).
 
     Args:
         dev: the engine's KV tensors (:class:`DevicePool`).
-        host: the L2 host pool (:class:`HostPool`), ``host.page_bytes`` bytes per page.
+        host: the L2 host pool (:class:`HostPool`, one engine block per page, or :class:`MultiBlockPages` for pages
+            of several blocks), ``host.page_bytes`` bytes per page.
         verify: check each page's checksum before loading it (one XXH3 pass per page and direction).
         layerwise: load layer by layer in the background (see module docstring).
         l3: the worker half of the controller (:class:`L3IO`, built on the same ``host`` and ``checksums``), or None.
@@ -103,6 +161,11 @@ class CacheWorker:
                  l3: Optional[L3IO] = None, checksums: Optional[SlotChecksums] = None):
         self.dev = dev
         self.host = host
+        # the kernels copy engine blocks to and from the pool's block rows: with pages of several blocks (a
+        # :class:`MultiBlockPages` over a pool of block rows) page slot s is block rows s*k .. s*k+k-1
+        self.blocks = getattr(host, "block_pool", host)
+        self.blocks_per_page = int(getattr(host, "blocks_per_page", 1))
+        self._pending_pages = 0
         self.verify = verify
         self.layerwise = layerwise
         self.l3 = l3
@@ -127,25 +190,29 @@ class CacheWorker:
         if not plan.loads:
             return
         t0 = time.perf_counter()
-        blocks, slots = [], []
+        blocks, slots, pages = [], [], 0
         for order in plan.loads:
             good = self._verified_prefix(order)
-            blocks.extend(order.block_ids[:good])
-            slots.extend(order.slots[:good])
-            if good < len(order.block_ids):
-                self._failed_blocks.update(order.block_ids[good:])
-                self.counters.failed_load_blocks += len(order.block_ids) - good
+            ok = order.head(good)
+            blocks.extend(ok.block_ids)
+            slots.extend(ok.block_slots())
+            pages += good
+            bad = order.blocks_from(good)
+            if bad:
+                self._failed_blocks.update(bad)
+                self.counters.failed_load_blocks += len(bad)
         self.counters.steps_with_loads += 1
         if blocks:
             try:
                 rounds = _unique_slot_rounds(slots, blocks)
                 if self.layerwise and len(rounds) == 1:
                     from .layer_loader import LayerwiseLoad
-                    self._pending = LayerwiseLoad(self.host, self.dev, slots, blocks)
+                    self._pending = LayerwiseLoad(self.blocks, self.dev, slots, blocks)
+                    self._pending_pages = pages
                     self._pending.start()
                 else:  # several requests read one page (a shared prefix admitted in one step): one copy per round
                     for r_slots, r_blocks in rounds:
-                        kernels.load_pages(self.host, self.dev, r_slots, r_blocks)
+                        kernels.load_pages(self.blocks, self.dev, r_slots, r_blocks)
             except Exception:  # never crash the engine: report the blocks, vLLM recomputes them
                 logger.exception("tierkv: L2 -> L1 load of %d pages failed; reporting them for recompute",
                                  len(blocks))
@@ -154,7 +221,7 @@ class CacheWorker:
                 self.counters.failed_load_blocks += len(blocks)
                 return
             if self._pending is None:  # layer-wise: counted once every layer arrived (finish_loads)
-                self._count_loaded(len(blocks))
+                self._count_loaded(pages, len(blocks))
         dt = time.perf_counter() - t0
         self.counters.load_seconds += dt
         self.counters.max_load_ms = max(self.counters.max_load_ms, 1e3 * dt)
@@ -190,7 +257,7 @@ class CacheWorker:
         finally:
             self.counters.load_seconds += time.perf_counter() - t0
         self._pending = None
-        self._count_loaded(len(p.block_ids))
+        self._count_loaded(self._pending_pages, len(p.block_ids))
 
     def _layerwise_failed(self, p, err: BaseException) -> None:
         """The pending layer-wise load ``p`` failed: wait for its thread to end (nothing writes into L1 after
@@ -206,9 +273,11 @@ class CacheWorker:
         _rate_limited.warning("layerwise", "tierkv: layer-wise L2 -> L1 load of %d pages failed at layer %s (%s); "
                               "reporting them for recompute", n, p.failed_layer, err.__cause__ or err)
 
-    def _count_loaded(self, n: int) -> None:
-        self.counters.load_pages += n
-        self.counters.load_bytes += n * self.host.page_bytes
+    def _count_loaded(self, pages: int, blocks: int) -> None:
+        """``pages`` pages (a first page the engine partly held in L1 counts once) of ``blocks`` engine blocks
+        copied L2 -> L1."""
+        self.counters.load_pages += pages
+        self.counters.load_bytes += blocks * (self.host.page_bytes // self.blocks_per_page)
 
     def _verified_prefix(self, order: PageOrder) -> int:
         if self._unwritten and order.keys:  # a page whose save was not made is never loaded (docs §8 R31)
@@ -216,10 +285,10 @@ class CacheWorker:
                 if self._unwritten.get(slot) == key:
                     _rate_limited.warning("unwritten", "tierkv: L2 page %s in slot %d was never written (its "
                                           "request's load failed); recomputing from there", key.hex(), slot)
-                    order = PageOrder(order.req_id, order.block_ids[:i], order.slots[:i], order.keys[:i])
+                    order = order.head(i)
                     break
         if not self.verify or not order.keys:
-            return len(order.block_ids)
+            return len(order.slots)
         for i, (slot, key) in enumerate(zip(order.slots, order.keys)):
             want = self.checksums.get(slot, key)
             got = self.host.page_checksum(slot)
@@ -229,7 +298,7 @@ class CacheWorker:
                                       "from there", key.hex(), slot)
                 return i
             self.counters.verified_pages += 1
-        return len(order.block_ids)
+        return len(order.slots)
 
     # ----------------------------------------------------------------- saves
     def run_saves(self, plan: StepPlan) -> None:
@@ -260,21 +329,22 @@ class CacheWorker:
                 self.counters.unsaved_pages += len(o.slots)
                 self.forget_saves([o])
         blocks = [b for o in saves for b in o.block_ids]
-        slots = [s for o in saves for s in o.slots]
+        slots = [s for o in saves for s in o.block_slots()]
         if self._unwritten:
-            for s in slots:
-                self._unwritten.pop(s, None)
+            for o in saves:
+                for s in o.slots:
+                    self._unwritten.pop(s, None)
         if blocks:
             try:
-                kernels.save_pages(self.dev, self.host, blocks, slots)
+                kernels.save_pages(self.dev, self.blocks, blocks, slots)
             except Exception as e:  # never into vLLM's forward (docs §8 R41): the pages are simply not in L2
                 self.counters.save_failed_pages += len(blocks)
                 _rate_limited.warning("save", "tierkv: L1 -> L2 save of %d pages failed (%r); they are never "
                                       "loaded nor backed up, a later hit recomputes them", len(blocks), e)
                 self.forget_saves(saves)
                 return
-        self.counters.save_pages += len(blocks)
-        self.counters.save_bytes += len(blocks) * self.host.page_bytes
+        self.counters.save_pages += sum(len(o.slots) for o in saves)
+        self.counters.save_bytes += sum(len(o.slots) for o in saves) * self.host.page_bytes
         if self._keep_checksums:
             for o in saves:
                 for slot, key in zip(o.slots, o.keys):
@@ -373,20 +443,22 @@ class CacheWorker:
             return orphans
         res = self.l3.poll(finished_req_ids)
         res.finished |= orphans
-        slots, blocks = [], []
+        slots, blocks, pages = [], [], 0
         for order in res.orders:
             # the pages that were already in L2 pass the same checks as a synchronous load's: a slot whose save was
             # not made (R31, R41) or that fails its checksum is never copied; the request recomputes from there
             good = self._verified_prefix(order)
-            slots.extend(order.slots[:good])
-            blocks.extend(order.block_ids[:good])
-            res.failed_blocks.update(order.block_ids[good:])
+            ok = order.head(good)
+            slots.extend(ok.block_slots())
+            blocks.extend(ok.block_ids)
+            pages += good
+            res.failed_blocks.update(order.blocks_from(good))
         if blocks:
             t0 = time.perf_counter()
             try:
                 for r_slots, r_blocks in _unique_slot_rounds(slots, blocks):
-                    kernels.load_pages(self.host, self.dev, r_slots, r_blocks)
-                self.counters.async_load_pages += len(blocks)
+                    kernels.load_pages(self.blocks, self.dev, r_slots, r_blocks)
+                self.counters.async_load_pages += pages
             except Exception:  # never crash the engine: report the blocks, vLLM recomputes them
                 logger.exception("tierkv: L2 -> L1 copy of %d prefetched pages failed", len(blocks))
                 res.failed_blocks.update(blocks)

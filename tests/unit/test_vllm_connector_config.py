@@ -54,13 +54,37 @@ def test_layerwise_copy_failure_reaches_vllm_as_load_errors(model, monkeypatch, 
 
 
 # ------------------------------------------------------------------ start-up errors
-def test_page_size_other_than_the_block_size_stops_start_up(model):
+def test_page_size_not_whole_engine_blocks_stops_start_up(model):
     for role in (SCHEDULER, WORKER):
-        with pytest.raises(ConfigError) as e:
-            connector(model, role, {"page_size": 16})
-        assert str(e.value) == ("bad value 16 for 'page_size': with vLLM it must equal the engine block size "
-                                "(32 tokens) or be null")
+        for bad in (16, 48):
+            with pytest.raises(ConfigError) as e:
+                connector(model, role, {"page_size": bad})
+            assert str(e.value) == (f"bad value {bad} for 'page_size': a page is k whole engine blocks of 32 tokens; "
+                                    "allowed: 32, 64, 128, ... (k x 32, k an integer >= 1), or null for one block")
     assert connector(model, SCHEDULER, {"page_size": BLOCK, "host_pool.num_pages": 4}).page_size == BLOCK
+    s = connector(model, SCHEDULER, {"page_size": 2 * BLOCK, "host_pool.num_pages": 4})
+    assert s._sched.blocks_per_page == 2 and s.page_bytes == 2 * PAGE_BYTES and s.namespace.page_size == 2 * BLOCK
+
+
+def test_pages_of_two_blocks_through_the_worker_hooks(model):
+    """page_size = 2 blocks: the worker's L2 holds 4 pages of 2 block rows each; a save names 2 blocks per slot and a
+    load whose first block is already in L1 (``skip_blocks``) copies only the blocks after it."""
+    c, l1 = worker_connector(model, {"page_size": 2 * BLOCK, "host_pool.num_pages": 4})
+    host = c._worker.host
+    assert host.num_slots == 4 and host.page_bytes == 2 * PAGE_BYTES and host.block_pool.num_slots == 8
+    g = torch.Generator().manual_seed(3)
+    for t in l1.values():  # the "forward" computed blocks 3 to 6
+        t[3:7].copy_(torch.randn(4, *t.shape[1:], generator=g).to(torch.bfloat16))
+    assert run_step(c, ConnectorPlan(step=1, saves=[PageOrder("a", [3, 4, 5, 6], [2, 0], [], 2)])) == set()
+    rows = host.block_pool.layer_view()  # [L, block rows, bytes]: slot 2 = rows 4, 5; slot 0 = rows 0, 1
+    for li, t in enumerate(l1.values()):
+        for row, b in ((4, 3), (5, 4), (0, 5), (1, 6)):
+            assert torch.equal(rows[li, row], t[b].contiguous().view(torch.uint8).reshape(-1)), (li, row)
+    before = [t[8].clone() for t in l1.values()]
+    assert run_step(c, ConnectorPlan(step=2, loads=[PageOrder("b", [9, 10, 11], [2, 0], [], 2, 1)])) == set()
+    for t, b8 in zip(l1.values(), before):
+        assert torch.equal(t[9:12], t[4:7]) and torch.equal(t[8], b8)  # block 8 (first of page 0, in L1) untouched
+    assert c._worker.counters.load_pages == 2 and c._worker.counters.save_pages == 2
 
 
 @pytest.mark.parametrize("groups", [2, 3])
