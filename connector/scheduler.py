@@ -274,6 +274,7 @@ class CacheScheduler:
         ps = self.page_size
         full = max(0, (len(st.tokens) - 1) // ps)
         self.counters.lookup_tokens += full * ps
+        c = min(c, full * ps)  # pages of several blocks: vLLM's hit may reach into blocks past the last whole page
         self.counters.device_hit_tokens += c
         ls = self.lookup_stats
         ls.add("l1", c)

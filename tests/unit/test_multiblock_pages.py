@@ -222,9 +222,13 @@ def test_a_hit_starting_inside_a_page_held_in_l1_loads_only_the_blocks_after_it(
     assert all(torch.equal(t[held], x) for t, x in zip(e.l1.values(), before))  # blocks in L1 never written
     assert e.worker.counters.load_pages == 2
     assert e.worker.counters.load_bytes == (2 * k - 1) * e.host.page_bytes // k
-    # the lookup statistics: L1 tokens, L2 tokens and the rest add up to the prompt's whole pages
+    # the lookup statistics: L1 tokens, L2 tokens and the rest add up to the prompts' whole pages
     ls = e.sched.lookup_stats.tokens
-    assert ls["l1"] == 0 + (k + 1) * B and ls["l2"] == ext  # a served nothing from a cache
+    assert ls["l1"] == (k + 1) * B and ls["l2"] == ext  # a served nothing from a cache
+    # a prompt of one page, one block and a token with vLLM holding k + 1 blocks: its L1 hit counts its one page
+    assert e.serve("c", doc[: ps + B + 1], l1_blocks=held)[0] == 0
+    assert ls["l1"] == (k + 1) * B + ps
+    assert sum(ls.values()) == e.sched.counters.lookup_tokens == 2 * (3 * ps) + ps  # a, b, c
     e.sched.check_invariants()
 
 
