@@ -12,6 +12,9 @@ Presets (``PRESETS``):
 - ``demo``:  hidden 512, 4 layers, 8 heads, 2 KV heads (head_dim 64), vocab 4096 - what ``make demo`` serves;
 - ``bench``: hidden 1024, 8 layers, 16 heads, 4 KV heads (head_dim 64), intermediate 2816, vocab 8192 - the
   model of ``benchmarks/e2e_cpu.py`` (tierkv issue 2, item 10).
+- ``mla``: ``DeepseekV2ForCausalLM`` (MLA), hidden 128, 2 dense layers, 4 heads, ``kv_lora_rank`` 512,
+  ``qk_rope_head_dim`` 64 (a 576-value latent per token and layer, the only width vLLM's CPU MLA kernel takes),
+  vocab 2048 - the model of ``tests/e2e/test_vllm_mla.py``.
 
 All are bf16 with ``max_position_embeddings`` large enough for the 2,048-token documents plus questions and
 multi-turn chats used by the demo and benchmarks.
@@ -50,6 +53,13 @@ PRESETS: dict[str, dict] = {
                  intermediate_size=1408, vocab_size=4096, max_position_embeddings=8192),
     "bench": dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
                   intermediate_size=2816, vocab_size=8192, max_position_embeddings=8192),
+    # DeepSeek-V2 shape (MLA): a latent of kv_lora_rank 512 + qk_rope_head_dim 64 = 576 values per token and layer
+    # (the only width vLLM's CPU MLA decode kernel takes); every layer dense (first_k_dense_replace = layers)
+    "mla": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                intermediate_size=352, vocab_size=2048, max_position_embeddings=4096, kv_lora_rank=512,
+                q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=4,
+                n_shared_experts=1, moe_intermediate_size=64, num_experts_per_tok=2, first_k_dense_replace=2,
+                arch="deepseek_v2"),
 }
 DTYPE = "bfloat16"
 TOKENIZER_MAX_LEN = 8192
@@ -92,6 +102,17 @@ def _build_tokenizer(vocab_size: int):
     )
 
 
+def _deepseek_v2_config(preset: dict):
+    """(``DeepseekV2Config``, ``DeepseekV2ForCausalLM``) for a preset with ``arch="deepseek_v2"``: attention is
+    MLA, so vLLM caches one latent vector of ``kv_lora_rank + qk_rope_head_dim`` values per token and layer."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    kw = {k: v for k, v in preset.items() if k != "arch"}
+    cfg = DeepseekV2Config(**kw, hidden_act="silu", rms_norm_eps=1e-5, initializer_range=0.02,
+                           tie_word_embeddings=False, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+                           torch_dtype=DTYPE)
+    return cfg, DeepseekV2ForCausalLM
+
 
 def make_model(path: str | os.PathLike | None = None, preset: str = "test", *, seed: int = DEFAULT_SEED,
                quiet: bool = False) -> str:
@@ -112,11 +133,14 @@ def make_model(path: str | os.PathLike | None = None, preset: str = "test", *, s
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        **PRESETS[preset], hidden_act="silu", rms_norm_eps=1e-5, rope_theta=10000.0, initializer_range=0.02,
-        tie_word_embeddings=False, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
-        torch_dtype=DTYPE,
-    )
+    if PRESETS[preset].get("arch") == "deepseek_v2":
+        cfg, LlamaForCausalLM = _deepseek_v2_config(PRESETS[preset])  # noqa: N806 - the model class to build
+    else:
+        cfg = LlamaConfig(
+            **PRESETS[preset], hidden_act="silu", rms_norm_eps=1e-5, rope_theta=10000.0, initializer_range=0.02,
+            tie_word_embeddings=False, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+            torch_dtype=DTYPE,
+        )
     # Seeded initialisation, independent of the caller's global RNG state.
     devices = []
     with torch.random.fork_rng(devices=devices):
