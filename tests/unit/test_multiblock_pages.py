@@ -38,7 +38,7 @@ class Engine:
     """One engine of ``k``-block pages: lookups, allocation, one step per request (loads, forward, saves, jobs)."""
 
     def __init__(self, k: int, num_slots: int = 16, num_blocks: int = 64, layout: str = "layer_first",
-                 store_root=None):
+                 store_root=None, layerwise: bool = False):
         self.k, self.ps = k, k * B
         base = torch.zeros(LAYERS, num_blocks, HEADS, B, 2 * HEAD_DIM, dtype=torch.bfloat16)
         self.l1 = {f"model.layers.{i}.self_attn.attn": base[i] for i in range(LAYERS)}
@@ -54,7 +54,7 @@ class Engine:
             self.store = FileStore(self.rank_ns, self.host.page_bytes, root=str(store_root))
             l3 = L3IO(self.store, self.host, self.rank_ns, checksums, batch_pages=4)
             ctl = {"write_policy": "write_through", "world_size": 1}
-        self.worker = CacheWorker(dev, self.host, verify=True, l3=l3, checksums=checksums)
+        self.worker = CacheWorker(dev, self.host, verify=True, l3=l3, checksums=checksums, layerwise=layerwise)
         self.sched = CacheScheduler(self.ns, self.ps, B, num_slots, controller=ctl)
         self.free = list(range(1, num_blocks))
         self.plans = []
@@ -103,6 +103,8 @@ class Engine:
         self.plans.append(plan)
         self.worker.start_loads(plan)
         self.worker.start_reads(plan)
+        for name in self.l1:  # the forward: each attention layer waits for its own pages (layer-wise loads)
+            self.worker.wait_layer(name)
         self.worker.finish_loads()
         assert not self.worker._failed_blocks, self.worker._failed_blocks
         for j in range(computed // B, len(tokens) // B):  # the forward: blocks after the hit
@@ -178,9 +180,9 @@ def test_block_slots_map_page_slots_to_block_rows_with_a_skipped_start():
 
 
 # ------------------------------------------------------------------ L2
-@pytest.mark.parametrize("k", [2, 4])
-def test_hits_are_whole_pages_and_load_exactly_the_blocks_of_those_pages(k):
-    e = Engine(k)
+@pytest.mark.parametrize("k,layerwise", [(2, False), (4, False), (2, True)])
+def test_hits_are_whole_pages_and_load_exactly_the_blocks_of_those_pages(k, layerwise):
+    e = Engine(k, layerwise=layerwise)
     ps = k * B
     doc = toks(1000, 3 * ps + (k - 1) * B + 5)  # 3 pages, then a tail of k - 1 blocks and 5 tokens
     ext, a_blocks = e.serve("a", doc)
