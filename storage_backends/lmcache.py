@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import logging
 import math
-import mmap
 import os
 import random
 import struct
@@ -61,6 +60,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from tierkv.storage_backends.base import Buffer, PageTokens, StorageBackend
 from tierkv.storage_backends.common import (ConfigError, Counters, RateLimitedLog, check_store_identity,
                                              config_error)
+from tierkv.storage_backends.shm_segment import Segment
 from tierkv.storage_backends.zmq_channel import ChannelFailed, RequestChannel
 from tierkv.storage_backends.page_format import (HEADER_BYTES, PageFormatError, check_checksums, decode_header, encode_headers, verify_payload)
 
@@ -207,10 +207,8 @@ class LMCacheStore(StorageBackend):
         self._registered_at = 0.0
         self._checked = False       # the server's chunk size was compared with page_tokens
         self._refused: Optional[str] = None  # a permanent mismatch (chunk size, no shm): every call is a miss
-        self._shm: Optional[mmap.mmap] = None
+        self._seg: Optional[Segment] = None  # the server's segment, mapped
         self._shm_view: Optional[memoryview] = None
-        self._shm_name = ""
-        self._shm_ino: Optional[tuple] = None
         self._closed = False
         self._warn = RateLimitedLog(log)
         self._bad_keys: OrderedDict = OrderedDict()
@@ -232,7 +230,7 @@ class LMCacheStore(StorageBackend):
     # ------------------------------------------------------------------------------------------- wire
     def _forked(self) -> None:
         """In a forked child: the parent's mapping and registration are not this process's."""
-        self._shm = self._shm_view = None
+        self._seg = self._shm_view = None  # the parent's mapping stays with the parent's object
         self._instance = None
 
     def _failed(self, why: str) -> None:
@@ -264,40 +262,11 @@ class LMCacheStore(StorageBackend):
         return results
 
     # ------------------------------------------------------------------------------------------- session
-    def _map_shm(self, name: str, size: int) -> None:
-        self._unmap_shm()
-        path = os.path.join(self.cfg.shm_dir, name)
-        fd = os.open(path, os.O_RDWR)
-        try:
-            st = os.fstat(fd)
-            if st.st_size < size:
-                raise OSError(f"{path} has {st.st_size} bytes, the server announced {size}")
-            self._shm = mmap.mmap(fd, size)
-            self._shm_ino = (st.st_dev, st.st_ino)
-        finally:
-            os.close(fd)
-        self._shm_view = memoryview(self._shm)
-        self._shm_name = name
-
     def _unmap_shm(self) -> None:
-        if self._shm_view is not None:
-            self._shm_view.release()
-            self._shm_view = None
-        if self._shm is not None:
-            try:
-                self._shm.close()
-            except BufferError:  # a view of it is still exported somewhere: leave it to the garbage collector
-                pass
-            self._shm = None
-        self._shm_ino = None
-
-    def _shm_intact(self) -> bool:
-        """The mapped segment is still the one the server's name points at."""
-        try:
-            st = os.stat(os.path.join(self.cfg.shm_dir, self._shm_name))
-        except OSError:
-            return False
-        return (st.st_dev, st.st_ino) == self._shm_ino
+        if self._seg is not None:
+            self._seg.close()
+            self._seg = None
+        self._shm_view = None
 
     def _register(self) -> None:
         old, self._instance = self._instance, random.getrandbits(62)
@@ -314,9 +283,13 @@ class LMCacheStore(StorageBackend):
             self._refused = (f"LMCache server {self.endpoint} offers no shared-memory segment (got {reg!r:.120}); "
                              "start it with --shm-name (tierkv never uses LMCache's pickle transfer)")
             return
-        if self._shm is None or reg["shm_name"] != self._shm_name or not self._shm_intact():
+        if self._seg is None or reg["shm_name"] != self._seg.name or not self._seg.intact():
+            self._unmap_shm()
             try:
-                self._map_shm(reg["shm_name"], reg["pool_size"])
+                # LMCache's pool is large: mapped without faulting it in (pages are touched as slots are used)
+                self._seg = Segment.open(os.path.join(self.cfg.shm_dir, reg["shm_name"]), reg["pool_size"],
+                                         populate=False)
+                self._shm_view = self._seg.mv
             except (OSError, ValueError) as e:
                 self.counters["shm_lost"] += 1
                 self._registered_at = 0.0
@@ -338,10 +311,10 @@ class LMCacheStore(StorageBackend):
                                  f"start the server with --chunk-size {self.page_tokens})")
                 return
             self._checked = True
-        if self._shm is not None and not self._shm_intact():
+        if self._seg is not None and not self._seg.intact():
             self.counters["shm_lost"] += 1
-            self._warn.warning("shm", "LMCache shared memory /dev/shm/%s disappeared or was replaced; registering "
-                               "again", self._shm_name)
+            self._warn.warning("shm", "LMCache shared memory %s disappeared or was replaced; registering again",
+                               self._seg.path)
             self._unmap_shm()
             self._registered_at = 0.0
         if time.monotonic() - self._registered_at > REFRESH_S:

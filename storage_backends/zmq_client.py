@@ -37,10 +37,8 @@ from __future__ import annotations
 
 import logging
 import math
-import mmap
 import os
 import threading
-import weakref
 from typing import Any, Callable, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
@@ -48,6 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from tierkv.storage_backends import zmq_protocol as P
 from tierkv.storage_backends.base import Buffer, PageTokens, StorageBackend
 from tierkv.storage_backends.common import Counters, RateLimitedLog, check_store_identity, config_error
+from tierkv.storage_backends.shm_segment import Segment
 from tierkv.storage_backends.zmq_channel import ChannelFailed, RequestChannel
 from tierkv.storage_backends.page_format import (PageFormatError, check_checksums, decode_header,
                                                  encode_headers, verify_payload)
@@ -67,9 +66,6 @@ PIPELINE_BYTES = 8 << 20
 #: payload bytes of the first ``set`` message of a pipelined batch: nothing is on the wire while its pages are
 #: checksummed, so it is kept small (the following messages are checksummed while the previous one is sent).
 FIRST_MESSAGE_BYTES = 1 << 20
-#: segments are mapped with their pages faulted in up front (Linux ``MAP_POPULATE``), so the first calls through a
-#: fresh segment do not pay a page fault per 4 KiB
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 #: allowed values of ``l3.zmq.shm`` (YAML's ``on``/``off`` arrive as booleans and are accepted as such)
@@ -203,19 +199,6 @@ def check_options(cfg: dict, page_bytes: Optional[int] = None) -> ZmqStoreConfig
         raise config_error(e, "l3.zmq", ZmqStoreConfig) from None
 
 
-def _remove_segment(path: str, mm: mmap.mmap, pid: int) -> None:
-    """Finalizer of a :class:`_Segment`: unmap it, and remove its file in the process that created it."""
-    try:
-        mm.close()
-    except BufferError:  # a view is still exported (interpreter shutdown): the mapping goes with the process
-        pass
-    if os.getpid() == pid:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-
-
 def sweep_dead_segments(shm_dir: str = P.SHM_DIR) -> int:
     """Remove this user's segment files whose creating process is gone (a client killed by SIGKILL never runs its
     finalizer). The creator's pid is the first 8 hex digits after :data:`zmq_protocol.SHM_PREFIX`. Removing a file
@@ -246,42 +229,16 @@ def sweep_dead_segments(shm_dir: str = P.SHM_DIR) -> int:
     return n
 
 
-class _Segment:
-    """This client's ``/dev/shm`` segment: ``size`` bytes, file mode 0600, created exclusively under the name
-    :data:`zmq_protocol.SHM_PREFIX` + pid (8 hex digits) + 16 random hex digits; the file is removed by
-    :meth:`close`, when the object is collected or at interpreter exit (``weakref.finalize``), only by the creating
-    process (a forked child makes its own), and by :func:`sweep_dead_segments` when that process died without.
+def _Segment(size: int) -> Segment:
+    """A new segment of this client (:class:`~.shm_segment.Segment`, ``size`` bytes) named
+    :data:`zmq_protocol.SHM_PREFIX` + pid (8 hex digits) + 16 random hex digits; its file is removed by its ``close``,
+    when it is collected or at interpreter exit, only by the creating process (a forked child makes its own), and by
+    :func:`sweep_dead_segments` when that process died without.
 
     Raises:
         OSError: the segment cannot be created or mapped (no /dev/shm, no space).
     """
-
-    def __init__(self, size: int):
-        self.size = size
-        self.pid = os.getpid()
-        self.name = f"{P.SHM_PREFIX}{self.pid & 0xFFFFFFFF:08x}{os.urandom(8).hex()}"
-        self.path = os.path.join(P.SHM_DIR, self.name)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED | _POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(fd)
-            os.unlink(self.path)
-            raise
-        os.close(fd)
-        self.mv = memoryview(mm)
-        self._fin = weakref.finalize(self, _remove_segment, self.path, mm, self.pid)
-
-    def exists(self) -> bool:
-        return os.path.exists(self.path)
-
-    def close(self) -> None:
-        try:
-            self.mv.release()
-        except BufferError:  # a slot view is still referenced somewhere: the mapping goes when it is collected
-            pass
-        self._fin()
+    return Segment.create(P.SHM_DIR, f"{P.SHM_PREFIX}{os.getpid() & 0xFFFFFFFF:08x}{os.urandom(8).hex()}", size)
 
 
 class ZmqStore(StorageBackend):
@@ -337,7 +294,7 @@ class ZmqStore(StorageBackend):
         self.shm_bytes = cfg.shm_bytes
         #: the shared-memory path is tried (False once it is found unusable: frames from then on)
         self._shm_on = mode == "on" or (mode == "auto" and is_local_endpoint(cfg.endpoint))
-        self._seg: Optional[_Segment] = None
+        self._seg: Optional[Segment] = None
         self._seg_attached = False
 
     # ----------------------------------------------------------------------------------------- requests
@@ -427,7 +384,7 @@ class ZmqStore(StorageBackend):
         log.warning("tierkv zmq server %s: shared-memory path not used (%s); pages travel as ZMQ frames",
                     self.endpoint, why)
 
-    def _shm_ready(self) -> Optional["_Segment"]:
+    def _shm_ready(self) -> Optional[Segment]:
         """The attached segment, creating and attaching it when needed; None = use frames for this call (or for
         good, after :meth:`_shm_off`). Called with ``self._lock`` held."""
         if not self._shm_on or self._closed:

@@ -33,9 +33,7 @@ from __future__ import annotations
 import hmac
 import itertools
 import logging
-import mmap
 import os
-import stat
 import struct
 import sys
 import time
@@ -46,6 +44,7 @@ import zmq
 
 from tierkv.storage_backends import zmq_protocol as P
 from tierkv.storage_backends.common import Counters
+from tierkv.storage_backends.shm_segment import Segment
 
 log = logging.getLogger("tierkv.zmq_server")
 
@@ -58,9 +57,6 @@ MAX_SEGMENTS = 256
 #: a mapped segment whose file is gone (its client closed or died) and that was unused this long is unmapped when
 #: another client attaches (seconds).
 SEGMENT_IDLE_S = 60.0
-#: segments are mapped with their pages faulted in up front (Linux ``MAP_POPULATE``), so the first calls through a
-#: fresh segment do not pay a page fault per 4 KiB
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 #: payload bytes one ``verify`` step hashes at most (a step stops after the record that crosses it).
 VERIFY_SLICE_BYTES = 64 << 20
 #: ``verify`` sessions kept between steps (one per running ``tierkv store verify``).
@@ -239,7 +235,7 @@ class CacheServer:
         self.pending_writes = 0
         self.counters = Counters("requests", "auth_failures", "too_large", "dropped", "spilled", "spill_hits", "deletes",
                                  "shm_attached", "shm_refused", "shm_bytes_in", "shm_bytes_out")
-        #: client segments: name -> [mmap, memoryview of it, size, last use (monotonic seconds)]
+        #: client segments: name -> [Segment, last use (monotonic seconds)]
         self.segments: "OrderedDict[str, list]" = OrderedDict()
         self.spill = _SpillTier(spill_dir, spill_capacity_bytes) if spill_dir else None
         #: unfinished ``verify`` sessions: id -> job (see :meth:`_op_verify`)
@@ -377,7 +373,6 @@ class CacheServer:
         seg = self.segments.pop(name, None)
         if seg is None:
             return False
-        seg[1].release()
         seg[0].close()
         return True
 
@@ -388,27 +383,19 @@ class CacheServer:
         self._unmap(name)  # re-attach (the client re-registers after a restart or a failure): map it afresh
         now = time.monotonic()
         for n, seg in list(self.segments.items()):  # segments of clients that went away
-            if now - seg[3] > SEGMENT_IDLE_S and not os.path.exists(os.path.join(P.SHM_DIR, n)):
+            if now - seg[1] > SEGMENT_IDLE_S and not seg[0].exists():
                 self._unmap(n)
         while len(self.segments) >= MAX_SEGMENTS:
             self._unmap(next(iter(self.segments)))
         try:
-            fd = os.open(os.path.join(P.SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            seg = Segment.open(os.path.join(P.SHM_DIR, name), size)
         except OSError as e:
             self.counters["shm_refused"] += 1
             raise P.ProtocolError("shm", f"cannot open segment {name}: {e.strerror}") from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size < size:
-                self.counters["shm_refused"] += 1
-                raise P.ProtocolError("shm", f"segment {name} is not a regular file of >= {size} bytes")
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED | _POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError as e:
+        except ValueError:
             self.counters["shm_refused"] += 1
-            raise P.ProtocolError("shm", f"cannot map segment {name}: {e.strerror}") from None
-        finally:
-            os.close(fd)
-        self.segments[name] = [mm, memoryview(mm), size, now]
+            raise P.ProtocolError("shm", f"segment {name} is not a regular file of >= {size} bytes") from None
+        self.segments[name] = [seg, now]
         self.counters["shm_attached"] += 1
         return {"attached": True}, []
 
@@ -423,9 +410,9 @@ class CacheServer:
         seg = self.segments.get(name)
         if seg is None:
             raise P.ProtocolError("shm_unknown", f"segment {name} is not attached")
-        seg[3] = time.monotonic()
+        seg[1] = time.monotonic()
         self.segments.move_to_end(name)
-        return seg[1], seg[2]
+        return seg[0].mv, seg[0].size
 
     def _op_exists(self, h, payloads):
         keys, ns = P.get_keys(h), P.get_ns(h)
