@@ -2,8 +2,8 @@
 for the file L3, through the worker's own path.
 
 One L2 host pool of block rows (``layer_first``, :class:`tierkv.connector.worker.MultiBlockPages` for k > 1 blocks
-per page) holds ``--tokens`` tokens of KV of a model with ``--layers`` layers, ``--kv-heads`` KV heads of
-``--head-dim`` (bf16), ``--block`` tokens per engine block. For each k, :class:`tierkv.connector.l3_io.L3IO` (the
+per page) holds ``--tokens`` tokens of KV of a model of each ``--models`` shape (``LAYERSxKV_HEADSxHEAD_DIM``,
+bf16), ``--block`` tokens per engine block. For each shape and k, :class:`tierkv.connector.l3_io.L3IO` (the
 connector's L3 threads, default ``controller`` settings: batches of 16 pages, the file store's 4 read threads) runs
 
 - ``store``: one backup job of every page (the pages' XXH3 taken beforehand, as when they entered L2),
@@ -11,8 +11,8 @@ connector's L3 threads, default ``controller`` settings: batches of 16 pages, th
 - ``load_cold``: the same after ``fdatasync`` + ``posix_fadvise(DONTNEED)`` of every record file,
 
 each timed from ``submit`` until the I/O threads are idle; the bytes read back are compared with the originals
-(untimed). Reported per k: microseconds per token (median over ``--reps`` repetitions and the range), MB/s, records
-per token and L3 files. The order of k rotates between repetitions so drift of the (shared) machine hits every k.
+(untimed). Reported per shape and k: microseconds per token (median over ``--reps`` repetitions and the range),
+MB/s, records per token and L3 files. The order of k rotates between repetitions so drift of the (shared) machine hits every k.
 
     .venv/bin/python benchmarks/page_records.py                   # writes benchmarks/results/page_records.json
     .venv/bin/python benchmarks/page_records.py --readme-from benchmarks/results/page_records.json
@@ -45,7 +45,15 @@ def cpu_model() -> str:
         return platform.processor() or "unknown"
 
 
-def run_one(k: int, args, root: str, seed: int) -> dict:
+def parse_model(text: str) -> tuple[int, int, int]:
+    """``"16x4x64"`` -> (layers, KV heads, head dim). Raises ValueError for another form."""
+    parts = text.lower().split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"bad model shape {text!r}: want LAYERSxKV_HEADSxHEAD_DIM, e.g. 16x4x64")
+    return tuple(int(p) for p in parts)
+
+
+def run_one(k: int, model: tuple[int, int, int], args, root: str, seed: int) -> dict:
     from tierkv.connector.host_pool import HostPool
     from tierkv.connector.l3_io import L3IO
     from tierkv.connector.page_checksums import SlotChecksums
@@ -53,9 +61,10 @@ def run_one(k: int, args, root: str, seed: int) -> dict:
     from tierkv.connector.worker import MultiBlockPages
     from tierkv.storage_backends.file import FileStore
 
-    block_bytes = 2 * args.kv_heads * args.head_dim * args.block * 2  # one layer's K and V of one block, bf16
+    layers, kv_heads, head_dim = model
+    block_bytes = 2 * kv_heads * head_dim * args.block * 2  # one layer's K and V of one block, bf16
     n_blocks = args.tokens // args.block
-    rows = HostPool(n_blocks, args.layers, block_bytes)
+    rows = HostPool(n_blocks, layers, block_bytes)
     host = MultiBlockPages(rows, k) if k > 1 else rows
     n = host.num_slots
     g = torch.Generator().manual_seed(seed)
@@ -68,7 +77,8 @@ def run_one(k: int, args, root: str, seed: int) -> dict:
     for s, key in enumerate(keys):
         sums.record(s, key, host.page_checksum(s))
     l3 = L3IO(store, host, ns, sums)
-    out = {"k": k, "page_bytes": host.page_bytes, "records": n, "tokens": n_blocks * args.block}
+    out = {"model": "x".join(map(str, model)), "bytes_per_token": layers * 2 * kv_heads * head_dim * 2, "k": k,
+           "page_bytes": host.page_bytes, "records": n, "tokens": n_blocks * args.block}
     try:
         def timed(job) -> float:
             t0 = time.perf_counter()
@@ -104,48 +114,54 @@ def run_one(k: int, args, root: str, seed: int) -> dict:
 
 
 def summarize(runs: list[dict]) -> list[dict]:
+    """One row per (model shape, k): microseconds per token of each operation (median, min, max over the
+    repetitions), MB/s (median), records per token, files written."""
     rows = []
-    for k in KS:
-        mine = [r for r in runs if r["k"] == k]
-        tok, pb = mine[0]["tokens"], mine[0]["page_bytes"]
-        row = {"k": k, "page_bytes": pb, "records_per_token": 1 / (tok / mine[0]["records"]),
-               "files": mine[0]["files"]}
-        for op in ("store_s", "load_s", "load_cold_s"):
-            us = sorted(1e6 * r[op] / tok for r in mine)
-            row[op.replace("_s", "_us_per_token")] = {"median": statistics.median(us), "min": us[0], "max": us[-1]}
-            row[op.replace("_s", "_mbps")] = statistics.median(r["records"] * pb / r[op] / 1e6 for r in mine)
-        rows.append(row)
+    for model in dict.fromkeys(r["model"] for r in runs):
+        for k in KS:
+            mine = [r for r in runs if r["k"] == k and r["model"] == model]
+            tok, pb = mine[0]["tokens"], mine[0]["page_bytes"]
+            row = {"model": model, "bytes_per_token": mine[0]["bytes_per_token"], "k": k, "page_bytes": pb,
+                   "records_per_token": mine[0]["records"] / tok, "files": mine[0]["files"]}
+            for op in ("store", "load", "load_cold"):
+                us = sorted(1e6 * r[op + "_s"] / tok for r in mine)
+                row[op + "_us_per_token"] = {"median": statistics.median(us), "min": us[0], "max": us[-1]}
+                row[op + "_mbps"] = statistics.median(r["records"] * pb / r[op + "_s"] / 1e6 for r in mine)
+            rows.append(row)
     return rows
 
 
 def readme(res: dict) -> str:
+    """The ``## page_records`` section of ``benchmarks/README.md`` from a result file."""
     c = res["conditions"]
-    base = {r["k"]: r for r in res["rows"]}[1]
     lines = ["## page_records", "",
-             f"`benchmarks/page_records.py` (issue 20 item 4): the file L3 through the connector's L3 threads "
-             f"(`L3IO`, batches of 16 pages, 4 read threads) for pages of k = 1, 2, 4 engine blocks of "
-             f"{c['block']} tokens; {c['tokens']} tokens of KV of {c['layers']} layers x {c['kv_heads']} KV heads "
-             f"x {c['head_dim']} (bf16, {c['bytes_per_token'] // 1024} KiB a token), one job per operation "
-             f"(store: back up every page; load: read every page back into L2, records in the page cache; "
-             f"load_cold: after `posix_fadvise(DONTNEED)`). Median of {c['reps']} repetitions (k order rotated), "
-             "[min-max] in brackets; gain = k=1 time / this time (medians).", "",
+             "`benchmarks/page_records.py` (issue 20 item 4): the file L3 through the connector's L3 threads "
+             f"(`L3IO`, batches of 16 pages, 4 read threads) for pages of k = 1, 2, 4 engine blocks of {c['block']} "
+             f"tokens; {c['tokens']} tokens of KV per run (bf16; model shape = layers x KV heads x head dim), one job "
+             "per operation (store: back up every page; load: read every page back into L2, records in the page "
+             "cache; load_cold: after `fdatasync` + `posix_fadvise(DONTNEED)` of every record). Microseconds per "
+             f"token, median of {c['reps']} repetitions (k order rotated), [min-max]; gain = k=1 time / this time "
+             "(medians).", "",
              f"Conditions: {c['cpu']}, {c['cpus']} CPUs, load average {c['load_before']:.2f} before and "
-             f"{c['load_after']:.2f} after the {c['wall_s']:.0f} s run ({c['date']}, at {(c['commit'] or '?')[:7]}); the machine "
-             "is shared with other engineers' tests and builds, so single rows swing.", "",
-             "| page | record | records/token | store us/token | load us/token | load_cold us/token | store gain "
-             "| load gain | load_cold gain |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in res["rows"]:
-        def cell(op):
-            v = r[op]
-            return f"{v['median']:.2f} [{v['min']:.2f}-{v['max']:.2f}]"
+             f"{c['load_after']:.2f} after the {c['wall_s']:.0f} s run ({c['date']}, at "
+             f"{(c['commit'] or '?')[:7]}); the machine is shared with other engineers' tests and engines, so single "
+             "rows swing.", "",
+             "| model | page | record | records/token | store | load | load_cold | store gain | load gain "
+             "| load_cold gain |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    base = {r["model"]: r for r in res["rows"] if r["k"] == 1}
 
-        def gain(op):
-            return f"{base[op]['median'] / r[op]['median']:.2f}x"
-        lines.append(f"| {r['k']} block{'s' if r['k'] > 1 else ''} ({r['k'] * c['block']} tokens) | "
+    def cell(v):
+        return f"{v['median']:.2f} [{v['min']:.2f}-{v['max']:.2f}]"
+
+    for r in res["rows"]:
+        b = base[r["model"]]
+        gains = [f"{b[op]['median'] / r[op]['median']:.2f}x"
+                 for op in ("store_us_per_token", "load_us_per_token", "load_cold_us_per_token")]
+        lines.append(f"| {r['model']} ({r['bytes_per_token'] // 1024} KiB/token) | {r['k']} x {c['block']} tokens | "
                      f"{r['page_bytes'] // 1024} KiB | 1/{round(1 / r['records_per_token'])} | "
-                     f"{cell('store_us_per_token')} | {cell('load_us_per_token')} | {cell('load_cold_us_per_token')} | "
-                     f"{gain('store_us_per_token')} | {gain('load_us_per_token')} | {gain('load_cold_us_per_token')} |")
+                     f"{cell(r['store_us_per_token'])} | {cell(r['load_us_per_token'])} | "
+                     f"{cell(r['load_cold_us_per_token'])} | {' | '.join(gains)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -153,11 +169,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--block", type=int, default=32)
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--models", default="16x4x64,4x2x64",
+                    help="comma-separated LAYERSxKV_HEADSxHEAD_DIM shapes (default: 16 KiB and 2 KiB a token)")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--dir", default=None, help="store directory (default: a temporary one under the repository)")
+    ap.add_argument("--dir", default=None, help="store directory (default: a temporary one under benchmarks/)")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--readme-from", default=None, help="print the README section of a result file and exit")
     args = ap.parse_args(argv)
@@ -166,6 +181,10 @@ def main(argv=None) -> int:
         return 0
     if args.tokens % (args.block * max(KS)):
         ap.error(f"--tokens must be a multiple of {args.block * max(KS)}")
+    try:
+        models = [parse_model(m) for m in args.models.split(",")]
+    except ValueError as e:
+        ap.error(str(e))
     from results_check import code_state  # benchmarks/ is on sys.path (__main__)
     load_before = os.getloadavg()[0]
     t0 = time.time()
@@ -173,20 +192,18 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="page-records-", dir=args.dir or str(ROOT / "benchmarks")) as d:
         for rep in range(args.reps):
             order = KS[rep % len(KS):] + KS[:rep % len(KS)]
-            for k in order:
-                r = run_one(k, args, os.path.join(d, f"k{k}-r{rep}"), seed=rep)
-                r["rep"] = rep
-                runs.append(r)
-                print(f"rep {rep} k={k}: store {r['store_s']:.3f} s, load {r['load_s']:.3f} s, "
-                      f"load_cold {r['load_cold_s']:.3f} s, {r['files']} files", flush=True)
+            for model in models:
+                for k in order:
+                    r = run_one(k, model, args, os.path.join(d, f"m{len(runs)}"), seed=rep)
+                    r["rep"] = rep
+                    runs.append(r)
+                    print(f"rep {rep} {r['model']} k={k}: store {r['store_s']:.3f} s, load {r['load_s']:.3f} s, "
+                          f"load_cold {r['load_cold_s']:.3f} s, {r['files']} files", flush=True)
     res = {"conditions": {"cpu": cpu_model(), "cpus": os.cpu_count(), "load_before": load_before,
                           "load_after": os.getloadavg()[0], "wall_s": time.time() - t0, "reps": args.reps,
-                          "tokens": args.tokens, "block": args.block, "layers": args.layers,
-                          "kv_heads": args.kv_heads, "head_dim": args.head_dim,
-                          "bytes_per_token": args.layers * 2 * args.kv_heads * args.head_dim * 2,
+                          "tokens": args.tokens, "block": args.block, "models": args.models,
                           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **code_state()},
-           "rows": None, "runs": runs}
-    res["rows"] = summarize(runs)
+           "rows": summarize(runs), "runs": runs}
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     print(readme(res), end="")
     return 0
