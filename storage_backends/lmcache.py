@@ -157,6 +157,74 @@ def check_options(cfg: dict) -> LMCacheStoreConfig:
         raise config_error(e, "l3.lmcache", LMCacheStoreConfig) from None
 
 
+def _lm_calls(chan: RequestChannel, calls: Sequence[tuple], forget: Sequence[tuple] = ()) -> list:
+    """Send ``calls`` (``(op, *args)``) pipelined through ``chan`` in LMCache's framing and return their results in
+    order; ``forget`` is sent after them without waiting for replies (their late replies are dropped). Raises
+    :class:`ChannelFailed` when a reply does not arrive within the channel's ``timeout_s`` of silence (the clock
+    restarts at every reply) or the socket fails."""
+    results: list = [None] * len(calls)
+    pack = msgpack.packb
+
+    def encode(call, uid):
+        return [pack(uid), pack(OPS.get(call[0], call[0]))] + [pack(a, use_bin_type=True) for a in call[1:]]
+
+    def decode(frames):
+        return (msgpack.unpackb(frames[0].bytes),
+                msgpack.unpackb(frames[2].bytes, raw=False) if len(frames) > 2 else None)
+
+    def on_reply(i, result, frames):
+        results[i] = result
+
+    def describe(idx):
+        return f"to {', '.join(sorted({calls[i][0] for i in idx}))}; LMCache does not answer a request it rejects"
+
+    chan.exchange(calls, encode, decode, on_reply, forget, describe)
+    return results
+
+
+def server_info(endpoint: str, timeout_s: float = 2.0, shm_dir: str = "/dev/shm") -> dict:
+    """What an LMCache server (0.5.6) tells a client that names no keys, for ``tierkv store stats``.
+
+    Such a server cannot list what it holds: its ZMQ protocol has no listing op (a lookup needs the token ids), and its
+    HTTP ``/cache/objects`` lists L2 adapters only, not the shared-memory L1 that tierkv uses. So pages, bytes,
+    namespaces and ages are unknown; what is known: ``chunk_size`` (tokens per chunk = tierkv's ``page_tokens``),
+    ``experimental`` (its enabled experimental transfers, a list of str), ``shm_name`` and ``pool_bytes`` (its L1
+    segment and that segment's size: L1 capacity in bytes, from registering a probe instance of model
+    ``tierkv-stats-probe``, unregistered at once), and, when the segment is visible under ``shm_dir`` (same host),
+    ``shm_resident_bytes``: bytes of the segment backed by memory (pages ever written: a high-water mark of L1 use,
+    not what is held now), else None.
+
+    Raises:
+        ChannelFailed: the server does not answer within ``timeout_s``.
+        ValueError: it answers like no LMCache server (e.g. a chunk size that is not an int).
+    """
+    counters = Counters("requests", "timeouts", "reconnects", "fast_fails", "stale_replies", "bad_replies")
+    chan = RequestChannel(endpoint, timeout_s=timeout_s, backoff_s=0.0, max_backoff_s=0.0, counters=counters, log=log,
+                          what="LMCache server", hwm=1000)
+    try:
+        chunk, experimental = _lm_calls(chan, [("get_chunk_size",), ("get_experimental",)])
+        if type(chunk) is not int or chunk <= 0:
+            raise ValueError(f"{endpoint} answered get_chunk_size with {chunk!r:.60}: not an LMCache server")
+        instance = random.getrandbits(62)
+        reg = _lm_calls(chan, [("register_kv_cache_engine_driven_context", {
+            "instance_id": instance, "model_name": "tierkv-stats-probe", "world_size": 1, "block_size": chunk,
+            "num_layers": 1, "hidden_dim_size": 1, "dtype_str": "uint8", "use_mla": False,
+            "num_physical_slots": chunk})])[0]
+        _lm_calls(chan, [("unregister_kv_cache_engine_driven_context", instance)])
+    finally:
+        chan.close()
+    shm_name = reg.get("shm_name") if isinstance(reg, dict) else None
+    pool = reg.get("pool_size") if isinstance(reg, dict) else None
+    resident = None
+    if isinstance(shm_name, str) and shm_name and "/" not in shm_name:
+        try:
+            resident = os.stat(os.path.join(shm_dir, shm_name)).st_blocks * 512
+        except OSError:
+            pass
+    return {"chunk_size": chunk, "experimental": [x for x in experimental or [] if isinstance(x, str)],
+            "shm_name": shm_name, "pool_bytes": pool if type(pool) is int else None, "shm_resident_bytes": resident}
+
+
 class _Group:
     """Consecutive pages sent as one LMCache key range: ``idx`` (positions in the batch), the token ids, the range."""
 
@@ -238,28 +306,8 @@ class LMCacheStore(StorageBackend):
         self._registered_at = 0.0  # register (a fresh instance) before the next data call
 
     def _calls(self, calls: Sequence[tuple], forget: Sequence[tuple] = ()) -> list:
-        """Send ``calls`` (``(op, *args)``) pipelined through the request channel and return their results in order;
-        ``forget`` is sent after them without waiting for replies (their late replies are dropped). Raises
-        :class:`ChannelFailed` when a reply does not arrive within ``timeout_s`` of silence (the clock restarts at
-        every reply) or the socket fails."""
-        results: list = [None] * len(calls)
-        pack = msgpack.packb
-
-        def encode(call, uid):
-            return [pack(uid), pack(OPS.get(call[0], call[0]))] + [pack(a, use_bin_type=True) for a in call[1:]]
-
-        def decode(frames):
-            return (msgpack.unpackb(frames[0].bytes),
-                    msgpack.unpackb(frames[2].bytes, raw=False) if len(frames) > 2 else None)
-
-        def on_reply(i, result, frames):
-            results[i] = result
-
-        def describe(idx):
-            return f"to {', '.join(sorted({calls[i][0] for i in idx}))}; LMCache does not answer a request it rejects"
-
-        self._chan.exchange(calls, encode, decode, on_reply, forget, describe)
-        return results
+        """:func:`_lm_calls` on this store's channel. Raises :class:`ChannelFailed`."""
+        return _lm_calls(self._chan, calls, forget)
 
     # ------------------------------------------------------------------------------------------- session
     def _unmap_shm(self) -> None:
@@ -621,4 +669,4 @@ class LMCacheStore(StorageBackend):
         return f"LMCacheStore({self.endpoint}, page_tokens={self.page_tokens}, model={self.lm_model})"
 
 
-__all__ = ["LMCacheStore", "LMCacheStoreConfig", "check_options", "OPS", "KEY_SALT"]
+__all__ = ["LMCacheStore", "LMCacheStoreConfig", "check_options", "server_info", "OPS", "KEY_SALT"]

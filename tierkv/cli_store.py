@@ -6,7 +6,9 @@ A store is named by an address (:func:`tierkv.cli_common.parse_target`):
 - ``tcp://HOST:PORT``: a ``tierkv server`` (:mod:`tierkv.storage_backends.zmq_server`), through the admin ops
   ``scan`` and ``verify`` of wire protocol 2 (:mod:`tierkv.storage_backends.zmq_protocol`);
 - ``mooncake://HOST:PORT``: a Mooncake master's RPC address; totals come from its metrics endpoint
-  (``--metrics-port``), since a master cannot list its objects.
+  (``--metrics-port``), since a master cannot list its objects;
+- ``lmcache://HOST:PORT``: an LMCache cache server (``stats`` only): it cannot list its chunks either, so stats show
+  what it tells (:func:`tierkv.storage_backends.lmcache.server_info`: chunk size, L1 capacity, resident bytes).
 
 Namespaces are the 16-byte digests in every page header (:meth:`tierkv.connector.page_hash.ModelNamespace.digest`);
 where a file store has a ``<namespace>/namespace.json`` describing it (model, dtype, layout...; written by
@@ -117,6 +119,17 @@ def _newer_error(where: str, n: int, version: int) -> CliError:
 
     return CliError(EXIT_NEWER, f"{where} holds {n} record(s) of page format version {version}, newer than this "
                                 f"tierkv reads ({VERSION}); upgrade tierkv (nothing was changed)")
+
+
+def _lmcache_target(text: str) -> Optional[Target]:
+    """``lmcache://HOST:PORT`` as a Target of kind ``lmcache``; None for any other address. Raises CliError(2) for a
+    bad host:port."""
+    if not text.startswith("lmcache://"):
+        return None
+    host, sep, port = text[len("lmcache://"):].rstrip("/").rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise CliError(EXIT_USAGE, f"bad address {text!r}: expected lmcache://HOST:PORT")
+    return Target("lmcache", host=host.strip("[]"), port=int(port), text=text)
 
 
 # ----------------------------------------------------------------------------------------------- ZMQ admin client
@@ -333,10 +346,35 @@ def _stats_mooncake(args) -> dict:
                     "other client's), bytes = allocated segment bytes; no namespaces or ages"}
 
 
+def _stats_lmcache(args) -> dict:
+    from tierkv.storage_backends.lmcache import server_info
+    from tierkv.storage_backends.zmq_channel import ChannelFailed
+
+    t = args._target
+    host = f"[{t.host}]" if ":" in t.host else t.host
+    try:
+        info = server_info(f"tcp://{host}:{t.port}", timeout_s=args.timeout)
+    except ChannelFailed as e:
+        raise CliError(EXIT_UNREACHABLE, f"no answer from the LMCache server at {t.host}:{t.port} ({e}); is it "
+                                         "running there? see --timeout") from None
+    except ValueError as e:
+        raise CliError(EXIT_UNREACHABLE, str(e)) from None
+    return {"store": t.text, "kind": "lmcache", "pages": None, "bytes": None, "capacity_bytes": info["pool_bytes"],
+            "server": {"chunk_size": info["chunk_size"], "experimental": ",".join(info["experimental"]) or "none",
+                       "shm_segment": info["shm_name"], "shm_resident_bytes": info["shm_resident_bytes"]},
+            "age_labels": list(AGE_LABELS), "namespaces": None,
+            "note": "an LMCache server cannot list its chunks (no listing op over ZMQ; its HTTP /cache/objects lists "
+                    "L2 adapters only): pages, bytes, namespaces and ages are unknown. capacity = its shared-memory "
+                    "L1 pool; shm_resident_bytes = pool bytes ever written (a high-water mark, this host only)"}
+
+
 def _print_stats(d: dict) -> None:
-    head = f"{d['store']} ({d['kind']}): {d['pages']} pages, {human_bytes(d['bytes'])}"
+    if d["pages"] is None:
+        head = f"{d['store']} ({d['kind']}): pages and bytes not listed"
+    else:
+        head = f"{d['store']} ({d['kind']}): {d['pages']} pages, {human_bytes(d['bytes'])}"
     if d.get("capacity_bytes"):
-        head += f" of {human_bytes(d['capacity_bytes'])} capacity"
+        head += f"{',' if d['pages'] is None else ' of'} {human_bytes(d['capacity_bytes'])} capacity"
     if d.get("namespaces") is not None:
         head += f", {len(d['namespaces'])} namespace(s)"
     print(head)
@@ -359,7 +397,8 @@ def _print_stats(d: dict) -> None:
 
 
 def cmd_stats(args) -> int:
-    d = {"file": _stats_file, "zmq": _stats_zmq, "mooncake": _stats_mooncake}[args._target.kind](args)
+    d = {"file": _stats_file, "zmq": _stats_zmq, "mooncake": _stats_mooncake,
+         "lmcache": _stats_lmcache}[args._target.kind](args)
     if args.json:
         print(json.dumps(d, indent=1, default=list))
     else:
@@ -463,6 +502,9 @@ def _verify_zmq(args) -> dict:
 
 def cmd_verify(args) -> int:
     kind = args._target.kind
+    if kind == "lmcache":
+        raise CliError(EXIT_REFUSED, "an LMCache server cannot list its chunks, so its pages cannot be walked; "
+                                     "tierkv verifies every LMCache page on read (counter 'corrupt')")
     if kind == "mooncake":
         raise CliError(EXIT_REFUSED, "a Mooncake master cannot list its objects, so its pages cannot be walked; "
                                      "tierkv verifies every Mooncake page on read (counter 'corrupt') and removes "
@@ -514,6 +556,9 @@ def cmd_clear(args) -> int:
     t = args._target
     if not args.namespace and not args.all_namespaces:
         raise CliError(EXIT_USAGE, "name what to clear: --namespace HEX (repeatable) or --all-namespaces")
+    if t.kind == "lmcache":
+        raise CliError(EXIT_REFUSED, "an LMCache server has no per-namespace clear (its 'clear' drops every model's "
+                                     "chunks); restart it to empty it")
     if t.kind == "file":
         root = _file_root(t)
         files = _list_files(root, args.namespace or None)
@@ -592,8 +637,8 @@ def _common(p: argparse.ArgumentParser, target_help: str) -> None:
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
 
 
-_ADDR = ("a file store directory, tcp://HOST:PORT (tierkv server) or mooncake://HOST:PORT (Mooncake master RPC "
-         "address)")
+_ADDR = ("a file store directory, tcp://HOST:PORT (tierkv server), mooncake://HOST:PORT (Mooncake master RPC "
+         "address) or, for stats, lmcache://HOST:PORT (LMCache server)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -641,7 +686,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     prog = f"tierkv store {args.store_command}"
     try:
-        args._target = parse_target(args.target)
+        args._target = _lmcache_target(args.target) or parse_target(args.target)
         return args._store_run(args)
     except CliError as e:
         return fail(prog, e)
