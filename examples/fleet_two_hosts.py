@@ -289,7 +289,8 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--l1-blocks", type=int, default=16, help="vLLM KV blocks per engine (L1)")
     ap.add_argument("--l2-pages", type=int, default=16, help="tierkv host pool pages per engine (L2)")
     ap.add_argument("--l3-bytes", default="512MiB", help="L3 capacity (Mooncake segment of host A, or the server's)")
-    ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="default: min(512, (l1 blocks - 1) x block size), the most vLLM accepts for that L1")
     ap.add_argument("--ready-timeout-s", type=float, default=900.0)
     ap.add_argument("--stop-timeout-s", type=float, default=60.0)
     ap.add_argument("--run-dir", default=None)
@@ -300,6 +301,8 @@ def main(argv: Optional[list] = None) -> int:
             not (first[0] == "10" or (first[0] == "192" and first[1] == "168")
                  or (first[0] == "172" and 16 <= int(first[1]) < 32)):
         ap.error(f"--subnet {args.subnet!r}: three octets of a private range (10.x.y, 172.16-31.y, 192.168.y)")
+    if args.max_model_len is None:
+        args.max_model_len = min(512, (args.l1_blocks - 1) * args.block_size)
     if os.geteuid() != 0:
         print("fleet_two_hosts: needs root (network namespaces)", file=sys.stderr)
         return 1
