@@ -15,6 +15,8 @@ Presets (``PRESETS``):
 - ``mla``: ``DeepseekV2ForCausalLM`` (MLA), hidden 128, 2 dense layers, 4 heads, ``kv_lora_rank`` 512,
   ``qk_rope_head_dim`` 64 (a 576-value latent per token and layer, the only width vLLM's CPU MLA kernel takes),
   vocab 2048 - the model of ``tests/e2e/test_vllm_mla.py``.
+- ``gemma``: ``Gemma3ForCausalLM``, hidden 128, 4 layers alternating a 64-token sliding window and full attention,
+  4 heads, 2 KV heads (head_dim 32), vocab 2048 - a hybrid model, the model of ``tests/e2e/test_vllm_hybrid.py``.
 
 All are bf16 with ``max_position_embeddings`` large enough for the 2,048-token documents plus questions and
 multi-turn chats used by the demo and benchmarks.
@@ -60,6 +62,10 @@ PRESETS: dict[str, dict] = {
                 q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=4,
                 n_shared_experts=1, moe_intermediate_size=64, num_experts_per_tok=2, first_k_dense_replace=2,
                 arch="deepseek_v2"),
+    # Gemma-3 text shape (``Gemma3ForCausalLM``): layers alternate sliding-window (64 tokens) and full attention
+    "gemma": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                  intermediate_size=352, vocab_size=2048, max_position_embeddings=4096, sliding_window=64,
+                  layer_types=["sliding_attention", "full_attention"] * 2, arch="gemma3_text"),
 }
 DTYPE = "bfloat16"
 TOKENIZER_MAX_LEN = 8192
@@ -102,6 +108,19 @@ def _build_tokenizer(vocab_size: int):
     )
 
 
+def _gemma3_config(preset: dict):
+    """(``Gemma3TextConfig``, ``Gemma3ForCausalLM``) for a preset with ``arch="gemma3_text"``: its
+    ``layer_types`` mix ``sliding_attention`` (window ``sliding_window`` tokens) and ``full_attention`` layers,
+    so vLLM builds one KV cache spec per kind (a hybrid model)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    kw = {k: v for k, v in preset.items() if k != "arch"}
+    cfg = Gemma3TextConfig(**kw, hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6,
+                           query_pre_attn_scalar=kw["head_dim"], initializer_range=0.02, tie_word_embeddings=True,
+                           bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, torch_dtype=DTYPE)
+    return cfg, Gemma3ForCausalLM
+
+
 def _deepseek_v2_config(preset: dict):
     """(``DeepseekV2Config``, ``DeepseekV2ForCausalLM``) for a preset with ``arch="deepseek_v2"``: attention is
     MLA, so vLLM caches one latent vector of ``kv_lora_rank + qk_rope_head_dim`` values per token and layer."""
@@ -133,7 +152,9 @@ def make_model(path: str | os.PathLike | None = None, preset: str = "test", *, s
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    if PRESETS[preset].get("arch") == "deepseek_v2":
+    if PRESETS[preset].get("arch") == "gemma3_text":
+        cfg, LlamaForCausalLM = _gemma3_config(PRESETS[preset])  # noqa: N806 - the model class to build
+    elif PRESETS[preset].get("arch") == "deepseek_v2":
         cfg, LlamaForCausalLM = _deepseek_v2_config(PRESETS[preset])  # noqa: N806 - the model class to build
     else:
         cfg = LlamaConfig(
