@@ -124,12 +124,59 @@ class TierKVWorkerMeta(KVConnectorWorkerMetadata):
                                 self.forwards + list(getattr(other, "forwards", []) or []))
 
 
-def _geometry(kv_cache_config) -> tuple[Any, list[str]]:
+#: KV cache spec kinds (vLLM class names, matched along the class's MRO) whose group vLLM keeps only in part, and why
+#: tierkv cannot store their pages: vLLM frees blocks a layer no longer reads and puts its null block in their place
+_PARTIAL_SPECS = {
+    "MambaSpec": "Mamba/SSM layers keep one recurrent state per request, not one KV entry per token, so no page of "
+                 "a prefix holds what a hit needs",
+    "SlidingWindowSpec": "every layer attends within a sliding window, and vLLM frees each request's blocks before "
+                         "the window (its null block takes their place), so those pages can be neither saved nor "
+                         "loaded",
+    "ChunkedLocalAttentionSpec": "every layer attends within local chunks, and vLLM frees each request's blocks "
+                                 "before the current chunk, so those pages can be neither saved nor loaded",
+    "RSWASpec": "every layer keeps a ring of sliding-window blocks, and vLLM frees each request's blocks before the "
+                "window, so those pages can be neither saved nor loaded",
+    "CircularBufferSpec": "every layer keeps a circular buffer of blocks, not one block per page of the prompt",
+}
+
+
+def _spec_kind(spec) -> str:
+    """The vLLM class name a KV cache spec is an instance of, for messages: the first of :data:`_PARTIAL_SPECS`
+    along its MRO, else its own class name."""
+    names = [c.__name__ for c in type(spec).__mro__]
+    return next((n for n in names if n in _PARTIAL_SPECS), names[0])
+
+
+def _geometry(kv_cache_config, model_type: str = "this model") -> tuple[Any, list[str], Optional[int]]:
+    """``(spec, layer names, window)`` of the model's one KV cache group. ``window`` (tokens) is not None when some of
+    those layers attend within a sliding window (or local chunks) but vLLM keeps their KV for every token: a hybrid
+    model (Gemma-2/3 shape: sliding-window and full-attention layers) under vLLM's hybrid KV cache manager turned
+    off, which vLLM does for a connector without ``SupportsHMA`` such as tierkv. vLLM then gives those layers a
+    ``FullAttentionSpec`` (carrying the window) in the one group, so every page holds every layer's KV of its
+    tokens, sliding-window layers included, and is stored and loaded like a full-attention model's page.
+
+    Raises ConfigError naming ``model_type`` (the HF ``model_type``) and why, for: no KV cache group
+    (attention-free model), several groups (the hybrid manager on, which vLLM refuses for tierkv before this), and
+    one group of a kind vLLM keeps only in part (:data:`_PARTIAL_SPECS`: sliding window or local chunks in every
+    layer, Mamba/SSM state)."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", []) or [])
+    if not groups:
+        raise ConfigError(f"tierkv: model type {model_type!r} has no KV cache (attention-free); tierkv has nothing "
+                          "to store: serve it without --kv-transfer-config")
     if len(groups) != 1:
-        raise ConfigError(f"tierkv supports models with one KV cache group; this model has {len(groups)} "
-                          "(hybrid attention is not supported yet)")
-    return groups[0].kv_cache_spec, list(groups[0].layer_names)
+        kinds = ", ".join(sorted({_spec_kind(g.kv_cache_spec) for g in groups}))
+        raise ConfigError(f"tierkv supports models with one KV cache group; model type {model_type!r} has "
+                          f"{len(groups)} ({kinds}): serve it with vLLM's hybrid KV cache manager off (vLLM's default "
+                          "with tierkv; drop --no-disable-hybrid-kv-cache-manager)")
+    spec = groups[0].kv_cache_spec
+    kind = _spec_kind(spec)
+    if kind in _PARTIAL_SPECS:
+        hint = (" (or with --disable-sliding-window, which caps the model length at the window)"
+                if kind in ("SlidingWindowSpec", "RSWASpec") else "")
+        raise ConfigError(f"tierkv cannot serve model type {model_type!r} ({kind}): {_PARTIAL_SPECS[kind]}; serve "
+                          f"it without tierkv{hint}")
+    window = getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None)
+    return spec, list(groups[0].layer_names), (int(window) if window else None)
 
 
 #: the keys behind each way of sizing the L2 pool (named in messages about its size)
@@ -308,9 +355,11 @@ def _l3_target(cfg: TierKVConfig) -> str:
 
 
 def startup_line(cfg: TierKVConfig, *, num_slots: int, page_bytes: int, page_size: int, ranks: int, size_from: str,
-                 budget: Optional[int], num_blocks: int, layout: str, namespace_hex: str) -> str:
+                 budget: Optional[int], num_blocks: int, layout: str, namespace_hex: str,
+                 local: Optional[tuple[int, int, Optional[int]]] = None) -> str:
     """The one INFO line an engine logs at start-up with tierkv's effective configuration (tiers, sizes, layout,
-    policies, store)."""
+    policies, store). ``local`` = (sliding-window layers, layers, window in tokens) of a hybrid model whose
+    sliding-window layers vLLM keeps in full (:func:`_geometry`): the line then says they are stored in full."""
     def size(n: float) -> str:
         return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
@@ -321,7 +370,27 @@ def startup_line(cfg: TierKVConfig, *, num_slots: int, page_bytes: int, page_siz
     return (f"tierkv: L1 {num_blocks} blocks (vLLM) | L2 {num_slots} pages x {page_bytes} B = {size(num_slots * page_bytes)} per "
             f"worker x {ranks} worker(s) ({size_from}{bud}), layout {layout}, page {page_size} tokens, "
             f"eviction {cfg.eviction_policy} | L3 {l3}{pol} | verify_checksums={cfg.verify_checksums}, "
-            f"layerwise_load={cfg.layerwise_load}, stats_path={cfg.stats_path}, namespace {namespace_hex}")
+            f"layerwise_load={cfg.layerwise_load}, stats_path={cfg.stats_path}, namespace {namespace_hex}"
+            + _local_note(local))
+
+
+def _local_note(local: Optional[tuple[int, int, Optional[int]]]) -> str:
+    """The start-up line's note on sliding-window layers kept in full (empty when there are none)."""
+    if local is None or not local[2]:
+        return ""
+    n, total, window = local
+    which = f"{n} of {total} layers" if n else "some layers"
+    return (f" | hybrid model: {which} attend a {window}-token sliding window; vLLM's hybrid KV cache manager is off "
+            "with tierkv, so their KV is kept, stored and loaded for every token like the full-attention layers'")
+
+
+def _local_layer_count(model_config, window: Optional[int]) -> tuple[int, int]:
+    """(layers that attend within a sliding window or local chunks, layers) of the whole model, from the HF config's
+    ``layer_types``; (0, 0) when ``window`` is None or the config has no ``layer_types`` (unknown)."""
+    types = getattr(getattr(model_config, "hf_text_config", None), "layer_types", None) or ()
+    if not window or not types:
+        return 0, 0
+    return sum(1 for t in types if t in ("sliding_attention", "chunked_attention")), len(types)
 
 
 class TierKVConnector(KVConnectorBase_V1):
@@ -345,7 +414,9 @@ class TierKVConnector(KVConnectorBase_V1):
         if kv_cache_config is None:
             raise ConfigError("tierkv needs vLLM's kv_cache_config (vLLM >= 0.32)")
         self.kv_cache_config = kv_cache_config
-        spec, self.layer_names = _geometry(kv_cache_config)
+        model_type = str(getattr(vllm_config.model_config.hf_config, "model_type", None) or "?")
+        spec, self.layer_names, self.local_window = _geometry(kv_cache_config, model_type)
+        self.local_layers = _local_layer_count(vllm_config.model_config, self.local_window)
         self.spec = spec
         self.num_blocks = int(kv_cache_config.num_blocks)
         self.use_mla = type(spec).__name__.startswith("MLA") or "MLA" in type(spec).__name__
@@ -362,6 +433,9 @@ class TierKVConnector(KVConnectorBase_V1):
             tp_rank=0, tp_size=self.tp_size, pp_rank=0, pp_size=int(pc.pipeline_parallel_size),
             use_mla=self.use_mla,
             **page_namespace_facts(vllm_config, kv_cache_config, spec, self.use_mla, self.cfg.host_pool.layout))
+        if self.local_window:  # sliding-window layers stored in full: never mixed with pages of another scheme
+            self.namespace = dataclasses.replace(
+                self.namespace, extra=tuple(self.namespace.extra) + (("local_attention_kv", "every_token"),))
         self.world_size = self.tp_size * int(pc.pipeline_parallel_size)
         self.use_l3 = self.cfg.l3.backend != "none"
         self._sched = None
@@ -406,7 +480,8 @@ class TierKVConnector(KVConnectorBase_V1):
             logger.info(startup_line(self.cfg, num_slots=self.num_slots, page_bytes=self.page_bytes,
                                      page_size=self.page_size, ranks=self._local_ranks, size_from=self._size_from,
                                      budget=self._budget, num_blocks=self.num_blocks,
-                                     layout=self.namespace.kv_layout, namespace_hex=self.namespace.digest().hex()))
+                                     layout=self.namespace.kv_layout, namespace_hex=self.namespace.digest().hex(),
+                                     local=(*self.local_layers, self.local_window)))
             self._stats = StatsFile(self.cfg.stats_path, "scheduler", self._sched.stats)
         else:
             self._stats = StatsFile(self.cfg.stats_path, "worker", self._worker_stats, snapshot_thread_safe=True)

@@ -89,12 +89,14 @@ def test_pages_of_two_blocks_through_the_worker_hooks(model):
 
 @pytest.mark.parametrize("groups", [2, 3])
 def test_hybrid_model_stops_start_up(model, groups):
-    """Several KV cache groups (hybrid attention): a clear error at start-up, in both roles."""
+    """Several KV cache groups (vLLM's hybrid KV cache manager on): a clear error at start-up, in both roles, naming
+    the model type, the groups' kinds and the way out (more cases: test_hybrid_geometry.py)."""
     for role in (SCHEDULER, WORKER):
         with pytest.raises(ConfigError) as e:
             connector(model, role, {"host_pool.num_pages": 4}, groups=groups)
-        assert str(e.value) == (f"tierkv supports models with one KV cache group; this model has {groups} "
-                                "(hybrid attention is not supported yet)")
+        assert str(e.value) == (f"tierkv supports models with one KV cache group; model type 'llama' has {groups} "
+                                "(FullAttentionSpec): serve it with vLLM's hybrid KV cache manager off (vLLM's default "
+                                "with tierkv; drop --no-disable-hybrid-kv-cache-manager)")
 
 
 # ------------------------------------------------------------------ keys

@@ -1,0 +1,136 @@
+"""Hybrid and sliding-window models at the connector's start-up (issue 20 item 3), from vLLM's own KV cache specs:
+the groups are what vLLM's ``get_kv_cache_groups`` makes of per-layer specs, with its hybrid KV cache manager off (what
+vLLM does for a connector without ``SupportsHMA``, tierkv) or on.
+
+- Sliding-window + full-attention layers (Gemma-2/3 shape), manager off: one group of full-attention specs over every
+  layer; tierkv serves it, every layer in each page, says so in its start-up line and keys the pages apart from the
+  same layers under another scheme. The engine run of the same shape: ``tests/e2e/test_vllm_hybrid.py``.
+- Manager on: several groups, refused with the way out. Sliding window in every layer (vLLM frees blocks before the
+  window), Mamba state, no KV at all: refused, naming the model type and why.
+"""
+import json
+import logging
+
+import pytest
+import torch
+from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, MambaSpec, SlidingWindowSpec
+
+from tierkv.connector.config import ConfigError
+from tierkv.connector.vllm_connector import TierKVConnector
+from vllm_parts import BLOCK, HEAD_DIM, KV_HEADS, SCHEDULER, WORKER, TierkvLoggerState, vllm_config
+
+WINDOW = 64
+NUM_LAYERS = 4
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
+LAYER_BYTES = 2 * BLOCK * KV_HEADS * HEAD_DIM * 2          # K and V of one block of one layer, bf16
+
+
+@pytest.fixture
+def gemma(tmp_path, monkeypatch, caplog):
+    """A Gemma-3 text config.json whose layers alternate sliding-window (64 tokens) and full attention; this test's
+    host-memory ledger; the tierkv logger recorded by caplog (restored after)."""
+    monkeypatch.setenv("TIERKV_LEDGER_DIR", str(tmp_path))
+    state = TierkvLoggerState()
+    tk = logging.getLogger("tierkv")
+    tk.addHandler(caplog.handler)
+    tk.propagate = False
+    d = tmp_path / "gemma"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 16,
+        "intermediate_size": 32, "num_attention_heads": 2, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
+        "num_hidden_layers": NUM_LAYERS, "vocab_size": 256, "max_position_embeddings": 1024, "sliding_window": WINDOW,
+        "layer_types": ["sliding_attention", "full_attention"] * 2, "query_pre_attn_scalar": HEAD_DIM,
+        "torch_dtype": "bfloat16"}))
+    yield str(d)
+    state.restore()
+
+
+def _specs(kinds: str) -> dict:
+    """Per-layer specs as vLLM's attention layers report them: ``s`` sliding window, ``f`` full attention."""
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.bfloat16)
+    swa = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.bfloat16,
+                            sliding_window=WINDOW)
+    return {n: (swa if k == "s" else full) for n, k in zip(NAMES, kinds)}
+
+
+def _engine_config(model, specs: dict, *, hybrid_manager: bool, extra=None):
+    """(VllmConfig, KVCacheConfig) as vLLM builds them for ``specs`` with its hybrid KV cache manager on or off."""
+    vc = vllm_config(model, {"host_pool.num_pages": 8, **(extra or {})})
+    vc.scheduler_config.disable_hybrid_kv_cache_manager = not hybrid_manager
+    if hybrid_manager:  # vLLM's engine core resolves the layout before it groups the layers of a hybrid model
+        vc.cache_config.kv_cache_layout = "NHD"
+    groups = get_kv_cache_groups(vc, dict(specs))
+    return vc, KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def test_sliding_window_and_full_layers_are_served_as_one_group_with_every_layer_in_each_page(gemma, caplog):
+    vc, kcc = _engine_config(gemma, _specs("sfsf"), hybrid_manager=False)
+    assert len(kcc.kv_cache_groups) == 1 and type(kcc.kv_cache_groups[0].kv_cache_spec) is FullAttentionSpec
+    caplog.set_level(logging.INFO, logger="tierkv")
+    s = TierKVConnector(vc, SCHEDULER, kcc)
+    assert s.layer_names == NAMES and s.local_window == WINDOW and s.local_layers == (2, 4)
+    assert s.page_bytes == NUM_LAYERS * LAYER_BYTES              # the sliding-window layers' KV too, every token
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("tierkv: L1 "))
+    assert line.endswith(" | hybrid model: 2 of 4 layers attend a 64-token sliding window; vLLM's hybrid KV cache "
+                         "manager is off with tierkv, so their KV is kept, stored and loaded for every token like "
+                         "the full-attention layers'")
+    assert s.namespace.extra[-1] == ("local_attention_kv", "every_token")
+    w = TierKVConnector(vc, WORKER, kcc)
+    w.register_kv_caches({n: torch.zeros(16, KV_HEADS, BLOCK, 2 * HEAD_DIM, dtype=torch.bfloat16) for n in NAMES})
+    assert w._worker.host.page_bytes == s.page_bytes and w.namespace == s.namespace
+
+
+def test_a_full_attention_model_keeps_its_namespace_and_start_up_line(gemma, caplog):
+    """The same layers, all full attention: no note, no namespace fact (stores written before this change still hit)."""
+    vc, kcc = _engine_config(gemma, _specs("ffff"), hybrid_manager=False)
+    caplog.set_level(logging.INFO, logger="tierkv")
+    s = TierKVConnector(vc, SCHEDULER, kcc)
+    hvc, hkcc = _engine_config(gemma, _specs("sfsf"), hybrid_manager=False)
+    hybrid = TierKVConnector(hvc, SCHEDULER, hkcc)
+    assert s.local_window is None and ("local_attention_kv", "every_token") not in s.namespace.extra
+    assert s.namespace.digest() != hybrid.namespace.digest()
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("tierkv: L1 "))
+    assert "hybrid model" not in line
+
+
+def test_the_hybrid_manager_on_gives_several_groups_and_stops_start_up(gemma):
+    vc, kcc = _engine_config(gemma, _specs("sfsf"), hybrid_manager=True)
+    assert len(kcc.kv_cache_groups) == 2
+    for role in (SCHEDULER, WORKER):
+        with pytest.raises(ConfigError) as e:
+            TierKVConnector(vc, role, kcc)
+        assert str(e.value) == ("tierkv supports models with one KV cache group; model type 'gemma3_text' has 2 "
+                                "(FullAttentionSpec, SlidingWindowSpec): serve it with vLLM's hybrid KV cache manager "
+                                "off (vLLM's default with tierkv; drop --no-disable-hybrid-kv-cache-manager)")
+
+
+def test_sliding_window_in_every_layer_stops_start_up(gemma):
+    """vLLM keeps such a model's group as sliding window (nothing to unify it with) and frees blocks before the
+    window: their pages could be neither saved nor loaded."""
+    vc, kcc = _engine_config(gemma, _specs("ssss"), hybrid_manager=False)
+    assert [type(g.kv_cache_spec) for g in kcc.kv_cache_groups] == [SlidingWindowSpec]
+    for role in (SCHEDULER, WORKER):
+        with pytest.raises(ConfigError) as e:
+            TierKVConnector(vc, role, kcc)
+        assert str(e.value) == (
+            "tierkv cannot serve model type 'gemma3_text' (SlidingWindowSpec): every layer attends within a sliding "
+            "window, and vLLM frees each request's blocks before the window (its null block takes their place), so "
+            "those pages can be neither saved nor loaded; serve it without tierkv (or with --disable-sliding-window, "
+            "which caps the model length at the window)")
+
+
+def test_mamba_state_and_attention_free_models_stop_start_up(gemma):
+    vc = vllm_config(gemma, {"host_pool.num_pages": 8})
+    mamba = MambaSpec(block_size=BLOCK, shapes=((4, 8), (2, 8, 8)), dtypes=(torch.bfloat16, torch.bfloat16))
+    kcc = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=get_kv_cache_groups(vc, {NAMES[0]: mamba}))
+    with pytest.raises(ConfigError) as e:
+        TierKVConnector(vc, SCHEDULER, kcc)
+    assert str(e.value) == ("tierkv cannot serve model type 'gemma3_text' (MambaSpec): Mamba/SSM layers keep one "
+                            "recurrent state per request, not one KV entry per token, so no page of a prefix holds "
+                            "what a hit needs; serve it without tierkv")
+    with pytest.raises(ConfigError) as e:
+        TierKVConnector(vc, SCHEDULER, KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[]))
+    assert str(e.value) == ("tierkv: model type 'gemma3_text' has no KV cache (attention-free); tierkv has nothing to "
+                            "store: serve it without --kv-transfer-config")
