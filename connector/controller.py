@@ -63,6 +63,7 @@ from .slot_allocator import SlotAllocator
 logger = logging.getLogger("tierkv.controller")
 _rate_limited = RateLimitedLog(logger)  # one line per kind per 10 s, with the count of those suppressed
 
+
 def reclaim_l2(index: RadixIndex, allocator, target: int, *,
                back_up: Optional[Callable[[RadixNode], Optional[int]]] = None, freeing: Optional[int] = None) -> None:
     """The one L2 reclaim loop (the scheduler without an L3 and the controller both use it): take victims in the
