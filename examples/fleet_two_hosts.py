@@ -287,7 +287,7 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--subnet", default="10.77.0", help="first three octets of the pair's /24 (private range)")
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--l1-blocks", type=int, default=16, help="vLLM KV blocks per engine (L1)")
-    ap.add_argument("--l2-pages", type=int, default=16, help="tierkv host pool pages per engine (L2)")
+    ap.add_argument("--l2-pages", type=int, default=48, help="tierkv host pool pages per engine (L2; 3x L1, so it holds pages L1 dropped)")
     ap.add_argument("--l3-bytes", default="512MiB", help="L3 capacity (Mooncake segment of host A, or the server's)")
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="default: min(512, (l1 blocks - 1) x block size), the most vLLM accepts for that L1")
