@@ -36,7 +36,8 @@ start-up with a ConfigError naming it.
 
 Constraints (checked at start-up, clear errors): one KV cache group (vLLM turns the hybrid manager off for
 us), ``page_size`` a whole multiple (k >= 1) of the engine block size: a page spans k consecutive blocks of a
-request.
+request. A hybrid model of sliding-window and full-attention layers is one group of full-attention specs then, its
+pages hold every layer (:func:`_geometry`); sliding window in every layer and Mamba state are refused.
 """
 from __future__ import annotations
 
