@@ -24,7 +24,7 @@ example is such a router, written against those events only (no tierkv import):
   sum over those blocks of ``block_size * weight[tier]``; the highest score wins, ties go to the engine with the
   fewest requests so far (then the first named), which also spreads cold requests. Weights (``--weights``) say
   what fraction of the prefill of a token a hit in that tier saves: L1 1.0 (nothing to move), L2 0.9 (a host
-  memory copy; the README's demo serves L2 prefixes at about a tenth of the recompute TTFT), L3 0.7 (a read over
+  memory copy; the README's demo serves L2 prefixes at a sixth to a tenth of the recompute TTFT), L3 0.7 (a read over
   the network into L2 and then a copy; benchmarks/README.md's l3_hit_ttft measured file-store hits at about a
   fifth of the recompute TTFT on one host, and a remote store is slower). ``round_robin`` ignores the view.
 
