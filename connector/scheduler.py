@@ -561,6 +561,28 @@ class CacheScheduler:
         self.allocator.free(freed)
         return True
 
+    # ----------------------------------------------------------------- what the engine edge asks
+    def tracks(self, req_id: str) -> bool:
+        """Whether request ``req_id`` is live here (added and not finished)."""
+        return req_id in self.requests
+
+    def has_requests(self) -> bool:
+        """Whether any request is live (False: the engine may go idle after this step)."""
+        return bool(self.requests)
+
+    def pins_pending(self) -> bool:
+        """Whether a backup or prefetch still pins L2 pages or staging slots (:meth:`Controller.pins_pending`);
+        False without an L3."""
+        return self.ctl is not None and self.ctl.pins_pending()
+
+    def observe_prefill(self, seconds: float, tokens: int) -> Optional[float]:
+        """Feed the recompute estimate with a forward that computed ``tokens`` prompt tokens in ``seconds``; returns
+        the estimate afterwards (seconds per token), or None without an L3 (nothing decides by it)."""
+        if self.ctl is None:
+            return None
+        self.ctl.observe_prefill(seconds, tokens)
+        return self.ctl.prefill_s_per_token.value
+
     def stats(self) -> dict:
         d = self.counters.as_dict()
         d.update(self.lookup_stats.as_dict())

@@ -466,12 +466,12 @@ class TierKVConnector(KVConnectorBase_V1):
                 self._sched.trace = LookupTrace(self.cfg.trace_path, self.page_size, self.num_slots,
                                                 self.cfg.eviction_policy)
             self._estimates = None
-            if self._sched.ctl is not None:  # a predecessor's recompute estimate (connector/estimates.py)
+            if ctl is not None and self.num_slots > 0:  # a predecessor's recompute estimate (connector/estimates.py)
                 from .estimates import EstimateFile
                 self._estimates = EstimateFile(self.namespace.digest().hex())
                 prior = self._estimates.load()
                 if prior is not None:
-                    self._sched.ctl.observe_prefill(prior, 1)
+                    self._sched.observe_prefill(prior, 1)
                     logger.info("tierkv: recompute estimate %.1f us/token from %s", 1e6 * prior,
                                 self._estimates.path)
             max_pages = (int(mc.max_model_len) + self.page_size - 1) // self.page_size
@@ -717,27 +717,26 @@ class TierKVConnector(KVConnectorBase_V1):
                                         getattr(connector_output, "invalid_block_ids", None) or ())
         # blocks whose load failed in that step (every rank's): pages computed on them leave the index (§8 R31)
         self._sched.on_load_errors(getattr(connector_output, "invalid_block_ids", None) or ())
-        if meta is not None and not self._sched.requests:  # idle: the last reports of the drained work
+        if meta is not None and not self._sched.has_requests():  # idle: the last reports of the drained work
             self._stats.write_now()
 
     def _observe_forwards(self, forwards) -> None:
         """The engine's prefill time per token, for the controller's "never slower than recomputing" check: forwards
         the workers timed (bind_connector_metadata -> wait_for_save) in steps that computed at least four pages of prompt
         tokens; idle time between steps and decode-only steps do not count. Several ranks: the slowest."""
-        ctl = self._sched.ctl
-        if ctl is None or not forwards:
+        if self._estimates is None or not forwards:  # no L3: nothing decides by the estimate
             return
         by_step: dict[int, tuple[int, float]] = {}
         for step, tokens, seconds in forwards:
             t, s = by_step.get(step, (tokens, 0.0))
             by_step[step] = (t, max(s, seconds))
+        estimate = None
         for tokens, seconds in by_step.values():
-            ctl.observe_prefill(seconds, tokens)
-        if getattr(self, "_estimates", None) is not None:
-            self._estimates.maybe_save(ctl.prefill_s_per_token.value)
+            estimate = self._sched.observe_prefill(seconds, tokens)
+        self._estimates.maybe_save(estimate)
 
     def _plan_saves(self, rid: str, tokens_after: int, state, fallback_blocks) -> None:
-        if rid not in self._sched.requests:
+        if not self._sched.tracks(rid):
             return
         ids = state.get_block_ids(rid) if state is not None else None
         if ids is None:
@@ -759,7 +758,7 @@ class TierKVConnector(KVConnectorBase_V1):
             _hook_error(self._sched.counters, "request_finished", e)
             delay = False
         self._requests.pop(request.request_id, None)
-        if not self._sched.requests:  # the engine may go idle now, and no later step would write the counters
+        if not self._sched.has_requests():  # the engine may go idle now, and no later step would write the counters
             self._stats.write_now()
         err = self._param_errors.pop(request.request_id, None)
         return delay, ({"tierkv_error": err} if err is not None else None)  # the response's kv_transfer_params
@@ -769,7 +768,7 @@ class TierKVConnector(KVConnectorBase_V1):
         report arrives only with a step's output, and until then it pins L2 pages and slots. Without this an engine
         that went idle right after a burst kept them pinned until the next request (docs/architecture.md §4)."""
         try:
-            return self._sched is not None and self._sched.ctl is not None and self._sched.ctl.pins_pending()
+            return self._sched is not None and self._sched.pins_pending()
         except Exception as e:
             _hook_error(self._sched.counters, "has_pending_push_work", e)
             return False
@@ -823,8 +822,7 @@ class TierKVConnector(KVConnectorBase_V1):
         ``controller.shutdown_drain_s`` to reach the store."""
         self._stats.maybe_write(force=True)
         if self._worker is not None:
-            if self._worker._pending is not None:
-                self._worker.finish_loads()
+            self._worker.finish_loads()  # a layer-wise load still running (no-op otherwise)
             self._worker.close(self.cfg.controller.shutdown_drain_s)
         for store in getattr(self, "_exists_stores", ()):
             store.close()
