@@ -62,7 +62,8 @@ from tierkv.storage_backends.common import (ConfigError, Counters, RateLimitedLo
                                              config_error)
 from tierkv.storage_backends.shm_segment import Segment
 from tierkv.storage_backends.zmq_channel import ChannelFailed, RequestChannel
-from tierkv.storage_backends.page_format import (HEADER_BYTES, PageFormatError, check_checksums, decode_header, encode_headers, verify_payload)
+from tierkv.storage_backends.page_format import (HEADER_BYTES, PageFormatError, check_checksums, copy_verified,
+                                                 encode_headers)
 
 log = logging.getLogger("tierkv.lmcache")
 
@@ -527,9 +528,8 @@ class LMCacheStore(StorageBackend):
                         if (type(off) is not int or type(length) is not int or length < self.slot_bytes
                                 or off < 0 or off + length > len(shm)):
                             raise PageFormatError(f"slot {slot!r:.80} does not hold a page")
-                        psum = decode_header(shm[off:off + HEADER_BYTES], keys[i], self.namespace, self.page_bytes)
-                        payload = shm[off + HEADER_BYTES:off + self.slot_bytes]
-                        verify_payload(payload, psum)
+                        copy_verified(shm[off:off + HEADER_BYTES], shm[off + HEADER_BYTES:off + self.slot_bytes],
+                                      dsts[i], keys[i], self.namespace, self.page_bytes)
                     except (PageFormatError, KeyError, TypeError) as e:
                         self.counters["corrupt"] += 1
                         self._bad_keys[keys[i]] = True
@@ -538,7 +538,6 @@ class LMCacheStore(StorageBackend):
                         self._warn.warning("corrupt", "LMCache chunk for page %s is not a valid tierkv page (%s): "
                                            "miss", keys[i], e)
                         continue
-                    dsts[i][:] = payload
                     res[i] = True
                     self.counters["bytes_read"] += self.page_bytes
         finally:

@@ -64,7 +64,6 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
-import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tierkv.storage_backends.base import Buffer, PageTokens, StorageBackend
@@ -75,7 +74,7 @@ from tierkv.storage_backends.page_format import (
     PageFormatError,
     check_checksums,
     check_key,
-    decode_header,
+    copy_verified,
     encode_header,
     encode_headers,
 )
@@ -610,16 +609,14 @@ class MooncakeStore(StorageBackend):
                 if r == rb:
                     rec = st.np[j * rb:(j + 1) * rb]
                     try:
-                        psum = decode_header(memoryview(rec[:HEADER_BYTES]), keys[i], self.namespace, pb)
-                        if xxhash.xxh3_64_intdigest(memoryview(rec[HEADER_BYTES:])) != psum:
-                            raise PageFormatError("payload checksum mismatch")
+                        copy_verified(memoryview(rec[:HEADER_BYTES]), rec[HEADER_BYTES:], dsts[i], keys[i],
+                                      self.namespace, pb)
                     except PageFormatError as e:
                         bad.append(i)
                         if not recheck:
                             self._warn.warning("corrupt", "mooncake: page %s is not a valid record (%s); a miss",
                                                keys[i], e)
                         continue
-                    dsts[i][:] = rec[HEADER_BYTES:]
                     out[i] = True
                     hits += 1
                 elif r in _NOT_FOUND_CODES:

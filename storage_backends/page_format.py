@@ -172,6 +172,21 @@ def verify_payload(payload: Union[bytes, bytearray, memoryview], checksum: int) 
         raise PageFormatError("payload checksum mismatch")
 
 
+def copy_verified(header: Union[bytes, memoryview], payload: Any, dst: memoryview, key: str, namespace: bytes,
+                  page_bytes: int) -> None:
+    """Verify, then copy: check ``header`` against ``key``, ``namespace`` and ``page_bytes``
+    (:func:`decode_header`), ``payload`` (any C-contiguous buffer) for its length and its XXH3-64 against the header,
+    and only then copy it into ``dst`` (a writable flat byte view of ``page_bytes``). The read path of the stores
+    whose records come from memory no other process writes (ZMQ frames, Mooncake staging, LMCache slots under a read
+    lock). Raises :class:`PageFormatError` (``dst`` untouched)."""
+    psum = decode_header(header, key, namespace, page_bytes)
+    pv = memoryview(payload).cast("B")
+    if pv.nbytes != page_bytes:
+        raise PageFormatError(f"payload of {pv.nbytes} bytes, expected {page_bytes}")
+    verify_payload(pv, psum)
+    dst[:] = pv
+
+
 def encode_record(key: str, namespace: bytes, payload: Union[bytes, bytearray, memoryview]) -> bytes:
     """``header || payload`` as one bytes object (convenience; backends may write the two parts separately)."""
     return encode_header(key, namespace, payload) + bytes(payload)

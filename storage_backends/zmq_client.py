@@ -48,7 +48,7 @@ from tierkv.storage_backends.base import Buffer, PageTokens, StorageBackend
 from tierkv.storage_backends.common import Counters, RateLimitedLog, check_store_identity, config_error
 from tierkv.storage_backends.shm_segment import Segment
 from tierkv.storage_backends.zmq_channel import ChannelFailed, RequestChannel
-from tierkv.storage_backends.page_format import (PageFormatError, check_checksums, decode_header,
+from tierkv.storage_backends.page_format import (PageFormatError, check_checksums, copy_verified, decode_header,
                                                  encode_headers, verify_payload)
 
 log = logging.getLogger("tierkv.zmq_client")
@@ -526,17 +526,12 @@ class ZmqStore(StorageBackend):
                 try:
                     if not isinstance(hdr, bytes):
                         raise PageFormatError("header is not bin")
-                    psum = decode_header(hdr, keys[idx], self.namespace, self.page_bytes)
-                    buf = fr.buffer
-                    if buf.nbytes != self.page_bytes:
-                        raise PageFormatError(f"payload frame of {buf.nbytes} bytes, expected {self.page_bytes}")
-                    verify_payload(buf, psum)
+                    copy_verified(hdr, fr.buffer, dsts[idx], keys[idx], self.namespace, self.page_bytes)
                 except PageFormatError as err:
                     self.counters["corrupt"] += 1
                     self._warn.warning("corrupt", "page %s from %s is not valid (%s): miss", keys[idx], self.endpoint,
                                        err)
                     continue
-                dsts[idx][:] = buf
                 res[idx] = True
                 self.counters["bytes_read"] += self.page_bytes
 
