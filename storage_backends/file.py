@@ -295,57 +295,37 @@ class FileStore(StorageBackend):
         rw = not self.cfg.read_only
         mypid = os.getpid()
         try:
-            top = list(os.scandir(self.root))
+            walk = _walk(self.root, temps=rw)
         except OSError as e:
             self._warn.warning("scan", "file store %s: cannot scan: %s", self.root, e)
-            top = []
-        for nsent in top:
-            name = nsent.name
-            if len(name) != _NS_HEX_LEN or not set(name) <= _HEX or not nsent.is_dir(follow_symlinks=False):
-                continue
-            own = name == self.namespace.hex()
-            try:
-                subs = list(os.scandir(nsent.path))
-            except OSError:
-                continue
-            for sub in subs:
-                if len(sub.name) != 2 or not sub.is_dir(follow_symlinks=False):
-                    continue
-                try:
-                    files = list(os.scandir(sub.path))
-                except OSError:
-                    continue
-                for f in files:
-                    fname = f.name
-                    try:
-                        st = f.stat(follow_symlinks=False)
-                    except OSError:
+            walk = iter(())
+        own_ns = self.namespace.hex()
+        for ns_hex, fname, path, st in walk:
+            if not fname.startswith(TMP_PREFIX):
+                if ns_hex == own_ns and rw:
+                    bad = None
+                    if st.st_size != self.record_bytes:
+                        bad = f"size {st.st_size} != {self.record_bytes}"
+                    elif self.cfg.scan_verify == "header":
+                        bad = self._header_problem(path, fname[:32])
+                    if bad is not None:
+                        self._discard_bad(path, bad, ino=st.st_ino)
+                        n_q += 1
                         continue
-                    if fname.endswith(PAGE_SUFFIX) and len(fname) == 32 + len(PAGE_SUFFIX):
-                        if own and rw:
-                            bad = None
-                            if st.st_size != self.record_bytes:
-                                bad = f"size {st.st_size} != {self.record_bytes}"
-                            elif self.cfg.scan_verify == "header":
-                                bad = self._header_problem(f.path, fname[:32])
-                            if bad is not None:
-                                self._discard_bad(f.path, bad, ino=st.st_ino)
-                                n_q += 1
-                                continue
-                        entries.append((st.st_mtime, f.path, st.st_size))
-                    elif fname.startswith(TMP_PREFIX) and rw:
-                        parts = fname.split(".")
-                        try:
-                            pid = int(parts[3])
-                        except (IndexError, ValueError):
-                            pid = -1
-                        dead = pid != mypid and (pid <= 0 or not _pid_alive(pid))
-                        if dead or now - st.st_mtime > self.cfg.stale_temp_s:
-                            try:
-                                os.unlink(f.path)
-                                n_tmp += 1
-                            except OSError:
-                                pass
+                entries.append((st.st_mtime, path, st.st_size))
+                continue
+            parts = fname.split(".")
+            try:
+                pid = int(parts[3])
+            except (IndexError, ValueError):
+                pid = -1
+            dead = pid != mypid and (pid <= 0 or not _pid_alive(pid))
+            if dead or now - st.st_mtime > self.cfg.stale_temp_s:
+                try:
+                    os.unlink(path)
+                    n_tmp += 1
+                except OSError:
+                    pass
         entries.sort()
         with self._lock:
             index = OrderedDict((p, s) for _, p, s in entries)
@@ -885,8 +865,26 @@ def iter_page_files(root: str, namespaces: Optional[Sequence[str]] = None):
     Raises:
         OSError: ``root`` itself cannot be listed (missing, not a directory, no permission).
     """
-    want = set(namespaces) if namespaces is not None else None
-    for nsent in sorted(os.scandir(root), key=lambda e: e.name):
+    for ns_hex, fname, path, st in _walk(root, namespaces):
+        yield PageFile(ns_hex, fname[:32], path, st.st_size, st.st_mtime_ns)
+
+
+def _walk(root: str, namespaces: Optional[Sequence[str]] = None, temps: bool = False):
+    """The directory walk of a store (:meth:`FileStore.rescan`, :func:`iter_page_files`): an iterator of
+    ``(ns_hex, file name, path, stat result)`` for every page file ``root/<ns hex>/<xx>/<key>.page`` (and, with
+    ``temps``, every temporary file ``<xx>/`` holds), namespace and ``<xx>`` directories in name order, optionally only
+    the namespaces named in ``namespaces`` (hex). Entries that vanish while walked are skipped; stats do not follow
+    links.
+
+    Raises:
+        OSError: ``root`` itself cannot be listed (raised here, before any entry is yielded).
+    """
+    top = sorted(os.scandir(root), key=lambda e: e.name)
+    return _walk_entries(top, None if namespaces is None else set(namespaces), temps)
+
+
+def _walk_entries(top: list, want: Optional[set], temps: bool):
+    for nsent in top:
         name = nsent.name
         if len(name) != _NS_HEX_LEN or not set(name) <= _HEX or not nsent.is_dir(follow_symlinks=False):
             continue
@@ -905,13 +903,14 @@ def iter_page_files(root: str, namespaces: Optional[Sequence[str]] = None):
                 continue
             for f in files:
                 fname = f.name
-                if not (fname.endswith(PAGE_SUFFIX) and len(fname) == 32 + len(PAGE_SUFFIX)):
+                if not ((fname.endswith(PAGE_SUFFIX) and len(fname) == 32 + len(PAGE_SUFFIX))
+                        or (temps and fname.startswith(TMP_PREFIX))):
                     continue
                 try:
                     st = f.stat(follow_symlinks=False)
                 except OSError:
                     continue
-                yield PageFile(name, fname[:32], f.path, st.st_size, st.st_mtime_ns)
+                yield name, fname, f.path, st
 
 
 def read_record_file(path: str) -> tuple[bytes, bytes]:
