@@ -161,8 +161,21 @@ class Fleet:
         return p.returncode
 
     def close(self) -> dict:
-        """Stop every process (newest first), kill by PID whatever still runs in the namespaces, delete them.
-        Returns what it had to force: ``{"leftover_pids": [...], "namespaces_deleted": [...]}``."""
+        """Stop every process (SIGTERM to all process groups at once, then SIGKILL to those still running after the
+        stop timeout), kill by PID whatever still runs in the namespaces, delete them. Returns what it had to force:
+        ``{"leftover_pids": [...], "namespaces_deleted": [...]}``."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + self.stop_timeout_s
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
         for name in reversed(list(self.procs)):
             self.stop(name)
         leftover = []
