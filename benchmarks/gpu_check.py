@@ -623,13 +623,18 @@ def _git_blob_sha(data: bytes) -> str:
 
 def code_files(root: Path = ROOT) -> dict[str, str]:
     """``{path: git blob sha1}`` of the code files under :data:`CODE_DIRS` (the GPU machine gets a copy of the
-    working tree without ``.git``: these hashes let ``--readme-from``, run in the checkout, name the commit)."""
+    working tree without ``.git``: these hashes let ``--readme-from``, run in the checkout, name the commit).
+    Folders whose name starts with ``.`` (local virtual environments such as ``benchmarks/peers/.lmcache-venv``,
+    never committed) and ``__pycache__`` are not entered."""
     out = {}
     for d in CODE_DIRS:
-        for f in sorted((root / d).rglob("*")):
-            if f.suffix in (".py", ".yaml") and "__pycache__" not in f.parts and f.is_file():
-                out[f.relative_to(root).as_posix()] = _git_blob_sha(f.read_bytes())
-    return out
+        for dirpath, dirnames, filenames in os.walk(root / d):
+            dirnames[:] = [n for n in dirnames if not n.startswith(".") and n != "__pycache__"]
+            for name in filenames:
+                f = Path(dirpath) / name
+                if f.suffix in (".py", ".yaml") and f.is_file():
+                    out[f.relative_to(root).as_posix()] = _git_blob_sha(f.read_bytes())
+    return dict(sorted(out.items()))
 
 
 def commit_of(files: dict[str, str], repo: Path = ROOT, depth: int = 300) -> Optional[str]:
