@@ -16,7 +16,9 @@ What it builds (README, "A fleet of two hosts"):
   metadata server; the engines' Mooncake clients use the TCP transport, ``MC_TCP_BIND_ADDRESS`` and
   ``local_hostname`` set to their own host's address; A's client holds the store's memory, B's contributes none,
   so every page B reads or writes crosses the pair), ``--l3 zmq`` a ``tierkv server`` with a random token (written
-  to ``<run dir>/server.token``, mode 0600; the engines get it in their connector config).
+  to ``<run dir>/server.token``, mode 0600; the engines get it in their connector config). Before the engines
+  start, a client in host B checks that the server stores and finds a page for the token and refuses clients
+  without it or with a wrong one (``token_check`` in the result).
 - In each host: ``python -m vllm.entrypoints.openai.api_server`` on the host's address, port 8000, with a tiny
   local model (``--preset``, built by ``examples/make_tiny_model.py``), tierkv's connector (L2 of
   ``--l2-pages`` pages, the shared L3, ``write_through``, ``wait_complete``), L1 of ``--l1-blocks`` blocks, and KV
@@ -276,6 +278,33 @@ def start_store(args, fleet: Fleet) -> dict:
     return out
 
 
+#: run in host B against host A's tierkv server: a client with the token stores and finds a probe page, clients
+#: without it or with a wrong one are refused (argv: endpoint, token file); prints the outcome as JSON
+TOKEN_CHECK = """
+import json, os, sys
+from tierkv.storage_backends.zmq_client import ZmqStore
+ep, token = sys.argv[1], open(sys.argv[2]).read().strip()
+ns, key, page = b"fleet-token-chk!", os.urandom(16).hex(), bytearray(os.urandom(4096))
+out = {}
+for name, tok in (("with_token", token), ("without_token", None), ("wrong_token", token + "x")):
+    st = ZmqStore(ns, 4096, endpoint=ep, token=tok, timeout_s=5.0)
+    out[name] = {"set": st.batch_set([key], [page]) == [True], "exists": st.batch_exists([key]),
+                 "error_replies": st.stats()["error_replies"]}
+    st.close()
+print(json.dumps(out))
+"""
+
+
+def token_check(fleet: Fleet, endpoint: str, token_file: Path) -> dict:
+    """Run :data:`TOKEN_CHECK` in host B; its JSON (RuntimeError with its output if it fails)."""
+    r = subprocess.run(["ip", "netns", "exec", fleet.ns["hostB"], sys.executable, "-c", TOKEN_CHECK, endpoint,
+                        str(token_file)], capture_output=True, text=True, cwd=str(REPO), timeout=120,
+                       env=dict(os.environ, PYTHONPATH=str(REPO)))
+    if r.returncode != 0:
+        raise RuntimeError(f"token check in hostB failed:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 def read_stats(stats_dir: Path) -> dict:
     """Sum of :data:`STATS_KEYS` over the connector's stats files in ``stats_dir``."""
     tot: dict = {}
@@ -344,6 +373,13 @@ def main(argv: Optional[list] = None) -> int:
         fleet.up()
         result["addresses"] = fleet.addr
         store = start_store(args, fleet)
+        if args.l3 == "zmq":  # the server refuses clients without the token, over the pair too
+            result["token_check"] = tc = token_check(fleet, store["hostB"]["zmq"]["endpoint"],
+                                                     run_dir / "server.token")
+            if not (tc["with_token"]["set"] and tc["with_token"]["exists"] == 1 and
+                    all(not tc[k]["set"] and tc[k]["exists"] == 0 and tc[k]["error_replies"] > 0
+                        for k in ("without_token", "wrong_token"))):
+                raise RuntimeError(f"token check: {tc}")
         for host in ("hostA", "hostB"):
             cmd, env = engine_command(args, fleet, host, model, store)
             fleet.start(f"engine_{host}", host, cmd, env)
