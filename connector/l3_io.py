@@ -279,6 +279,19 @@ class L3IO:
             self._finish_prefetches_locked()
         return out
 
+    def wait_reads(self, job_ids: Sequence[int], timeout_s: float) -> tuple[bool, bool]:
+        """Block until the reads (I/O side) of prefetches ``job_ids`` ended, or their request side ended (deadline,
+        abort), or ``timeout_s`` seconds passed. Returns (whether one of them was still reading when called, whether
+        none is reading now). A job no longer tracked has ended."""
+        def ended() -> bool:
+            ps = (self._prefetches.get(j) for j in job_ids)
+            return all(p is None or p.io_done or p.request_done for p in ps)
+
+        with self._idle:
+            if ended():
+                return False, True
+            return True, self._idle.wait_for(ended, max(0.0, timeout_s))
+
     def take_reports(self) -> list[JobReport]:
         """Reports of jobs that ended since the last call (each job reported exactly once)."""
         with self._lock:

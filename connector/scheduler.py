@@ -126,7 +126,10 @@ class SchedulerCounters:
     max_lookup_us: float = 0.0      # the slowest one, microseconds
     hook_errors: int = 0            # exceptions caught at a vLLM hook (docs §8 R41); each became a miss or failed pages
     # L3 hits: engine steps (plans built) from the first lookup that waited for or hit L3 to the step whose output
-    # named the load ended. An L2 hit costs 0 (loaded in the step that schedules it); 1 is the least an L3 hit costs
+    # named the load ended. An L2 hit costs 0 (loaded in the step that schedules it); the least an L3 hit costs is 1
+    # with synchronous scheduling and 2 with vLLM's asynchronous scheduling (its default except on its CPU backend),
+    # whose next plan is built before the output of the step that ended the load is processed
+    # (tests/unit/test_l3_wait_steps_vllm.py)
     l3_hits: int = 0
     l3_hit_wait_steps: int = 0      # summed over the hits
     l3_hit_wait_steps_1: int = 0    # histogram: hits that waited 0-1 steps, 2, 3-4, 5-8, 9 or more

@@ -908,10 +908,17 @@ class TierKVConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
         """Requests whose asynchronous (L3) load ended (``finished_recving``), after their leading run of intact pages
-        was copied L2 -> L1; never ``finished_sending`` (saves end within their step)."""
+        was copied L2 -> L1; never ``finished_sending`` (saves end within their step).
+
+        The L3 reads this step handed over before its forward and still running are waited for first, at most as long
+        as the step has lasted since ``bind_connector_metadata`` (a step without forward, next to nothing): a read that
+        ends within that time is named finished now, and its request is scheduled in the next step instead of the one
+        after (the step waits at most its own length once per read; a further step would cost the request a forward)."""
         if self._worker is None:
             return None, None
         try:
+            bound = getattr(self, "_bound_at", None)
+            self._worker.wait_step_reads(0.0 if bound is None else time.perf_counter() - bound)
             done = self._worker.poll(finished_req_ids)
         except Exception as e:
             _hook_error(self._worker.counters, "get_finished", e)
@@ -957,6 +964,7 @@ class TierKVConnector(KVConnectorBase_V1):
         plan = connector_metadata
         if self._worker is None or not isinstance(plan, StepPlan):
             return
+        self._bound_at = time.perf_counter()
         if plan.prefill_tokens >= 4 * self.page_size:  # timed until wait_for_save: the forward in between
             self._fwd = (plan.step, plan.prefill_tokens, time.perf_counter())
         if plan.jobs:

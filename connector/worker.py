@@ -65,6 +65,11 @@ class WorkerCounters:
     unsaved_pages: int = 0          # saves not made: their request's load failed (computed on a broken prefix)
     save_failed_pages: int = 0      # saves whose L1 -> L2 copy raised (never loaded nor backed up; docs §8 R41)
     hook_errors: int = 0            # exceptions caught at a vLLM hook (docs §8 R41): each became failed pages
+    # L3 reads handed over before a step's forward and still running when the step ended (get_finished): steps that
+    # waited for them, the time waited, and the waits that ran out first (those loads end in a later step)
+    read_waits: int = 0
+    read_wait_seconds: float = 0.0
+    read_wait_timeouts: int = 0
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -183,6 +188,7 @@ class CacheWorker:
         self._suspect: set[str] = set()
         self._unwritten: dict[int, bytes] = {}
         self._read_started: set[int] = set()  # jobs of the current plan handed to the readers by start_reads
+        self._step_reads: list[int] = []      # prefetches of the current plan handed over by start_reads
 
     # ----------------------------------------------------------------- loads
     def start_loads(self, plan: StepPlan) -> None:
@@ -398,9 +404,26 @@ class CacheWorker:
             return
         if self.l3 is not None:
             self.l3.submit(reads)
+            self._step_reads = [j.job_id for j in reads if j.kind == JOB_PREFETCH]
         else:
             self.fail_jobs(reads)
         self._read_started.update(j.job_id for j in reads)
+
+    def wait_step_reads(self, budget_s: float) -> None:
+        """At the end of a step (before :meth:`poll`): wait at most ``budget_s`` seconds for the prefetch reads
+        :meth:`start_reads` handed over before this step's forward, so that a read ending just after the forward is
+        named finished by this step, not the next (an L3 hit then costs one engine step more than an L2 hit, not two).
+        Each read is waited for once, in the step that started it; a read already ended costs nothing."""
+        ids, self._step_reads = self._step_reads, []
+        if self.l3 is None or not ids:
+            return
+        t0 = time.perf_counter()
+        running, ended = self.l3.wait_reads(ids, budget_s)
+        if running:
+            c = self.counters
+            c.read_waits += 1
+            c.read_wait_seconds += time.perf_counter() - t0
+            c.read_wait_timeouts += not ended
 
     def unsubmitted(self, plan: StepPlan) -> list:
         """The plan's jobs :meth:`start_reads` did not hand over (what :meth:`submit_jobs` will)."""
