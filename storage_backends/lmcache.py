@@ -34,7 +34,8 @@ payload, :mod:`.page_format`) before the payload, checked on every read: a slot 
 
 Faults: a dead, stopped or restarted server, a rejected request, a vanished shared-memory segment and a server of
 another chunk size all turn into misses / ``False`` with a counter and a rate-limited warning; never an exception,
-never a hang longer than ``timeout_s`` per exchange. After a failure the socket is replaced, the old worker instance is
+never a hang longer than ``timeout_s`` per exchange (socket, back-off and pipelined exchange: the shared
+:mod:`.zmq_channel`; the server's segment is mapped as a :class:`.shm_segment.Segment`). After a failure the socket is replaced, the old worker instance is
 unregistered (which frees the slots a lost reply left reserved) and a new one registered; consecutive failures back
 off exponentially. A server restart is noticed from the socket's connection events and answered by registering again.
 

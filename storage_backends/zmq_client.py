@@ -6,7 +6,8 @@ the caller's buffer (e.g. a host-pool page, a ``torch.uint8`` tensor); on read t
 XXH3-64 are checked before the payload is copied into the destination, so a missing, corrupt, truncated or
 foreign page is a miss, never data.
 
-Fault handling (docs/architecture.md §8 R13; LMCache issue #3565 is the failure this avoids):
+Fault handling (docs/architecture.md §8 R13; LMCache issue #3565 is the failure this avoids; socket, back-off and
+pipelined exchange are the shared :mod:`.zmq_channel`, the segment a :class:`.shm_segment.Segment`):
 
 - every request carries a fresh 64-bit id and replies are matched by id: a stale, duplicate, undecodable or
   wrongly shaped reply is discarded or turned into a miss, and never applied to another request;
