@@ -9,7 +9,7 @@ foreign page is a miss, never data.
 Fault handling (docs/architecture.md §8 R13; LMCache issue #3565 is the failure this avoids; socket, back-off and
 pipelined exchange are the shared :mod:`.zmq_channel`, the segment a :class:`.shm_segment.Segment`):
 
-- every request carries a fresh 64-bit id and replies are matched by id: a stale, duplicate, undecodable or
+- every request carries a fresh id (47 bits) and replies are matched by id: a stale, duplicate, undecodable or
   wrongly shaped reply is discarded or turned into a miss, and never applied to another request;
 - every exchange is bounded by ``timeout_s`` of silence (the clock restarts when a reply arrives, so a large
   batch split into several messages is not cut short while the server makes progress); with
