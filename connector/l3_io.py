@@ -280,17 +280,28 @@ class L3IO:
         return out
 
     def wait_reads(self, job_ids: Sequence[int], timeout_s: float) -> tuple[bool, bool]:
-        """Block until the reads (I/O side) of prefetches ``job_ids`` ended, or their request side ended (deadline,
-        abort), or ``timeout_s`` seconds passed. Returns (whether one of them was still reading when called, whether
-        none is reading now). A job no longer tracked has ended."""
-        def ended() -> bool:
+        """Block until the reads (I/O side) of prefetches ``job_ids`` ended, or their request side ended (abort), or
+        ``timeout_s`` seconds passed, or (when every read still running has a deadline) the last of their deadlines
+        passed: :meth:`poll` releases them then anyway. Returns (whether one of them was still reading when called,
+        whether none is reading now). A job no longer tracked has ended."""
+        def running() -> list:
             ps = (self._prefetches.get(j) for j in job_ids)
-            return all(p is None or p.io_done or p.request_done for p in ps)
+            return [p for p in ps if p is not None and not (p.io_done or p.request_done)]
 
         with self._idle:
-            if ended():
+            if not running():
                 return False, True
-            return True, self._idle.wait_for(ended, max(0.0, timeout_s))
+            end = time.perf_counter() + timeout_s
+            while True:  # a reader that starts a read moves its deadline: look again after every wake-up
+                left = running()
+                if not left:
+                    return True, True
+                wait = end - time.perf_counter()
+                if all(p.deadline is not None for p in left):
+                    wait = min(wait, max(p.deadline for p in left) - self.clock())
+                if wait <= 0:
+                    return True, False
+                self._idle.wait(wait)
 
     def take_reports(self) -> list[JobReport]:
         """Reports of jobs that ended since the last call (each job reported exactly once)."""

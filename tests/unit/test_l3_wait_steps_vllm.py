@@ -260,3 +260,49 @@ def test_a_read_that_ends_just_after_the_forward_is_named_finished_by_the_step_t
     assert not e.sched.requests and e.conn._sched.index.locked_pages == 0
     assert e.sched.kv_cache_manager.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1
     e.close()
+
+
+def test_the_end_of_step_wait_for_a_read_ends_at_the_reads_deadline(tmp_path, monkeypatch):
+    """A stalled read (fault: ``batch_get`` held) with a deadline (policy ``timeout``, 0.05 s) is waited for at most
+    until that deadline, however long the step lasted: the step is not held for a read its request stops waiting for.
+    Then the request is released at its deadline (its blocks reported failed, recomputed) and nothing stays pinned."""
+    from fake_engine import FakeEngine, Req
+    from test_controller import file_store, write_to_l3
+    from tierkv.storage_backends.file import FileStore
+    doc = list(range(7, 7 + DOC_PAGES * P))
+    write_to_l3(tmp_path, doc)
+    gate = threading.Event()
+    real_get = FileStore.batch_get
+
+    def held_get(self, *a, **kw):   # the fault: reads wait for the gate
+        assert gate.wait(30)
+        return real_get(self, *a, **kw)
+
+    monkeypatch.setattr(FileStore, "batch_get", held_get)
+    e = FakeEngine(store=file_store(tmp_path), scheduler_exists=True,
+                   controller={"prefetch_policy": "timeout", "prefetch_timeout_base_s": 0.05,
+                               "prefetch_timeout_per_page_s": 0.0})
+    req = Req("h", doc + [2])
+    e.sched.add_request("h", req.tokens)
+    ext = e.sched.lookup("h", 0)
+    assert ext == DOC_PAGES * P and e.sched.lookup_is_async("h")
+    req.blocks = [e.free_blocks.pop(0) for _ in range(DOC_PAGES + 1)]
+    e.sched.on_alloc("h", req.blocks, ext)
+    plan = e.sched.build_plan()
+    e.worker.start_reads(plan)
+    t0 = time.perf_counter()
+    e.worker.wait_step_reads(10.0)                 # a step that lasted 10 s would allow 10 s
+    waited = time.perf_counter() - t0
+    wc = e.worker.counters
+    assert (wc.read_waits, wc.read_wait_timeouts) == (1, 1) and waited < 2.0, waited
+    assert e.worker.poll() == {"h"}                # released at its deadline: every block reported failed
+    failed = e.worker.take_failed_blocks()
+    assert failed == set(req.blocks[:DOC_PAGES])
+    e.sched.on_finished_recving({"h"}, failed)     # what vLLM hands the scheduler side with that step's output
+    e.sched.on_load_errors(failed)
+    gate.set()
+    e.running["h"] = req
+    e.finish(req)
+    e.settle()
+    e.idle_check()
+    e.close()
