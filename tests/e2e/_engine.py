@@ -24,7 +24,8 @@ Public API (parent side, nothing here imports vLLM)::
     stats_by_role(res)           # {"scheduler": {...summed counters...}, "worker": {...}}
 
 :func:`run_job` runs several named workloads (token-id prompts, or multi-turn chats whose prompts grow by
-the model's own answer plus the next user message) in one engine; the benchmarks use it.
+the model's own answer plus the next user message) in one engine; the benchmarks use it. :func:`in_parallel` runs
+independent engines two at a time.
 
 The same file is the child program: ``python _engine.py JOB.json RESULT.json``.
 """
@@ -37,6 +38,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -259,6 +261,41 @@ def run_workload(
     flat = dict(res.pop("workloads")["main"])
     flat.update(res)
     return flat
+
+
+def in_parallel(max_at_once: int = 2, **calls) -> dict[str, Any]:
+    """Run the zero-argument callables ``calls`` (each typically a :func:`run_job`, i.e. its own engine subprocess),
+    at most ``max_at_once`` at a time, in threads; return ``{name: result}``.
+
+    Engines that do not depend on each other share the machine's cores this way: an engine start is mostly
+    single-threaded imports in three processes one after the other, so two starts at once take little longer than
+    one on two cores. Results are unchanged (each engine is its own set of processes with its own OpenMP threads; in
+    sequential mode a request's computation does not depend on what else the machine runs). Every call runs to its
+    end even if another fails; then the first failure (in ``calls`` order) is raised as ``RuntimeError`` naming the
+    call, chained to the original exception.
+    """
+    if max_at_once < 1:
+        raise ValueError(f"max_at_once must be at least 1, got {max_at_once}")
+    results: dict[str, Any] = {}
+    errors: dict[str, BaseException] = {}
+    slots = threading.BoundedSemaphore(max_at_once)
+
+    def run(name, fn):
+        with slots:
+            try:
+                results[name] = fn()
+            except BaseException as e:  # re-raised below, in the caller's thread
+                errors[name] = e
+
+    threads = [threading.Thread(target=run, args=item, name=f"engine-{item[0]}") for item in calls.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for name in calls:
+        if name in errors:
+            raise RuntimeError(f"engine {name!r} failed") from errors[name]
+    return results
 
 
 def _model_max_len(model_dir) -> int:

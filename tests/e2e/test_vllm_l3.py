@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from _engine import run_job, stats_by_role, tierkv_kv_config
+from _engine import in_parallel, run_job, stats_by_role, tierkv_kv_config
 
 P = 32
 MAX_LEN = 512
@@ -38,12 +38,16 @@ def runs(tiny_model, tmp_path_factory):
     first, again = _rounds()
     args = {"max_model_len": MAX_LEN}
     root = tmp_path_factory.mktemp("l3")
-    ref = run_job(tiny_model, [{"name": "first", "prompts": first}, {"name": "again", "prompts": again}],
-                  kv_transfer_config=None, num_gpu_blocks_override=200, max_tokens=6, extra_engine_args=args,
-                  workdir=tmp_path_factory.mktemp("ref"))
-    e1 = run_job(tiny_model, [{"name": "first", "prompts": first}], kv_transfer_config=_tier_config(root),
-                 num_gpu_blocks_override=MAX_LEN // P + 2, max_tokens=6, extra_engine_args=args,
-                 workdir=tmp_path_factory.mktemp("e1"))
+    ref_wd, e1_wd = tmp_path_factory.mktemp("ref"), tmp_path_factory.mktemp("e1")
+    # the reference does not touch the store: it runs next to engine 1 (``in_parallel``); engine 2 starts after both
+    first_pair = in_parallel(
+        ref=lambda: run_job(tiny_model, [{"name": "first", "prompts": first}, {"name": "again", "prompts": again}],
+                            kv_transfer_config=None, num_gpu_blocks_override=200, max_tokens=6,
+                            extra_engine_args=args, workdir=ref_wd),
+        e1=lambda: run_job(tiny_model, [{"name": "first", "prompts": first}], kv_transfer_config=_tier_config(root),
+                           num_gpu_blocks_override=MAX_LEN // P + 2, max_tokens=6, extra_engine_args=args,
+                           workdir=e1_wd))
+    ref, e1 = first_pair["ref"], first_pair["e1"]
     e2 = run_job(tiny_model, [{"name": "again", "prompts": again}], kv_transfer_config=_tier_config(root),
                  num_gpu_blocks_override=MAX_LEN // P + 2, max_tokens=6, extra_engine_args=args,
                  workdir=tmp_path_factory.mktemp("e2"))
