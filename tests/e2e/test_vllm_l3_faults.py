@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from _engine import release_barrier, run_job, stats_by_role, tierkv_kv_config, wait_for_file
+from _engine import in_parallel, release_barrier, run_job, stats_by_role, tierkv_kv_config, wait_for_file
 from _servers import mooncake_l3, unused_loopback_ports, zmq_l3, zmq_server
 
 P = 32
@@ -92,22 +92,31 @@ def _log(res) -> str:
 
 
 @pytest.fixture(scope="module")
-def ref(tiny_model, tmp_path_factory):
+def healthy(tiny_model, tmp_path_factory):
+    """The two engines without faults, independent of each other and run at once (``_engine.in_parallel``): the
+    reference (``ref``) and the writer of the populated store (``populated``)."""
     first, again = _rounds()
-    return run_job(tiny_model, [{"name": "first", "prompts": first}, {"name": "again", "prompts": again},
-                                {"name": "fresh", "prompts": _fresh()}],
-                   kv_transfer_config=None, num_gpu_blocks_override=200, max_tokens=MAX_TOKENS,
-                   extra_engine_args=ARGS, workdir=tmp_path_factory.mktemp("ref"))
+    ref_wd, writer_wd = tmp_path_factory.mktemp("ref"), tmp_path_factory.mktemp("writer")
+    root = tmp_path_factory.mktemp("l3-populated")
+    out = in_parallel(
+        ref=lambda: run_job(tiny_model, [{"name": "first", "prompts": first}, {"name": "again", "prompts": again},
+                                         {"name": "fresh", "prompts": _fresh()}],
+                            kv_transfer_config=None, num_gpu_blocks_override=200, max_tokens=MAX_TOKENS,
+                            extra_engine_args=ARGS, workdir=ref_wd),
+        writer=lambda: _run(tiny_model, writer_wd, [{"name": "first", "prompts": first}],
+                            _config({"backend": "file", "file": {"root": str(root)}})))
+    return out["ref"], (root, out["writer"])
 
 
 @pytest.fixture(scope="module")
-def populated(tiny_model, tmp_path_factory):
+def ref(healthy):
+    return healthy[0]
+
+
+@pytest.fixture(scope="module")
+def populated(healthy):
     """A file store holding every full page of ``first`` (written by a healthy engine) and that engine's result."""
-    first, _again = _rounds()
-    root = tmp_path_factory.mktemp("l3-populated")
-    res = _run(tiny_model, tmp_path_factory.mktemp("writer"), [{"name": "first", "prompts": first}],
-               _config({"backend": "file", "file": {"root": str(root)}}))
-    return root, res
+    return healthy[1]
 
 
 def _copy_of(populated, tmp_path):
