@@ -25,7 +25,7 @@ import random
 
 import pytest
 
-from _engine import REPO_ROOT, run_workload, stats_by_role, tierkv_kv_config
+from _engine import REPO_ROOT, in_parallel, run_workload, stats_by_role, tierkv_kv_config
 
 P = 32
 MAX_LEN = 512
@@ -101,21 +101,31 @@ def workload():
 
 
 @pytest.fixture(scope="module")
-def ref(tiny_model, tmp_path_factory, workload):
+def engines(tiny_model, tmp_path_factory, workload):
+    """Results of every engine of this file, ``{"ref": ..., <config id>: ..., "corrupt": ...}``: independent
+    engines, run two at a time (``_engine.in_parallel``)."""
     prompts, _rep = workload
-    return run_workload(tiny_model, prompts, kv_transfer_config=None, num_gpu_blocks_override=400,
-                        max_tokens=6, extra_engine_args=ARGS, workdir=tmp_path_factory.mktemp("ref"))
+    ref_wd, corrupt_wd = tmp_path_factory.mktemp("ref"), tmp_path_factory.mktemp("corrupt")
+    calls = {"ref": lambda: run_workload(tiny_model, prompts, kv_transfer_config=None, num_gpu_blocks_override=400,
+                                         max_tokens=6, extra_engine_args=ARGS, workdir=ref_wd)}
+    for cid, (extra, policy) in TIER_CONFIGS.items():
+        calls[cid] = (lambda extra=extra, policy=policy, wd=tmp_path_factory.mktemp(cid): run_workload(
+            tiny_model, prompts, kv_transfer_config=tierkv_kv_config(extra, load_failure_policy=policy),
+            num_gpu_blocks_override=SMALL_L1, max_tokens=6, extra_engine_args=ARGS, workdir=wd))
+    calls["corrupt"] = lambda: _corrupt_run(tiny_model, corrupt_wd, prompts)
+    return in_parallel(**calls)
+
+
+@pytest.fixture(scope="module")
+def ref(engines):
+    return engines["ref"]
 
 
 @pytest.fixture(scope="module", params=list(TIER_CONFIGS))
-def tier(request, tiny_model, tmp_path_factory, workload):
+def tier(request, engines):
     """(config id, extra config, result) of one tierkv run of the workload."""
-    prompts, _rep = workload
-    extra, policy = TIER_CONFIGS[request.param]
-    res = run_workload(tiny_model, prompts, kv_transfer_config=tierkv_kv_config(extra, load_failure_policy=policy),
-                       num_gpu_blocks_override=SMALL_L1, max_tokens=6, extra_engine_args=ARGS,
-                       workdir=tmp_path_factory.mktemp(request.param))
-    return request.param, extra, res
+    extra, _policy = TIER_CONFIGS[request.param]
+    return request.param, extra, engines[request.param]
 
 
 def _startup_line(res) -> str:
@@ -237,12 +247,14 @@ CORRUPT_SAVE = 0
 
 
 @pytest.fixture(scope="module")
-def corrupt(tiny_model, tmp_path_factory, workload):
-    prompts, _rep = workload
+def corrupt(engines):
+    return engines["corrupt"]
+
+
+def _corrupt_run(tiny_model, wd, prompts):
     kv = tierkv_kv_config({"verify_checksums": True}, load_failure_policy="recompute")
     kv["kv_connector"] = "CorruptingTierKVConnector"
     kv["kv_connector_module_path"] = "_corrupting_connector"
-    wd = tmp_path_factory.mktemp("corrupt")
     kv["kv_connector_extra_config"]["stats_path"] = str(wd / "stats" / "{role}-{pid}.json")
     return run_workload(tiny_model, prompts, kv_transfer_config=kv, num_gpu_blocks_override=SMALL_L1, max_tokens=6,
                         extra_engine_args=ARGS, workdir=wd,
