@@ -267,12 +267,13 @@ def in_parallel(max_at_once: int = 2, **calls) -> dict[str, Any]:
     """Run the zero-argument callables ``calls`` (each typically a :func:`run_job`, i.e. its own engine subprocess),
     at most ``max_at_once`` at a time, in threads; return ``{name: result}``.
 
-    Engines that do not depend on each other share the machine's cores this way: an engine start is mostly
-    single-threaded imports in three processes one after the other, so two starts at once take little longer than
-    one on two cores. Results are unchanged (each engine is its own set of processes with its own OpenMP threads; in
-    sequential mode a request's computation does not depend on what else the machine runs). Every call runs to its
-    end even if another fails; then the first failure (in ``calls`` order) is raised as ``RuntimeError`` naming the
-    call, chained to the original exception.
+    For engines that do not depend on each other (no shared store, no order between them): their start-ups, which
+    run one process after the other within an engine, overlap. Outputs are those of the engines run one by one (each
+    engine is its own set of processes with its own OpenMP threads; in sequential mode a request's computation does
+    not depend on what else the machine runs); times are not (``ttft_s``, ``latency_s`` and deadlines see the other
+    engine's load), so engines whose test bounds a time run alone. Every call runs to its end even if another fails;
+    then the first failure (in ``calls`` order) is raised as ``RuntimeError`` naming the call, chained to the
+    original exception. ``ValueError`` if ``max_at_once`` < 1.
     """
     if max_at_once < 1:
         raise ValueError(f"max_at_once must be at least 1, got {max_at_once}")
