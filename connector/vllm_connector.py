@@ -297,6 +297,11 @@ def route_logs_to_vllm(level: str) -> None:
 #: busy server costs the scheduler's loop at most this once per back-off window, and the workers are asked instead
 SCHEDULER_EXISTS_TIMEOUT_S = 0.05
 
+#: the end of a step waits for the L3 reads it started at most this fraction of the step's length so far: the wait
+#: delays every request of the step, so it is bounded to a quarter of one step, once per read (a read that needs
+#: longer ends in the next step, as without the wait)
+STEP_READ_WAIT_FRACTION = 0.25
+
 
 def scheduler_exists(l3_cfg, digests: list, page_bytes: int):
     """``(exists, stores)`` answering "how many leading page keys are in L3 under every one of ``digests``" in the
@@ -910,15 +915,17 @@ class TierKVConnector(KVConnectorBase_V1):
         """Requests whose asynchronous (L3) load ended (``finished_recving``), after their leading run of intact pages
         was copied L2 -> L1; never ``finished_sending`` (saves end within their step).
 
-        The L3 reads this step handed over before its forward and still running are waited for first, at most as long
-        as the step has lasted since ``bind_connector_metadata`` (a step without forward, next to nothing): a read that
-        ends within that time is named finished now, and its request is scheduled in the next step instead of the one
-        after (the step waits at most its own length once per read; a further step would cost the request a forward)."""
+        The L3 reads this step handed over before its forward and still running are waited for first, at most
+        :data:`STEP_READ_WAIT_FRACTION` of the time the step has lasted since ``bind_connector_metadata`` (a step without
+        forward, next to nothing): a read that ends within that time is named finished now, and its request is
+        scheduled in the next step instead of the one after (the wait delays every request of the step, once per
+        read; a further step would cost the waiting request a whole forward)."""
         if self._worker is None:
             return None, None
         try:
             bound = getattr(self, "_bound_at", None)
-            self._worker.wait_step_reads(0.0 if bound is None else time.perf_counter() - bound)
+            self._worker.wait_step_reads(0.0 if bound is None else
+                                         STEP_READ_WAIT_FRACTION * (time.perf_counter() - bound))
             done = self._worker.poll(finished_req_ids)
         except Exception as e:
             _hook_error(self._worker.counters, "get_finished", e)
