@@ -5,13 +5,14 @@ loaded by the second one from L3; greedy outputs are bit-identical to vLLM reusi
 Reference (module fixture, shared): one engine without a connector and with an L1 large enough for everything runs
 ``first`` and then ``again`` (same documents, new questions), so ``again`` reuses the documents from its own L1.
 tierkv: engine 1 runs ``first`` with write_through to the store, engine 2 (a new process: empty L1 and L2) runs
-``again``; its document prefixes can only come from the store.
+``again``; its document prefixes can only come from the store. The two stores' pairs run side by side, each engine 1
+next to the reference or the other store's engine 1 (fixture ``engines``).
 """
 import random
 
 import pytest
 
-from _engine import run_job, stats_by_role, tierkv_kv_config
+from _engine import in_parallel, run_job, stats_by_role, tierkv_kv_config
 from _servers import mooncake_l3, mooncake_store, zmq_l3, zmq_server
 
 P = 32
@@ -50,17 +51,43 @@ def _config(l3):
 
 
 def _engine(tiny_model, tmp_path_factory, name, prompts, l3):
-    return run_job(tiny_model, [{"name": name, "prompts": prompts}], kv_transfer_config=_config(l3),
-                   num_gpu_blocks_override=SMALL_L1, max_tokens=MAX_TOKENS, extra_engine_args=ARGS,
-                   workdir=tmp_path_factory.mktemp(name))
+    wd = tmp_path_factory.mktemp(name)   # here, not in the engine's thread
+    return lambda: run_job(tiny_model, [{"name": name, "prompts": prompts}], kv_transfer_config=_config(l3),
+                           num_gpu_blocks_override=SMALL_L1, max_tokens=MAX_TOKENS, extra_engine_args=ARGS,
+                           workdir=wd)
 
 
 @pytest.fixture(scope="module")
-def ref(tiny_model, tmp_path_factory):
+def engines(tiny_model, tmp_path_factory):
+    """Every engine of this file, two at a time (``_engine.in_parallel``), with both stores up: first the reference
+    and the two stores' engines 1 (independent of each other), then the two engines 2. Returns the results and what
+    the tests read of the stores between and after the engines: ``{"ref", "zmq": {"e1", "e2", "held_after_e1", "st",
+    "pid"}, "mooncake": {"e1", "e2", "master_alive"}}``."""
     first, again = _rounds()
-    return run_job(tiny_model, [{"name": "first", "prompts": first}, {"name": "again", "prompts": again}],
-                   kv_transfer_config=None, num_gpu_blocks_override=200, max_tokens=MAX_TOKENS, extra_engine_args=ARGS,
-                   workdir=tmp_path_factory.mktemp("ref"))
+    ref_wd = tmp_path_factory.mktemp("ref")
+    with zmq_server(tmp_path_factory.mktemp("zmq")) as srv, mooncake_store(tmp_path_factory.mktemp("mooncake")) as mc:
+        zl3 = zmq_l3(srv.endpoint, timeout_s=2.0)
+        ml3 = mooncake_l3(mc.master.master_address, mc.master.metadata_server)
+        one = in_parallel(
+            ref=lambda: run_job(tiny_model, [{"name": "first", "prompts": first}, {"name": "again", "prompts": again}],
+                                kv_transfer_config=None, num_gpu_blocks_override=200, max_tokens=MAX_TOKENS,
+                                extra_engine_args=ARGS, workdir=ref_wd),
+            zmq=_engine(tiny_model, tmp_path_factory, "first", first, zl3),
+            mooncake=_engine(tiny_model, tmp_path_factory, "first", first, ml3))
+        held_after_e1 = srv.server_stats()["keys"]
+        two = in_parallel(zmq=_engine(tiny_model, tmp_path_factory, "again", again, zl3),
+                          mooncake=_engine(tiny_model, tmp_path_factory, "again", again, ml3))
+        st = srv.server_stats()
+        pid = srv.pid
+        master_alive = mc.master.alive()
+    return {"ref": one["ref"],
+            "zmq": {"e1": one["zmq"], "e2": two["zmq"], "held_after_e1": held_after_e1, "st": st, "pid": pid},
+            "mooncake": {"e1": one["mooncake"], "e2": two["mooncake"], "master_alive": master_alive}}
+
+
+@pytest.fixture(scope="module")
+def ref(engines):
+    return engines["ref"]
 
 
 def _check_pair(ref, e1, e2):
@@ -97,15 +124,10 @@ def _check_pair(ref, e1, e2):
     return w1, w2
 
 
-def test_zmq_server_shared_by_two_engines(ref, tiny_model, tmp_path_factory):
+def test_zmq_server_shared_by_two_engines(ref, engines):
     first, again = _rounds()
-    with zmq_server(tmp_path_factory.mktemp("zmq")) as srv:
-        l3 = zmq_l3(srv.endpoint, timeout_s=2.0)
-        e1 = _engine(tiny_model, tmp_path_factory, "first", first, l3)
-        held_after_e1 = srv.server_stats()["keys"]
-        e2 = _engine(tiny_model, tmp_path_factory, "again", again, l3)
-        st = srv.server_stats()
-        pid = srv.pid
+    z = engines["zmq"]
+    e1, e2, held_after_e1, st, pid = z["e1"], z["e2"], z["held_after_e1"], z["st"], z["pid"]
     w1, w2 = _check_pair(ref, e1, e2)
     # the server (one process all along) holds exactly the pages both engines reported stored
     assert held_after_e1 == w1["l3_backup_pages"] == _full_pages(first), held_after_e1
@@ -119,13 +141,10 @@ def test_zmq_server_shared_by_two_engines(ref, tiny_model, tmp_path_factory):
     assert st["misses"] == 0, st
 
 
-def test_mooncake_store_shared_by_two_engines(ref, tiny_model, tmp_path_factory):
+def test_mooncake_store_shared_by_two_engines(ref, engines):
     first, again = _rounds()
-    with mooncake_store(tmp_path_factory.mktemp("mooncake")) as mc:
-        l3 = mooncake_l3(mc.master.master_address, mc.master.metadata_server)
-        e1 = _engine(tiny_model, tmp_path_factory, "first", first, l3)
-        e2 = _engine(tiny_model, tmp_path_factory, "again", again, l3)
-        master_alive = mc.master.alive()
+    m = engines["mooncake"]
+    e1, e2, master_alive = m["e1"], m["e2"], m["master_alive"]
     assert master_alive
     _w1, w2 = _check_pair(ref, e1, e2)
     new_in_e2 = _full_pages(again) - sum(_common_pages(a, b) for a, b in zip(first, again))
