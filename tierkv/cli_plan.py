@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional
@@ -341,6 +342,8 @@ def cmd_plan(args) -> int:
     l3s = parse_sizes(args.l3, "--l3")
     if args.page_size is not None and args.page_size < 1:
         raise CliError(EXIT_USAGE, f"--page-size {args.page_size}: must be >= 1")
+    if args.chart and not os.path.isdir(os.path.dirname(os.path.abspath(args.chart))):  # before the replays
+        raise CliError(EXIT_USAGE, f"cannot write chart {args.chart}: No such directory")
     trace = read_trace(args.trace, args.page_size, output_pages=not args.no_output_pages)
     if l2s is None:  # a recorded trace: the recording engine's L2 size, else 1024 pages
         rec_l2 = trace.header.get("l2_pages")
