@@ -49,7 +49,7 @@ from pathlib import Path
 
 import pytest
 
-from _engine import REPO_ROOT, in_parallel, run_job, stats_by_role, tierkv_kv_config
+from _engine import REPO_ROOT, run_job, stats_by_role, tierkv_kv_config
 
 P = 32
 MAX_LEN = 512
@@ -82,7 +82,9 @@ def _workloads() -> list[dict]:
 def runs(tiny_model, tmp_path_factory):
     workloads = _workloads()
     args = {"max_model_len": MAX_LEN, "max_num_seqs": FLUSH_PROMPTS}
-    ref_wd, wd = tmp_path_factory.mktemp("ref"), tmp_path_factory.mktemp("tier")
+    ref = run_job(tiny_model, workloads, kv_transfer_config=None, num_gpu_blocks_override=400, max_tokens=MAX_TOKENS,
+                  extra_engine_args=args, workdir=tmp_path_factory.mktemp("ref"))
+    wd = tmp_path_factory.mktemp("tier")
     kv = tierkv_kv_config({"host_pool": {"num_pages": L2_PAGES}, "verify_checksums": True,
                            "l3": {"backend": "file", "file": {"root": str(wd / "l3")}},
                            "controller": {"write_policy": "write_through", "prefetch_policy": "wait_complete"},
@@ -90,12 +92,9 @@ def runs(tiny_model, tmp_path_factory):
                           load_failure_policy="recompute")
     kv["kv_connector"] = "ObservingTierKVConnector"
     kv["kv_connector_module_path"] = "_observing_connector"
-    out = in_parallel(
-        ref=lambda: run_job(tiny_model, workloads, kv_transfer_config=None, num_gpu_blocks_override=400,
-                            max_tokens=MAX_TOKENS, extra_engine_args=args, workdir=ref_wd),
-        tier=lambda: run_job(tiny_model, workloads, kv_transfer_config=kv, num_gpu_blocks_override=L1_BLOCKS,
-                             max_tokens=MAX_TOKENS, extra_engine_args=args, workdir=wd, env={"PYTHONPATH": str(HERE)}))
-    return workloads, out["ref"], out["tier"]
+    tier = run_job(tiny_model, workloads, kv_transfer_config=kv, num_gpu_blocks_override=L1_BLOCKS,
+                   max_tokens=MAX_TOKENS, extra_engine_args=args, workdir=wd, env={"PYTHONPATH": str(HERE)})
+    return workloads, ref, tier
 
 
 def test_every_request_answered_and_sequential_outputs_equal_the_reference(runs):
