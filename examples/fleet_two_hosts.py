@@ -243,6 +243,8 @@ def engine_command(args, fleet: Fleet, host: str, model: str, store: dict) -> tu
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     if args.l3 == "mooncake":
         env["MC_TCP_BIND_ADDRESS"] = addr
+    else:  # an address inherited from the caller's environment means nothing inside the namespace
+        env.pop("MC_TCP_BIND_ADDRESS", None)
     return cmd, env
 
 
