@@ -37,7 +37,7 @@ from tierkv.storage_backends.common import RateLimitedLog
 from .. import kernels
 from .device_pool import DevicePool
 from .host_pool import HostPool
-from .l3_io import L3IO
+from .l3_io import L3IO, NoL3
 from .page_checksums import SlotChecksums
 from .plan import JOB_BACKUP, JOB_PREFETCH, JobReport, PageOrder, StepPlan
 
@@ -158,7 +158,8 @@ class CacheWorker:
             of several blocks), ``host.page_bytes`` bytes per page.
         verify: check each page's checksum before loading it (one XXH3 pass per page and direction).
         layerwise: load layer by layer in the background (see module docstring).
-        l3: the worker half of the controller (:class:`L3IO`, built on the same ``host`` and ``checksums``), or None.
+        l3: the worker half of the controller (:class:`L3IO`, built on the same ``host`` and ``checksums``), or None
+            (no store: :class:`NoL3` answers every job at once with no page done).
         checksums: the per-slot checksum table (made here if not given).
     """
 
@@ -173,7 +174,7 @@ class CacheWorker:
         self._pending_pages = 0
         self.verify = verify
         self.layerwise = layerwise
-        self.l3 = l3
+        self.l3 = l3 if l3 is not None else NoL3()  # without a store every L3 job is answered at once, none done
         self.layer_index = {name: i for i, name in enumerate(dev.layer_names)}
         self.counters = WorkerCounters()
         self.checksums = checksums if checksums is not None else SlotChecksums(host.num_slots)
@@ -402,11 +403,8 @@ class CacheWorker:
         reads = [j for j in plan.jobs if j.kind != JOB_BACKUP]
         if not reads:
             return
-        if self.l3 is not None:
-            self.l3.submit(reads)
-            self._step_reads = [j.job_id for j in reads if j.kind == JOB_PREFETCH]
-        else:
-            self.fail_jobs(reads)
+        self.l3.submit(reads)
+        self._step_reads = [j.job_id for j in reads if j.kind == JOB_PREFETCH]
         self._read_started.update(j.job_id for j in reads)
 
     def wait_step_reads(self, budget_s: float) -> None:
@@ -415,7 +413,7 @@ class CacheWorker:
         named finished by this step, not the next (an L3 hit then costs one engine step more than an L2 hit, not two).
         Each read is waited for once, in the step that started it; a read already ended costs nothing."""
         ids, self._step_reads = self._step_reads, []
-        if self.l3 is None or not ids:
+        if not ids:
             return
         t0 = time.perf_counter()
         running, ended = self.l3.wait_reads(ids, budget_s)
@@ -431,9 +429,9 @@ class CacheWorker:
 
     def submit_jobs(self, plan: StepPlan) -> None:
         """Hand the plan's L3 jobs not handed over by :meth:`start_reads` to the I/O threads (after
-        :meth:`run_saves` of the same plan). Without a store (it could not start) every job is answered at once with
-        no page done, so the scheduler side never waits for it: a prefetch's blocks are reported as load errors and
-        its request as finished."""
+        :meth:`run_saves` of the same plan). Without a store (:class:`NoL3`: none configured, or it could not start)
+        every job is answered at once with no page done, so the scheduler side never waits for it: a prefetch's
+        blocks are reported as load errors and its request as finished."""
         if not plan.jobs:
             return
         if self._read_started:
@@ -443,17 +441,14 @@ class CacheWorker:
                 plan = StepPlan(step=plan.step, jobs=jobs)
             if not jobs:
                 return
-        if self.l3 is not None:
-            skip = {}
-            if self._unwritten:  # a page whose save was not made is never sent to L3 (docs §8 R31)
-                for job in plan.jobs:
-                    if job.kind == JOB_BACKUP:
-                        idx = {i for i, (s, k) in enumerate(zip(job.slots, job.keys)) if self._unwritten.get(s) == k}
-                        if idx:
-                            skip[job.job_id] = idx
-            self.l3.submit(plan.jobs, skip=skip)
-            return
-        self.fail_jobs(plan.jobs)
+        skip = {}
+        if self._unwritten:  # a page whose save was not made is never sent to L3 (docs §8 R31)
+            for job in plan.jobs:
+                if job.kind == JOB_BACKUP:
+                    idx = {i for i, (s, k) in enumerate(zip(job.slots, job.keys)) if self._unwritten.get(s) == k}
+                    if idx:
+                        skip[job.job_id] = idx
+        self.l3.submit(plan.jobs, skip=skip)
 
     def poll(self, finished_req_ids: Sequence[str] = ()) -> set[str]:
         """Finish the request side of ended prefetches: copy their intact leading pages L2 -> L1, remember the
@@ -462,8 +457,6 @@ class CacheWorker:
         if self._suspect and finished_req_ids:
             self._suspect.difference_update(finished_req_ids)
         orphans, self._orphan_finished = self._orphan_finished, set()
-        if self.l3 is None:
-            return orphans
         res = self.l3.poll(finished_req_ids)
         res.finished |= orphans
         slots, blocks, pages = [], [], 0
@@ -493,15 +486,16 @@ class CacheWorker:
 
     def take_reports(self) -> list[JobReport]:
         out, self._orphan_reports = self._orphan_reports, []
-        if self.l3 is not None:
-            out.extend(self.l3.take_reports())
+        out.extend(self.l3.take_reports())
         return out
 
     def close(self, drain_s: float = 10.0) -> None:
         """Stop the I/O threads (queued backups get ``drain_s`` seconds) and close the store."""
-        if self.l3 is not None and not self._closed:
+        if not self._closed:
             self._closed = True  # the L3IO stays for its final counters
             self.l3.close(drain_s)
+            if self.l3.store is None:  # NoL3
+                return
             try:
                 self.l3.store.close()
             except Exception:  # pragma: no cover - best effort at shutdown
@@ -515,6 +509,5 @@ class CacheWorker:
     def stats(self) -> dict:
         d = self.counters.as_dict()
         d.update(num_slots=self.host.num_slots, page_bytes=self.host.page_bytes, layout=self.host.layout)
-        if self.l3 is not None:
-            d.update(self.l3.stats())
+        d.update(self.l3.stats())
         return d

@@ -521,14 +521,22 @@ def test_pages_that_fail_to_read_from_l3_are_stored_again_once_recomputed(tmp_pa
 
 def test_a_worker_without_a_store_answers_every_job(tmp_path):
     e = FakeEngine(store=file_store(tmp_path))
+    from tierkv.connector.l3_io import NoL3
+    from tierkv.connector.plan import JOB_PREFETCH, Job
     e.worker.l3.close(drain_s=0)
-    e.worker.l3 = None                              # as when the store could not start
+    e.worker.l3 = NoL3()                            # as when the store could not start (CacheWorker(l3=None))
     assert e.run_l3(Req("a", toks(1, 4 * P) + [1])) == 0
     e.settle()
     c = e.sched.ctl.counters
     assert c.exists_queries == 1 and c.backup_failed_pages == 4
     assert e.sched.ctl.pending_jobs() == 0 and e.sched.index.locked_pages == 0
     e.idle_check()
+    # a prefetch: its request is named ended at the next poll, every block failed (vLLM recomputes), no page read
+    e.worker.l3.submit([Job(7, JOB_PREFETCH, [b"k" * 16] * 2, slots=[0, 1], req_id="r", block_ids=[5, 6],
+                            fetch=[True, True])])
+    assert e.worker.poll() == {"r"} and e.worker.take_failed_blocks() == {5, 6}
+    assert [(r.job_id, r.ok) for r in e.worker.take_reports()] == [(7, [False, False])]
+    assert e.worker.poll() == set() and e.worker.stats()["failed_load_blocks"] == 2
 
 
 def test_write_back_frees_a_quarter_of_l2_ahead_of_need(tmp_path):
