@@ -573,6 +573,13 @@ class CacheScheduler:
         """Whether any request is live (False: the engine may go idle after this step)."""
         return bool(self.requests)
 
+    def drop_async_hit(self, req_id: str) -> None:
+        """Forget that the last lookup of ``req_id`` answered with an asynchronous (L3) hit (its hook failed, so vLLM
+        was told no hit)."""
+        st = self.requests.get(req_id)
+        if st is not None:
+            st.async_hit = False
+
     def pins_pending(self) -> bool:
         """Whether a backup or prefetch still pins L2 pages or staging slots (:meth:`Controller.pins_pending`);
         False without an L3."""

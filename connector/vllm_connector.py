@@ -629,9 +629,7 @@ class TierKVConnector(KVConnectorBase_V1):
             return self._matched(request, num_computed_tokens)
         except Exception as e:  # a miss, never an engine crash (docs §8 R41)
             _hook_error(self._sched.counters, "get_num_new_matched_tokens", e)
-            st = self._sched.requests.get(request.request_id)
-            if st is not None:
-                st.async_hit = False
+            self._sched.drop_async_hit(request.request_id)
             return 0, False
 
     def _matched(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
