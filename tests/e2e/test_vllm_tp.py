@@ -12,8 +12,9 @@ Engines (two at a time, in threads: ``ref`` with ``tier``, then the two restarts
   find L3 for the prompts of ``restart`` (same pages, computed by the same requests from scratch), then ``restart``.
 - ``tier``: tierkv (L2 of ``L2_PAGES`` pages, write_through to a file store, ``wait_complete`` prefetches, checksums
   on), an L1 of ``L1_BLOCKS`` blocks. ``fill``: documents D0 (4 pages) and D1 (3 pages) with a question, and the
-  first 3 pages of D2 (5 pages) with a short tail; ``flush``: a batch of short prompts that takes every L1 block (L1
-  forgets every cached block, nothing is saved); ``l2``: D0, D1 and all of D2 with new questions: every document
+  first 3 pages of D2 (5 pages) with a short tail; ``drop_l1``: ``reset_prefix_cache`` (L1 forgets every cached
+  block, tierkv's L2 keeps its pages; a batch of short prompts meant to take every L1 block left one block cached
+  once when vLLM admitted it in two steps); ``l2``: D0, D1 and all of D2 with new questions: every document
   page ``fill`` computed is loaded from L2 (D2's last 2 pages are computed and saved).
 - two restarts (empty L1 and L2), each on its own copy of ``tier``'s store directory from which D2's page 3 was
   deleted in rank 1's namespace only (R25: a page one rank lacks), running ``restart``: D0, D1, D2 with new
@@ -133,7 +134,8 @@ def runs(tiny_model, tmp_path_factory):
                                          restart],
                             kv_transfer_config=None, num_gpu_blocks_override=200,
                             workdir=tmp_path_factory.mktemp("ref"), **common),
-        tier=lambda: run_job(tiny_model, [fill, flush, l2], kv_transfer_config=_tier_kv(root),
+        tier=lambda: run_job(tiny_model, [fill, {"name": "drop_l1", "reset_prefix_cache": True}, l2],
+                             kv_transfer_config=_tier_kv(root),
                              num_gpu_blocks_override=L1_BLOCKS, workdir=tmp_path_factory.mktemp("tier"), **common))
     after_tier = _namespaces(root)
 
