@@ -1045,13 +1045,24 @@ def paired_ratios(data: dict, cname: str, ref: str, workload: str, conc: int, ke
     return [a[k] / b[k] for k in sorted(set(a) & set(b))]
 
 
+def spread(data: dict, cname: str, workload: str, conc: int, key: str = "request_throughput") -> Optional[float]:
+    """Largest over smallest ``key`` among the runs of ``cname`` at (``workload``, ``conc``): the machine's own noise
+    between runs of one configuration (other seeds of the same workload shape, other moments), the yardstick a
+    paired ratio is read against. None with fewer than two runs."""
+    v = [r[key] for r in data["configs"].get(cname, {}).get("runs", [])
+         if r["workload"] == workload and r["concurrency"] == conc and r.get(key)]
+    return max(v) / min(v) if len(v) >= 2 else None
+
+
 def ratio_table(data: dict) -> str:
     """Request throughput of each tierkv configuration over the ideal's (workloads with reuse) or no connector's
     (``random``), and TTFT p99 over the ideal's, paired by repeat: min-max and median over the pairs, with the
-    issue's target and whether the median meets it ("-" where a reference configuration was not run)."""
+    issue's target and whether the median meets it ("-" where a reference configuration was not run), and the
+    reference's own spread over its runs (:func:`spread`)."""
     sel = data["selection"]
     lines = ["| config | workload | conc | req/s ratio (min-max, median) | vs | target | median meets | "
-             "TTFT p99 ratio vs ideal (min-max) | pairs |", "|---|---|---|---|---|---|---|---|---|"]
+             "TTFT p99 ratio vs ideal (min-max) | pairs | reference's own spread (max/min req/s) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
 
     def rng(v):
         return f"{min(v):.2f}-{max(v):.2f}, {statistics.median(v):.2f}" if v else "-"
@@ -1066,8 +1077,10 @@ def ratio_table(data: dict) -> str:
                 tt = paired_ratios(data, cname, "ideal", w, c, "p99_ttft_ms")
                 med = statistics.median(rq) if rq else None
                 meets = "-" if med is None else ("yes" if med >= tgt else "no")
+                sp = spread(data, ref, w, c)
                 lines.append(f"| {cname} | {w} | {c} | {rng(rq)} | {ref} | >= {tgt} | {meets} | "
-                             f"{rng(tt) if w != 'random' else '-'} | {len(rq)} |")
+                             f"{rng(tt) if w != 'random' else '-'} | {len(rq)} | "
+                             f"{'-' if sp is None else f'{sp:.2f}'} |")
     return "\n".join(lines)
 
 

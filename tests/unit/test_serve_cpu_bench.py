@@ -184,5 +184,6 @@ def test_ratios_pair_runs_of_the_same_repeat_and_compare_random_with_no_connecto
     assert serve.paired_ratios(data, "tierkv_l2", "ideal", "multiturn", 4, "request_throughput") == [0.9, 1.0]
     assert serve.paired_ratios(data, "tierkv_l2", "none", "random", 4, "request_throughput") == [1.0, 0.5]
     rows = {tuple(c.strip() for c in line.split("|")[1:4]): line for line in serve.ratio_table(data).splitlines()}
-    assert "| 0.90-1.00, 0.95 | ideal | >= 0.95 | yes | 1.10-1.50, 1.30 | 2 |" in rows[("tierkv_l2", "multiturn", "4")]
-    assert "| 0.50-1.00, 0.75 | none | >= 0.97 | no | - | 2 |" in rows[("tierkv_l2", "random", "4")]
+    assert "| 0.90-1.00, 0.95 | ideal | >= 0.95 | yes | 1.10-1.50, 1.30 | 2 | 2.00 |" in rows[("tierkv_l2", "multiturn", "4")]
+    assert "| 0.50-1.00, 0.75 | none | >= 0.97 | no | - | 2 | 2.00 |" in rows[("tierkv_l2", "random", "4")]
+    assert serve.spread(data, "ideal", "random", 4) is None            # one run: no spread
