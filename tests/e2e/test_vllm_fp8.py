@@ -15,12 +15,11 @@ the model (part of the namespace) fixes them; pages are stored without them and 
 load (checked through L2 and L3 here; no scale is stored, so none can be lost).
 """
 import random
-import threading
 from pathlib import Path
 
 import pytest
 
-from _engine import run_job, stats_by_role, tierkv_kv_config
+from _engine import in_parallel, run_job, stats_by_role, tierkv_kv_config
 
 P = 32
 L1_BLOCKS = 24
@@ -49,25 +48,6 @@ def _engine(model, root, workdir, cache_dtype, workloads):
                    extra_engine_args={"kv_cache_dtype": cache_dtype}, workdir=workdir)
 
 
-def _in_parallel(**jobs):
-    results, errors = {}, {}
-
-    def run(name, fn):
-        try:
-            results[name] = fn()
-        except Exception as e:  # re-raised below, in the test's thread
-            errors[name] = e
-
-    threads = [threading.Thread(target=run, args=kv) for kv in jobs.items()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for name, e in errors.items():
-        raise RuntimeError(f"engine {name!r} failed") from e
-    return results
-
-
 @pytest.fixture(scope="module")
 def runs(tiny_model, tmp_path_factory):
     first, second, other, flush_l1, flush_l2 = _prompts()
@@ -78,7 +58,7 @@ def runs(tiny_model, tmp_path_factory):
     e4m3 = [{"name": "first", "prompts": first}, {"name": "second_l1", "prompts": second},
             {"name": "flush_l2", "prompts": flush_l2}, {"name": "second_l3", "prompts": second},
             {"name": "flush_l1", "prompts": flush_l1}, {"name": "second_l2", "prompts": second}]
-    out = _in_parallel(e4m3=lambda: _engine(tiny_model, root, wd("e4m3"), "fp8_e4m3", e4m3),
+    out = in_parallel(e4m3=lambda: _engine(tiny_model, root, wd("e4m3"), "fp8_e4m3", e4m3),
                        bf16=lambda: _engine(tiny_model, root, wd("bf16"), "auto", [{"name": "other", "prompts": other}]))
     out["e5m2"] = _engine(tiny_model, root, wd("e5m2"), "fp8_e5m2",
                           [{"name": "first", "prompts": first}, {"name": "other", "prompts": other}] + reuse)

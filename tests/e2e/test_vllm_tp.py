@@ -32,12 +32,11 @@ import dataclasses
 import json
 import random
 import shutil
-import threading
 from pathlib import Path
 
 import pytest
 
-from _engine import run_job, stats_by_role, tierkv_kv_config
+from _engine import in_parallel, run_job, stats_by_role, tierkv_kv_config
 
 P = 32
 MAX_LEN = 256
@@ -75,26 +74,6 @@ def _tier_kv(root, **controller):
                             load_failure_policy="recompute")
 
 
-def _in_parallel(**calls):
-    """Run the zero-argument callables at once (each starts its own engine subprocess); their results by name."""
-    results, errors = {}, {}
-
-    def run(name, fn):
-        try:
-            results[name] = fn()
-        except BaseException as e:  # re-raised below, in the test's thread
-            errors[name] = e
-
-    threads = [threading.Thread(target=run, args=item, name=item[0]) for item in calls.items()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for name, e in errors.items():
-        raise RuntimeError(f"engine {name!r} failed") from e
-    return results
-
-
 def _namespaces(root: Path) -> dict[int, dict]:
     """``{tp_rank: {"dir", "info", "records"}}`` of every namespace directory under a file store's ``root``."""
     out = {}
@@ -129,7 +108,7 @@ def runs(tiny_model, tmp_path_factory):
     replay = dict(fill, name="replay")
     root = tmp_path_factory.mktemp("l3")
     common = dict(max_tokens=MAX_TOKENS, extra_engine_args=ENGINE_ARGS, env=TP_ENV)
-    first = _in_parallel(
+    first = in_parallel(
         ref=lambda: run_job(tiny_model, [fill, flush, l2, {"name": "reset", "reset_prefix_cache": True}, replay,
                                          restart],
                             kv_transfer_config=None, num_gpu_blocks_override=200,
@@ -148,7 +127,7 @@ def runs(tiny_model, tmp_path_factory):
         lost[mode] = _record_path(ns, 1, docs[2], MISSING_PAGE)
         assert lost[mode].is_file() and _record_path(ns, 0, docs[2], MISSING_PAGE).is_file()
         lost[mode].unlink()
-    second = _in_parallel(**{
+    second = in_parallel(**{
         mode: (lambda mode=mode: run_job(
             tiny_model, [restart], kv_transfer_config=_tier_kv(roots[mode], exists_in_scheduler=(mode == "sched")),
             num_gpu_blocks_override=L1_BLOCKS, workdir=tmp_path_factory.mktemp(f"restart-{mode}"), **common))
