@@ -1110,6 +1110,46 @@ def _repeat_text(sel: dict) -> str:
             f"once more, in the order above, so the configurations alternate in time; ranges are over the repeats.")
 
 
+RERUN_JSON = "serve_cpu_rerun.json"
+SOAK_BASELINE_JSON = "serve_cpu_soak_none.json"
+
+
+def render_rerun(data: dict, json_name: str = RERUN_JSON) -> str:
+    """The ``### re-run`` subsection: a second pass over fewer configurations, workloads and concurrencies with more
+    rounds and repeats (its own result file), drawn with the same ratio and run tables as the full pass."""
+    results_check.check_results(data, RESULT_SCHEMA, json_name, allow_quick=True)
+    sel, cond = data["selection"], data["conditions"]
+    loads = ", ".join(f"{n} {c['load_before'][0]}->{c['load_after'][0]}" for n, c in data["configs"].items())
+    cmd = (f".venv/bin/python benchmarks/serve_cpu.py --configs {','.join(sel['configs'])} "
+           f"--workloads {','.join(sel['workloads'])} --concurrency {','.join(map(str, sel['concurrency']))} "
+           f"--repeats {sel['repeats']} --rounds {sel.get('rounds', 1)} --out benchmarks/results/{json_name} "
+           "--no-readme")
+    return f"""### re-run
+
+A second pass with the same sizes as the full one, on the rows it left short of their targets, with more pairs:
+
+```bash
+{cmd}
+```
+
+Measured on tierkv commit `{results_check.short(data['code']['commit'])}` ({data['code'].get('source', '')}),
+{data['started_at']} -> {data['finished_at']}, results `results/{json_name}`: {cond['cpus']} vCPU ({cond['cpu']}),
+nothing else running; 1-minute load average before->after each configuration (last round): {loads}.
+{_repeat_text(sel)}
+{data.get('readme_note') or ''}
+
+{ratio_table(data)}
+
+Every run:
+
+{table(data)}
+
+Failures and server-log errors:
+
+{failures_text(data)}
+"""
+
+
 def render_section(data: dict, json_name: str = "serve_cpu.json") -> str:
     """The ``## serve_cpu`` section of ``benchmarks/README.md``, drawn from ``data`` alone (refused, by
     ``results_check.ResultsError``, for a file that lacks a current key, records no commit or was measured on
@@ -1242,19 +1282,75 @@ life): {ctext or '-'}.
 """
 
 
+def _rss_by_process(data: dict) -> dict[str, float]:
+    """Resident-memory growth (fraction, after warm-up -> end) of a soak record per vLLM process kind
+    (``VLLM::Worker``, ``VLLM::EngineCor``; the API server's Python processes summed under ``python``) and
+    ``total``, from its ``rss_growth_under_limit`` check and its process samples."""
+    s = data["soak"]
+    th0, th1 = s.get("procs_after_warmup") or {}, s.get("procs_at_end") or {}
+    kib0: dict[str, int] = {}
+    kib1: dict[str, int] = {}
+    for key, v in th0.items():
+        if key in th1:
+            kind = key.rsplit(":", 1)[0]
+            kib0[kind] = kib0.get(kind, 0) + v["rss_kib"]
+            kib1[kind] = kib1.get(kind, 0) + th1[key]["rss_kib"]
+    out = {k: (kib1[k] - kib0[k]) / kib0[k] for k in sorted(kib0) if kib0[k]}
+    total = s["checks"]["rss_growth_under_limit"]["value"].get("total")
+    if total is not None:
+        out["total"] = total
+    return out
+
+
+def render_soak_baseline(soak: dict, base: dict, base_name: str = SOAK_BASELINE_JSON) -> str:
+    """The paragraph and table under ``### soak`` that set its memory growth against a soak of the same length with
+    no connector (``--soak-config none``: no L3, no faults, no kill), process kind by process kind."""
+    results_check.check_results(base, SOAK_SCHEMA, base_name, allow_quick=True)
+    b, cond = base["soak"], base["conditions"]
+    g1, g0 = _rss_by_process(soak), _rss_by_process(base)
+    rows = "\n".join(f"| {k} | {g1[k] * 100:+.1f} % | {g0[k] * 100:+.1f} % | {(g1[k] - g0[k]) * 100:+.1f} points |"
+                      for k in g1 if k in g0)
+    run = b.get("run") or {}
+    return f"""Paired baseline: the same soak with no connector (`--soak {b['requests']} --soak-config none --out
+benchmarks/results/{base_name} --no-readme`: L1 {base['params']['l1_blocks']} blocks, no L3, no faults, no kill),
+commit `{results_check.short(base['code']['commit'])}`, {base['started_at']} -> {base['finished_at']}, {cond['cpu']},
+1-minute load average {b['load_before'][0]} -> {b['load_after'][0]}; {run.get('completed')} completed,
+{run.get('failed')} failed. Resident memory after its warm-up -> end, per process:
+
+| process | with tierkv (above) | no connector | difference |
+|---|---|---|---|
+{rows}
+"""
+
+
 def full_section(main: dict, main_name: str = "serve_cpu.json", soak: dict | None = None,
-                 soak_name: str = SOAK_JSON) -> str:
-    """The whole ``## serve_cpu`` section: the pass of ``main`` and, if given, the ``### soak`` subsection."""
+                 soak_name: str = SOAK_JSON, rerun: dict | None = None, soak_base: dict | None = None) -> str:
+    """The whole ``## serve_cpu`` section: the pass of ``main``, if given the ``### re-run`` subsection of a second,
+    narrower pass (:data:`RERUN_JSON`), and the ``### soak`` subsection with, if given, its no-connector baseline
+    (:data:`SOAK_BASELINE_JSON`)."""
     body = render_section(main, main_name)
+    if rerun is not None:
+        body = body.rstrip("\n") + "\n\n" + render_rerun(rerun)
     if soak is not None:
         body = body.rstrip("\n") + "\n\n" + render_soak(soak, soak_name)
+        if soak_base is not None:
+            body = body.rstrip("\n") + "\n\n" + render_soak_baseline(soak, soak_base)
     return body
+
+
+def committed_extras() -> tuple[dict | None, dict | None]:
+    """(the re-run's result, the soak baseline's result) from ``benchmarks/results`` where those files exist."""
+    def load(name):
+        path = RESULTS / name
+        return json.loads(path.read_text()) if path.exists() else None
+    return load(RERUN_JSON), load(SOAK_BASELINE_JSON)
 
 
 def write_readme(main_path: Path, soak_path: Path = RESULTS / SOAK_JSON) -> None:
     main = json.loads(main_path.read_text())
     soak = json.loads(soak_path.read_text()) if soak_path.exists() else None
-    _replace_section(full_section(main, main_path.name, soak, soak_path.name))
+    rerun, base = committed_extras()
+    _replace_section(full_section(main, main_path.name, soak, soak_path.name, rerun, base))
 
 
 def _replace_section(body: str) -> None:
@@ -1361,6 +1457,8 @@ def main(argv=None) -> int:
             data["readme_note"] = args.note
         if data.get("benchmark") == "serve_cpu_soak":   # the soak's file: its subsection under the current pass
             main_path, soak_path = RESULTS / "serve_cpu.json", src
+        elif src.name == RERUN_JSON:                     # the re-run's file: rendered with the committed pass
+            main_path, soak_path = RESULTS / "serve_cpu.json", RESULTS / SOAK_JSON
         else:
             main_path, soak_path = src, RESULTS / SOAK_JSON
         try:

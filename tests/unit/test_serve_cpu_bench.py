@@ -86,7 +86,8 @@ def _committed_soak():
 def test_the_readme_section_is_what_the_committed_result_renders():
     data = _committed()
     soak = _committed_soak()
-    assert serve.readme_section() == serve.full_section(data, "serve_cpu.json", soak)
+    rerun, base = serve.committed_extras()
+    assert serve.readme_section() == serve.full_section(data, "serve_cpu.json", soak, serve.SOAK_JSON, rerun, base)
     assert serve.readme_section().startswith(serve.render_section(data, "serve_cpu.json").rstrip("\n"))
     if soak is not None:
         assert "\n### soak\n" in serve.readme_section()
@@ -187,3 +188,20 @@ def test_ratios_pair_runs_of_the_same_repeat_and_compare_random_with_no_connecto
     assert "| 0.90-1.00, 0.95 | ideal | >= 0.95 | yes | 1.10-1.50, 1.30 | 2 | 2.00 |" in rows[("tierkv_l2", "multiturn", "4")]
     assert "| 0.50-1.00, 0.75 | none | >= 0.97 | no | - | 2 | 2.00 |" in rows[("tierkv_l2", "random", "4")]
     assert serve.spread(data, "ideal", "random", 4) is None            # one run: no spread
+
+
+def test_the_soak_baseline_table_sets_each_process_growth_against_no_connector():
+    soak = json.loads((REPO / "benchmarks" / "results" / serve.SOAK_JSON).read_text())
+    base = json.loads(json.dumps(soak))
+    end = base["soak"]["procs_at_end"]
+    worker = next(k for k in end if k.startswith("VLLM::Worker"))
+    start_kib = base["soak"]["procs_after_warmup"][worker]["rss_kib"]
+    end[worker]["rss_kib"] = start_kib + start_kib // 25                  # the baseline's worker grew 4 %
+    grown = serve._rss_by_process(soak)
+    assert grown["VLLM::Worker"] == pytest.approx(
+        (soak["soak"]["procs_at_end"][worker]["rss_kib"] - start_kib) / start_kib)
+    assert serve._rss_by_process(base)["VLLM::Worker"] == pytest.approx(0.04, abs=1e-4)
+    text = serve.render_soak_baseline(soak, base)
+    row = next(line for line in text.splitlines() if line.startswith("| VLLM::Worker |"))
+    assert row == (f"| VLLM::Worker | {grown['VLLM::Worker'] * 100:+.1f} % | +4.0 % | "
+                   f"{(grown['VLLM::Worker'] - 0.04) * 100:+.1f} points |")
