@@ -63,7 +63,8 @@ COUNTERS = {
     "ctl_l3_declined_slow_pages": "L3 hits declined because loading was estimated slower than recomputing (pages).",
     "ctl_exists_queries": "L3 existence queries sent to the workers.",
     "l3_hits": "Requests whose L3 load ended (asynchronous loads).",
-    "l3_hit_wait_steps": "Engine steps those requests waited for L3, summed (an L2 hit waits 0; 1 is the least).",
+    "l3_hit_wait_steps": "Engine steps those requests waited for L3, summed (an L2 hit waits 0; an L3 hit at least 1 with "
+                         "synchronous scheduling, vLLM's CPU backend, and 2 with asynchronous scheduling).",
     "l3_hit_wait_steps_1": "L3 hits that waited at most one engine step.",
     "l3_backup_pages": "Pages stored L2 -> L3, summed over the workers (each rank stores its shard; MLA: TP rank 0 stores the one shared record) (pages).",
     "l3_backup_failed_pages": "Pages whose L2 -> L3 backup failed or was dropped (pages).",
