@@ -735,9 +735,11 @@ class Controller:
         return max(wait, BEST_EFFORT_MIN_WAIT_S)
 
     def start_prefetch(self, req_id: str, path: Sequence[bytes], first: int, last: int,
-                       block_ids: Sequence[int], blocks_per_page: int = 1, skip_blocks: int = 0) -> Job:
+                       block_ids: Sequence[int], blocks_per_page: int = 1, skip_blocks: int = 0,
+                       groups: Sequence[Sequence[int]] = ()) -> Job:
         """Order the async load of pages ``path[first:last]`` into ``block_ids`` (``blocks_per_page`` per page, less
-        the first ``skip_blocks`` blocks of page ``first``, which the engine holds in L1). Pages without an
+        the first ``skip_blocks`` blocks of page ``first``, which the engine holds in L1; ``groups``: the same blocks
+        per KV cache group of a hybrid model, :class:`~tierkv.connector.plan.Job`). Pages without an
         L2 copy get staging slots (evicting others if needed); the path is locked until the report. Pages for
         which no slot could be had are in the job with slot -1: the worker reports them as load errors."""
         path = list(path[:last])
@@ -760,7 +762,7 @@ class Controller:
                 self.counters.prefetch_no_room_pages += short
         job = Job(self._new_id(), JOB_PREFETCH, path[first:last], slots=slots, block_ids=list(block_ids),
                   fetch=fetch, req_id=req_id, deadline_s=self.deadline_s(need),
-                  blocks_per_page=blocks_per_page, skip_blocks=skip_blocks)
+                  blocks_per_page=blocks_per_page, skip_blocks=skip_blocks, groups=[list(g) for g in groups])
         for k, f, s in zip(job.keys, fetch, slots):
             if f and s != NO_SLOT:
                 self._fetching[k] = job.job_id

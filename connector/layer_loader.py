@@ -30,16 +30,32 @@ class LayerwiseLoad:
         dev: the :class:`~tierkv.connector.device_pool.DevicePool` (destination).
         slots, block_ids: equal-length int sequences (validated here, ValueError before anything moves).
         impl: force ``"torch"`` or ``"triton"`` (default: by device).
+        copies: instead of ``slots``/``block_ids`` (pass them empty): ``(layers, slots, block_ids)`` triples, each
+            copied only into its ``layers`` (None = every layer): a hybrid model's KV cache groups, each with its
+            own blocks (``CacheWorker._copies``). Layer ``l`` is ready once every triple holding it is copied.
+            ``block_ids`` is then every triple's blocks.
     Attributes:
         timeline: after completion, per layer ``(layer, start_s, end_s)`` (``time.perf_counter`` seconds) of the copy
             (CPU path; on CUDA the host-side enqueue times).
     """
 
-    def __init__(self, host, dev, slots: Sequence[int], block_ids: Sequence[int], *, impl: Optional[str] = None):
+    def __init__(self, host, dev, slots: Sequence[int], block_ids: Sequence[int], *, impl: Optional[str] = None,
+                 copies: Optional[Sequence[tuple[Optional[Sequence[int]], Sequence[int], Sequence[int]]]] = None):
         self.host, self.dev = host, dev
-        self.block_ids, self.slots, _ = validate_transfer(dev, host, block_ids, slots, None)
-        self.impl = impl
         self.num_layers = dev.num_layers
+        if copies is None:
+            copies = [(None, slots, block_ids)]
+        elif len(slots) or len(block_ids):
+            raise ValueError("LayerwiseLoad: give slots and block_ids, or copies, not both")
+        checked = []
+        for layers, c_slots, c_blocks in copies:
+            b, s, ls = validate_transfer(dev, host, c_blocks, c_slots, layers)
+            checked.append((set(range(self.num_layers)) if ls is None else set(ls), s, b))
+        #: per layer: the (slots, block ids) copied into it
+        self._per_layer = [[(s, b) for ls, s, b in checked if layer in ls and b] for layer in range(self.num_layers)]
+        self.block_ids = [x for _ls, _s, b in checked for x in b]
+        self.slots = [x for _ls, s, _b in checked for x in s]
+        self.impl = impl
         self._events = [threading.Event() for _ in range(self.num_layers)]
         self._cuda_events: list = []
         self._error: Optional[BaseException] = None
@@ -62,7 +78,13 @@ class LayerwiseLoad:
         if self._cuda:
             for layer in range(self.num_layers):
                 t0 = time.perf_counter()
-                ev = load_pages(self.host, self.dev, self.slots, self.block_ids, [layer], impl=self.impl, sync=False)
+                ev = None
+                for slots, blocks in self._per_layer[layer]:
+                    ev = load_pages(self.host, self.dev, slots, blocks, [layer], impl=self.impl, sync=False)
+                if ev is None:  # no block of this layer: an event recorded now marks it ready
+                    import torch
+                    ev = torch.cuda.Event()
+                    ev.record(torch.cuda.current_stream(self.dev.device))
                 self._cuda_events.append(ev)
                 self.timeline.append((layer, t0, time.perf_counter()))
                 self._events[layer].set()
@@ -77,7 +99,8 @@ class LayerwiseLoad:
                 if self._cancel:
                     raise RuntimeError("layer-wise load cancelled")
                 t0 = time.perf_counter()
-                load_pages(self.host, self.dev, self.slots, self.block_ids, [layer], impl=self.impl)
+                for slots, blocks in self._per_layer[layer]:
+                    load_pages(self.host, self.dev, slots, blocks, [layer], impl=self.impl)
                 self.timeline.append((layer, t0, time.perf_counter()))
                 self._events[layer].set()
         except BaseException as e:  # surfaced in wait_layer/wait_all

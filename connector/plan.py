@@ -26,16 +26,62 @@ Job kinds:
                still land in L2 and are reported, but the request recomputes them.
 ``exists``     L3 existence query of ``keys`` (a prefix run): ``ok`` is the leading run present.
 =============  =====================================================================================================
+
+Hybrid models (several KV cache groups, vLLM's hybrid KV cache manager on, ``SupportsHMA``): a page holds every
+layer of its tokens, whatever group the layer is in; each group has its own engine block table (block ids are
+unique across groups: one block pool). Orders and prefetches then carry ``groups``: one block id list per KV cache
+group, each shaped like ``block_ids`` (which is the list of a full-attention group, whose blocks are never null).
+What is stored and what a hit copies follows one rule, :func:`live_blocks`: the engine's block table decides.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 JOB_BACKUP = "backup"
 JOB_PREFETCH = "prefetch"
 JOB_EXISTS = "exists"
 JOB_KINDS = (JOB_BACKUP, JOB_PREFETCH, JOB_EXISTS)
+
+
+#: vLLM's null block: a sliding-window group's table entry for a block before the window (freed, or never allocated for
+#: a hit); it holds no KV of the request and is never read or written by tierkv
+NULL_BLOCK = 0
+
+
+def live_blocks(block_ids: Sequence[int]) -> list[int]:
+    """The positions in ``block_ids`` (one KV cache group's engine block ids) whose block is live, i.e. not vLLM's
+    null block (:data:`NULL_BLOCK`). This is tierkv's one rule for hybrid models:
+
+    - save: a page is stored only when all of its blocks in every group are live at the step that orders its save
+      (:meth:`tierkv.connector.scheduler.CacheScheduler.schedule_saves`); a page is ordered in the step that computes
+      it (or fills it), when vLLM still holds every group's block of it, so every page of a prompt is stored with
+      every layer, sliding-window layers included (a hit may end at any page, and the window before it is then
+      needed). A page whose sliding-window block is already null (an engine prefix-cache hit older than the window)
+      is not stored, nor any later page of that request that is not in the index yet.
+    - load: a hit copies, per group, exactly the live blocks vLLM allocated for it (the worker,
+      :func:`group_copies`): vLLM gives a sliding-window group null blocks before the window of the hit's end, so
+      only the window's blocks of those layers are copied; full-attention groups copy every page.
+
+    So a hit never needs a block that was not stored (every stored page holds every layer), and block 0 is never
+    touched."""
+    return [i for i, b in enumerate(block_ids) if b != NULL_BLOCK]
+
+
+def group_copies(groups: Sequence[Sequence[int]], slots: Sequence[int]) -> list[tuple[int, list[int], list[int]]]:
+    """``(group, block ids, L2 block slots)`` per KV cache group with the null blocks left out (:func:`live_blocks`);
+    ``groups[g][i]`` pairs with ``slots[i]``. Groups with no live block are left out.
+
+    Raises:
+        ValueError: a group whose length differs from ``slots``."""
+    out = []
+    for g, ids in enumerate(groups):
+        if len(ids) != len(slots):
+            raise ValueError(f"group {g}: {len(ids)} block ids for {len(slots)} block slots")
+        keep = live_blocks(ids)
+        if keep:
+            out.append((g, [int(ids[i]) for i in keep], [int(slots[i]) for i in keep]))
+    return out
 
 
 def block_slots(slots: list[int], num_blocks: int, blocks_per_page: int, skip_blocks: int) -> list[int]:
@@ -46,6 +92,12 @@ def block_slots(slots: list[int], num_blocks: int, blocks_per_page: int, skip_bl
     if k == 1 and skip_blocks == 0:
         return list(slots[:num_blocks])
     return [slots[(skip_blocks + i) // k] * k + (skip_blocks + i) % k for i in range(num_blocks)]
+
+
+def _check_groups(what: str, groups, n_blocks: int) -> None:
+    for g, ids in enumerate(groups):
+        if len(ids) != n_blocks:
+            raise ValueError(f"{what}: group {g} has {len(ids)} block ids, want {n_blocks} (one per block)")
 
 
 def _check_blocks(what: str, n_blocks: int, n_pages: int, k: int, skip: int) -> None:
@@ -67,10 +119,11 @@ class PageOrder:
     page key (checksum verification, L3 backup). ``block_ids`` are the engine block ids, in order, of those pages
     less the first ``skip_blocks`` blocks of the first page (a load whose first page starts in blocks the engine
     already holds in L1): ``len(block_ids) == blocks_per_page * len(slots) - skip_blocks``. With one block per page
-    (the default) ``block_ids[i]`` <-> ``slots[i]``.
+    (the default) ``block_ids[i]`` <-> ``slots[i]``. ``groups`` (hybrid models, see the module docstring): one list
+    per KV cache group shaped like ``block_ids``, ``block_ids`` being a full-attention group's; empty for one group.
 
     Raises:
-        ValueError: ``block_ids`` of another length, ``blocks_per_page`` < 1 or ``skip_blocks`` outside
+        ValueError: ``block_ids`` (or a group) of another length, ``blocks_per_page`` < 1 or ``skip_blocks`` outside
             ``[0, blocks_per_page)``.
     """
 
@@ -80,10 +133,12 @@ class PageOrder:
     keys: list[bytes] = field(default_factory=list)
     blocks_per_page: int = 1
     skip_blocks: int = 0
+    groups: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _check_blocks(f"order for {self.req_id}", len(self.block_ids), len(self.slots), self.blocks_per_page,
                       self.skip_blocks if self.slots else 0)
+        _check_groups(f"order for {self.req_id}", self.groups, len(self.block_ids))
 
     def block_slots(self) -> list[int]:
         """One L2 block slot per entry of ``block_ids`` (:func:`block_slots`): what the kernels copy from or to."""
@@ -92,8 +147,9 @@ class PageOrder:
     def head(self, n: int) -> "PageOrder":
         """The order of its first ``n`` pages (their blocks, slots and keys)."""
         k, skip = self.blocks_per_page, (self.skip_blocks if n > 0 else 0)
-        return PageOrder(self.req_id, list(self.block_ids[:max(0, n * k - self.skip_blocks)]), list(self.slots[:n]),
-                         list(self.keys[:n]), k, skip)
+        nb = max(0, n * k - self.skip_blocks)
+        return PageOrder(self.req_id, list(self.block_ids[:nb]), list(self.slots[:n]), list(self.keys[:n]), k, skip,
+                         [list(g[:nb]) for g in self.groups])
 
     def blocks_from(self, n: int) -> list[int]:
         """The engine blocks of pages ``n`` and after."""
@@ -121,6 +177,8 @@ class Job:
     #: ``skip_blocks`` of the first page (already in L1)
     blocks_per_page: int = 1
     skip_blocks: int = 0
+    #: hybrid models: a prefetch's block ids per KV cache group, each shaped like ``block_ids`` (see PageOrder)
+    groups: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.kind not in JOB_KINDS:
@@ -132,6 +190,7 @@ class Job:
                 raise ValueError(f"job {self.job_id}: {len(v)} {name} for {n} pages")
         if self.block_ids:
             _check_blocks(f"job {self.job_id}", len(self.block_ids), n, self.blocks_per_page, self.skip_blocks)
+        _check_groups(f"job {self.job_id}", self.groups, len(self.block_ids))
         if self.kind == JOB_BACKUP and len(self.slots) != n:
             raise ValueError(f"backup job {self.job_id} needs one slot per page")
         if self.kind == JOB_PREFETCH and not (len(self.slots) == len(self.fetch) == n and (self.block_ids or n == 0)):
@@ -144,7 +203,8 @@ class Job:
     def page_order(self) -> PageOrder:
         """A prefetch as a :class:`PageOrder` (its blocks, slots and keys); slice it with :meth:`PageOrder.head`."""
         return PageOrder(self.req_id or "", list(self.block_ids), list(self.slots), list(self.keys),
-                         self.blocks_per_page, self.skip_blocks if self.keys else 0)
+                         self.blocks_per_page, self.skip_blocks if self.keys else 0,
+                         [list(g) for g in self.groups])
 
     def page_of_block(self, i: int) -> int:
         """The page (index into ``keys``) of ``block_ids[i]``."""

@@ -35,7 +35,7 @@ from typing import Optional, Sequence
 
 from .controller import Controller, LookupStats, reclaim_l2
 from .page_hash import ModelNamespace, RequestKeys, request_root, warm_up
-from .plan import JobReport, PageOrder, StepPlan
+from .plan import JobReport, PageOrder, StepPlan, live_blocks
 from .radix_index import MatchCursor, RadixIndex, RadixNode
 from .request_params import RequestControls
 from .slot_allocator import SlotAllocator
@@ -298,9 +298,12 @@ class CacheScheduler:
         st = self.requests.get(req_id)
         return bool(st is not None and st.async_hit)
 
-    def on_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
+    def on_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int,
+                 groups: Optional[Sequence[Sequence[int]]] = None) -> None:
         """The engine allocated ``block_ids`` (the request's whole table) and will take
-        ``num_external_tokens`` from us: lock the matched path and order the load for this step."""
+        ``num_external_tokens`` from us: lock the matched path and order the load for this step. ``groups``
+        (hybrid models): the whole table of every KV cache group, ``block_ids`` being a full-attention group's; the
+        load then copies each group's live blocks (:func:`tierkv.connector.plan.live_blocks`)."""
         st = self.requests[req_id]
         c = st.last_num_computed
         from_l2 = 0 if (st.async_hit and self.ctl is not None) else num_external_tokens  # L3 hits: ctl counters
@@ -331,11 +334,12 @@ class CacheScheduler:
         # they are and only the blocks after them are loaded
         b0 = c // self.block_size
         skip, blocks = b0 - first * k, list(block_ids[b0:last * k])
+        gblocks = [list(g[b0:last * k]) for g in groups or ()]
         keys = st.keys.extend(st.tokens)[:last]
         if st.async_hit and self.ctl is not None:
             st.async_hit = False
             self.ctl.forget_request(req_id)
-            self.ctl.start_prefetch(req_id, keys, first, last, blocks, k, skip)
+            self.ctl.start_prefetch(req_id, keys, first, last, blocks, k, skip, gblocks)
             self.counters.load_pages += last - first
             st.num_indexed = 0  # known after the report; schedule_saves matches again
             return
@@ -346,7 +350,8 @@ class CacheScheduler:
         if st.lock is not None:
             self.index.unlock(st.lock)
         st.lock = self.index.lock(m.last_node)
-        self._plan.loads.append(PageOrder(req_id, blocks, m.host_slots[first:last], keys[first:last], k, skip))
+        self._plan.loads.append(PageOrder(req_id, blocks, m.host_slots[first:last], keys[first:last], k, skip,
+                                          groups=gblocks))
         self.counters.load_pages += last - first
         st.num_indexed = last
         st.load, st.saved = (self._step + 1, blocks, b0), []
@@ -372,10 +377,14 @@ class CacheScheduler:
             st.async_hit = False
             st.num_indexed = 0
 
-    def schedule_saves(self, req_id: str, num_tokens_after_step: int, block_ids: Sequence[int]) -> None:
+    def schedule_saves(self, req_id: str, num_tokens_after_step: int, block_ids: Sequence[int],
+                       groups: Optional[Sequence[Sequence[int]]] = None) -> None:
         """Order saves for the pages of ``req_id`` that are full once this step has run
         (``num_tokens_after_step`` = computed + scheduled tokens) and not yet in L2. ``block_ids`` is the
-        request's whole block table."""
+        request's whole block table. ``groups`` (hybrid models): every KV cache group's whole table, ``block_ids``
+        being a full-attention group's; a page is saved only when all its blocks in every group are live
+        (:func:`tierkv.connector.plan.live_blocks`): one that is not and is already indexed (an L3 copy) is left as
+        it is, one that is not indexed ends this step's saves there."""
         st = self.requests.get(req_id)
         if st is None or self.num_slots == 0:
             return
@@ -390,6 +399,8 @@ class CacheScheduler:
         # order still names it, and a later order of the same plan could be handed that slot: docs §8 R41)
         m = self.index.match_prefix(keys, require_l2=False, split=True, touch=True)
         missing = [i for i, s in enumerate(m.host_slots) if s < 0] + list(range(m.num_pages, full))
+        if groups:
+            missing, full = self._live_pages(missing, m.num_pages, full, groups)
         if not missing:
             st.num_indexed = full
             return
@@ -424,8 +435,11 @@ class CacheScheduler:
         self._plan_locks.append(self.index.lock(node))
         self.lookup_stats.stored_l2(slots)
         bpp = self.blocks_per_page
-        self._plan.saves.append(PageOrder(req_id, [b for i in missing[:k] for b in block_ids[i * bpp:(i + 1) * bpp]],
-                                          slots, [keys[i] for i in missing[:k]], bpp))
+
+        def page_blocks(ids: Sequence[int]) -> list[int]:
+            return [b for i in missing[:k] for b in ids[i * bpp:(i + 1) * bpp]]
+        self._plan.saves.append(PageOrder(req_id, page_blocks(block_ids), slots, [keys[i] for i in missing[:k]], bpp,
+                                          groups=[page_blocks(g) for g in groups or ()]))
         self.counters.save_pages += k
         st.num_indexed = full if k == need else end
         if st.load is not None:
@@ -435,6 +449,22 @@ class CacheScheduler:
                 st.saved.append((start, end))
         if self.ctl is not None:
             self.ctl.after_save(keys[:end], start)
+
+    def _live_pages(self, missing: list[int], indexed: int, full: int,
+                    groups: Sequence[Sequence[int]]) -> tuple[list[int], int]:
+        """Hybrid models: ``missing`` less the pages that are not live in every group (:func:`live_blocks`), and
+        ``full`` cut at the first such page that is not indexed (``>= indexed``): the index holds prefixes."""
+        k = self.blocks_per_page
+
+        def live(i: int) -> bool:
+            return all(len(live_blocks(g[i * k:(i + 1) * k])) == k for g in groups)
+        out = []
+        for i in missing:
+            if live(i):
+                out.append(i)
+            elif i >= indexed:
+                return out, i
+        return out, full
 
     def on_preempted(self, req_id: str) -> None:
         """The engine freed the request's blocks; it will be looked up again when resumed."""
@@ -519,6 +549,18 @@ class CacheScheduler:
             for st in self.requests.values():
                 if st.load is not None and not bad.isdisjoint(st.load[1]):
                     self._load_failed(st, bad)
+        if self._drops:
+            self._retry_drops()
+
+    def on_failed_loads(self, req_ids) -> None:
+        """Hybrid models (several KV cache groups): requests whose asynchronous load failed (vLLM's
+        ``failed_recving``; vLLM recomputes them from their first token, since it cannot take failed block ids of
+        several groups). An L2 load's pages from its first loaded page on leave the index, as for a failed block of
+        that page (:meth:`on_load_errors`); an L3 prefetch's outcome is the controller's."""
+        for rid in req_ids or ():
+            st = self.requests.get(rid)
+            if st is not None and st.load is not None and st.load[1]:
+                self._load_failed(st, {st.load[1][0]})
         if self._drops:
             self._retry_drops()
 

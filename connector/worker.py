@@ -39,7 +39,7 @@ from .device_pool import DevicePool
 from .host_pool import HostPool
 from .l3_io import L3IO, NoL3
 from .page_checksums import SlotChecksums
-from .plan import JOB_BACKUP, JOB_PREFETCH, JobReport, PageOrder, StepPlan
+from .plan import JOB_BACKUP, JOB_PREFETCH, JobReport, PageOrder, StepPlan, group_copies
 
 logger = logging.getLogger("tierkv.worker")
 _rate_limited = RateLimitedLog(logger)  # failures that can repeat at traffic rate: one line per kind per 10 s
@@ -161,10 +161,17 @@ class CacheWorker:
         l3: the worker half of the controller (:class:`L3IO`, built on the same ``host`` and ``checksums``), or None
             (no store: :class:`NoL3` answers every job at once with no page done).
         checksums: the per-slot checksum table (made here if not given).
+        group_layers: hybrid models (several KV cache groups, vLLM's hybrid KV cache manager on): the indices into
+            ``dev.layer_names`` of each group's layers. Every order then carries ``groups`` (block ids per group) and
+            each group's live blocks are copied with that group's layers only (:func:`group_copies`). Every load is
+            then an asynchronous load in vLLM's sense (vLLM cannot take failed block ids with several groups): a
+            request whose load failed is named in :meth:`take_failed_requests` (vLLM's ``failed_recving``) instead
+            of its blocks in :meth:`take_failed_blocks`, which stays empty.
     """
 
     def __init__(self, dev: DevicePool, host: HostPool, verify: bool = False, layerwise: bool = False,
-                 l3: Optional[L3IO] = None, checksums: Optional[SlotChecksums] = None):
+                 l3: Optional[L3IO] = None, checksums: Optional[SlotChecksums] = None,
+                 group_layers: Optional[Sequence[Sequence[int]]] = None):
         self.dev = dev
         self.host = host
         # the kernels copy engine blocks to and from the pool's block rows: with pages of several blocks (a
@@ -172,6 +179,7 @@ class CacheWorker:
         self.blocks = getattr(host, "block_pool", host)
         self.blocks_per_page = int(getattr(host, "blocks_per_page", 1))
         self._pending_pages = 0
+        self._pending_bytes = 0
         self.verify = verify
         self.layerwise = layerwise
         self.l3 = l3 if l3 is not None else NoL3()  # without a store every L3 job is answered at once, none done
@@ -190,6 +198,57 @@ class CacheWorker:
         self._unwritten: dict[int, bytes] = {}
         self._read_started: set[int] = set()  # jobs of the current plan handed to the readers by start_reads
         self._step_reads: list[int] = []      # prefetches of the current plan handed over by start_reads
+        self.group_layers = [list(g) for g in group_layers] if group_layers else None
+        for g in self.group_layers or ():
+            if not g or min(g) < 0 or max(g) >= dev.num_layers:
+                raise ValueError(f"group_layers: {g} is not a non-empty list of layer indices in [0, {dev.num_layers})")
+        # hybrid models: every block of each request's load in flight (all groups), the requests whose L2 load ran
+        # this step (named ended at the next poll), those whose load failed, and those named failed to vLLM
+        self._load_blocks: dict[str, set[int]] = {}
+        self._loaded_reqs: set[str] = set()
+        self._failed_reqs: set[str] = set()
+        self._failed_recving: set[str] = set()
+
+    # ----------------------------------------------------------------- copies
+    def _copies(self, orders: Sequence[PageOrder]) -> list[tuple[Optional[list[int]], list[int], list[int]]]:
+        """What the kernels copy for ``orders``: ``(layers, L2 block slots, engine blocks)`` triples. One model group:
+        one triple with every layer (``layers`` None). Hybrid models: one per KV cache group with live blocks, that
+        group's layers and its live blocks only (:func:`tierkv.connector.plan.group_copies`).
+
+        Raises:
+            ValueError: an order without ``groups`` on a hybrid model's worker."""
+        if self.group_layers is None:
+            return [(None, [s for o in orders for s in o.block_slots()], [b for o in orders for b in o.block_ids])]
+        per: dict[int, tuple[list[int], list[int]]] = {}
+        for o in orders:
+            if len(o.groups) != len(self.group_layers) and o.block_ids:
+                raise ValueError(f"order for {o.req_id}: {len(o.groups)} block id groups for "
+                                 f"{len(self.group_layers)} KV cache groups")
+            for g, blocks, slots in group_copies(o.groups, o.block_slots()):
+                e = per.setdefault(g, ([], []))
+                e[0].extend(slots)
+                e[1].extend(blocks)
+        return [(self.group_layers[g], s, b) for g, (s, b) in sorted(per.items())]
+
+    def _copy_bytes(self, copies) -> int:
+        """Bytes the ``copies`` move (every layer of a block, or the group's layers)."""
+        layer_block = self.host.page_bytes // self.blocks_per_page // self.dev.num_layers
+        return sum(len(b) * layer_block * (self.dev.num_layers if ls is None else len(ls)) for ls, _s, b in copies)
+
+    def _copy_all(self, fn, copies) -> None:
+        """Run ``copies`` with ``kernels.load_pages`` or ``kernels.save_pages`` (``fn``), in rounds where a slot
+        appears twice (two requests of the step read one L2 page)."""
+        for layers, slots, blocks in copies:
+            if fn is kernels.save_pages:
+                kernels.save_pages(self.dev, self.blocks, blocks, slots, layers)
+                continue
+            for r_slots, r_blocks in _unique_slot_rounds(slots, blocks):
+                kernels.load_pages(self.blocks, self.dev, r_slots, r_blocks, layers)
+
+    def _track_load(self, req_id: Optional[str], block_ids, groups) -> None:
+        """Hybrid models: remember every block of a request's load (a failure of any of them fails the request)."""
+        if self.group_layers is not None and req_id is not None:
+            self._load_blocks.setdefault(req_id, set()).update(block_ids, *groups)
 
     # ----------------------------------------------------------------- loads
     def start_loads(self, plan: StepPlan) -> None:
@@ -197,29 +256,33 @@ class CacheWorker:
         if not plan.loads:
             return
         t0 = time.perf_counter()
-        blocks, slots, pages = [], [], 0
+        oks, pages = [], 0
         for order in plan.loads:
+            self._track_load(order.req_id, order.block_ids, order.groups)
+            if self.group_layers is not None:
+                self._loaded_reqs.add(order.req_id)
             good = self._verified_prefix(order)
             ok = order.head(good)
-            blocks.extend(ok.block_ids)
-            slots.extend(ok.block_slots())
+            oks.append(ok)
             pages += good
             bad = order.blocks_from(good)
             if bad:
                 self._failed_blocks.update(bad)
                 self.counters.failed_load_blocks += len(bad)
         self.counters.steps_with_loads += 1
+        blocks = [b for o in oks for b in o.block_ids]
         if blocks:
             try:
-                rounds = _unique_slot_rounds(slots, blocks)
-                if self.layerwise and len(rounds) == 1:
+                copies = self._copies(oks)
+                single = all(len(set(s)) == len(s) for _ls, s, _b in copies)
+                if self.layerwise and single:
                     from .layer_loader import LayerwiseLoad
-                    self._pending = LayerwiseLoad(self.blocks, self.dev, slots, blocks)
+                    self._pending = LayerwiseLoad(self.blocks, self.dev, [], [], copies=copies)
                     self._pending_pages = pages
+                    self._pending_bytes = self._copy_bytes(copies)
                     self._pending.start()
                 else:  # several requests read one page (a shared prefix admitted in one step): one copy per round
-                    for r_slots, r_blocks in rounds:
-                        kernels.load_pages(self.blocks, self.dev, r_slots, r_blocks)
+                    self._copy_all(kernels.load_pages, copies)
             except Exception:  # never crash the engine: report the blocks, vLLM recomputes them
                 logger.exception("tierkv: L2 -> L1 load of %d pages failed; reporting them for recompute",
                                  len(blocks))
@@ -228,7 +291,7 @@ class CacheWorker:
                 self.counters.failed_load_blocks += len(blocks)
                 return
             if self._pending is None:  # layer-wise: counted once every layer arrived (finish_loads)
-                self._count_loaded(pages, len(blocks))
+                self._count_loaded(pages, self._copy_bytes(copies))
         dt = time.perf_counter() - t0
         self.counters.load_seconds += dt
         self.counters.max_load_ms = max(self.counters.max_load_ms, 1e3 * dt)
@@ -264,7 +327,7 @@ class CacheWorker:
         finally:
             self.counters.load_seconds += time.perf_counter() - t0
         self._pending = None
-        self._count_loaded(self._pending_pages, len(p.block_ids))
+        self._count_loaded(self._pending_pages, self._pending_bytes)
 
     def _layerwise_failed(self, p, err: BaseException) -> None:
         """The pending layer-wise load ``p`` failed: wait for its thread to end (nothing writes into L1 after
@@ -280,11 +343,11 @@ class CacheWorker:
         _rate_limited.warning("layerwise", "tierkv: layer-wise L2 -> L1 load of %d pages failed at layer %s (%s); "
                               "reporting them for recompute", n, p.failed_layer, err.__cause__ or err)
 
-    def _count_loaded(self, pages: int, blocks: int) -> None:
-        """``pages`` pages (a first page the engine partly held in L1 counts once) of ``blocks`` engine blocks
-        copied L2 -> L1."""
+    def _count_loaded(self, pages: int, nbytes: int) -> None:
+        """``pages`` pages (a first page the engine partly held in L1 counts once) of ``nbytes`` bytes copied
+        L2 -> L1 (a hybrid model's sliding-window layers count only their live blocks)."""
         self.counters.load_pages += pages
-        self.counters.load_bytes += blocks * (self.host.page_bytes // self.blocks_per_page)
+        self.counters.load_bytes += nbytes
 
     def _verified_prefix(self, order: PageOrder) -> int:
         if self._unwritten and order.keys:  # a page whose save was not made is never loaded (docs §8 R31)
@@ -319,7 +382,7 @@ class CacheWorker:
         for rid in plan.recomputed:
             self._suspect.discard(rid)
         self.finish_loads()
-        if self._failed_blocks:
+        if self._failed_blocks and self.group_layers is None:  # hybrid: loads are asynchronous, nothing computed
             for o in plan.loads:
                 if not self._failed_blocks.isdisjoint(o.block_ids):
                     self._suspect.add(o.req_id)
@@ -336,14 +399,16 @@ class CacheWorker:
                 self.counters.unsaved_pages += len(o.slots)
                 self.forget_saves([o])
         blocks = [b for o in saves for b in o.block_ids]
-        slots = [s for o in saves for s in o.block_slots()]
         if self._unwritten:
             for o in saves:
                 for s in o.slots:
                     self._unwritten.pop(s, None)
+        nbytes = 0
         if blocks:
             try:
-                kernels.save_pages(self.dev, self.blocks, blocks, slots)
+                copies = self._copies(saves)
+                nbytes = self._copy_bytes(copies)
+                self._copy_all(kernels.save_pages, copies)
             except Exception as e:  # never into vLLM's forward (docs §8 R41): the pages are simply not in L2
                 self.counters.save_failed_pages += len(blocks)
                 _rate_limited.warning("save", "tierkv: L1 -> L2 save of %d pages failed (%r); they are never "
@@ -351,7 +416,7 @@ class CacheWorker:
                 self.forget_saves(saves)
                 return
         self.counters.save_pages += sum(len(o.slots) for o in saves)
-        self.counters.save_bytes += sum(len(o.slots) for o in saves) * self.host.page_bytes
+        self.counters.save_bytes += nbytes
         if self._keep_checksums:
             for o in saves:
                 for slot, key in zip(o.slots, o.keys):
@@ -370,11 +435,15 @@ class CacheWorker:
                 self.checksums.forget(slot)
 
     def fail_loads(self, plan: StepPlan) -> None:
-        """Report every block of the plan's L2 -> L1 loads as failed (vLLM recomputes them)."""
+        """Report every block of the plan's L2 -> L1 loads as failed (vLLM recomputes them; hybrid models: their
+        requests, at the next :meth:`poll`)."""
         self._pending = None
         for o in plan.loads:
             self._failed_blocks.update(o.block_ids)
             self.counters.failed_load_blocks += len(o.block_ids)
+            if self.group_layers is not None:
+                self._loaded_reqs.add(o.req_id)
+                self._failed_reqs.add(o.req_id)
 
     def take_plan_failures(self, plan: StepPlan) -> None:
         """Loads the scheduler side promised but could not order (``plan.failed_blocks``, ``plan.failed_requests``,
@@ -383,6 +452,8 @@ class CacheWorker:
             self._failed_blocks.update(plan.failed_blocks)
             self.counters.failed_load_blocks += len(plan.failed_blocks)
         self._orphan_finished.update(plan.failed_requests)
+        if self.group_layers is not None:  # a hybrid model's loads are all asynchronous: these requests failed
+            self._failed_reqs.update(plan.failed_requests)
 
     def fail_jobs(self, jobs) -> None:
         """Answer ``jobs`` with no page done, at once (no store, or they could not be handed to it)."""
@@ -392,6 +463,8 @@ class CacheWorker:
                 self._orphan_finished.add(job.req_id)
                 self._failed_blocks.update(job.block_ids)
                 self.counters.failed_load_blocks += len(job.block_ids)
+                if self.group_layers is not None:
+                    self._failed_reqs.add(job.req_id)
 
     # ----------------------------------------------------------------- L3 jobs
     def start_reads(self, plan: StepPlan) -> None:
@@ -403,6 +476,9 @@ class CacheWorker:
         reads = [j for j in plan.jobs if j.kind != JOB_BACKUP]
         if not reads:
             return
+        for j in reads:
+            if j.kind == JOB_PREFETCH:
+                self._track_load(j.req_id, j.block_ids, j.groups)
         self.l3.submit(reads)
         self._step_reads = [j.job_id for j in reads if j.kind == JOB_PREFETCH]
         self._read_started.update(j.job_id for j in reads)
@@ -441,6 +517,9 @@ class CacheWorker:
                 plan = StepPlan(step=plan.step, jobs=jobs)
             if not jobs:
                 return
+        for j in plan.jobs:
+            if j.kind == JOB_PREFETCH:
+                self._track_load(j.req_id, j.block_ids, j.groups)
         skip = {}
         if self._unwritten:  # a page whose save was not made is never sent to L3 (docs §8 R31)
             for job in plan.jobs:
@@ -459,21 +538,19 @@ class CacheWorker:
         orphans, self._orphan_finished = self._orphan_finished, set()
         res = self.l3.poll(finished_req_ids)
         res.finished |= orphans
-        slots, blocks, pages = [], [], 0
+        oks, pages = [], 0
         for order in res.orders:
             # the pages that were already in L2 pass the same checks as a synchronous load's: a slot whose save was
             # not made (R31, R41) or that fails its checksum is never copied; the request recomputes from there
             good = self._verified_prefix(order)
-            ok = order.head(good)
-            slots.extend(ok.block_slots())
-            blocks.extend(ok.block_ids)
+            oks.append(order.head(good))
             pages += good
             res.failed_blocks.update(order.blocks_from(good))
+        blocks = [b for o in oks for b in o.block_ids]
         if blocks:
             t0 = time.perf_counter()
             try:
-                for r_slots, r_blocks in _unique_slot_rounds(slots, blocks):
-                    kernels.load_pages(self.blocks, self.dev, r_slots, r_blocks)
+                self._copy_all(kernels.load_pages, self._copies(oks))
                 self.counters.async_load_pages += pages
             except Exception:  # never crash the engine: report the blocks, vLLM recomputes them
                 logger.exception("tierkv: L2 -> L1 copy of %d prefetched pages failed", len(blocks))
@@ -482,7 +559,31 @@ class CacheWorker:
         if res.failed_blocks:
             self._failed_blocks.update(res.failed_blocks)
             self.counters.failed_load_blocks += len(res.failed_blocks)
-        return res.finished
+        if self.group_layers is None:
+            return res.finished
+        return self._end_hybrid_loads(res.finished)
+
+    def _end_hybrid_loads(self, finished: set[str]) -> set[str]:
+        """Hybrid models: ``finished`` plus the requests whose L2 load ran since the last poll (every load is
+        asynchronous); of those, the ones with a failed block or a load that could not be ordered go to
+        :meth:`take_failed_requests`. Failed blocks of loads still in flight are kept for their own poll."""
+        finished = set(finished) | self._loaded_reqs
+        self._loaded_reqs = set()
+        bad, self._failed_blocks = self._failed_blocks, set()
+        for rid in finished:
+            blocks = self._load_blocks.pop(rid, set())
+            if rid in self._failed_reqs or not bad.isdisjoint(blocks):
+                self._failed_recving.add(rid)
+            self._failed_reqs.discard(rid)
+        pending = set().union(*self._load_blocks.values()) if self._load_blocks else set()
+        self._failed_blocks = bad & pending
+        return finished
+
+    def take_failed_requests(self) -> set[str]:
+        """Hybrid models: requests named ended by :meth:`poll` whose load failed (vLLM's ``failed_recving``: it
+        recomputes them), reported once; always empty for one KV cache group (failed blocks are reported)."""
+        out, self._failed_recving = self._failed_recving, set()
+        return out
 
     def take_reports(self) -> list[JobReport]:
         out, self._orphan_reports = self._orphan_reports, []
@@ -502,7 +603,10 @@ class CacheWorker:
                 logger.exception("tierkv: closing the L3 store failed")
 
     def take_failed_blocks(self) -> set[int]:
-        """Block ids whose load failed since the last call (reported once)."""
+        """Block ids whose load failed since the last call (reported once); always empty for a hybrid model (vLLM
+        cannot map block ids of several groups back to requests: :meth:`take_failed_requests`)."""
+        if self.group_layers is not None:
+            return set()
         out, self._failed_blocks = self._failed_blocks, set()
         return out
 
