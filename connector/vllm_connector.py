@@ -34,10 +34,15 @@ A store that cannot start (server down, unwritable directory) is a logged
 warning and the worker serves without L3 (its jobs are answered "not done"); a bad ``l3`` key or value stops
 start-up with a ConfigError naming it.
 
-Constraints (checked at start-up, clear errors): one KV cache group (vLLM turns the hybrid manager off for
-us), ``page_size`` a whole multiple (k >= 1) of the engine block size: a page spans k consecutive blocks of a
-request. A hybrid model of sliding-window and full-attention layers is one group of full-attention specs then, its
-pages hold every layer (:func:`_geometry`); sliding window in every layer and Mamba state are refused.
+Constraints (checked at start-up, clear errors): ``page_size`` a whole multiple (k >= 1) of the engine block size: a
+page spans k consecutive blocks of a request. KV cache groups (:func:`_geometry`): one group of any attention kind
+vLLM keeps for every token; or, with vLLM's hybrid KV cache manager on (tierkv is ``SupportsHMA``, so vLLM keeps it
+on), several full-attention and sliding-window groups of one block size: each page holds every layer, each group's
+blocks are copied with its own layers and vLLM's null block never (:func:`tierkv.connector.plan.live_blocks`), and
+every hit is an asynchronous load (vLLM takes a failed load of such a model only as a failed request). With the
+manager off a hybrid model of sliding-window and full-attention layers is one group of full-attention specs, its
+pages hold every layer for every token. Sliding window in every layer, local chunks beside other layers and Mamba
+state are refused.
 """
 from __future__ import annotations
 
@@ -50,7 +55,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                               KVConnectorRole, KVConnectorWorkerMetadata)
+                                                               KVConnectorRole, KVConnectorTransferResults,
+                                                               KVConnectorWorkerMetadata, SupportsHMA)
 
 from .config import ConfigError, TierKVConfig, config_from_extra
 from .host_budget import group_bytes, reserve
@@ -148,16 +154,37 @@ def _spec_kind(spec) -> str:
     return next((n for n in names if n in _PARTIAL_SPECS), names[0])
 
 
-def _geometry(kv_cache_config, model_type: str = "this model") -> tuple[Any, list[str], Optional[int]]:
-    """``(spec, layer names, window)`` of the model's one KV cache group. ``window`` (tokens) is not None when some of
-    those layers attend within a sliding window (or local chunks) but vLLM keeps their KV for every token: a hybrid
-    model (Gemma-2/3 shape: sliding-window and full-attention layers) under vLLM's hybrid KV cache manager turned
-    off, which vLLM does for a connector without ``SupportsHMA`` such as tierkv. vLLM then gives those layers a
-    ``FullAttentionSpec`` (carrying the window) in the one group, so every page holds every layer's KV of its
-    tokens, sliding-window layers included, and is stored and loaded like a full-attention model's page.
+#: KV cache spec kinds a hybrid model's groups (vLLM's hybrid KV cache manager on) may have: full attention, and
+#: sliding window (its blocks before the window are null in vLLM's tables: :func:`tierkv.connector.plan.live_blocks`)
+_GROUP_SPECS = ("FullAttentionSpec", "SlidingWindowSpec")
+
+
+def _group_kind(spec) -> str:
+    """``spec``'s class name when it is one of :data:`_GROUP_SPECS` (exactly: subclasses such as vLLM's R-SWA or
+    sliding-window MLA are not verified), else :func:`_spec_kind`."""
+    kind = type(spec).__name__
+    return kind if kind in _GROUP_SPECS else _spec_kind(spec)
+
+
+def _geometry(kv_cache_config, model_type: str = "this model"
+              ) -> tuple[Any, list[str], Optional[int], Optional[list[list[str]]], int]:
+    """``(spec, layer names, window, groups, ref)`` of the model's KV cache groups.
+
+    One group (every plain model, and a hybrid model with vLLM's hybrid KV cache manager off): ``groups`` None,
+    ``ref`` 0, ``window`` (tokens) not None when some layers attend within a sliding window (or local chunks) but
+    vLLM keeps their KV for every token (it then gives them a ``FullAttentionSpec`` carrying the window in the one
+    group): every page holds every layer's KV of its tokens and is stored and loaded like a full-attention page.
+
+    Several groups (a hybrid model, Gemma-2/3 shape, with the hybrid KV cache manager on, which vLLM keeps on for
+    tierkv since it is ``SupportsHMA``): full-attention and sliding-window groups of one block size and one per-layer
+    block size are served: ``groups`` lists each group's layer names, ``layer names`` every layer (ordered as the
+    device pool orders them), ``ref`` the first full-attention group (its blocks are never null), ``window`` the
+    sliding window. Each page still holds every layer; each group's blocks are copied with that group's layers, null
+    blocks never (:func:`tierkv.connector.plan.live_blocks`).
 
     Raises ConfigError naming ``model_type`` (the HF ``model_type``) and why, for: no KV cache group
-    (attention-free model), several groups (the hybrid manager on, which vLLM refuses for tierkv before this), and
+    (attention-free model); several groups with a kind other than full attention and sliding window (Mamba/SSM
+    state, local chunks, ...), with no full-attention group, or with different block sizes or per-layer block bytes;
     one group of a kind vLLM keeps only in part (:data:`_PARTIAL_SPECS`: sliding window or local chunks in every
     layer, Mamba/SSM state)."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", []) or [])
@@ -165,10 +192,30 @@ def _geometry(kv_cache_config, model_type: str = "this model") -> tuple[Any, lis
         raise ConfigError(f"tierkv: model type {model_type!r} has no KV cache (attention-free); tierkv has nothing "
                           "to store: serve it without --kv-transfer-config")
     if len(groups) != 1:
-        kinds = ", ".join(sorted({_spec_kind(g.kv_cache_spec) for g in groups}))
-        raise ConfigError(f"tierkv supports models with one KV cache group; model type {model_type!r} has "
-                          f"{len(groups)} ({kinds}): serve it with vLLM's hybrid KV cache manager off (vLLM's default "
-                          "with tierkv; drop --no-disable-hybrid-kv-cache-manager)")
+        kinds = [_group_kind(g.kv_cache_spec) for g in groups]
+        other = sorted({k for k in kinds if k not in _GROUP_SPECS})
+        if other:
+            why = "; ".join(f"{k}: {_PARTIAL_SPECS[k]}" if k in _PARTIAL_SPECS else f"{k}: not verified with tierkv"
+                            for k in other)
+            raise ConfigError(f"tierkv cannot serve model type {model_type!r}: of its {len(groups)} KV cache groups, "
+                              f"{', '.join(other)} ones are neither full attention nor sliding window ({why}); serve "
+                              "it without tierkv")
+        if "FullAttentionSpec" not in kinds:
+            raise ConfigError(f"tierkv cannot serve model type {model_type!r}: none of its {len(groups)} KV cache "
+                              "groups is full attention (every layer attends within a sliding window, so no page of "
+                              "a long prefix stays in vLLM's cache); serve it without tierkv")
+        specs = [g.kv_cache_spec for g in groups]
+        shapes = {(int(sp.block_size), int(sp.page_size_bytes)) for sp in specs}
+        if len(shapes) != 1:
+            raise ConfigError(f"tierkv cannot serve model type {model_type!r}: its KV cache groups have different "
+                              f"(block size, block bytes per layer) {sorted(shapes)}; tierkv pages need one; serve it "
+                              "without tierkv")
+        ref = kinds.index("FullAttentionSpec")
+        names = [list(g.layer_names) for g in groups]
+        from .device_pool import _layer_sort_key
+        layers = sorted((n for g in names for n in g), key=_layer_sort_key)
+        window = max((int(getattr(sp, "sliding_window", 0) or 0) for sp in specs), default=0)
+        return specs[ref], layers, (window or None), names, ref
     spec = groups[0].kv_cache_spec
     kind = _spec_kind(spec)
     if kind in _PARTIAL_SPECS:
@@ -177,7 +224,7 @@ def _geometry(kv_cache_config, model_type: str = "this model") -> tuple[Any, lis
         raise ConfigError(f"tierkv cannot serve model type {model_type!r} ({kind}): {_PARTIAL_SPECS[kind]}; serve "
                           f"it without tierkv{hint}")
     window = getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None)
-    return spec, list(groups[0].layer_names), (int(window) if window else None)
+    return spec, list(groups[0].layer_names), (int(window) if window else None), None, 0
 
 
 #: the keys behind each way of sizing the L2 pool (named in messages about its size)
@@ -362,10 +409,11 @@ def _l3_target(cfg: TierKVConfig) -> str:
 
 def startup_line(cfg: TierKVConfig, *, num_slots: int, page_bytes: int, page_size: int, ranks: int, size_from: str,
                  budget: Optional[int], num_blocks: int, layout: str, namespace_hex: str,
-                 local: Optional[tuple[int, int, Optional[int]]] = None) -> str:
+                 local: Optional[tuple[int, int, Optional[int]]] = None, hybrid: bool = False) -> str:
     """The one INFO line an engine logs at start-up with tierkv's effective configuration (tiers, sizes, layout,
-    policies, store). ``local`` = (sliding-window layers, layers, window in tokens) of a hybrid model whose
-    sliding-window layers vLLM keeps in full (:func:`_geometry`): the line then says they are stored in full."""
+    policies, store). ``local`` = (sliding-window layers, layers, window in tokens) of a hybrid model
+    (:func:`_geometry`): the line then says how their KV is kept: in full (``hybrid`` False: vLLM's hybrid KV cache
+    manager off) or per KV cache group (``hybrid`` True)."""
     def size(n: float) -> str:
         return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
@@ -377,17 +425,29 @@ def startup_line(cfg: TierKVConfig, *, num_slots: int, page_bytes: int, page_siz
             f"worker x {ranks} worker(s) ({size_from}{bud}), layout {layout}, page {page_size} tokens, "
             f"eviction {cfg.eviction_policy} | L3 {l3}{pol} | verify_checksums={cfg.verify_checksums}, "
             f"layerwise_load={cfg.layerwise_load}, stats_path={cfg.stats_path}, namespace {namespace_hex}"
-            + _local_note(local))
+            + _local_note(local, hybrid))
 
 
-def _local_note(local: Optional[tuple[int, int, Optional[int]]]) -> str:
-    """The start-up line's note on sliding-window layers kept in full (empty when there are none)."""
+def _local_note(local: Optional[tuple[int, int, Optional[int]]], hybrid: bool = False) -> str:
+    """The start-up line's note on sliding-window layers (empty when there are none): kept in full (vLLM's hybrid KV
+    cache manager off) or per KV cache group (on)."""
     if local is None or not local[2]:
         return ""
     n, total, window = local
     which = f"{n} of {total} layers" if n else "some layers"
+    if hybrid:
+        return (f" | hybrid model: {which} attend a {window}-token sliding window; vLLM's hybrid KV cache manager "
+                "is on: every page is stored with every layer, and a hit loads those layers' blocks inside the "
+                "window only")
     return (f" | hybrid model: {which} attend a {window}-token sliding window; vLLM's hybrid KV cache manager is off "
             "with tierkv, so their KV is kept, stored and loaded for every token like the full-attention layers'")
+
+
+def _local_kv(hybrid: bool) -> str:
+    """The namespace's ``local_attention_kv`` fact of a model with sliding-window layers: ``every_token`` (vLLM's
+    hybrid KV cache manager off: one group, those layers kept in full) or ``per_group`` (on: each group's blocks
+    copied apart, a sliding-window layer's blocks before a hit's window never loaded)."""
+    return "per_group" if hybrid else "every_token"
 
 
 def _local_layer_count(model_config, window: Optional[int]) -> tuple[int, int]:
@@ -399,8 +459,9 @@ def _local_layer_count(model_config, window: Optional[int]) -> tuple[int, int]:
     return sum(1 for t in types if t in ("sliding_attention", "chunked_attention")), len(types)
 
 
-class TierKVConnector(KVConnectorBase_V1):
-    """tierkv as a vLLM ``KVConnectorBase_V1`` (see the module docstring)."""
+class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
+    """tierkv as a vLLM ``KVConnectorBase_V1`` (see the module docstring); ``SupportsHMA``, so vLLM keeps its hybrid
+    KV cache manager on and calls :meth:`request_finished_all_groups`."""
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -421,7 +482,10 @@ class TierKVConnector(KVConnectorBase_V1):
             raise ConfigError("tierkv needs vLLM's kv_cache_config (vLLM >= 0.32)")
         self.kv_cache_config = kv_cache_config
         model_type = str(getattr(vllm_config.model_config.hf_config, "model_type", None) or "?")
-        spec, self.layer_names, self.local_window = _geometry(kv_cache_config, model_type)
+        spec, self.layer_names, self.local_window, self.group_names, self.ref_group = _geometry(kv_cache_config,
+                                                                                               model_type)
+        #: several KV cache groups (vLLM's hybrid KV cache manager on): block ids per group, every load asynchronous
+        self.hybrid = self.group_names is not None
         self.local_layers = _local_layer_count(vllm_config.model_config, self.local_window)
         self.spec = spec
         self.num_blocks = int(kv_cache_config.num_blocks)
@@ -439,9 +503,9 @@ class TierKVConnector(KVConnectorBase_V1):
             tp_rank=0, tp_size=self.tp_size, pp_rank=0, pp_size=int(pc.pipeline_parallel_size),
             use_mla=self.use_mla,
             **page_namespace_facts(vllm_config, kv_cache_config, spec, self.use_mla, self.cfg.host_pool.layout))
-        if self.local_window:  # sliding-window layers stored in full: never mixed with pages of another scheme
+        if self.local_window:  # sliding-window layers stored another way: never mixed with pages of another scheme
             self.namespace = dataclasses.replace(
-                self.namespace, extra=tuple(self.namespace.extra) + (("local_attention_kv", "every_token"),))
+                self.namespace, extra=tuple(self.namespace.extra) + (("local_attention_kv", _local_kv(self.hybrid)),))
         self.world_size = self.tp_size * int(pc.pipeline_parallel_size)
         self.use_l3 = self.cfg.l3.backend != "none"
         self._sched = None
@@ -487,7 +551,7 @@ class TierKVConnector(KVConnectorBase_V1):
                                      page_size=self.page_size, ranks=self._local_ranks, size_from=self._size_from,
                                      budget=self._budget, num_blocks=self.num_blocks,
                                      layout=self.namespace.kv_layout, namespace_hex=self.namespace.digest().hex(),
-                                     local=(*self.local_layers, self.local_window)))
+                                     local=(*self.local_layers, self.local_window), hybrid=self.hybrid))
             self._stats = StatsFile(self.cfg.stats_path, "scheduler", self._sched.stats)
         else:
             self._stats = StatsFile(self.cfg.stats_path, "worker", self._worker_stats, snapshot_thread_safe=True)
@@ -640,7 +704,9 @@ class TierKVConnector(KVConnectorBase_V1):
         n = self._sched.lookup(request.request_id, num_computed_tokens)
         if n is None:
             return None, False  # an L3 answer or L2 room is pending: vLLM asks again next step
-        return n, bool(n > 0 and self._sched.lookup_is_async(request.request_id))
+        # several KV cache groups: every hit is an asynchronous load, because vLLM takes a failed load of such a model
+        # only as a failed request (failed_recving), never as failed block ids
+        return n, bool(n > 0 and (self.hybrid or self._sched.lookup_is_async(request.request_id)))
 
     def update_state_after_alloc(self, request: "Request", blocks, num_external_tokens: int) -> None:
         """L2 hit: lock the matched path and add a load order (L2 slots -> the request's new engine blocks) to the
@@ -650,9 +716,13 @@ class TierKVConnector(KVConnectorBase_V1):
         is_async = False
         try:
             self._track(request)
-            block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
-            is_async = self._sched.lookup_is_async(request.request_id)
-            self._sched.on_alloc(request.request_id, block_ids, num_external_tokens)
+            groups = blocks.get_block_ids() if num_external_tokens else ()
+            block_ids = groups[self.ref_group] if num_external_tokens else []
+            is_async = self.hybrid or self._sched.lookup_is_async(request.request_id)
+            if self.hybrid:
+                self._sched.on_alloc(request.request_id, block_ids, num_external_tokens, groups)
+            else:
+                self._sched.on_alloc(request.request_id, block_ids, num_external_tokens)
         except Exception as e:  # the promised tokens are reported as failed loads: vLLM recomputes them (§8 R41)
             _hook_error(None, "update_state_after_alloc", e)
             self._sched.alloc_failed(request.request_id, list(block_ids), num_external_tokens, is_async)
@@ -720,6 +790,9 @@ class TierKVConnector(KVConnectorBase_V1):
                                         getattr(connector_output, "invalid_block_ids", None) or ())
         # blocks whose load failed in that step (every rank's): pages computed on them leave the index (§8 R31)
         self._sched.on_load_errors(getattr(connector_output, "invalid_block_ids", None) or ())
+        failed = getattr(connector_output, "failed_recving", None) or ()
+        if self.hybrid and failed:  # several groups: failed loads come as requests; their loaded pages leave too
+            self._sched.on_failed_loads(failed)
         if meta is not None and not self._sched.has_requests():  # idle: the last reports of the drained work
             self._stats.write_now()
 
@@ -749,7 +822,10 @@ class TierKVConnector(KVConnectorBase_V1):
                 ids = self._kv_cache_manager.get_block_ids(rid)
             else:
                 return
-        self._sched.schedule_saves(rid, tokens_after, ids[0])
+        if self.hybrid:  # every group's table; the full-attention group's for the page count
+            self._sched.schedule_saves(rid, tokens_after, ids[self.ref_group], ids)
+        else:
+            self._sched.schedule_saves(rid, tokens_after, ids[0])
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict]]:
         """Release the request's lock; ``(True, ...)`` (vLLM keeps the blocks) only while the workers have not named
@@ -765,6 +841,13 @@ class TierKVConnector(KVConnectorBase_V1):
             self._stats.write_now()
         err = self._param_errors.pop(request.request_id, None)
         return delay, ({"tierkv_error": err} if err is not None else None)  # the response's kv_transfer_params
+
+    def request_finished_all_groups(self, request: "Request",
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, Optional[dict]]:
+        """vLLM's ``SupportsHMA`` hook, called instead of :meth:`request_finished` with one block list per KV cache
+        group: the same answer (tierkv's pages were saved when computed, nothing is read from the blocks now)."""
+        ref = block_ids[self.ref_group] if len(block_ids) > self.ref_group else []
+        return self.request_finished(request, list(ref))
 
     def has_pending_push_work(self) -> bool:
         """Keeps vLLM's engine stepping (empty steps, no forward) while a backup or prefetch has not reported: its
@@ -875,8 +958,13 @@ class TierKVConnector(KVConnectorBase_V1):
         l3, checksums = None, None
         if self.use_l3:
             l3, checksums = self._build_l3(host)
+        group_layers = None
+        if self.hybrid:  # each group's layers, as indices into the device pool's layers
+            index = {n: i for i, n in enumerate(dev.layer_names)}
+            group_layers = [[index[n] for n in names] for names in self.group_names]
         self._worker = CacheWorker(dev, host, verify=self.cfg.verify_checksums,
-                                   layerwise=self.cfg.layerwise_load, l3=l3, checksums=checksums)
+                                   layerwise=self.cfg.layerwise_load, l3=l3, checksums=checksums,
+                                   group_layers=group_layers)
         kernels.warm_up(dev, getattr(host, "block_pool", host))
         self._stats.start_polling()  # counters moved by the L3 I/O threads between steps reach stats_path too
         logger.debug("tierkv worker: %r, L2 %s, L3 %s", dev, host, l3.store if l3 is not None else "none")
@@ -929,6 +1017,19 @@ class TierKVConnector(KVConnectorBase_V1):
             _hook_error(self._worker.counters, "get_finished", e)
             return None, None
         return None, (done or None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """:meth:`get_finished` as vLLM's transfer results; with several KV cache groups also the requests whose
+        (asynchronous) load failed, as ``failed_recving`` (and ended): vLLM recomputes them."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed: set[str] = set()
+        if self._worker is not None and self.hybrid:
+            try:
+                failed = self._worker.take_failed_requests()
+            except Exception as e:
+                _hook_error(self._worker.counters, "get_transfer_results", e)
+        return KVConnectorTransferResults(finished_sending=set(sending or ()),
+                                          finished_recving=set(recving or ()) | failed, failed_recving=failed)
 
     def build_connector_worker_meta(self) -> Optional[KVConnectorWorkerMetadata]:
         """The step's job reports and timed forwards (``TierKVWorkerMeta``), None when there are none."""

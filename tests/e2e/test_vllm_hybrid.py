@@ -2,12 +2,14 @@
 ``examples/make_tiny_model.py``: 4 layers alternating a 64-token sliding window and full attention), served by
 vLLM's CPU backend with tierkv, an L2 and a file L3; one engine process.
 
-vLLM turns its hybrid KV cache manager off for a connector without ``SupportsHMA`` (tierkv), so the sliding-window
-layers get full-attention KV cache specs in one group: every block holds every layer's KV of its tokens, and tierkv
-stores and loads pages with all four layers. The documents (5 pages, 2.5 windows) are served once, then again
-reusing them from the engine's own L1 (the reference); with L1 dropped they come from L2, and with L2 flushed too from
-the file L3. Outputs from L2 and from L3 equal the reference bit for bit (greedy), every document token comes from
-tierkv, and the start-up line says the sliding-window layers are stored in full.
+tierkv is ``SupportsHMA``, so vLLM keeps its hybrid KV cache manager on: a sliding-window and a full-attention KV cache
+group, each with its own block table (the sliding-window one holds vLLM's null block before the window). tierkv stores
+each page with all four layers and a hit loads, per group, the blocks vLLM allocated: every page of the
+full-attention layers, only the window's pages of the sliding-window layers. The documents (5 pages, 2.5 windows) are
+served once, then again reusing them from the engine's own L1 (the reference); with L1 dropped they come from L2, and
+with L2 flushed too from the file L3. Outputs from L2 and from L3 equal the reference bit for bit (greedy), every
+document token comes from tierkv, no load fails, and the bytes loaded are those of the window rule. The manager-off
+case (one group, every layer kept for every token) is covered in ``tests/unit/test_hybrid_geometry.py``.
 """
 import importlib.util
 import json
@@ -20,7 +22,7 @@ from _engine import REPO_ROOT, run_job, stats_by_role, tierkv_kv_config
 
 P = 32                      # tokens per page = engine block
 DOC_PAGES = 5               # > 2 sliding windows of 64 tokens
-L1_BLOCKS = 24
+L1_BLOCKS = 48              # shared by the 2 KV cache groups: blocks of 2 layers, the bytes of 24 of 4 layers
 L2_PAGES = 16
 LAYERS, KV_HEADS, HEAD_DIM = 4, 2, 32
 
@@ -50,7 +52,8 @@ def run(gemma_model, tmp_path_factory):
                  {"name": "flush_l2", "prompts": flush_l2}, {"name": "drop_l1_again", "reset_prefix_cache": True},
                  {"name": "second_l3", "prompts": second}]
     res = run_job(gemma_model, workloads, kv_transfer_config=tierkv_kv_config(cfg, load_failure_policy="recompute"),
-                  num_gpu_blocks_override=L1_BLOCKS, max_tokens=4, workdir=tmp_path_factory.mktemp("engine"))
+                  num_gpu_blocks_override=L1_BLOCKS, extra_engine_args={"max_model_len": 736}, max_tokens=4,
+                  workdir=tmp_path_factory.mktemp("engine"))
     return dict(res, root=root)
 
 
@@ -76,13 +79,18 @@ def test_a_sliding_window_and_full_attention_model_hits_from_l2_and_file_l3_bit_
     assert run["leaked_processes"] == 0
 
 
-def test_every_layer_sliding_window_ones_included_is_stored_and_the_start_up_line_says_so(run):
-    page_bytes = LAYERS * 2 * P * KV_HEADS * HEAD_DIM * 2                   # 4 layers x K,V x bf16
-    assert stats_by_role(run)["worker"]["page_bytes"] == page_bytes
+def test_pages_hold_every_layer_and_a_hit_loads_only_the_window_of_sliding_window_layers(run):
+    layer_block = 2 * P * KV_HEADS * HEAD_DIM * 2                           # K,V of one block of one layer, bf16
+    worker = stats_by_role(run)["worker"]
+    assert worker["page_bytes"] == LAYERS * layer_block                     # every layer in each page
+    # each L2 hit of a 5-page document: 5 pages x 2 full-attention layers, and of the 2 sliding-window layers only
+    # the 2 pages inside the 64-token window before the hit's end (vLLM's null block before it)
+    per_doc = (DOC_PAGES * 2 + 2 * 2) * layer_block
+    assert worker["load_bytes"] == 2 * per_doc
     (info,) = run["root"].glob("*/namespace.json")
-    assert ["local_attention_kv", "every_token"] in json.loads(info.read_text())["extra"]
+    assert ["local_attention_kv", "per_group"] in json.loads(info.read_text())["extra"]
     log = Path(run["log_path"]).read_text()
-    assert "Turning off hybrid kv cache manager" in log                      # vLLM's side
-    assert (" | hybrid model: 2 of 4 layers attend a 64-token sliding window; vLLM's hybrid KV cache manager is off "
-            "with tierkv, so their KV is kept, stored and loaded for every token like the full-attention layers'"
+    assert "Turning off hybrid kv cache manager" not in log                  # vLLM kept it on
+    assert (" | hybrid model: 2 of 4 layers attend a 64-token sliding window; vLLM's hybrid KV cache manager is on: "
+            "every page is stored with every layer, and a hit loads those layers' blocks inside the window only"
             ) in log

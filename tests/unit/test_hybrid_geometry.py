@@ -1,12 +1,14 @@
 """Hybrid and sliding-window models at the connector's start-up (issue 20 item 3), from vLLM's own KV cache specs:
-the groups are what vLLM's ``get_kv_cache_groups`` makes of per-layer specs, with its hybrid KV cache manager off (what
-vLLM does for a connector without ``SupportsHMA``, tierkv) or on.
+the groups are what vLLM's ``get_kv_cache_groups`` makes of per-layer specs, with its hybrid KV cache manager off
+(``--disable-hybrid-kv-cache-manager``) or on.
 
 - Sliding-window + full-attention layers (Gemma-2/3 shape), manager off: one group of full-attention specs over every
   layer; tierkv serves it, every layer in each page, says so in its start-up line and keys the pages apart from the
   same layers under another scheme. The engine run of the same shape: ``tests/e2e/test_vllm_hybrid.py``.
-- Manager on: several groups, refused with the way out. Sliding window in every layer (vLLM frees blocks before the
-  window), Mamba state, no KV at all: refused, naming the model type and why.
+- Manager on (vLLM's default now that tierkv is ``SupportsHMA``): a sliding-window and a full-attention group, served
+  per group under their own namespace fact (the pages themselves: ``test_hma_pages.py``). Sliding window in every
+  layer (vLLM frees blocks before the window), Mamba state or local chunks beside attention, no KV at all: refused,
+  naming the model type and why.
 """
 import json
 import logging
@@ -14,7 +16,8 @@ import logging
 import pytest
 import torch
 from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, MambaSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
+                                        MambaSpec, SlidingWindowSpec)
 
 from tierkv.connector.config import ConfigError
 from tierkv.connector.vllm_connector import TierKVConnector
@@ -95,15 +98,62 @@ def test_a_full_attention_model_keeps_its_namespace_and_start_up_line(gemma, cap
     assert "hybrid model" not in line
 
 
-def test_the_hybrid_manager_on_gives_several_groups_and_stops_start_up(gemma):
+def test_the_hybrid_manager_on_gives_two_groups_served_per_group_under_their_own_namespace(gemma, caplog):
+    """vLLM keeps its hybrid KV cache manager on for tierkv (``SupportsHMA``): a sliding-window and a full-attention
+    group, served with every layer in each page, under a namespace of their own (``local_attention_kv=per_group``),
+    apart from the same model with the manager off (``every_token``) and from a full-attention model (no fact)."""
     vc, kcc = _engine_config(gemma, _specs("sfsf"), hybrid_manager=True)
-    assert len(kcc.kv_cache_groups) == 2
-    for role in (SCHEDULER, WORKER):
-        with pytest.raises(ConfigError) as e:
-            TierKVConnector(vc, role, kcc)
-        assert str(e.value) == ("tierkv supports models with one KV cache group; model type 'gemma3_text' has 2 "
-                                "(FullAttentionSpec, SlidingWindowSpec): serve it with vLLM's hybrid KV cache manager "
-                                "off (vLLM's default with tierkv; drop --no-disable-hybrid-kv-cache-manager)")
+    kinds = [type(g.kv_cache_spec).__name__ for g in kcc.kv_cache_groups]
+    assert sorted(kinds) == ["FullAttentionSpec", "SlidingWindowSpec"]
+    caplog.set_level(logging.INFO, logger="tierkv")
+    s = TierKVConnector(vc, SCHEDULER, kcc)
+    assert s.hybrid and s.layer_names == NAMES and s.local_window == WINDOW and s.ref_group == kinds.index(
+        "FullAttentionSpec")
+    assert sorted(map(sorted, s.group_names)) == [[NAMES[0], NAMES[2]], [NAMES[1], NAMES[3]]]
+    assert s.page_bytes == NUM_LAYERS * LAYER_BYTES
+    assert s.namespace.extra[-1] == ("local_attention_kv", "per_group")
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("tierkv: L1 "))
+    assert line.endswith(" | hybrid model: 2 of 4 layers attend a 64-token sliding window; vLLM's hybrid KV cache "
+                         "manager is on: every page is stored with every layer, and a hit loads those layers' blocks "
+                         "inside the window only")
+    ovc, okcc = _engine_config(gemma, _specs("sfsf"), hybrid_manager=False)
+    fvc, fkcc = _engine_config(gemma, _specs("ffff"), hybrid_manager=True)
+    off, full = TierKVConnector(ovc, SCHEDULER, okcc), TierKVConnector(fvc, SCHEDULER, fkcc)
+    assert not off.hybrid and not full.hybrid                    # one group each
+    digests = {"on": s.namespace.digest(), "off": off.namespace.digest(), "full": full.namespace.digest()}
+    assert len(set(digests.values())) == 3, digests              # every pair apart
+
+
+def test_mamba_or_local_chunk_groups_beside_attention_stop_start_up(gemma):
+    """With the manager on, a group that is neither full attention nor sliding window stops start-up naming the model
+    type and the kind; so does a model with no full-attention group."""
+    vc = vllm_config(gemma, {"host_pool.num_pages": 8})
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.bfloat16)
+    chunked = ChunkedLocalAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_DIM,
+                                        dtype=torch.bfloat16, attention_chunk_size=WINDOW)
+    mamba = MambaSpec(block_size=BLOCK, shapes=((4, 8), (2, 8, 8)), dtypes=(torch.bfloat16, torch.bfloat16))
+    swa = _specs("s")[NAMES[0]]
+
+    def config(*specs):
+        return KVCacheConfig(num_blocks=16, kv_cache_tensors=[],
+                             kv_cache_groups=[KVCacheGroupSpec([NAMES[i]], sp) for i, sp in enumerate(specs)])
+    for other, why in ((mamba, "MambaSpec ones are neither full attention nor sliding window (MambaSpec: Mamba/SSM "
+                                "layers keep one recurrent state per request, not one KV entry per token, so no page "
+                                "of a prefix holds what a hit needs)"),
+                       (chunked, "ChunkedLocalAttentionSpec ones are neither full attention nor sliding window "
+                                 "(ChunkedLocalAttentionSpec: every layer attends within local chunks, and vLLM frees "
+                                 "each request's blocks before the current chunk, so those pages can be neither saved "
+                                 "nor loaded)")):
+        for role in (SCHEDULER, WORKER):
+            with pytest.raises(ConfigError) as e:
+                TierKVConnector(vc, role, config(full, other))
+            assert str(e.value) == (f"tierkv cannot serve model type 'gemma3_text': of its 2 KV cache groups, {why}; "
+                                    "serve it without tierkv")
+    with pytest.raises(ConfigError) as e:
+        TierKVConnector(vc, SCHEDULER, config(swa, swa))
+    assert str(e.value) == ("tierkv cannot serve model type 'gemma3_text': none of its 2 KV cache groups is full "
+                            "attention (every layer attends within a sliding window, so no page of a long prefix stays "
+                            "in vLLM's cache); serve it without tierkv")
 
 
 def test_sliding_window_in_every_layer_stops_start_up(gemma):

@@ -88,15 +88,14 @@ def test_pages_of_two_blocks_through_the_worker_hooks(model):
 
 
 @pytest.mark.parametrize("groups", [2, 3])
-def test_hybrid_model_stops_start_up(model, groups):
-    """Several KV cache groups (vLLM's hybrid KV cache manager on): a clear error at start-up, in both roles, naming
-    the model type, the groups' kinds and the way out (more cases: test_hybrid_geometry.py)."""
+def test_several_full_attention_groups_are_served_per_group(model, groups):
+    """Several KV cache groups (vLLM's hybrid KV cache manager on, tierkv is ``SupportsHMA``): served in both roles,
+    each page holding every layer, each group's blocks copied with its own layers (sliding-window groups and refused
+    kinds: test_hybrid_geometry.py, pages: test_hma_pages.py)."""
     for role in (SCHEDULER, WORKER):
-        with pytest.raises(ConfigError) as e:
-            connector(model, role, {"host_pool.num_pages": 4}, groups=groups)
-        assert str(e.value) == (f"tierkv supports models with one KV cache group; model type 'llama' has {groups} "
-                                "(FullAttentionSpec): serve it with vLLM's hybrid KV cache manager off (vLLM's default "
-                                "with tierkv; drop --no-disable-hybrid-kv-cache-manager)")
+        c = connector(model, role, {"host_pool.num_pages": 4}, groups=groups)
+        assert c.hybrid and c.ref_group == 0 and len(c.group_names) == groups
+        assert sorted(c.layer_names) == sorted(n for g in c.group_names for n in g) and c.page_bytes == PAGE_BYTES
 
 
 # ------------------------------------------------------------------ keys
