@@ -1110,7 +1110,7 @@ def _repeat_text(sel: dict) -> str:
             f"once more, in the order above, so the configurations alternate in time; ranges are over the repeats.")
 
 
-RERUN_JSON = "serve_cpu_rerun.json"
+RERUN_JSON = "serve_cpu_rerun.json"   # and serve_cpu_rerun_<name>.json: each a ### re-run subsection
 SOAK_BASELINE_JSON = "serve_cpu_soak_none.json"
 
 
@@ -1118,15 +1118,19 @@ def render_rerun(data: dict, json_name: str = RERUN_JSON) -> str:
     """The ``### re-run`` subsection: a second pass over fewer configurations, workloads and concurrencies with more
     rounds and repeats (its own result file), drawn with the same ratio and run tables as the full pass."""
     results_check.check_results(data, RESULT_SCHEMA, json_name, allow_quick=True)
-    sel, cond = data["selection"], data["conditions"]
+    sel, cond, p = data["selection"], data["conditions"], data["params"]
     loads = ", ".join(f"{n} {c['load_before'][0]}->{c['load_after'][0]}" for n, c in data["configs"].items())
-    cmd = (f".venv/bin/python benchmarks/serve_cpu.py --configs {','.join(sel['configs'])} "
+    changed = {k: v for k, v in p.items() if k != "preset" and FULL.get(k) != v}
+    cmd = (f".venv/bin/python benchmarks/serve_cpu.py --preset {p['preset']} --configs {','.join(sel['configs'])} "
            f"--workloads {','.join(sel['workloads'])} --concurrency {','.join(map(str, sel['concurrency']))} "
-           f"--repeats {sel['repeats']} --rounds {sel.get('rounds', 1)} --out benchmarks/results/{json_name} "
-           "--no-readme")
-    return f"""### re-run
+           f"--repeats {sel['repeats']} --rounds {sel.get('rounds', 1)} "
+           + "".join(f"--set {k}={v} " for k, v in changed.items())
+           + f"--out benchmarks/results/{json_name} --no-readme")
+    sizes = ("the same sizes as the full pass" if not changed else
+             "the full pass's sizes except " + ", ".join(f"`{k}` = {v}" for k, v in changed.items()))
+    return f"""### re-run: {Path(json_name).stem.removeprefix('serve_cpu_')}
 
-A second pass with the same sizes as the full one, on the rows it left short of their targets, with more pairs:
+Another pass, {sizes}; model preset `{p['preset']}`:
 
 ```bash
 {cmd}
@@ -1324,13 +1328,14 @@ commit `{results_check.short(base['code']['commit'])}`, {base['started_at']} -> 
 
 
 def full_section(main: dict, main_name: str = "serve_cpu.json", soak: dict | None = None,
-                 soak_name: str = SOAK_JSON, rerun: dict | None = None, soak_base: dict | None = None) -> str:
-    """The whole ``## serve_cpu`` section: the pass of ``main``, if given the ``### re-run`` subsection of a second,
-    narrower pass (:data:`RERUN_JSON`), and the ``### soak`` subsection with, if given, its no-connector baseline
-    (:data:`SOAK_BASELINE_JSON`)."""
+                 soak_name: str = SOAK_JSON, rerun: dict[str, dict] | None = None,
+                 soak_base: dict | None = None) -> str:
+    """The whole ``## serve_cpu`` section: the pass of ``main``, a ``### re-run`` subsection per other pass in
+    ``rerun`` (``{file name: result}``, :data:`RERUN_JSON`), and the ``### soak`` subsection with, if given, its
+    no-connector baseline (:data:`SOAK_BASELINE_JSON`)."""
     body = render_section(main, main_name)
-    if rerun is not None:
-        body = body.rstrip("\n") + "\n\n" + render_rerun(rerun)
+    for name, data in (rerun or {}).items():
+        body = body.rstrip("\n") + "\n\n" + render_rerun(data, name)
     if soak is not None:
         body = body.rstrip("\n") + "\n\n" + render_soak(soak, soak_name)
         if soak_base is not None:
@@ -1338,12 +1343,12 @@ def full_section(main: dict, main_name: str = "serve_cpu.json", soak: dict | Non
     return body
 
 
-def committed_extras() -> tuple[dict | None, dict | None]:
-    """(the re-run's result, the soak baseline's result) from ``benchmarks/results`` where those files exist."""
-    def load(name):
-        path = RESULTS / name
-        return json.loads(path.read_text()) if path.exists() else None
-    return load(RERUN_JSON), load(SOAK_BASELINE_JSON)
+def committed_extras() -> tuple[dict[str, dict], dict | None]:
+    """(``{file name: result}`` of every re-run, ``serve_cpu_rerun*.json`` in name order; the soak baseline's result
+    or None) from ``benchmarks/results``."""
+    reruns = {p.name: json.loads(p.read_text()) for p in sorted(RESULTS.glob(Path(RERUN_JSON).stem + "*.json"))}
+    base = RESULTS / SOAK_BASELINE_JSON
+    return reruns, (json.loads(base.read_text()) if base.exists() else None)
 
 
 def write_readme(main_path: Path, soak_path: Path = RESULTS / SOAK_JSON) -> None:
@@ -1411,6 +1416,24 @@ def plot(data: dict, png: Path) -> Path | None:
 
 
 # ------------------------------------------------------------------------------------------------ main
+def parse_sets(items: list[str], p: dict) -> dict[str, int]:
+    """``--set KEY=INT`` items as ``{key: int}``. Raises ValueError naming the item and the allowed keys for a key
+    that is not a size of ``p`` (or is the preset), or a value that is not a positive integer."""
+    sizes = sorted(k for k, v in p.items() if isinstance(v, int))
+    out = {}
+    for item in items:
+        key, sep, val = item.partition("=")
+        if not sep or key not in sizes:
+            raise ValueError(f"--set {item}: want KEY=INT with KEY one of {', '.join(sizes)}")
+        try:
+            out[key] = int(val)
+        except ValueError:
+            out[key] = 0
+        if out[key] < 1:
+            raise ValueError(f"--set {item}: {key} must be a positive integer")
+    return out
+
+
 def _csv(s: str) -> list[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
 
@@ -1445,6 +1468,8 @@ def main(argv=None) -> int:
                     f"{SOAK['concurrency']} through tierkv_l3_zmq with {SOAK['fault_fraction'] * 100:.0f}%% injected L3 "
                     f"faults and one SIGKILL + restart of the ZMQ server at half; writes results/{SOAK_JSON} "
                     "(--out) and the README's ### soak subsection; exit code 1 if a check fails")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=INT",
+                    help="override one size of the pass (a key of FULL/QUICK, e.g. pr_prefix_len=1536); repeatable")
     ap.add_argument("--soak-config", default="tierkv_l3_zmq", choices=["tierkv_l3_zmq", "tierkv_l2", "none"],
                     help="the soak's configuration (default tierkv_l3_zmq with faults and the kill; the others are "
                     "baselines for the memory and thread checks: no L3, no kill)")
@@ -1457,7 +1482,7 @@ def main(argv=None) -> int:
             data["readme_note"] = args.note
         if data.get("benchmark") == "serve_cpu_soak":   # the soak's file: its subsection under the current pass
             main_path, soak_path = RESULTS / "serve_cpu.json", src
-        elif src.name == RERUN_JSON:                     # the re-run's file: rendered with the committed pass
+        elif src.name.startswith(Path(RERUN_JSON).stem):  # a re-run's file: rendered with the committed pass
             main_path, soak_path = RESULTS / "serve_cpu.json", RESULTS / SOAK_JSON
         else:
             main_path, soak_path = src, RESULTS / SOAK_JSON
@@ -1477,6 +1502,10 @@ def main(argv=None) -> int:
     p = dict(QUICK if args.quick else FULL)
     if args.preset:
         p["preset"] = args.preset
+    try:
+        p.update(parse_sets(args.set, p))
+    except ValueError as e:
+        ap.error(str(e))
     args.configs = _csv(args.configs)
     args.workloads = _csv(args.workloads)
     args.concurrency = [int(x) for x in _csv(args.concurrency)]

@@ -205,3 +205,22 @@ def test_the_soak_baseline_table_sets_each_process_growth_against_no_connector()
     row = next(line for line in text.splitlines() if line.startswith("| VLLM::Worker |"))
     assert row == (f"| VLLM::Worker | {grown['VLLM::Worker'] * 100:+.1f} % | +4.0 % | "
                    f"{(grown['VLLM::Worker'] - 0.04) * 100:+.1f} points |")
+
+
+def test_set_overrides_a_size_and_refuses_unknown_keys_and_bad_values():
+    p = dict(serve.FULL)
+    assert serve.parse_sets(["pr_prefix_len=1536", "pr_output_len=4"], p) == {"pr_prefix_len": 1536,
+                                                                                "pr_output_len": 4}
+    for bad, says in (("pr_prefix=3", "KEY one of"), ("preset=bench", "KEY one of"), ("pr_prefix_len", "KEY=INT"),
+                      ("pr_prefix_len=0", "positive"), ("pr_prefix_len=x", "positive")):
+        with pytest.raises(ValueError, match=says):
+            serve.parse_sets([bad], p)
+
+
+def test_a_rerun_subsection_names_its_changed_sizes_and_command():
+    data = json.loads((REPO / "benchmarks" / "results" / "serve_cpu.json").read_text())
+    data["params"] = dict(data["params"], pr_prefix_len=1536)
+    text = serve.render_rerun(data, "serve_cpu_rerun_long.json")
+    assert text.startswith("### re-run: rerun_long\n")
+    assert "except `pr_prefix_len` = 1536" in text
+    assert "--set pr_prefix_len=1536 --out benchmarks/results/serve_cpu_rerun_long.json --no-readme" in text
