@@ -686,7 +686,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
         """How many tokens beyond vLLM's own prefix-cache hit tierkv can add, from the request's full pages (hashed once
         per request) matched against the index: ``(n, False)`` for an L2 hit, ``(n, True)`` for a hit that needs L3 (an
-        asynchronous load), ``(None, False)`` while an L3 existence answer or L2 staging room is pending (vLLM asks
+        asynchronous load) and for every hit of a model with several KV cache groups, ``(None, False)`` while an L3 existence answer or L2 staging room is pending (vLLM asks
         again next step), ``(0, False)`` after an error. The index changes only by existence answers (pages found in L3)
         and, under ``write_back``, by backups of L2 victims started to make room (docs/architecture.md §4)."""
         try:
@@ -710,8 +710,9 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_state_after_alloc(self, request: "Request", blocks, num_external_tokens: int) -> None:
         """L2 hit: lock the matched path and add a load order (L2 slots -> the request's new engine blocks) to the
-        step's plan; L3 hit: give its L3-only pages staging slots and order a prefetch job. After an error the promised
-        blocks go into the next plan as failed loads (vLLM recomputes them)."""
+        step's plan; L3 hit: give its L3-only pages staging slots and order a prefetch job. Several KV cache groups:
+        the order carries every group's blocks (``blocks.get_block_ids()``). After an error the promised blocks go
+        into the next plan as failed loads (vLLM recomputes them)."""
         block_ids: list[int] = []
         is_async = False
         try:
@@ -999,7 +1000,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
         """Requests whose asynchronous (L3) load ended (``finished_recving``), after their leading run of intact pages
-        was copied L2 -> L1; never ``finished_sending`` (saves end within their step).
+        was copied L2 -> L1 (several KV cache groups: also those whose L2 load ran in this step, every hit of such a
+        model being asynchronous); never ``finished_sending`` (saves end within their step).
 
         The L3 reads this step handed over before its forward and still running are waited for first, at most
         :data:`STEP_READ_WAIT_FRACTION` of the time the step has lasted since ``bind_connector_metadata`` (a step without
