@@ -125,6 +125,11 @@ class SchedulerCounters:
     lookup_seconds: float = 0.0     # time spent in them
     max_lookup_us: float = 0.0      # the slowest one, microseconds
     hook_errors: int = 0            # exceptions caught at a vLLM hook (docs §8 R41); each became a miss or failed pages
+    # wall time inside tierkv's scheduler-side vLLM hooks (every call, in the engine core's scheduling loop), the
+    # calls, and the steps (plans built): hook_seconds / hook_steps is what tierkv adds to each step there
+    hook_seconds: float = 0.0
+    hook_calls: int = 0
+    hook_steps: int = 0
     # L3 hits: engine steps (plans built) from the first lookup that waited for or hit L3 to the step whose output
     # named the load ended. An L2 hit costs 0 (loaded in the step that schedules it); the least an L3 hit costs is 1
     # with synchronous scheduling and 2 with vLLM's asynchronous scheduling (its default except on its CPU backend),

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -86,6 +87,32 @@ class ConnectorPlan(StepPlan, KVConnectorMetadata):
 
 
 _hook_log = None
+
+
+def _timed_hook(fn=None, *, step: bool = False):
+    """Decorator of a vLLM hook method: adds its wall time (``time.perf_counter``, seconds) and one call to the
+    ``hook_seconds`` / ``hook_calls`` counters of the role this connector plays (scheduler or worker counters;
+    nothing while neither exists), and with ``step=True`` one to ``hook_steps`` (the hook vLLM calls once per
+    step: ``build_connector_meta`` on the scheduler side, ``bind_connector_metadata`` on the worker side). What
+    tierkv adds to an engine step is then ``hook_seconds / hook_steps`` per role, whatever the hook."""
+    def wrap(f):
+        @functools.wraps(f)
+        def timed(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return f(self, *args, **kwargs)
+            finally:
+                owner = getattr(self, "_sched", None)
+                if owner is None:
+                    owner = getattr(self, "_worker", None)
+                if owner is not None:
+                    c = owner.counters
+                    c.hook_seconds += time.perf_counter() - t0
+                    c.hook_calls += 1
+                    if step:
+                        c.hook_steps += 1
+        return timed
+    return wrap(fn) if fn is not None else wrap
 
 
 def _hook_error(counters, hook: str, err: BaseException) -> None:
@@ -635,6 +662,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         """The ``vllm:tierkv_*`` Prometheus series (``TierKVPromMetrics``)."""
         return TierKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
+    @_timed_hook
     def get_kv_connector_stats(self) -> Optional[TierKVStats]:
         """Counter increases, changed gauges and L3 latency samples since the previous call (both roles; vLLM sums
         the workers'), see :mod:`tierkv.connector.vllm_metrics`."""
@@ -658,6 +686,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         return self._deltas.take(snap, lat)
 
     # =========================================================== scheduler side
+    @_timed_hook
     def on_new_request(self, request: "Request") -> None:
         """Register the request (tokens, LoRA name, cache salt) with the scheduler side."""
         self._track(request)
@@ -683,6 +712,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             _params_log().warning("params", "tierkv: request %s: %s; served without tierkv", request.request_id, e)
             return RequestControls(load=False, save=False)
 
+    @_timed_hook
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
         """How many tokens beyond vLLM's own prefix-cache hit tierkv can add, from the request's full pages (hashed once
         per request) matched against the index: ``(n, False)`` for an L2 hit, ``(n, True)`` for a hit that needs L3 (an
@@ -708,6 +738,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         # only as a failed request (failed_recving), never as failed block ids
         return n, bool(n > 0 and (self.hybrid or self._sched.lookup_is_async(request.request_id)))
 
+    @_timed_hook
     def update_state_after_alloc(self, request: "Request", blocks, num_external_tokens: int) -> None:
         """L2 hit: lock the matched path and add a load order (L2 slots -> the request's new engine blocks) to the
         step's plan; L3 hit: give its L3-only pages staging slots and order a prefetch job. Several KV cache groups:
@@ -728,6 +759,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             _hook_error(None, "update_state_after_alloc", e)
             self._sched.alloc_failed(request.request_id, list(block_ids), num_external_tokens, is_async)
 
+    @_timed_hook(step=True)
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         """Release preempted requests; for each scheduled request order saves of the pages that are full once this step
         has run and have no L2 copy yet (slots allocated, unlocked L2 copies evicted; the plan's own new pages stay
@@ -770,6 +802,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         prompt = int(getattr(req, "num_prompt_tokens", 0) or 0) if req is not None else 0
         return max(0, min(computed + scheduled, prompt) - computed)
 
+    @_timed_hook
     def update_connector_output(self, connector_output) -> None:
         """The workers' job reports and timed forwards; ``finished_recving`` (L3 loads ended: those blocks are never
         delayed again); vLLM's ``invalid_block_ids``: pages computed on a failed load leave the index (docs §8 R31)."""
@@ -828,6 +861,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             self._sched.schedule_saves(rid, tokens_after, ids[0])
 
+    @_timed_hook
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict]]:
         """Release the request's lock; ``(True, ...)`` (vLLM keeps the blocks) only while the workers have not named
         its L3 load as ended, else ``(False, ...)``; the dict (the response's ``kv_transfer_params``) is None, or
@@ -843,6 +877,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         err = self._param_errors.pop(request.request_id, None)
         return delay, ({"tierkv_error": err} if err is not None else None)  # the response's kv_transfer_params
 
+    @_timed_hook
     def request_finished_all_groups(self, request: "Request",
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, Optional[dict]]:
         """vLLM's ``SupportsHMA`` hook, called instead of :meth:`request_finished` with one block list per KV cache
@@ -850,6 +885,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         ref = block_ids[self.ref_group] if len(block_ids) > self.ref_group else []
         return self.request_finished(request, list(ref))
 
+    @_timed_hook
     def has_pending_push_work(self) -> bool:
         """Keeps vLLM's engine stepping (empty steps, no forward) while a backup or prefetch has not reported: its
         report arrives only with a step's output, and until then it pins L2 pages and slots. Without this an engine
@@ -884,6 +920,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched.index.events = events
         return events
 
+    @_timed_hook
     def take_events(self):
         """vLLM's ``BlockStored`` / ``BlockRemoved`` events for pages that entered or left L2 (``medium="CPU"``) or
         L3 (``medium="STORAGE"``, ``ownership="L3:<backend>"``) since the last step (:mod:`tierkv.connector.kv_events`);
@@ -998,6 +1035,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                   backup_writer=not self.use_mla or tp_rank == 0)  # MLA: TP rank 0 writes the one shared record
         return l3, checksums
 
+    @_timed_hook
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
         """Requests whose asynchronous (L3) load ended (``finished_recving``), after their leading run of intact pages
         was copied L2 -> L1 (several KV cache groups: also those whose L2 load ran in this step, every hit of such a
@@ -1020,6 +1058,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             return None, None
         return None, (done or None)
 
+    @_timed_hook
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """:meth:`get_finished` as vLLM's transfer results; with several KV cache groups also the requests whose
         (asynchronous) load failed, as ``failed_recving`` (and ended): vLLM recomputes them."""
@@ -1033,6 +1072,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         return KVConnectorTransferResults(finished_sending=set(sending or ()),
                                           finished_recving=set(recving or ()) | failed, failed_recving=failed)
 
+    @_timed_hook
     def build_connector_worker_meta(self) -> Optional[KVConnectorWorkerMetadata]:
         """The step's job reports and timed forwards (``TierKVWorkerMeta``), None when there are none."""
         if self._worker is None:
@@ -1048,6 +1088,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
     def _worker_stats(self) -> dict:
         return self._worker.stats() if self._worker is not None else {}
 
+    @_timed_hook
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         """Start the plan's L2 -> L1 loads (all at once, or layer by layer with ``layerwise_load``) so they end before
         the layers read them; vLLM calls it before the forward only in steps with such synchronous loads, after it
@@ -1065,6 +1106,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             _hook_error(self._worker.counters, "start_load_kv", e)
             self._worker.fail_loads(plan)
 
+    @_timed_hook(step=True)
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Before every forward (vLLM calls ``start_load_kv`` only after it when the step has no synchronous load):
         hand the plan's L3 reads to the readers, so they overlap the forward, and start timing the forward."""
@@ -1081,6 +1123,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             except Exception as e:  # not handed over: wait_for_save hands them over with the backups
                 _hook_error(self._worker.counters, "bind_connector_metadata", e)
 
+    @_timed_hook
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Layer by layer: wait until this layer's L2 -> L1 copies are done; a failed copy reports the step's loads as
         failed blocks."""
@@ -1093,10 +1136,12 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                 if isinstance(plan, StepPlan):
                     self._worker.fail_loads(plan)
 
+    @_timed_hook
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         """Nothing: saves run once per step in ``wait_for_save``, after every layer wrote its KV."""
         return None  # saves run once per step in wait_for_save, after every layer wrote its KV
 
+    @_timed_hook
     def wait_for_save(self) -> None:
         """End the forward's timing; finish the step's loads and run its L1 -> L2 saves, complete when the hook returns
         (none of a request whose load failed, docs §8 R31); then hand the plan's backups to the writer."""
@@ -1124,12 +1169,14 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self._worker.fail_jobs(todo)
         self._stats.maybe_write()
 
+    @_timed_hook
     def get_kv_connector_kv_cache_events(self):
         """None: a worker has no tier events of its own. What a worker learns about L3 (a page stored, missing or
         corrupt) reaches the scheduler side in its job reports, where the index changes and :meth:`take_events`
         publishes it."""
         return None
 
+    @_timed_hook
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose page failed its checksum, whose copy raised or whose L3 page did not arrive in time; vLLM
         recomputes them."""

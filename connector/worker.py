@@ -65,6 +65,11 @@ class WorkerCounters:
     unsaved_pages: int = 0          # saves not made: their request's load failed (computed on a broken prefix)
     save_failed_pages: int = 0      # saves whose L1 -> L2 copy raised (never loaded nor backed up; docs §8 R41)
     hook_errors: int = 0            # exceptions caught at a vLLM hook (docs §8 R41): each became failed pages
+    # wall time inside tierkv's worker-side vLLM hooks (every call, on the model runner's thread), the calls, and
+    # the steps (plans bound): hook_seconds / hook_steps is what tierkv adds to each step's forward there
+    hook_seconds: float = 0.0
+    hook_calls: int = 0
+    hook_steps: int = 0
     # L3 reads handed over before a step's forward and still running when the step ended (get_finished): steps that
     # waited for them, the time waited, and the waits that ran out first (those loads end in a later step)
     read_waits: int = 0

@@ -306,3 +306,23 @@ def test_the_end_of_step_wait_for_a_read_ends_at_the_reads_deadline(tmp_path, mo
     e.settle()
     e.idle_check()
     e.close()
+
+
+def test_the_time_inside_tierkvs_hooks_is_counted_per_role_and_per_step(tmp_path, monkeypatch):
+    """``hook_seconds`` / ``hook_calls`` / ``hook_steps`` (both roles): every hook call counted, one step per plan
+    built (scheduler) and per plan bound (worker), the time within the wall time of the steps; what tierkv adds to
+    an engine step is ``hook_seconds / hook_steps`` (benchmarks/README, serve_cpu)."""
+    monkeypatch.setenv("TIERKV_LEDGER_DIR", str(tmp_path))
+    rng = random.Random(7)
+    e = Engine(tmp_path, async_scheduling=False)
+    e.add("a", [rng.randrange(1, 250) for _ in range(DOC_PAGES * P + 3)])
+    t0 = time.perf_counter()
+    e.run(5)
+    wall = time.perf_counter() - t0
+    sc, wc = e.conn._sched.counters, e.w._worker.counters
+    e.close()
+    assert sc.hook_steps == 5 and wc.hook_steps == 5
+    # each step of Engine._execute calls 6 timed worker hooks plus wait_for_layer_load once per layer
+    assert wc.hook_calls == 5 * (6 + len(LAYER_NAMES))
+    assert sc.hook_calls > sc.hook_steps          # lookups, allocation, output and stats hooks besides the plans
+    assert 0 < sc.hook_seconds < wall and 0 < wc.hook_seconds < wall
