@@ -60,7 +60,7 @@ def run_config(sc, name: str, p: dict, work: Path, pythonpath: str, concurrency:
     cdir = work / name
     (cdir / "clients").mkdir(parents=True, exist_ok=True)
     kvc = sc.kv_config(name, p, cdir, None)
-    model_dir = str(work.parent / "model")
+    model_dir = str(work / "model")
     srv = sc.VllmServer(model_dir, l1_blocks=p["l1_blocks"], max_model_len=p["max_model_len"],
                         kv_transfer_config=kvc, log_path=cdir / "server.log", pythonpath=pythonpath)
     out = {"load_before": sc.loadavg(), "runs": []}
