@@ -1138,7 +1138,7 @@ Another pass, {sizes}; model preset `{p['preset']}`:
 
 Measured on tierkv commit `{results_check.short(data['code']['commit'])}` ({data['code'].get('source', '')}),
 {data['started_at']} -> {data['finished_at']}, results `results/{json_name}`: {cond['cpus']} vCPU ({cond['cpu']}),
-nothing else running; 1-minute load average before->after each configuration (last round): {loads}.
+1-minute load average before->after each configuration (last round): {loads}.
 {_repeat_text(sel)}
 {data.get('readme_note') or ''}
 
@@ -1151,6 +1151,8 @@ Every run:
 Failures and server-log errors:
 
 {failures_text(data)}
+
+![TTFT p50 and output tokens/s per configuration, {Path(json_name).stem}](results/{Path(json_name).stem}.png)
 """
 
 
