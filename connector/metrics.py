@@ -6,7 +6,9 @@ seconds, and once more at shutdown.
 
 The file never lags the counters by more than about ``min_interval_s`` (docs/architecture.md §13): a change seen
 by :meth:`StatsFile.maybe_write` inside the interval is not dropped but written by a background flusher thread when
-the interval ends, even if the engine never steps again. That matters because vLLM's API server stops its engine
+the interval ends, even if the engine never steps again. Only the flusher writes for :meth:`StatsFile.maybe_write`
+(the engine's hooks call it every step, and a write on their thread would lengthen the step); ``force``,
+:meth:`StatsFile.write_now` and :meth:`StatsFile.close` write on the caller's thread. That matters because vLLM's API server stops its engine
 process with a zero timeout (the connector's ``shutdown`` and ``atexit`` may never run), and because an idle engine
 does not step. With ``snapshot_thread_safe`` (worker side: counters only) the flusher also takes snapshots itself,
 so counters moved by I/O threads between steps reach the file too.
@@ -53,17 +55,26 @@ class StatsFile:
         self._closed = False
 
     def maybe_write(self, force: bool = False) -> None:
-        """Record the current counters: written now when ``force`` or when the last write is ``min_interval_s``
-        old, else by the flusher when the interval ends."""
+        """Record the current counters. ``force``: written now, on the caller's thread. Otherwise the file is written
+        by the flusher thread (at once if the last write is ``min_interval_s`` old, else when the interval ends), so
+        a vLLM hook that calls this every step never serialises JSON or touches the file system: with
+        ``snapshot_thread_safe`` not even the snapshot is taken here (the flusher takes its own every
+        ``min_interval_s``), else the snapshot is taken here and handed over."""
         if self.path is None:
+            return
+        if force:
+            data = dict(self.snapshot())
+            with self._lock:
+                self._pending = None
+                self._write_locked(data, force)
+            return
+        if self.snapshot_thread_safe:
+            if self._flusher is None:
+                with self._lock:
+                    self._start_flusher_locked()
             return
         data = dict(self.snapshot())
         with self._lock:
-            now = time.monotonic()
-            if force or now - self._last_t >= self.min_interval_s:
-                self._pending = None
-                self._write_locked(data, force)
-                return
             self._pending = data
             self._start_flusher_locked()
             self._wake.notify()

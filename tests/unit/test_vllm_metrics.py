@@ -118,14 +118,23 @@ def test_timed_store_times_calls_and_counts_failures():
     assert t.stats() == {"errors": 2, "timeouts": 1}                   # everything else is the store's
 
 
-def test_stats_file_keeps_the_last_change_without_another_call(tmp_path):
+def test_stats_file_keeps_the_last_change_without_another_call(tmp_path, monkeypatch):
     """A change inside the write interval is written by the flusher when the interval ends, with no further call:
-    the file does not lag behind an engine that stopped stepping (or was killed before its shutdown hook)."""
+    the file does not lag behind an engine that stopped stepping (or was killed before its shutdown hook). Every
+    write of ``maybe_write`` is the flusher's: a hook calling it every step never writes a file itself."""
     import json as _json
+    import threading as _threading
     import time as _time
 
     from tierkv.connector.metrics import StatsFile
 
+    writers = []
+    write = StatsFile._write_locked
+
+    def recording_write(self, data, force=False):
+        writers.append(_threading.current_thread().name)
+        return write(self, data, force)
+    monkeypatch.setattr(StatsFile, "_write_locked", recording_write)
     counters = {"n": 1}
     f = StatsFile(str(tmp_path / "{role}.json"), "scheduler", lambda: dict(counters), min_interval_s=0.05)
     f.maybe_write()
@@ -133,9 +142,10 @@ def test_stats_file_keeps_the_last_change_without_another_call(tmp_path):
     f.maybe_write()                     # inside the interval: not written now
     path = tmp_path / "scheduler.json"
     deadline = _time.monotonic() + 10
-    while _json.loads(path.read_text())["n"] != 2:
-        assert _time.monotonic() < deadline, path.read_text()
+    while not path.exists() or _json.loads(path.read_text())["n"] != 2:
+        assert _time.monotonic() < deadline, path.read_text() if path.exists() else "no file"
         _time.sleep(0.01)
+    assert writers and set(writers) == {"tierkv-stats-scheduler"}, writers
     # a thread-safe snapshot is polled: counters moved by other threads reach the file without any call
     w = {"io": 0}
     g = StatsFile(str(tmp_path / "{role}.json"), "worker", lambda: dict(w), min_interval_s=0.05,
