@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 README = REPO / "benchmarks" / "README.md"
 SECTION = "hook_time"
-KEYS = ("hook_seconds", "hook_calls", "hook_steps")
+KEYS = ("hook_seconds", "hook_cpu_seconds", "hook_calls", "hook_steps")
 
 
 def _serve_cpu():
@@ -86,6 +86,9 @@ def run_config(sc, name: str, p: dict, work: Path, pythonpath: str, concurrency:
                            steps=d["scheduler"]["hook_steps"],
                            sched_ms_per_step=round(1000 * d["scheduler"]["hook_seconds"] / steps, 3),
                            worker_ms_per_step=round(1000 * d["worker"]["hook_seconds"] / max(1, d["worker"]["hook_steps"]), 3),
+                           sched_cpu_ms_per_step=round(1000 * d["scheduler"]["hook_cpu_seconds"] / steps, 3),
+                           worker_cpu_ms_per_step=round(1000 * d["worker"]["hook_cpu_seconds"]
+                                                        / max(1, d["worker"]["hook_steps"]), 3),
                            run_ms_per_step=round(1000 * res["duration"] / steps, 2),
                            hook_share=round((d["scheduler"]["hook_seconds"] + d["worker"]["hook_seconds"])
                                             / res["duration"], 4))
@@ -102,7 +105,8 @@ def render(data: dict) -> str:
         return "-" if r.get("hook_share") is None else f"{r['hook_share'] * 100:.1f} %"
     rows = "\n".join(
         f"| {c} | {r['workload']} | {r['concurrency']} | {r.get('steps', '-')} | {r.get('run_ms_per_step', '-')} | "
-        f"{r.get('sched_ms_per_step', '-')} | {r.get('worker_ms_per_step', '-')} | {share(r)} | "
+        f"{r.get('sched_ms_per_step', '-')} ({r.get('sched_cpu_ms_per_step', '-')}) | "
+        f"{r.get('worker_ms_per_step', '-')} ({r.get('worker_cpu_ms_per_step', '-')}) | {share(r)} | "
         f"{r.get('request_throughput', '-')} |"
         for c, cfg in data["configs"].items() for r in cfg["runs"])
     cond = data["conditions"]
@@ -112,7 +116,8 @@ def render(data: dict) -> str:
 `benchmarks/hook_time.py` (issue 19): the wall time inside tierkv's vLLM hooks per engine step, under concurrent
 load (vLLM's OpenAI server, `vllm bench serve` at `--max-concurrency {data['concurrency']}`, the `serve_cpu` sizes and
 `demo` model; counters `hook_seconds` / `hook_steps` of each side from the stats files). On vLLM's CPU backend both
-sides are on the critical path of every step. Hook time is wall time: it includes waits for the GIL and for a CPU.
+sides are on the critical path of every step. Hook time is wall time: it includes waits for the GIL and for a CPU;
+in brackets the CPU time of the hooks' thread in them (``time.thread_time``), tierkv's own work.
 
 ```bash
 .venv/bin/python benchmarks/hook_time.py
@@ -122,7 +127,7 @@ Measured on tierkv commit `{data['code']['commit'][:12]}` ({data['code'].get('so
 {data['finished_at']}, {cond['cpus']} vCPU ({cond['cpu']}), results `results/hook_time.json`; 1-minute load average
 before->after each configuration: {loads}. {data.get('note') or ''}
 
-| config | workload | conc | steps | run ms / step | scheduler hooks ms / step | worker hooks ms / step | hook time / run | req/s |
+| config | workload | conc | steps | run ms / step | scheduler hooks ms / step (CPU) | worker hooks ms / step (CPU) | hook time / run | req/s |
 |---|---|---|---|---|---|---|---|---|
 {rows}
 """

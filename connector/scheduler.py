@@ -128,6 +128,7 @@ class SchedulerCounters:
     # wall time inside tierkv's scheduler-side vLLM hooks (every call, in the engine core's scheduling loop), the
     # calls, and the steps (plans built): hook_seconds / hook_steps is what tierkv adds to each step there
     hook_seconds: float = 0.0
+    hook_cpu_seconds: float = 0.0  # of which CPU time of the hooks' thread (time.thread_time)
     hook_calls: int = 0
     hook_steps: int = 0
     # L3 hits: engine steps (plans built) from the first lookup that waited for or hit L3 to the step whose output

@@ -90,15 +90,16 @@ _hook_log = None
 
 
 def _timed_hook(fn=None, *, step: bool = False):
-    """Decorator of a vLLM hook method: adds its wall time (``time.perf_counter``, seconds) and one call to the
-    ``hook_seconds`` / ``hook_calls`` counters of the role this connector plays (scheduler or worker counters;
+    """Decorator of a vLLM hook method: adds its wall time (``time.perf_counter``, seconds), the CPU time of the
+    calling thread in it (``time.thread_time``: the wall time less waits for the GIL, a CPU or I/O) and one call to
+    the ``hook_seconds`` / ``hook_cpu_seconds`` / ``hook_calls`` counters of the role this connector plays (scheduler or worker counters;
     nothing while neither exists), and with ``step=True`` one to ``hook_steps`` (the hook vLLM calls once per
     step: ``build_connector_meta`` on the scheduler side, ``bind_connector_metadata`` on the worker side). What
     tierkv adds to an engine step is then ``hook_seconds / hook_steps`` per role, whatever the hook."""
     def wrap(f):
         @functools.wraps(f)
         def timed(self, *args, **kwargs):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return f(self, *args, **kwargs)
             finally:
@@ -108,6 +109,7 @@ def _timed_hook(fn=None, *, step: bool = False):
                 if owner is not None:
                     c = owner.counters
                     c.hook_seconds += time.perf_counter() - t0
+                    c.hook_cpu_seconds += time.thread_time() - c0
                     c.hook_calls += 1
                     if step:
                         c.hook_steps += 1

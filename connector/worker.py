@@ -68,6 +68,7 @@ class WorkerCounters:
     # wall time inside tierkv's worker-side vLLM hooks (every call, on the model runner's thread), the calls, and
     # the steps (plans bound): hook_seconds / hook_steps is what tierkv adds to each step's forward there
     hook_seconds: float = 0.0
+    hook_cpu_seconds: float = 0.0  # of which CPU time of the hooks' thread (time.thread_time)
     hook_calls: int = 0
     hook_steps: int = 0
     # L3 reads handed over before a step's forward and still running when the step ended (get_finished): steps that
