@@ -391,9 +391,9 @@ class CacheScheduler:
         being a full-attention group's; a page is saved only when all its blocks in every group are live
         (:func:`tierkv.connector.plan.live_blocks`): one that is not and is already indexed (an L3 copy) is left as
         it is, one that is not indexed ends this step's saves there."""
-        st = self.requests.get(req_id)
-        if st is None or self.num_slots == 0:
+        if not self.needs_saves(req_id, num_tokens_after_step):
             return
+        st = self.requests[req_id]
         full = min(num_tokens_after_step, len(st.tokens), len(block_ids) * self.block_size) // self.page_size
         if st.save_cap is not None:  # the request's controls: only its first pages, or none
             full = min(full, st.save_cap)
@@ -613,6 +613,18 @@ class CacheScheduler:
         return True
 
     # ----------------------------------------------------------------- what the engine edge asks
+    def needs_saves(self, req_id: str, num_tokens_after_step: int) -> bool:
+        """Whether :meth:`schedule_saves` could order anything for ``req_id`` this step: it is live, L2 exists, and a
+        page beyond those already indexed is full once the step has run (its save cap allowed). False in most decode
+        steps, so the caller skips fetching the request's block table (O(blocks) per request per step)."""
+        st = self.requests.get(req_id)
+        if st is None or self.num_slots == 0:
+            return False
+        full = min(num_tokens_after_step, len(st.tokens)) // self.page_size
+        if st.save_cap is not None:
+            full = min(full, st.save_cap)
+        return full > st.num_indexed
+
     def tracks(self, req_id: str) -> bool:
         """Whether request ``req_id`` is live here (added and not finished)."""
         return req_id in self.requests

@@ -848,7 +848,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._estimates.maybe_save(estimate)
 
     def _plan_saves(self, rid: str, tokens_after: int, state, fallback_blocks) -> None:
-        if not self._sched.tracks(rid):
+        if not self._sched.needs_saves(rid, tokens_after):  # no new full page (most decode steps): no block table
             return
         ids = state.get_block_ids(rid) if state is not None else None
         if ids is None:

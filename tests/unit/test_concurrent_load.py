@@ -535,3 +535,25 @@ def test_the_engine_keeps_stepping_while_a_backup_or_prefetch_has_not_reported(t
     assert s.has_pending_push_work()
     now[0] += ctl.PIN_STEPPING_MAX_S + 1
     assert not s.has_pending_push_work()
+
+
+def test_a_step_that_fills_no_new_page_needs_no_save_planning():
+    """``needs_saves`` (the connector asks it before fetching a request's block table every step): true exactly when
+    the step fills a page beyond those already indexed, within the prompt and the request's save cap."""
+    s = CacheScheduler(_ns(), P, P, num_slots=16, controller={})
+    prompt = toks(1000, 3 * P + 5)
+    s.add_request("a", prompt)
+    assert not s.needs_saves("nobody", 3 * P)
+    assert not s.needs_saves("a", P - 1)                  # no page full yet
+    assert s.needs_saves("a", P)                          # page 0 full after this step
+    s.schedule_saves("a", 2 * P + 3, list(range(100, 104)))
+    s.build_plan()
+    assert not s.needs_saves("a", 2 * P + 9)              # pages 0-1 indexed, page 2 not full: a decode-like step
+    assert s.needs_saves("a", 3 * P)
+    assert s.needs_saves("a", 9 * P)                      # page 2 still to save (tokens past the prompt: no page)
+    s.schedule_saves("a", 3 * P + 5, list(range(100, 104)))
+    s.build_plan()
+    assert not s.needs_saves("a", 9 * P)                  # every full page of the prompt indexed
+    empty = CacheScheduler(_ns(), P, P, num_slots=0, controller={})
+    empty.add_request("b", prompt)
+    assert not empty.needs_saves("b", 3 * P)              # no L2: nothing is ever saved
