@@ -54,16 +54,17 @@ class StatsFile:
         self._flusher: Optional[threading.Thread] = None
         self._closed = False
 
-    def maybe_write(self, force: bool = False) -> None:
+    def maybe_write(self, force: bool = False, data: Optional[dict] = None) -> None:
         """Record the current counters. ``force``: written now, on the caller's thread. Otherwise the file is written
         by the flusher thread (at once if the last write is ``min_interval_s`` old, else when the interval ends), so
         a vLLM hook that calls this every step never serialises JSON or touches the file system: with
         ``snapshot_thread_safe`` not even the snapshot is taken here (the flusher takes its own every
-        ``min_interval_s``), else the snapshot is taken here and handed over."""
+        ``min_interval_s``), else the snapshot is taken here and handed over. ``data``: a snapshot the caller
+        already took (a dict this object may keep), used instead of calling ``snapshot``."""
         if self.path is None:
             return
         if force:
-            data = dict(self.snapshot())
+            data = dict(self.snapshot()) if data is None else data
             with self._lock:
                 self._pending = None
                 self._write_locked(data, force)
@@ -73,7 +74,7 @@ class StatsFile:
                 with self._lock:
                     self._start_flusher_locked()
             return
-        data = dict(self.snapshot())
+        data = dict(self.snapshot()) if data is None else data
         with self._lock:
             self._pending = data
             self._start_flusher_locked()

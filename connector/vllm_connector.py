@@ -103,13 +103,15 @@ def _timed_hook(fn=None, *, step: bool = False):
             try:
                 return f(self, *args, **kwargs)
             finally:
+                c1 = time.thread_time()      # read before the wall clock: the CPU interval lies inside the wall one
+                t1 = time.perf_counter()
                 owner = getattr(self, "_sched", None)
                 if owner is None:
                     owner = getattr(self, "_worker", None)
                 if owner is not None:
                     c = owner.counters
-                    c.hook_seconds += time.perf_counter() - t0
-                    c.hook_cpu_seconds += time.thread_time() - c0
+                    c.hook_seconds += t1 - t0
+                    c.hook_cpu_seconds += c1 - c0
                     c.hook_calls += 1
                     if step:
                         c.hook_steps += 1
@@ -670,6 +672,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         the workers'), see :mod:`tierkv.connector.vllm_metrics`."""
         if self._sched is not None:
             snap = self._sched.stats()
+            self._stats.maybe_write(data=dict(snap))   # the stats file, from the same snapshot (once a step)
             snap.update(scheduler_gauges(snap))
             lat: dict[str, list] = {}
             for store in getattr(self, "_exists_stores", ()):  # existence answered in this process
@@ -795,7 +798,6 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         meta = ConnectorPlan.of(sched.build_plan())
         meta.prefill_tokens = sum(self._prompt_tokens(rid, done, after - done) for rid, after, _b in todo
                                   for done in [after - n_sched.get(rid, 0)])
-        self._stats.maybe_write()
         return meta
 
     def _prompt_tokens(self, rid: str, computed: int, scheduled: int) -> int:
