@@ -134,15 +134,7 @@ before->after each configuration: {loads}. {data.get('note') or ''}
 
 
 def write_readme(data: dict) -> None:
-    body = render(data)
-    text = README.read_text()
-    start = text.find(f"\n## {SECTION}\n")
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + body
-    else:
-        end = text.find("\n## ", start + 1)
-        text = text[:start + 1] + body + (text[end:] if end >= 0 else "")
-    README.write_text(text)
+    _serve_cpu().results_check.replace_readme_section(README, SECTION, render(data))
 
 
 def main(argv=None) -> int:

@@ -91,3 +91,16 @@ def check_results(data: dict, schema: dict, name: str, *, allow_quick: bool = Fa
 def short(commit: str | None) -> str:
     return (commit or "?")[:12]
 
+
+
+def replace_readme_section(readme: Path, section: str, body: str) -> None:
+    """Put ``body`` (which starts with ``## <section>``) in place of the ``## <section>`` part of ``readme`` (up to
+    the next ``## `` heading), or append it when the section is absent; the file is created if missing."""
+    text = readme.read_text() if readme.exists() else "# tierkv benchmarks\n"
+    start = text.find(f"\n## {section}\n")
+    if start < 0:
+        text = text.rstrip("\n") + "\n\n" + body
+    else:
+        end = text.find("\n## ", start + 1)
+        text = text[:start + 1] + body + (text[end:] if end >= 0 else "")
+    readme.write_text(text)
