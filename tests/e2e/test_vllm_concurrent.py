@@ -21,9 +21,8 @@ recently used leaves):
    documents. Each A request has a device hit on its head and the rest of A in L3 only: an asynchronous L3 prefetch
    (waiting for remote KV) while the others run; once it is published the request's first save is exactly the
    state above, with other saves in the same plan.
-5. ``flush`` (one batch of more prompts than L1 has blocks, each shorter than a page: nothing to save): vLLM
-   admits them all at once (``max_num_seqs``; a finished request's uncached block is reused first, so only blocks
-   held at the same time evict), L1 forgets every cached block, L2 and L3 are untouched.
+5. ``drop_l1``: ``reset_prefix_cache`` (L1 forgets every cached block; L2 and L3 are untouched). Evicting L1 by
+   use instead (a batch of short prompts) depends on which blocks vLLM happens to hold at once.
 6. ``verify`` (sequential): each A with a third question; L1 holds nothing, so every A page is loaded from L2,
    where the concurrent phase left them all (the heads written by the saves above, the rest by the prefetches; the
    push documents were evicted to make room), each checked against its checksum. Only L2: an L3 hit could be
@@ -38,7 +37,8 @@ in both runs (``_engine.py``), so ``fill``, ``touch``, ``push`` and ``verify`` o
 and ``verify`` reuses only pages computed in ``fill`` (loaded from L2 here, from L1 there). The ``concurrent``
 batch is composed differently in the two runs by design (the A requests wait for L3 with tierkv, not without it),
 so only what does not depend on rounding is asserted there: every request answered in full, and the prefix tokens
-reused per request. The ``flush`` outputs are not compared either (a batch).
+reused per request. The reference engine runs the same prompts workloads without ``drop_l1``: its L1 keeps
+every prefix, so its ``verify`` reuses the ``fill`` pages from L1.
 
 The scenario is proven to have happened, not assumed: ``_observing_connector.py`` (tierkv's connector plus counters)
 counts L3 prefetches ordered for a request with a device hit, saves planned while an L3-only page precedes an L2 page
@@ -57,7 +57,6 @@ L1_BLOCKS = 41          # 40 usable blocks plus vLLM's null block
 L2_PAGES = 20
 MAX_TOKENS = 4
 CONCURRENT_MAX_TOKENS = 8
-FLUSH_PROMPTS = 48      # one block each, all admitted at once (max_num_seqs): more than L1 holds
 HERE = REPO_ROOT / "tests" / "e2e"
 SEQUENTIAL = ("fill", "touch", "push", "verify")
 
@@ -73,7 +72,7 @@ def _workloads() -> list[dict]:
         {"name": "push", "prompts": [vocab(5 * P) + question() for _ in range(4)]},
         {"name": "concurrent", "sequential": False, "max_tokens": CONCURRENT_MAX_TOKENS,
          "prompts": [d + question() for d in docs] + [vocab(3 * P + 7) for _ in range(2)]},
-        {"name": "flush", "sequential": False, "max_tokens": 1, "prompts": [vocab(8) for _ in range(FLUSH_PROMPTS)]},
+        {"name": "drop_l1", "reset_prefix_cache": True},
         {"name": "verify", "prompts": [d + question() for d in docs]},
     ]
 
@@ -81,8 +80,9 @@ def _workloads() -> list[dict]:
 @pytest.fixture(scope="module")
 def runs(tiny_model, tmp_path_factory):
     workloads = _workloads()
-    args = {"max_model_len": MAX_LEN, "max_num_seqs": FLUSH_PROMPTS}
-    ref = run_job(tiny_model, workloads, kv_transfer_config=None, num_gpu_blocks_override=400, max_tokens=MAX_TOKENS,
+    args = {"max_model_len": MAX_LEN}
+    prompts_only = [w for w in workloads if "prompts" in w]
+    ref = run_job(tiny_model, prompts_only, kv_transfer_config=None, num_gpu_blocks_override=400, max_tokens=MAX_TOKENS,
                   extra_engine_args=args, workdir=tmp_path_factory.mktemp("ref"))
     wd = tmp_path_factory.mktemp("tier")
     kv = tierkv_kv_config({"host_pool": {"num_pages": L2_PAGES}, "verify_checksums": True,
@@ -99,7 +99,7 @@ def runs(tiny_model, tmp_path_factory):
 
 def test_every_request_answered_and_sequential_outputs_equal_the_reference(runs):
     workloads, ref, tier = runs
-    for w in workloads:
+    for w in (w for w in workloads if "prompts" in w):
         name, n = w["name"], w.get("max_tokens", MAX_TOKENS)
         got, want = tier["workloads"][name], ref["workloads"][name]
         assert [len(o) for o in got["outputs"]] == [n] * len(w["prompts"]), name
@@ -111,7 +111,7 @@ def test_every_request_answered_and_sequential_outputs_equal_the_reference(runs)
     conc, verify = tier["workloads"]["concurrent"], tier["workloads"]["verify"]
     assert conc["num_cached_tokens"] == [4 * P] * 3 + [0, 0]
     assert verify["num_cached_tokens"] == [4 * P] * 3
-    # verify: nothing from L1 (flushed), all from tierkv's L2; concurrent: the A heads from L1, the rest from L3
+    # verify: nothing from L1 (reset), all from tierkv's L2; concurrent: the A heads from L1, the rest from L3
     vc, cc = verify["vllm_counters"], conc["vllm_counters"]
     assert vc["vllm:prefix_cache_hits"] == 0
     assert vc["vllm:external_prefix_cache_hits"] == vc["vllm:tierkv_l2_hit_tokens"] == 3 * 4 * P
