@@ -3,7 +3,7 @@
 Why a subprocess: one test or benchmark can run several engine configurations one after the other (no
 connector, ExampleConnector, tierkv, a large L1 ...), each with its own environment (``VLLM_CPU_*`` variables
 are read once per process), and every engine, with its EngineCore and worker processes, is gone before the
-next starts. The child is started in its own session; after it exits, any process left in that session is
+next starts. Where the EngineCore runs: :data:`ENGINE_CORE_IN_PROCESS`. The child is started in its own session; after it exits, any process left in that session is
 terminated (and counted in ``leaked_processes``), so a crashed engine never outlives the call.
 
 Determinism: greedy sampling (temperature 0, ``ignore_eos``), ``skip_tokenizer_init=True`` (prompts are token
@@ -71,6 +71,16 @@ DEFAULT_ENGINE_ARGS = {
     "disable_log_stats": False,  # keeps vLLM's Prometheus counters, read per workload (``vllm_counters``)
 }
 
+
+#: Process layout of every engine :func:`run_job` starts. False (the default, what ``vllm serve`` and the benchmarks
+#: run): the child process is vLLM's front end, the EngineCore (tierkv's scheduler-side connector) runs in a process
+#: of its own and the model in a worker process (tierkv's worker-side connector). True (``tests/e2e/conftest.py``
+#: sets it for the test suite): the EngineCore runs inside the child (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) while the
+#: worker keeps its own process (``distributed_executor_backend="mp"``), so the connector's two roles still live in
+#: two processes and every step's metadata still crosses between them pickled; an engine then starts and stops in
+#: about a third of the time (one interpreter fewer to import vLLM into and tear down). An ``env`` or
+#: ``extra_engine_args`` entry given to :func:`run_job` overrides either setting.
+ENGINE_CORE_IN_PROCESS = False
 
 #: Seconds the EngineCore gets to stop (and its connector to flush/dump stats) before vLLM force-kills it.
 SHUTDOWN_TIMEOUT_S = 60.0
@@ -170,6 +180,8 @@ def run_job(
         extra.setdefault("stats_path", str(stats_dir / "{role}-{pid}.json"))
 
     engine_args = dict(DEFAULT_ENGINE_ARGS)
+    if ENGINE_CORE_IN_PROCESS:
+        engine_args["distributed_executor_backend"] = "mp"
     engine_args.update(extra_engine_args or {})
     engine_args["model"] = str(model_dir)
     if num_gpu_blocks_override is not None:
@@ -190,7 +202,8 @@ def run_job(
     # each engine starts without a predecessor's recompute estimate (connector/estimates.py) unless ``env`` names
     # a directory shared by several engines
     child_env["TIERKV_ESTIMATES_DIR"] = str(workdir)
-    for k, v in {**DEFAULT_ENV, **(env or {})}.items():
+    layout_env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if ENGINE_CORE_IN_PROCESS else {}
+    for k, v in {**DEFAULT_ENV, **layout_env, **(env or {})}.items():
         if v is None:
             child_env.pop(k, None)
         else:
@@ -487,6 +500,21 @@ def _child(job_path: str, result_path: str) -> None:
                 "ttft_s": ttft, "latency_s": latency, "finish_reason": final.outputs[0].finish_reason,
                 "prompt_len": _prompt_len(prompt)}
 
+    inproc_core = getattr(engine.engine_core, "engine_core", None)   # the EngineCore when it runs in this process
+
+    def drain(timeout_s: float = 600.0) -> None:
+        """With the EngineCore in this process (``ENGINE_CORE_IN_PROCESS``), step it while its scheduler still holds
+        requests (finished ones whose blocks a connector keeps until its transfers end), as vLLM's EngineCore process
+        does on its own between requests; without this, a connector's reads in flight when a workload ends would
+        never report. No-op in vLLM's default layout. RuntimeError after ``timeout_s``."""
+        if inproc_core is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        while inproc_core.scheduler.has_requests():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the engine still holds requests after {timeout_s:.0f} s of idle steps")
+            engine.step()
+
     def collect(rows: list[dict], wall: float) -> dict:
         keys = {"outputs": "output", "num_cached_tokens": "num_cached_tokens", "ttft_s": "ttft_s",
                 "latency_s": "latency_s", "finish_reasons": "finish_reason", "prompt_lens": "prompt_len"}
@@ -555,6 +583,7 @@ def _child(job_path: str, result_path: str) -> None:
         after = counters()
         res["vllm_counters"] = {k: v - before.get(k, 0) for k, v in after.items()}
         results[w["name"]] = res
+        drain()
 
     t_s = time.monotonic()
     try:
