@@ -265,6 +265,7 @@ class _Outcome:
     served: Optional[int] = None        # leading pages of the job copied into the request's blocks
     ok: Optional[list[bool]] = None     # the job's merged report
     cancelled: int = 0                  # of its pages to read, the last ones never read (request released first)
+    request_failed: bool = False        # the workers named the whole request failed (several KV cache groups)
 
 
 class _Ewma:
@@ -840,16 +841,22 @@ class Controller:
         slots, which its report frees."""
         return req_id in self._recv_open
 
-    def on_finished_recving(self, req_ids, invalid_block_ids=()) -> None:
+    def on_finished_recving(self, req_ids, invalid_block_ids=(), failed_req_ids=()) -> None:
         """The requests the workers named as having ended their load in a step (every rank agreed), with the blocks
-        whose load failed in that step (vLLM's ``invalid_block_ids``, delivered with the same output)."""
+        whose load failed in that step (vLLM's ``invalid_block_ids``, delivered with the same output) and the
+        requests whose load failed as a whole (vLLM's ``failed_recving``: a model of several KV cache groups, whose
+        failed loads cannot be named by block; vLLM recomputes such a request from its first token)."""
         self._recv_open.difference_update(req_ids)
         bad = set(invalid_block_ids or ())
+        failed = set(failed_req_ids or ())
         for rid in req_ids:
             o = self._outcomes.get(rid)
             if o is not None and o.job is not None and o.served is None:
-                o.served = next((o.job.page_of_block(i) for i, b in enumerate(o.job.block_ids) if b in bad),
-                                o.job.num_pages)
+                if rid in failed:
+                    o.served, o.request_failed = 0, True
+                else:
+                    o.served = next((o.job.page_of_block(i) for i, b in enumerate(o.job.block_ids) if b in bad),
+                                    o.job.num_pages)
                 self._resolve(rid)
 
     # ------------------------------------------------------------------ outcome of counted L3 loads
@@ -871,7 +878,10 @@ class Controller:
         """Split a counted L3 load's tokens once both sides are known: the leading pages copied into L1 by the tier
         they came from (already in L2, or read from L3), the rest by why the first of them was not: no staging slot
         (``no_room``), arrived intact after the request was released or never read because it was released first
-        (``late``), else ``failed``."""
+        (``late``), else ``failed``. A request failed as a whole (several KV cache groups) had nothing served: all
+        its tokens go to the reason of its first page to read that did not arrive intact in time (``late`` when
+        every read page arrived intact, the request having been released first; ``failed`` when no page was to be
+        read, i.e. an L2 page failed its check)."""
         o = self._outcomes.get(req_id)
         if o is None or o.job is None or o.served is None or o.ok is None:
             return
@@ -886,6 +896,10 @@ class Controller:
             f = served
             to_read = [i for i in range(job.num_pages) if job.fetch[i] and job.slots[i] != NO_SLOT]
             never_read = set(to_read[len(to_read) - o.cancelled:]) if o.cancelled else set()
+            if o.request_failed:  # nothing served; the reason is that of the first page to read that did not arrive
+                fetched = [i for i in range(job.num_pages) if job.fetch[i]]
+                f = next((i for i in fetched if job.slots[i] == NO_SLOT or not o.ok[i] or i in never_read),
+                         fetched[0] if fetched else 0)
             reason = ("no_room" if job.fetch[f] and job.slots[f] == NO_SLOT
                       else "late" if job.fetch[f] and (o.ok[f] or f in never_read) else "failed")
             ls.add(reason, o.tokens - served * ps)

@@ -500,12 +500,13 @@ class CacheScheduler:
             return False
         return self.ctl.end_request(req_id)
 
-    def on_finished_recving(self, req_ids, invalid_block_ids=()) -> None:
+    def on_finished_recving(self, req_ids, invalid_block_ids=(), failed_req_ids=()) -> None:
         """Requests whose asynchronous (L3) load the workers named as ended in a step (vLLM:
-        ``KVConnectorOutput.finished_recving``, delivered with ``update_connector_output``) and the blocks whose load
-        failed in that step (``invalid_block_ids``: where each request's load was cut)."""
+        ``KVConnectorOutput.finished_recving``, delivered with ``update_connector_output``), the blocks whose load
+        failed in that step (``invalid_block_ids``: where each request's load was cut) and, for a model of several
+        KV cache groups, the requests whose load failed as a whole (``failed_recving``)."""
         if self.ctl is not None and req_ids:
-            self.ctl.on_finished_recving(req_ids, invalid_block_ids)
+            self.ctl.on_finished_recving(req_ids, invalid_block_ids, failed_req_ids)
             for rid in req_ids:
                 since = self._l3_since.pop(rid, None)
                 if since is not None:

@@ -824,11 +824,11 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._observe_forwards(getattr(meta, "forwards", []) or [])
         # requests whose L3 load the workers named as ended: their blocks are never delayed again at finish; the
         # blocks whose load failed in that step say where each load was cut (the lookup statistics)
+        failed = getattr(connector_output, "failed_recving", None) or ()
         self._sched.on_finished_recving(getattr(connector_output, "finished_recving", None) or (),
-                                        getattr(connector_output, "invalid_block_ids", None) or ())
+                                        getattr(connector_output, "invalid_block_ids", None) or (), failed)
         # blocks whose load failed in that step (every rank's): pages computed on them leave the index (§8 R31)
         self._sched.on_load_errors(getattr(connector_output, "invalid_block_ids", None) or ())
-        failed = getattr(connector_output, "failed_recving", None) or ()
         if self.hybrid and failed:  # several groups: failed loads come as requests; their loaded pages leave too
             self._sched.on_failed_loads(failed)
         if meta is not None and not self._sched.has_requests():  # idle: the last reports of the drained work

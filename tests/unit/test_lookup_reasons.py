@@ -309,3 +309,23 @@ def test_pages_never_read_because_the_request_was_released_first_are_late(cancel
     ctl.on_reports([JobReport(job.job_id, job.kind, [False] * 4, cancelled=cancelled)])
     ctl.on_finished_recving({"r"}, {1, 2, 3, 4})
     assert ctl.lookup_stats.tokens[reason] == 4 * P and ctl.lookup_stats.waiting == 0
+
+
+@pytest.mark.parametrize("ok, cancelled, reason", [([True] * 4, 0, "late"), ([True, False, True, True], 0, "failed"),
+                                                   ([False] * 4, 4, "late")])
+def test_a_load_failed_as_a_whole_request_serves_nothing(ok, cancelled, reason):
+    """A model of several KV cache groups: the workers name a failed load by request (vLLM's ``failed_recving``,
+    never block ids), and vLLM recomputes it from its first token. None of its tokens count as served from L3;
+    all go to the reason of its first page to read that did not arrive intact (``late`` when every page read
+    arrived, the request having been released first)."""
+    from test_concurrent_load import _controller, _keys
+    from tierkv.connector.plan import JobReport
+    _index, _alloc, ctl = _controller(8)
+    keys = _keys(12, 4)
+    ctl._found([], keys, 4)
+    ctl.expect_outcome("r", 4 * P)
+    job = ctl.start_prefetch("r", keys, 0, 4, [1, 2, 3, 4])
+    ctl.on_reports([JobReport(job.job_id, job.kind, ok, cancelled=cancelled)])
+    ctl.on_finished_recving({"r"}, set(), {"r"})
+    ls = ctl.lookup_stats
+    assert ls.tokens[reason] == 4 * P and ls.tokens["l3"] == ls.tokens["l2"] == 0 and ls.waiting == 0
