@@ -459,25 +459,13 @@ L3_SECTION = "e2e_cpu_l3"
 
 def _replace_section(section: str, body: str) -> None:
     """Replace (or append) the ``## <section>`` section of ``benchmarks/README.md``; other sections are kept."""
-    text = README.read_text() if README.exists() else "# tierkv benchmarks\n"
-    start = text.find(f"\n## {section}\n")
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + body
-    else:
-        end = text.find("\n## ", start + 1)
-        text = text[:start + 1] + body + (text[end:] if end >= 0 else "")
-    README.write_text(text)
+    results_check.replace_readme_section(README, section, body)
 
 
 def readme_section(section: str) -> str | None:
     """The current text of ``## <section>`` in ``benchmarks/README.md`` (None if absent), as written by
     :func:`_replace_section`: for the drift test that README tables equal what the committed JSON renders."""
-    text = README.read_text()
-    start = text.find(f"\n## {section}\n")
-    if start < 0:
-        return None
-    end = text.find("\n## ", start + 1)
-    return text[start + 1:end if end >= 0 else len(text)]
+    return results_check.readme_section(README, section)
 
 
 def render_l3_section(results: dict, json_name: str = "e2e_cpu_l3.json") -> str:

@@ -41,6 +41,7 @@ from pathlib import Path
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path, not run as a script
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+import results_check  # noqa: E402  (README section splice)
 from results_check import code_state  # noqa: E402  (which commit wrote the result file)
 
 HERE = Path(__file__).resolve().parent
@@ -485,14 +486,7 @@ def table(res: dict) -> str:
 
 
 def replace_section(body: str) -> None:
-    text = README.read_text() if README.exists() else "# tierkv benchmarks\n"
-    start = text.find(f"\n## {SECTION}\n")
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + body
-    else:
-        end = text.find("\n## ", start + 1)
-        text = text[:start + 1] + body + (text[end:] if end >= 0 else "")
-    README.write_text(text)
+    results_check.replace_readme_section(README, SECTION, body)
 
 
 def main(argv=None) -> int:

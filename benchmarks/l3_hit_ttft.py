@@ -197,16 +197,8 @@ Measured {data['started_at']} on tierkv commit `{results_check.short(data['code'
 
 def write_readme(data: dict) -> None:
     """Replace (or add, before "Measurements behind code choices") the section in ``benchmarks/README.md``."""
-    body = render_section(data)
-    text = README.read_text()
-    start = text.find(f"## {SECTION}\n")
-    if start < 0:
-        anchor = text.find("## Measurements behind code choices")
-        text = text[:anchor] + body + "\n" + text[anchor:] if anchor >= 0 else text + "\n" + body
-    else:
-        end = text.find("\n## ", start + 1)
-        text = text[:start] + body + (text[end + 1:] if end >= 0 else "")
-    README.write_text(text)
+    results_check.replace_readme_section(README, SECTION, render_section(data),
+                                         before="## Measurements behind code choices")
     print(f"updated the {SECTION} section of {README}")
 
 

@@ -27,6 +27,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path, not run as a script
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+import results_check  # noqa: E402  (README section splice)
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "mla_l3_bytes.json"
 README = REPO_ROOT / "benchmarks" / "README.md"
@@ -157,17 +161,8 @@ def section(data: dict) -> str:
 
 def write_readme(data: dict) -> None:
     """Replace (or append) the section in ``benchmarks/README.md``, before ``## Measurements behind code choices``."""
-    text = README.read_text()
-    new = section(data)
-    if SECTION in text:
-        start = text.index(SECTION)
-        nxt = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + new + (text[nxt + 1:] if nxt >= 0 else "")
-    else:
-        anchor = "## Measurements behind code choices"
-        i = text.find(anchor)
-        text = text[:i] + new + text[i:] if i >= 0 else text.rstrip("\n") + "\n\n" + new
-    README.write_text(text)
+    results_check.replace_readme_section(README, SECTION.removeprefix("## ").rstrip("\n"), section(data),
+                                         before="## Measurements behind code choices")
 
 
 def main(argv=None) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -93,14 +93,31 @@ def short(commit: str | None) -> str:
 
 
 
-def replace_readme_section(readme: Path, section: str, body: str) -> None:
+def replace_readme_section(readme: Path, section: str, body: str, before: Optional[str] = None) -> None:
     """Put ``body`` (which starts with ``## <section>``) in place of the ``## <section>`` part of ``readme`` (up to
-    the next ``## `` heading), or append it when the section is absent; the file is created if missing."""
+    the next ``## `` heading). When the section is absent it goes in front of the heading line ``before`` (e.g.
+    ``"## Measurements behind code choices"``) if given and present, else at the end; the file is created if
+    missing. The one splice every benchmark's README section goes through (:func:`readme_section` reads it back)."""
     text = readme.read_text() if readme.exists() else "# tierkv benchmarks\n"
     start = text.find(f"\n## {section}\n")
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + body
-    else:
+    if start >= 0:
         end = text.find("\n## ", start + 1)
         text = text[:start + 1] + body + (text[end:] if end >= 0 else "")
+    else:
+        anchor = text.find(f"\n{before}\n") if before else -1
+        if anchor >= 0:
+            text = text[:anchor + 1] + body.rstrip("\n") + "\n\n" + text[anchor + 1:]
+        else:
+            text = text.rstrip("\n") + "\n\n" + body
     readme.write_text(text)
+
+
+def readme_section(readme: Path, section: str) -> Optional[str]:
+    """The ``## <section>`` part of ``readme`` as :func:`replace_readme_section` wrote it (up to the next ``## ``
+    heading), or None if absent: what the drift tests compare with what the committed results render."""
+    text = readme.read_text() if readme.exists() else ""
+    start = text.find(f"\n## {section}\n")
+    if start < 0:
+        return None
+    end = text.find("\n## ", start + 1)
+    return text[start + 1:end if end >= 0 else len(text)]

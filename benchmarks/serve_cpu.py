@@ -1102,10 +1102,24 @@ def failures_text(data: dict) -> str:
     return "\n".join(out) if out else "none: every request of every run completed and no server log has an error line."
 
 
+def round_order(configs: list[str], k: int) -> list[str]:
+    """The order in which round ``k`` (0-based) starts the configurations: ``configs`` rotated by ``k``, so over a
+    number of rounds that is a multiple of ``len(configs)`` every configuration runs first, second ... equally often.
+    A fixed order would favour or handicap whichever configuration always runs at one position (see the README's
+    serve_cpu section for the re-run where the ideal, always first, outran no connector on ``random``, where both
+    do the same work)."""
+    n = len(configs)
+    return list(configs[k % n:]) + list(configs[:k % n]) if n else []
+
+
 def _repeat_text(sel: dict) -> str:
     rounds, reps = sel.get("rounds", 1), sel["repeats"]
     if rounds * reps == 1:
         return "1 repeat: no ranges."
+    if sel.get("order") == "rotated":
+        return (f"{rounds} round(s) x {reps} repeat(s) per (workload, concurrency): each round starts every "
+                f"configuration once more, round k in the order above rotated by k (so each configuration runs "
+                f"first, second ... in turn); ranges are over the repeats.")
     return (f"{rounds} round(s) x {reps} repeat(s) per (workload, concurrency): each round starts every configuration "
             f"once more, in the order above, so the configurations alternate in time; ranges are over the repeats.")
 
@@ -1361,24 +1375,12 @@ def write_readme(main_path: Path, soak_path: Path = RESULTS / SOAK_JSON) -> None
 
 
 def _replace_section(body: str) -> None:
-    text = README.read_text() if README.exists() else "# tierkv benchmarks\n"
-    start = text.find(f"\n## {SECTION}\n")
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + body
-    else:
-        end = text.find("\n## ", start + 1)
-        text = text[:start + 1] + body + (text[end:] if end >= 0 else "")
-    README.write_text(text)
+    results_check.replace_readme_section(README, SECTION, body)
 
 
 def readme_section() -> str | None:
     """The current ``## serve_cpu`` section of ``benchmarks/README.md`` (None if absent), for the drift test."""
-    text = README.read_text()
-    start = text.find(f"\n## {SECTION}\n")
-    if start < 0:
-        return None
-    end = text.find("\n## ", start + 1)
-    return text[start + 1:end if end >= 0 else len(text)]
+    return results_check.readme_section(README, SECTION)
 
 
 def plot(data: dict, png: Path) -> Path | None:
@@ -1539,14 +1541,15 @@ def main(argv=None) -> int:
     data = {"benchmark": SECTION, "quick": args.quick, "params": p, "started_at": started, "code": code,
             "conditions": conditions(), "run_dir": str(work.relative_to(REPO)),
             "selection": {"configs": args.configs, "workloads": args.workloads, "concurrency": args.concurrency,
-                          "repeats": args.repeats, "rounds": args.rounds},
+                          "repeats": args.repeats, "rounds": args.rounds, "order": "rotated"},
             "multiturn_traces": trace_info, "configs": {}, "readme_note": args.note}
     out = Path(args.out) if args.out else RESULTS / "serve_cpu.json"
     for k in range(args.rounds):   # round k: every configuration once, repeats k*R .. k*R+R-1 (same seeds in each)
         reps = list(range(k * args.repeats, (k + 1) * args.repeats))
-        for name in args.configs:
+        for pos, name in enumerate(round_order(args.configs, k)):
             res = run_config(name, p, args, model_dir, work, pythonpath, traces, reps, k)
             meta = {key: res.get(key) for key in ("load_before", "load_after", "elapsed_s", "startup_s")}
+            meta["position"] = pos
             if name not in data["configs"]:
                 data["configs"][name] = dict(res, rounds=[meta])
             else:

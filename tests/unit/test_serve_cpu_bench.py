@@ -236,3 +236,13 @@ def test_the_readme_hook_time_section_is_what_the_committed_result_renders():
     assert re.fullmatch(r"[0-9a-f]{40}", data["code"]["commit"]) and data["code"]["dirty"] == []
     row = data["configs"]["tierkv_l2"]["runs"][0]
     assert f"| {row['sched_ms_per_step']} ({row['sched_cpu_ms_per_step']}) |" in hook.render(data)
+
+
+def test_rounds_rotate_the_order_of_the_configurations():
+    """Over as many rounds as configurations, each configuration runs once at each position."""
+    configs = ["ideal", "none", "tierkv_l2", "tierkv_l3_file"]
+    orders = [serve.round_order(configs, k) for k in range(4)]
+    assert orders[0] == configs and orders[1] == ["none", "tierkv_l2", "tierkv_l3_file", "ideal"]
+    for pos in range(4):
+        assert sorted(o[pos] for o in orders) == sorted(configs)
+    assert serve.round_order(configs, 5) == orders[1] and serve.round_order([], 3) == []
