@@ -45,8 +45,14 @@ def _full_pages(prompts):
 
 
 def _config(l3):
+    """Every hit is taken whatever the timing: a new process's first store operations can take a second (the
+    Mooncake client sets up its connections; once, under a parallel engine, 1.2 s for 3 existence queries and
+    140 ms a page for the first read), which would make the existence answer late (``exists_wait_s``) or the fetch
+    estimate decline later hits as slower than recomputing; a probe interval of 1 us lets every such hit go ahead.
+    Those timing decisions have their own tests (test_vllm_l3_faults.py, tests/unit)."""
     return tierkv_kv_config({"host_pool": {"num_pages": 12}, "verify_checksums": True, "l3": l3,
-                             "controller": {"write_policy": "write_through", "prefetch_policy": "wait_complete"}},
+                             "controller": {"write_policy": "write_through", "prefetch_policy": "wait_complete",
+                                            "exists_wait_s": 60.0, "probe_interval_s": 1e-6}},
                             load_failure_policy="recompute")
 
 
