@@ -3,8 +3,9 @@
 Why a subprocess: one test or benchmark can run several engine configurations one after the other (no
 connector, ExampleConnector, tierkv, a large L1 ...), each with its own environment (``VLLM_CPU_*`` variables
 are read once per process), and every engine, with its EngineCore and worker processes, is gone before the
-next starts. Where the EngineCore runs: :data:`ENGINE_CORE_IN_PROCESS`. The child is started in its own session; after it exits, any process left in that session is
-terminated (and counted in ``leaked_processes``), so a crashed engine never outlives the call.
+next starts (where the EngineCore runs: :data:`ENGINE_CORE_IN_PROCESS`). The child is started in its own session;
+after it exits, any process left in that session is terminated (and counted in ``leaked_processes``), so a crashed
+engine never outlives the call.
 
 Determinism: greedy sampling (temperature 0, ``ignore_eos``), ``skip_tokenizer_init=True`` (prompts are token
 ids), ``enable_prefix_caching=True``, ``block_size=32``, ``enforce_eager=True`` and, by default,
