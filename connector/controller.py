@@ -35,7 +35,8 @@ Prefetch (L3 -> L2 -> L1)
 
 A hit is never slower than recomputing it
     Running estimates (EWMA) of the seconds per fetched page (from prefetch reports, timed from the start of each
-    read) and of the engine's prefill seconds per token (:meth:`observe_prefill`: forward time of steps that computed
+    read; not from a rank's first reads in its process, which also time the store client's set-up: a Mooncake
+    client's first operations took about a second) and of the engine's prefill seconds per token (:meth:`observe_prefill`: forward time of steps that computed
     prompt tokens, measured by the workers); an L3 hit whose estimated load time exceeds the recompute time of its
     tokens is declined and counted (``l3_declined_slow_pages``). No estimate yet = no decline. A declined hit reads
     nothing, so the fetch estimate would never change again: once it is older than ``probe_interval_s`` the next
@@ -791,7 +792,7 @@ class Controller:
         lead = r.leading  # only the leading run of intact pages is published; the rest is released
         ok_idx = [i for i in fetched if i < lead]
         bad_idx = [i for i in fetched if i >= lead]
-        if ok_idx and r.seconds > 0:
+        if ok_idx and r.seconds > 0 and not r.cold:  # a cold read times the client's set-up, not the store
             self.fetch_s_per_page.add(r.seconds / len(ok_idx))
         self.counters.prefetch_loaded_pages += len(ok_idx)
         # pages a rank never read (its request was released first) are not failures of the store

@@ -105,6 +105,7 @@ class _Prefetch:
     aborted: bool = False
     bytes: int = 0
     end: float = 0.0
+    cold: bool = False                      # started before this process's first prefetch read ended
 
 
 @dataclass
@@ -169,6 +170,7 @@ class L3IO:
         self._idle = threading.Condition(self._lock)
         self._reports: list[JobReport] = []
         self._prefetches: dict[int, _Prefetch] = {}
+        self._warm = False  # a prefetch read has ended in this process (later reads time the store, not its set-up)
         self._queued_backup_pages = 0
         self._skip: dict[int, set[int]] = {}  # backup job id -> page indices not to send
         self._busy = 0                      # jobs queued or running
@@ -460,6 +462,7 @@ class L3IO:
             if not p.request_done:
                 # the deadline runs from here: time spent queued behind other reads does not count against it
                 p.start = time.perf_counter()
+                p.cold = not self._warm
                 if job.deadline_s is not None:
                     p.deadline = self.clock() + job.deadline_s
         todo = [i for i, (f, s) in enumerate(zip(job.fetch, job.slots)) if f and s >= 0]
@@ -495,6 +498,7 @@ class L3IO:
         with self._lock:
             p.io_done = True
             p.end = time.perf_counter()
+            self._warm = True
             self._finish_prefetches_locked()
 
     def _finish_prefetches_locked(self) -> None:
@@ -511,7 +515,7 @@ class L3IO:
             c.prefetch_seconds += max(0.0, p.end - p.start)
             self._reports.append(JobReport(jid, JOB_PREFETCH, list(p.ok), rank=self.rank,
                                            seconds=max(0.0, p.end - p.start), bytes=p.bytes,
-                                           cancelled=p.cancelled))
+                                           cancelled=p.cancelled, cold=p.cold))
 
     def _report(self, r: JobReport) -> None:
         r.rank = self.rank

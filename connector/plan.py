@@ -216,7 +216,9 @@ class JobReport:
     """What one worker rank did with one job. ``ok[i]``: page i done (see the kinds); ``seconds``: wall time
     from the start of the job on that rank to its end; ``bytes``: payload bytes moved; ``cancelled``: pages of a
     prefetch never read because its request was released or aborted first (the last ``cancelled`` pages it was to
-    read, all ``ok`` False)."""
+    read, all ``ok`` False); ``cold``: a prefetch that started before the rank's first prefetch read ended, so its
+    ``seconds`` include the store client's set-up in this process (connections, first-touch allocations) and say
+    nothing of the store's speed."""
 
     job_id: int
     kind: str
@@ -225,6 +227,7 @@ class JobReport:
     seconds: float = 0.0
     bytes: int = 0
     cancelled: int = 0
+    cold: bool = False
 
     @property
     def leading(self) -> int:
@@ -237,7 +240,7 @@ class JobReport:
 
 def merge_reports(reports: list[JobReport]) -> JobReport:
     """One report from every rank's report of the same job: a page is done only where every rank did it;
-    ``seconds`` is the slowest rank's, ``bytes`` the sum.
+    ``seconds`` is the slowest rank's, ``bytes`` the sum, ``cold`` whether any rank's was.
 
     Raises:
         ValueError: empty list, or reports of different jobs or page counts.
@@ -251,7 +254,8 @@ def merge_reports(reports: list[JobReport]) -> JobReport:
                              f"({len(first.ok)} pages)")
     ok = [all(col) for col in zip(*(r.ok for r in reports))] if first.ok else []
     return JobReport(first.job_id, first.kind, ok, rank=-1, seconds=max(r.seconds for r in reports),
-                     bytes=sum(r.bytes for r in reports), cancelled=max(r.cancelled for r in reports))
+                     bytes=sum(r.bytes for r in reports), cancelled=max(r.cancelled for r in reports),
+                     cold=any(r.cold for r in reports))
 
 
 @dataclass

@@ -371,6 +371,29 @@ def test_slow_l3_hits_are_declined(tmp_path):
     e.close()
 
 
+def test_the_first_l3_reads_of_a_process_do_not_set_the_fetch_estimate(tmp_path):
+    """A store client's first reads in a new process also time its set-up (a Mooncake client's first operations
+    took about a second after a restart), and the first sample of the running average sets it outright: the next
+    hits were declined as slower than recomputing until a probe. A read that started before the rank's first read
+    ended is reported ``cold`` and not timed; the next hit's read is."""
+    from tierkv.connector.plan import JOB_PREFETCH, JobReport, merge_reports
+    doc1, doc2 = toks(3, 4 * P), toks(900, 4 * P)
+    write_to_l3(tmp_path, doc1)
+    write_to_l3(tmp_path, doc2)
+    e = FakeEngine(store=file_store(tmp_path))
+    assert e.run_l3(Req("b", doc1 + [2])) == 4 * P
+    e.settle()
+    assert e.sched.ctl.counters.prefetch_loaded_pages == 4
+    assert e.sched.ctl.fetch_s_per_page.value is None       # the cold read is not a sample
+    assert e.run_l3(Req("c", doc2 + [2])) == 4 * P
+    e.settle()
+    assert e.sched.ctl.fetch_s_per_page.value is not None and e.sched.ctl.fetch_s_per_page.value > 0
+    e.idle_check()
+    e.close()
+    r = [JobReport(1, JOB_PREFETCH, [True], rank=0, seconds=0.1), JobReport(1, JOB_PREFETCH, [True], rank=1, cold=True)]
+    assert merge_reports(r).cold and not merge_reports(r[:1]).cold  # one cold rank makes the job's time cold
+
+
 # ---------------------------------------------------------------- R30, R21
 def test_r30_backups_reach_l3_without_further_engine_calls(tmp_path):
     doc = toks(11, 16 * P)
