@@ -44,6 +44,14 @@ from .device_pool import DevicePool, KVGeometry
 log = logging.getLogger(__name__)
 
 
+def _copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[...] = src`` for CPU ``uint8`` tensors of one shape (either may be strided), with numpy: one thread,
+    the GIL released during the copy. ``read_page``/``write_page`` run on tierkv's L3 I/O threads; torch's ``copy_``
+    of a 64 KiB strided page runs an OpenMP parallel region, and from a thread other than the engine's that starts a
+    second OpenMP team which then spins on the cores the engine's forward runs on."""
+    np.copyto(dst.numpy(), src.numpy())
+
+
 def _as_uint8(src) -> torch.Tensor:
     if isinstance(src, torch.Tensor):
         if src.dtype != torch.uint8:
@@ -204,7 +212,7 @@ class HostPool:
         if out.dtype != torch.uint8 or out.numel() != self.page_bytes or not out.is_contiguous():
             raise ValueError(f"read_page: out must be a contiguous uint8 tensor of {self.page_bytes} bytes, got "
                              f"{out.dtype} x {out.numel()}")
-        out.view(m.shape).copy_(m)
+        _copy_bytes(out.view(m.shape), m)
         return out
 
     def write_page(self, slot: int, src) -> None:
@@ -215,7 +223,7 @@ class HostPool:
         if t.numel() != self.page_bytes:
             raise ValueError(f"write_page: page source has {t.numel()} bytes, a page is {self.page_bytes}")
         m = self._pages[s]
-        m.copy_(t.view(m.shape))
+        _copy_bytes(m, t.view(m.shape))
 
     def page_checksum(self, slot: int) -> int:
         """xxhash XXH3-64 of the page's bytes (same value as hashing ``read_page(slot)``)."""

@@ -127,6 +127,36 @@ def test_page_bytes_api(layout, name):
         hp.write_page(0, [1, 2, 3])
 
 
+def test_page_copies_from_an_io_thread_start_no_openmp_team():
+    """L3 backups and prefetches call read_page / write_page on tierkv's I/O threads. torch's copy_ of a strided
+    64 KiB page runs an OpenMP parallel region, and the first one on a new thread starts a team of OpenMP threads
+    for it (3 more threads here), which spin on the cores of the engine's forward. The copies are numpy's: the
+    thread count stays where it was."""
+    import os
+    import threading
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)        # a parallel copy_ needs two threads; restored below
+    try:
+        hp = HostPool(4, 8, 8192)   # layer_first: 8 runs of 8 KiB per page, 64 KiB
+        data = torch.randint(0, 256, (hp.page_bytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+        got, during = [], set()
+
+        def io():  # only the pool's calls on the I/O thread (any torch op there may start a team)
+            for _ in range(20):
+                hp.write_page(1, data)
+                got.append(hp.read_page(1, out=torch.empty(hp.page_bytes, dtype=torch.uint8)))
+            during.update(os.listdir("/proc/self/task"))  # a team lives as long as its thread: count it now
+
+        before = set(os.listdir("/proc/self/task"))
+        t = threading.Thread(target=io)
+        t.start()
+        t.join()
+        assert during == before | {str(t.native_id)}
+        assert len(got) == 20 and all(torch.equal(g, data) for g in got)
+    finally:
+        torch.set_num_threads(saved)
+
+
 def test_kv_layout_names_distinguish_layouts_in_the_namespace():
     names = set()
     for dname in ("cpu", "flashinfer_hnd", "flash_attn_nhd", "mla"):
