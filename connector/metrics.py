@@ -49,8 +49,11 @@ class StatsFile:
         self._last_t = 0.0
         self._last: Optional[str] = None
         self._pending: Optional[dict] = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()       # guards _pending, _closed, _seq: held only for moments
         self._wake = threading.Condition(self._lock)
+        self._io_lock = threading.Lock()    # one writer of the file at a time; never held with _lock wanted
+        self._seq = 0                       # snapshots handed to a writer, in order
+        self._written_seq = 0               # the newest of them written (an older one is never written after it)
         self._flusher: Optional[threading.Thread] = None
         self._closed = False
 
@@ -67,7 +70,8 @@ class StatsFile:
             data = dict(self.snapshot()) if data is None else data
             with self._lock:
                 self._pending = None
-                self._write_locked(data, force)
+                seq = self._next_seq_locked()
+            self._write(data, seq, force)
             return
         if self.snapshot_thread_safe:
             if self._flusher is None:
@@ -89,7 +93,8 @@ class StatsFile:
         data = dict(self.snapshot())
         with self._lock:
             self._pending = None
-            self._write_locked(data)
+            seq = self._next_seq_locked()
+        self._write(data, seq)
 
     def close(self) -> None:
         """Write the last counters and stop the flusher (idempotent)."""
@@ -101,18 +106,29 @@ class StatsFile:
             self._wake.notify()
 
     # ------------------------------------------------------------------ internals
-    def _write_locked(self, data: dict, force: bool = False) -> None:
-        data["role"] = self.role
-        data["pid"] = os.getpid()
-        text = json.dumps(data, sort_keys=True)
-        self._last_t = time.monotonic()
-        if text == self._last and not force:
-            return
-        tmp = f"{self.path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, self.path)
-        self._last = text
+    def _next_seq_locked(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _write(self, data: dict, seq: int, force: bool = False) -> None:
+        """Serialise and write ``data`` (snapshot number ``seq``) unless a newer snapshot was written already.
+        Called without ``_lock``: a hook's :meth:`maybe_write` never waits for the JSON and the file system, only
+        for another writer's brief hand-over."""
+        with self._io_lock:
+            if seq < self._written_seq:
+                return
+            data["role"] = self.role
+            data["pid"] = os.getpid()
+            text = json.dumps(data, sort_keys=True)
+            self._last_t = time.monotonic()
+            self._written_seq = seq
+            if text == self._last and not force:
+                return
+            tmp = f"{self.path}.tmp{os.getpid()}"
+            with open(tmp, "w") as f:
+                f.write(text)
+            os.replace(tmp, self.path)
+            self._last = text
 
     def _start_flusher_locked(self) -> None:
         if self._flusher is None:
@@ -131,20 +147,18 @@ class StatsFile:
                     continue
                 data = self._pending
                 self._pending = None
-                if data is None:  # thread-safe snapshots: poll the counters (written only if they changed)
-                    self._lock.release()
-                    try:
-                        data = dict(self.snapshot())
-                    except Exception:  # pragma: no cover - a snapshot racing shutdown; try again later
-                        data = None
-                    finally:
-                        self._lock.acquire()
-                    if data is None or self._pending is not None:
-                        continue
+                seq = self._next_seq_locked()
+                self._lock.release()  # the snapshot, JSON and file writes run without it: hooks never wait on them
                 try:
-                    self._write_locked(data)
+                    if data is None:  # thread-safe snapshots: poll the counters (written only if they changed)
+                        data = dict(self.snapshot())
+                    self._write(data, seq)
                 except OSError:  # pragma: no cover - directory gone (tests' tmp dirs); keep serving
                     self._last_t = time.monotonic()
+                except Exception:  # pragma: no cover - a snapshot racing shutdown; try again later
+                    self._last_t = time.monotonic()
+                finally:
+                    self._lock.acquire()
 
     def start_polling(self) -> None:
         """Start the flusher now (``snapshot_thread_safe`` files: counters moved between steps get written)."""

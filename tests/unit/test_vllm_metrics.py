@@ -129,12 +129,12 @@ def test_stats_file_keeps_the_last_change_without_another_call(tmp_path, monkeyp
     from tierkv.connector.metrics import StatsFile
 
     writers = []
-    write = StatsFile._write_locked
+    write = StatsFile._write
 
-    def recording_write(self, data, force=False):
+    def recording_write(self, data, seq, force=False):
         writers.append(_threading.current_thread().name)
-        return write(self, data, force)
-    monkeypatch.setattr(StatsFile, "_write_locked", recording_write)
+        return write(self, data, seq, force)
+    monkeypatch.setattr(StatsFile, "_write", recording_write)
     counters = {"n": 1}
     f = StatsFile(str(tmp_path / "{role}.json"), "scheduler", lambda: dict(counters), min_interval_s=0.05)
     f.maybe_write()
@@ -159,3 +159,38 @@ def test_stats_file_keeps_the_last_change_without_another_call(tmp_path, monkeyp
     f.close()
     g.close()
     assert _json.loads(path.read_text())["role"] == "scheduler"
+
+
+def test_a_hook_never_waits_for_the_stats_file_write(tmp_path, monkeypatch):
+    """The flusher wrote the JSON file while holding the lock that the engine's hook takes every step to hand over
+    its snapshot, so a step overlapping a write waited for the JSON and the file system (py-spy of the engine core
+    under load: a third of tierkv's scheduler hook samples in that hand-over). The write now runs without that lock:
+    while the flusher is stuck in a write, ``maybe_write`` returns, and its newer snapshot is written after."""
+    import json as _json
+    import threading as _threading
+
+    import tierkv.connector.metrics as m
+
+    in_write, release = _threading.Event(), _threading.Event()
+    replace = m.os.replace
+
+    def slow_replace(src, dst):
+        in_write.set()
+        assert release.wait(30)
+        return replace(src, dst)
+    monkeypatch.setattr(m.os, "replace", slow_replace)
+    counters = {"n": 1}
+    f = m.StatsFile(str(tmp_path / "{role}.json"), "scheduler", lambda: dict(counters), min_interval_s=0.0)
+    f.maybe_write()
+    assert in_write.wait(30)                        # the flusher is inside its write of n=1
+    counters["n"] = 2
+    returned = _threading.Event()
+    hook = _threading.Thread(target=lambda: (f.maybe_write(), returned.set()))
+    hook.start()
+    try:
+        assert returned.wait(5), "maybe_write waited for the flusher's file write"
+    finally:
+        release.set()
+        hook.join()
+    f.close()
+    assert _json.loads((tmp_path / "scheduler.json").read_text())["n"] == 2
