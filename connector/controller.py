@@ -36,9 +36,10 @@ Prefetch (L3 -> L2 -> L1)
 A hit is never slower than recomputing it
     Running estimates (EWMA) of the seconds per fetched page (from prefetch reports, timed from the start of each
     read; not from a rank's first reads in its process, which also time the store client's set-up: a Mooncake
-    client's first operations took about a second) and of the engine's prefill seconds per token (:meth:`observe_prefill`: forward time of steps that computed
-    prompt tokens, measured by the workers); an L3 hit whose estimated load time exceeds the recompute time of its
-    tokens is declined and counted (``l3_declined_slow_pages``). No estimate yet = no decline. A declined hit reads
+    client's first operations took about a second) and of the engine's prefill seconds per token
+    (:meth:`observe_prefill`: forward time of steps that computed prompt tokens, measured by the workers); an L3 hit
+    whose estimated load time exceeds the recompute time of its tokens is declined and counted
+    (``l3_declined_slow_pages``). No estimate yet = no decline. A declined hit reads
     nothing, so the fetch estimate would never change again: once it is older than ``probe_interval_s`` the next
     hit goes ahead as a probe (``l3_probe_hits``) and its read refreshes it. Under ``best_effort`` a request waits at
     most ``BEST_EFFORT_STALL_FRACTION`` of its estimated recompute time (and at most three times its estimated fetch
