@@ -32,6 +32,7 @@ from typing import Any, Optional
 import msgpack
 import zmq
 
+from sigstop import sigstop  # tests/storage is on sys.path wherever these fixtures are imported
 from tierkv.storage_backends.lmcache import OPS, LMCacheStore
 
 NAME = "lmcache"
@@ -219,7 +220,8 @@ class LMCacheHandle:
         return self.backend
 
     def stop(self) -> None:
-        os.kill(self.proc.pid, signal.SIGSTOP)
+        """SIGSTOP the server and return once all its threads are stopped (a hung server)."""
+        sigstop(self.proc.pid)
 
     def cont(self) -> None:
         os.kill(self.proc.pid, signal.SIGCONT)

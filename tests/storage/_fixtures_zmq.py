@@ -21,6 +21,7 @@ from typing import Any, Optional
 import msgpack
 import zmq
 
+from sigstop import sigstop  # tests/storage is on sys.path wherever these fixtures are imported
 from tierkv.storage_backends import zmq_protocol as P
 from tierkv.storage_backends.page_format import HEADER_BYTES
 from tierkv.storage_backends.zmq_client import ZmqStore
@@ -210,7 +211,8 @@ class ZmqHandle:
         return self.backend
 
     def stop(self) -> None:
-        os.kill(self.proc.pid, signal.SIGSTOP)
+        """SIGSTOP the server and return once all its threads are stopped (a hung server)."""
+        sigstop(self.proc.pid)
 
     def cont(self) -> None:
         os.kill(self.proc.pid, signal.SIGCONT)

@@ -26,6 +26,8 @@ import tempfile
 import time
 from typing import Optional, Sequence
 
+from sigstop import sigstop  # noqa: E402  (tests/storage is on sys.path)
+
 _LIVE: dict[int, subprocess.Popen] = {}
 
 
@@ -194,9 +196,10 @@ class MooncakeMaster:
         return self.start()
 
     def pause(self) -> None:
-        """SIGSTOP the master: it keeps its sockets open but answers nothing (a hung master)."""
+        """SIGSTOP the master and return once every one of its threads is stopped: it keeps its sockets open but
+        answers nothing (a hung master). See :func:`sigstop.sigstop`."""
         if self.proc is not None:
-            os.kill(self.proc.pid, signal.SIGSTOP)
+            sigstop(self.proc.pid)
 
     def resume(self) -> None:
         """SIGCONT a paused master."""
