@@ -37,6 +37,9 @@ Each run uses its own seed (the same in every configuration), so no run finds th
 
 Tokens per tier come from counter deltas over the run: L1 = ``vllm:prefix_cache_hits``, L2 = tierkv's
 ``l2_hit_tokens``, L3 = ``ctl_l3_hit_tokens`` (``vllm:external_prefix_cache_hits`` = L2 + L3 for tierkv).
+Each run also records ``cpu_s``: the CPU seconds (user + system) each server process used during it, and each group
+of its threads with one kernel name (tierkv's are ``tkv-...``; vLLM's forward and OpenMP threads carry the worker's
+name), from ``/proc``. The client's own CPU is not in it.
 
 Code measured: by default a ``git archive`` snapshot of HEAD's tierkv packages under the run directory, put first
 on the servers' ``PYTHONPATH`` (so uncommitted edits in the working tree are not measured); ``--code worktree``
@@ -625,6 +628,7 @@ def run_config(name: str, p: dict, args, model_dir: str, work: Path, pythonpath:
                         trace, rows = traces.get((c, r), (None, None)) if workload == "multiturn" else (None, None)
                         before = srv.metrics()
                         load0 = loadavg()
+                        cpu0 = cpu_seconds(srv.proc.pid)
                         t0 = time.monotonic()
                         res, err = run_client(srv, model_dir, workload_args(p, workload, seed, trace), c,
                                               cdir / "clients", label, args.client_timeout)
@@ -632,7 +636,8 @@ def run_config(name: str, p: dict, args, model_dir: str, work: Path, pythonpath:
                         after = (wait_counted(srv, before, (res or {}).get("completed") or 0)
                                  if srv.alive() else before)
                         run = {"workload": workload, "concurrency": c, "repeat": r, "seed": seed,
-                               "wall_s": round(wall, 2), "load_before": load0, "load_after": loadavg()}
+                               "wall_s": round(wall, 2), "load_before": load0, "load_after": loadavg(),
+                               "cpu_s": cpu_delta(cpu_seconds(srv.proc.pid), cpu0)}
                         if res is None:
                             run["client_error"] = err
                             out["failures"].append({"run": label, "error": err,
@@ -733,6 +738,48 @@ def process_tree(root: int) -> list[int]:
         out += kids
         todo += kids
     return out
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_of(stat_path: str) -> tuple[str, float]:
+    """(name, user + system CPU seconds) from a ``/proc/.../stat`` file. Raises OSError or ValueError if it went."""
+    with open(stat_path) as f:
+        stat = f.read()
+    fields = stat.rsplit(")", 1)[1].split()
+    return stat[stat.index("(") + 1:stat.rindex(")")], (int(fields[11]) + int(fields[12])) / _TICK  # fields 14, 15
+
+
+def cpu_seconds(root: int) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by each process of ``root``'s tree, keyed ``<name>:<pid>``, and by
+    each group of its threads with one kernel name, keyed ``<name>:<pid>/<thread name>`` (tierkv names its threads
+    ``tkv-...``: :mod:`tierkv.connector.thread_names`). A process or thread that ends while being read is left out."""
+    out: dict[str, float] = {}
+    for pid in process_tree(root):
+        try:
+            name, total = _cpu_of(f"/proc/{pid}/stat")
+            tids = os.listdir(f"/proc/{pid}/task")
+        except (OSError, ValueError):
+            continue
+        proc = f"{name}:{pid}"
+        out[proc] = total
+        for tid in tids:
+            try:
+                tname, t = _cpu_of(f"/proc/{pid}/task/{tid}/stat")
+            except (OSError, ValueError):
+                continue
+            out[f"{proc}/{tname}"] = out.get(f"{proc}/{tname}", 0.0) + t
+    return out
+
+
+def cpu_delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    """CPU seconds between two :func:`cpu_seconds` snapshots (keys in ``after``; a thread group that is new counts
+    from 0), plus ``total`` over the processes. Groups that used under 0.01 s are left out."""
+    d = {k: round(v - before.get(k, 0.0), 2) for k, v in after.items()}
+    d = {k: v for k, v in d.items() if v >= 0.01 or "/" not in k}
+    d["total"] = round(sum(v for k, v in d.items() if "/" not in k), 2)
+    return d
 
 
 def engine_processes(server: VllmServer) -> dict[str, dict]:

@@ -45,6 +45,7 @@ from tierkv.storage_backends.common import RateLimitedLog
 
 from .page_checksums import SlotChecksums
 from .plan import JOB_BACKUP, JOB_PREFETCH, Job, JobReport, PageOrder
+from .thread_names import name_this_thread
 
 logger = logging.getLogger("tierkv.l3")
 
@@ -358,6 +359,7 @@ class L3IO:
 
     # ------------------------------------------------------------------ I/O threads
     def _serve(self, q: "queue.Queue[Optional[Job]]", stage: torch.Tensor) -> None:
+        name_this_thread()
         while True:
             job = q.get()
             if job is None:

@@ -21,6 +21,8 @@ from typing import Optional, Sequence
 
 from tierkv.kernels import load_pages, validate_transfer
 
+from .thread_names import name_this_thread
+
 
 class LayerwiseLoad:
     """Loads pages ``slots[i] -> block_ids[i]`` layer by layer on a background thread (CPU) or side stream (CUDA).
@@ -93,6 +95,7 @@ class LayerwiseLoad:
         self._thread.start()
 
     def _run(self) -> None:
+        name_this_thread()
         layer = 0
         try:
             for layer in range(self.num_layers):

@@ -21,6 +21,8 @@ import threading
 import time
 from typing import Callable, Optional
 
+from .thread_names import name_this_thread
+
 
 class StatsFile:
     """Writes ``snapshot()`` (a JSON-serialisable dict) to ``path_template`` expanded for this process.
@@ -136,6 +138,7 @@ class StatsFile:
             self._flusher.start()
 
     def _flush_loop(self) -> None:
+        name_this_thread()
         with self._lock:
             while not self._closed:
                 if self._pending is None and not self.snapshot_thread_safe:
