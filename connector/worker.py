@@ -133,6 +133,7 @@ class MultiBlockPages:
             self._pages = self.buffer.view(S, 1, self.page_bytes)
         else:
             self._pages = self.buffer.view(2, S, self.page_bytes // 2).transpose(0, 1)  # [S, 2, bytes/2]
+        self._np_pages = self._pages.numpy()  # for page_checksum (as HostPool)
 
     @property
     def kv_layout(self) -> str:
