@@ -79,17 +79,18 @@ class HostPool:
         pin_memory: page-lock the buffer (CUDA only; without CUDA a warning is logged and it stays pageable).
         geometry: :class:`~tierkv.connector.device_pool.KVGeometry`; required by the semantic layouts, optional
             for ``layer_first`` (then only layer count and block bytes are checked against a device pool).
+        prefault: zero the (unpinned) buffer once when it is allocated, so the kernel maps every one of its pages
+            at start-up. Left to first use, each 4 KiB of a slot is mapped by a page fault (the kernel zeroes the
+            page) inside the first L1 -> L2 save that writes it, on the engine's forward path and several times
+            slower than the copy itself, and the memory is taken only as L2 fills. A pinned buffer is resident
+            already. The connector prefaults a pool whose size the operator gave (``host_pool.num_pages`` or
+            ``size_gb``), not an automatically sized one (a share of the host's memory, taken as it is used).
     Raises:
         ValueError: bad sizes, unknown layout, missing or inconsistent geometry.
-
-    The buffer is zeroed once when it is allocated, so the kernel maps every one of its pages at start-up. Left to
-    first use, each 4 KiB of a slot would be mapped by a page fault (the kernel zeroes the page) inside the first
-    L1 -> L2 save that writes it, on the engine's forward path and several times slower than the copy itself; and
-    the memory the host budget granted would only be taken as L2 fills. A pinned buffer is resident already.
     """
 
     def __init__(self, num_slots: int, num_layers: int, block_bytes: int, layout: str = "layer_first",
-                 pin_memory: bool = False, geometry: Optional[KVGeometry] = None):
+                 pin_memory: bool = False, geometry: Optional[KVGeometry] = None, prefault: bool = True):
         for name, v in (("num_slots", num_slots), ("num_layers", num_layers), ("block_bytes", block_bytes)):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"HostPool: {name} must be a positive int, got {v!r}")
@@ -113,7 +114,8 @@ class HostPool:
             pin_memory = False
         self.pinned = bool(pin_memory)
         self.buffer = torch.empty(num_slots * self.page_bytes, dtype=torch.uint8, pin_memory=self.pinned)
-        if not self.pinned:
+        self.prefaulted = bool(prefault and not self.pinned)
+        if self.prefaulted:
             self.buffer.numpy().fill(0)  # map every page now (numpy: no OpenMP team on whatever thread builds it)
         self.nbytes = self.buffer.numel()
         L, S = num_layers, num_slots
@@ -129,9 +131,10 @@ class HostPool:
 
     @classmethod
     def for_device(cls, dev: DevicePool, num_slots: int, layout: str = "layer_first",
-                   pin_memory: bool = False) -> "HostPool":
+                   pin_memory: bool = False, prefault: bool = True) -> "HostPool":
         """A pool shaped for ``dev`` (same layers, block bytes, dtype, heads, head dim, page size)."""
-        pool = cls(num_slots, dev.num_layers, dev.block_bytes, layout, pin_memory, geometry=dev.geometry)
+        pool = cls(num_slots, dev.num_layers, dev.block_bytes, layout, pin_memory, geometry=dev.geometry,
+                   prefault=prefault)
         pool.device_tag = dev.layout_tag
         return pool
 

@@ -987,7 +987,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         pin = self.cfg.host_pool.pin_memory == "true" or (self.cfg.host_pool.pin_memory == "auto"
                                                             and dev.device.type == "cuda")
         host = HostPool.for_device(dev, self.num_slots * self.blocks_per_page, self.cfg.host_pool.layout,
-                                   pin_memory=pin)
+                                   pin_memory=pin, prefault=self._size_from != "automatic size")
         if self.blocks_per_page > 1:  # page slot s = the pool's block rows s*k .. s*k+k-1
             from .worker import MultiBlockPages
             host = MultiBlockPages(host, self.blocks_per_page)

@@ -125,6 +125,7 @@ class MultiBlockPages:
         self.block_bytes = block_pool.block_bytes * k
         self.page_bytes = block_pool.page_bytes * k
         self.buffer, self.nbytes, self.pinned = block_pool.buffer, block_pool.nbytes, block_pool.pinned
+        self.prefaulted = block_pool.prefaulted
         self.semantic = block_pool.semantic
         S, L = self.num_slots, self.num_layers
         if self.layout == "layer_first":

@@ -201,6 +201,19 @@ def test_automatic_l2_of_zero_pages_serves_without_l2(model, caplog):
         "bytes; serving without L2"]
 
 
+def test_a_pool_the_operator_sized_is_mapped_at_start_up_and_an_automatic_one_is_not(model):
+    """``host_pool.num_pages`` / ``size_gb``: the worker's pool is prefaulted (HostPool ``prefault``); the automatic
+    size (a share of the host's memory) is left to be mapped as L2 fills."""
+    sized, _ = worker_connector(model, {"host_pool.num_pages": 8})
+    auto, _ = worker_connector(model, {})
+    try:
+        assert sized._worker.host.prefaulted is True
+        assert auto._worker.host.prefaulted is False
+    finally:
+        sized.shutdown()
+        auto.shutdown()
+
+
 # ------------------------------------------------------------------ controller keys reach what reads them
 NON_DEFAULT = {"write_policy": "write_back", "write_through_threshold": 5, "prefetch_policy": "timeout",
                "prefetch_timeout_base_s": 0.75, "prefetch_timeout_per_page_s": 0.01, "exists_wait_s": 0.25,
