@@ -26,7 +26,7 @@ import tempfile
 import time
 from typing import Optional, Sequence
 
-from sigstop import sigstop  # noqa: E402  (tests/storage is on sys.path)
+from sigstop import sigstop  # tests/storage is on sys.path
 
 _LIVE: dict[int, subprocess.Popen] = {}
 
