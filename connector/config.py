@@ -65,6 +65,7 @@ class ControllerConfig(_Strict):
     room_retry_steps: int = Field(default=8, ge=0)
     room_wait_s: float = Field(default=0.5, ge=0)
     probe_interval_s: float = Field(default=5.0, gt=0)
+    sync_load_max_s: float = Field(default=0.02, ge=0)
     exists_in_scheduler: bool = True
     max_index_pages: int = Field(default=1 << 22, ge=1)
     batch_pages: int = Field(default=16, ge=1, le=4096)

@@ -24,9 +24,12 @@ Existence (is the rest of this prompt in L3?)
     (one query per miss).
 
 Prefetch (L3 -> L2 -> L1)
-    An L3 hit is an asynchronous load: :meth:`start_prefetch` gives the L3-only pages staging slots (evicting if
-    needed), locks the path, and orders one job; the worker copies the leading run that arrived intact into the
-    request's blocks and reports the rest as load errors. Deadline per policy: ``wait_complete`` none (the store's
+    :meth:`start_prefetch` gives the L3-only pages staging slots (evicting if needed), locks the path, and orders
+    one job; the worker copies the leading run that arrived intact into the request's blocks and reports the rest as
+    load errors. A hit whose read is estimated to take at most ``sync_load_max_s`` is loaded synchronously
+    (:meth:`load_sync`): the worker waits for the read before the forward of the step that admits the request, which
+    then computes its other tokens in that step, like an L2 hit's. Any other hit is an asynchronous load: the request
+    waits outside the batch, and is scheduled in the step after the one whose output names its load ended. Deadline per policy: ``wait_complete`` none (the store's
     own timeout bounds each call), ``timeout`` ``base + per_page * pages``, ``best_effort`` the time recomputing
     those tokens would take (by the running estimate; ``timeout``'s deadline until one exists). The report publishes
     the fetched pages into the index (slot + L3) and frees the rest; a page that failed to read is remembered as
@@ -110,6 +113,7 @@ class ControllerCounters:
     prefetch_failed_pages: int = 0
     prefetch_cancelled_pages: int = 0   # never read: the request was released (deadline) or aborted first
     prefetch_no_room_pages: int = 0     # pages not fetched for lack of L2 staging slots
+    prefetch_sync_jobs: int = 0         # of prefetch_jobs, loaded before the forward of the step admitting the hit
     l3_hit_tokens: int = 0
     l3_declined_slow_pages: int = 0     # hits declined: loading would take longer than recomputing
     l3_probe_hits: int = 0              # hits taken although estimated slow, to refresh a stale fetch estimate
@@ -137,6 +141,8 @@ class _JobState:
 BEST_EFFORT_STALL_FRACTION = 0.05
 #: best_effort: the shortest wait for L3 (seconds), whatever the estimates say
 BEST_EFFORT_MIN_WAIT_S = 0.005
+#: a synchronous L3 load's deadline is at most this many times ``sync_load_max_s`` (the forward waits for it)
+SYNC_DEADLINE_FACTOR = 2.0
 
 
 @dataclass
@@ -146,6 +152,9 @@ class LookupAnswer:
 
     pages: int
     is_async: bool = False
+    #: an L3 hit loaded synchronously: read and copied into L1 before the forward of the step that admits it
+    #: (:meth:`Controller.load_sync`); ``is_async`` is then False
+    sync: bool = False
     #: why the pages after ``pages`` are not a hit: ``(reason, end)`` segments in page order, each covering the pages
     #: from the previous segment's end (or ``pages``) to ``end``; a reason of :data:`MISS_REASONS`
     rest: list[tuple[str, int]] = field(default_factory=list)
@@ -305,6 +314,9 @@ class Controller:
             None when it cannot answer: the workers are asked instead); None = always ask the workers.
         probe_interval_s: a fetch estimate older than this lets the next hit that it would decline go ahead (a
             probe that refreshes it).
+        sync_load_max_s: an L3 hit whose read is estimated to take at most this many seconds is loaded
+            synchronously, before the forward of the step that admits it (:meth:`load_sync`); 0 = every L3 hit is
+            an asynchronous load.
         room_retry_steps / room_wait_s: a request waits for L2 staging room for at least this many lookups and at
             least this many seconds (both) before its L3 hit is declined.
         max_index_pages: bound on indexed pages; L3-only pages beyond it leave the index (LRU).
@@ -320,7 +332,7 @@ class Controller:
                  prefetch_policy: str = "best_effort", prefetch_timeout_base_s: float = 0.5,
                  prefetch_timeout_per_page_s: float = 0.005, exists_wait_s: float = 1.0,
                  negative_ttl_s: float = 2.0, room_retry_steps: int = 8, room_wait_s: float = 0.5,
-                 probe_interval_s: float = 5.0, exists_in_scheduler: bool = True,
+                 probe_interval_s: float = 5.0, sync_load_max_s: float = 0.02, exists_in_scheduler: bool = True,
                  exists_fn: Optional[Callable[[Sequence[bytes]], Optional[int]]] = None,
                  max_index_pages: int = 1 << 22,
                  clock: Callable[[], float] = time.monotonic, lookup_stats: Optional[LookupStats] = None):
@@ -333,6 +345,9 @@ class Controller:
         if prefetch_timeout_base_s <= 0:
             raise ValueError(f"bad value {prefetch_timeout_base_s!r} for 'controller.prefetch_timeout_base_s': "
                              "must be > 0 seconds")
+        if sync_load_max_s < 0:
+            raise ValueError(f"bad value {sync_load_max_s!r} for 'controller.sync_load_max_s': must be >= 0 seconds "
+                             "(0: every L3 hit is loaded asynchronously)")
         if prefetch_timeout_per_page_s < 0 or exists_wait_s < 0 or negative_ttl_s < 0:
             raise ValueError("prefetch_timeout_per_page_s, exists_wait_s and negative_ttl_s must be >= 0 seconds")
         if world_size < 1:
@@ -351,6 +366,7 @@ class Controller:
         self.room_retry_steps = room_retry_steps
         self.room_wait_s = room_wait_s
         self.probe_interval_s = probe_interval_s
+        self.sync_load_max_s = sync_load_max_s
         self.exists_in_scheduler = exists_in_scheduler
         self.exists_fn = exists_fn if exists_in_scheduler else None
         self.max_index_pages = max_index_pages
@@ -676,6 +692,8 @@ class Controller:
             return None
         if not room:
             return LookupAnswer(l2_run, rest=[("no_room", avail)] + rest)
+        if self.load_sync(fetch):
+            return LookupAnswer(avail, sync=True, rest=rest)
         return LookupAnswer(avail, is_async=True, rest=rest)
 
     # ------------------------------------------------------------------ prefetch
@@ -691,6 +709,32 @@ class Controller:
             self.counters.l3_probe_hits += 1
             return True
         return False
+
+    def load_sync(self, fetch_pages: int) -> bool:
+        """Whether an L3 hit that reads ``fetch_pages`` pages is loaded synchronously: the worker reads them and
+        copies them into L1 before the forward of the step that admits the request, which then computes its other
+        tokens in that same step, like an L2 hit. True when the store's fetch estimate (seconds per page, measured
+        from the start of each read) puts the read at most ``sync_load_max_s``, and the policy bounds the wait
+        (not ``wait_complete``). The forward of every request of that step waits for the read, at most
+        :meth:`sync_deadline_s`; an asynchronous load instead costs the hit's request one engine step more
+        (docs/architecture.md §4). Without an estimate yet (the first reads of a store) the load is asynchronous."""
+        per_page = self.fetch_s_per_page.value
+        return (self.sync_load_max_s > 0 and self.prefetch_policy != "wait_complete" and per_page is not None
+                and fetch_pages * per_page <= self.sync_load_max_s)
+
+    def sync_deadline_s(self, fetch_pages: int) -> float:
+        """Deadline (seconds from the start of the read) of a synchronous load of ``fetch_pages`` pages: the policy's
+        deadline, at most :data:`SYNC_DEADLINE_FACTOR` x ``sync_load_max_s``. Pages not read by then are recomputed
+        (reported as failed blocks); they still land in L2."""
+        d = self.deadline_s(fetch_pages)
+        cap = SYNC_DEADLINE_FACTOR * self.sync_load_max_s
+        return cap if d is None else min(d, cap)
+
+    def fetches_for(self, req_id: str, key: bytes) -> bool:
+        """Whether the running prefetch of request ``req_id`` reads page ``key`` into a staging slot (published by
+        the job's report)."""
+        jid = self._fetching.get(key)
+        return jid is not None and self._req_prefetch.get(req_id) == jid
 
     def wait_for_room(self, req_id: str, fetch_pages: int) -> Optional[bool]:
         """Whether a request whose L3 hit needs ``fetch_pages`` staging slots can go ahead (True), should wait a
@@ -739,8 +783,8 @@ class Controller:
 
     def start_prefetch(self, req_id: str, path: Sequence[bytes], first: int, last: int,
                        block_ids: Sequence[int], blocks_per_page: int = 1, skip_blocks: int = 0,
-                       groups: Sequence[Sequence[int]] = ()) -> Job:
-        """Order the async load of pages ``path[first:last]`` into ``block_ids`` (``blocks_per_page`` per page, less
+                       groups: Sequence[Sequence[int]] = (), sync: bool = False) -> Job:
+        """Order the load (``sync``: before this step's forward, :meth:`load_sync`; else asynchronous) of pages ``path[first:last]`` into ``block_ids`` (``blocks_per_page`` per page, less
         the first ``skip_blocks`` blocks of page ``first``, which the engine holds in L1; ``groups``: the same blocks
         per KV cache group of a hybrid model, :class:`~tierkv.connector.plan.Job`). Pages without an
         L2 copy get staging slots (evicting others if needed); the path is locked until the report. Pages for
@@ -764,13 +808,15 @@ class Controller:
             if short:
                 self.counters.prefetch_no_room_pages += short
         job = Job(self._new_id(), JOB_PREFETCH, path[first:last], slots=slots, block_ids=list(block_ids),
-                  fetch=fetch, req_id=req_id, deadline_s=self.deadline_s(need),
-                  blocks_per_page=blocks_per_page, skip_blocks=skip_blocks, groups=[list(g) for g in groups])
+                  fetch=fetch, req_id=req_id,
+                  deadline_s=self.sync_deadline_s(need) if sync else self.deadline_s(need),
+                  blocks_per_page=blocks_per_page, skip_blocks=skip_blocks, groups=[list(g) for g in groups], sync=sync)
         for k, f, s in zip(job.keys, fetch, slots):
             if f and s != NO_SLOT:
                 self._fetching[k] = job.job_id
         self._req_prefetch[req_id] = job.job_id
-        self._recv_open.add(req_id)
+        if not sync:  # a synchronous load's request side ends within its step: vLLM never delays its free
+            self._recv_open.add(req_id)
         self.lookup_stats.hit_l2([s for s, f in zip(slots, fetch) if not f])
         self.lookup_stats.hit_l3([k for k, f in zip(job.keys, fetch) if f])
         o = self._outcomes.get(req_id)
@@ -778,6 +824,7 @@ class Controller:
             o.job = job
         self._order(_JobState(job, lock=lock, path=path, idx=list(range(first, last))))
         self.counters.prefetch_jobs += 1
+        self.counters.prefetch_sync_jobs += sync
         self.counters.prefetch_ordered_pages += need
         self.counters.l3_hit_tokens += (last - first) * self.page_size
         return job
@@ -828,6 +875,8 @@ class Controller:
         o = self._outcomes.get(job.req_id)
         if o is not None and o.job is not None and o.job.job_id == job.job_id:
             o.ok, o.cancelled = list(r.ok), r.cancelled
+            if job.sync:  # its request side ended before the step's forward: what every rank copied into L1
+                o.served = min(r.served or 0, job.num_pages)
             self._resolve(job.req_id)
 
     def staging_slots(self) -> list[int]:

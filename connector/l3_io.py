@@ -258,7 +258,7 @@ class L3IO:
         now = self.clock()
         with self._lock:
             for p in self._prefetches.values():
-                if p.request_done:
+                if p.request_done or p.job.sync:  # a synchronous load's request side is ended by release()
                     continue
                 if p.job.req_id in gone:
                     p.aborted = True
@@ -279,6 +279,28 @@ class L3IO:
                     if lead < len(p.ok):
                         self.counters.prefetch_late_pages += sum(1 for v in p.ok[lead:] if not v)
                 out.finished.add(p.job.req_id)
+            self._finish_prefetches_locked()
+        return out
+
+    def release(self, job_ids: Sequence[int]) -> list[tuple[int, PageOrder, list[int]]]:
+        """End the request side of the synchronous prefetches ``job_ids`` now (engine thread, before the step's
+        forward): batches not started yet are skipped, and the job is reported once its I/O ended. Returns, per job
+        still tracked, ``(job id, the leading run of intact pages as a PageOrder, the engine blocks after it)``."""
+        out = []
+        with self._lock:
+            for jid in job_ids:
+                p = self._prefetches.get(jid)
+                if p is None or p.request_done:
+                    continue
+                p.request_done = True
+                if not p.io_done:
+                    p.cancel = True
+                    self.counters.prefetch_deadline_misses += 1
+                lead = next((i for i, v in enumerate(p.ok) if not v), len(p.ok))
+                if lead < len(p.ok):
+                    self.counters.prefetch_late_pages += sum(1 for v in p.ok[lead:] if not v)
+                order = p.job.page_order()
+                out.append((jid, order.head(lead), order.blocks_from(lead)))
             self._finish_prefetches_locked()
         return out
 
@@ -536,13 +558,25 @@ class NoL3:
     def __init__(self) -> None:
         self._reports: list[JobReport] = []
         self._ended = PollResult()
+        self._sync: dict[int, Job] = {}
 
     def submit(self, jobs: Sequence[Job], skip: Optional[dict[int, set[int]]] = None) -> None:
         for job in jobs:
             self._reports.append(JobReport(job.job_id, job.kind, [False] * job.num_pages))
-            if job.kind == JOB_PREFETCH and job.req_id is not None:
+            if job.kind == JOB_PREFETCH and job.sync:
+                self._sync[job.job_id] = job
+            elif job.kind == JOB_PREFETCH and job.req_id is not None:
                 self._ended.finished.add(job.req_id)
                 self._ended.failed_blocks.update(job.block_ids)
+
+    def release(self, job_ids: Sequence[int]) -> list[tuple[int, PageOrder, list[int]]]:
+        out = []
+        for jid in job_ids:
+            job = self._sync.pop(jid, None)
+            if job is not None:
+                order = job.page_order()
+                out.append((jid, order.head(0), order.blocks_from(0)))
+        return out
 
     def poll(self, finished_req_ids: Sequence[str] = ()) -> PollResult:
         out, self._ended = self._ended, PollResult()

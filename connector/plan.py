@@ -23,7 +23,10 @@ Job kinds:
                the others are already in L2 at ``slots[i]``; then the leading run that is intact is copied into
                ``block_ids``. ``ok[i]``: page i is in L2 (``slots[i]``) with verified bytes. ``deadline_s`` bounds
                how long the request waits (seconds after the worker starts the job); pages that arrive later
-               still land in L2 and are reported, but the request recomputes them.
+               still land in L2 and are reported, but the request recomputes them. ``sync``: the read feeds the
+               forward of the step that orders it (the worker waits for it before that forward, and copies its
+               leading run with the step's L2 -> L1 loads); otherwise the request waits asynchronously and is
+               named in ``finished_recving`` once its pages are in L1.
 ``exists``     L3 existence query of ``keys`` (a prefix run): ``ok`` is the leading run present.
 =============  =====================================================================================================
 
@@ -179,6 +182,8 @@ class Job:
     skip_blocks: int = 0
     #: hybrid models: a prefetch's block ids per KV cache group, each shaped like ``block_ids`` (see PageOrder)
     groups: list[list[int]] = field(default_factory=list)
+    #: a prefetch loaded synchronously, before the forward of the step whose plan carries it (see the module docstring)
+    sync: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in JOB_KINDS:
@@ -218,7 +223,9 @@ class JobReport:
     prefetch never read because its request was released or aborted first (the last ``cancelled`` pages it was to
     read, all ``ok`` False); ``cold``: a prefetch that started before the rank's first prefetch read ended, so its
     ``seconds`` include the store client's set-up in this process (connections, first-touch allocations) and say
-    nothing of the store's speed."""
+    nothing of the store's speed. ``served``: for a synchronous prefetch, the leading pages the rank copied into
+    the request's blocks before the forward (at most ``leading``; pages that arrived later are in L2 but were
+    recomputed); None for every other job."""
 
     job_id: int
     kind: str
@@ -228,6 +235,7 @@ class JobReport:
     bytes: int = 0
     cancelled: int = 0
     cold: bool = False
+    served: Optional[int] = None
 
     @property
     def leading(self) -> int:
@@ -240,7 +248,8 @@ class JobReport:
 
 def merge_reports(reports: list[JobReport]) -> JobReport:
     """One report from every rank's report of the same job: a page is done only where every rank did it;
-    ``seconds`` is the slowest rank's, ``bytes`` the sum, ``cold`` whether any rank's was.
+    ``seconds`` is the slowest rank's, ``bytes`` the sum, ``cold`` whether any rank's was, ``served`` the least
+    (None unless every rank gave one).
 
     Raises:
         ValueError: empty list, or reports of different jobs or page counts.
@@ -255,7 +264,8 @@ def merge_reports(reports: list[JobReport]) -> JobReport:
     ok = [all(col) for col in zip(*(r.ok for r in reports))] if first.ok else []
     return JobReport(first.job_id, first.kind, ok, rank=-1, seconds=max(r.seconds for r in reports),
                      bytes=sum(r.bytes for r in reports), cancelled=max(r.cancelled for r in reports),
-                     cold=any(r.cold for r in reports))
+                     cold=any(r.cold for r in reports),
+                     served=None if any(r.served is None for r in reports) else min(r.served for r in reports))
 
 
 @dataclass

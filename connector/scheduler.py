@@ -61,13 +61,17 @@ class _RequestState:
     save_cap: Optional[int] = None        # most leading pages tierkv may save for it, None = all
     # why the pages after the last lookup's hit are not a hit: (reason, end page) segments (LookupAnswer.rest)
     rest: list[tuple[str, int]] = field(default_factory=list)
-    async_hit: bool = False               # the last lookup's answer needs an L3 read
+    async_hit: bool = False               # the last lookup's answer needs an L3 read (an asynchronous load)
+    sync_hit: bool = False                # ... an L3 read loaded before the forward of the step admitting it
     cursor: Optional[MatchCursor] = None  # where the last lookup's L2 match ended (resumed in O(1) next step)
     # the last L2 -> L1 load (plan step, its engine blocks, the request's block index of the first of them) and the
     # pages [a, b) of each save ordered since, kept until a failure of that load could no longer be reported
     # (docs/architecture.md §8 R31)
     load: Optional[tuple[int, list[int], int]] = None
     saved: list[tuple[int, int]] = field(default_factory=list)
+    # the last load was a synchronous L3 load ending at this page: its pages came from L3, not from a computation, so
+    # a failure of it drops only what the request saved after them (the job's report settles the loaded pages)
+    load_l3_end: Optional[int] = None
 
 
 def check_page_size(page_size, block_size: int) -> int:
@@ -225,7 +229,7 @@ class CacheScheduler:
         st = self.requests[req_id]
         st.last_num_computed = num_computed_tokens
         st.reads = False
-        st.async_hit = False
+        st.async_hit = st.sync_hit = False
 
     def lookup(self, req_id: str, num_computed_tokens: int) -> Optional[int]:
         """Tokens beyond ``num_computed_tokens`` (the engine's device hit, page-aligned) loadable from L2 or L3, or
@@ -238,7 +242,8 @@ class CacheScheduler:
         t0 = time.perf_counter()
         try:
             n = self._lookup(req_id, num_computed_tokens)
-            if n is None or self.requests[req_id].async_hit:  # waiting for L3, or an L3 hit: its wait starts now
+            st = self.requests[req_id]
+            if n is None or st.async_hit or st.sync_hit:  # waiting for L3, or an L3 hit: its wait starts now
                 self._l3_since.setdefault(req_id, self._step)
             else:
                 self._l3_since.pop(req_id, None)
@@ -253,7 +258,7 @@ class CacheScheduler:
     def _lookup(self, req_id: str, num_computed_tokens: int) -> Optional[int]:
         st = self.requests[req_id]
         st.last_num_computed = num_computed_tokens
-        st.async_hit = False
+        st.async_hit = st.sync_hit = False
         st.reads = True
         full = max(0, (len(st.tokens) - 1) // self.page_size)
         cap_pages = full if st.load_cap is None else min(full, st.load_cap)
@@ -272,7 +277,7 @@ class CacheScheduler:
         ans = self.ctl.lookup(req_id, all_keys[:cap_pages], l2_run, first)
         if ans is None:
             return None
-        st.async_hit = ans.is_async
+        st.async_hit, st.sync_hit = ans.is_async, ans.sync
         st.rest = ans.rest + [("skipped", full)]
         return max(0, ans.pages * self.page_size - num_computed_tokens)
 
@@ -287,7 +292,7 @@ class CacheScheduler:
         self.counters.device_hit_tokens += c
         ls = self.lookup_stats
         ls.add("l1", c)
-        if ext > 0 and st.async_hit and self.ctl is not None:
+        if ext > 0 and (st.async_hit or st.sync_hit) and self.ctl is not None:
             self.ctl.expect_outcome(st.req_id, ext)
         else:
             ls.add("l2", ext)
@@ -312,7 +317,8 @@ class CacheScheduler:
         load then copies each group's live blocks (:func:`tierkv.connector.plan.live_blocks`)."""
         st = self.requests[req_id]
         c = st.last_num_computed
-        from_l2 = 0 if (st.async_hit and self.ctl is not None) else num_external_tokens  # L3 hits: ctl counters
+        l3_hit = (st.async_hit or st.sync_hit) and self.ctl is not None
+        from_l2 = 0 if l3_hit else num_external_tokens  # L3 hits: the controller's counters
         if not st.counted and st.reads:
             st.counted = True
             if self.trace is None:
@@ -342,12 +348,16 @@ class CacheScheduler:
         skip, blocks = b0 - first * k, list(block_ids[b0:last * k])
         gblocks = [list(g[b0:last * k]) for g in groups or ()]
         keys = st.keys.extend(st.tokens)[:last]
-        if st.async_hit and self.ctl is not None:
-            st.async_hit = False
+        if l3_hit:
+            sync, st.async_hit, st.sync_hit = st.sync_hit, False, False
             self.ctl.forget_request(req_id)
-            self.ctl.start_prefetch(req_id, keys, first, last, blocks, k, skip, gblocks)
+            self.ctl.start_prefetch(req_id, keys, first, last, blocks, k, skip, gblocks, sync=sync)
             self.counters.load_pages += last - first
             st.num_indexed = 0  # known after the report; schedule_saves matches again
+            if sync:  # loaded before this step's forward, which computes the request's other tokens on it
+                st.load, st.saved, st.load_l3_end = (self._step + 1, blocks, b0), [], last
+                since = self._l3_since.pop(req_id, None)
+                self.counters.note_l3_wait(0 if since is None else self._step - since)
             return
         m = self.index.match_prefix(keys, require_l2=True, split=True, touch=True)
         self.lookup_stats.hit_l2(m.host_slots[first:last])
@@ -360,7 +370,7 @@ class CacheScheduler:
                                           groups=gblocks))
         self.counters.load_pages += last - first
         st.num_indexed = last
-        st.load, st.saved = (self._step + 1, blocks, b0), []
+        st.load, st.saved, st.load_l3_end = (self._step + 1, blocks, b0), [], None
         if self.ctl is not None:
             self.ctl.after_hit(keys, last)
 
@@ -380,7 +390,7 @@ class CacheScheduler:
             if self.ctl is not None:
                 self.ctl.outcome_failed(req_id)
         if st is not None:
-            st.async_hit = False
+            st.async_hit = st.sync_hit = False
             st.num_indexed = 0
 
     def schedule_saves(self, req_id: str, num_tokens_after_step: int, block_ids: Sequence[int],
@@ -404,7 +414,12 @@ class CacheScheduler:
         # (its slot belongs to the index; saving into a second slot would be freed as a duplicate while the save
         # order still names it, and a later order of the same plan could be handed that slot: docs §8 R41)
         m = self.index.match_prefix(keys, require_l2=False, split=True, touch=True)
-        missing = [i for i, s in enumerate(m.host_slots) if s < 0] + list(range(m.num_pages, full))
+        ctl = self.ctl
+        # a page the request's own running prefetch reads into a staging slot (its synchronous L3 load of this step)
+        # gets its L2 copy from that job's report: not saved a second time
+        missing = [i for i, s in enumerate(m.host_slots)
+                   if s < 0 and (ctl is None or not ctl.fetches_for(req_id, keys[i]))]
+        missing += list(range(m.num_pages, full))
         if groups:
             missing, full = self._live_pages(missing, m.num_pages, full, groups)
         if not missing:
@@ -574,6 +589,9 @@ class CacheScheduler:
     def _load_failed(self, st: _RequestState, bad: set[int]) -> None:
         _step, blocks, first_block = st.load
         f = (first_block + next(i for i, b in enumerate(blocks) if b in bad)) // self.blocks_per_page
+        # an L2 page that failed its check leaves the index from there; the pages of a synchronous L3 load are
+        # settled by its job's report (those that arrived late are intact in L2), only the request's later saves go
+        drop = f if st.load_l3_end is None else max(f, st.load_l3_end)
         st.load, saved, st.saved = None, st.saved, []
         self.counters.load_failed_requests += 1
         self._plan.recomputed.append(st.req_id)
@@ -587,7 +605,7 @@ class CacheScheduler:
                 st.lock = self.index.lock(m.last_node)
         if self.ctl is not None and saved:  # backups of pages whose save the workers did not make
             self.ctl.cancel_backups({k for a, b in saved for k in keys[a:b]})
-        for i in [f] + [a for a, _b in saved if a > f]:
+        for i in [drop] + [a for a, _b in saved if a > drop]:
             if i < len(keys):
                 self._drops.append(keys[: i + 1])
         st.num_indexed = min(st.num_indexed, f)
@@ -639,7 +657,7 @@ class CacheScheduler:
         was told no hit)."""
         st = self.requests.get(req_id)
         if st is not None:
-            st.async_hit = False
+            st.async_hit = st.sync_hit = False
 
     def pins_pending(self) -> bool:
         """Whether a backup or prefetch still pins L2 pages or staging slots (:meth:`Controller.pins_pending`);

@@ -554,6 +554,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             if self.use_l3:
                 ctl = dict(self.cfg.controller.scheduler_kwargs(), world_size=self.world_size,
                            exists_fn=self._scheduler_exists(pc))
+                if self.hybrid:  # every hit of several KV cache groups is asynchronous (failed loads name requests)
+                    ctl["sync_load_max_s"] = 0.0
                 if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
                     logger.warning("tierkv: with an L3 store set \"kv_load_failure_policy\": \"recompute\" in "
                                    "--kv-transfer-config; with \"fail\" a page that arrives late or corrupt from L3 "
@@ -720,8 +722,10 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
     @_timed_hook
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
         """How many tokens beyond vLLM's own prefix-cache hit tierkv can add, from the request's full pages (hashed once
-        per request) matched against the index: ``(n, False)`` for an L2 hit, ``(n, True)`` for a hit that needs L3 (an
-        asynchronous load) and for every hit of a model with several KV cache groups, ``(None, False)`` while an L3 existence answer or L2 staging room is pending (vLLM asks
+        per request) matched against the index: ``(n, False)`` for an L2 hit and for an L3 hit whose read is estimated
+        to take at most ``controller.sync_load_max_s`` (loaded before the forward of the step that admits it),
+        ``(n, True)`` for any other L3 hit (an asynchronous load) and for every hit of a model with several KV cache
+        groups, ``(None, False)`` while an L3 existence answer or L2 staging room is pending (vLLM asks
         again next step), ``(0, False)`` after an error. The index changes only by existence answers (pages found in L3)
         and, under ``write_back``, by backups of L2 victims started to make room (docs/architecture.md §4)."""
         try:
@@ -1094,9 +1098,10 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     @_timed_hook
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        """Start the plan's L2 -> L1 loads (all at once, or layer by layer with ``layerwise_load``) so they end before
-        the layers read them; vLLM calls it before the forward only in steps with such synchronous loads, after it
-        otherwise."""
+        """Wait for the plan's synchronous L3 reads (at most their deadlines), then start its L2 -> L1 loads, those
+        reads' leading intact pages included (all at once, or layer by layer with ``layerwise_load``) so they end
+        before the layers read them; vLLM calls it before the forward only in steps with such synchronous loads, after
+        it otherwise."""
         if self._worker is None:
             return
         plan = self._get_connector_metadata()
@@ -1104,8 +1109,9 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             return
         try:
             self._worker.take_plan_failures(plan)
-            if plan.loads:
-                self._worker.start_loads(plan)
+            verified = self._worker.finish_sync_reads()
+            if plan.loads or verified:
+                self._worker.start_loads(plan, verified)
         except Exception as e:  # the step's loads are reported failed: vLLM recomputes them (§8 R41)
             _hook_error(self._worker.counters, "start_load_kv", e)
             self._worker.fail_loads(plan)
@@ -1159,6 +1165,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._forwards.append((fwd[0], fwd[1], time.perf_counter() - fwd[2]))
             del self._forwards[:-64]  # bounded if the scheduler side never collects them
         try:
+            self._worker.end_sync_step(plan)
             self._worker.finish_loads()
             self._worker.run_saves(plan)  # every step: it also notes this step's failed loads (§8 R31)
         except Exception as e:  # those pages are not in L2; a later hit on them recomputes (§8 R41)

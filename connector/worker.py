@@ -76,6 +76,11 @@ class WorkerCounters:
     read_waits: int = 0
     read_wait_seconds: float = 0.0
     read_wait_timeouts: int = 0
+    # synchronous L3 loads (Job.sync): their pages copied L2 -> L1 before the forward, the time the forward waited
+    # for their reads, and their blocks reported failed (a read or check that did not end by the deadline)
+    sync_load_pages: int = 0
+    sync_wait_seconds: float = 0.0
+    sync_failed_blocks: int = 0
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -206,6 +211,9 @@ class CacheWorker:
         self._unwritten: dict[int, bytes] = {}
         self._read_started: set[int] = set()  # jobs of the current plan handed to the readers by start_reads
         self._step_reads: list[int] = []      # prefetches of the current plan handed over by start_reads
+        self._sync_jobs: list = []            # synchronous prefetches of the current plan handed over by start_reads
+        self._sync_orders: list[PageOrder] = []  # ... as loads of the step (every page), for the R31 check
+        self._sync_served: dict[int, int] = {}   # synchronous prefetch -> leading pages copied into L1 (its report)
         self.group_layers = [list(g) for g in group_layers] if group_layers else None
         for g in self.group_layers or ():
             if not g or min(g) < 0 or max(g) >= dev.num_layers:
@@ -259,12 +267,13 @@ class CacheWorker:
             self._load_blocks.setdefault(req_id, set()).update(block_ids, *groups)
 
     # ----------------------------------------------------------------- loads
-    def start_loads(self, plan: StepPlan) -> None:
-        """Start (or, without ``layerwise``, perform) the plan's L2 -> L1 loads."""
-        if not plan.loads:
+    def start_loads(self, plan: StepPlan, verified: Sequence[PageOrder] = ()) -> None:
+        """Start (or, without ``layerwise``, perform) the plan's L2 -> L1 loads, together with ``verified``: orders
+        already checked (the leading runs of synchronous L3 loads, :meth:`finish_sync_reads`)."""
+        if not plan.loads and not verified:
             return
         t0 = time.perf_counter()
-        oks, pages = [], 0
+        oks, pages = list(verified), sum(len(o.slots) for o in verified)
         for order in plan.loads:
             self._track_load(order.req_id, order.block_ids, order.groups)
             if self.group_layers is not None:
@@ -390,8 +399,9 @@ class CacheWorker:
         for rid in plan.recomputed:
             self._suspect.discard(rid)
         self.finish_loads()
+        sync_orders, self._sync_orders = self._sync_orders, []
         if self._failed_blocks and self.group_layers is None:  # hybrid: loads are asynchronous, nothing computed
-            for o in plan.loads:
+            for o in list(plan.loads) + sync_orders:
                 if not self._failed_blocks.isdisjoint(o.block_ids):
                     self._suspect.add(o.req_id)
         if not plan.saves:
@@ -446,7 +456,7 @@ class CacheWorker:
         """Report every block of the plan's L2 -> L1 loads as failed (vLLM recomputes them; hybrid models: their
         requests, at the next :meth:`poll`)."""
         self._pending = None
-        for o in plan.loads:
+        for o in list(plan.loads) + self._sync_orders:
             self._failed_blocks.update(o.block_ids)
             self.counters.failed_load_blocks += len(o.block_ids)
             if self.group_layers is not None:
@@ -466,9 +476,11 @@ class CacheWorker:
     def fail_jobs(self, jobs) -> None:
         """Answer ``jobs`` with no page done, at once (no store, or they could not be handed to it)."""
         for job in jobs:
-            self._orphan_reports.append(JobReport(job.job_id, job.kind, [False] * job.num_pages))
+            served = 0 if job.sync else None
+            self._orphan_reports.append(JobReport(job.job_id, job.kind, [False] * job.num_pages, served=served))
             if job.kind == JOB_PREFETCH and job.req_id is not None:
-                self._orphan_finished.add(job.req_id)
+                if not job.sync:  # a synchronous load's request is not waiting: it is never named ended
+                    self._orphan_finished.add(job.req_id)
                 self._failed_blocks.update(job.block_ids)
                 self.counters.failed_load_blocks += len(job.block_ids)
                 if self.group_layers is not None:
@@ -488,8 +500,62 @@ class CacheWorker:
             if j.kind == JOB_PREFETCH:
                 self._track_load(j.req_id, j.block_ids, j.groups)
         self.l3.submit(reads)
-        self._step_reads = [j.job_id for j in reads if j.kind == JOB_PREFETCH]
+        self._step_reads = [j.job_id for j in reads if j.kind == JOB_PREFETCH and not j.sync]
+        self._sync_jobs = [j for j in reads if j.kind == JOB_PREFETCH and j.sync]
         self._read_started.update(j.job_id for j in reads)
+
+    def finish_sync_reads(self) -> list[PageOrder]:
+        """Before the forward (vLLM's ``start_load_kv``, which it calls before the forward in a step with
+        synchronous loads): wait for the synchronous prefetches :meth:`start_reads` handed over for this step, at most
+        until their deadlines (counted from when a reader starts each), then end their request side. Returns the
+        leading run of intact, verified pages of each, for :meth:`start_loads` to copy L2 -> L1 with the step's other
+        loads; every block after that run is reported failed (:meth:`take_failed_blocks`: vLLM recomputes from there,
+        and the request's saves of this step are not made, docs §8 R31). Pages that arrive later still reach L2 and
+        are reported by the job."""
+        jobs = self._sync_jobs
+        if not jobs:
+            return []
+        t0 = time.perf_counter()
+        longest = max((j.deadline_s or 0.0) for j in jobs)
+        self.l3.wait_reads([j.job_id for j in jobs], 2.0 * longest + 0.001)  # queued, then read: each bounded
+        self.counters.sync_wait_seconds += time.perf_counter() - t0
+        out = self._end_sync(jobs, copy=True)
+        self._sync_jobs = []  # kept until here: if this raised, end_sync_step fails what was not released
+        return out
+
+    def end_sync_step(self, plan: StepPlan) -> None:
+        """After the forward, before the step's saves (vLLM's ``wait_for_save``): the plan's synchronous prefetches
+        whose request side :meth:`finish_sync_reads` did not end (it was not called before the forward, or raised),
+        and those never handed to the readers (:meth:`start_reads` raised), reached no L1 block in time: every
+        block of theirs is reported failed and their request's saves of this step are not made (docs §8 R31). The
+        ones never handed over are answered at once and not handed over later."""
+        jobs, self._sync_jobs = self._sync_jobs, []
+        if jobs:
+            self._end_sync(jobs, copy=False)
+        late = [j for j in plan.jobs if j.kind == JOB_PREFETCH and j.sync and j.job_id not in self._read_started]
+        if late:
+            self.fail_jobs(late)
+            self._sync_orders.extend(j.page_order() for j in late)
+            self._read_started.update(j.job_id for j in late)  # answered: submit_jobs does not hand them over
+
+    def _end_sync(self, jobs, copy: bool) -> list[PageOrder]:
+        by_id = {j.job_id: j for j in jobs}
+        oks, failed = [], set()
+        for jid, head, bad in self.l3.release(list(by_id)):
+            job = by_id[jid]
+            self._sync_orders.append(job.page_order())
+            good = self._verified_prefix(head) if copy else 0
+            self._sync_served[jid] = good
+            if good:
+                oks.append(head.head(good))
+            failed.update(bad)
+            failed.update(head.blocks_from(good))
+        if failed:
+            self._failed_blocks.update(failed)
+            self.counters.failed_load_blocks += len(failed)
+            self.counters.sync_failed_blocks += len(failed)
+        self.counters.sync_load_pages += sum(len(o.slots) for o in oks)
+        return oks
 
     def wait_step_reads(self, budget_s: float) -> None:
         """At the end of a step (before :meth:`poll`): wait at most ``budget_s`` seconds for the prefetch reads
@@ -596,6 +662,11 @@ class CacheWorker:
     def take_reports(self) -> list[JobReport]:
         out, self._orphan_reports = self._orphan_reports, []
         out.extend(self.l3.take_reports())
+        if self._sync_served:
+            for r in out:
+                served = self._sync_served.pop(r.job_id, None)
+                if served is not None:
+                    r.served = served
         return out
 
     def close(self, drain_s: float = 10.0) -> None:

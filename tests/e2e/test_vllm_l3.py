@@ -4,7 +4,10 @@ next one from L3 (restart persistence), outputs bit-identical to vLLM reusing th
 Reference: one engine without a connector and an L1 large enough for everything runs the first round and then
 the second round, so the second round's prefixes come from its own L1. tierkv: engine 1 runs the first round with
 write_through to a file store and an L2 too small for the working set; engine 2 (a new process, empty L1 and L2)
-runs the second round on the same directory, so its prefixes can only come from L3.
+runs the second round on the same directory, so its prefixes can only come from L3. Its requests run one at a time:
+the first read of a process is cold (it times the store client's set-up), so the first two hits are asynchronous
+loads and give the fetch estimate; the last two are then loaded synchronously, before the forward of the step that
+admits them (``controller.sync_load_max_s``).
 """
 import random
 
@@ -28,7 +31,9 @@ def _rounds():
 def _tier_config(root, **extra):
     cfg = {"host_pool": {"num_pages": 12}, "verify_checksums": True,
            "l3": {"backend": "file", "file": {"root": str(root)}},
-           "controller": {"write_policy": "write_through", "prefetch_policy": "wait_complete"}}
+           # deadlines long enough that a slow machine never misses one: outputs compare bit for bit
+           "controller": {"write_policy": "write_through", "prefetch_policy": "timeout",
+                          "prefetch_timeout_base_s": 30.0, "sync_load_max_s": 0.25}}
     cfg.update(extra)
     return tierkv_kv_config(cfg, load_failure_policy="recompute")
 
@@ -77,7 +82,11 @@ def test_restarted_engine_loads_prefixes_from_l3_bit_exact(runs):
     sched, worker = s["scheduler"], s["worker"]
     assert sched["ctl_l3_hit_tokens"] == sum(want["num_cached_tokens"]) > 0, sched
     assert worker["l3_prefetch_failed_pages"] == 0 and worker["failed_load_blocks"] == 0
-    assert worker["async_load_pages"] == sched["ctl_l3_hit_tokens"] // P
+    # two asynchronous loads (no fetch estimate before them), then two synchronous ones
+    assert sched["ctl_prefetch_jobs"] == 4 and sched["ctl_prefetch_sync_jobs"] == 2, sched
+    assert worker["sync_failed_blocks"] == 0 and worker["sync_load_pages"] > 0
+    assert worker["async_load_pages"] + worker["sync_load_pages"] == sched["ctl_l3_hit_tokens"] // P
+    assert sched["l3_hits"] == 4
     # vLLM's own counters agree: every reused token was supplied by the connector (L1 and L2 started empty), and
     # tierkv's Prometheus counters moved by the stats files' counts
     vc = out["vllm_counters"]

@@ -73,7 +73,7 @@ class FakeEngine:
     def __init__(self, num_blocks: int = 64, num_slots: int = 64, verify: bool = True, policy: str = "lru",
                  store=None, controller: Optional[dict] = None, tp_size: int = 1, batch_pages: int = 4,
                  clock=None, layout: str = "layer_first", layerwise: bool = False, reads_end_in_forward: bool = False,
-                 scheduler_exists: bool = False):
+                 scheduler_exists: bool = False, sync_loads: bool = False):
         self.ns = ModelNamespace("fake-model", "bfloat16", f"{layout}/LBHNC", P, LAYERS, HEADS, HEAD_DIM,
                                  tp_size=tp_size)
         self.tp_size = tp_size
@@ -99,6 +99,8 @@ class FakeEngine:
         if store is not None:
             ctl = dict(controller or {})
             ctl.setdefault("world_size", tp_size)
+            if not sync_loads:  # every L3 hit an asynchronous load, unless the test asks for synchronous ones
+                ctl.setdefault("sync_load_max_s", 0.0)
             if clock is not None:
                 ctl.setdefault("clock", clock)
             if scheduler_exists:  # the connector's exists_fn: the scheduler process's own store objects, per rank
@@ -143,8 +145,9 @@ class FakeEngine:
         plan = self.sched.build_plan()
         step_failed: set[int] = set()
         for rank, (_l1, dev, _host, worker) in enumerate(self.ranks):
-            worker.start_loads(plan)
-            worker.start_reads(plan)  # vLLM's start_load_kv: L3 reads overlap the forward
+            worker.start_reads(plan)  # vLLM's bind_connector_metadata: L3 reads overlap the forward
+            verified = worker.finish_sync_reads()  # start_load_kv: the step's synchronous L3 loads, then L2 -> L1
+            worker.start_loads(plan, verified)
             if self.reads_end_in_forward and worker.l3 is not None:
                 assert worker.l3.wait_idle(30)
             if worker.layerwise:
@@ -156,7 +159,8 @@ class FakeEngine:
                 for req in scheduled:
                     for i in range(req.external // P, len(req.tokens) // P):
                         self.write_page(req, i, rank)
-            worker.finish_loads()  # wait_for_save: the step's loads have ended, then the saves run
+            worker.end_sync_step(plan)  # wait_for_save: the step's loads have ended, then the saves run
+            worker.finish_loads()
             worker.run_saves(plan)
             worker.submit_jobs(plan)
             step_failed |= worker.take_failed_blocks()
@@ -277,10 +281,18 @@ class FakeEngine:
         self.running[req.req_id] = req
         return ext
 
-    def run_l3(self, req: Req) -> int:
-        """admit_l3 + one computing step + checks of every loaded page on every rank + finish."""
-        ext = self.admit_l3(req)
-        self.step()
+    def run_l3(self, req: Req, max_steps: int = 8) -> int:
+        """admit_l3 + computing steps until the prompt is computed (a synchronous L3 load whose pages did not all
+        arrive rolls the request back to its first failed block, and the next step recomputes from there) + checks
+        of every loaded page on every rank + finish. Returns the tokens served from the tiers."""
+        self.admit_l3(req)
+        for _ in range(max_steps):
+            self.step()
+            if req.num_computed >= len(req.tokens):
+                break
+        else:
+            raise AssertionError(f"{req.req_id}: not computed after {max_steps} steps")
+        ext = req.external
         for rank in range(self.tp_size):
             for i in range(ext // P):
                 assert self.page_ok(req, i, rank), f"{req.req_id}: page {i} loaded on rank {rank} has wrong bytes"

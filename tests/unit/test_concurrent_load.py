@@ -419,6 +419,98 @@ def test_existence_answered_in_the_scheduler_makes_a_restart_hit_cost_one_step_a
     e.close()
 
 
+def _sync_engine(tmp_path, doc, faulty=None):
+    """An engine restarted over a file L3 holding ``doc`` (and L2 empty), whose fetch estimate exists: two L3 hits
+    were read asynchronously (without an estimate; the first read of a process is cold, it times the store client's
+    set-up and does not count), L2 and the index being reset after each."""
+    from test_controller import write_to_l3
+    from test_field_r34_r38 import file_store
+    write_to_l3(tmp_path, doc)
+    e = FakeEngine(store=file_store(tmp_path, faulty), scheduler_exists=True, sync_loads=True)
+    for k in range(2):
+        assert e.run_l3(Req(f"warm{k}", doc + [1])) == 4 * P
+        e.settle()
+        assert e.sched.reset()
+        e.settle()
+    assert e.sched.ctl.counters.prefetch_sync_jobs == 0 and e.sched.ctl.fetch_s_per_page.value is not None
+    assert e.sched.index.match_prefix(_doc_keys(e, doc), require_l2=False).num_pages == 0
+    return e
+
+
+def test_a_fast_l3_hit_is_loaded_before_the_forward_of_the_step_that_admits_it(tmp_path):
+    """Item 4: an L3 hit whose read the fetch estimate puts under ``sync_load_max_s`` is a synchronous load, like an
+    L2 hit's: vLLM is told ``load_async=False`` and schedules the request at once; the worker waits for the read
+    before the forward and copies the pages with the step's L2 -> L1 loads, so the request computes its other
+    tokens in the step that admitted it (zero steps more than an L2 hit; before, one, and two with asynchronous
+    scheduling). The request is never named in ``finished_recving`` and its free is never delayed; the pages reach
+    the index (L2 + L3) through the job's report and are not saved a second time from L1."""
+    doc = toks(7, 4 * P)
+    e = _sync_engine(tmp_path, doc)
+    c, cc = e.sched.counters, e.sched.ctl.counters
+    served_l3 = e.sched.lookup_stats.tokens["l3"]
+    hits, waited = c.l3_hits, c.l3_hit_wait_steps
+    r = Req("c", doc + toks(90_000, 2 * P) + [3])      # 4 pages in L3, then 2 new pages to compute
+    e.sched.add_request("c", r.tokens)
+    assert e.sched.lookup("c", 0) == 4 * P and not e.sched.lookup_is_async("c")
+    assert e.admit_l3(r) == 4 * P and "c" in e.running and not e.waiting
+    assert cc.prefetch_sync_jobs == 1
+    saves = c.save_pages
+    e.step()                                           # the read, the L2 -> L1 copy and the forward: one step
+    assert r.num_computed == len(r.tokens) and "c" not in e.rolled_back
+    assert all(e.page_ok(r, i) for i in range(6))
+    assert c.save_pages == saves + 2                   # only the two computed pages; the hit's come from the job
+    assert e.worker.counters.sync_load_pages == 4 and e.worker.counters.sync_failed_blocks == 0
+    assert e.recv == set() and (c.l3_hits, c.l3_hit_wait_steps) == (hits + 1, waited)   # it waited no step
+    e.finish(r)
+    assert "c" not in e.delayed                        # freed at once: no load of it is in flight
+    e.settle()
+    assert l2_run(e, _doc_keys(e, doc) + keys_of_doc(e, r.tokens)[4:6]) == 6
+    assert e.sched.lookup_stats.tokens["l3"] == served_l3 + 4 * P
+    e.idle_check()
+    e.close()
+
+
+def keys_of_doc(e, tokens):
+    return page_keys(request_root(e.sched.ns_digest), tokens, P)
+
+
+def l2_run(e, keys):
+    return e.sched.index.match_len(keys, len(keys), require_l2=True)[0]
+
+
+def test_a_synchronous_l3_load_on_a_stalled_store_waits_a_bounded_time_then_recomputes(tmp_path):
+    """Item 3 under a synchronous load: the store hangs once the hit was ordered. The forward waits at most the
+    load's deadline (``SYNC_DEADLINE_FACTOR`` x ``sync_load_max_s``, queueing included), then every block of the
+    hit is reported failed: vLLM rolls the request back and recomputes it, with the right bytes; the request's saves
+    of that step, computed on the broken prefix, are not made (docs §8 R31), and they are made once it is
+    recomputed. The read's staging slots stay pinned until the hung read ends; then nothing is left reserved."""
+    from test_field_r34_r38 import assert_nothing_reserved, l3io
+    doc = toks(7, 4 * P)
+    e = _sync_engine(tmp_path, doc, faulty={0: {}})
+    store = l3io(e).store
+    r = Req("c", doc + toks(90_000, 2 * P) + [3])
+    assert e.admit_l3(r) == 4 * P and e.sched.ctl.counters.prefetch_sync_jobs == 1
+    store.set_faults(hang_get=True)
+    e.step()
+    w = e.worker.counters
+    assert store.hanging == 1 and w.sync_failed_blocks == 4
+    assert w.sync_wait_seconds < 2 * 2 * e.sched.ctl.sync_load_max_s + 1.0   # bounded by the deadline, not the hang
+    assert "c" in e.rolled_back and r.num_computed == 0 and w.unsaved_pages == 2
+    e.step()                                           # recomputed from its first page
+    assert r.num_computed == len(r.tokens) and all(e.page_ok(r, i) for i in range(6))
+    e.finish(r)
+    assert "c" not in e.delayed
+    assert e.sched.ctl.staging_slots() != []           # the hung read still owns its staging slots
+    store.release()
+    store.set_faults(hang_get=False)
+    e.settle()
+    assert e.sched.lookup_stats.tokens["l3"] == 2 * 4 * P  # only the two asynchronous hits were served from L3
+    keys = keys_of_doc(e, r.tokens)
+    assert l2_run(e, keys[:6]) == 6                    # the recomputed pages were saved (and the late read landed)
+    assert_nothing_reserved(e)
+    e.close()
+
+
 def test_the_connector_answers_existence_in_the_scheduler_only_for_a_local_store(tmp_path, monkeypatch):
     """The scheduler role builds its own file store objects (one per rank namespace) and finds a page a worker
     stored; with ``controller.exists_in_scheduler: false`` or injected faults the workers are asked instead."""

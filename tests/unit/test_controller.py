@@ -166,10 +166,14 @@ def test_r27_small_l2_under_write_through_reclaims_committed_copies(tmp_path):
 
 
 # ---------------------------------------------------------------- faults
-def test_faulty_store_30_percent_keeps_serving_correct_bytes(tmp_path):
+@pytest.mark.parametrize("sync_loads", [False, True], ids=["async", "sync"])
+def test_faulty_store_30_percent_keeps_serving_correct_bytes(tmp_path, sync_loads):
+    """30 % of reads, writes and existence queries fail: every page loaded is the right one, whether L3 hits are
+    loaded asynchronously or before the forward of their step (a failed synchronous read rolls the request back and
+    its saves of that step are not made: their backups are skipped, not sent)."""
     rng = random.Random(7)
     e = FakeEngine(num_slots=16, store=file_store(tmp_path, fail_get=0.3, fail_set=0.3, fail_exists=0.3, seed=3),
-                   controller={"write_policy": "write_through"})
+                   controller={"write_policy": "write_through"}, sync_loads=sync_loads)
     docs = [toks(500 * k, 4 * P) for k in range(1, 9)]
     hits = 0
     for i in range(40):
@@ -179,7 +183,8 @@ def test_faulty_store_30_percent_keeps_serving_correct_bytes(tmp_path):
     c = e.sched.ctl.counters
     assert c.backup_failed_pages > 0 and hits > 0
     w = e.worker.l3.counters
-    assert w.backup_failed_pages == c.backup_failed_pages
+    assert w.backup_failed_pages + w.backup_skipped_pages == c.backup_failed_pages
+    assert (c.prefetch_sync_jobs > 0) == sync_loads and (e.rolled_back != set()) == sync_loads
     e.idle_check()
     e.close()
 

@@ -217,7 +217,8 @@ def test_a_pool_the_operator_sized_is_mapped_at_start_up_and_an_automatic_one_is
 # ------------------------------------------------------------------ controller keys reach what reads them
 NON_DEFAULT = {"write_policy": "write_back", "write_through_threshold": 5, "prefetch_policy": "timeout",
                "prefetch_timeout_base_s": 0.75, "prefetch_timeout_per_page_s": 0.01, "exists_wait_s": 0.25,
-               "negative_ttl_s": 3.5, "room_retry_steps": 3, "room_wait_s": 0.25, "probe_interval_s": 2.5, "exists_in_scheduler": False, "max_index_pages": 1000, "batch_pages": 8, "read_threads": 3,
+               "negative_ttl_s": 3.5, "room_retry_steps": 3, "room_wait_s": 0.25, "probe_interval_s": 2.5,
+               "sync_load_max_s": 0.05, "exists_in_scheduler": False, "max_index_pages": 1000, "batch_pages": 8, "read_threads": 3,
                "max_backup_pages": 100, "shutdown_drain_s": 0.5}
 # where each key ends up: the scheduler's Controller, the worker's L3IO, or the worker's shutdown
 READ_BY = {"write_policy": ("ctl", "write_policy"), "write_through_threshold": ("ctl", "threshold"),
@@ -225,6 +226,7 @@ READ_BY = {"write_policy": ("ctl", "write_policy"), "write_through_threshold": (
            "prefetch_timeout_per_page_s": ("ctl", "timeout_per_page_s"), "exists_wait_s": ("ctl", "exists_wait_s"),
            "negative_ttl_s": ("ctl", "negative_ttl_s"), "room_retry_steps": ("ctl", "room_retry_steps"),
            "room_wait_s": ("ctl", "room_wait_s"), "probe_interval_s": ("ctl", "probe_interval_s"),
+           "sync_load_max_s": ("ctl", "sync_load_max_s"),
            "exists_in_scheduler": ("ctl", "exists_in_scheduler"),
            "max_index_pages": ("ctl", "max_index_pages"), "batch_pages": ("l3io", "batch_pages"),
            "read_threads": ("l3io", "read_threads"),
