@@ -963,7 +963,9 @@ class Controller:
         name its load as ended (see :meth:`request_side_open`)."""
         self.forget_request(req_id)
         o = self._outcomes.get(req_id)
-        if o is not None and o.served is None:  # ended before its load did: nothing reached its blocks
+        # ended before its load did: nothing reached its blocks. A synchronous load ended within its step; its job's
+        # report (which may come later, if the read outlived the deadline) says what was served
+        if o is not None and o.served is None and not (o.job is not None and o.job.sync):
             del self._outcomes[req_id]
             self.lookup_stats.waiting -= o.tokens
             self.lookup_stats.add("aborted", o.tokens)

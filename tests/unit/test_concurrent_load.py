@@ -504,7 +504,9 @@ def test_a_synchronous_l3_load_on_a_stalled_store_waits_a_bounded_time_then_reco
     store.release()
     store.set_faults(hang_get=False)
     e.settle()
-    assert e.sched.lookup_stats.tokens["l3"] == 2 * 4 * P  # only the two asynchronous hits were served from L3
+    ls = e.sched.lookup_stats
+    assert ls.tokens["l3"] == 2 * 4 * P                # only the two asynchronous hits were served from L3
+    assert ls.tokens["late"] == 4 * P and ls.tokens["aborted"] == 0   # the request finished before the report
     keys = keys_of_doc(e, r.tokens)
     assert l2_run(e, keys[:6]) == 6                    # the recomputed pages were saved (and the late read landed)
     assert_nothing_reserved(e)
