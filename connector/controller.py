@@ -24,17 +24,17 @@ Existence (is the rest of this prompt in L3?)
     (one query per miss).
 
 Prefetch (L3 -> L2 -> L1)
-    :meth:`start_prefetch` gives the L3-only pages staging slots (evicting if needed), locks the path, and orders
-    one job; the worker copies the leading run that arrived intact into the request's blocks and reports the rest as
-    load errors. A hit whose read is estimated to take at most ``sync_load_max_s`` is loaded synchronously
+    :meth:`start_prefetch` gives the L3-only pages staging slots (evicting if needed), locks the path, and orders one
+    job; the worker copies the leading run that arrived intact into the request's blocks and reports the rest as load
+    errors. A hit whose read is estimated to take at most ``sync_load_max_s`` is loaded synchronously
     (:meth:`load_sync`): the worker waits for the read before the forward of the step that admits the request, which
     then computes its other tokens in that step, like an L2 hit's. Any other hit is an asynchronous load: the request
-    waits outside the batch, and is scheduled in the step after the one whose output names its load ended. Deadline per policy: ``wait_complete`` none (the store's
-    own timeout bounds each call), ``timeout`` ``base + per_page * pages``, ``best_effort`` the time recomputing
-    those tokens would take (by the running estimate; ``timeout``'s deadline until one exists). The report publishes
-    the fetched pages into the index (slot + L3) and frees the rest; a page that failed to read is remembered as
-    absent. A page being fetched is not fetched again: another request that needs it waits (lookup answers None)
-    and then loads it from L2, so one L3 read serves every waiting request.
+    waits outside the batch, and is scheduled in the step after the one whose output names its load ended. Deadline
+    per policy: ``wait_complete`` none (the store's own timeout bounds each call), ``timeout``
+    ``base + per_page * pages``, ``best_effort`` the time recomputing those tokens would take (by the running estimate; ``timeout``'s
+    deadline until one exists). The report publishes the fetched pages into the index (slot + L3) and frees the rest;
+    a page that failed to read is remembered as absent. A page being fetched is not fetched again: another request
+    that needs it waits (lookup answers None) and then loads it from L2, so one L3 read serves every waiting request.
 
 A hit is never slower than recomputing it
     Running estimates (EWMA) of the seconds per fetched page (from prefetch reports, timed from the start of each
@@ -784,11 +784,12 @@ class Controller:
     def start_prefetch(self, req_id: str, path: Sequence[bytes], first: int, last: int,
                        block_ids: Sequence[int], blocks_per_page: int = 1, skip_blocks: int = 0,
                        groups: Sequence[Sequence[int]] = (), sync: bool = False) -> Job:
-        """Order the load (``sync``: before this step's forward, :meth:`load_sync`; else asynchronous) of pages ``path[first:last]`` into ``block_ids`` (``blocks_per_page`` per page, less
-        the first ``skip_blocks`` blocks of page ``first``, which the engine holds in L1; ``groups``: the same blocks
-        per KV cache group of a hybrid model, :class:`~tierkv.connector.plan.Job`). Pages without an
-        L2 copy get staging slots (evicting others if needed); the path is locked until the report. Pages for
-        which no slot could be had are in the job with slot -1: the worker reports them as load errors."""
+        """Order the load (``sync``: before this step's forward, :meth:`load_sync`; else asynchronous) of pages
+        ``path[first:last]`` into ``block_ids`` (``blocks_per_page`` per page, less the first ``skip_blocks`` blocks
+        of page ``first``, which the engine holds in L1; ``groups``: the same blocks per KV cache group of a hybrid
+        model, :class:`~tierkv.connector.plan.Job`). Pages without an L2 copy get staging slots (evicting others if
+        needed); the path is locked until the report. Pages for which no slot could be had are in the job with slot
+        -1: the worker reports them as load errors."""
         path = list(path[:last])
         m = self.index.match_prefix(path, require_l2=False, split=True, touch=True)
         if m.num_pages < last:
@@ -810,7 +811,8 @@ class Controller:
         job = Job(self._new_id(), JOB_PREFETCH, path[first:last], slots=slots, block_ids=list(block_ids),
                   fetch=fetch, req_id=req_id,
                   deadline_s=self.sync_deadline_s(need) if sync else self.deadline_s(need),
-                  blocks_per_page=blocks_per_page, skip_blocks=skip_blocks, groups=[list(g) for g in groups], sync=sync)
+                  blocks_per_page=blocks_per_page, skip_blocks=skip_blocks, groups=[list(g) for g in groups],
+                  sync=sync)
         for k, f, s in zip(job.keys, fetch, slots):
             if f and s != NO_SLOT:
                 self._fetching[k] = job.job_id

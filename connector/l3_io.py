@@ -265,22 +265,28 @@ class L3IO:
                     p.cancel = True
                 if not (p.io_done or p.aborted or (p.deadline is not None and now >= p.deadline)):
                     continue
-                p.request_done = True
-                if not p.io_done:
-                    p.cancel = True  # batches not started yet are skipped
-                    if not p.aborted:
-                        self.counters.prefetch_deadline_misses += 1
-                lead = next((i for i, v in enumerate(p.ok) if not v), len(p.ok))
+                head, failed = self._end_request_locked(p)
                 if not p.aborted:
-                    order = p.job.page_order()
-                    if lead:
-                        out.orders.append(order.head(lead))
-                    out.failed_blocks.update(order.blocks_from(lead))
-                    if lead < len(p.ok):
-                        self.counters.prefetch_late_pages += sum(1 for v in p.ok[lead:] if not v)
+                    if head.slots:
+                        out.orders.append(head)
+                    out.failed_blocks.update(failed)
                 out.finished.add(p.job.req_id)
             self._finish_prefetches_locked()
         return out
+
+    def _end_request_locked(self, p: _Prefetch) -> tuple[PageOrder, list[int]]:
+        """End the request side of prefetch ``p`` (its batches not started yet are skipped; the job is reported once
+        its I/O ended too): the leading run of intact pages as a PageOrder and the engine blocks after it. Counts a
+        deadline miss and the pages that missed it, unless the request was aborted."""
+        p.request_done = True
+        if not p.io_done:
+            p.cancel = True
+        lead = next((i for i, v in enumerate(p.ok) if not v), len(p.ok))
+        if not p.aborted:
+            self.counters.prefetch_deadline_misses += not p.io_done
+            self.counters.prefetch_late_pages += sum(1 for v in p.ok[lead:] if not v)
+        order = p.job.page_order()
+        return order.head(lead), order.blocks_from(lead)
 
     def release(self, job_ids: Sequence[int]) -> list[tuple[int, PageOrder, list[int]]]:
         """End the request side of the synchronous prefetches ``job_ids`` now (engine thread, before the step's
@@ -290,17 +296,8 @@ class L3IO:
         with self._lock:
             for jid in job_ids:
                 p = self._prefetches.get(jid)
-                if p is None or p.request_done:
-                    continue
-                p.request_done = True
-                if not p.io_done:
-                    p.cancel = True
-                    self.counters.prefetch_deadline_misses += 1
-                lead = next((i for i, v in enumerate(p.ok) if not v), len(p.ok))
-                if lead < len(p.ok):
-                    self.counters.prefetch_late_pages += sum(1 for v in p.ok[lead:] if not v)
-                order = p.job.page_order()
-                out.append((jid, order.head(lead), order.blocks_from(lead)))
+                if p is not None and not p.request_done:
+                    out.append((jid, *self._end_request_locked(p)))
             self._finish_prefetches_locked()
         return out
 
