@@ -4,8 +4,10 @@ file L3, in one engine with ``tensor_parallel_size=2`` (one OpenMP thread per ra
 worker (its own L1, L2 and store object), so the engine proves the single-rank path (L2 and L3 hits) and the TP rule
 (one record per page) at once; one engine keeps the suite's time (a TP=1 engine alone costs as much again).
 
-What vLLM's CPU backend does with an MLA model (on a CPU without AMX, as here; ``vllm/platforms/cpu.py``): it forces
-``block_size`` 16 (the CPU MLA decode kernel's only block size) and turns prefix caching and chunked prefill off.
+What vLLM's CPU backend does with an MLA model (``vllm/platforms/cpu.py``): on a CPU with AMX tiles it picks
+``AMX_MLA`` (block sizes multiple of 32, prefix caching on), elsewhere ``CPU_MLA``. The engine here asks for ``CPU_MLA``
+by name (``attention_backend``), so the test runs the same backend on every host: vLLM then forces ``block_size`` 16
+(the CPU MLA decode kernel's only block size) and turns prefix caching and chunked prefill off.
 With no L1 prefix reuse there is no "same engine reusing the prefix from L1" to compare with: the reference is the
 same engine recomputing the same prompts under a fresh ``cache_salt`` each (a salted page key never hits, so the
 whole prompt is computed), i.e. the prompt without any cache. Outputs are compared in sequential mode (one request
@@ -34,6 +36,7 @@ import pytest
 
 from _engine import REPO_ROOT, run_job, stats_by_role, tierkv_kv_config
 
+MLA_BACKEND = "CPU_MLA"  # named, else an AMX host gets AMX_MLA (block sizes multiple of 32, prefix caching on)
 P = 16                # vLLM's CPU MLA block size (forced), tierkv's page
 LAYERS, LATENT = 2, 576
 PAGE_BYTES = LAYERS * P * LATENT * 2   # one bf16 latent plane per token and layer
@@ -88,7 +91,8 @@ def run(mla_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("l3")
     res = run_job(mla_model, _workloads(), kv_transfer_config=_kv(root), env=TP_ENV, max_tokens=MAX_TOKENS,
                   num_gpu_blocks_override=L1_BLOCKS,
-                  extra_engine_args={"block_size": P, "max_model_len": 256, "tensor_parallel_size": TP},
+                  extra_engine_args={"block_size": P, "max_model_len": 256, "tensor_parallel_size": TP,
+                                     "attention_backend": MLA_BACKEND},
                   workdir=tmp_path_factory.mktemp("tp2"))
     res["root"] = root
     return res
