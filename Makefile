@@ -8,6 +8,9 @@ VENV      := .venv
 VPY       := $(VENV)/bin/python
 STAMP     := $(VENV)/.tierkv-installed
 PYTEST_ARGS ?=
+# test files run on this many pytest-xdist workers (a whole file per worker: module fixtures share their engines);
+# on the 2-core machines the suite runs on, a lone engine test leaves a core idle half the time
+TEST_WORKERS ?= 2
 
 .PHONY: demo test venv bench clean-venv sysdeps
 
@@ -22,7 +25,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VPY) -m pytest tests $(PYTEST_ARGS)
+	$(VPY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(VPY) benchmarks/e2e_cpu.py

