@@ -8,6 +8,11 @@ runs the second round on the same directory, so its prefixes can only come from 
 the first read of a process is cold (it times the store client's set-up), so the first two hits are asynchronous
 loads and give the fetch estimate; the last two are then loaded synchronously, before the forward of the step that
 admits them (``controller.sync_load_max_s``).
+
+On a CPU with AMX tiles engine 2 is also the restart path of the second crash in the issue "Serving under
+concurrent load": its first forward is an L3 hit, and vLLM's AMX attention kernel dies of SIGILL unless the process
+asked for AMX tile permission first (``connector/cpu_features.py``). The namespace test checks which packing the
+engines ran, so a run on such a host says it covered that path.
 """
 import random
 
@@ -112,6 +117,9 @@ def test_store_records_what_its_namespace_stands_for(runs, tiny_model):
     assert len(infos) == 1, infos                      # one rank, one namespace
     info = json.loads(infos[0].read_text())
     assert info["model_id"].startswith(str(tiny_model)) and info["page_size"] == P and info["tp_rank"] == 0
+    # vLLM's CPU attention packs bf16 pages for AMX where the CPU has AMX bf16 tiles: the namespace names it
+    from tierkv.connector.cpu_features import cpu_flags
+    assert ("/cpu-amx/" in info["kv_layout"]) == ("amx_bf16" in cpu_flags()), info["kv_layout"]
     out = subprocess.run([sys.executable, "-m", "tierkv.cli", "store", "stats", str(root)], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
