@@ -31,9 +31,9 @@ Prefetch (L3 -> L2 -> L1)
     then computes its other tokens in that step, like an L2 hit's. Any other hit is an asynchronous load: the request
     waits outside the batch, and is scheduled in the step after the one whose output names its load ended. Deadline
     per policy: ``wait_complete`` none (the store's own timeout bounds each call), ``timeout``
-    ``base + per_page * pages``, ``best_effort`` the time recomputing those tokens would take (by the running estimate; ``timeout``'s
-    deadline until one exists). The report publishes the fetched pages into the index (slot + L3) and frees the rest;
-    a page that failed to read is remembered as absent. A page being fetched is not fetched again: another request
+    ``base + per_page * pages``, ``best_effort`` the time recomputing those tokens would take (by the running
+    estimate; ``timeout``'s deadline until one exists). The report publishes the fetched pages into the index (slot +
+    L3) and frees the rest; a page that failed to read is remembered as absent. A page being fetched is not fetched again: another request
     that needs it waits (lookup answers None) and then loads it from L2, so one L3 read serves every waiting request.
 
 A hit is never slower than recomputing it

@@ -49,6 +49,8 @@ from typing import Optional
 
 import torch
 
+from .cpu_features import cpu_flags
+
 #: attention backend names (vLLM ``AttentionBackendEnum`` names, case-insensitive) -> device kind
 _BACKEND_KINDS = {
     "cpu_attn": "cpu",
@@ -106,17 +108,6 @@ def device_layout_tag(kind: str, kv_cache_layout: Optional[str], isa: Optional[s
     if kind == "cpu":
         return f"cpu-{isa or 'vec'}/LBHNC"
     return f"{kind}/{lay}"
-
-
-def _cpu_has_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return "amx_bf16" in line.split()
-    except OSError:
-        pass
-    return False
 
 
 @dataclass(frozen=True)
@@ -255,7 +246,8 @@ class DevicePool:
             if h > 1 and n > 1 and token_major != (sN > sH):
                 raise ValueError(f"KV tensor strides {t4[0].stride()} contradict kv_cache_layout={kv_cache_layout!r}")
         if kind == "cpu" and not isa:  # the engine did not say: vLLM's choice for bf16 and 32-token blocks
-            isa = "amx" if (self.dtype == torch.bfloat16 and _cpu_has_amx() and block_size % 32 == 0) else "vec"
+            amx = "amx_bf16" in cpu_flags()
+            isa = "amx" if (self.dtype == torch.bfloat16 and amx and block_size % 32 == 0) else "vec"
         self.isa = isa if kind == "cpu" else None
         self.layout_tag = device_layout_tag(kind, kv_cache_layout, self.isa)
         # per-layer typed offsets (elements) into the shared storage
