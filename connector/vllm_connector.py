@@ -688,7 +688,6 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         lat = None
         l3 = self._worker.l3 if self._worker is not None else None
         if l3 is not None and isinstance(l3.store, TimedStore):
-            snap.update(l3.store.failure_counts())
             lat = l3.store.take_latencies()
         return self._deltas.take(snap, lat)
 
@@ -1094,7 +1093,15 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         return TierKVWorkerMeta(reports, forwards) if reports or forwards else None
 
     def _worker_stats(self) -> dict:
-        return self._worker.stats() if self._worker is not None else {}
+        """The worker's counters, with the L3 store's own failure counts (``l3_errors``, ``l3_timeouts``: a ZMQ or
+        Mooncake call abandoned after its ``timeout_s`` is a miss that nothing else counts); {} without a worker."""
+        if self._worker is None:
+            return {}
+        d = self._worker.stats()
+        l3 = self._worker.l3
+        if l3 is not None and isinstance(l3.store, TimedStore):
+            d.update(l3.store.failure_counts())
+        return d
 
     @_timed_hook
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
