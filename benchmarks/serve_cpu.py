@@ -16,7 +16,9 @@ Configurations (L1 = vLLM's own KV pool, ``--num-gpu-blocks-override`` blocks of
 - ``tierkv_l2``: small L1 + tierkv L2 (a host pool that holds everything);
 - ``tierkv_l3_file``: small L1, small L2, file L3 under the run directory (``write_through``);
 - ``tierkv_l3_zmq``: small L1, small L2, ``tierkv server`` L3 (``l3.zmq.shm: auto``, ``write_through``);
-- ``tierkv_write_back``: as ``tierkv_l3_file`` with ``controller.write_policy: write_back``.
+- ``tierkv_write_back``: as ``tierkv_l3_file`` with ``controller.write_policy: write_back``;
+- ``tierkv_l3_file_shm``: as ``tierkv_l3_file`` with the store's root on ``/dev/shm`` (tmpfs; removed when the
+  server stops): the same tierkv work without a block device's writeback, to tell the two costs apart.
 
 Every tierkv configuration sets ``"kv_load_failure_policy": "recompute"`` and a ``stats_path``. Every server gets
 the same environment (``VLLM_CPU_NUM_OF_RESERVED_CPU=0``: equal compute threads with and without a connector, as
@@ -79,12 +81,14 @@ import os
 import platform
 import re
 import selectors
+import shutil
 import signal
 import socket
 import statistics
 import subprocess
 import sys
 import tarfile
+import tempfile
 import io
 import time
 import urllib.error
@@ -109,7 +113,8 @@ def _load(name: str, path: Path):
 results_check = _load("tierkv_results_check", REPO / "benchmarks" / "results_check.py")
 trace_gen = _load("tierkv_make_multiturn_trace", REPO / "benchmarks" / "make_multiturn_trace.py")
 
-CONFIGS = ["ideal", "none", "tierkv_l2", "tierkv_l3_file", "tierkv_l3_zmq", "tierkv_write_back"]
+CONFIGS = ["ideal", "none", "tierkv_l2", "tierkv_l3_file", "tierkv_l3_zmq", "tierkv_write_back",
+           "tierkv_l3_file_shm"]
 WORKLOADS = ["prefix_repetition", "multiturn", "random"]
 CONFIG_TEXT = {
     "ideal": "no connector, L1 {ideal_blocks} blocks",
@@ -118,6 +123,7 @@ CONFIG_TEXT = {
     "tierkv_l3_file": "L1 {l1_blocks} + L2 {l3_l2_pages} pages + file L3, write_through",
     "tierkv_l3_zmq": "L1 {l1_blocks} + L2 {l3_l2_pages} pages + `tierkv server` L3 (shm auto), write_through",
     "tierkv_write_back": "L1 {l1_blocks} + L2 {l3_l2_pages} pages + file L3, write_back",
+    "tierkv_l3_file_shm": "L1 {l1_blocks} + L2 {l3_l2_pages} pages + file L3 on /dev/shm (tmpfs), write_through",
 }
 
 #: Environment of every vLLM server (as tests/e2e/_engine.py DEFAULT_ENV).
@@ -530,14 +536,16 @@ def summarise_run(res: dict, delta: dict, trace_rows: list[dict] | None) -> dict
 
 
 # ------------------------------------------------------------------------------------------------ configurations
-def kv_config(name: str, p: dict, cdir: Path, zmq_endpoint: str | None) -> dict | None:
+def kv_config(name: str, p: dict, cdir: Path, zmq_endpoint: str | None, l3_root: str | None = None) -> dict | None:
+    """vLLM's ``kv_transfer_config`` of configuration ``name`` (None without a connector); ``l3_root``: the file
+    store's root (default ``cdir/l3``)."""
     if name in ("ideal", "none"):
         return None
     extra: dict = {"stats_path": str(cdir / "stats" / "{role}-{pid}.json")}
     if name == "tierkv_l2":
         extra["host_pool"] = {"num_pages": p["l2_pages"]}
-    elif name in ("tierkv_l3_file", "tierkv_write_back"):
-        extra.update({"config_file": "l3_file.yaml", "l3.file.root": str(cdir / "l3"),
+    elif name in ("tierkv_l3_file", "tierkv_write_back", "tierkv_l3_file_shm"):
+        extra.update({"config_file": "l3_file.yaml", "l3.file.root": l3_root or str(cdir / "l3"),
                       "host_pool": {"num_pages": p["l3_l2_pages"]},
                       "controller": {"write_policy": "write_back" if name == "tierkv_write_back"
                                      else "write_through"}})
@@ -599,12 +607,15 @@ def run_config(name: str, p: dict, args, model_dir: str, work: Path, pythonpath:
     out: dict = {"load_before": loadavg(), "runs": [], "failures": []}
     zmq = None
     kvc = None
+    shm_root = None
     t_cfg = time.monotonic()
     try:
         if name == "tierkv_l3_zmq":
             zmq = ZmqServer(cdir / "zmq_server.log", pythonpath)
             out["zmq_endpoint"] = zmq.endpoint
-        kvc = kv_config(name, p, cdir, zmq.endpoint if zmq else None)
+        if name == "tierkv_l3_file_shm":
+            shm_root = tempfile.mkdtemp(prefix="tierkv-serve-l3-", dir="/dev/shm")
+        kvc = kv_config(name, p, cdir, zmq.endpoint if zmq else None, l3_root=shm_root)
         blocks = p["ideal_blocks"] if name == "ideal" else p["l1_blocks"]
         out["kv_transfer_config"] = kvc
         out["l1_blocks"] = blocks
@@ -666,6 +677,8 @@ def run_config(name: str, p: dict, args, model_dir: str, work: Path, pythonpath:
     finally:
         if zmq is not None:
             out["zmq_stop"] = zmq.stop()
+        if shm_root is not None:  # RAM: gone with the server that wrote it
+            shutil.rmtree(shm_root, ignore_errors=True)
     out["elapsed_s"] = round(time.monotonic() - t_cfg, 1)
     out["load_after"] = loadavg()
     out["log"] = log_findings(cdir / "server.log")
@@ -1076,7 +1089,8 @@ def table(data: dict) -> str:
 
 #: the issue's targets, as (reference configuration, minimum ratio of request throughput): workloads with reuse are
 #: compared with the ideal, ``random`` (no reuse) with no connector
-TARGETS = {"tierkv_l2": 0.95, "tierkv_l3_file": 0.9, "tierkv_l3_zmq": 0.9, "tierkv_write_back": 0.9}
+TARGETS = {"tierkv_l2": 0.95, "tierkv_l3_file": 0.9, "tierkv_l3_zmq": 0.9, "tierkv_write_back": 0.9,
+           "tierkv_l3_file_shm": 0.9}
 NO_REUSE_TARGET = 0.97
 #: TTFT p99 of tierkv L2 at most this times the ideal's, with reuse
 TTFT_P99_TARGET = 1.3
