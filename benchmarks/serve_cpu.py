@@ -18,7 +18,9 @@ Configurations (L1 = vLLM's own KV pool, ``--num-gpu-blocks-override`` blocks of
 - ``tierkv_l3_zmq``: small L1, small L2, ``tierkv server`` L3 (``l3.zmq.shm: auto``, ``write_through``);
 - ``tierkv_write_back``: as ``tierkv_l3_file`` with ``controller.write_policy: write_back``;
 - ``tierkv_l3_file_shm``: as ``tierkv_l3_file`` with the store's root on ``/dev/shm`` (tmpfs; removed when the
-  server stops): the same tierkv work without a block device's writeback, to tell the two costs apart.
+  server stops): the same tierkv work without a block device's writeback, to tell the two costs apart;
+- ``tierkv_l3_file_p4``: as ``tierkv_l3_file`` with ``page_size`` = 4 blocks (128 tokens) and an L2 of the same
+  bytes (``l3_l2_pages`` / 4 pages): a quarter as many L3 records, each four times larger (``page_records``).
 
 Every tierkv configuration sets ``"kv_load_failure_policy": "recompute"`` and a ``stats_path``. Every server gets
 the same environment (``VLLM_CPU_NUM_OF_RESERVED_CPU=0``: equal compute threads with and without a connector, as
@@ -114,7 +116,8 @@ results_check = _load("tierkv_results_check", REPO / "benchmarks" / "results_che
 trace_gen = _load("tierkv_make_multiturn_trace", REPO / "benchmarks" / "make_multiturn_trace.py")
 
 CONFIGS = ["ideal", "none", "tierkv_l2", "tierkv_l3_file", "tierkv_l3_zmq", "tierkv_write_back",
-           "tierkv_l3_file_shm"]
+           "tierkv_l3_file_shm", "tierkv_l3_file_p4"]
+P4_BLOCKS = 4   # blocks per page of tierkv_l3_file_p4
 WORKLOADS = ["prefix_repetition", "multiturn", "random"]
 CONFIG_TEXT = {
     "ideal": "no connector, L1 {ideal_blocks} blocks",
@@ -124,6 +127,7 @@ CONFIG_TEXT = {
     "tierkv_l3_zmq": "L1 {l1_blocks} + L2 {l3_l2_pages} pages + `tierkv server` L3 (shm auto), write_through",
     "tierkv_write_back": "L1 {l1_blocks} + L2 {l3_l2_pages} pages + file L3, write_back",
     "tierkv_l3_file_shm": "L1 {l1_blocks} + L2 {l3_l2_pages} pages + file L3 on /dev/shm (tmpfs), write_through",
+    "tierkv_l3_file_p4": "L1 {l1_blocks} + L2 {l3_l2_pages} blocks in pages of 4 blocks + file L3, write_through",
 }
 
 #: Environment of every vLLM server (as tests/e2e/_engine.py DEFAULT_ENV).
@@ -544,9 +548,12 @@ def kv_config(name: str, p: dict, cdir: Path, zmq_endpoint: str | None, l3_root:
     extra: dict = {"stats_path": str(cdir / "stats" / "{role}-{pid}.json")}
     if name == "tierkv_l2":
         extra["host_pool"] = {"num_pages": p["l2_pages"]}
-    elif name in ("tierkv_l3_file", "tierkv_write_back", "tierkv_l3_file_shm"):
+    elif name in ("tierkv_l3_file", "tierkv_write_back", "tierkv_l3_file_shm", "tierkv_l3_file_p4"):
+        k = P4_BLOCKS if name == "tierkv_l3_file_p4" else 1
+        if k > 1:
+            extra["page_size"] = k * BLOCK
         extra.update({"config_file": "l3_file.yaml", "l3.file.root": l3_root or str(cdir / "l3"),
-                      "host_pool": {"num_pages": p["l3_l2_pages"]},
+                      "host_pool": {"num_pages": max(1, p["l3_l2_pages"] // k)},
                       "controller": {"write_policy": "write_back" if name == "tierkv_write_back"
                                      else "write_through"}})
     elif name == "tierkv_l3_zmq":
@@ -1090,7 +1097,7 @@ def table(data: dict) -> str:
 #: the issue's targets, as (reference configuration, minimum ratio of request throughput): workloads with reuse are
 #: compared with the ideal, ``random`` (no reuse) with no connector
 TARGETS = {"tierkv_l2": 0.95, "tierkv_l3_file": 0.9, "tierkv_l3_zmq": 0.9, "tierkv_write_back": 0.9,
-           "tierkv_l3_file_shm": 0.9}
+           "tierkv_l3_file_shm": 0.9, "tierkv_l3_file_p4": 0.9}
 NO_REUSE_TARGET = 0.97
 #: TTFT p99 of tierkv L2 at most this times the ideal's, with reuse
 TTFT_P99_TARGET = 1.3

@@ -243,3 +243,21 @@ def test_rounds_rotate_the_order_of_the_configurations():
     for pos in range(4):
         assert sorted(o[pos] for o in orders) == sorted(configs)
     assert serve.round_order(configs, 5) == orders[1] and serve.round_order([], 3) == []
+
+
+@pytest.mark.parametrize("name", [c for c in serve.CONFIGS if c not in ("ideal", "none")])
+def test_every_tierkv_configuration_is_a_valid_connector_config(name, tmp_path):
+    """Each configuration's ``kv_connector_extra_config`` loads through the connector's own parser; the L3
+    configurations hold the same L2 bytes, so ``tierkv_l3_file_p4``'s pages of 4 blocks come in a quarter the
+    number."""
+    from tierkv.connector.config import config_from_extra
+
+    p = dict(serve.FULL)
+    kvc = serve.kv_config(name, p, tmp_path, "tcp://127.0.0.1:5555", l3_root=str(tmp_path / "l3"))
+    cfg = config_from_extra(kvc["kv_connector_extra_config"])
+    blocks = 1 if cfg.page_size is None else cfg.page_size // serve.BLOCK
+    assert blocks == (serve.P4_BLOCKS if name == "tierkv_l3_file_p4" else 1)
+    l2_blocks = cfg.host_pool.num_pages * blocks
+    assert l2_blocks == (p["l2_pages"] if name == "tierkv_l2" else p["l3_l2_pages"])
+    assert (cfg.l3.backend == "file") == (name in ("tierkv_l3_file", "tierkv_write_back", "tierkv_l3_file_shm",
+                                                    "tierkv_l3_file_p4"))
