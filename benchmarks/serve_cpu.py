@@ -118,6 +118,7 @@ trace_gen = _load("tierkv_make_multiturn_trace", REPO / "benchmarks" / "make_mul
 CONFIGS = ["ideal", "none", "tierkv_l2", "tierkv_l3_file", "tierkv_l3_zmq", "tierkv_write_back",
            "tierkv_l3_file_shm", "tierkv_l3_file_p4"]
 P4_BLOCKS = 4   # blocks per page of tierkv_l3_file_p4
+FILE_L3_CONFIGS = ("tierkv_l3_file", "tierkv_write_back", "tierkv_l3_file_shm", "tierkv_l3_file_p4")
 WORKLOADS = ["prefix_repetition", "multiturn", "random"]
 CONFIG_TEXT = {
     "ideal": "no connector, L1 {ideal_blocks} blocks",
@@ -548,12 +549,12 @@ def kv_config(name: str, p: dict, cdir: Path, zmq_endpoint: str | None, l3_root:
     extra: dict = {"stats_path": str(cdir / "stats" / "{role}-{pid}.json")}
     if name == "tierkv_l2":
         extra["host_pool"] = {"num_pages": p["l2_pages"]}
-    elif name in ("tierkv_l3_file", "tierkv_write_back", "tierkv_l3_file_shm", "tierkv_l3_file_p4"):
+    elif name in FILE_L3_CONFIGS:
         k = P4_BLOCKS if name == "tierkv_l3_file_p4" else 1
         if k > 1:
             extra["page_size"] = k * BLOCK
         extra.update({"config_file": "l3_file.yaml", "l3.file.root": l3_root or str(cdir / "l3"),
-                      "host_pool": {"num_pages": max(1, p["l3_l2_pages"] // k)},
+                      "host_pool": {"num_pages": p["l3_l2_pages"] // k},
                       "controller": {"write_policy": "write_back" if name == "tierkv_write_back"
                                      else "write_through"}})
     elif name == "tierkv_l3_zmq":
