@@ -1153,6 +1153,54 @@ def ratio_table(data: dict) -> str:
     return "\n".join(lines)
 
 
+def cpu_parts(cpu_s: dict) -> dict[str, float]:
+    """One run's ``cpu_s`` (see :func:`cpu_delta`) split into what the CPU table shows, in CPU seconds: ``total``
+    (every server process), ``worker`` (vLLM's worker processes: the forward, its OpenMP threads and tierkv's
+    worker-side hooks, which run on the forward's thread), ``engine_core`` (the EngineCore process: vLLM's scheduler
+    and tierkv's scheduler-side hooks) and ``tierkv_threads`` (every thread named ``tkv-...``, in any process:
+    L3 reads and writes, stats writers). Thread groups are parts of their process, so ``worker`` and
+    ``engine_core`` include the tierkv threads that run in them."""
+    procs = {k: v for k, v in cpu_s.items() if "/" not in k and k != "total"}
+    return {"total": float(cpu_s.get("total", sum(procs.values()))),
+            "worker": sum(v for k, v in procs.items() if k.startswith("VLLM::Worker")),
+            "engine_core": sum(v for k, v in procs.items() if k.startswith("VLLM::EngineCor")),
+            "tierkv_threads": sum(v for k, v in cpu_s.items() if "/tkv-" in k)}
+
+
+def _span(xs: list[float], nd: int = 1) -> str:
+    lo, hi = min(xs), max(xs)
+    return _fmt(lo, nd) if round(lo, nd) == round(hi, nd) else f"{_fmt(lo, nd)}-{_fmt(hi, nd)}"
+
+
+def cpu_table(data: dict) -> str:
+    """CPU seconds the server's processes used per run, split by :func:`cpu_parts`, min-max over the runs of each
+    (configuration, workload, concurrency); the last column is the tierkv threads' share of the total. Empty when
+    no run recorded ``cpu_s`` (results older than the field)."""
+    lines = ["| config | workload | conc | runs | all processes CPU s | vLLM worker | EngineCore | tierkv threads "
+             "(`tkv-*`) | tierkv threads / all |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for cname, c in data["configs"].items():
+        groups: dict[tuple, list[dict]] = {}
+        for r in c["runs"]:
+            if r.get("cpu_s"):
+                groups.setdefault((r["workload"], r["concurrency"]), []).append(cpu_parts(r["cpu_s"]))
+        for (wl, conc), parts in groups.items():
+            col = {k: [x[k] for x in parts] for k in parts[0]}
+            share = [100 * x["tierkv_threads"] / x["total"] for x in parts if x["total"] > 0]
+            lines.append(f"| {cname} | {wl} | {conc} | {len(parts)} | {_span(col['total'])} | {_span(col['worker'])} | "
+                         f"{_span(col['engine_core'])} | {_span(col['tierkv_threads'], 2)} | "
+                         f"{_span(share) + ' %' if share else '-'} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def _cpu_block(data: dict) -> str:
+    t = cpu_table(data)
+    if not t:
+        return ""
+    return ("\nCPU seconds per run of the server's processes (`/proc`, the client's not included; vLLM worker and "
+            "EngineCore include the tierkv threads that run in them), min-max over the runs:\n\n" + t + "\n")
+
+
 def failures_text(data: dict) -> str:
     out = []
     for cname, c in data["configs"].items():
@@ -1230,7 +1278,7 @@ Measured on tierkv commit `{results_check.short(data['code']['commit'])}` ({data
 Every run:
 
 {table(data)}
-
+{_cpu_block(data)}
 Failures and server-log errors:
 
 {failures_text(data)}
@@ -1293,7 +1341,7 @@ the ideal's for `tierkv_l2` and >= {TARGETS['tierkv_l3_file']}x for the L3 confi
 Every run:
 
 {table(data)}
-
+{_cpu_block(data)}
 Failures and server-log errors:
 
 {failures_text(data)}

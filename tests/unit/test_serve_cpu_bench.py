@@ -190,6 +190,27 @@ def test_ratios_pair_runs_of_the_same_repeat_and_compare_random_with_no_connecto
     assert serve.spread(data, "ideal", "random", 4) is None            # one run: no spread
 
 
+def test_the_cpu_table_splits_each_run_by_process_and_counts_tierkv_threads_wherever_they_run():
+    def run(w, cpu):
+        return {"workload": w, "concurrency": 8, "repeat": 0, "cpu_s": cpu}
+    tk = {"python:1": 2.0, "python:1/python": 2.0, "VLLM::EngineCor:2": 4.0, "VLLM::EngineCor:2/tkv-stats-sched": 0.5,
+          "VLLM::Worker:3": 34.0, "VLLM::Worker:3/VLLM::Worker": 32.0, "VLLM::Worker:3/tkv-l3-write": 1.5,
+          "total": 40.0}
+    tk2 = dict(tk, **{"VLLM::Worker:3": 54.0, "VLLM::Worker:3/tkv-l3-write": 3.5, "total": 60.0})
+    data = {"configs": {"none": {"runs": [run("random", {"VLLM::Worker:9": 30.0, "VLLM::EngineCor:8": 2.0,
+                                                         "total": 33.0})]},
+                        "tierkv_l3_file": {"runs": [run("random", tk), run("random", tk2),
+                                                    {"workload": "multiturn", "concurrency": 8, "repeat": 0}]}}}
+    assert serve.cpu_parts(tk) == {"total": 40.0, "worker": 34.0, "engine_core": 4.0, "tierkv_threads": 2.0}
+    rows = {tuple(c.strip() for c in line.split("|")[1:4]): [c.strip() for c in line.split("|")[4:-1]]
+            for line in serve.cpu_table(data).splitlines()[2:]}
+    # tierkv threads 2.0 of 40 s (5 %) and 4.0 of 60 s (6.7 %); a run without cpu_s (older results) is left out
+    assert rows[("tierkv_l3_file", "random", "8")] == ["2", "40.0-60.0", "34.0-54.0", "4.0", "2.00-4.00", "5.0-6.7 %"]
+    assert rows[("none", "random", "8")] == ["1", "33.0", "30.0", "2.0", "0.00", "0.0 %"]
+    assert ("tierkv_l3_file", "multiturn", "8") not in rows
+    assert serve.cpu_table({"configs": {"none": {"runs": [{"workload": "random", "concurrency": 1}]}}}) == ""
+
+
 def test_the_soak_baseline_table_sets_each_process_growth_against_no_connector():
     soak = json.loads((REPO / "benchmarks" / "results" / serve.SOAK_JSON).read_text())
     base = json.loads(json.dumps(soak))
