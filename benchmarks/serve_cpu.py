@@ -1382,8 +1382,12 @@ def render_soak(data: dict, json_name: str = SOAK_JSON) -> str:
                 counters[f"{k} ({role})" if k in counters else k] = v
     ctext = ", ".join(f"`{k}` {v:,}" if isinstance(v, int) else f"`{k}` {v}" for k, v in sorted(counters.items()))
     note = data.get("readme_note") or ""
-    cmd = (f".venv/bin/python benchmarks/serve_cpu.py --soak {s['requests']}")
-    return f"""### soak
+    cmd = f".venv/bin/python benchmarks/serve_cpu.py --soak {s['requests']}"
+    head = "### soak"
+    if json_name != SOAK_JSON:  # another soak (committed_extras): its own file, named in its heading and command
+        cmd += f" --out benchmarks/results/{json_name} --no-readme"
+        head += f": {soak_tag(json_name)}"
+    return f"""{head}
 
 {kind} of `prefix_repetition` ({s['num_prefixes']} prefixes of {s['prefix_len']} tokens + {s['suffix_len']}-token
 suffixes, {s['output_len']} output tokens) through the API server at `--max-concurrency {s['concurrency']}`,
@@ -1462,33 +1466,57 @@ commit `{results_check.short(base['code']['commit'])}`, {base['started_at']} -> 
 
 def full_section(main: dict, main_name: str = "serve_cpu.json", soak: dict | None = None,
                  soak_name: str = SOAK_JSON, rerun: dict[str, dict] | None = None,
-                 soak_base: dict | None = None) -> str:
+                 soak_base: dict | None = None,
+                 other_soaks: dict[str, tuple[dict, dict | None]] | None = None) -> str:
     """The whole ``## serve_cpu`` section: the pass of ``main``, a ``### re-run`` subsection per other pass in
-    ``rerun`` (``{file name: result}``, :data:`RERUN_JSON`), and the ``### soak`` subsection with, if given, its
-    no-connector baseline (:data:`SOAK_BASELINE_JSON`)."""
+    ``rerun`` (``{file name: result}``, :data:`RERUN_JSON`), the ``### soak`` subsection with, if given, its
+    no-connector baseline (:data:`SOAK_BASELINE_JSON`), and a ``### soak: <tag>`` subsection per soak in
+    ``other_soaks`` (``{file name: (result, baseline or None)}``, see :func:`committed_extras`)."""
     body = render_section(main, main_name)
     for name, data in (rerun or {}).items():
         body = body.rstrip("\n") + "\n\n" + render_rerun(data, name)
-    if soak is not None:
-        body = body.rstrip("\n") + "\n\n" + render_soak(soak, soak_name)
-        if soak_base is not None:
-            body = body.rstrip("\n") + "\n\n" + render_soak_baseline(soak, soak_base)
+    soaks = ([(soak_name, soak, soak_base)] if soak is not None else []) + \
+        [(name, d, b) for name, (d, b) in (other_soaks or {}).items()]
+    for name, data, base in soaks:
+        body = body.rstrip("\n") + "\n\n" + render_soak(data, name)
+        if base is not None:
+            body = body.rstrip("\n") + "\n\n" + render_soak_baseline(data, base, soak_baseline_name(name))
     return body
 
 
-def committed_extras() -> tuple[dict[str, dict], dict | None]:
-    """(``{file name: result}`` of every re-run, ``serve_cpu_rerun*.json`` in name order; the soak baseline's result
-    or None) from ``benchmarks/results``."""
+def soak_tag(json_name: str) -> str:
+    """``serve_cpu_soak_<tag>.json`` -> ``<tag>`` (another soak than :data:`SOAK_JSON`, e.g. on another machine)."""
+    return Path(json_name).stem.removeprefix(Path(SOAK_JSON).stem + "_")
+
+
+def soak_baseline_name(json_name: str) -> str:
+    """The no-connector baseline's file of a soak's file: :data:`SOAK_BASELINE_JSON` for :data:`SOAK_JSON`,
+    ``serve_cpu_soak_<tag>_none.json`` for ``serve_cpu_soak_<tag>.json``."""
+    return SOAK_BASELINE_JSON if json_name == SOAK_JSON else f"{Path(json_name).stem}_none.json"
+
+
+def committed_extras() -> tuple[dict[str, dict], dict | None, dict[str, tuple[dict, dict | None]]]:
+    """From ``benchmarks/results``: (``{file name: result}`` of every re-run, ``serve_cpu_rerun*.json`` in name
+    order; the soak baseline's result or None; ``{file name: (result, its baseline's result or None)}`` of every
+    other soak, ``serve_cpu_soak_<tag>.json`` in name order, its baseline ``serve_cpu_soak_<tag>_none.json``)."""
+    def load(p: Path):
+        return json.loads(p.read_text()) if p.exists() else None
     reruns = {p.name: json.loads(p.read_text()) for p in sorted(RESULTS.glob(Path(RERUN_JSON).stem + "*.json"))}
-    base = RESULTS / SOAK_BASELINE_JSON
-    return reruns, (json.loads(base.read_text()) if base.exists() else None)
+    others = {p.name: (json.loads(p.read_text()), load(RESULTS / soak_baseline_name(p.name)))
+              for p in sorted(RESULTS.glob(Path(SOAK_JSON).stem + "_*.json")) if not p.stem.endswith("_none")}
+    return reruns, load(RESULTS / SOAK_BASELINE_JSON), others
 
 
 def write_readme(main_path: Path, soak_path: Path = RESULTS / SOAK_JSON) -> None:
+    """Rewrite the README section from ``main_path``, the soak ``soak_path`` and the committed re-runs and other
+    soaks; a ``soak_path`` that is one of the other soaks in ``benchmarks/results`` is drawn as such, under the
+    main soak."""
     main = json.loads(main_path.read_text())
+    rerun, base, others = committed_extras()
+    if soak_path.name in others and soak_path.parent.resolve() == RESULTS.resolve():
+        soak_path = RESULTS / SOAK_JSON
     soak = json.loads(soak_path.read_text()) if soak_path.exists() else None
-    rerun, base = committed_extras()
-    _replace_section(full_section(main, main_path.name, soak, soak_path.name, rerun, base))
+    _replace_section(full_section(main, main_path.name, soak, soak_path.name, rerun, base, others))
 
 
 def _replace_section(body: str) -> None:

@@ -86,8 +86,9 @@ def _committed_soak():
 def test_the_readme_section_is_what_the_committed_result_renders():
     data = _committed()
     soak = _committed_soak()
-    rerun, base = serve.committed_extras()
-    assert serve.readme_section() == serve.full_section(data, "serve_cpu.json", soak, serve.SOAK_JSON, rerun, base)
+    rerun, base, others = serve.committed_extras()
+    assert serve.readme_section() == serve.full_section(data, "serve_cpu.json", soak, serve.SOAK_JSON, rerun, base,
+                                                        others)
     assert serve.readme_section().startswith(serve.render_section(data, "serve_cpu.json").rstrip("\n"))
     if soak is not None:
         assert "\n### soak\n" in serve.readme_section()
@@ -209,6 +210,27 @@ def test_the_cpu_table_splits_each_run_by_process_and_counts_tierkv_threads_wher
     assert rows[("none", "random", "8")] == ["1", "33.0", "30.0", "2.0", "0.00", "0.0 %"]
     assert ("tierkv_l3_file", "multiturn", "8") not in rows
     assert serve.cpu_table({"configs": {"none": {"runs": [{"workload": "random", "concurrency": 1}]}}}) == ""
+
+
+def test_another_soak_is_found_with_its_own_baseline_and_drawn_under_its_tag(tmp_path, monkeypatch):
+    soak = json.loads((REPO / "benchmarks" / "results" / serve.SOAK_JSON).read_text())
+    base = json.loads((REPO / "benchmarks" / "results" / serve.SOAK_BASELINE_JSON).read_text())
+    for name, d in [(serve.SOAK_JSON, soak), (serve.SOAK_BASELINE_JSON, base), ("serve_cpu_soak_amx.json", soak),
+                    ("serve_cpu_soak_amx_none.json", dict(base, finished_at="2099-01-01 00:00 UTC")),
+                    ("serve_cpu_soak_lone.json", soak)]:
+        (tmp_path / name).write_text(json.dumps(d))
+    monkeypatch.setattr(serve, "RESULTS", tmp_path)
+    _reruns, main_base, others = serve.committed_extras()
+    assert main_base["finished_at"] == base["finished_at"]
+    assert list(others) == ["serve_cpu_soak_amx.json", "serve_cpu_soak_lone.json"]  # baselines are not soaks
+    assert others["serve_cpu_soak_amx.json"][1]["finished_at"] == "2099-01-01 00:00 UTC"
+    assert others["serve_cpu_soak_lone.json"][1] is None
+    body = serve.full_section(_committed(), "serve_cpu.json", soak, serve.SOAK_JSON, {}, main_base, others)
+    assert body.count("\n### soak\n") == 1 and body.count("\n### soak: amx\n") == 1
+    amx = body.split("\n### soak: amx\n")[1].split("\n### soak: lone\n")[0]
+    assert "--soak 2000 --out benchmarks/results/serve_cpu_soak_amx.json --no-readme" in amx
+    assert "benchmarks/results/serve_cpu_soak_amx_none.json --no-readme" in amx and "2099-01-01 00:00 UTC" in amx
+    assert "Paired baseline" not in body.split("\n### soak: lone\n")[1]
 
 
 def test_the_soak_baseline_table_sets_each_process_growth_against_no_connector():
