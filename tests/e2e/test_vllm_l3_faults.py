@@ -28,7 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from _engine import in_parallel, release_barrier, run_job, stats_by_role, tierkv_kv_config, wait_for_file
+from _engine import (in_parallel, read_stats, release_barrier, run_job, stats_by_role, tierkv_kv_config,
+                     wait_for_file)
 from _servers import mooncake_l3, unused_loopback_ports, zmq_l3, zmq_server
 
 P = 32
@@ -280,31 +281,63 @@ def _wait_keys(srv, n, timeout_s=60.0):
         time.sleep(0.05)  # polling interval of the condition, not a synchronisation sleep
 
 
+def _wait_worker(stats_dir, done, what, timeout_s=120.0):
+    """Poll the worker's stats file until ``done(counters)``; returns the counters. The worker's stats flusher takes
+    its own snapshot every 0.2 s (``StatsFile(snapshot_thread_safe=True)``), so the L3 threads' counters reach the
+    file while the engine waits at a barrier and does not step."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        w = stats_by_role(read_stats(stats_dir)).get("worker", {})
+        if done(w):
+            return w
+        if time.monotonic() > deadline:
+            raise AssertionError(f"worker counters after {timeout_s} s: {what} not reached: {w}")
+        time.sleep(0.05)  # polling interval of the condition, not a synchronisation sleep
+
+
+def _backups_done(w):
+    return w.get("l3_backup_pages", 0) + w.get("l3_backup_failed_pages", 0)
+
+
 def _killed_parts():
     first, again = _rounds()
     return first[0:4], first[4:6], first[6:8] + again[0:2]
 
 
-KILLED = {"timeout_s": 0.5, "exists_wait": 1.0}
+#: ``timeout_s`` is the ZMQ client's (worker) wait for a reply: long enough that w1's backups land on a healthy
+#: server even when another test worker loads the machine (0.5 s lost 3 of 15 under two workers); the barriers wait
+#: for the worker's own reports, so a longer timeout only lengthens the dead-server phase, it does not race the kill
+#: or the restart. ``l2_pages``: room for w2's pages while their backups wait for the dead server (under
+#: write_through a page's slot stays locked until its backup is reported; with 8 slots and a 2 s timeout some of
+#: w2's saves found no slot), and still fewer than w2 and w3's new pages, so w1's documents leave L2 before w3.
+KILLED = {"timeout_s": 2.0, "exists_wait": 1.0, "l2_pages": 12}
 
 
 @pytest.fixture(scope="module")
 def killed_run(tiny_model, tmp_path_factory):
-    """One engine: w1 (server up), barrier: wait until w1's backups landed, SIGKILL the server; w2 (server dead);
-    barrier: restart an empty server on the same port; w3 (new documents, then two of w1's documents again, which
-    the engine believes in L3 and which L2 (8 pages) no longer holds). Returns (result, server stats at the end,
-    what the barriers saw)."""
+    """One engine: w1 (server up); barrier: wait until the worker reported every w1 backup (stored or failed) and
+    the server holds the stored ones, SIGKILL the server; w2 (server dead); barrier: wait until the worker reported
+    every w2 backup as failed (a set still waiting for its reply would otherwise reach the restarted server),
+    restart an empty server on the same port; w3 (new documents, then two of w1's documents again, which the engine
+    believes in L3 and which L2 (``KILLED["l2_pages"]``) no longer holds). Returns (result, server stats at the end, what the
+    barriers saw)."""
     w1, w2, w3 = _killed_parts()
     d = tmp_path_factory.mktemp("killed")
+    stats_dir = d / "engine" / "stats"
     with zmq_server(d / "zmq") as srv:
         seen = {}
 
         def kill():
-            seen["before_kill"] = _wait_keys(srv, _full_pages(w1))
+            w = _wait_worker(stats_dir, lambda w: _backups_done(w) >= _full_pages(w1), "every w1 backup reported")
+            seen["w1_backups"] = {k: w.get(k, 0) for k in ("l3_backup_pages", "l3_backup_failed_pages")}
+            seen["before_kill"] = _wait_keys(srv, w.get("l3_backup_pages", 0))
             seen["killed_pid"] = srv.pid
             srv.kill9()
 
         def restart():
+            w = _wait_worker(stats_dir, lambda w: _backups_done(w) >= _full_pages(w1) + _full_pages(w2),
+                             "every w2 backup reported", timeout_s=60.0)
+            seen["w2_backups"] = {k: w.get(k, 0) for k in ("l3_backup_pages", "l3_backup_failed_pages")}
             srv.start()
             seen["restarted_pid"] = srv.pid
 
@@ -312,7 +345,7 @@ def killed_run(tiny_model, tmp_path_factory):
                      {"name": "w2", "prompts": w2}, {"name": "restarted", "barrier": str(d / "b2")},
                      {"name": "w3", "prompts": w3}]
         kvc = _config(zmq_l3(srv.endpoint, timeout_s=KILLED["timeout_s"], reconnect_backoff_s=0.05,
-                             max_backoff_s=0.1), num_pages=8, exists_wait_s=KILLED["exists_wait"])
+                             max_backoff_s=0.1), num_pages=KILLED["l2_pages"], exists_wait_s=KILLED["exists_wait"])
         res = _run_with_barriers(lambda: _run(tiny_model, d / "engine", workloads, kvc),
                                  [(d / "b1", kill), (d / "b2", restart)])
         after = srv.server_stats()
@@ -329,14 +362,20 @@ def test_zmq_server_killed_and_restarted_under_one_engine(ref, killed_run):
     assert wl["w3"]["outputs"] == rw["first"]["outputs"][6:8] + rw["again"]["outputs"][0:2]
     assert set(wl) == {"w1", "w2", "w3"}
     assert seen["killed_pid"] != seen["restarted_pid"] == after["pid"]
-    # while the server was dead nobody waited for it longer than the existence wait (+ one store timeout)
+    # while the server was dead nobody waited for it longer than the existence wait: the scheduler asks a loopback
+    # server itself, with its client's timeout capped far below a second (SCHEDULER_EXISTS_TIMEOUT_S), and the
+    # worker's 2 s timeout only delays backups, which no request waits for
     for ttft in wl["w2"]["ttft_s"]:
-        assert ttft < KILLED["exists_wait"] + KILLED["timeout_s"] + MARGIN_S, wl["w2"]["ttft_s"]
+        assert ttft < KILLED["exists_wait"] + MARGIN_S, wl["w2"]["ttft_s"]
     s = stats_by_role(res)
     w, c = s["worker"], s["scheduler"]
     # every backup of w2 failed and was counted on both sides, none as stored
     assert w["l3_backup_failed_pages"] == c["ctl_backup_failed_pages"] == _full_pages(w2), (w, c)
     assert w["l3_store_errors"] == 0, w  # the ZMQ client turns a dead server into failed pages, not exceptions
+    # w1's backups all landed before the kill (with a reply timeout of 2 s; the barrier waited for the worker's
+    # reports, so a failure here is a store call that timed out on a healthy server, not a race with the kill)
+    assert seen["w1_backups"] == {"l3_backup_pages": _full_pages(w1), "l3_backup_failed_pages": 0}, seen
+    assert seen["w2_backups"] == {"l3_backup_pages": _full_pages(w1), "l3_backup_failed_pages": _full_pages(w2)}, seen
     # after the restart backups succeed again: w3's new documents are on the new server, and every page counted
     # as stored since the kill is there
     assert seen["before_kill"] == _full_pages(w1)
