@@ -20,7 +20,9 @@ Configurations (L1 = vLLM's own KV pool, ``--num-gpu-blocks-override`` blocks of
 - ``tierkv_l3_file_shm``: as ``tierkv_l3_file`` with the store's root on ``/dev/shm`` (tmpfs; removed when the
   server stops): the same tierkv work without a block device's writeback, to tell the two costs apart;
 - ``tierkv_l3_file_p4``: as ``tierkv_l3_file`` with ``page_size`` = 4 blocks (128 tokens) and an L2 of the same
-  bytes (``l3_l2_pages`` / 4 pages): a quarter as many L3 records, each four times larger (``page_records``).
+  bytes (``l3_l2_pages`` / 4 pages): a quarter as many L3 records, each four times larger (``page_records``);
+- ``noop_connector``: small L1 + ``benchmarks/noop_connector.py``, a connector whose hooks do nothing: what
+  vLLM's own connector path costs per step, so that tierkv's cost on ``random`` (no reuse) can be told from it.
 
 Every tierkv configuration sets ``"kv_load_failure_policy": "recompute"`` and a ``stats_path``. Every server gets
 the same environment (``VLLM_CPU_NUM_OF_RESERVED_CPU=0``: equal compute threads with and without a connector, as
@@ -116,13 +118,15 @@ results_check = _load("tierkv_results_check", REPO / "benchmarks" / "results_che
 trace_gen = _load("tierkv_make_multiturn_trace", REPO / "benchmarks" / "make_multiturn_trace.py")
 
 CONFIGS = ["ideal", "none", "tierkv_l2", "tierkv_l3_file", "tierkv_l3_zmq", "tierkv_write_back",
-           "tierkv_l3_file_shm", "tierkv_l3_file_p4"]
+           "tierkv_l3_file_shm", "tierkv_l3_file_p4", "noop_connector"]
 P4_BLOCKS = 4   # blocks per page of tierkv_l3_file_p4
 FILE_L3_CONFIGS = ("tierkv_l3_file", "tierkv_write_back", "tierkv_l3_file_shm", "tierkv_l3_file_p4")
 WORKLOADS = ["prefix_repetition", "multiturn", "random"]
 CONFIG_TEXT = {
     "ideal": "no connector, L1 {ideal_blocks} blocks",
     "none": "no connector, L1 {l1_blocks} blocks",
+    "noop_connector": "L1 {l1_blocks} + `benchmarks/noop_connector.py` (a connector that does nothing: vLLM's own "
+                      "connector path without tierkv)",
     "tierkv_l2": "L1 {l1_blocks} + tierkv L2 {l2_pages} pages",
     "tierkv_l3_file": "L1 {l1_blocks} + L2 {l3_l2_pages} pages + file L3, write_through",
     "tierkv_l3_zmq": "L1 {l1_blocks} + L2 {l3_l2_pages} pages + `tierkv server` L3 (shm auto), write_through",
@@ -546,6 +550,8 @@ def kv_config(name: str, p: dict, cdir: Path, zmq_endpoint: str | None, l3_root:
     store's root (default ``cdir/l3``)."""
     if name in ("ideal", "none"):
         return None
+    if name == "noop_connector":
+        return {"kv_connector": "NoopConnector", "kv_connector_module_path": "noop_connector", "kv_role": "kv_both"}
     extra: dict = {"stats_path": str(cdir / "stats" / "{role}-{pid}.json")}
     if name == "tierkv_l2":
         extra["host_pool"] = {"num_pages": p["l2_pages"]}
@@ -627,10 +633,12 @@ def run_config(name: str, p: dict, args, model_dir: str, work: Path, pythonpath:
         blocks = p["ideal_blocks"] if name == "ideal" else p["l1_blocks"]
         out["kv_transfer_config"] = kvc
         out["l1_blocks"] = blocks
-        print(f"[serve_cpu] {name}: L1 {blocks} blocks, connector {'TierKVConnector' if kvc else 'none'}",
+        print(f"[serve_cpu] {name}: L1 {blocks} blocks, connector {kvc['kv_connector'] if kvc else 'none'}",
               flush=True)
         srv = VllmServer(model_dir, l1_blocks=blocks, max_model_len=p["max_model_len"], kv_transfer_config=kvc,
-                         log_path=cdir / "server.log", pythonpath=pythonpath)
+                         log_path=cdir / "server.log",
+                         pythonpath=os.pathsep.join(x for x in [pythonpath, str(REPO / "benchmarks")
+                                                                if name == "noop_connector" else ""] if x))
         out["server_log"] = str(cdir / "server.log")
         try:
             out["startup_s"] = round(srv.wait_ready(args.start_timeout), 1)
@@ -1127,7 +1135,8 @@ def ratio_table(data: dict) -> str:
     """Request throughput of each tierkv configuration over the ideal's (workloads with reuse) or no connector's
     (``random``), and TTFT p99 over the ideal's, paired by repeat: min-max and median over the pairs, with the
     issue's target and whether the median meets it ("-" where a reference configuration was not run), and the
-    reference's own spread over its runs (:func:`spread`)."""
+    reference's own spread over its runs (:func:`spread`). ``noop_connector`` (vLLM's connector path alone) is
+    compared with no connector on every workload, without a target."""
     sel = data["selection"]
     lines = ["| config | workload | conc | req/s ratio (min-max, median) | vs | target | median meets | "
              "TTFT p99 ratio vs ideal (min-max) | pairs | reference's own spread (max/min req/s) |",
@@ -1136,19 +1145,19 @@ def ratio_table(data: dict) -> str:
     def rng(v):
         return f"{min(v):.2f}-{max(v):.2f}, {statistics.median(v):.2f}" if v else "-"
     for cname in data["configs"]:
-        if cname not in TARGETS:
+        if cname not in TARGETS and cname != "noop_connector":
             continue
         for w in sel["workloads"]:
             for c in sel["concurrency"]:
-                ref = "none" if w == "random" else "ideal"
-                tgt = NO_REUSE_TARGET if w == "random" else TARGETS[cname]
+                ref = "none" if w == "random" or cname == "noop_connector" else "ideal"
+                tgt = None if cname == "noop_connector" else NO_REUSE_TARGET if w == "random" else TARGETS[cname]
                 rq = paired_ratios(data, cname, ref, w, c, "request_throughput")
                 tt = paired_ratios(data, cname, "ideal", w, c, "p99_ttft_ms")
                 med = statistics.median(rq) if rq else None
-                meets = "-" if med is None else ("yes" if med >= tgt else "no")
+                meets = "-" if med is None or tgt is None else ("yes" if med >= tgt else "no")
                 sp = spread(data, ref, w, c)
-                lines.append(f"| {cname} | {w} | {c} | {rng(rq)} | {ref} | >= {tgt} | {meets} | "
-                             f"{rng(tt) if w != 'random' else '-'} | {len(rq)} | "
+                lines.append(f"| {cname} | {w} | {c} | {rng(rq)} | {ref} | {'-' if tgt is None else f'>= {tgt}'} | "
+                             f"{meets} | {rng(tt) if w != 'random' else '-'} | {len(rq)} | "
                              f"{'-' if sp is None else f'{sp:.2f}'} |")
     return "\n".join(lines)
 

@@ -189,6 +189,27 @@ def test_ratios_pair_runs_of_the_same_repeat_and_compare_random_with_no_connecto
     assert "| 0.90-1.00, 0.95 | ideal | >= 0.95 | yes | 1.10-1.50, 1.30 | 2 | 2.00 |" in rows[("tierkv_l2", "multiturn", "4")]
     assert "| 0.50-1.00, 0.75 | none | >= 0.97 | no | - | 2 | 2.00 |" in rows[("tierkv_l2", "random", "4")]
     assert serve.spread(data, "ideal", "random", 4) is None            # one run: no spread
+    # the do-nothing connector is compared with no connector on every workload, without a target
+    data["configs"]["noop_connector"] = {"runs": [run("multiturn", 4, 0, 9.0, 1.0), run("random", 4, 0, 6.0, 1.0)]}
+    rows = {tuple(c.strip() for c in line.split("|")[1:4]): line for line in serve.ratio_table(data).splitlines()}
+    assert "| 0.75-0.75, 0.75 | none | - | - | - | 1 | 2.00 |" in rows[("noop_connector", "random", "4")]
+    assert "| - | none | - | - |" in rows[("noop_connector", "multiturn", "4")]  # no run of none on multiturn
+
+
+def test_the_noop_connector_is_complete_and_answers_nothing():
+    """``noop_connector``: vLLM's connector path with nothing behind it. The class must implement every abstract
+    hook (vLLM refuses to instantiate it otherwise) and offer no external token."""
+    kvc = serve.kv_config("noop_connector", dict(serve.FULL), Path("/nonexistent"), None)
+    assert kvc == {"kv_connector": "NoopConnector", "kv_connector_module_path": "noop_connector",
+                   "kv_role": "kv_both"}
+    spec = importlib.util.spec_from_file_location("noop_connector", serve.REPO / "benchmarks" / "noop_connector.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cls = getattr(mod, kvc["kv_connector"])
+    assert not cls.__abstractmethods__
+    conn = object.__new__(cls)  # no vLLM config needed for hooks that keep no state
+    assert conn.get_num_new_matched_tokens(object(), 0) == (0, False)
+    assert isinstance(conn.build_connector_meta(object()), mod.NoopMetadata)
 
 
 def test_the_cpu_table_splits_each_run_by_process_and_counts_tierkv_threads_wherever_they_run():
@@ -288,7 +309,7 @@ def test_rounds_rotate_the_order_of_the_configurations():
     assert serve.round_order(configs, 5) == orders[1] and serve.round_order([], 3) == []
 
 
-@pytest.mark.parametrize("name", [c for c in serve.CONFIGS if c not in ("ideal", "none")])
+@pytest.mark.parametrize("name", [c for c in serve.CONFIGS if c not in ("ideal", "none", "noop_connector")])
 def test_every_tierkv_configuration_is_a_valid_connector_config(name, tmp_path):
     """Each configuration's ``kv_connector_extra_config`` loads through the connector's own parser; the L3
     configurations hold the same L2 bytes, so ``tierkv_l3_file_p4``'s pages of 4 blocks come in a quarter the
