@@ -437,6 +437,28 @@ def read_stats(stats_dir: Path) -> dict[str, dict]:
     return merged
 
 
+def settled_stats(stats_dir: Path, quiet_s: float = 0.5, timeout_s: float = 5.0) -> dict[str, dict]:
+    """:func:`read_stats` once the files stopped changing for ``quiet_s`` (more than two write intervals of the
+    connector's stats writers, 0.2 s; bounded by ``timeout_s``): the counters of every step so far, including the
+    run's last one, whose write may trail its response."""
+    t0 = time.monotonic()
+    last, since = read_stats(stats_dir), time.monotonic()
+    while time.monotonic() - since < quiet_s and time.monotonic() - t0 < timeout_s:
+        time.sleep(0.1)  # polling interval for a condition on the files, not a synchronisation
+        now = read_stats(stats_dir)
+        if now != last:
+            last, since = now, time.monotonic()
+    return last
+
+
+def hook_delta(after: dict[str, dict], before: dict[str, dict]) -> dict[str, float]:
+    """Seconds tierkv's hooks took on vLLM's threads between two :func:`settled_stats`: ``scheduler`` (EngineCore's
+    scheduler thread: lookups, plans) and ``worker`` (the forward's thread: copies between L1 and L2, job
+    submission), wall time (``hook_seconds``) summed over the role's processes; empty without stats files."""
+    return {role: round(after[role].get("hook_seconds", 0.0) - before.get(role, {}).get("hook_seconds", 0.0), 4)
+            for role in ("scheduler", "worker") if role in after}
+
+
 # ------------------------------------------------------------------------------------------------ client
 def client_main(argv: list[str]) -> int:
     """The client process: ``vllm bench serve`` (``vllm.benchmarks.serve``) with ``argv``."""
@@ -654,6 +676,7 @@ def run_config(name: str, p: dict, args, model_dir: str, work: Path, pythonpath:
                             continue
                         trace, rows = traces.get((c, r), (None, None)) if workload == "multiturn" else (None, None)
                         before = srv.metrics()
+                        st0 = settled_stats(cdir / "stats") if kvc and "kv_connector_extra_config" in kvc else None
                         load0 = loadavg()
                         cpu0 = cpu_seconds(srv.proc.pid)
                         t0 = time.monotonic()
@@ -665,6 +688,8 @@ def run_config(name: str, p: dict, args, model_dir: str, work: Path, pythonpath:
                         run = {"workload": workload, "concurrency": c, "repeat": r, "seed": seed,
                                "wall_s": round(wall, 2), "load_before": load0, "load_after": loadavg(),
                                "cpu_s": cpu_delta(cpu_seconds(srv.proc.pid), cpu0)}
+                        if st0 is not None:
+                            run["tierkv_hook_s"] = hook_delta(settled_stats(cdir / "stats"), st0)
                         if res is None:
                             run["client_error"] = err
                             out["failures"].append({"run": label, "error": err,
@@ -1202,12 +1227,41 @@ def cpu_table(data: dict) -> str:
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
+def hook_table(data: dict) -> str:
+    """Seconds tierkv's hooks took on vLLM's own threads per run (``tierkv_hook_s``, from the stats files before and
+    after each run), min-max over the runs of each (configuration, workload, concurrency), and their sum over the
+    client's measured duration of the run. The worker's hooks run on the forward's thread, so their time adds to the
+    step; the scheduler's run on EngineCore's thread, which with vLLM's asynchronous scheduling may overlap the
+    previous step's forward, so the share is an upper bound of the time tierkv adds to the run. Empty when no run
+    recorded the field."""
+    lines = ["| config | workload | conc | runs | scheduler hooks s | worker hooks s | hooks / run duration |",
+             "|---|---|---|---|---|---|---|"]
+    for cname, c in data["configs"].items():
+        groups: dict[tuple, list[dict]] = {}
+        for r in c["runs"]:
+            if r.get("tierkv_hook_s") and r.get("duration"):
+                groups.setdefault((r["workload"], r["concurrency"]), []).append(r)
+        for (wl, conc), runs in groups.items():
+            sch = [r["tierkv_hook_s"].get("scheduler", 0.0) for r in runs]
+            wrk = [r["tierkv_hook_s"].get("worker", 0.0) for r in runs]
+            share = [100 * (a + b) / r["duration"] for a, b, r in zip(sch, wrk, runs)]
+            lines.append(f"| {cname} | {wl} | {conc} | {len(runs)} | {_span(sch, 2)} | {_span(wrk, 2)} | "
+                         f"{_span(share)} % |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def _cpu_block(data: dict) -> str:
     t = cpu_table(data)
     if not t:
         return ""
-    return ("\nCPU seconds per run of the server's processes (`/proc`, the client's not included; vLLM worker and "
-            "EngineCore include the tierkv threads that run in them), min-max over the runs:\n\n" + t + "\n")
+    out = ("\nCPU seconds per run of the server's processes (`/proc`, the client's not included; vLLM worker and "
+           "EngineCore include the tierkv threads that run in them), min-max over the runs:\n\n" + t + "\n")
+    h = hook_table(data)
+    if h:
+        out += ("\nTime in tierkv's hooks on vLLM's own threads per run (stats files before and after each run; the "
+                "worker's add to the forward, the scheduler's may overlap it under vLLM's asynchronous scheduling), "
+                "min-max over the runs:\n\n" + h + "\n")
+    return out
 
 
 def failures_text(data: dict) -> str:

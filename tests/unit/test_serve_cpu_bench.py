@@ -233,6 +233,32 @@ def test_the_cpu_table_splits_each_run_by_process_and_counts_tierkv_threads_wher
     assert serve.cpu_table({"configs": {"none": {"runs": [{"workload": "random", "concurrency": 1}]}}}) == ""
 
 
+def test_hook_time_per_run_is_the_change_of_each_role_and_its_share_of_the_run(tmp_path):
+    stats = tmp_path / "stats"
+    stats.mkdir()
+
+    def write(sched, workers):
+        (stats / "scheduler-1.json").write_text(json.dumps({"role": "scheduler", "pid": 1, "hook_seconds": sched}))
+        for i, w in enumerate(workers):  # one file per worker process (TP ranks): summed
+            (stats / f"worker-{10 + i}.json").write_text(json.dumps({"role": "worker", "pid": 10 + i,
+                                                                      "hook_seconds": w}))
+    write(1.0, [2.0, 3.0])
+    before = serve.settled_stats(stats, quiet_s=0.2)
+    write(1.25, [2.5, 3.5])
+    assert serve.hook_delta(serve.settled_stats(stats, quiet_s=0.2), before) == {"scheduler": 0.25, "worker": 1.0}
+    assert serve.hook_delta({}, before) == {}
+
+    def run(conc, hooks, duration):
+        return {"workload": "random", "concurrency": conc, "repeat": 0, "duration": duration, "tierkv_hook_s": hooks}
+    data = {"configs": {"none": {"runs": [{"workload": "random", "concurrency": 8, "repeat": 0, "duration": 5.0}]},
+                        "tierkv_l2": {"runs": [run(8, {"scheduler": 0.05, "worker": 0.15}, 10.0),
+                                               run(8, {"scheduler": 0.1, "worker": 0.2}, 5.0)]}}}
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in serve.hook_table(data).splitlines()[2:]]
+    # (0.05 + 0.15) / 10 s = 2 %, (0.1 + 0.2) / 5 s = 6 %; no connector: no row
+    assert rows == [["tierkv_l2", "random", "8", "2", "0.05-0.10", "0.15-0.20", "2.0-6.0 %"]]
+    assert serve.hook_table({"configs": {"none": data["configs"]["none"]}}) == ""
+
+
 def test_another_soak_is_found_with_its_own_baseline_and_drawn_under_its_tag(tmp_path, monkeypatch):
     soak = json.loads((REPO / "benchmarks" / "results" / serve.SOAK_JSON).read_text())
     base = json.loads((REPO / "benchmarks" / "results" / serve.SOAK_BASELINE_JSON).read_text())
