@@ -676,7 +676,8 @@ def run_config(name: str, p: dict, args, model_dir: str, work: Path, pythonpath:
                             continue
                         trace, rows = traces.get((c, r), (None, None)) if workload == "multiturn" else (None, None)
                         before = srv.metrics()
-                        st0 = settled_stats(cdir / "stats") if kvc and "kv_connector_extra_config" in kvc else None
+                        has_stats = bool(kvc and kvc.get("kv_connector_extra_config", {}).get("stats_path"))
+                        st0 = settled_stats(cdir / "stats") if has_stats else None
                         load0 = loadavg()
                         cpu0 = cpu_seconds(srv.proc.pid)
                         t0 = time.monotonic()
@@ -1206,6 +1207,15 @@ def _span(xs: list[float], nd: int = 1) -> str:
     return _fmt(lo, nd) if round(lo, nd) == round(hi, nd) else f"{_fmt(lo, nd)}-{_fmt(hi, nd)}"
 
 
+def runs_by_cell(c: dict, field: str) -> dict[tuple, list[dict]]:
+    """The runs of one configuration that recorded ``field``, grouped by (workload, concurrency) in run order."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in c["runs"]:
+        if r.get(field):
+            groups.setdefault((r["workload"], r["concurrency"]), []).append(r)
+    return groups
+
+
 def cpu_table(data: dict) -> str:
     """CPU seconds the server's processes used per run, split by :func:`cpu_parts`, min-max over the runs of each
     (configuration, workload, concurrency); the last column is the tierkv threads' share of the total. Empty when
@@ -1214,11 +1224,8 @@ def cpu_table(data: dict) -> str:
              "(`tkv-*`) | tierkv threads / all |",
              "|---|---|---|---|---|---|---|---|---|"]
     for cname, c in data["configs"].items():
-        groups: dict[tuple, list[dict]] = {}
-        for r in c["runs"]:
-            if r.get("cpu_s"):
-                groups.setdefault((r["workload"], r["concurrency"]), []).append(cpu_parts(r["cpu_s"]))
-        for (wl, conc), parts in groups.items():
+        for (wl, conc), runs in runs_by_cell(c, "cpu_s").items():
+            parts = [cpu_parts(r["cpu_s"]) for r in runs]
             col = {k: [x[k] for x in parts] for k in parts[0]}
             share = [100 * x["tierkv_threads"] / x["total"] for x in parts if x["total"] > 0]
             lines.append(f"| {cname} | {wl} | {conc} | {len(parts)} | {_span(col['total'])} | {_span(col['worker'])} | "
@@ -1237,11 +1244,10 @@ def hook_table(data: dict) -> str:
     lines = ["| config | workload | conc | runs | scheduler hooks s | worker hooks s | hooks / run duration |",
              "|---|---|---|---|---|---|---|"]
     for cname, c in data["configs"].items():
-        groups: dict[tuple, list[dict]] = {}
-        for r in c["runs"]:
-            if r.get("tierkv_hook_s") and r.get("duration"):
-                groups.setdefault((r["workload"], r["concurrency"]), []).append(r)
-        for (wl, conc), runs in groups.items():
+        for (wl, conc), runs in runs_by_cell(c, "tierkv_hook_s").items():
+            runs = [r for r in runs if r.get("duration")]
+            if not runs:
+                continue
             sch = [r["tierkv_hook_s"].get("scheduler", 0.0) for r in runs]
             wrk = [r["tierkv_hook_s"].get("worker", 0.0) for r in runs]
             share = [100 * (a + b) / r["duration"] for a, b, r in zip(sch, wrk, runs)]

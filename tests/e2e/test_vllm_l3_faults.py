@@ -269,30 +269,29 @@ def _run_with_barriers(fn, actions):
         ex.shutdown(wait=True)
 
 
-def _wait_keys(srv, n, timeout_s=60.0):
-    """Poll the server until it holds ``n`` records (the engine's asynchronous backups have landed)."""
+def _poll(read, done, what, timeout_s):
+    """Call ``read()`` until ``done(value)``; returns that value. AssertionError naming ``what`` and the last value
+    after ``timeout_s`` seconds."""
     deadline = time.monotonic() + timeout_s
     while True:
-        keys = srv.server_stats()["keys"]
-        if keys == n:
-            return keys
+        v = read()
+        if done(v):
+            return v
         if time.monotonic() > deadline:
-            raise AssertionError(f"server holds {keys} records after {timeout_s} s, expected {n}")
+            raise AssertionError(f"after {timeout_s} s: {what} not reached: {v}")
         time.sleep(0.05)  # polling interval of the condition, not a synchronisation sleep
+
+
+def _wait_keys(srv, n, timeout_s=60.0):
+    """Poll the server until it holds ``n`` records (the engine's asynchronous backups have landed)."""
+    return _poll(lambda: srv.server_stats()["keys"], lambda k: k == n, f"server holding {n} records", timeout_s)
 
 
 def _wait_worker(stats_dir, done, what, timeout_s=120.0):
     """Poll the worker's stats file until ``done(counters)``; returns the counters. The worker's stats flusher takes
     its own snapshot every 0.2 s (``StatsFile(snapshot_thread_safe=True)``), so the L3 threads' counters reach the
     file while the engine waits at a barrier and does not step."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        w = stats_by_role(read_stats(stats_dir)).get("worker", {})
-        if done(w):
-            return w
-        if time.monotonic() > deadline:
-            raise AssertionError(f"worker counters after {timeout_s} s: {what} not reached: {w}")
-        time.sleep(0.05)  # polling interval of the condition, not a synchronisation sleep
+    return _poll(lambda: stats_by_role(read_stats(stats_dir)).get("worker", {}), done, what, timeout_s)
 
 
 def _backups_done(w):
