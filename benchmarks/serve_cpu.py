@@ -632,103 +632,208 @@ def log_findings(log_path: Path, limit: int = 12) -> dict:
             "error_samples_at_shutdown": distinct(err_shutdown)}
 
 
+class ConfigServer:
+    """One configuration's server, with its ZMQ server or tmpfs L3 root, for a series of runs: :meth:`start`, one
+    (workload, concurrency, repeat) run per :meth:`run`, then :meth:`finish`, which stops it and returns the
+    configuration's record (``load_before``, ``runs``, ``failures``, start-up time, the server log's findings, the
+    stats files). Round ``round_no`` > 0 works in its own directory."""
+
+    def __init__(self, name: str, p: dict, args, model_dir: str, work: Path, pythonpath: str,
+                 traces: dict[tuple[int, int], tuple[Path, list[dict]]], round_no: int = 0):
+        self.name, self.p, self.args, self.model_dir, self.traces = name, p, args, model_dir, traces
+        self.pythonpath = pythonpath
+        self.cdir = work / (name if round_no == 0 else f"{name}-round{round_no}")
+        (self.cdir / "clients").mkdir(parents=True, exist_ok=True)
+        self.out: dict = {"load_before": loadavg(), "runs": [], "failures": []}
+        self.zmq: Optional[ZmqServer] = None
+        self.kvc: Optional[dict] = None
+        self.shm_root: Optional[str] = None
+        self.srv: Optional[VllmServer] = None
+        self.t0 = time.monotonic()
+
+    def start(self) -> bool:
+        """Start the servers and send the warm-up request; False (recorded as a failure) if that failed."""
+        name, out = self.name, self.out
+        try:
+            if name == "tierkv_l3_zmq":
+                self.zmq = ZmqServer(self.cdir / "zmq_server.log", self.pythonpath)
+                out["zmq_endpoint"] = self.zmq.endpoint
+            if name == "tierkv_l3_file_shm":
+                self.shm_root = tempfile.mkdtemp(prefix="tierkv-serve-l3-", dir="/dev/shm")
+            self.kvc = kv_config(name, self.p, self.cdir, self.zmq.endpoint if self.zmq else None,
+                                 l3_root=self.shm_root)
+            blocks = self.p["ideal_blocks"] if name == "ideal" else self.p["l1_blocks"]
+            out["kv_transfer_config"] = self.kvc
+            out["l1_blocks"] = blocks
+            print(f"[serve_cpu] {name}: L1 {blocks} blocks, connector "
+                  f"{self.kvc['kv_connector'] if self.kvc else 'none'}", flush=True)
+            extra = str(REPO / "benchmarks") if name == "noop_connector" else ""
+            self.srv = VllmServer(self.model_dir, l1_blocks=blocks, max_model_len=self.p["max_model_len"],
+                                  kv_transfer_config=self.kvc, log_path=self.cdir / "server.log",
+                                  pythonpath=os.pathsep.join(x for x in [self.pythonpath, extra] if x))
+            out["server_log"] = str(self.cdir / "server.log")
+            out["startup_s"] = round(self.srv.wait_ready(self.args.start_timeout), 1)
+            self.srv.complete(list(range(7, 7 + 20)), 2)   # warm-up: 20 tokens, no full page, unrelated to every run
+            return True
+        except Exception as e:  # start-up failure: recorded, the next configuration runs
+            out["failures"].append({"run": "(server)", "error": f"{type(e).__name__}: {e}"})
+            print(f"[serve_cpu] {name}: {type(e).__name__}: {e}", flush=True)
+            return False
+
+    @property
+    def has_stats(self) -> bool:
+        return bool(self.kvc and self.kvc.get("kv_connector_extra_config", {}).get("stats_path"))
+
+    def run(self, workload: str, c: int, r: int, idle: tuple["ConfigServer", ...] = ()) -> Optional[dict]:
+        """One client run of (``workload``, concurrency ``c``, repeat ``r``) against this server, appended to
+        ``runs`` (and ``failures`` if it failed); None if the server was not running. ``idle``: servers of other
+        configurations that are up meanwhile (``--interleave``): their CPU seconds during the run are recorded as
+        ``idle_cpu_s``, the proof that they did not compete with this one."""
+        srv, out, args = self.srv, self.out, self.args
+        seed = run_seed(workload, c, r)
+        label = f"{workload}-c{c}-r{r}"
+        if srv is None or not srv.alive():
+            out["failures"].append({"run": label, "error": "server not running (exited "
+                                    f"{srv.proc.returncode if srv else None}) before the run"})
+            return None
+        trace, rows = self.traces.get((c, r), (None, None)) if workload == "multiturn" else (None, None)
+        before = srv.metrics()
+        st0 = settled_stats(self.cdir / "stats") if self.has_stats else None
+        load0 = loadavg()
+        cpu0 = cpu_seconds(srv.proc.pid)
+        others0 = {o.name: cpu_seconds(o.srv.proc.pid) for o in idle if o.srv is not None}
+        t0 = time.monotonic()
+        res, err = run_client(srv, self.model_dir, workload_args(self.p, workload, seed, trace), c,
+                              self.cdir / "clients", label, args.client_timeout)
+        wall = time.monotonic() - t0
+        after = wait_counted(srv, before, (res or {}).get("completed") or 0) if srv.alive() else before
+        run = {"workload": workload, "concurrency": c, "repeat": r, "seed": seed,
+               "wall_s": round(wall, 2), "load_before": load0, "load_after": loadavg(),
+               "cpu_s": cpu_delta(cpu_seconds(srv.proc.pid), cpu0)}
+        if others0:
+            run["idle_cpu_s"] = {n: cpu_delta(cpu_seconds(o.srv.proc.pid), others0[n])["total"]
+                                 for o in idle for n in [o.name] if n in others0}
+        if st0 is not None:
+            run["tierkv_hook_s"] = hook_delta(settled_stats(self.cdir / "stats"), st0)
+        if res is None:
+            run["client_error"] = err
+            out["failures"].append({"run": label, "error": err, "server_alive": srv.alive()})
+        else:
+            run.update(summarise_run(res, deltas(after, before), rows))
+            if run.get("failed"):
+                out["failures"].append({"run": label, "failed_requests": run["failed"],
+                                        "errors": run["errors"], "server_alive": srv.alive()})
+        out["runs"].append(run)
+        t = run.get("tokens", {})
+        print(f"   {self.name} {label}: " + (
+            f"{run.get('completed')} ok / {run.get('failed')} failed, "
+            f"{run.get('request_throughput', 0):.2f} req/s, TTFT p50 "
+            f"{run.get('p50_ttft_ms') or 0:.0f} ms p99 {run.get('p99_ttft_ms') or 0:.0f} ms, "
+            f"tokens prompt {t.get('prompt')} L1 {t.get('l1_hit')} L2 {t.get('l2_hit')} "
+            f"L3 {t.get('l3_hit')}" if res else f"FAILED: {err[:300]}"), flush=True)
+        if not srv.alive():
+            out["failures"].append({"run": label, "error": f"server exited with code "
+                                    f"{srv.proc.returncode} during the run"})
+        return run
+
+    def finish(self) -> dict:
+        """Stop the servers (by PID) and return the configuration's record."""
+        out = self.out
+        try:
+            if self.srv is not None:
+                out["server_alive_at_end"] = self.srv.alive()
+                out["stop"] = self.srv.stop()
+        finally:
+            if self.zmq is not None:
+                out["zmq_stop"] = self.zmq.stop()
+            if self.shm_root is not None:  # RAM: gone with the server that wrote it
+                shutil.rmtree(self.shm_root, ignore_errors=True)
+        out["elapsed_s"] = round(time.monotonic() - self.t0, 1)
+        out["load_after"] = loadavg()
+        out["log"] = log_findings(self.cdir / "server.log")
+        if out["failures"] or out["log"].get("error_lines"):
+            out["server_log_tail"] = tail(self.cdir / "server.log", 6000)
+        if self.kvc is not None:
+            out["stats_files"] = read_stats(self.cdir / "stats")
+        return out
+
+
 def run_config(name: str, p: dict, args, model_dir: str, work: Path, pythonpath: str,
                traces: dict[tuple[int, int], tuple[Path, list[dict]]], repeats: Optional[list[int]] = None,
                round_no: int = 0) -> dict:
     """One server of configuration ``name`` and every (workload, concurrency, repeat in ``repeats``) run on it
     (``repeats`` default ``range(args.repeats)``); round ``round_no`` > 0 works in its own directory."""
     repeats = list(range(args.repeats)) if repeats is None else repeats
-    cdir = work / (name if round_no == 0 else f"{name}-round{round_no}")
-    (cdir / "clients").mkdir(parents=True, exist_ok=True)
-    out: dict = {"load_before": loadavg(), "runs": [], "failures": []}
-    zmq = None
-    kvc = None
-    shm_root = None
-    t_cfg = time.monotonic()
+    cs = ConfigServer(name, p, args, model_dir, work, pythonpath, traces, round_no)
     try:
-        if name == "tierkv_l3_zmq":
-            zmq = ZmqServer(cdir / "zmq_server.log", pythonpath)
-            out["zmq_endpoint"] = zmq.endpoint
-        if name == "tierkv_l3_file_shm":
-            shm_root = tempfile.mkdtemp(prefix="tierkv-serve-l3-", dir="/dev/shm")
-        kvc = kv_config(name, p, cdir, zmq.endpoint if zmq else None, l3_root=shm_root)
-        blocks = p["ideal_blocks"] if name == "ideal" else p["l1_blocks"]
-        out["kv_transfer_config"] = kvc
-        out["l1_blocks"] = blocks
-        print(f"[serve_cpu] {name}: L1 {blocks} blocks, connector {kvc['kv_connector'] if kvc else 'none'}",
-              flush=True)
-        srv = VllmServer(model_dir, l1_blocks=blocks, max_model_len=p["max_model_len"], kv_transfer_config=kvc,
-                         log_path=cdir / "server.log",
-                         pythonpath=os.pathsep.join(x for x in [pythonpath, str(REPO / "benchmarks")
-                                                                if name == "noop_connector" else ""] if x))
-        out["server_log"] = str(cdir / "server.log")
-        try:
-            out["startup_s"] = round(srv.wait_ready(args.start_timeout), 1)
-            srv.complete(list(range(7, 7 + 20)), 2)   # warm-up: 20 tokens, no full page, unrelated to every run
+        if cs.start():
+            try:
+                for workload in args.workloads:
+                    for c in args.concurrency:
+                        for r in repeats:
+                            cs.run(workload, c, r)
+            except Exception as e:  # an unexpected error: recorded, the next configuration runs
+                cs.out["failures"].append({"run": "(server)", "error": f"{type(e).__name__}: {e}"})
+                print(f"[serve_cpu] {name}: {type(e).__name__}: {e}", flush=True)
+    finally:
+        out = cs.finish()
+    return out
+
+
+def wait_quiet(servers: list["ConfigServer"], cpu_s: float = 0.02, every_s: float = 0.25,
+               timeout_s: float = 10.0) -> float:
+    """Poll until the process trees of ``servers`` used under ``cpu_s`` CPU seconds in all over ``every_s`` (bounded by
+    ``timeout_s``); returns the seconds waited. vLLM's worker busy-polls its input queue for about a second of CPU after
+    its last step; an interleaved run waits this out on the other servers so that none competes with it."""
+    t0 = time.monotonic()
+    pids = [cs.srv.proc.pid for cs in servers if cs.srv is not None and cs.srv.alive()]
+    while time.monotonic() - t0 < timeout_s:
+        before = [cpu_seconds(pid) for pid in pids]
+        time.sleep(every_s)  # a sampling interval of a CPU meter, not a synchronisation
+        used = sum(cpu_delta(cpu_seconds(pid), b)["total"] for pid, b in zip(pids, before))
+        if used < cpu_s:
+            break
+    return round(time.monotonic() - t0, 2)
+
+
+def run_interleaved(p: dict, args, model_dir: str, work: Path, pythonpath: str,
+                    traces: dict[tuple[int, int], tuple[Path, list[dict]]]) -> dict[str, dict]:
+    """``--interleave``: every configuration's server up at once, then for each repeat, workload and concurrency
+    one run per configuration, back to back, in an order rotated from one such cell to the next (:func:`round_order`),
+    so the runs a ratio pairs (same seed) are seconds apart instead of a whole configuration's runs apart and the
+    machine's slow drift of speed falls on both sides alike. Only the server under test gets requests; the others
+    idle: each run first waits until they are quiet (:func:`wait_quiet`) and records their CPU seconds meanwhile
+    (``idle_cpu_s``). Returns ``{name: record}`` as
+    :func:`run_config` makes them."""
+    servers = [ConfigServer(n, p, args, model_dir, work, pythonpath, traces) for n in args.configs]
+    try:
+        up = [cs for cs in servers if cs.start()]
+        cell = 0
+        for r in range(args.repeats):
             for workload in args.workloads:
                 for c in args.concurrency:
-                    for r in repeats:
-                        seed = run_seed(workload, c, r)
-                        label = f"{workload}-c{c}-r{r}"
-                        if not srv.alive():
-                            out["failures"].append({"run": label, "error": "server not running (exited "
-                                                    f"{srv.proc.returncode}) before the run"})
+                    for pos, name in enumerate(round_order([cs.name for cs in up], cell)):
+                        cs = next(x for x in up if x.name == name)
+                        idle = tuple(x for x in up if x is not cs)
+                        try:
+                            quiet_s = wait_quiet(list(idle))
+                            run = cs.run(workload, c, r, idle=idle)
+                        except Exception as e:  # an unexpected error: recorded, the other runs go on
+                            cs.out["failures"].append({"run": f"{workload}-c{c}-r{r}",
+                                                       "error": f"{type(e).__name__}: {e}"})
                             continue
-                        trace, rows = traces.get((c, r), (None, None)) if workload == "multiturn" else (None, None)
-                        before = srv.metrics()
-                        has_stats = bool(kvc and kvc.get("kv_connector_extra_config", {}).get("stats_path"))
-                        st0 = settled_stats(cdir / "stats") if has_stats else None
-                        load0 = loadavg()
-                        cpu0 = cpu_seconds(srv.proc.pid)
-                        t0 = time.monotonic()
-                        res, err = run_client(srv, model_dir, workload_args(p, workload, seed, trace), c,
-                                              cdir / "clients", label, args.client_timeout)
-                        wall = time.monotonic() - t0
-                        after = (wait_counted(srv, before, (res or {}).get("completed") or 0)
-                                 if srv.alive() else before)
-                        run = {"workload": workload, "concurrency": c, "repeat": r, "seed": seed,
-                               "wall_s": round(wall, 2), "load_before": load0, "load_after": loadavg(),
-                               "cpu_s": cpu_delta(cpu_seconds(srv.proc.pid), cpu0)}
-                        if st0 is not None:
-                            run["tierkv_hook_s"] = hook_delta(settled_stats(cdir / "stats"), st0)
-                        if res is None:
-                            run["client_error"] = err
-                            out["failures"].append({"run": label, "error": err,
-                                                    "server_alive": srv.alive()})
-                        else:
-                            run.update(summarise_run(res, deltas(after, before), rows))
-                            if run.get("failed"):
-                                out["failures"].append({"run": label, "failed_requests": run["failed"],
-                                                        "errors": run["errors"], "server_alive": srv.alive()})
-                        out["runs"].append(run)
-                        t = run.get("tokens", {})
-                        print(f"   {label}: " + (f"{run.get('completed')} ok / {run.get('failed')} failed, "
-                              f"{run.get('request_throughput', 0):.2f} req/s, TTFT p50 "
-                              f"{run.get('p50_ttft_ms') or 0:.0f} ms p99 {run.get('p99_ttft_ms') or 0:.0f} ms, "
-                              f"tokens prompt {t.get('prompt')} L1 {t.get('l1_hit')} L2 {t.get('l2_hit')} "
-                              f"L3 {t.get('l3_hit')}" if res else f"FAILED: {err[:300]}"), flush=True)
-                        if not srv.alive():
-                            out["failures"].append({"run": label, "error": f"server exited with code "
-                                                    f"{srv.proc.returncode} during the run"})
-        except Exception as e:  # start-up failure or an unexpected error: recorded, the next configuration runs
-            out["failures"].append({"run": "(server)", "error": f"{type(e).__name__}: {e}"})
-            print(f"[serve_cpu] {name}: {type(e).__name__}: {e}", flush=True)
-        finally:
-            out["server_alive_at_end"] = srv.alive()
-            out["stop"] = srv.stop()
+                        if run is not None:
+                            run["position"] = pos
+                            run["quiet_wait_s"] = quiet_s
+                    cell += 1
     finally:
-        if zmq is not None:
-            out["zmq_stop"] = zmq.stop()
-        if shm_root is not None:  # RAM: gone with the server that wrote it
-            shutil.rmtree(shm_root, ignore_errors=True)
-    out["elapsed_s"] = round(time.monotonic() - t_cfg, 1)
-    out["load_after"] = loadavg()
-    out["log"] = log_findings(cdir / "server.log")
-    if out["failures"] or out["log"].get("error_lines"):
-        out["server_log_tail"] = tail(cdir / "server.log", 6000)
-    if kvc is not None:
-        out["stats_files"] = read_stats(cdir / "stats")
-    return out
+        records = {}
+        for cs in servers:
+            try:
+                records[cs.name] = cs.finish()
+            except Exception as e:  # stop the others regardless
+                records[cs.name] = dict(cs.out, stop_error=f"{type(e).__name__}: {e}")
+    return records
 
 
 # ------------------------------------------------------------------------------------------------ soak
@@ -1302,12 +1407,32 @@ def _repeat_text(sel: dict) -> str:
     rounds, reps = sel.get("rounds", 1), sel["repeats"]
     if rounds * reps == 1:
         return "1 repeat: no ranges."
+    if sel.get("order") == "interleaved":
+        return (f"Interleaved (`--interleave`), {reps} repeat(s): every configuration's server was up at once and only "
+                f"the one under test got requests; for each repeat, workload and concurrency the configurations ran "
+                f"back to back, the order rotated from one such cell to the next, so the two runs of a ratio are "
+                f"seconds apart; ranges are over the repeats.")
     if sel.get("order") == "rotated":
         return (f"{rounds} round(s) x {reps} repeat(s) per (workload, concurrency): each round starts every "
                 f"configuration once more, round k in the order above rotated by k (so each configuration runs "
                 f"first, second ... in turn); ranges are over the repeats.")
     return (f"{rounds} round(s) x {reps} repeat(s) per (workload, concurrency): each round starts every configuration "
             f"once more, in the order above, so the configurations alternate in time; ranges are over the repeats.")
+
+
+def idle_text(data: dict) -> str:
+    """For an interleaved pass: the most CPU the idle servers used during one run, against that run's server's."""
+    worst = None
+    for name, c in data["configs"].items():
+        for r in c.get("runs", []):
+            idle = sum((r.get("idle_cpu_s") or {}).values())
+            busy = (r.get("cpu_s") or {}).get("total") or 0.0
+            if r.get("idle_cpu_s") is not None and (worst is None or idle > worst[0]):
+                worst = (idle, busy, name, f"{r['workload']} c{r['concurrency']} r{r['repeat']}")
+    if worst is None:
+        return ""
+    return (f" The idle servers used at most {worst[0]:.2f} CPU s in all during one run ({worst[2]}, {worst[3]}, "
+            f"whose own server used {worst[1]:.1f} s).")
 
 
 RERUN_JSON = "serve_cpu_rerun.json"   # and serve_cpu_rerun_<name>.json: each a ### re-run subsection
@@ -1323,7 +1448,8 @@ def render_rerun(data: dict, json_name: str = RERUN_JSON) -> str:
     changed = {k: v for k, v in p.items() if k != "preset" and FULL.get(k) != v}
     cmd = (f".venv/bin/python benchmarks/serve_cpu.py --preset {p['preset']} --configs {','.join(sel['configs'])} "
            f"--workloads {','.join(sel['workloads'])} --concurrency {','.join(map(str, sel['concurrency']))} "
-           f"--repeats {sel['repeats']} --rounds {sel.get('rounds', 1)} "
+           + (f"--repeats {sel['repeats']} --interleave " if sel.get("order") == "interleaved" else
+              f"--repeats {sel['repeats']} --rounds {sel.get('rounds', 1)} ")
            + "".join(f"--set {k}={v} " for k, v in changed.items())
            + f"--out benchmarks/results/{json_name} --no-readme")
     sizes = ("the same sizes as the full pass" if not changed else
@@ -1339,7 +1465,7 @@ Another pass, {sizes}; model preset `{p['preset']}`:
 Measured on tierkv commit `{results_check.short(data['code']['commit'])}` ({data['code'].get('source', '')}),
 {data['started_at']} -> {data['finished_at']}, results `results/{json_name}`: {cond['cpus']} vCPU ({cond['cpu']}),
 1-minute load average before->after each configuration (last round): {loads}.
-{_repeat_text(sel)}
+{_repeat_text(sel)}{idle_text(data)}
 {data.get('readme_note') or ''}
 
 {ratio_table(data)}
@@ -1670,6 +1796,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=1,
                     help="passes over the configurations, each with a fresh server and its own repeats (interleaves "
                          "the configurations in time, so a slow minute of the machine does not land on one of them)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="every configuration's server up at once (the others idle) and the configurations run back "
+                         "to back per (repeat, workload, concurrency), so paired runs are seconds apart; one round")
     ap.add_argument("--preset", default=None, help="model preset of examples/make_tiny_model.py (default demo)")
     ap.add_argument("--code", choices=["head", "worktree"], default="head",
                     help="measure a git-archive snapshot of HEAD (default) or the working tree as it is")
@@ -1730,6 +1859,8 @@ def main(argv=None) -> int:
     bad = [c for c in args.configs if c not in CONFIGS] + [w for w in args.workloads if w not in WORKLOADS]
     if bad or not args.configs or not args.workloads or not args.concurrency or args.repeats < 1 or args.rounds < 1:
         ap.error(f"unknown or empty selection {bad}; configs from {CONFIGS}, workloads from {WORKLOADS}")
+    if args.interleave and (args.rounds != 1 or args.soak is not None):
+        ap.error("--interleave runs one round (use --repeats) and no soak")
     if args.client_timeout is None:
         args.client_timeout = 600.0 if args.quick else 1800.0
     if args.soak is not None:
@@ -1755,10 +1886,16 @@ def main(argv=None) -> int:
     data = {"benchmark": SECTION, "quick": args.quick, "params": p, "started_at": started, "code": code,
             "conditions": conditions(), "run_dir": str(work.relative_to(REPO)),
             "selection": {"configs": args.configs, "workloads": args.workloads, "concurrency": args.concurrency,
-                          "repeats": args.repeats, "rounds": args.rounds, "order": "rotated"},
+                          "repeats": args.repeats, "rounds": args.rounds,
+                          "order": "interleaved" if args.interleave else "rotated"},
             "multiturn_traces": trace_info, "configs": {}, "readme_note": args.note}
     out = Path(args.out) if args.out else RESULTS / "serve_cpu.json"
-    for k in range(args.rounds):   # round k: every configuration once, repeats k*R .. k*R+R-1 (same seeds in each)
+    if args.interleave:
+        for name, res in run_interleaved(p, args, model_dir, work, pythonpath, traces).items():
+            meta = {key: res.get(key) for key in ("load_before", "load_after", "elapsed_s", "startup_s")}
+            data["configs"][name] = dict(res, rounds=[meta])
+    # round k: every configuration once, repeats k*R .. k*R+R-1 (same seeds in each)
+    for k in range(0 if args.interleave else args.rounds):
         reps = list(range(k * args.repeats, (k + 1) * args.repeats))
         for pos, name in enumerate(round_order(args.configs, k)):
             res = run_config(name, p, args, model_dir, work, pythonpath, traces, reps, k)

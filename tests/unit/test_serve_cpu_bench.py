@@ -335,6 +335,67 @@ def test_rounds_rotate_the_order_of_the_configurations():
     assert serve.round_order(configs, 5) == orders[1] and serve.round_order([], 3) == []
 
 
+def test_interleaved_runs_keep_every_server_up_and_run_the_configurations_back_to_back(monkeypatch, tmp_path):
+    """``--interleave``: all servers start before the first run and stop after the last; each (repeat, workload,
+    concurrency) cell runs every configuration once, in an order rotated from cell to cell; each run is told the
+    other servers, which idle; a server that failed to start is left out of the runs, and still stopped."""
+    events = []
+
+    class FakeServer:
+        def __init__(self, name, p, args, model_dir, work, pythonpath, traces, round_no=0):
+            self.name, self.out = name, {"runs": [], "failures": []}
+
+        def start(self):
+            events.append(("start", self.name))
+            return self.name != "broken"
+
+        def run(self, workload, c, r, idle=()):
+            events.append(("run", self.name, workload, c, r, tuple(o.name for o in idle)))
+            run = {"workload": workload, "concurrency": c, "repeat": r}
+            self.out["runs"].append(run)
+            return run
+
+        def finish(self):
+            events.append(("finish", self.name))
+            return self.out
+
+    monkeypatch.setattr(serve, "ConfigServer", FakeServer)
+    monkeypatch.setattr(serve, "wait_quiet", lambda servers: events.append(("quiet", sorted(x.name for x in servers)))
+                        or 0.5)
+    args = serve.argparse.Namespace(configs=["none", "broken", "tierkv_l2", "noop_connector"], workloads=["random"],
+                                    concurrency=[4, 8], repeats=2)
+    records = serve.run_interleaved({}, args, "m", tmp_path, "", {})
+    names = ["none", "broken", "tierkv_l2", "noop_connector"]
+    assert events[:4] == [("start", n) for n in names] and events[-4:] == [("finish", n) for n in names]
+    runs = [e for e in events if e[0] == "run"]
+    for i, e in enumerate(events):   # before each run, the other servers were waited quiet
+        if e[0] == "run":
+            assert events[i - 1] == ("quiet", sorted(e[5]))
+    up = ["none", "tierkv_l2", "noop_connector"]
+    cells = [(r, c) for r in range(2) for c in (4, 8)]
+    assert len(runs) == 3 * len(cells)
+    for k, (r, c) in enumerate(cells):
+        got = runs[3 * k:3 * k + 3]
+        assert [e[1] for e in got] == serve.round_order(up, k)
+        assert all(e[2:5] == ("random", c, r) for e in got)
+        assert all(sorted(e[5]) == sorted(n for n in up if n != e[1]) for e in got)
+    assert [run["position"] for run in records["none"]["runs"]] == [0, 2, 1, 0]
+    assert {run["quiet_wait_s"] for cs in records.values() for run in cs["runs"]} == {0.5}
+    assert records["broken"]["runs"] == []
+
+
+def test_the_idle_servers_cpu_is_reported_for_an_interleaved_pass():
+    data = {"configs": {"none": {"runs": [{"workload": "random", "concurrency": 4, "repeat": 0, "cpu_s": {"total": 9.5},
+                                           "idle_cpu_s": {"tierkv_l2": 0.02, "noop_connector": 0.03}}]},
+                        "tierkv_l2": {"runs": [{"workload": "random", "concurrency": 8, "repeat": 1,
+                                                "cpu_s": {"total": 7.0}, "idle_cpu_s": {"none": 0.01}}]}}}
+    assert serve.idle_text(data) == (" The idle servers used at most 0.05 CPU s in all during one run (none, random "
+                                     "c4 r0, whose own server used 9.5 s).")
+    data["configs"]["none"]["runs"][0].pop("idle_cpu_s")
+    data["configs"]["tierkv_l2"]["runs"][0].pop("idle_cpu_s")
+    assert serve.idle_text(data) == ""
+
+
 @pytest.mark.parametrize("name", [c for c in serve.CONFIGS if c not in ("ideal", "none", "noop_connector")])
 def test_every_tierkv_configuration_is_a_valid_connector_config(name, tmp_path):
     """Each configuration's ``kv_connector_extra_config`` loads through the connector's own parser; the L3
