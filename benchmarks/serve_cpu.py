@@ -1444,7 +1444,12 @@ def render_rerun(data: dict, json_name: str = RERUN_JSON) -> str:
     rounds and repeats (its own result file), drawn with the same ratio and run tables as the full pass."""
     results_check.check_results(data, RESULT_SCHEMA, json_name, allow_quick=True)
     sel, cond, p = data["selection"], data["conditions"], data["params"]
-    loads = ", ".join(f"{n} {c['load_before'][0]}->{c['load_after'][0]}" for n, c in data["configs"].items())
+    loads = ("1-minute load average before->after each configuration (last round): "
+             + ", ".join(f"{n} {c['load_before'][0]}->{c['load_after'][0]}" for n, c in data["configs"].items()))
+    if sel.get("order") == "interleaved":   # one pass with every server up: one before and one after
+        first = next(iter(data["configs"].values()), None)
+        loads = (f"1-minute load average before->after the pass: {first['load_before'][0]}->{first['load_after'][0]}"
+                 if first else "no configuration ran")
     changed = {k: v for k, v in p.items() if k != "preset" and FULL.get(k) != v}
     cmd = (f".venv/bin/python benchmarks/serve_cpu.py --preset {p['preset']} --configs {','.join(sel['configs'])} "
            f"--workloads {','.join(sel['workloads'])} --concurrency {','.join(map(str, sel['concurrency']))} "
@@ -1464,7 +1469,7 @@ Another pass, {sizes}; model preset `{p['preset']}`:
 
 Measured on tierkv commit `{results_check.short(data['code']['commit'])}` ({data['code'].get('source', '')}),
 {data['started_at']} -> {data['finished_at']}, results `results/{json_name}`: {cond['cpus']} vCPU ({cond['cpu']}),
-1-minute load average before->after each configuration (last round): {loads}.
+{loads}.
 {_repeat_text(sel)}{idle_text(data)}
 {data.get('readme_note') or ''}
 
