@@ -446,7 +446,7 @@ class L3IO:
                 src = (self.host.read_page(slot) if self._direct
                        else self.host.read_page(slot, out=self._wstage[len(srcs)]))
                 c = self.checksums.get(slot, key)
-                if c is None:  # not recorded (e.g. verify off and no L3 when it was saved): hash it now
+                if c is None:  # not recorded (verify_checksums off: saves do not hash): hash it now, once
                     c = xxhash.xxh3_64_intdigest(memoryview(src.numpy()))
                 srcs.append(src)
                 sums.append(c)

@@ -16,11 +16,12 @@ Engine-free: :class:`tierkv.connector.vllm_connector.TierKVConnector` calls it f
   nor in later plans until one confirms the scheduler side handled the failure (``StepPlan.recomputed``); a slot
   whose save was not made is never loaded nor backed up (docs/architecture.md §8 R31). Loads of one step that read
   the same slot (requests sharing a prefix, admitted together) are copied in rounds (the kernels take a slot once).
-- With ``verify`` or an L3 store, the XXH3-64 of every page entering L2 is kept per slot
-  (:class:`tierkv.connector.page_checksums.SlotChecksums`, bounded by the pool) and travels into the L3 record
-  header on backup ("checksum once"). With ``verify`` it is checked before the page is loaded again; a mismatch (a
-  slot reused too early, memory corruption) is never loaded: the blocks from the first bad page on are reported
-  as failed (``get_block_ids_with_load_errors``) so vLLM recomputes them.
+- With ``verify``, the XXH3-64 of every page saved into L2 is kept per slot
+  (:class:`tierkv.connector.page_checksums.SlotChecksums`, bounded by the pool), travels into the L3 record header
+  on backup ("checksum once") and is checked before the page is loaded again; a mismatch (a slot reused too early,
+  memory corruption) is never loaded: the blocks from the first bad page on are reported as failed
+  (``get_block_ids_with_load_errors``) so vLLM recomputes them. Without ``verify`` a save hashes nothing on the
+  forward's thread: the L3 writer hashes a page when it backs it up, and pages never backed up are never hashed.
 - With an L3 store, the step's jobs go to :class:`tierkv.connector.l3_io.L3IO` after the saves; :meth:`poll`
   (vLLM's ``get_finished``) copies prefetched pages L2 -> L1 and names the requests whose asynchronous load ended;
   :meth:`take_reports` hands the job reports to the scheduler side.
@@ -199,7 +200,8 @@ class CacheWorker:
         self.layer_index = {name: i for i, name in enumerate(dev.layer_names)}
         self.counters = WorkerCounters()
         self.checksums = checksums if checksums is not None else SlotChecksums(host.num_slots)
-        self._keep_checksums = verify or l3 is not None
+        # a save hashes its pages only when loads check them; otherwise the L3 writer hashes what it backs up
+        self._keep_checksums = verify
         self._closed = False
         self._orphan_reports: list[JobReport] = []   # jobs answered without a store
         self._orphan_finished: set[str] = set()
