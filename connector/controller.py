@@ -55,7 +55,7 @@ import logging
 import time
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable, Optional, Sequence
 
 from tierkv.storage_backends.common import RateLimitedLog
@@ -122,7 +122,12 @@ class ControllerCounters:
     backup_cancelled_pages: int = 0     # backups cancelled: their pages were computed on a failed load (R31)
 
     def as_dict(self) -> dict:
-        return {f"ctl_{k}": v for k, v in self.__dict__.items()}
+        """Every counter under its stats key, ``ctl_<field>`` (one snapshot a step: the keys are made once)."""
+        d = self.__dict__
+        return {key: d[f] for f, key in _CTL_STATS_KEYS}
+
+
+_CTL_STATS_KEYS = tuple((f.name, f"ctl_{f.name}") for f in fields(ControllerCounters))
 
 
 @dataclass
@@ -170,6 +175,7 @@ MISS_REASONS = ("miss", "declined_slow", "no_room", "late", "failed", "skipped",
 HIT_PARTS = ("l1", "l2", "l3")
 #: upper bounds (seconds) of the reuse-distance histogram's buckets (and +Inf)
 REUSE_BUCKETS_S = (1.0, 10.0, 60.0, 300.0, 1800.0, 3600.0, 14400.0, 86400.0)
+_REUSE_BUCKET_LABELS = (*(f"{b:g}" for b in REUSE_BUCKETS_S), "+Inf")   # the stats file's ``le`` keys
 
 
 class LookupStats:
@@ -204,6 +210,7 @@ class LookupStats:
         self.samples: dict[str, list[float]] = {"L2": [], "L3": []}
         self.hist = {t: [0] * (len(REUSE_BUCKETS_S) + 1) for t in self.samples}
         self.hist_sum = dict.fromkeys(self.samples, 0.0)
+        self._hist_view: Optional[dict] = None   # as_dict's histograms, built again only after a new sample
 
     def add(self, part: str, tokens: int) -> None:
         if tokens > 0:
@@ -233,6 +240,7 @@ class LookupStats:
         self._observe("L3", [self.l3_stored_at.get(k, -1.0) for k in keys])
 
     def _observe(self, tier: str, times: list[float]) -> None:
+        self._hist_view = None
         now = self.clock()
         buf, hist = self.samples[tier], self.hist[tier]
         for t in times:
@@ -255,14 +263,16 @@ class LookupStats:
     def as_dict(self) -> dict:
         d = {f"lookup_{k}_tokens": v for k, v in self.tokens.items()}
         d["lookup_waiting_tokens"] = self.waiting
-        hist = {}
-        for tier, counts in self.hist.items():
-            cum, le = 0, {}
-            for b, n in zip([*(f"{b:g}" for b in REUSE_BUCKETS_S), "+Inf"], counts):
-                cum += n
-                le[b] = cum
-            hist[tier] = {"count": cum, "sum": round(self.hist_sum[tier], 3), "le": le}
-        d["reuse_distance_seconds"] = hist
+        if self._hist_view is None:   # the stats file's cumulative form; unchanged in steps without a hit
+            hist = {}
+            for tier, counts in self.hist.items():
+                cum, le = 0, {}
+                for b, n in zip(_REUSE_BUCKET_LABELS, counts):
+                    cum += n
+                    le[b] = cum
+                hist[tier] = {"count": cum, "sum": round(self.hist_sum[tier], 3), "le": le}
+            self._hist_view = hist
+        d["reuse_distance_seconds"] = self._hist_view
         return d
 
 

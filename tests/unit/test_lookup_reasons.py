@@ -138,6 +138,8 @@ def test_reuse_distance_per_tier(tmp_path):
     e.settle()
     now[0] += 30.0
     e.run_l3(Req("b", doc + [2]))                # L2 hit after 30 s
+    h = e.sched.stats()["reuse_distance_seconds"]   # the snapshot's histograms follow every later hit
+    assert h["L2"]["count"] == 4 and h["L3"]["count"] == 0
     assert e.sched.reset()
     now[0] += 600.0
     e.run_l3(Req("c", doc + [3]))                # L3 hit 630 s after the backup
