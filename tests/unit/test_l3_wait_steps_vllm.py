@@ -226,7 +226,9 @@ def test_a_read_that_ends_just_after_the_forward_is_named_finished_by_the_step_t
     e.run(2)
 
     def forward_then_open(so):      # the read can only end after the forward
-        compute(0.2)
+        # a forward of 0.6 s gives the read a quarter of that (STEP_READ_WAIT_FRACTION) to end after it: 0.2 s (a 50 ms
+        # window) once ran out while the full suite loaded both cores
+        compute(0.6)
         gate.set()
 
     e.forward = forward_then_open
