@@ -54,8 +54,14 @@ measures the working tree and records its uncommitted paths.
     .venv/bin/python benchmarks/serve_cpu.py --quick            # a few minutes: small prompts, demo model
     .venv/bin/python benchmarks/serve_cpu.py                    # full pass (demo model, 6 configs, 3 workloads, c=1,4,8)
     .venv/bin/python benchmarks/serve_cpu.py --quick --configs none,tierkv_l2,tierkv_l3_file --concurrency 4
+    .venv/bin/python benchmarks/serve_cpu.py --interleave --configs none,tierkv_l2 --workloads random --repeats 8
     .venv/bin/python benchmarks/serve_cpu.py --readme-from benchmarks/results/serve_cpu.json   # redraw the README section
     .venv/bin/python benchmarks/serve_cpu.py --soak             # soak: 2,000 requests (--soak N: N, a multiple of 40)
+
+``--interleave`` (instead of ``--rounds``): every configuration's server up at once, the others idle while one is
+measured; for each repeat, workload and concurrency the configurations run back to back, the order rotated from one
+such cell to the next, so the two runs a ratio pairs are seconds apart. Before each run the idle servers are waited
+quiet, and their CPU seconds during it are recorded (``idle_cpu_s``).
 
 Soak mode (``--soak [N]``, instead of the pass): one ``tierkv_l3_zmq`` server whose L3 is wrapped in the ``faulty``
 store (``l3.faults``: 30 % of the keys of every get, set and exists fail, seeded); a warm-up at concurrency 8, then
