@@ -61,7 +61,9 @@ measures the working tree and records its uncommitted paths.
 ``--interleave`` (instead of ``--rounds``): every configuration's server up at once, the others idle while one is
 measured; for each repeat, workload and concurrency the configurations run back to back, the order rotated from one
 such cell to the next, so the two runs a ratio pairs are seconds apart. Before each run the idle servers are waited
-quiet, and their CPU seconds during it are recorded (``idle_cpu_s``).
+quiet, and their CPU seconds during it are recorded (``idle_cpu_s``). Several engines are then up at once, against
+the rule of one engine at a time that every other pass keeps: a tool to study the machine's noise, not a measurement
+of the targets.
 
 Soak mode (``--soak [N]``, instead of the pass): one ``tierkv_l3_zmq`` server whose L3 is wrapped in the ``faulty``
 store (``l3.faults``: 30 % of the keys of every get, set and exists fail, seeded); a warm-up at concurrency 8, then
@@ -717,8 +719,8 @@ class ConfigServer:
                "wall_s": round(wall, 2), "load_before": load0, "load_after": loadavg(),
                "cpu_s": cpu_delta(cpu_seconds(srv.proc.pid), cpu0)}
         if others0:
-            run["idle_cpu_s"] = {n: cpu_delta(cpu_seconds(o.srv.proc.pid), others0[n])["total"]
-                                 for o in idle for n in [o.name] if n in others0}
+            run["idle_cpu_s"] = {o.name: cpu_delta(cpu_seconds(o.srv.proc.pid), others0[o.name])["total"]
+                                 for o in idle if o.name in others0}
         if st0 is not None:
             run["tierkv_hook_s"] = hook_delta(settled_stats(self.cdir / "stats"), st0)
         if res is None:
@@ -818,8 +820,7 @@ def run_interleaved(p: dict, args, model_dir: str, work: Path, pythonpath: str,
         for r in range(args.repeats):
             for workload in args.workloads:
                 for c in args.concurrency:
-                    for pos, name in enumerate(round_order([cs.name for cs in up], cell)):
-                        cs = next(x for x in up if x.name == name)
+                    for pos, cs in enumerate(round_order(up, cell)):
                         idle = tuple(x for x in up if x is not cs)
                         try:
                             quiet_s = wait_quiet(list(idle))
@@ -1399,7 +1400,12 @@ def failures_text(data: dict) -> str:
     return "\n".join(out) if out else "none: every request of every run completed and no server log has an error line."
 
 
-def round_order(configs: list[str], k: int) -> list[str]:
+def round_meta(res: dict) -> dict:
+    """What a configuration's record keeps of one round: load average before and after, seconds, start-up time."""
+    return {key: res.get(key) for key in ("load_before", "load_after", "elapsed_s", "startup_s")}
+
+
+def round_order(configs: list, k: int) -> list:
     """The order in which round ``k`` (0-based) starts the configurations: ``configs`` rotated by ``k``, so over a
     number of rounds that is a multiple of ``len(configs)`` every configuration runs first, second ... equally often.
     A fixed order would favour or handicap whichever configuration always runs at one position (see the README's
@@ -1903,15 +1909,13 @@ def main(argv=None) -> int:
     out = Path(args.out) if args.out else RESULTS / "serve_cpu.json"
     if args.interleave:
         for name, res in run_interleaved(p, args, model_dir, work, pythonpath, traces).items():
-            meta = {key: res.get(key) for key in ("load_before", "load_after", "elapsed_s", "startup_s")}
-            data["configs"][name] = dict(res, rounds=[meta])
+            data["configs"][name] = dict(res, rounds=[round_meta(res)])
     # round k: every configuration once, repeats k*R .. k*R+R-1 (same seeds in each)
     for k in range(0 if args.interleave else args.rounds):
         reps = list(range(k * args.repeats, (k + 1) * args.repeats))
         for pos, name in enumerate(round_order(args.configs, k)):
             res = run_config(name, p, args, model_dir, work, pythonpath, traces, reps, k)
-            meta = {key: res.get(key) for key in ("load_before", "load_after", "elapsed_s", "startup_s")}
-            meta["position"] = pos
+            meta = dict(round_meta(res), position=pos)
             if name not in data["configs"]:
                 data["configs"][name] = dict(res, rounds=[meta])
             else:

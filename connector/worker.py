@@ -200,8 +200,6 @@ class CacheWorker:
         self.layer_index = {name: i for i, name in enumerate(dev.layer_names)}
         self.counters = WorkerCounters()
         self.checksums = checksums if checksums is not None else SlotChecksums(host.num_slots)
-        # a save hashes its pages only when loads check them; otherwise the L3 writer hashes what it backs up
-        self._keep_checksums = verify
         self._closed = False
         self._orphan_reports: list[JobReport] = []   # jobs answered without a store
         self._orphan_finished: set[str] = set()
@@ -437,7 +435,7 @@ class CacheWorker:
                 return
         self.counters.save_pages += sum(len(o.slots) for o in saves)
         self.counters.save_bytes += nbytes
-        if self._keep_checksums:
+        if self.verify:  # a save hashes only for loads that check; otherwise the L3 writer hashes what it backs up
             for o in saves:
                 for slot, key in zip(o.slots, o.keys):
                     self.checksums.record(slot, key, self.host.page_checksum(slot))
