@@ -7,8 +7,8 @@ seconds, and once more at shutdown.
 The file never lags the counters by more than about ``min_interval_s`` (docs/architecture.md §13): a change seen
 by :meth:`StatsFile.maybe_write` inside the interval is not dropped but written by a background flusher thread when
 the interval ends, even if the engine never steps again. Only the flusher writes for :meth:`StatsFile.maybe_write`
-(the engine's hooks call it every step, and a write on their thread would lengthen the step); ``force``,
-:meth:`StatsFile.write_now` and :meth:`StatsFile.close` write on the caller's thread. That matters because vLLM's API server stops its engine
+and :meth:`StatsFile.write_soon` (the engine's hooks call them, and a write on their thread would lengthen the
+step); ``force`` and :meth:`StatsFile.close` write on the caller's thread. That matters because vLLM's API server stops its engine
 process with a zero timeout (the connector's ``shutdown`` and ``atexit`` may never run), and because an idle engine
 does not step. With ``snapshot_thread_safe`` (worker side: counters only) the flusher also takes snapshots itself,
 so counters moved by I/O threads between steps reach the file too.
@@ -58,6 +58,7 @@ class StatsFile:
         self._written_seq = 0               # the newest of them written (an older one is never written after it)
         self._flusher: Optional[threading.Thread] = None
         self._closed = False
+        self._urgent = False                # write_soon: the pending snapshot is written without the interval
 
     def maybe_write(self, force: bool = False, data: Optional[dict] = None) -> None:
         """Record the current counters. ``force``: written now, on the caller's thread. Otherwise the file is written
@@ -86,17 +87,20 @@ class StatsFile:
             self._start_flusher_locked()
             self._wake.notify()
 
-    def write_now(self) -> None:
-        """Write the current counters now, whatever the interval (skipped when nothing changed). For the moments
-        after which no step may come to write them: the engine just went idle, and vLLM's API server may stop it
-        without running any shutdown hook (docs/architecture.md §13)."""
+    def write_soon(self) -> None:
+        """Have the flusher write the current counters at once, whatever the interval. For the moments after which no
+        step may come to write them: the engine just went idle, and vLLM's API server may stop it without running any
+        shutdown hook (docs/architecture.md §13). The snapshot is taken here (the caller's counters may not be safe
+        to read from another thread); the JSON and the file system are the flusher's, so the hook that went idle (at
+        concurrency 1 the end of every request) does not wait for them."""
         if self.path is None:
             return
         data = dict(self.snapshot())
         with self._lock:
-            self._pending = None
-            seq = self._next_seq_locked()
-        self._write(data, seq)
+            self._pending = data
+            self._urgent = True
+            self._start_flusher_locked()
+            self._wake.notify()
 
     def close(self) -> None:
         """Write the last counters and stop the flusher (idempotent)."""
@@ -144,12 +148,13 @@ class StatsFile:
                 if self._pending is None and not self.snapshot_thread_safe:
                     self._wake.wait()
                     continue
-                left = self._last_t + self.min_interval_s - time.monotonic()
+                left = 0.0 if self._urgent else self._last_t + self.min_interval_s - time.monotonic()
                 if left > 0:
                     self._wake.wait(left)
                     continue
                 data = self._pending
                 self._pending = None
+                self._urgent = False
                 seq = self._next_seq_locked()
                 self._lock.release()  # the snapshot, JSON and file writes run without it: hooks never wait on them
                 try:

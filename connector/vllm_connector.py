@@ -835,7 +835,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self.hybrid and failed:  # several groups: failed loads come as requests; their loaded pages leave too
             self._sched.on_failed_loads(failed)
         if meta is not None and not self._sched.has_requests():  # idle: the last reports of the drained work
-            self._stats.write_now()
+            self._stats.write_soon()
 
     def _observe_forwards(self, forwards) -> None:
         """The engine's prefill time per token, for the controller's "never slower than recomputing" check: forwards
@@ -880,7 +880,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             delay = False
         self._requests.pop(request.request_id, None)
         if not self._sched.has_requests():  # the engine may go idle now, and no later step would write the counters
-            self._stats.write_now()
+            self._stats.write_soon()
         err = self._param_errors.pop(request.request_id, None)
         return delay, ({"tierkv_error": err} if err is not None else None)  # the response's kv_transfer_params
 
