@@ -95,8 +95,21 @@ class TierKVConfig(_Strict):
 
     @field_validator("stats_path")
     @classmethod
-    def _expand(cls, v: Optional[str]) -> Optional[str]:
-        return os.path.expanduser(v) if v else v
+    def _stats_file(cls, v: Optional[str]) -> Optional[str]:
+        # a file name template: {role} and {pid} are the only placeholders, and the name is not a directory (each
+        # process creates the file's directory itself, connector/metrics.py)
+        if not v:
+            return v
+        p = os.path.expanduser(v)
+        try:
+            name = p.format(role="scheduler", pid=os.getpid())
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError("must be a file path whose only placeholders are {role} and {pid} "
+                             f"(got {v!r}: {type(e).__name__} {e})") from None
+        if not name.strip() or name.endswith(os.sep) or os.path.isdir(name):
+            raise ValueError("must name a file to write the counters to, not a directory: e.g. "
+                             f"{os.path.join(v.rstrip(os.sep) or '.', 'tierkv-{role}-{pid}.json')!r}")
+        return p
 
     @field_validator("trace_path")
     @classmethod

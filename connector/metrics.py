@@ -16,12 +16,15 @@ so counters moved by I/O threads between steps reach the file too.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
 from typing import Callable, Optional
 
 from .thread_names import name_this_thread
+
+logger = logging.getLogger("tierkv.metrics")
 
 
 class StatsFile:
@@ -74,7 +77,10 @@ class StatsFile:
             with self._lock:
                 self._pending = None
                 seq = self._next_seq_locked()
-            self._write(data, seq, force)
+            try:
+                self._write(data, seq, force)
+            except OSError as e:  # shutdown and atexit: a counters file that cannot be written never stops them
+                logger.warning("tierkv: cannot write the counters file %s: %s", self.path, e)
             return
         if self.snapshot_thread_safe:
             if self._flusher is None:

@@ -213,3 +213,15 @@ def test_the_load_keys_refuse_bad_values_naming_the_key_and_the_allowed_range(ke
     with pytest.raises(ConfigError) as e:
         config_from_extra({**WITH_L3, f"controller.{key}": value})
     assert f"bad value '{value}' for 'controller.{key}'" in str(e.value) and allowed in str(e.value)
+
+
+def test_stats_path_must_name_a_file_with_known_placeholders(tmp_path):
+    """A directory given as ``stats_path`` was accepted and failed only when the counters were written (at shutdown:
+    ``IsADirectoryError`` out of vLLM's engine shutdown); a placeholder other than {role} and {pid} failed in the
+    connector's constructor with a bare KeyError. Both now stop start-up naming the key."""
+    with pytest.raises(ConfigError, match=r"stats_path.*not a directory.*tierkv-\{role\}-\{pid\}\.json"):
+        config_from_extra({"stats_path": str(tmp_path)})
+    with pytest.raises(ConfigError, match=r"stats_path.*only placeholders are \{role\} and \{pid\}"):
+        config_from_extra({"stats_path": str(tmp_path / "{rank}.json")})
+    ok = str(tmp_path / "sub" / "{role}-{pid}.json")
+    assert config_from_extra({"stats_path": ok}).stats_path == ok

@@ -231,3 +231,19 @@ def test_write_soon_is_written_at_once_by_the_flusher_not_the_hook(tmp_path, mon
     assert set(writers) == {"tierkv-stats-scheduler"}, writers
     f.close()
     assert _json.loads(path.read_text())["n"] == 3
+
+
+def test_a_counters_file_that_cannot_be_written_at_shutdown_is_a_warning(tmp_path, caplog):
+    """The last write (``close``, the connector's ``shutdown`` and ``atexit``) runs on the caller's thread: a file that
+    cannot be written there (its name taken by a directory since start-up, a full disk) is logged, never raised into
+    vLLM's engine shutdown."""
+    import logging as _logging
+
+    from tierkv.connector.metrics import StatsFile
+
+    f = StatsFile(str(tmp_path / "{role}.json"), "scheduler", lambda: {"n": 1})
+    (tmp_path / "scheduler.json").mkdir()
+    with caplog.at_level(_logging.WARNING, logger="tierkv.metrics"):
+        f.close()
+    assert any("cannot write the counters file" in r.getMessage() and "scheduler.json" in r.getMessage()
+               for r in caplog.records), caplog.text
