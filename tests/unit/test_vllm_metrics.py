@@ -118,16 +118,11 @@ def test_timed_store_times_calls_and_counts_failures():
     assert t.stats() == {"errors": 2, "timeouts": 1}                   # everything else is the store's
 
 
-def test_stats_file_keeps_the_last_change_without_another_call(tmp_path, monkeypatch):
-    """A change inside the write interval is written by the flusher when the interval ends, with no further call:
-    the file does not lag behind an engine that stopped stepping (or was killed before its shutdown hook). Every
-    write of ``maybe_write`` is the flusher's: a hook calling it every step never writes a file itself."""
-    import json as _json
+def _record_writer_threads(monkeypatch) -> list:
+    """Names of the threads that write a StatsFile from now on (one per write), in order."""
     import threading as _threading
-    import time as _time
 
     from tierkv.connector.metrics import StatsFile
-
     writers = []
     write = StatsFile._write
 
@@ -135,6 +130,19 @@ def test_stats_file_keeps_the_last_change_without_another_call(tmp_path, monkeyp
         writers.append(_threading.current_thread().name)
         return write(self, data, seq, force)
     monkeypatch.setattr(StatsFile, "_write", recording_write)
+    return writers
+
+
+def test_stats_file_keeps_the_last_change_without_another_call(tmp_path, monkeypatch):
+    """A change inside the write interval is written by the flusher when the interval ends, with no further call:
+    the file does not lag behind an engine that stopped stepping (or was killed before its shutdown hook). Every
+    write of ``maybe_write`` is the flusher's: a hook calling it every step never writes a file itself."""
+    import json as _json
+    import time as _time
+
+    from tierkv.connector.metrics import StatsFile
+
+    writers = _record_writer_threads(monkeypatch)
     counters = {"n": 1}
     f = StatsFile(str(tmp_path / "{role}.json"), "scheduler", lambda: dict(counters), min_interval_s=0.05)
     f.maybe_write()
@@ -202,18 +210,11 @@ def test_write_soon_is_written_at_once_by_the_flusher_not_the_hook(tmp_path, mon
     the JSON and file writes there cost the next request's TTFT (about 1 ms a request, cProfile of a multi-turn run).
     ``write_soon`` hands the snapshot to the flusher, which writes it without waiting for the interval."""
     import json as _json
-    import threading as _threading
     import time as _time
 
     from tierkv.connector.metrics import StatsFile
 
-    writers = []
-    write = StatsFile._write
-
-    def recording_write(self, data, seq, force=False):
-        writers.append(_threading.current_thread().name)
-        return write(self, data, seq, force)
-    monkeypatch.setattr(StatsFile, "_write", recording_write)
+    writers = _record_writer_threads(monkeypatch)
     counters = {"n": 1}
     f = StatsFile(str(tmp_path / "{role}.json"), "scheduler", lambda: dict(counters), min_interval_s=600.0)
     path = tmp_path / "scheduler.json"
