@@ -87,11 +87,7 @@ class StatsFile:
                 with self._lock:
                     self._start_flusher_locked()
             return
-        data = dict(self.snapshot()) if data is None else data
-        with self._lock:
-            self._pending = data
-            self._start_flusher_locked()
-            self._wake.notify()
+        self._hand_over(dict(self.snapshot()) if data is None else data, urgent=False)
 
     def write_soon(self) -> None:
         """Have the flusher write the current counters at once, whatever the interval. For the moments after which no
@@ -101,12 +97,7 @@ class StatsFile:
         concurrency 1 the end of every request) does not wait for them."""
         if self.path is None:
             return
-        data = dict(self.snapshot())
-        with self._lock:
-            self._pending = data
-            self._urgent = True
-            self._start_flusher_locked()
-            self._wake.notify()
+        self._hand_over(dict(self.snapshot()), urgent=True)
 
     def close(self) -> None:
         """Write the last counters and stop the flusher (idempotent)."""
@@ -118,6 +109,14 @@ class StatsFile:
             self._wake.notify()
 
     # ------------------------------------------------------------------ internals
+    def _hand_over(self, data: dict, urgent: bool) -> None:
+        """Give the flusher ``data`` to write (``urgent``: without waiting for the interval)."""
+        with self._lock:
+            self._pending = data
+            self._urgent = self._urgent or urgent
+            self._start_flusher_locked()
+            self._wake.notify()
+
     def _next_seq_locked(self) -> int:
         self._seq += 1
         return self._seq
