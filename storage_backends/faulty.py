@@ -37,6 +37,7 @@ class FaultsConfig(BaseModel):
     delay_get_s: float = Field(default=0.0, ge=0.0)
     delay_set_s: float = Field(default=0.0, ge=0.0)
     delay_exists_s: float = Field(default=0.0, ge=0.0)
+    delay_get_page_s: float = Field(default=0.0, ge=0.0)
     hang_get: bool = False
     hang_set: bool = False
     hang_exists: bool = False
@@ -53,6 +54,8 @@ class FaultyBackend(StorageBackend):
         inner: the store to wrap (any :class:`StorageBackend`); closed with the wrapper.
         fail_get, fail_set, fail_exists: probability (0..1) that each key of a call fails.
         delay_get_s, delay_set_s, delay_exists_s: seconds slept before each call of that kind.
+        delay_get_page_s: seconds slept per key of each ``batch_get``, after ``delay_get_s`` (a store whose reads
+            take a time proportional to the pages read, e.g. one bound by its bandwidth).
         hang_get, hang_set, hang_exists: block each call of that kind until :meth:`release` (or :meth:`close`);
             then the call proceeds normally. :meth:`wait_hanging` tells a test that a call is blocked.
         fail_get_keys, fail_set_keys, fail_exists_keys: keys (text form) that always fail for that operation.
@@ -64,7 +67,7 @@ class FaultyBackend(StorageBackend):
 
     def __init__(self, inner: StorageBackend, fail_get: float = 0.0, fail_set: float = 0.0,
                  fail_exists: float = 0.0, delay_get_s: float = 0.0, delay_set_s: float = 0.0,
-                 delay_exists_s: float = 0.0, hang_get: bool = False, hang_set: bool = False,
+                 delay_exists_s: float = 0.0, delay_get_page_s: float = 0.0, hang_get: bool = False, hang_set: bool = False,
                  hang_exists: bool = False, fail_get_keys: Iterable[str] = (), fail_set_keys: Iterable[str] = (),
                  fail_exists_keys: Iterable[str] = (), seed: int = 0):
         self.inner = inner
@@ -79,11 +82,13 @@ class FaultyBackend(StorageBackend):
         self._c.update(injected_delays=0, injected_hangs=0)
         self._fail: dict[str, float] = {}
         self._delay: dict[str, float] = {}
+        self._delay_page = 0.0
         self._hang: dict[str, bool] = {}
         self._fail_keys: dict[str, frozenset] = {}
         self._rng = random.Random(seed)
         self.set_faults(fail_get=fail_get, fail_set=fail_set, fail_exists=fail_exists, delay_get_s=delay_get_s,
-                        delay_set_s=delay_set_s, delay_exists_s=delay_exists_s, hang_get=hang_get,
+                        delay_set_s=delay_set_s, delay_exists_s=delay_exists_s,
+                        delay_get_page_s=delay_get_page_s, hang_get=hang_get,
                         hang_set=hang_set, hang_exists=hang_exists, fail_get_keys=fail_get_keys,
                         fail_set_keys=fail_set_keys, fail_exists_keys=fail_exists_keys)
 
@@ -101,6 +106,11 @@ class FaultyBackend(StorageBackend):
                     continue
                 head, _, op = name.partition("_")
                 op = op.removesuffix("_s").removesuffix("_keys")
+                if name == "delay_get_page_s":  # per key read, kept apart from the per-call delays
+                    if float(v) < 0:
+                        raise ValueError(f"{name} must be >= 0 seconds, got {v!r}")
+                    self._delay_page = float(v)
+                    continue
                 if op not in _OPS or head not in ("fail", "delay", "hang"):
                     raise ValueError(f"unknown fault setting {name!r}")
                 if name.endswith("_keys"):
@@ -136,8 +146,8 @@ class FaultyBackend(StorageBackend):
             return self._n_hanging
 
     # ------------------------------------------------------------------ injection
-    def _before(self, op: str) -> None:
-        d = self._delay.get(op, 0.0)
+    def _before(self, op: str, keys: int = 0) -> None:
+        d = self._delay.get(op, 0.0) + (self._delay_page * keys if op == "get" else 0.0)
         if d > 0:
             with self._lock:
                 self._c["injected_delays"] += 1
@@ -178,7 +188,7 @@ class FaultyBackend(StorageBackend):
         if len(keys) != len(destinations):
             raise ValueError(f"{len(keys)} keys but {len(destinations)} destinations")
         self._keys(keys)
-        self._before("get")
+        self._before("get", len(keys))
         fail = self._failing("get", keys)
         idx = [i for i, f in enumerate(fail) if not f]
         out = [False] * len(keys)

@@ -86,6 +86,22 @@ def test_delay(store):
     assert time.monotonic() - t0 >= 0.05 and f.stats()["injected_delays"] == 1
 
 
+def test_delay_per_page_grows_with_the_pages_read(store, monkeypatch):
+    """``delay_get_page_s`` sleeps per key of a ``batch_get`` (on top of ``delay_get_s`` per call); other calls are
+    not delayed by it."""
+    import tierkv.storage_backends.faulty as faulty
+    slept = []
+    monkeypatch.setattr(faulty.time, "sleep", slept.append)
+    f = FaultyBackend(store, delay_get_s=0.01, delay_get_page_s=0.002)
+    assert f.batch_set(KEYS[:4], src(4)) == [True] * 4
+    assert f.batch_exists(KEYS[:4]) == 4
+    dst = [torch.zeros(PAGE, dtype=torch.uint8) for _ in range(4)]
+    assert f.batch_get(KEYS[:4], dst) == [True] * 4 and f.batch_get(KEYS[:1], dst[:1]) == [True]
+    assert slept == [pytest.approx(0.01 + 4 * 0.002), pytest.approx(0.01 + 0.002)]
+    with pytest.raises(ValueError):
+        f.set_faults(delay_get_page_s=-1.0)
+
+
 def test_bad_settings_and_keys(store):
     with pytest.raises(ValueError):
         FaultyBackend(store, fail_get=1.5)
