@@ -734,8 +734,9 @@ class Controller:
 
     def sync_deadline_s(self, fetch_pages: int) -> float:
         """Deadline (seconds from the start of the read) of a synchronous load of ``fetch_pages`` pages: the policy's
-        deadline, at most :data:`SYNC_DEADLINE_FACTOR` x ``sync_load_max_s``. Pages not read by then are recomputed
-        (reported as failed blocks); they still land in L2."""
+        deadline, at most :data:`SYNC_DEADLINE_FACTOR` x ``sync_load_max_s``; the credit for pages that arrive
+        (:meth:`deadline_credit_s`) moves it at most to that cap too, since every request of the step waits for it.
+        Pages not read by then are recomputed (reported as failed blocks); they still land in L2."""
         d = self.deadline_s(fetch_pages)
         cap = SYNC_DEADLINE_FACTOR * self.sync_load_max_s
         return cap if d is None else min(d, cap)
@@ -777,7 +778,24 @@ class Controller:
         self._room_waits[req_id] = (n, t0)
         return None
 
+    def deadline_credit_s(self) -> float:
+        """Seconds a ``best_effort`` prefetch's deadline moves later for each page read from L3 that extends its
+        leading intact run: the estimated time to recompute one page. The time a request waits is then always paid
+        for by the pages that arrived: released at any moment, it recomputes only the pages not read yet, so a hit
+        costs at most its first wait (:meth:`deadline_s`) plus recomputing, however slow the store, and a read that
+        keeps ahead of recomputing is never cut short. 0.0 (a fixed deadline) under the other policies and until a
+        recompute estimate exists."""
+        per_token = self.prefill_s_per_token.value
+        if self.prefetch_policy != "best_effort" or per_token is None:
+            return 0.0
+        return per_token * self.page_size
+
     def deadline_s(self, fetch_pages: int) -> Optional[float]:
+        """Seconds a prefetch of ``fetch_pages`` L3 pages may run before its request is released (from the read's
+        start; None = until it ends, ``wait_complete``). ``best_effort``: at most :data:`BEST_EFFORT_STALL_FRACTION`
+        of the estimated recompute time and 3 x the estimated fetch time, at least :data:`BEST_EFFORT_MIN_WAIT_S`,
+        then moved later by :meth:`deadline_credit_s` per page that arrives; ``timeout``'s deadline, capped the same
+        way, until a recompute estimate exists."""
         if self.prefetch_policy == "wait_complete":
             return None
         base = self.timeout_base_s + self.timeout_per_page_s * fetch_pages
@@ -818,9 +836,12 @@ class Controller:
             short = need - len(got)
             if short:
                 self.counters.prefetch_no_room_pages += short
+        credit = self.deadline_credit_s() if need else 0.0
         job = Job(self._new_id(), JOB_PREFETCH, path[first:last], slots=slots, block_ids=list(block_ids),
                   fetch=fetch, req_id=req_id,
                   deadline_s=self.sync_deadline_s(need) if sync else self.deadline_s(need),
+                  deadline_credit_s=credit,
+                  deadline_max_s=SYNC_DEADLINE_FACTOR * self.sync_load_max_s if sync and credit else None,
                   blocks_per_page=blocks_per_page, skip_blocks=skip_blocks, groups=[list(g) for g in groups],
                   sync=sync)
         for k, f, s in zip(job.keys, fetch, slots):

@@ -8,7 +8,10 @@ engine's critical path), driven here by the jobs of :mod:`tierkv.connector.plan`
   reader threads (each with its own staging pages): a slow backup never delays a load, and several requests' reads
   are in flight at once, so one slow read does not hold the others back.
 - A prefetch's deadline counts from the moment a reader starts it, so queueing behind other reads does not eat
-  it. While it waits in the queue a request waits at most its deadline again; then it is released as late.
+  it. While it waits in the queue a request waits at most its deadline again; then it is released as late. Each
+  page read that extends the leading run of intact pages moves the deadline later by the job's
+  ``deadline_credit_s`` (at most to ``deadline_max_s`` after the read's start); such a job reads a short first batch
+  (:data:`CREDIT_FIRST_BATCH` pages) so that the credit starts before its first deadline.
 - The threads move bytes between L2 slots and the store in batches of ``batch_pages`` pages. A failed batch fails
   only its own pages; later batches still run (a page is reported done only if the store acknowledged it).
 - Once a job ended, its :class:`~tierkv.connector.plan.JobReport` waits in :meth:`take_reports` for the next step's
@@ -48,6 +51,10 @@ from .plan import JOB_BACKUP, JOB_PREFETCH, Job, JobReport, PageOrder
 from .thread_names import name_this_thread
 
 logger = logging.getLogger("tierkv.l3")
+
+#: pages in the first store call of a prefetch whose deadline earns credit (``Job.deadline_credit_s``): a whole
+#: ``batch_pages`` batch arrives at once, and one slower than the first deadline would be cut before it earned any
+CREDIT_FIRST_BATCH = 4
 
 
 def l3_key(rank_namespace: bytes, key: bytes) -> str:
@@ -99,6 +106,7 @@ class _Prefetch:
     start: float                            # perf_counter seconds
     deadline: Optional[float]               # ``clock`` seconds, None = until the I/O ends
     ok: list[bool]
+    read_t0: Optional[float] = None         # ``clock`` seconds when a reader started it (None: still queued)
     io_done: bool = False
     cancel: bool = False
     cancelled: int = 0                      # pages not read because ``cancel`` came first
@@ -484,15 +492,18 @@ class L3IO:
                 # the deadline runs from here: time spent queued behind other reads does not count against it
                 p.start = time.perf_counter()
                 p.cold = not self._warm
+                p.read_t0 = self.clock()
                 if job.deadline_s is not None:
-                    p.deadline = self.clock() + job.deadline_s
+                    p.deadline = p.read_t0 + job.deadline_s
         todo = [i for i, (f, s) in enumerate(zip(job.fetch, job.slots)) if f and s >= 0]
-        for b in range(0, len(todo), self.batch_pages):
+        first = min(CREDIT_FIRST_BATCH, self.batch_pages) if job.deadline_credit_s > 0 else self.batch_pages
+        bounds = [0] + list(range(first, len(todo), self.batch_pages))
+        for b, e in zip(bounds, bounds[1:] + [len(todo)]):
             with self._lock:
                 if p.cancel:
                     p.cancelled = len(todo) - b
                     break
-            idx = todo[b:b + self.batch_pages]
+            idx = todo[b:e]
             dsts = [stage[j] for j in range(len(idx))]
             try:
                 res = self.store.batch_get(self._keys([job.keys[i] for i in idx]), dsts)
@@ -516,11 +527,26 @@ class L3IO:
                 for i in got:
                     p.ok[i] = True
                 p.bytes += len(got) * self.host.page_bytes
+                self._credit_locked(p)
         with self._lock:
             p.io_done = True
             p.end = time.perf_counter()
             self._warm = True
             self._finish_prefetches_locked()
+
+    @staticmethod
+    def _credit_locked(p: _Prefetch) -> None:
+        """Move the deadline of prefetch ``p`` to its read's start + ``deadline_s`` + ``deadline_credit_s`` for each
+        read page in the leading intact run (never earlier, at most ``deadline_max_s`` after the start)."""
+        job = p.job
+        if job.deadline_credit_s <= 0 or p.deadline is None or p.read_t0 is None or p.request_done:
+            return
+        lead = next((i for i, v in enumerate(p.ok) if not v), len(p.ok))
+        read = sum(1 for f in job.fetch[:lead] if f)
+        d = job.deadline_s + job.deadline_credit_s * read
+        if job.deadline_max_s is not None:
+            d = min(d, job.deadline_max_s)
+        p.deadline = max(p.deadline, p.read_t0 + d)
 
     def _finish_prefetches_locked(self) -> None:
         # a prefetch is reported once both its request side and its I/O ended (no thread touches its slots)

@@ -22,7 +22,9 @@ Job kinds:
 ``prefetch``   L3 -> L2 -> L1 for request ``req_id``: pages with ``fetch[i]`` are read from L3 into ``slots[i]``,
                the others are already in L2 at ``slots[i]``; then the leading run that is intact is copied into
                ``block_ids``. ``ok[i]``: page i is in L2 (``slots[i]``) with verified bytes. ``deadline_s`` bounds
-               how long the request waits (seconds after the worker starts the job); pages that arrive later
+               how long the request waits (seconds after the worker starts the job), moved later by
+               ``deadline_credit_s`` for each read page that extends the leading intact run (at most to
+               ``deadline_max_s``); pages that arrive later
                still land in L2 and are reported, but the request recomputes them. ``sync``: the read feeds the
                forward of the step that orders it (the worker waits for it before that forward, and copies its
                leading run with the step's L2 -> L1 loads); otherwise the request waits asynchronously and is
@@ -176,6 +178,12 @@ class Job:
     fetch: list[bool] = field(default_factory=list)
     req_id: Optional[str] = None
     deadline_s: Optional[float] = None
+    #: a prefetch's deadline moves this many seconds later for each page it reads from L3 that extends its leading
+    #: run of intact pages (``best_effort``: the estimated time to recompute one page); 0.0 = a fixed deadline
+    deadline_credit_s: float = 0.0
+    #: the latest the credit can move the deadline to, in seconds from the read's start; None = no cap (the credit is
+    #: bounded anyway: at most ``deadline_s`` + ``deadline_credit_s`` x the pages to read)
+    deadline_max_s: Optional[float] = None
     #: a prefetch's ``block_ids`` as in :class:`PageOrder`: ``blocks_per_page`` blocks per page, less the first
     #: ``skip_blocks`` of the first page (already in L1)
     blocks_per_page: int = 1

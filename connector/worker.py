@@ -516,7 +516,7 @@ class CacheWorker:
         if not jobs:
             return []
         t0 = time.perf_counter()
-        longest = max((j.deadline_s or 0.0) for j in jobs)
+        longest = max((j.deadline_max_s or j.deadline_s or 0.0) for j in jobs)  # the credit moves it at most there
         self.l3.wait_reads([j.job_id for j in jobs], 2.0 * longest + 0.001)  # queued, then read: each bounded
         self.counters.sync_wait_seconds += time.perf_counter() - t0
         out = self._end_sync(jobs, copy=True)

@@ -651,3 +651,96 @@ def test_a_step_that_fills_no_new_page_needs_no_save_planning():
     empty = CacheScheduler(_ns(), P, P, num_slots=0, controller={})
     empty.add_request("b", prompt)
     assert not empty.needs_saves("b", 3 * P)              # no L2: nothing is ever saved
+
+
+# ---------------------------------------------------------------- best_effort: deadline credit
+def _credit_run(tmp_path, credit_s, max_s=None, batch_pages=16):
+    """One 12-page prefetch on one reader with a fake clock: deadline 0.1 s, ``credit_s`` per page read. The first
+    store call moves the clock to 0.15 s (past the first deadline) and returns its pages; the second blocks until
+    the test opens it. Returns (store call sizes, finished at t = 0.5, finished at t = 0.95 with its result)."""
+    import threading
+    from test_controller import file_store
+    from tierkv.connector.l3_io import L3IO
+    from tierkv.connector.plan import JOB_PREFETCH, Job
+    now = [0.0]
+    doc = toks(7000, 12 * P)
+    e0 = FakeEngine(store=file_store(tmp_path))
+    e0.run_l3(Req("w", doc + [1]))
+    e0.settle()
+    e0.close()
+    e = FakeEngine(store=file_store(tmp_path), clock=lambda: now[0])
+    w = e.worker
+    w.l3.close()
+    l3 = L3IO(w.l3.store, w.host, w.l3.rank_namespace, w.checksums, batch_pages=batch_pages, read_threads=1,
+              clock=lambda: now[0])
+    w.l3 = l3
+    gate, in_second = threading.Event(), threading.Event()
+    sizes = []
+    inner = l3.store
+
+    class Sized(_GatedStore):
+        def batch_get(self, keys, dsts, **kw):
+            sizes.append(len(keys))
+            return super().batch_get(keys, dsts, **kw)
+
+    def second():
+        in_second.set()
+        gate.wait(30)
+    l3.store = Sized(inner, {0: lambda: now.__setitem__(0, 0.15), 1: second})
+    job = Job(1, JOB_PREFETCH, _doc_keys(e, doc), slots=list(range(12)), block_ids=list(range(20, 32)),
+              fetch=[True] * 12, req_id="r", deadline_s=0.1, deadline_credit_s=credit_s, deadline_max_s=max_s)
+    l3.submit([job])
+    assert in_second.wait(30)
+    now[0] = 0.5
+    at_05 = l3.poll().finished
+    now[0] = 0.95
+    res = l3.poll()
+    gate.set()
+    assert l3.wait_idle(30)
+    l3.close()
+    e.close()
+    return sizes, at_05, res
+
+
+def test_a_best_effort_read_that_keeps_ahead_of_recomputing_earns_time_page_by_page(tmp_path):
+    """The fixed best_effort deadline (5 % of the recompute time) cut every read slower than that, however much
+    faster than recomputing it was. With a credit of 0.2 s a page, the first call's 4 pages (a short first batch)
+    move the 0.1 s deadline to 0.1 + 4 x 0.2 = 0.9 s: the request is still waiting at 0.5 s, and released at 0.95 s
+    with those 4 pages loaded and the other 8 blocks recomputed; waiting 0.9 s and recomputing 8 pages (1.6 s) cost
+    no more than the first wait plus recomputing all 12 (2.5 s)."""
+    sizes, at_05, res = _credit_run(tmp_path, credit_s=0.2)
+    assert sizes[0] == 4
+    assert at_05 == set(), "released at its first deadline although pages kept arriving"
+    assert res.finished == {"r"}
+    assert [o.block_ids for o in res.orders] == [list(range(20, 24))]
+    assert res.failed_blocks == set(range(24, 32))
+
+
+def test_without_credit_or_past_its_cap_the_deadline_stays_put(tmp_path):
+    """No credit (the other policies, or no recompute estimate yet; store calls of 4 pages here too): the request is
+    released at its first deadline although 4 pages arrived. With credit capped at 0.3 s after the read's start (a
+    synchronous load: every request of the step waits for it) it is released by 0.5 s with the 4 pages."""
+    sizes, at_05, res = _credit_run(tmp_path / "a", credit_s=0.0, batch_pages=4)
+    assert sizes[0] == 4 and at_05 == {"r"}
+    sizes, at_05, res = _credit_run(tmp_path / "b", credit_s=0.2, max_s=0.3)
+    assert sizes[0] == 4 and at_05 == {"r"}
+
+
+def test_best_effort_credit_is_the_estimated_recompute_time_of_one_page():
+    """The controller's credit per page: the prefill estimate x page size under best_effort (0 before an estimate
+    and under the other policies); a prefetch job carries it, and a synchronous one carries the cap of
+    2 x ``sync_load_max_s``."""
+    from tierkv.connector.controller import SYNC_DEADLINE_FACTOR
+    _index, _alloc, ctl = _controller(8, prefetch_policy="best_effort")
+    assert ctl.deadline_credit_s() == 0.0
+    ctl.observe_prefill(1.0, 1000)                      # 1 ms per token
+    assert ctl.deadline_credit_s() == pytest.approx(0.001 * P)
+    _i, _a, t = _controller(8, prefetch_policy="timeout")
+    t.observe_prefill(1.0, 1000)
+    assert t.deadline_credit_s() == 0.0
+    keys = _keys(1, 4)
+    ctl.index.insert(keys, [NO_SLOT] * 4, in_l3=[True] * 4)
+    job = ctl.start_prefetch("a", keys, 0, 4, list(range(4)))
+    assert job.deadline_credit_s == pytest.approx(0.001 * P) and job.deadline_max_s is None
+    sync = ctl.start_prefetch("b", keys, 0, 4, list(range(4, 8)), sync=True)
+    assert sync.deadline_max_s == pytest.approx(SYNC_DEADLINE_FACTOR * ctl.sync_load_max_s)
