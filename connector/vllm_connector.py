@@ -594,8 +594,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
     def _scheduler_exists(self, pc):
         """The scheduler's existence function (:func:`scheduler_exists`) over every rank namespace (MLA ranks share
         rank 0's), or None (the workers are asked): also with no L2, ``controller.exists_in_scheduler: false`` or
-        injected faults."""
-        if self.num_slots == 0 or not self.cfg.controller.exists_in_scheduler or self.cfg.l3.faults:
+        injected existence faults (the fault wrapper's ``local_exists``)."""
+        if self.num_slots == 0 or not self.cfg.controller.exists_in_scheduler:
             return None
         ranks = sorted({(0 if self.use_mla else t, p) for t in range(self.tp_size)
                         for p in range(int(pc.pipeline_parallel_size))})

@@ -130,6 +130,28 @@ class FaultyBackend(StorageBackend):
                     if v:
                         self._release.clear()
 
+    @property
+    def local_exists(self) -> bool:
+        """Whether the engine scheduler's own copy of this store may answer existence queries in its loop
+        (:attr:`StorageBackend.local_exists`): when the inner store may and no existence fault is set. Faults of
+        reads and writes do not touch ``batch_exists``, so a store whose reads are slow or stall is still asked
+        in the scheduler, as the same store without the wrapper would be; a delayed, hanging or failing existence
+        query is left to the workers (the scheduler's loop must not wait on it)."""
+        with self._lock:
+            faulted = bool(self._fail.get("exists") or self._delay.get("exists") or self._hang.get("exists")
+                           or self._fail_keys.get("exists"))
+        return bool(getattr(self.inner, "local_exists", False)) and not faulted
+
+    @property
+    def timeout_s(self) -> float:
+        """The inner store's per-call timeout in seconds (``AttributeError`` when it has none), read and set
+        through the wrapper, so that a caller that caps it (the scheduler's copy of a ZMQ store) reaches the store."""
+        return self.inner.timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, value: float) -> None:
+        self.inner.timeout_s = value
+
     def release(self) -> None:
         """Let every hung call (and every later one, until a hang is armed again) proceed."""
         self._release.set()

@@ -212,9 +212,9 @@ def test_slow_store_outputs_identical_and_deadline_misses_counted(ref, slow_run)
     w, c = s["worker"], s["scheduler"]
     hit_pages = c["ctl_l3_hit_tokens"] // P
     # Which later requests get an L3 hit depends on time, so no exact count: each prefetch holds a reader and its
-    # L2 staging slots for 5 s, so later hits wait for room and may be declined (room_wait_s), an existence query
-    # queued behind busy readers is answered after exists_wait_s (the lookup goes on without L3), and once a 5 s
-    # read has been reported the controller declines hits as slower than recomputing. The first request finds the
+    # L2 staging slots for 5 s, so later hits wait for room and may be declined (room_wait_s), and once a 5 s read
+    # has been reported the controller declines hits as slower than recomputing (existence is answered in the
+    # scheduler: only reads are slowed). The first request finds the
     # readers idle and takes its hit (its document's pages); no page is offered twice
     first, again = _rounds()
     assert _doc_pages(first[:1], again[:1]) <= hit_pages, c

@@ -102,6 +102,25 @@ def test_delay_per_page_grows_with_the_pages_read(store, monkeypatch):
         f.set_faults(delay_get_page_s=-1.0)
 
 
+@pytest.mark.parametrize("faults, local", [({}, True), ({"delay_get_s": 1.0, "hang_get": True, "fail_set": 0.5}, True),
+                                            ({"delay_exists_s": 0.1}, False), ({"hang_exists": True}, False),
+                                            ({"fail_exists": 0.1}, False), ({"fail_exists_keys": KEYS[:1]}, False)])
+def test_the_scheduler_may_ask_a_wrapped_local_store_unless_its_existence_queries_are_faulted(store, faults, local):
+    """``local_exists`` (the scheduler answers existence itself) follows the inner store, unless an existence fault
+    would make the scheduler's loop wait or fail."""
+    assert FaultyBackend(store, **faults).local_exists is local
+    assert FaultyBackend(types.SimpleNamespace(page_bytes=PAGE, namespace=NS, local_exists=False)).local_exists is False
+
+
+def test_timeout_s_is_the_inner_stores(store):
+    """A caller capping ``timeout_s`` through the wrapper caps the inner store's; a store without one has none."""
+    inner = types.SimpleNamespace(page_bytes=PAGE, namespace=NS, timeout_s=5.0)
+    f = FaultyBackend(inner)
+    f.timeout_s = min(f.timeout_s, 0.05)
+    assert inner.timeout_s == 0.05
+    assert not hasattr(FaultyBackend(store), "timeout_s")
+
+
 def test_bad_settings_and_keys(store):
     with pytest.raises(ValueError):
         FaultyBackend(store, fail_get=1.5)

@@ -515,7 +515,8 @@ def test_a_synchronous_l3_load_on_a_stalled_store_waits_a_bounded_time_then_reco
 
 def test_the_connector_answers_existence_in_the_scheduler_only_for_a_local_store(tmp_path, monkeypatch):
     """The scheduler role builds its own file store objects (one per rank namespace) and finds a page a worker
-    stored; with ``controller.exists_in_scheduler: false`` or injected faults the workers are asked instead."""
+    stored; with ``controller.exists_in_scheduler: false`` or injected existence faults the workers are asked
+    instead (read faults leave existence to the scheduler, as without them)."""
     import dataclasses
     from tierkv.connector.l3_io import l3_key
     from tierkv.storage_backends.file import FileStore
@@ -534,7 +535,10 @@ def test_the_connector_answers_existence_in_the_scheduler_only_for_a_local_store
     assert fn([key, b"\x02" * 16]) == 1
     s.shutdown()
     assert connector(model, SCHEDULER, {**base, "controller.exists_in_scheduler": False})._sched.ctl.exists_fn is None
-    assert connector(model, SCHEDULER, {**base, "l3.faults": {"fail_get": 0.1}})._sched.ctl.exists_fn is None
+    assert connector(model, SCHEDULER, {**base, "l3.faults": {"fail_exists": 0.1}})._sched.ctl.exists_fn is None
+    slow_reads = connector(model, SCHEDULER, {**base, "l3.faults": {"fail_get": 0.1, "delay_get_s": 1.0}})
+    assert slow_reads._sched.ctl.exists_fn is not None
+    slow_reads.shutdown()
 
 
 # ---------------------------------------------------------------- write policies
