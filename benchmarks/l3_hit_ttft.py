@@ -92,7 +92,7 @@ def run_phase(name: str, model_dir: Path, p: dict, work: Path, prompts_: list, k
     stats = engine.stats_by_role(res) if kvc else {}
     sched = stats.get("scheduler", {})
     out = {"ttft_s": w["ttft_s"], "num_cached_tokens": w["num_cached_tokens"], "outputs": w["outputs"],
-           "startup_s": res.get("startup_s"), "wall_s": round(time.monotonic() - t0, 1),
+           "startup_s": res.get("startup_s"), "shutdown_s": res.get("shutdown_s"), "wall_s": round(time.monotonic() - t0, 1),
            "load": serve.loadavg()}
     if kvc:
         out["scheduler"] = {k: sched.get(k) for k in ("ctl_l3_hit_tokens", "ctl_l3_declined_slow_pages",
@@ -174,6 +174,14 @@ def table(data: dict) -> str:
     return "\n".join(lines)
 
 
+def _shutdowns(data: dict) -> str:
+    """The sentence on each phase's engine shutdown time (vLLM kills an engine that has not stopped after 60 s)."""
+    t = {k: v.get("shutdown_s") for k, v in data["phases"].items()}
+    if any(v is None for v in t.values()):
+        return ""
+    return " Engine shutdown (s): " + ", ".join(f"{k} {v:.1f}" for k, v in t.items()) + "."
+
+
 def _delay(d) -> str:
     """A store's ``l3.faults`` delays as table text (older results hold one ``delay_get_s`` number)."""
     if not isinstance(d, dict):
@@ -205,7 +213,7 @@ same prompt (median of the two reference runs). Promise: every ratio <= {PROMISE
 
 Measured {data['started_at']} on tierkv commit `{results_check.short(data['code']['commit'])}`, {cond['cpus']} vCPU
 ({cond['cpu']}; {cond['isa']}); 1-minute load average after each phase:
-{', '.join(f"{k} {v['load'][0]}" for k, v in data['phases'].items())}.
+{', '.join(f"{k} {v['load'][0]}" for k, v in data['phases'].items())}.{_shutdowns(data)}
 
 {table(data)}
 

@@ -75,7 +75,7 @@ class ControllerConfig(_Strict):
 
     def scheduler_kwargs(self) -> dict:
         """Keyword arguments of :class:`tierkv.connector.controller.Controller`."""
-        return self.model_dump(exclude={"batch_pages", "read_threads", "max_backup_pages", "shutdown_drain_s"})
+        return self.model_dump(exclude={"batch_pages", "read_threads", "max_backup_pages"})
 
 
 class TierKVConfig(_Strict):

@@ -330,6 +330,9 @@ class Controller:
         room_retry_steps / room_wait_s: a request waits for L2 staging room for at least this many lookups and at
             least this many seconds (both) before its L3 hit is declined.
         max_index_pages: bound on indexed pages; L3-only pages beyond it leave the index (LRU).
+        shutdown_drain_s: a backup or prefetch out longer than this (seconds) no longer keeps the engine stepping
+            (:meth:`pins_pending`), so that vLLM's shutdown, which waits for that, ends within it on a store that
+            stalls; the workers give queued backups the same time at shutdown.
         clock: monotonic seconds.
         lookup_stats: the scheduler's :class:`LookupStats` (the controller resolves the outcome of L3 loads and
             records L3 store times into it); None = its own.
@@ -344,7 +347,7 @@ class Controller:
                  negative_ttl_s: float = 2.0, room_retry_steps: int = 8, room_wait_s: float = 0.5,
                  probe_interval_s: float = 5.0, sync_load_max_s: float = 0.02, exists_in_scheduler: bool = True,
                  exists_fn: Optional[Callable[[Sequence[bytes]], Optional[int]]] = None,
-                 max_index_pages: int = 1 << 22,
+                 max_index_pages: int = 1 << 22, shutdown_drain_s: float = 10.0,
                  clock: Callable[[], float] = time.monotonic, lookup_stats: Optional[LookupStats] = None):
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"bad value {write_policy!r} for 'controller.write_policy': allowed values are "
@@ -380,6 +383,7 @@ class Controller:
         self.exists_in_scheduler = exists_in_scheduler
         self.exists_fn = exists_fn if exists_in_scheduler else None
         self.max_index_pages = max_index_pages
+        self.shutdown_drain_s = shutdown_drain_s
         self.clock = clock
         self.counters = ControllerCounters()
         self._next_id = 1
@@ -437,16 +441,14 @@ class Controller:
     def pending_jobs(self) -> int:
         return len(self._jobs) + len(self._outbox)
 
-    #: a job out longer than this (seconds) no longer keeps an idle engine stepping: its pins are released by the first
-    #: step after its report (a store that hangs for good must not keep the engine core spinning)
-    PIN_STEPPING_MAX_S = 120.0
-
     def pins_pending(self) -> bool:
         """Whether a backup or prefetch (jobs that pin index nodes or staging slots), ordered less than
-        :attr:`PIN_STEPPING_MAX_S` ago, has not reported yet."""
+        ``shutdown_drain_s`` ago, has not reported yet: vLLM keeps stepping an idle engine while this holds, and its
+        shutdown waits for it to end. A job out longer no longer does (a store that stalls must neither keep the
+        engine core spinning nor hold up shutdown): its pins are released by the first step after its report."""
         if any(j.kind != JOB_EXISTS for j in self._outbox):
             return True
-        oldest = self.clock() - self.PIN_STEPPING_MAX_S
+        oldest = self.clock() - self.shutdown_drain_s
         return any(st.job.kind != JOB_EXISTS and st.t0 >= oldest for st in self._jobs.values())
 
     # ------------------------------------------------------------------ backup

@@ -353,11 +353,16 @@ class L3IO:
         """Stop the threads. Queued backups get up to ``drain_s`` seconds to reach the store; then batches not yet
         started are dropped, a batch in a store call finishes (bounded by the store's own timeout), and the count
         of pages not confirmed stored is logged and returned. Nothing is half-written: a store writes a record
-        whole or not at all (docs/architecture.md §8 R30)."""
+        whole or not at all (docs/architecture.md §8 R30). Reads are not waited for (no request will use them):
+        their batches not started are skipped, and a reader blocked in a store call is left to end on its own
+        (the threads are daemons), so a store whose reads stall does not hold up shutdown."""
         with self._lock:
             if self._closed:
                 return 0
-        drained = self.wait_idle(drain_s)
+            for p in self._prefetches.values():
+                p.cancel = True
+        with self._idle:
+            drained = self._idle.wait_for(lambda: self._queued_backup_pages == 0, drain_s)
         with self._lock:
             self._closed = True
             dropped = self._queued_backup_pages if not drained else 0

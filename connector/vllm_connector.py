@@ -896,7 +896,9 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
     def has_pending_push_work(self) -> bool:
         """Keeps vLLM's engine stepping (empty steps, no forward) while a backup or prefetch has not reported: its
         report arrives only with a step's output, and until then it pins L2 pages and slots. Without this an engine
-        that went idle right after a burst kept them pinned until the next request (docs/architecture.md §4)."""
+        that went idle right after a burst kept them pinned until the next request (docs/architecture.md §4). A job
+        out longer than ``controller.shutdown_drain_s`` no longer counts: vLLM's shutdown waits for this too, and a
+        store that stalls must not hold it up."""
         try:
             return self._sched is not None and self._sched.pins_pending()
         except Exception as e:

@@ -202,7 +202,7 @@ def slow_run(populated, tiny_model, tmp_path_factory):
                 _config({"backend": "file", "file": {"root": str(root)}, "faults": {"delay_get_s": SLOW["delay"]}},
                         prefetch_policy="timeout", prefetch_timeout_base_s=SLOW["base"],
                         prefetch_timeout_per_page_s=SLOW["per_page"], exists_wait_s=SLOW["exists_wait"],
-                        shutdown_drain_s=1.0))
+                        shutdown_drain_s=2 * SLOW["delay"]))  # the engine steps until the 5 s reads report
 
 
 def test_slow_store_outputs_identical_and_deadline_misses_counted(ref, slow_run):

@@ -631,7 +631,7 @@ def test_the_engine_keeps_stepping_while_a_backup_or_prefetch_has_not_reported(t
     ctl.after_save(_keys(500, 2), 0)
     ctl.take_jobs()
     assert s.has_pending_push_work()
-    now[0] += ctl.PIN_STEPPING_MAX_S + 1
+    now[0] += ctl.shutdown_drain_s + 1
     assert not s.has_pending_push_work()
 
 

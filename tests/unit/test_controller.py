@@ -579,3 +579,27 @@ def test_write_back_frees_a_quarter_of_l2_ahead_of_need(tmp_path):
     e.settle()
     e.idle_check()
     e.close()
+
+
+def test_shutdown_waits_for_queued_backups_but_not_for_a_read_that_hangs(tmp_path):
+    """vLLM's shutdown on a store whose reads stall: the worker's ``close`` waited ``shutdown_drain_s`` for every job,
+    the hung read included, and vLLM's engine waited for it too (``has_pending_push_work``) until it was killed after
+    60 s. Now ``close`` ends once the queued backups reached the store (the read is abandoned, its thread a daemon),
+    and a job older than ``shutdown_drain_s`` no longer keeps the engine stepping."""
+    import threading
+    e, faulty, req = _hanging_l3_load(tmp_path, toks(80, 4 * P))
+    l3 = e.worker.l3
+    done = threading.Event()
+    dropped = []
+    threading.Thread(target=lambda: (dropped.append(l3.close(drain_s=60.0)), done.set()), daemon=True).start()
+    assert done.wait(20), "close waited for a read that hangs"
+    assert dropped == [0]
+    now = [0.0]
+    ctl = e.sched.ctl
+    ctl.clock = lambda: now[0]
+    for st in ctl._jobs.values():
+        st.t0 = 0.0
+    assert ctl.pins_pending()                      # the hung prefetch has not reported
+    now[0] = ctl.shutdown_drain_s + 0.1
+    assert not ctl.pins_pending()
+    faulty.release()

@@ -220,7 +220,8 @@ NON_DEFAULT = {"write_policy": "write_back", "write_through_threshold": 5, "pref
                "negative_ttl_s": 3.5, "room_retry_steps": 3, "room_wait_s": 0.25, "probe_interval_s": 2.5,
                "sync_load_max_s": 0.05, "exists_in_scheduler": False, "max_index_pages": 1000, "batch_pages": 8, "read_threads": 3,
                "max_backup_pages": 100, "shutdown_drain_s": 0.5}
-# where each key ends up: the scheduler's Controller, the worker's L3IO, or the worker's shutdown
+# where each key ends up: the scheduler's Controller or the worker's L3IO (shutdown_drain_s: also the worker's shutdown,
+# checked below)
 READ_BY = {"write_policy": ("ctl", "write_policy"), "write_through_threshold": ("ctl", "threshold"),
            "prefetch_policy": ("ctl", "prefetch_policy"), "prefetch_timeout_base_s": ("ctl", "timeout_base_s"),
            "prefetch_timeout_per_page_s": ("ctl", "timeout_per_page_s"), "exists_wait_s": ("ctl", "exists_wait_s"),
@@ -230,7 +231,7 @@ READ_BY = {"write_policy": ("ctl", "write_policy"), "write_through_threshold": (
            "exists_in_scheduler": ("ctl", "exists_in_scheduler"),
            "max_index_pages": ("ctl", "max_index_pages"), "batch_pages": ("l3io", "batch_pages"),
            "read_threads": ("l3io", "read_threads"),
-           "max_backup_pages": ("l3io", "max_backup_pages"), "shutdown_drain_s": ("shutdown", None)}
+           "max_backup_pages": ("l3io", "max_backup_pages"), "shutdown_drain_s": ("ctl", "shutdown_drain_s")}
 
 
 def test_every_controller_key_reaches_what_reads_it(model, tmp_path, monkeypatch):
@@ -248,6 +249,6 @@ def test_every_controller_key_reaches_what_reads_it(model, tmp_path, monkeypatch
     monkeypatch.setattr(l3io, "close", lambda drain_s=10.0: drains.append(drain_s) or real_close(drain_s))
     w.shutdown()
     for key, (where, attr) in READ_BY.items():
-        got = {"ctl": lambda: getattr(ctl, attr), "l3io": lambda: getattr(l3io, attr), "shutdown": lambda: drains[0]}
+        got = {"ctl": lambda: getattr(ctl, attr), "l3io": lambda: getattr(l3io, attr)}
         assert got[where]() == NON_DEFAULT[key], key
     assert drains == [0.5]
