@@ -502,7 +502,7 @@ class L3IO:
                     p.deadline = p.read_t0 + job.deadline_s
         todo = [i for i, (f, s) in enumerate(zip(job.fetch, job.slots)) if f and s >= 0]
         first = min(CREDIT_FIRST_BATCH, self.batch_pages) if job.deadline_credit_s > 0 else self.batch_pages
-        bounds = [0] + list(range(first, len(todo), self.batch_pages))
+        bounds = [0] + list(range(first, len(todo), self.batch_pages)) if todo else []  # no empty store call
         for b, e in zip(bounds, bounds[1:] + [len(todo)]):
             with self._lock:
                 if p.cancel:

@@ -748,3 +748,20 @@ def test_best_effort_credit_is_the_estimated_recompute_time_of_one_page():
     assert job.deadline_credit_s == pytest.approx(0.001 * P) and job.deadline_max_s is None
     sync = ctl.start_prefetch("b", keys, 0, 4, list(range(4, 8)), sync=True)
     assert sync.deadline_max_s == pytest.approx(SYNC_DEADLINE_FACTOR * ctl.sync_load_max_s)
+
+
+def test_a_credited_prefetch_with_nothing_to_read_makes_no_store_call(tmp_path):
+    """A prefetch whose pages are all in L2 already reads nothing: no ``batch_get`` with zero keys (a round trip
+    to a networked store for nothing), with or without the deadline credit."""
+    from test_controller import file_store
+    from tierkv.connector.plan import JOB_PREFETCH, Job
+    e = FakeEngine(store=file_store(tmp_path))
+    l3 = e.worker.l3
+    calls = []
+    l3.store = _GatedStore(l3.store, {i: (lambda: calls.append(1)) for i in range(4)})
+    doc = toks(9000, 2 * P)
+    l3.submit([Job(1, JOB_PREFETCH, _doc_keys(e, doc), slots=[0, 1], block_ids=[10, 11], fetch=[False, False],
+                   req_id="r", deadline_s=0.1, deadline_credit_s=0.2)])
+    assert l3.wait_idle(30)
+    assert calls == [] and l3.poll().finished == {"r"}
+    e.close()
