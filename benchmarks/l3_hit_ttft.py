@@ -149,8 +149,6 @@ def summarise(phases: dict) -> dict:
     ref = [statistics.median(pair) for pair in zip(phases["recompute"]["ttft_s"], phases["recompute_2"]["ttft_s"])]
     out = {}
     for name in STORES:
-        if name not in phases:  # results of an older run without it
-            continue
         ph = phases[name]
         ratios = [t / r for t, r in zip(ph["ttft_s"], ref)]
         out[name] = {"ratios": [round(x, 3) for x in ratios], "median_ratio": round(statistics.median(ratios), 3),
@@ -167,7 +165,7 @@ def table(data: dict) -> str:
     lines = ["| store | read delay | TTFT ms per prompt | recompute TTFT ms (two runs) | ratio median | ratio max | "
              "L3 hit tokens | outputs equal |", "|---|---|---|---|---|---|---|---|"]
     rec = " / ".join(",".join(str(round(t * 1000)) for t in ph[k]["ttft_s"]) for k in ("recompute", "recompute_2"))
-    for name in (n for n in STORES if n in s):
+    for name in STORES:
         lines.append(f"| {name} | {_delay(data['delays_s'][name])} | {','.join(str(round(t * 1000)) for t in ph[name]['ttft_s'])}"
                      f" | {rec} | {s[name]['median_ratio']:.2f} | {s[name]['max_ratio']:.2f} | "
                      f"{s[name]['l3_hit_tokens']} | {'yes' if s[name]['outputs_equal'] else 'NO'} |")
@@ -176,16 +174,11 @@ def table(data: dict) -> str:
 
 def _shutdowns(data: dict) -> str:
     """The sentence on each phase's engine shutdown time (vLLM kills an engine that has not stopped after 60 s)."""
-    t = {k: v.get("shutdown_s") for k, v in data["phases"].items()}
-    if any(v is None for v in t.values()):
-        return ""
-    return " Engine shutdown (s): " + ", ".join(f"{k} {v:.1f}" for k, v in t.items()) + "."
+    return " Engine shutdown (s): " + ", ".join(f"{k} {v['shutdown_s']:.1f}" for k, v in data["phases"].items()) + "."
 
 
 def _delay(d) -> str:
-    """A store's ``l3.faults`` delays as table text (older results hold one ``delay_get_s`` number)."""
-    if not isinstance(d, dict):
-        return f"{d} s a call"
+    """A store's ``l3.faults`` delays as table text."""
     parts = [f"{d['delay_get_s']} s a call"] if "delay_get_s" in d else []
     if "delay_get_page_s" in d:
         parts.append(f"{d['delay_get_page_s'] * 1000:.2f} ms a page")

@@ -82,7 +82,6 @@ class FaultyBackend(StorageBackend):
         self._c.update(injected_delays=0, injected_hangs=0)
         self._fail: dict[str, float] = {}
         self._delay: dict[str, float] = {}
-        self._delay_page = 0.0
         self._hang: dict[str, bool] = {}
         self._fail_keys: dict[str, frozenset] = {}
         self._rng = random.Random(seed)
@@ -106,12 +105,8 @@ class FaultyBackend(StorageBackend):
                     continue
                 head, _, op = name.partition("_")
                 op = op.removesuffix("_s").removesuffix("_keys")
-                if name == "delay_get_page_s":  # per key read, kept apart from the per-call delays
-                    if float(v) < 0:
-                        raise ValueError(f"{name} must be >= 0 seconds, got {v!r}")
-                    self._delay_page = float(v)
-                    continue
-                if op not in _OPS or head not in ("fail", "delay", "hang"):
+                ops = _OPS + ("get_page",) if head == "delay" else _OPS  # delay_get_page_s: per key of a get
+                if op not in ops or head not in ("fail", "delay", "hang"):
                     raise ValueError(f"unknown fault setting {name!r}")
                 if name.endswith("_keys"):
                     if head != "fail":
@@ -169,7 +164,7 @@ class FaultyBackend(StorageBackend):
 
     # ------------------------------------------------------------------ injection
     def _before(self, op: str, keys: int = 0) -> None:
-        d = self._delay.get(op, 0.0) + (self._delay_page * keys if op == "get" else 0.0)
+        d = self._delay.get(op, 0.0) + self._delay.get("get_page", 0.0) * keys  # keys: only a get passes them
         if d > 0:
             with self._lock:
                 self._c["injected_delays"] += 1

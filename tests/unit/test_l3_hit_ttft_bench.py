@@ -17,7 +17,7 @@ def _phase(ttft, cached, outputs):
 def test_each_prompt_is_compared_with_the_median_of_its_two_recompute_runs():
     out = [[1], [2]]
     phases = {"recompute": _phase([1.0, 2.0], [0, 0], out), "recompute_2": _phase([3.0, 2.0], [0, 0], out),
-              "healthy": _phase([0.5, 0.2], [64, 64], out), "slow": _phase([2.2, 2.0], [0, 0], out),
+              "healthy": _phase([0.5, 0.2], [64, 64], out), "paced": _phase([0.6, 0.4], [64, 64], out), "slow": _phase([2.2, 2.0], [0, 0], out),
               "stalled": _phase([2.0, 2.4], [0, 0], [[1], [3]])}
     s = bench.summarise(phases)
     assert s["healthy"]["ratios"] == [0.25, 0.1] and s["healthy"]["l3_hit_tokens"] == 128
