@@ -17,10 +17,15 @@ One engine subprocess per phase (``tests/e2e/_engine.py``, vLLM's CPU backend, t
    ``best_effort`` (the default).
 4. ``recompute`` again, so the reference's own spread is seen.
 
-Per phase and prompt: TTFT, tokens served from L3 (``ctl_l3_hit_tokens`` deltas are not per prompt: vLLM's
-``num_cached_tokens``), and the ratio TTFT / recompute TTFT of the same prompt (median of the two reference runs);
-outputs (the one greedy token) compared with the reference. The promise holds when every ratio is <= 1.1.
-
+Every phase first sends one warm-up prompt (a document never written; the first request of an engine is slower
+than the rest, not measured), then alternates the ``docs`` hit prompts with ``docs`` miss prompts: documents of
+the same length that were never written, so the same engine recomputes them (tierkv's miss path) between its
+hits. The promise is judged against those: ratio = hit TTFT / the median miss TTFT of the same engine, both
+measured alternately in one process (engines differ from each other by more than the promise's 10 %: see the
+reference's own spread). Also per phase: the ratio against the no-connector engines (hit TTFT / median of that
+prompt's two reference runs), vLLM's own split of each TTFT into the time queued before the request's first
+compute step (tierkv's wait for L3 is in it) and the compute, tokens served from L3 (vLLM's
+``num_cached_tokens``), and the outputs (the one greedy token) compared with the reference.
     .venv/bin/python benchmarks/l3_hit_ttft.py            # -> results/l3_hit_ttft.json + README section
     .venv/bin/python benchmarks/l3_hit_ttft.py --quick    # smoke run (test model, 2 short documents), no README
 """
@@ -62,15 +67,34 @@ FULL = dict(preset="demo", docs=6, doc_tokens=1536, question_tokens=40, l1_block
 QUICK = dict(preset="test", docs=2, doc_tokens=256, question_tokens=8, l1_blocks=64, l2_pages=32)
 
 
-def prompts(p: dict, round_no: int) -> list[list[int]]:
-    """``docs`` documents (token ids 100.., distinct per document) each followed by a question of round
-    ``round_no`` (different per round, so only the document is a prefix hit)."""
+#: document numbers of the miss prompts (phase k: MISS_DOC0 + MISS_STRIDE * k ..) and of the warm-up prompts (phase
+#: k: WARMUP_DOC + k). Each phase gets its own: a tierkv engine backs its misses up to L3 (``write_through``), so a
+#: later phase would hit them. Documents d < 1,500 are all distinct (see :func:`prompts`).
+MISS_DOC0, MISS_STRIDE, WARMUP_DOC = 100, 10, 200
+
+
+def prompts(p: dict, round_no: int, first_doc: int = 0) -> list[list[int]]:
+    """``docs`` documents ``first_doc``.. each followed by a question of round ``round_no`` (different per round,
+    so only the document is a prefix hit). Document d is the cycle ``100 + (i * 31) % 1500`` started at offset
+    ``(d * 7919) % 1500``: distinct for every d < 1,500 (7919 and 1500 are coprime), so the page hashes differ
+    from the first page."""
     out = []
-    for d in range(p["docs"]):   # ids below 2,000: every preset's vocabulary holds them
+    for d in range(first_doc, first_doc + p["docs"]):   # ids below 2,000: every preset's vocabulary holds them
         doc = [100 + (d * 7919 + i * 31) % 1500 for i in range(p["doc_tokens"])]
         q = [1650 + (round_no * 131 + d * 17 + i) % 300 for i in range(p["question_tokens"])]
         out.append(doc + q)
     return out
+
+
+def sequence(p: dict, round_no: int, phase_no: int) -> tuple[list[list[int]], list[str]]:
+    """Phase ``phase_no``'s prompts and their roles: one ``warmup`` prompt, then ``hit`` i (document i, written in
+    the ``write`` phase) and ``miss`` i (a document of this phase alone, never written before) alternately."""
+    hits, misses = prompts(p, round_no), prompts(p, round_no, MISS_DOC0 + MISS_STRIDE * phase_no)
+    seq, roles = prompts(dict(p, docs=1), round_no, WARMUP_DOC + phase_no), ["warmup"]
+    for h, m in zip(hits, misses):
+        seq += [h, m]
+        roles += ["hit", "miss"]
+    return seq, roles
 
 
 def tierkv_config(p: dict, root: Path, faults: dict | None) -> dict:
@@ -82,8 +106,11 @@ def tierkv_config(p: dict, root: Path, faults: dict | None) -> dict:
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
 
-def run_phase(name: str, model_dir: Path, p: dict, work: Path, prompts_: list, kvc) -> dict:
+def run_phase(name: str, model_dir: Path, p: dict, work: Path, seq: tuple, kvc) -> dict:
+    """Run ``seq`` (:func:`sequence`) in a fresh engine; per role (``hit``, ``miss``, ``warmup``) the lists
+    ``ttft_s``, ``queued_s``, ``prefill_s``, ``num_cached_tokens``, ``outputs``."""
     t0 = time.monotonic()
+    prompts_, roles = seq
     # one estimates directory for every phase: a tierkv engine starts from its predecessor's recompute estimate
     res = engine.run_job(model_dir, [{"name": name, "prompts": prompts_, "max_tokens": 1}], kv_transfer_config=kvc,
                          num_gpu_blocks_override=p["l1_blocks"], max_tokens=1, workdir=work / name,
@@ -91,16 +118,23 @@ def run_phase(name: str, model_dir: Path, p: dict, work: Path, prompts_: list, k
     w = res["workloads"][name]
     stats = engine.stats_by_role(res) if kvc else {}
     sched = stats.get("scheduler", {})
-    out = {"ttft_s": w["ttft_s"], "num_cached_tokens": w["num_cached_tokens"], "outputs": w["outputs"],
-           "startup_s": res.get("startup_s"), "shutdown_s": res.get("shutdown_s"), "wall_s": round(time.monotonic() - t0, 1),
-           "load": serve.loadavg()}
+    out = {"startup_s": res.get("startup_s"), "shutdown_s": res.get("shutdown_s"),
+           "wall_s": round(time.monotonic() - t0, 1), "load": serve.loadavg()}
+    for role in ("hit", "miss", "warmup"):
+        idx = [i for i, r in enumerate(roles) if r == role]
+        out[role] = {k: [w[k][i] for i in idx] for k in ("ttft_s", "queued_s", "prefill_s", "num_cached_tokens",
+                                                         "outputs")}
     if kvc:
         out["scheduler"] = {k: sched.get(k) for k in ("ctl_l3_hit_tokens", "ctl_l3_declined_slow_pages",
                                                         "ctl_prefetch_loaded_pages", "ctl_prefetch_cancelled_pages",
                                                         "ctl_prefetch_failed_pages", "ctl_l3_probe_hits")}
-    print(f"[l3_hit_ttft] {name}: TTFT ms {[round(t * 1000) for t in w['ttft_s']]}, cached "
-          f"{w['num_cached_tokens']}", flush=True)
+    print(f"[l3_hit_ttft] {name}: hit TTFT ms {_ms(out['hit']['ttft_s'])} (queued {_ms(out['hit']['queued_s'])}),"
+          f" miss TTFT ms {_ms(out['miss']['ttft_s'])}, hit cached {out['hit']['num_cached_tokens']}", flush=True)
     return out
+
+
+def _ms(xs: list) -> list:
+    return [None if x is None else round(x * 1000) for x in xs]
 
 
 def main(argv=None) -> int:
@@ -119,16 +153,16 @@ def main(argv=None) -> int:
     model_dir = make_tiny_model.make_model(REPO / "runs" / "serve_cpu" / "models" / p["preset"], p["preset"])
     with tempfile.TemporaryDirectory(prefix="tierkv-l3ttft-", dir=REPO / "runs") as tmp:
         work, root = Path(tmp), Path(tmp) / "l3"
-        phases = {"write": run_phase("write", model_dir, p, work, prompts(p, 0), tierkv_config(p, root, None))}
-        again = prompts(p, 1)
-        phases["recompute"] = run_phase("recompute", model_dir, p, work, again, None)
-        rec = statistics.median(phases["recompute"]["ttft_s"])
+        phases = {"write": run_phase("write", model_dir, p, work, (prompts(p, 0), ["hit"] * p["docs"]),
+                                     tierkv_config(p, root, None))}
+        phases["recompute"] = run_phase("recompute", model_dir, p, work, sequence(p, 1, 0), None)
+        rec = statistics.median(phases["recompute"]["hit"]["ttft_s"])
         per_page = rec / (p["doc_tokens"] // PAGE)
         delays = {"healthy": {"delay_get_s": 0.0}, "paced": {"delay_get_page_s": round(PACED_FRACTION * per_page, 6)},
                   "slow": {"delay_get_s": round(2 * rec, 3)}, "stalled": {"delay_get_s": 600.0}}
-        for name, faults in delays.items():
-            phases[name] = run_phase(name, model_dir, p, work, again, tierkv_config(p, root, faults))
-        phases["recompute_2"] = run_phase("recompute_2", model_dir, p, work, again, None)
+        for k, (name, faults) in enumerate(delays.items(), start=1):
+            phases[name] = run_phase(name, model_dir, p, work, sequence(p, 1, k), tierkv_config(p, root, faults))
+        phases["recompute_2"] = run_phase("recompute_2", model_dir, p, work, sequence(p, 1, len(delays) + 1), None)
     data = {"benchmark": SECTION, "quick": args.quick, "params": p, "delays_s": delays, "started_at": started,
             "finished_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "code": code,
             "conditions": serve.conditions(), "phases": phases, "summary": summarise(phases)}
@@ -140,35 +174,61 @@ def main(argv=None) -> int:
     print(table(data))
     if not args.quick and not args.no_readme:
         write_readme(data)
-    return 0 if all(s["max_ratio"] <= PROMISE for s in data["summary"].values()) else 1
+    return 0 if all(data["summary"][k]["max_ratio"] <= PROMISE for k in STORES) else 1
 
 
 def summarise(phases: dict) -> dict:
-    """Per store condition: TTFT / recompute TTFT of each prompt (recompute = median of the two reference runs of
-    that prompt), their median and max, the L3 tokens served, and whether the outputs equal the reference's."""
-    ref = [statistics.median(pair) for pair in zip(phases["recompute"]["ttft_s"], phases["recompute_2"]["ttft_s"])]
+    """Per store condition, for the hit prompts: ``ratios`` = TTFT / the median miss TTFT of the same engine (the
+    promise's measure), their median and max; ``ratios_vs_none`` = TTFT / the median of that prompt's two
+    no-connector runs; ``queued_ms`` (vLLM's time before the first compute step) of the hits and the median of the
+    misses'; ``max_wait_share`` = the longest hit's queued time / the median miss TTFT (what waiting for L3 added,
+    free of the compute's noise); ``miss_vs_none`` = the engine's median miss TTFT / the no-connector engines' (what the connector costs
+    a prompt it cannot help); the L3 tokens served; whether the hits' outputs equal the reference's.
+    ``_reference``: the no-connector engines' second run / first run per hit prompt, and their median hit TTFT /
+    median miss TTFT (hit and miss documents cost the same to compute: about 1)."""
+    rec, rec2 = phases["recompute"], phases["recompute_2"]
+    ref = [statistics.median(pair) for pair in zip(rec["hit"]["ttft_s"], rec2["hit"]["ttft_s"])]
+    none_miss = statistics.median(rec["miss"]["ttft_s"] + rec2["miss"]["ttft_s"])
     out = {}
     for name in STORES:
         ph = phases[name]
-        ratios = [t / r for t, r in zip(ph["ttft_s"], ref)]
+        miss = statistics.median(ph["miss"]["ttft_s"])
+        ratios = [t / miss for t in ph["hit"]["ttft_s"]]
+        vs_none = [t / r for t, r in zip(ph["hit"]["ttft_s"], ref)]
         out[name] = {"ratios": [round(x, 3) for x in ratios], "median_ratio": round(statistics.median(ratios), 3),
-                     "max_ratio": round(max(ratios), 3), "l3_hit_tokens": sum(ph["num_cached_tokens"]),
-                     "outputs_equal": ph["outputs"] == phases["recompute"]["outputs"]}
-    out["_reference"] = {"ratios": [round(a / b, 3) for a, b in zip(phases["recompute_2"]["ttft_s"],
-                                                                    phases["recompute"]["ttft_s"])],
-                         "median_ratio": None, "max_ratio": 0.0, "l3_hit_tokens": 0, "outputs_equal": True}
+                     "max_ratio": round(max(ratios), 3), "miss_ttft_ms": round(miss * 1000, 1),
+                     "ratios_vs_none": [round(x, 3) for x in vs_none],
+                     "median_ratio_vs_none": round(statistics.median(vs_none), 3),
+                     "max_ratio_vs_none": round(max(vs_none), 3),
+                     "queued_ms": [round(q * 1000, 1) for q in ph["hit"]["queued_s"]],
+                     "miss_queued_ms": round(statistics.median(ph["miss"]["queued_s"]) * 1000, 1),
+                     "max_wait_share": round(max(ph["hit"]["queued_s"]) / miss, 3),
+                     "miss_vs_none": round(miss / none_miss, 3),
+                     "l3_hit_tokens": sum(ph["hit"]["num_cached_tokens"]),
+                     "outputs_equal": ph["hit"]["outputs"] == rec["hit"]["outputs"]}
+    out["_reference"] = {"ratios": [round(a / b, 3) for a, b in zip(rec2["hit"]["ttft_s"], rec["hit"]["ttft_s"])],
+                         "hit_vs_miss": [round(statistics.median(r["hit"]["ttft_s"]) /
+                                               statistics.median(r["miss"]["ttft_s"]), 3) for r in (rec, rec2)],
+                         "miss_ttft_ms": round(none_miss * 1000, 1)}
     return out
 
 
 def table(data: dict) -> str:
     ph, s = data["phases"], data["summary"]
-    lines = ["| store | read delay | TTFT ms per prompt | recompute TTFT ms (two runs) | ratio median | ratio max | "
-             "L3 hit tokens | outputs equal |", "|---|---|---|---|---|---|---|---|"]
-    rec = " / ".join(",".join(str(round(t * 1000)) for t in ph[k]["ttft_s"]) for k in ("recompute", "recompute_2"))
+    lines = ["| store | read delay | hit TTFT ms per prompt | miss TTFT ms (median, same engine) | ratio median | "
+             "ratio max | hit queued ms (max / miss TTFT) | vs no connector median (max) | miss / no connector | L3 hit tokens | "
+             "outputs equal |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name in STORES:
-        lines.append(f"| {name} | {_delay(data['delays_s'][name])} | {','.join(str(round(t * 1000)) for t in ph[name]['ttft_s'])}"
-                     f" | {rec} | {s[name]['median_ratio']:.2f} | {s[name]['max_ratio']:.2f} | "
-                     f"{s[name]['l3_hit_tokens']} | {'yes' if s[name]['outputs_equal'] else 'NO'} |")
+        x = s[name]
+        lines.append(f"| {name} | {_delay(data['delays_s'][name])} | {','.join(map(str, _ms(ph[name]['hit']['ttft_s'])))}"
+                     f" | {x['miss_ttft_ms']:.0f} | {x['median_ratio']:.2f} | {x['max_ratio']:.2f} | "
+                     f"{','.join(str(round(q)) for q in x['queued_ms'])} ({x['max_wait_share']:.2f}) | {x['median_ratio_vs_none']:.2f} "
+                     f"({x['max_ratio_vs_none']:.2f}) | {x['miss_vs_none']:.2f} | {x['l3_hit_tokens']} | "
+                     f"{'yes' if x['outputs_equal'] else 'NO'} |")
+    for k in ("recompute", "recompute_2"):
+        lines.append(f"| no connector ({k}) | - | {','.join(map(str, _ms(ph[k]['hit']['ttft_s'])))} | "
+                     f"{statistics.median(ph[k]['miss']['ttft_s']) * 1000:.0f} | - | - | "
+                     f"{','.join(str(round(q * 1000)) for q in ph[k]['hit']['queued_s'])} | - | - | 0 | - |")
     return "\n".join(lines)
 
 
@@ -191,7 +251,7 @@ def render_section(data: dict) -> str:
     results_check.check_results(data, {"params": None, "code": {"commit": None, "dirty": None}, "phases": None,
                                        "summary": None, "conditions": None}, f"{SECTION}.json")
     p, cond = data["params"], data["conditions"]
-    ref = data["summary"]["_reference"]["ratios"]
+    r = data["summary"]["_reference"]
     body = f"""## {SECTION}
 
 `benchmarks/l3_hit_ttft.py` (issue 19, deliver 3): is an L3 hit ever slower than recomputing it? One engine per
@@ -200,9 +260,15 @@ phase (`tests/e2e/_engine.py`, vLLM's CPU backend, `{p['preset']}` preset, L1 {p
 {p['doc_tokens']} tokens + {p['question_tokens']}-token questions written to a file L3, then asked with new
 questions by a fresh engine whose store answers at once (healthy), takes {PACED_FRACTION:.0%} of a page's recompute
 time per page read (paced, `l3.faults.delay_get_page_s`), answers after about twice a recompute (slow) or not
-within the run (stalled, `l3.faults.delay_get_s`), against an engine without connector run before and after
-(its second run / first run per prompt: {', '.join(f'{x:.2f}' for x in ref)}). Ratio = TTFT / recompute TTFT of the
-same prompt (median of the two reference runs). Promise: every ratio <= {PROMISE}.
+within the run (stalled, `l3.faults.delay_get_s`). Every engine first computes one warm-up prompt (not counted),
+then alternates the hit prompts with as many miss prompts (documents of the same length never written: the
+same engine recomputes them). Ratio = hit TTFT / median miss TTFT of the same engine; promise: every ratio <=
+{PROMISE}. Beside it: against engines without connector run before and after (hit TTFT / median of the prompt's
+two runs; their second run / first run per prompt: {', '.join(f'{x:.2f}' for x in r['ratios'])}; their hit /
+miss medians {', '.join(f'{x:.2f}' for x in r['hit_vs_miss'])}), vLLM's time queued before each hit's first
+compute step (tierkv's wait for L3 is in it; in brackets the longest as a share of the miss TTFT: what waiting
+added, apart from the compute's own noise), and each engine's median miss TTFT / the no-connector engines'
+({r['miss_ttft_ms']:.0f} ms).
 
 Measured {data['started_at']} on tierkv commit `{results_check.short(data['code']['commit'])}`, {cond['cpus']} vCPU
 ({cond['cpu']}; {cond['isa']}); 1-minute load average after each phase:

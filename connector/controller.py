@@ -591,7 +591,11 @@ class Controller:
         """``(i, wait)``: ``keys[i]`` is the first key a running prefetch is fetching (``len(keys)`` if none), and
         whether ``req_id`` should wait for that fetch (it belongs to another request and is within its deadline).
         A request never waits for its own earlier fetch (vLLM asks again after the worker released it at its
-        deadline) nor for one past its deadline: those pages are simply not offered."""
+        deadline) nor for one past its deadline: those pages are simply not offered. "Its deadline" is the job's
+        first one (``deadline_s`` from the order): the worker may move it later as pages arrive
+        (``deadline_credit_s``), but the scheduler does not see that progress, so a request sharing pages with a
+        slow but progressing fetch stops waiting at the first deadline and recomputes them; waiting to the credited
+        bound instead would let a stalled fetch hold the second request up to a whole recompute."""
         now = self.clock()
         for i, k in enumerate(keys):
             jid = self._fetching.get(k)

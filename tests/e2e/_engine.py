@@ -21,6 +21,9 @@ Public API (parent side, nothing here imports vLLM)::
     res["outputs"][i]            # list[int]: generated token ids of prompt i
     res["num_cached_tokens"][i]  # int | None: prefix tokens vLLM did not compute (L1 hits + connector hits)
     res["ttft_s"][i], res["latency_s"][i]   # float seconds (sequential mode only; None in batch mode)
+    res["queued_s"][i], res["prefill_s"][i]  # float seconds from vLLM's request stats (sequential mode only): in the
+                                 # engine core before the request's first compute step (a connector's wait for
+                                 # L3 included), and from that step to the first token
     res["stats"]                 # {file name: JSON} written by the connector under res["stats_dir"]
     stats_by_role(res)           # {"scheduler": {...summed counters...}, "worker": {...}}
 
@@ -497,9 +500,13 @@ def _child(job_path: str, result_path: str) -> None:
         latency = time.perf_counter() - t_start
         if final is None:
             raise RuntimeError(f"request {rid} produced no final output")
+        st = final.metrics   # vLLM's RequestStateStats (engine-core monotonic timestamps; log stats are on)
+        timed = st is not None and getattr(st, "scheduled_ts", 0.0) > 0.0
         return {"output": list(final.outputs[0].token_ids), "num_cached_tokens": final.num_cached_tokens,
                 "ttft_s": ttft, "latency_s": latency, "finish_reason": final.outputs[0].finish_reason,
-                "prompt_len": _prompt_len(prompt)}
+                "prompt_len": _prompt_len(prompt),
+                "queued_s": st.scheduled_ts - st.queued_ts if timed else None,
+                "prefill_s": st.first_token_ts - st.scheduled_ts if timed else None}
 
     inproc_core = getattr(engine.engine_core, "engine_core", None)   # the EngineCore when it runs in this process
 
@@ -518,8 +525,9 @@ def _child(job_path: str, result_path: str) -> None:
 
     def collect(rows: list[dict], wall: float) -> dict:
         keys = {"outputs": "output", "num_cached_tokens": "num_cached_tokens", "ttft_s": "ttft_s",
-                "latency_s": "latency_s", "finish_reasons": "finish_reason", "prompt_lens": "prompt_len"}
-        res = {k: [r[v] for r in rows] for k, v in keys.items()}
+                "latency_s": "latency_s", "finish_reasons": "finish_reason", "prompt_lens": "prompt_len",
+                "queued_s": "queued_s", "prefill_s": "prefill_s"}
+        res = {k: [r.get(v) for r in rows] for k, v in keys.items()}
         res["wall_s"] = wall
         return res
 
