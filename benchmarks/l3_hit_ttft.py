@@ -17,8 +17,8 @@ One engine subprocess per phase (``tests/e2e/_engine.py``, vLLM's CPU backend, t
    ``best_effort`` (the default).
 4. ``recompute`` again, so the reference's own spread is seen.
 
-Every phase first sends one warm-up prompt (a document never written; the first request of an engine is slower
-than the rest, not measured), then alternates the ``docs`` hit prompts with ``docs`` miss prompts: documents of
+Every phase first sends warm-up prompts (documents never written, enough to fill L1 once: an engine's first
+prompts are slower than its later ones; not measured), then alternates the ``docs`` hit prompts with ``docs`` miss prompts: documents of
 the same length that were never written, so the same engine recomputes them (tierkv's miss path) between its
 hits. The promise is judged against those: ratio = hit TTFT / the median miss TTFT of the same engine, both
 measured alternately in one process (engines differ from each other by more than the promise's 10 %: see the
@@ -67,9 +67,10 @@ FULL = dict(preset="demo", docs=6, doc_tokens=1536, question_tokens=40, l1_block
 QUICK = dict(preset="test", docs=2, doc_tokens=256, question_tokens=8, l1_blocks=64, l2_pages=32)
 
 
-#: document numbers of the miss prompts (phase k: MISS_DOC0 + MISS_STRIDE * k ..) and of the warm-up prompts (phase
-#: k: WARMUP_DOC + k). Each phase gets its own: a tierkv engine backs its misses up to L3 (``write_through``), so a
-#: later phase would hit them. Documents d < 1,500 are all distinct (see :func:`prompts`).
+#: first document numbers of phase k's miss prompts (MISS_DOC0 + MISS_STRIDE * k ..) and warm-up prompts
+#: (WARMUP_DOC + MISS_STRIDE * k ..; at most MISS_STRIDE of each a phase). Each phase gets its own: a tierkv engine
+#: backs its misses up to L3 (``write_through``), so a later phase would hit them. Documents d < 1,500 are all
+#: distinct (see :func:`prompts`).
 MISS_DOC0, MISS_STRIDE, WARMUP_DOC = 100, 10, 200
 
 
@@ -86,11 +87,19 @@ def prompts(p: dict, round_no: int, first_doc: int = 0) -> list[list[int]]:
     return out
 
 
+def warmup_prompts(p: dict) -> int:
+    """Warm-up prompts per engine: enough to fill every L1 block once (an engine's first prompts were slower than
+    its later ones, by up to 70 %, for about as many prompts as fill L1)."""
+    return -(-p["l1_blocks"] * PAGE // (p["doc_tokens"] + p["question_tokens"]))
+
+
 def sequence(p: dict, round_no: int, phase_no: int) -> tuple[list[list[int]], list[str]]:
-    """Phase ``phase_no``'s prompts and their roles: one ``warmup`` prompt, then ``hit`` i (document i, written in
-    the ``write`` phase) and ``miss`` i (a document of this phase alone, never written before) alternately."""
+    """Phase ``phase_no``'s prompts and their roles: :func:`warmup_prompts` ``warmup`` prompts, then ``hit`` i
+    (document i, written in the ``write`` phase) and ``miss`` i (a document of this phase alone, never written
+    before) alternately."""
     hits, misses = prompts(p, round_no), prompts(p, round_no, MISS_DOC0 + MISS_STRIDE * phase_no)
-    seq, roles = prompts(dict(p, docs=1), round_no, WARMUP_DOC + phase_no), ["warmup"]
+    n = warmup_prompts(p)
+    seq, roles = prompts(dict(p, docs=n), round_no, WARMUP_DOC + MISS_STRIDE * phase_no), ["warmup"] * n
     for h, m in zip(hits, misses):
         seq += [h, m]
         roles += ["hit", "miss"]
@@ -260,7 +269,7 @@ phase (`tests/e2e/_engine.py`, vLLM's CPU backend, `{p['preset']}` preset, L1 {p
 {p['doc_tokens']} tokens + {p['question_tokens']}-token questions written to a file L3, then asked with new
 questions by a fresh engine whose store answers at once (healthy), takes {PACED_FRACTION:.0%} of a page's recompute
 time per page read (paced, `l3.faults.delay_get_page_s`), answers after about twice a recompute (slow) or not
-within the run (stalled, `l3.faults.delay_get_s`). Every engine first computes one warm-up prompt (not counted),
+within the run (stalled, `l3.faults.delay_get_s`). Every engine first computes {warmup_prompts(p)} warm-up prompts (not counted),
 then alternates the hit prompts with as many miss prompts (documents of the same length never written: the
 same engine recomputes them). Ratio = hit TTFT / median miss TTFT of the same engine; promise: every ratio <=
 {PROMISE}. Beside it: against engines without connector run before and after (hit TTFT / median of the prompt's

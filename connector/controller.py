@@ -44,7 +44,12 @@ A hit is never slower than recomputing it
     whose estimated load time exceeds the recompute time of its tokens is declined and counted
     (``l3_declined_slow_pages``). No estimate yet = no decline. A declined hit reads
     nothing, so the fetch estimate would never change again: once it is older than ``probe_interval_s`` the next
-    hit goes ahead as a probe (``l3_probe_hits``) and its read refreshes it. Under ``best_effort`` a request waits at
+    hit goes ahead as a probe (``l3_probe_hits``) and its read refreshes it. A read that outlives its request (the
+    workers released the request at its deadline) reports only when it ends, which for a stalled store may be never;
+    until then its time so far divided by its pages bounds the store's seconds per page from below
+    (:meth:`overdue_s_per_page`), and once that bound exceeds recomputing a page, hits are declined without a probe
+    (the overdue read is the probe): on a stalled store only the hits ordered before the first read was overdue
+    for a whole recompute wait their deadline. Under ``best_effort`` a request waits at
     most ``BEST_EFFORT_STALL_FRACTION`` of its estimated recompute time (and at most three times its estimated fetch
     time), so a store that stalls costs at most that much on top of recomputing: the leading pages that arrived by
     then are used, the rest recomputed.
@@ -714,17 +719,40 @@ class Controller:
 
     # ------------------------------------------------------------------ prefetch
     def worth_loading(self, fetch_pages: int) -> bool:
-        """False when fetching ``fetch_pages`` pages from L3 is estimated to take longer than recomputing them."""
+        """False when fetching ``fetch_pages`` pages from L3 is estimated to take longer than recomputing them: by
+        the fetch estimate (a stale one lets one probe through per ``probe_interval_s``), or by a read still running
+        after its request was released (:meth:`overdue_s_per_page`; no probe then)."""
         per_page, per_token = self.fetch_s_per_page.value, self.prefill_s_per_token.value
-        if fetch_pages <= 0 or per_page is None or per_token is None:
+        if fetch_pages <= 0 or per_token is None:
             return True
-        if fetch_pages * per_page <= fetch_pages * self.page_size * per_token:
+        if self._req_prefetch and self.overdue_s_per_page() > self.page_size * per_token:
+            return False
+        if per_page is None or per_page <= self.page_size * per_token:
             return True
         if self.fetch_s_per_page.age() > self.probe_interval_s:  # stale: this hit reads, and refreshes it
             self.fetch_s_per_page.at = self.clock()  # one probe per interval, not one per waiting request
             self.counters.l3_probe_hits += 1
             return True
         return False
+
+    def overdue_s_per_page(self) -> float:
+        """A lower bound on the store's seconds per page read, from prefetches still running after the workers
+        released their request (named its load ended at a deadline, or it finished or was aborted) and past their
+        deadline: such a read of n pages has taken longer than its time so far (from its order), so each of its
+        pages takes more than that time / n. The largest over those reads; 0.0 when there is none. A read that ended
+        in time is never counted: its report comes with its request's release. One that ended after the release
+        reports with the next step, so its bound may run on for one engine step."""
+        now, floor = self.clock(), 0.0
+        for req_id, jid in self._req_prefetch.items():
+            if req_id in self._recv_open:
+                continue
+            st = self._jobs.get(jid)
+            if st is None or st.job.deadline_s is None or now - st.t0 <= st.job.deadline_s:
+                continue
+            need = sum(st.job.fetch)
+            if need:
+                floor = max(floor, (now - st.t0) / need)
+        return floor
 
     def load_sync(self, fetch_pages: int) -> bool:
         """Whether an L3 hit that reads ``fetch_pages`` pages is loaded synchronously: the worker reads them and

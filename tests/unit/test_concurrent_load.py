@@ -10,6 +10,7 @@ from fake_engine import P, FakeEngine, Req
 from tierkv.connector.page_hash import ModelNamespace, page_keys, request_root
 from tierkv.connector.radix_index import NO_SLOT
 from tierkv.connector.scheduler import CacheScheduler
+from test_controller import keys_of
 
 
 def toks(a, n):
@@ -306,6 +307,37 @@ def test_a_stale_slow_estimate_lets_one_probe_through_and_a_fast_read_restores_h
     for _ in range(25):                                 # the probe's read and later ones are fast: 1 ms per page
         ctl.fetch_s_per_page.add(0.001)
     assert ctl.worth_loading(4)
+
+
+def test_a_read_that_outlives_its_request_makes_later_hits_recompute_at_once(tmp_path):
+    """A stalled store never reports its reads, so the fetch estimate never learns: on vLLM with a stalled file
+    store every later L3 hit waited its deadline, or for staging room the stalled reads held, before recomputing
+    (the l3_hit_ttft benchmark: 12-32 ms queued per hit, up to 13 % of the recompute time). Now a read still running
+    after its request was released bounds the store's time per page from below (its time so far / its pages), and
+    once that exceeds recomputing a page, hits are declined as slow at their first lookup, without a probe."""
+    from test_controller import _hanging_l3_load
+    now = [0.0]
+    e, faulty, _req = _hanging_l3_load(tmp_path, toks(40, 4 * P), clock=lambda: now[0],
+                                       controller={"prefetch_policy": "timeout", "prefetch_timeout_base_s": 0.5,
+                                                   "prefetch_timeout_per_page_s": 0.0})
+    ctl = e.sched.ctl
+    ctl.observe_prefill(1.0, 100_000)                   # 10 us a token: a page recomputes in 0.32 ms
+    now[0] = 0.3
+    assert ctl.overdue_s_per_page() == 0.0 and ctl.worth_loading(4)   # b's read is within its deadline
+    now[0] = 0.6
+    e.step(compute=False)
+    assert "b" in e.recv                                # released at its deadline; the read still hangs
+    assert ctl.overdue_s_per_page() == pytest.approx(0.6 / 4)
+    doc_c = toks(900, 4 * P) + [3]
+    e.sched.index.insert(keys_of(e, doc_c)[:4], [NO_SLOT] * 4, in_l3=[True] * 4)   # c's pages: in L3 too
+    e.sched.add_request("c", doc_c)
+    assert e.sched.lookup("c", 0) == 0                  # recomputed at once: not deferred, no load ordered
+    assert ctl.counters.l3_declined_slow_pages == 4 and ctl.counters.l3_probe_hits == 0
+    faulty.release()                                    # the read ends and reports: the bound goes with it
+    assert e.worker.l3.wait_idle(30)
+    e.step(compute=False)
+    assert ctl.overdue_s_per_page() == 0.0 and ctl.pending_jobs() == 0 and ctl.worth_loading(4)
+    e.close()
 
 
 def test_best_effort_waits_at_most_a_twentieth_of_the_recompute_time():

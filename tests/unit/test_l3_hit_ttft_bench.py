@@ -41,9 +41,10 @@ def test_hits_are_compared_with_the_same_engines_misses_and_with_the_no_connecto
 
 def test_every_phase_gets_its_own_miss_and_warm_up_documents():
     p = dict(bench.QUICK)
+    assert bench.warmup_prompts(p) == 8                # 64 blocks of 32 tokens / prompts of 264 tokens, rounded up
     seqs = [bench.sequence(p, 1, k) for k in range(6)]
     for seq, roles in seqs:
-        assert roles == ["warmup"] + ["hit", "miss"] * p["docs"]
+        assert roles == ["warmup"] * bench.warmup_prompts(p) + ["hit", "miss"] * p["docs"]
     hits = [tuple(x) for x, r in zip(*seqs[0]) if r == "hit"]
     assert all([tuple(x) for x, r in zip(*sq) if r == "hit"] == hits for sq in seqs)
     others = [tuple(x[:bench.PAGE]) for sq in seqs for x, r in zip(*sq) if r != "hit"]
