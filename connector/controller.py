@@ -45,11 +45,11 @@ A hit is never slower than recomputing it
     (``l3_declined_slow_pages``). No estimate yet = no decline. A declined hit reads
     nothing, so the fetch estimate would never change again: once it is older than ``probe_interval_s`` the next
     hit goes ahead as a probe (``l3_probe_hits``) and its read refreshes it. A read that outlives its request (the
-    workers released the request at its deadline) reports only when it ends, which for a stalled store may be never;
-    until then its time so far divided by its pages bounds the store's seconds per page from below
-    (:meth:`overdue_s_per_page`), and once that bound exceeds recomputing a page, hits are declined without a probe
-    (the overdue read is the probe): on a stalled store only the hits ordered before the first read was overdue
-    for a whole recompute wait their deadline. Under ``best_effort`` a request waits at
+    workers released the request at its deadline) reports only when it ends, which for a stalled store may be
+    never; from the step after the release on, its time so far divided by its pages bounds the store's seconds per
+    page from below (:meth:`overdue_s_per_page`), and once that bound exceeds recomputing a page, hits are declined
+    without a probe (the overdue read is the probe): on a stalled store only the hits ordered before the first read
+    was overdue for a whole recompute wait their deadline. Under ``best_effort`` a request waits at
     most ``BEST_EFFORT_STALL_FRACTION`` of its estimated recompute time (and at most three times its estimated fetch
     time), so a store that stalls costs at most that much on top of recomputing: the leading pages that arrived by
     then are used, the rest recomputed.
@@ -400,6 +400,8 @@ class Controller:
         self._absent: "OrderedDict[bytes, float]" = OrderedDict()
         self._req_prefetch: dict[str, int] = {}   # request -> its prefetch job, until the job's report (I/O side)
         self._recv_open: set[str] = set()          # requests whose load the workers have not named as ended yet
+        self._plans = 0                            # plans handed out (take_jobs): one per engine step
+        self._released: dict[int, int] = {}        # prefetch job -> _plans when the workers released its request
         self._room_waits: dict[str, tuple[int, float]] = {}  # request -> (lookups waited, clock at the first)
         self.fetch_s_per_page = _Ewma(clock)
         self.prefill_s_per_token = _Ewma(clock)
@@ -409,6 +411,7 @@ class Controller:
     # ------------------------------------------------------------------ plan / report plumbing
     def take_jobs(self) -> list[Job]:
         """Jobs ordered since the last call, for this step's plan."""
+        self._plans += 1
         out, self._outbox = self._outbox, []
         return out
 
@@ -725,7 +728,7 @@ class Controller:
         per_page, per_token = self.fetch_s_per_page.value, self.prefill_s_per_token.value
         if fetch_pages <= 0 or per_token is None:
             return True
-        if self._req_prefetch and self.overdue_s_per_page() > self.page_size * per_token:
+        if self._released and self.overdue_s_per_page() > self.page_size * per_token:
             return False
         if per_page is None or per_page <= self.page_size * per_token:
             return True
@@ -736,18 +739,20 @@ class Controller:
         return False
 
     def overdue_s_per_page(self) -> float:
-        """A lower bound on the store's seconds per page read, from prefetches still running after the workers
-        released their request (named its load ended at a deadline, or it finished or was aborted) and past their
-        deadline: such a read of n pages has taken longer than its time so far (from its order), so each of its
-        pages takes more than that time / n. The largest over those reads; 0.0 when there is none. A read that ended
-        in time is never counted: its report comes with its request's release. One that ended after the release
-        reports with the next step, so its bound may run on for one engine step."""
+        """A lower bound on the store's seconds per page read, from prefetches whose request the workers released
+        (named its load ended at its deadline) while the read went on, and which a later step's output still did not
+        report: such a read of n pages has taken longer than its time so far (from its order), so each of its pages
+        takes more than that time / n. The largest over those reads; 0.0 when there is none. A read that ended in
+        time reports with its request's release; one that ended after the release but within the next step
+        reports with that step's output, so it is not counted before that output was seen (a long step would
+        otherwise pass for a slow store)."""
         now, floor = self.clock(), 0.0
-        for req_id, jid in self._req_prefetch.items():
-            if req_id in self._recv_open:
-                continue
+        for jid, released in list(self._released.items()):
             st = self._jobs.get(jid)
-            if st is None or st.job.deadline_s is None or now - st.t0 <= st.job.deadline_s:
+            if st is None:
+                del self._released[jid]
+                continue
+            if self._plans <= released:
                 continue
             need = sum(st.job.fetch)
             if need:
@@ -898,6 +903,7 @@ class Controller:
 
     def _end_prefetch(self, st: _JobState, r: JobReport) -> None:
         job = st.job
+        self._released.pop(job.job_id, None)
         if self._req_prefetch.get(job.req_id) == job.job_id:
             del self._req_prefetch[job.req_id]
         for k in job.keys:
@@ -965,6 +971,10 @@ class Controller:
         requests whose load failed as a whole (vLLM's ``failed_recving``: a model of several KV cache groups, whose
         failed loads cannot be named by block; vLLM recomputes such a request from its first token)."""
         self._recv_open.difference_update(req_ids)
+        for rid in req_ids:
+            jid = self._req_prefetch.get(rid)
+            if jid is not None:  # released while its read goes on (the job reports separately)
+                self._released[jid] = self._plans
         bad = set(invalid_block_ids or ())
         failed = set(failed_req_ids or ())
         for rid in req_ids:
