@@ -45,8 +45,8 @@ A hit is never slower than recomputing it
     (``l3_declined_slow_pages``). No estimate yet = no decline. A declined hit reads
     nothing, so the fetch estimate would never change again: once it is older than ``probe_interval_s`` the next
     hit goes ahead as a probe (``l3_probe_hits``) and its read refreshes it. A read that outlives its request (the
-    workers released the request at its deadline) reports only when it ends, which for a stalled store may be
-    never; from the step after the release on, its time so far divided by its pages bounds the store's seconds per
+    workers released the request at its deadline; a synchronous load's request is released within its step)
+    reports only when it ends, which for a stalled store may be never; from the step after the release on, its time so far divided by its pages bounds the store's seconds per
     page from below (:meth:`overdue_s_per_page`), and once that bound exceeds recomputing a page, hits are declined
     without a probe (the overdue read is the probe): on a stalled store only the hits ordered before the first read
     was overdue for a whole recompute wait their deadline. Under ``best_effort`` a request waits at
@@ -740,8 +740,9 @@ class Controller:
 
     def overdue_s_per_page(self) -> float:
         """A lower bound on the store's seconds per page read, from prefetches whose request the workers released
-        (named its load ended at its deadline) while the read went on, and which a later step's output still did not
-        report: such a read of n pages has taken longer than its time so far (from its order), so each of its pages
+        (named its load ended at its deadline) while the read went on, or synchronous loads (whose request side ends
+        within the step of their plan, at the latest at their deadline), and which a later step's output still did
+        not report: such a read of n pages has taken longer than its time so far (from its order), so each of its pages
         takes more than that time / n. The largest over those reads; 0.0 when there is none. A read that ended in
         time reports with its request's release; one that ended after the release but within the next step
         reports with that step's output, so it is not counted before that output was seen (a long step would
@@ -889,6 +890,8 @@ class Controller:
         self._req_prefetch[req_id] = job.job_id
         if not sync:  # a synchronous load's request side ends within its step: vLLM never delays its free
             self._recv_open.add(req_id)
+        else:  # ... so its read, if it goes on past that step (its blocks failed at the deadline), is overdue
+            self._released[job.job_id] = self._plans + 1
         self.lookup_stats.hit_l2([s for s, f in zip(slots, fetch) if not f])
         self.lookup_stats.hit_l3([k for k, f in zip(job.keys, fetch) if f])
         o = self._outcomes.get(req_id)

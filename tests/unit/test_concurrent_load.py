@@ -549,6 +549,40 @@ def test_a_synchronous_l3_load_on_a_stalled_store_waits_a_bounded_time_then_reco
     e.close()
 
 
+def test_a_synchronous_read_that_outlives_its_step_makes_later_hits_recompute_at_once(tmp_path):
+    """A synchronous load whose read stalls fails its blocks at its deadline within its step and goes on reading;
+    its request is never named in ``finished_recving``, so nothing told the scheduler: the last (fast) fetch
+    estimate kept ordering synchronous loads, each holding the forward of its step up to the sync deadline while
+    the store stalled. Now a synchronous job still without a report after the output of the step that follows its
+    own counts as an overdue read (``overdue_s_per_page``), and the next hit is recomputed at its first lookup."""
+    from test_field_r34_r38 import l3io
+    doc = toks(7, 4 * P)
+    e = _sync_engine(tmp_path, doc, faulty={0: {}})
+    ctl, store = e.sched.ctl, l3io(e).store
+    r = Req("c", doc + toks(90_000, 2 * P) + [3])
+    assert e.admit_l3(r) == 4 * P and ctl.counters.prefetch_sync_jobs == 1
+    store.set_faults(hang_get=True)
+    e.step()                                            # the forward waited the sync deadline; c rolled back
+    assert store.hanging == 1 and "c" in e.rolled_back
+    assert ctl.overdue_s_per_page() == 0.0              # a read could still end and report with the next step
+    e.step()                                            # c recomputed; the read still hangs: no report
+    floor = ctl.overdue_s_per_page()
+    assert floor > 0.0
+    ctl.fetch_s_per_page.value = floor / 10             # the estimate alone: a store 5x faster than recomputing
+    ctl.prefill_s_per_token.value = floor / 2 / P       # recomputing a page takes half the overdue bound
+    d = Req("d", toks(50_000, 4 * P) + [3])
+    e.sched.index.insert(keys_of_doc(e, d.tokens)[:4], [NO_SLOT] * 4, in_l3=[True] * 4)
+    e.sched.add_request("d", d.tokens)
+    declined = ctl.counters.l3_declined_slow_pages
+    assert e.sched.lookup("d", 0) == 0 and ctl.counters.l3_declined_slow_pages == declined + 4
+    store.release()
+    store.set_faults(hang_get=False)
+    e.finish(r)
+    e.settle()
+    assert ctl.overdue_s_per_page() == 0.0 and ctl.pending_jobs() == 0   # the read reported: the bound went
+    e.close()
+
+
 def test_the_connector_answers_existence_in_the_scheduler_only_for_a_local_store(tmp_path, monkeypatch):
     """The scheduler role builds its own file store objects (one per rank namespace) and finds a page a worker
     stored; with ``controller.exists_in_scheduler: false`` or injected existence faults the workers are asked
