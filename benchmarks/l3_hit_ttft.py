@@ -18,14 +18,15 @@ One engine subprocess per phase (``tests/e2e/_engine.py``, vLLM's CPU backend, t
 4. ``recompute`` again, so the reference's own spread is seen.
 
 Every phase first sends warm-up prompts (documents never written, enough to fill L1 once: an engine's first
-prompts are slower than its later ones; not measured), then alternates the ``docs`` hit prompts with ``docs`` miss prompts: documents of
-the same length that were never written, so the same engine recomputes them (tierkv's miss path) between its
-hits. The promise is judged against those: ratio = hit TTFT / the median miss TTFT of the same engine, both
-measured alternately in one process (engines differ from each other by more than the promise's 10 %: see the
-reference's own spread). Also per phase: the ratio against the no-connector engines (hit TTFT / median of that
-prompt's two reference runs), vLLM's own split of each TTFT into the time queued before the request's first
+prompts are slower than its later ones; not measured), then alternates the ``docs`` hit prompts with ``docs`` miss
+prompts: documents of the same length that were never written, so the same engine recomputes them (tierkv's miss
+path) between its hits. The promise is judged against those: ratio = hit TTFT / the median miss TTFT of the same
+engine, both measured alternately in one process (engines differ from each other by more than the promise's 10 %:
+see the reference's own spread). Also per phase: the ratio against the no-connector engines (hit TTFT / median of
+that prompt's two reference runs), vLLM's own split of each TTFT into the time queued before the request's first
 compute step (tierkv's wait for L3 is in it) and the compute, tokens served from L3 (vLLM's
 ``num_cached_tokens``), and the outputs (the one greedy token) compared with the reference.
+
     .venv/bin/python benchmarks/l3_hit_ttft.py            # -> results/l3_hit_ttft.json + README section
     .venv/bin/python benchmarks/l3_hit_ttft.py --quick    # smoke run (test model, 2 short documents), no README
 """
@@ -191,8 +192,8 @@ def summarise(phases: dict) -> dict:
     promise's measure), their median and max; ``ratios_vs_none`` = TTFT / the median of that prompt's two
     no-connector runs; ``queued_ms`` (vLLM's time before the first compute step) of the hits and the median of the
     misses'; ``max_wait_share`` = the longest hit's queued time / the median miss TTFT (what waiting for L3 added,
-    free of the compute's noise); ``miss_vs_none`` = the engine's median miss TTFT / the no-connector engines' (what the connector costs
-    a prompt it cannot help); the L3 tokens served; whether the hits' outputs equal the reference's.
+    free of the compute's noise); ``miss_vs_none`` = the engine's median miss TTFT / the no-connector engines'
+    (what the connector costs a prompt it cannot help); the L3 tokens served; whether the hits' outputs equal the reference's.
     ``_reference``: the no-connector engines' second run / first run per hit prompt, and their median hit TTFT /
     median miss TTFT (hit and miss documents cost the same to compute: about 1)."""
     rec, rec2 = phases["recompute"], phases["recompute_2"]
@@ -237,7 +238,7 @@ def table(data: dict) -> str:
     for k in ("recompute", "recompute_2"):
         lines.append(f"| no connector ({k}) | - | {','.join(map(str, _ms(ph[k]['hit']['ttft_s'])))} | "
                      f"{statistics.median(ph[k]['miss']['ttft_s']) * 1000:.0f} | - | - | "
-                     f"{','.join(str(round(q * 1000)) for q in ph[k]['hit']['queued_s'])} | - | - | 0 | - |")
+                     f"{','.join(map(str, _ms(ph[k]['hit']['queued_s'])))} | - | - | 0 | - |")
     return "\n".join(lines)
 
 
