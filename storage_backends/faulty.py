@@ -44,6 +44,7 @@ class FaultsConfig(BaseModel):
     fail_get_keys: list[str] = Field(default_factory=list)
     fail_set_keys: list[str] = Field(default_factory=list)
     fail_exists_keys: list[str] = Field(default_factory=list)
+    healthy_get_pages: int = Field(default=0, ge=0)
     seed: int = 0
 
 
@@ -59,6 +60,10 @@ class FaultyBackend(StorageBackend):
         hang_get, hang_set, hang_exists: block each call of that kind until :meth:`release` (or :meth:`close`);
             then the call proceeds normally. :meth:`wait_hanging` tells a test that a call is blocked.
         fail_get_keys, fail_set_keys, fail_exists_keys: keys (text form) that always fail for that operation.
+        healthy_get_pages: ``batch_get`` calls get none of the get faults (no delay, hang or failure) while the
+            pages they read add up to at most this many; the first call that would go past it and every later
+            one get them all (a store that serves, then turns slow, stalls or fails between two reads). Counted
+            per wrapper, i.e. per process that holds one (each worker of an engine has its own).
         seed: seed of the random draws.
 
     All settings can be changed at run time with :meth:`set_faults`. ``stats()`` is the inner store's counters
@@ -69,7 +74,7 @@ class FaultyBackend(StorageBackend):
                  fail_exists: float = 0.0, delay_get_s: float = 0.0, delay_set_s: float = 0.0,
                  delay_exists_s: float = 0.0, delay_get_page_s: float = 0.0, hang_get: bool = False, hang_set: bool = False,
                  hang_exists: bool = False, fail_get_keys: Iterable[str] = (), fail_set_keys: Iterable[str] = (),
-                 fail_exists_keys: Iterable[str] = (), seed: int = 0):
+                 fail_exists_keys: Iterable[str] = (), healthy_get_pages: int = 0, seed: int = 0):
         self.inner = inner
         self.page_bytes = inner.page_bytes
         self.namespace = inner.namespace
@@ -85,23 +90,31 @@ class FaultyBackend(StorageBackend):
         self._hang: dict[str, bool] = {}
         self._fail_keys: dict[str, frozenset] = {}
         self._rng = random.Random(seed)
+        self._healthy_pages = 0   # pages that batch_get calls may still read without get faults
         self.set_faults(fail_get=fail_get, fail_set=fail_set, fail_exists=fail_exists, delay_get_s=delay_get_s,
                         delay_set_s=delay_set_s, delay_exists_s=delay_exists_s,
                         delay_get_page_s=delay_get_page_s, hang_get=hang_get,
                         hang_set=hang_set, hang_exists=hang_exists, fail_get_keys=fail_get_keys,
-                        fail_set_keys=fail_set_keys, fail_exists_keys=fail_exists_keys)
+                        fail_set_keys=fail_set_keys, fail_exists_keys=fail_exists_keys,
+                        healthy_get_pages=healthy_get_pages)
 
     @classmethod
     def from_config(cls, inner: StorageBackend, cfg: FaultsConfig) -> "FaultyBackend":
         return cls(inner, **cfg.model_dump())
 
     def set_faults(self, **kw: Any) -> None:
-        """Change settings (same names as the constructor, except ``inner``; ``seed`` re-seeds). Arming a hang
-        clears an earlier :meth:`release`. Raises ValueError for an unknown name or a fraction outside 0..1."""
+        """Change settings (same names as the constructor, except ``inner``; ``seed`` re-seeds;
+        ``healthy_get_pages`` counts from this call). Arming a hang clears an earlier :meth:`release`. Raises
+        ValueError for an unknown name, a fraction outside 0..1 or a negative delay or count."""
         with self._lock:
             for name, v in kw.items():
                 if name == "seed":
                     self._rng = random.Random(v)
+                    continue
+                if name == "healthy_get_pages":
+                    if int(v) < 0:
+                        raise ValueError(f"{name} must be >= 0, got {v!r}")
+                    self._healthy_pages = int(v)
                     continue
                 head, _, op = name.partition("_")
                 op = op.removesuffix("_s").removesuffix("_keys")
@@ -205,8 +218,12 @@ class FaultyBackend(StorageBackend):
         if len(keys) != len(destinations):
             raise ValueError(f"{len(keys)} keys but {len(destinations)} destinations")
         self._keys(keys)
-        self._before("get", len(keys))
-        fail = self._failing("get", keys)
+        with self._lock:
+            healthy = len(keys) <= self._healthy_pages   # 0 by default: every read gets the faults
+            self._healthy_pages = self._healthy_pages - len(keys) if healthy else 0
+        if not healthy:
+            self._before("get", len(keys))
+        fail = [False] * len(keys) if healthy else self._failing("get", keys)
         idx = [i for i, f in enumerate(fail) if not f]
         out = [False] * len(keys)
         if idx:

@@ -102,6 +102,32 @@ def test_delay_per_page_grows_with_the_pages_read(store, monkeypatch):
         f.set_faults(delay_get_page_s=-1.0)
 
 
+def test_healthy_get_pages_then_the_get_faults(store):
+    """``healthy_get_pages``: reads get no get fault (no delay, hang or failure) while they add up to at most N
+    pages; the read that would go past N and every later one get them all: a store that serves, then stalls or
+    fails. Other operations are not counted."""
+    store.batch_set(KEYS[:4], src(4))
+    f = FaultyBackend(store, fail_get=1.0, delay_get_s=0.01, healthy_get_pages=5)
+    dst = [torch.zeros(PAGE, dtype=torch.uint8) for _ in range(2)]
+    assert f.batch_exists(KEYS[:4]) == 4
+    assert f.batch_get(KEYS[:2], dst) == [True, True] and f.batch_get(KEYS[2:4], dst) == [True, True]
+    assert bool((dst[1] == 3).all())
+    assert f.stats()["injected_delays"] == 0 and f.stats()["injected_get_failures"] == 0
+    assert f.batch_get(KEYS[:2], dst) == [False, False]  # pages 5 and 6: past the healthy 5, delayed and failed
+    assert f.batch_get(KEYS[:1], dst[:1]) == [False]     # and every read after it
+    assert f.stats()["injected_delays"] == 2 and f.stats()["injected_get_failures"] == 3
+    # a stall after one healthy read (the l3_hit_ttft "turns stalled" store): the second read hangs
+    g = FaultyBackend(store, hang_get=True, healthy_get_pages=1)
+    assert g.batch_get(KEYS[:1], dst[:1]) == [True]
+    with cf.ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(g.batch_get, KEYS[:1], dst[:1])
+        assert g.wait_hanging(1, timeout=10)
+        g.release()
+        assert fut.result(timeout=10) == [True]
+    with pytest.raises(ValueError):
+        g.set_faults(healthy_get_pages=-1)
+
+
 @pytest.mark.parametrize("faults, local", [({}, True), ({"delay_get_s": 1.0, "hang_get": True, "fail_set": 0.5}, True),
                                             ({"delay_exists_s": 0.1}, False), ({"hang_exists": True}, False),
                                             ({"fail_exists": 0.1}, False), ({"fail_exists_keys": KEYS[:1]}, False)])
@@ -156,6 +182,8 @@ def test_build_none_file_and_faults(tmp_path):
     ({"backend": "file", "file": {"root": "/tmp/x", "scan_verify": "all"}}, r"l3\.file\.scan_verify.*'size' or 'header'"),
     ({"backend": "file", "file": {"root": "/tmp/x"}, "faults": {"fail_get": -1}}, r"l3\.faults\.fail_get"),
     ({"backend": "file", "file": {"root": "/tmp/x"}, "faults": {"explode": True}}, r"l3\.faults\.explode"),
+    ({"backend": "file", "file": {"root": "/tmp/x"}, "faults": {"healthy_get_pages": -2}},
+     r"l3\.faults\.healthy_get_pages"),
     ({"backend": "none", "faults": {"fail_get": 0.5}}, r"l3\.faults"),
     ({"backend": "file", "bogus": {}}, r"l3\.bogus"),
 ])
