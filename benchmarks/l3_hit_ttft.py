@@ -14,9 +14,9 @@ One engine subprocess per phase (``tests/e2e/_engine.py``, vLLM's CPU backend, t
    recompute TTFT (paced: a read much faster than recomputing, but slower than the 5 % of it that ``best_effort``
    waits before its deadline credit starts), ``delay_get_s`` about twice the median recompute TTFT of one document
    (slow: each read call takes longer than recomputing), or 600 s (stalled: no read returns within the run; turns
-   stalled: the same after the pages of the first :data:`HEALTHY_HITS` hits, ``healthy_get_pages``, so the first
-   stalled hit meets a fetch estimate learnt on a fast store and is loaded synchronously). Policy ``best_effort``
-   (the default).
+   stalled: the same after :data:`HEALTHY_HITS` documents' worth of pages, ``healthy_get_pages``, so the stall comes
+   during a read that the fetch estimate, learnt on the fast store, made synchronous). Policy ``best_effort`` (the
+   default).
 4. ``recompute`` again, so the reference's own spread is seen.
 
 Every phase first sends warm-up prompts (documents never written, enough to fill L1 once: an engine's first
@@ -52,7 +52,7 @@ PROMISE = 1.1
 #: paced store: each page read takes this fraction of the time to recompute one page
 PACED_FRACTION = 0.15
 STORES = ("healthy", "paced", "slow", "stalled", "turns_stalled")
-#: turns_stalled store: the hits served before its reads stall
+#: turns_stalled store: documents' worth of pages served before its reads stall
 HEALTHY_HITS = 3
 
 
@@ -272,10 +272,11 @@ def _turns(data: dict) -> str:
     d = data.get("delays_s", {}).get("turns_stalled")
     if d is None:
         return ""
-    hits = d["healthy_get_pages"] // (data["params"]["doc_tokens"] // PAGE)
-    return (f", or serves the first {hits} hits and then stalls (turns stalled, `l3.faults.healthy_get_pages`: its"
-            " first stalled hit meets a fetch estimate learnt on a fast store, so it is loaded synchronously, the"
-            " forward of its step waiting for the read)")
+    read = data["phases"]["turns_stalled"]["hit"]["num_cached_tokens"][0] // PAGE
+    return (f", or serves {d['healthy_get_pages']} pages and then stalls (turns stalled,"
+            " `l3.faults.healthy_get_pages`: the stall comes during a hit's read that the fetch estimate, learnt on"
+            f" the fast store, made synchronous, the forward of its step waiting for it; its first hit read {read}"
+            " pages)")
 
 
 def render_section(data: dict) -> str:
