@@ -88,7 +88,7 @@ class ThreadsConfig(_Strict):
     L3 readers and the layer-wise loader keep the engine's priority."""
 
     cpus: str = "auto"
-    background_nice: int = Field(default=10, ge=0, le=19)
+    background_nice: int = Field(default=0, ge=0, le=19)
 
     @field_validator("cpus")
     @classmethod

@@ -15,13 +15,12 @@ starts (:func:`setup_this_thread`):
   thread 0's. ``inherit`` keeps what the thread inherited; a CPU list (``"3"``, ``"2-3,6"``) is used as given (CPUs
   the process may not use are dropped; none left: ``inherit``). On a GPU engine nothing is bound and ``auto`` is a
   no-op;
-- its **priority** (``threads.background_nice``, 0-19, default 10): background threads (the L3 backup writer, the
+- its **priority** (``threads.background_nice``, 0-19, default 0): background threads (the L3 backup writer, the
   stats-file flushers and the store threads they start, e.g. the file store's fsync helpers) raise their nice
-  value to it, so a forward thread that shares their core keeps most of it: Linux's fair scheduler weighs nice 10
-  at about a tenth of nice 0 (nice 19 at about 1.5 %), and every idle moment of a core is theirs. Slowed, never
-  stopped: at 10 a writer that must keep up with the saves of a busy engine still does on a saturated host, where
-  19 would let backups fall behind (and be dropped at ``controller.max_backup_pages``). Threads on a request's
-  path (L3 readers, the layer-wise loader) keep the engine's priority.
+  value to it. Off by default: these threads hold Python's GIL between their system calls, and a low-priority
+  thread that the kernel deschedules while holding it stalls the engine's Python thread, which needs it between
+  kernels (benchmarks/README.md, serve_cpu re-run ``thread_placement``: nice 10 did not make the engine faster).
+  Threads on a request's path (L3 readers, the layer-wise loader) always keep the engine's priority.
 
 The same idea as vLLM's NIXL connector on CPU, which moves its transfer thread to a core of its own. Linux only:
 elsewhere, or when a call is refused, the thread keeps what it inherited (never an error: placement is an
@@ -78,14 +77,14 @@ class Placement:
     """The process's policy: ``cpus`` (``auto``, ``inherit`` or a CPU list) and ``background_nice`` (0-19)."""
 
     cpus: str = "auto"
-    background_nice: int = 10
+    background_nice: int = 0
 
 
 _policy = Placement()
 _policy_lock = threading.Lock()
 
 
-def configure(cpus: str = "auto", background_nice: int = 10) -> Placement:
+def configure(cpus: str = "auto", background_nice: int = 0) -> Placement:
     """Set the policy of the threads this process starts from now on (the connector calls it with the ``threads``
     section of its config before it starts any thread). Raises ValueError for a bad ``cpus`` or a nice value outside
     0-19."""
@@ -99,7 +98,7 @@ def configure(cpus: str = "auto", background_nice: int = 10) -> Placement:
 
 
 def policy() -> Placement:
-    """The policy set by :func:`configure` (default ``auto``, nice 10)."""
+    """The policy set by :func:`configure` (default ``auto``, nice 0)."""
     return _policy
 
 

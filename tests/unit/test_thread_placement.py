@@ -19,7 +19,7 @@ from tierkv.connector.config import ConfigError, config_from_extra
 from tierkv.connector.host_pool import HostPool
 from tierkv.connector.l3_io import L3IO
 from tierkv.connector.page_checksums import SlotChecksums
-from tierkv.connector.thread_placement import check_cpus, parse_cpu_list
+from tierkv.connector.thread_placement import check_cpus, configure, parse_cpu_list, policy
 from tierkv.storage_backends.file import FileStore
 
 NS = bytes(range(16))
@@ -99,9 +99,10 @@ def test_inherit_and_a_cpu_list():
 
 
 def test_the_l3_writer_is_a_background_thread_and_the_readers_are_not(tmp_path):
-    """The real :class:`L3IO`'s threads: the backup writer at the configured nice value, the readers at the
-    process's."""
+    """The real :class:`L3IO`'s threads with ``threads.background_nice: 10``: the backup writer at that nice value,
+    the readers at the process's."""
     base = os.getpriority(os.PRIO_PROCESS, 0)
+    configure("auto", 10)
     host = HostPool(4, 2, 4096)
     store = FileStore(NS, host.page_bytes, root=str(tmp_path / "l3"))
     l3 = L3IO(store, host, NS, SlotChecksums(host.num_slots), read_threads=2)
@@ -116,6 +117,12 @@ def test_the_l3_writer_is_a_background_thread_and_the_readers_are_not(tmp_path):
         assert nices == {"tierkv-l3-read-0": base, "tierkv-l3-read-1": base, "tierkv-l3-write": max(base, 10)}
     finally:
         l3.close(0)
+        configure()
+
+
+def test_the_default_changes_no_priority():
+    assert (policy().background_nice, policy().cpus) == (0, "auto")
+    assert config_from_extra({}).threads.background_nice == 0
 
 
 def test_cpu_lists_parse_and_bad_values_name_the_key():
