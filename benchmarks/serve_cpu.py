@@ -21,9 +21,6 @@ Configurations (L1 = vLLM's own KV pool, ``--num-gpu-blocks-override`` blocks of
   server stops): the same tierkv work without a block device's writeback, to tell the two costs apart;
 - ``tierkv_l3_file_p4``: as ``tierkv_l3_file`` with ``page_size`` = 4 blocks (128 tokens) and an L2 of the same
   bytes (``l3_l2_pages`` / 4 pages): a quarter as many L3 records, each four times larger (``page_records``);
-- ``tierkv_l3_file_inherit``: as ``tierkv_l3_file`` with ``threads: {cpus: inherit, background_nice: 0}``: tierkv's
-  threads where they start (the forward's OpenMP thread 0's CPU) at the engine's priority, as before
-  :mod:`tierkv.connector.thread_placement`: what that placement buys;
 - ``noop_connector``: small L1 + ``benchmarks/noop_connector.py``, a connector whose hooks do nothing: what
   vLLM's own connector path costs per step, so that tierkv's cost on ``random`` (no reuse) can be told from it.
 
@@ -129,10 +126,9 @@ results_check = _load("tierkv_results_check", REPO / "benchmarks" / "results_che
 trace_gen = _load("tierkv_make_multiturn_trace", REPO / "benchmarks" / "make_multiturn_trace.py")
 
 CONFIGS = ["ideal", "none", "tierkv_l2", "tierkv_l3_file", "tierkv_l3_zmq", "tierkv_write_back",
-           "tierkv_l3_file_shm", "tierkv_l3_file_p4", "tierkv_l3_file_inherit", "noop_connector"]
+           "tierkv_l3_file_shm", "tierkv_l3_file_p4", "noop_connector"]
 P4_BLOCKS = 4   # blocks per page of tierkv_l3_file_p4
-FILE_L3_CONFIGS = ("tierkv_l3_file", "tierkv_write_back", "tierkv_l3_file_shm", "tierkv_l3_file_p4",
-                   "tierkv_l3_file_inherit")
+FILE_L3_CONFIGS = ("tierkv_l3_file", "tierkv_write_back", "tierkv_l3_file_shm", "tierkv_l3_file_p4")
 WORKLOADS = ["prefix_repetition", "multiturn", "random"]
 CONFIG_TEXT = {
     "ideal": "no connector, L1 {ideal_blocks} blocks",
@@ -145,8 +141,6 @@ CONFIG_TEXT = {
     "tierkv_write_back": "L1 {l1_blocks} + L2 {l3_l2_pages} pages + file L3, write_back",
     "tierkv_l3_file_shm": "L1 {l1_blocks} + L2 {l3_l2_pages} pages + file L3 on /dev/shm (tmpfs), write_through",
     "tierkv_l3_file_p4": "L1 {l1_blocks} + L2 {l3_l2_pages} blocks in pages of 4 blocks + file L3, write_through",
-    "tierkv_l3_file_inherit": "as tierkv_l3_file, tierkv's threads unplaced (`threads.cpus: inherit`, "
-                              "`background_nice: 0`)",
 }
 
 #: Environment of every vLLM server (as tests/e2e/_engine.py DEFAULT_ENV).
@@ -599,8 +593,6 @@ def kv_config(name: str, p: dict, cdir: Path, zmq_endpoint: str | None, l3_root:
                       "host_pool": {"num_pages": p["l3_l2_pages"] // k},
                       "controller": {"write_policy": "write_back" if name == "tierkv_write_back"
                                      else "write_through"}})
-        if name == "tierkv_l3_file_inherit":
-            extra["threads"] = {"cpus": "inherit", "background_nice": 0}
     elif name == "tierkv_l3_zmq":
         extra.update({"config_file": "l3_zmq.yaml", "l3.zmq.endpoint": zmq_endpoint, "l3.zmq.shm": "auto",
                       "l3.zmq.timeout_s": 5.0, "host_pool": {"num_pages": p["l3_l2_pages"]},
@@ -1252,7 +1244,7 @@ def table(data: dict) -> str:
 #: the issue's targets, as (reference configuration, minimum ratio of request throughput): workloads with reuse are
 #: compared with the ideal, ``random`` (no reuse) with no connector
 TARGETS = {"tierkv_l2": 0.95, "tierkv_l3_file": 0.9, "tierkv_l3_zmq": 0.9, "tierkv_write_back": 0.9,
-           "tierkv_l3_file_shm": 0.9, "tierkv_l3_file_p4": 0.9, "tierkv_l3_file_inherit": 0.9}
+           "tierkv_l3_file_shm": 0.9, "tierkv_l3_file_p4": 0.9}
 NO_REUSE_TARGET = 0.97
 #: TTFT p99 of tierkv L2 at most this times the ideal's, with reuse
 TTFT_P99_TARGET = 1.3

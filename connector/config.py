@@ -24,8 +24,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tierkv.storage_backends.common import ConfigError  # noqa: F401 - re-exported: tierkv.connector.config.ConfigError
 from tierkv.storage_backends.factory import L3Config, validate_l3  # noqa: F401 - re-exported
 
-from .thread_placement import check_cpus
-
 #: the names below are defined here only; the host pool, the controller and the config models use them
 HOST_POOL_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -80,22 +78,6 @@ class ControllerConfig(_Strict):
         return self.model_dump(exclude={"batch_pages", "read_threads", "max_backup_pages"})
 
 
-class ThreadsConfig(_Strict):
-    """CPUs and priority of tierkv's own threads in the engine's processes (:mod:`tierkv.connector.thread_placement`).
-    ``cpus``: ``auto`` (the engine process's CPUs less those its compute threads are bound to, e.g. vLLM's reserved
-    CPUs; all of them when none is left), ``inherit`` (as started) or a CPU list like ``"3"`` or ``"2-3,6"``.
-    ``background_nice``: nice value (0-19) of the background threads (L3 backup writer, stats-file flushers); the
-    L3 readers and the layer-wise loader keep the engine's priority."""
-
-    cpus: str = "auto"
-    background_nice: int = Field(default=0, ge=0, le=19)
-
-    @field_validator("cpus")
-    @classmethod
-    def _cpus(cls, v: str) -> str:
-        return check_cpus(v)
-
-
 class TierKVConfig(_Strict):
     """Top-level tierkv configuration (see ``configs/default.yaml`` for every key with comments)."""
 
@@ -105,7 +87,6 @@ class TierKVConfig(_Strict):
     eviction_policy: Literal["lru", "lfu"] = "lru"
     l3: L3Config = Field(default_factory=L3Config)
     controller: ControllerConfig = Field(default_factory=ControllerConfig)
-    threads: ThreadsConfig = Field(default_factory=ThreadsConfig)
     layerwise_load: bool = False
     verify_checksums: bool = False
     stats_path: Optional[str] = None

@@ -48,7 +48,7 @@ from tierkv.storage_backends.common import RateLimitedLog
 
 from .page_checksums import SlotChecksums
 from .plan import JOB_BACKUP, JOB_PREFETCH, Job, JobReport, PageOrder
-from .thread_placement import setup_this_thread
+from .thread_names import name_this_thread
 
 logger = logging.getLogger("tierkv.l3")
 
@@ -391,7 +391,7 @@ class L3IO:
 
     # ------------------------------------------------------------------ I/O threads
     def _serve(self, q: "queue.Queue[Optional[Job]]", stage: torch.Tensor) -> None:
-        setup_this_thread(background=q is self._write_q)  # backups yield to the forward; reads serve a request
+        name_this_thread()
         while True:
             job = q.get()
             if job is None:

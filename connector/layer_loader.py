@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 
 from tierkv.kernels import load_pages, validate_transfer
 
-from .thread_placement import setup_this_thread
+from .thread_names import name_this_thread
 
 
 class LayerwiseLoad:
@@ -95,7 +95,7 @@ class LayerwiseLoad:
         self._thread.start()
 
     def _run(self) -> None:
-        setup_this_thread()
+        name_this_thread()
         layer = 0
         try:
             for layer in range(self.num_layers):

@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from .thread_placement import setup_this_thread
+from .thread_names import name_this_thread
 
 logger = logging.getLogger("tierkv.metrics")
 
@@ -147,7 +147,7 @@ class StatsFile:
             self._flusher.start()
 
     def _flush_loop(self) -> None:
-        setup_this_thread(background=True)
+        name_this_thread()
         with self._lock:
             while not self._closed:
                 if self._pending is None and not self.snapshot_thread_safe:

@@ -501,8 +501,6 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.cfg: TierKVConfig = config_from_extra(extra)
         route_logs_to_vllm(self.cfg.log_level)
-        from .thread_placement import configure as place_threads
-        place_threads(self.cfg.threads.cpus, self.cfg.threads.background_nice)  # before this role starts a thread
         cache_config = vllm_config.cache_config
         self.block_size = int(cache_config.block_size)
         self.page_size = int(self.cfg.page_size or self.block_size)

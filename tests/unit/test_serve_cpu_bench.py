@@ -396,11 +396,6 @@ def test_the_idle_servers_cpu_is_reported_for_an_interleaved_pass():
     assert serve.idle_text(data) == ""
 
 
-def serve_default_nice() -> int:
-    from tierkv.connector.config import ThreadsConfig
-    return ThreadsConfig().background_nice
-
-
 @pytest.mark.parametrize("name", [c for c in serve.CONFIGS if c not in ("ideal", "none", "noop_connector")])
 def test_every_tierkv_configuration_is_a_valid_connector_config(name, tmp_path):
     """Each configuration's ``kv_connector_extra_config`` loads through the connector's own parser; the L3
@@ -416,6 +411,4 @@ def test_every_tierkv_configuration_is_a_valid_connector_config(name, tmp_path):
     l2_blocks = cfg.host_pool.num_pages * blocks
     assert l2_blocks == (p["l2_pages"] if name == "tierkv_l2" else p["l3_l2_pages"])
     assert (cfg.l3.backend == "file") == (name in ("tierkv_l3_file", "tierkv_write_back", "tierkv_l3_file_shm",
-                                                    "tierkv_l3_file_p4", "tierkv_l3_file_inherit"))
-    assert (cfg.threads.cpus, cfg.threads.background_nice) == (
-        ("inherit", 0) if name == "tierkv_l3_file_inherit" else ("auto", serve_default_nice()))
+                                                    "tierkv_l3_file_p4"))
