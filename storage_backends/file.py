@@ -83,6 +83,10 @@ TMP_PREFIX = ".tmp."
 QUARANTINE_DIR = "quarantine"
 _NS_HEX_LEN = 32
 _WR_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+_RECYCLE_FLAGS = os.O_WRONLY | os.O_CLOEXEC
+#: evicted record files kept for reuse (``recycle_evicted``), at most this many bytes and this many files per store
+SPARE_MAX_BYTES = 64 << 20
+SPARE_MAX_FILES = 64
 # reads skip the access-time update (the store orders by mtime, never atime); dropped if the kernel refuses it
 _RD_FLAGS = os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOATIME", 0)
 _TOUCH_MAX_PENDING = 4096  # pending hit stamps that force a flush (bounds memory and what a crash can lose)
@@ -105,6 +109,7 @@ class FileStoreConfig(BaseModel):
     touch_flush_s: float = Field(default=5.0, ge=0)
     stale_temp_s: float = Field(default=300.0, ge=0)
     enospc_evict_pages: int = Field(default=8, ge=1)
+    recycle_evicted: bool = True
     default_capacity_fraction: float = Field(default=0.9, gt=0, le=1.0)
 
     @field_validator("root")
@@ -184,6 +189,10 @@ class FileStore(StorageBackend):
             place in the LRU order after a restart is older).
         stale_temp_s: temporary files older than this, or whose writer pid is dead, are removed at start-up.
         enospc_evict_pages: records to evict when the filesystem reports it is full, before the one retry.
+        recycle_evicted: keep up to 64 evicted record files (at most 64 MiB) under temporary names and overwrite
+            them with the next records instead of unlinking them and creating new files (not with ``fsync`` or
+            ``read_only``). The files under ``root`` then take up to that much more than ``capacity_bytes``;
+            ``close`` and a full filesystem remove them. Counted in ``recycled``.
         default_capacity_fraction: see ``capacity_bytes``.
 
     Raises:
@@ -227,7 +236,11 @@ class FileStore(StorageBackend):
         self._warn = RateLimitedLog(log)
         self._touch = self.cfg.touch_on_read and not self.cfg.read_only
         self.counters = Counters("forced_evictions", "enospc", "quarantined", "deleted_bad", "temp_removed",
-                                 "scan_files", "scan_seconds")
+                                 "scan_files", "scan_seconds", "recycled")
+        # evicted record files renamed out of the key space, to be overwritten by the next writes (recycle_evicted)
+        self._spares: list[str] = []
+        self._spare_max = (min(SPARE_MAX_FILES, max(1, SPARE_MAX_BYTES // self.record_bytes))
+                           if self.cfg.recycle_evicted and not self.cfg.fsync and not self.cfg.read_only else 0)
         if self.cfg.capacity_bytes is not None and self.cfg.capacity_bytes < self.record_bytes:
             raise ConfigError(f"bad value {self.cfg.capacity_bytes!r} for 'l3.file.capacity_bytes': smaller than one "
                               f"record ({self.record_bytes} bytes = 64-byte header + page_bytes)")
@@ -396,10 +409,12 @@ class FileStore(StorageBackend):
             if size is not None:
                 self._usage -= size
 
-    def _evict_locked(self, need: int = 0, count: Optional[int] = None, keep: str = "") -> int:
-        """Evict least recently used records (pop and unlink, holding the lock so no reader re-indexes a file being
+    def _evict_locked(self, need: int = 0, count: Optional[int] = None, keep: str = "", free: bool = False) -> int:
+        """Evict least recently used records (pop and remove, holding the lock so no reader re-indexes a file being
         removed) until ``usage + need <= capacity`` or, with ``count``, exactly ``count`` records. Records being
-        written and ``keep`` are skipped. Returns the number evicted."""
+        written and ``keep`` are skipped. A removed record is unlinked, or with ``recycle_evicted`` (and not
+        ``free``, which must give space back) renamed to a spare temporary file that a later write overwrites
+        (:meth:`_spare_locked`). Returns the number evicted."""
         skipped, n = [], 0
         while self._index and (self._usage + need > self.capacity_bytes if count is None else n < count):
             p, size = self._index.popitem(last=False)
@@ -410,7 +425,8 @@ class FileStore(StorageBackend):
             self._touches.pop(p, None)
             n += 1
             try:
-                os.unlink(p)
+                if free or size != self.record_bytes or not self._spare_locked(p):
+                    os.unlink(p)
             except FileNotFoundError:
                 pass
             except OSError as e:
@@ -419,6 +435,37 @@ class FileStore(StorageBackend):
             self._index[p] = size
             self._index.move_to_end(p, last=False)
         self.counters["evictions"] += n
+        return n
+
+    def _spare_locked(self, path: str) -> bool:
+        """Rename the evicted record ``path`` to a spare temporary file in its directory, if fewer than the spare
+        limit are kept (``SPARE_MAX_FILES`` files, ``SPARE_MAX_BYTES`` bytes). True if it became a spare.
+
+        A write that takes a spare overwrites it in place and renames it to its own key's path, so at capacity a
+        write neither allocates an inode and blocks nor frees them (ext4: inode allocation scans past recently
+        deleted inodes; unlink frees the extents; benchmarks/README.md, file_at_capacity). The spare has a
+        temporary name: no lookup finds it, and the start-up scan removes it once its process is gone. A reader
+        that opened the record before it was evicted may then read a mix of two pages: its checksums make that a
+        miss. Raises OSError from the rename (FileNotFoundError: another process removed the record)."""
+        if len(self._spares) >= self._spare_max:
+            return False
+        spare = (f"{os.path.dirname(path)}/{TMP_PREFIX}spare.{os.getpid()}.{threading.get_ident()}."
+                 f"{next(self._tmp_seq)}")
+        os.rename(path, spare)
+        self._spares.append(spare)
+        return True
+
+    def _drop_spares(self) -> int:
+        """Unlink every spare file (on close and when the filesystem is full). Returns how many were removed."""
+        with self._lock:
+            spares, self._spares = self._spares, []
+        n = 0
+        for sp in spares:
+            try:
+                os.unlink(sp)
+                n += 1
+            except OSError:
+                pass
         return n
 
     # ------------------------------------------------------------------ interface
@@ -650,10 +697,11 @@ class FileStore(StorageBackend):
             i, k, p, stamp = item
             try:
                 ok = self._write_one(k, kraws[i], p, views[i], stamp, psum=None if sums is None else sums[i])
-                if ok is False:  # out of space below our capacity: forced eviction, then one retry
+                if ok is False:  # out of space below our capacity: spares and a forced eviction free it, one retry
+                    self._drop_spares()
                     with lock:
                         self.counters["enospc"] += 1
-                        forced = self._evict_locked(count=self.cfg.enospc_evict_pages, keep=p)
+                        forced = self._evict_locked(count=self.cfg.enospc_evict_pages, keep=p, free=True)
                         self.counters["forced_evictions"] += forced
                     if forced:
                         ok = self._write_one(k, kraws[i], p, views[i], stamp, last_try=True,
@@ -715,10 +763,16 @@ class FileStore(StorageBackend):
     def _write_one(self, key: str, kraw: bytes, path: str, mv: memoryview, stamp: int,
                    last_try: bool = False, psum: Optional[int] = None) -> Optional[bool]:
         """Write one record atomically, its mtime set to ``stamp`` (ns); ``psum``: the payload's XXH3-64 if the
-        caller gave it (else computed here). True: stored. False: out of space (caller may evict and retry). None:
-        other failure (counted, logged). Never leaves the temporary file behind."""
+        caller gave it (else computed here). The record is written to a spare (an evicted record file of the same
+        size, :meth:`_spare_locked`) when one is kept, else to a new temporary file, then renamed to ``path``.
+        True: stored. False: out of space (caller may evict and retry). None: other failure (counted, logged).
+        Never leaves the temporary file behind."""
         d = path[: -len(key) - len(PAGE_SUFFIX) - 1]
-        tmp = f"{d}/{TMP_PREFIX}{key}.{os.getpid()}.{threading.get_ident()}.{next(self._tmp_seq)}"
+        spare = None
+        if self._spares:
+            with self._lock:
+                spare = self._spares.pop() if self._spares else None
+        tmp = spare or f"{d}/{TMP_PREFIX}{key}.{os.getpid()}.{threading.get_ident()}.{next(self._tmp_seq)}"
         # the page_format header, built here from the key bytes already validated (no second regex / struct call)
         if psum is None:
             psum = xxhash.xxh3_64_intdigest(mv)
@@ -729,11 +783,18 @@ class FileStore(StorageBackend):
             if d not in self._made_dirs:
                 os.makedirs(d, exist_ok=True)
                 self._made_dirs.add(d)
-            try:
-                fd = os.open(tmp, _WR_FLAGS, 0o644)
-            except FileNotFoundError:  # the directory was removed (clear() in another process): recreate once
-                os.makedirs(d, exist_ok=True)
-                fd = os.open(tmp, _WR_FLAGS, 0o644)
+            if spare is not None:
+                try:
+                    fd = os.open(spare, _RECYCLE_FLAGS)
+                except OSError:  # removed meanwhile (another process's start-up scan): a new file instead
+                    spare = None
+                    tmp = f"{d}/{TMP_PREFIX}{key}.{os.getpid()}.{threading.get_ident()}.{next(self._tmp_seq)}"
+            if spare is None:
+                try:
+                    fd = os.open(tmp, _WR_FLAGS, 0o644)
+                except FileNotFoundError:  # the directory was removed (clear() in another process): recreate once
+                    os.makedirs(d, exist_ok=True)
+                    fd = os.open(tmp, _WR_FLAGS, 0o644)
             total = HEADER_BYTES + self.page_bytes
             n = os.writev(fd, [head, mv])
             while n < total:
@@ -741,12 +802,17 @@ class FileStore(StorageBackend):
                     n += os.writev(fd, [memoryview(head)[n:], mv])
                 else:
                     n += os.write(fd, mv[n - HEADER_BYTES:])
+            if spare is not None and os.fstat(fd).st_size != total:  # not a record's size (never expected): cut
+                os.ftruncate(fd, total)
             os.utime(fd, ns=(stamp, stamp))  # exact LRU order after a restart (kernel mtimes are jiffy-coarse)
             if self._fsync:
                 os.fsync(fd)
             os.close(fd)
             fd = -1
             os.rename(tmp, path)
+            if spare is not None:
+                with self._lock:
+                    self.counters["recycled"] += 1
             return True
         except OSError as e:
             if fd >= 0:
@@ -836,10 +902,12 @@ class FileStore(StorageBackend):
         return d
 
     def close(self) -> None:
-        """Write pending hit stamps (see ``touch_on_read``) and mark the store closed (later calls miss). Holds no
-        open files between calls. Idempotent."""
+        """Write pending hit stamps (see ``touch_on_read``), remove the spare files kept for reuse
+        (``recycle_evicted``) and mark the store closed (later calls miss). Holds no open files between calls.
+        Idempotent."""
         self._closed = True
         self.flush_touches()
+        self._drop_spares()
 
     def __repr__(self) -> str:
         return (f"FileStore(root={self.root!r}, namespace={self.namespace.hex()[:8]}.., page_bytes={self.page_bytes}, "
