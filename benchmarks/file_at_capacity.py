@@ -149,10 +149,8 @@ def main(argv=None) -> int:
     ap.add_argument("--note", default="", help="extra paragraph for the README section (kept in the JSON)")
     args = ap.parse_args(argv)
     if args.readme_from:
-        res = json.loads(Path(args.readme_from).read_text())
-        if args.note:
-            res["note"] = args.note
-            Path(args.readme_from).write_text(json.dumps(res, indent=1) + "\n")
+        from results_check import result_with_note  # benchmarks/ is on sys.path (__main__)
+        res = result_with_note(Path(args.readme_from), args.note)
         write_readme(res)
         print(readme(res), end="")
         return 0

@@ -146,11 +146,7 @@ def main(argv=None) -> int:
     ap.add_argument("--readme-from", default=None)
     args = ap.parse_args(argv)
     if args.readme_from:
-        data = json.loads(Path(args.readme_from).read_text())
-        if args.note:
-            data["note"] = args.note
-            Path(args.readme_from).write_text(json.dumps(data, indent=1) + "\n")
-        write_readme(data)
+        write_readme(_serve_cpu().results_check.result_with_note(Path(args.readme_from), args.note))
         return 0
     sc = _serve_cpu()
     p = dict(sc.FULL)

@@ -12,6 +12,7 @@ Used by ``benchmarks/e2e_cpu.py``; tests in ``tests/unit/test_benchmark_results.
 """
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 from typing import Any, Optional
@@ -121,3 +122,13 @@ def readme_section(readme: Path, section: str) -> Optional[str]:
         return None
     end = text.find("\n## ", start + 1)
     return text[start + 1:end if end >= 0 else len(text)]
+
+
+def result_with_note(path: Path, note: str, key: str = "note") -> dict:
+    """A result file's data for ``--readme-from``: with a non-empty ``note``, stored under ``key`` first and the file
+    rewritten (the note belongs to the result, so the README section can be drawn again from the file alone)."""
+    data = json.loads(Path(path).read_text())
+    if note:
+        data[key] = note
+        Path(path).write_text(json.dumps(data, indent=1) + "\n")
+    return data
