@@ -9,6 +9,9 @@ the first read of a process is cold (it times the store client's set-up), so the
 loads and give the fetch estimate; the last two are then loaded synchronously, before the forward of the step that
 admits them (``controller.sync_load_max_s``).
 
+A second pair of engines runs the same rounds into a file store of 16 records, smaller than round 1's 26 pages: the
+store evicts and overwrites the evicted files (``l3.file.recycle_evicted``), and what it kept is loaded bit-exact.
+
 On a CPU with AMX tiles engine 2 is also the restart path of the second crash in the issue "Serving under
 concurrent load": its first forward is an L3 hit, and vLLM's AMX attention kernel dies of SIGILL unless the process
 asked for AMX tile permission first (``connector/cpu_features.py``). The namespace test checks which packing the
@@ -124,3 +127,45 @@ def test_store_records_what_its_namespace_stands_for(runs, tiny_model):
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert info["dtype"] in out.stdout and infos[0].parent.name[:8] in out.stdout, out.stdout
+
+
+# ------------------------------------------------------------------ a file L3 at capacity (recycled record files)
+CAP_PAGES = 16
+
+
+@pytest.fixture(scope="module")
+def full_store(runs, tiny_model, tmp_path_factory):
+    """Engine 1 of a second pair runs the first round into a file store of 16 records (26 pages: 10 evictions,
+    each evicted file overwritten by a later backup, ``recycle_evicted``), engine 2 the second round in reverse
+    order, so the two documents still in the store come first (in the original order each miss's backups would
+    evict the next document's pages before it is asked for: LRU at work, no hit to check)."""
+    first, again, _ref, e1, _e2 = runs
+    record = next(e1["l3_root"].glob("*/*/*.page")).stat().st_size
+    root = tmp_path_factory.mktemp("l3_full")
+    cfg = _tier_config(root)
+    cfg["kv_connector_extra_config"]["l3"]["file"]["capacity_bytes"] = CAP_PAGES * record
+    kw = dict(kv_transfer_config=cfg, num_gpu_blocks_override=MAX_LEN // P + 2, max_tokens=6,
+              extra_engine_args={"max_model_len": MAX_LEN})
+    f1 = run_job(tiny_model, [{"name": "first", "prompts": first}], workdir=tmp_path_factory.mktemp("f1"), **kw)
+    f2 = run_job(tiny_model, [{"name": "again", "prompts": again[::-1]}], workdir=tmp_path_factory.mktemp("f2"),
+                 **kw)
+    return root, f1, f2
+
+
+def test_a_full_file_store_serves_what_it_kept_bit_exact_and_leaves_no_spare(runs, full_store):
+    first, again, ref, _e1, _e2 = runs
+    root, f1, f2 = full_store
+    assert f1["workloads"]["first"]["outputs"] == ref["workloads"]["first"]["outputs"]
+    assert f2["workloads"]["again"]["outputs"] == ref["workloads"]["again"]["outputs"][::-1]
+    pages = [len(p) // P for p in first]                  # pages each document left in L3, in write order
+    assert sum(pages) > CAP_PAGES >= pages[-1] + pages[-2]
+    want = ref["workloads"]["again"]["num_cached_tokens"][::-1]
+    # the last two documents of round 1 are whole in the store: loaded from L3; the others were evicted
+    assert f2["workloads"]["again"]["num_cached_tokens"] == want[:2] + [0, 0]
+    s = stats_by_role(f2)
+    assert s["scheduler"]["ctl_l3_hit_tokens"] == sum(want[:2])
+    assert s["worker"]["l3_prefetch_failed_pages"] == 0 and s["worker"]["failed_load_blocks"] == 0
+    records = list(root.glob("*/*/*.page"))
+    spares = [p for p in root.rglob(".tmp.*")]
+    assert len(records) == CAP_PAGES and spares == []    # at capacity; no spare left behind by either engine
+    assert f1["leaked_processes"] == 0 and f2["leaked_processes"] == 0
