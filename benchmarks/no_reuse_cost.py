@@ -42,7 +42,8 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "no_reuse_cost.json"
 README = REPO / "benchmarks" / "README.md"
 SECTION = "no_reuse_cost"
-CONFIGS = ("none", "noop_connector", "tierkv_l2", "tierkv_l3_file", "tierkv_l3_zmq")
+CONFIGS = ("none", "noop_connector", "tierkv_l2", "tierkv_l3_file", "tierkv_l3_zmq", "tierkv_write_back",
+           "tierkv_l3_file_selective")
 PHASES = ("c1", "c8")
 sys.path.insert(0, str(REPO / "benchmarks"))
 import results_check  # noqa: E402
