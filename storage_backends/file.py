@@ -91,6 +91,7 @@ SPARE_MAX_FILES = 64
 _RD_FLAGS = os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOATIME", 0)
 _TOUCH_MAX_PENDING = 4096  # pending hit stamps that force a flush (bounds memory and what a crash can lose)
 _HEX = frozenset("0123456789abcdef")
+_NO_JOURNAL_WARNED: set[str] = set()  # mount points of ext4 without a journal already named in this process
 
 
 class FileStoreConfig(BaseModel):
@@ -245,6 +246,14 @@ class FileStore(StorageBackend):
             raise ConfigError(f"bad value {self.cfg.capacity_bytes!r} for 'l3.file.capacity_bytes': smaller than one "
                               f"record ({self.record_bytes} bytes = 64-byte header + page_bytes)")
         self._check_root()
+        self.filesystem = mount_of(self.root)
+        if (self.filesystem.get("journal") is False and not self.cfg.read_only
+                and self.filesystem["mount"] not in _NO_JOURNAL_WARNED):
+            _NO_JOURNAL_WARNED.add(self.filesystem["mount"])
+            log.warning("file store %s: on ext4 without a journal (%s at %s): after many files there are deleted, "
+                        "creating each record costs several times more CPU for up to minutes (the kernel skips "
+                        "recently deleted inodes); a journaled filesystem or tmpfs does not have this",
+                        self.root, self.filesystem["device"], self.filesystem["mount"])
         self._quarantine_count = self._count_quarantine()
         self.rescan()
         if self.cfg.capacity_bytes is not None:
@@ -923,6 +932,43 @@ class PageFile:
 
     def __init__(self, ns_hex: str, key: str, path: str, size: int, mtime_ns: int):
         self.ns_hex, self.key, self.path, self.size, self.mtime_ns = ns_hex, key, path, size, mtime_ns
+
+
+def mount_of(path: str, mounts: str = "/proc/mounts", jbd2_dir: str = "/proc/fs/jbd2") -> dict[str, Any]:
+    """The filesystem ``path`` is on: the entry of ``mounts`` (``/proc/mounts`` format) with the longest mount point
+    above ``path``, as ``{"device", "mount", "fstype", "options", "journal"}``. ``journal`` is for ext4 only: True
+    when ``jbd2_dir`` has a journal of the device (``<device name>-<inode>``), False when it has none, else None.
+
+    Why it matters to a file store: ext4 without a journal skips every inode deleted in the last 5 s (300 s while
+    its inode-table block is dirty) when it allocates one (``recently_deleted()`` in ``fs/ext4/ialloc.c``, checked
+    only when ``s_journal`` is NULL), so after many records or other files are deleted each file creation scans past
+    them and costs several times more CPU (see ``benchmarks/README.md``, file_at_capacity and no_reuse_cost).
+    Returns ``{}`` when ``mounts`` cannot be read."""
+    path = os.path.realpath(path)
+    best: Optional[list[str]] = None
+    try:
+        with open(mounts) as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 4:
+                    continue
+                mnt = fields[1].replace("\\040", " ")
+                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and (
+                        best is None or len(mnt) >= len(best[1])):
+                    best = [fields[0], mnt, fields[2], fields[3]]
+    except OSError:
+        return {}
+    if best is None:
+        return {}
+    dev, mnt, fstype, opts = best
+    journal = None
+    if fstype == "ext4":
+        name = os.path.basename(os.path.realpath(dev)) if dev.startswith("/") else dev
+        try:
+            journal = any(j.rsplit("-", 1)[0] == name for j in os.listdir(jbd2_dir))
+        except OSError:
+            journal = None
+    return {"device": dev, "mount": mnt, "fstype": fstype, "options": opts, "journal": journal}
 
 
 def iter_page_files(root: str, namespaces: Optional[Sequence[str]] = None):
