@@ -19,6 +19,8 @@ Configurations (L1 = vLLM's own KV pool, ``--num-gpu-blocks-override`` blocks of
 - ``tierkv_write_back``: as ``tierkv_l3_file`` with ``controller.write_policy: write_back``;
 - ``tierkv_l3_file_selective``: as ``tierkv_l3_file`` with ``controller.write_policy: write_through_selective``
   (a page goes to L3 once it has been hit ``write_through_threshold`` = 2 times, in any tier);
+- ``tierkv_l3_file_gil_default``: as ``tierkv_l3_file`` with ``controller.gil_switch_interval_s: 0`` (the worker
+  keeps Python's 5 ms GIL switch interval, as before the key existed);
 - ``tierkv_l3_file_shm``: as ``tierkv_l3_file`` with the store's root on ``/dev/shm`` (tmpfs; removed when the
   server stops): the same tierkv work without a block device's writeback, to tell the two costs apart;
 - ``tierkv_l3_file_p4``: as ``tierkv_l3_file`` with ``page_size`` = 4 blocks (128 tokens) and an L2 of the same
@@ -128,10 +130,11 @@ results_check = _load("tierkv_results_check", REPO / "benchmarks" / "results_che
 trace_gen = _load("tierkv_make_multiturn_trace", REPO / "benchmarks" / "make_multiturn_trace.py")
 
 CONFIGS = ["ideal", "none", "tierkv_l2", "tierkv_l3_file", "tierkv_l3_zmq", "tierkv_write_back",
-           "tierkv_l3_file_shm", "tierkv_l3_file_p4", "noop_connector", "tierkv_l3_file_selective"]
+           "tierkv_l3_file_shm", "tierkv_l3_file_p4", "noop_connector", "tierkv_l3_file_selective",
+           "tierkv_l3_file_gil_default"]
 P4_BLOCKS = 4   # blocks per page of tierkv_l3_file_p4
 FILE_L3_CONFIGS = ("tierkv_l3_file", "tierkv_write_back", "tierkv_l3_file_shm", "tierkv_l3_file_p4",
-                   "tierkv_l3_file_selective")
+                   "tierkv_l3_file_selective", "tierkv_l3_file_gil_default")
 #: write policy of each file-L3 configuration that does not write through
 WRITE_POLICY = {"tierkv_write_back": "write_back", "tierkv_l3_file_selective": "write_through_selective"}
 WORKLOADS = ["prefix_repetition", "multiturn", "random"]
@@ -145,6 +148,8 @@ CONFIG_TEXT = {
     "tierkv_l3_zmq": "L1 {l1_blocks} + L2 {l3_l2_pages} pages + `tierkv server` L3 (shm auto), write_through",
     "tierkv_write_back": "L1 {l1_blocks} + L2 {l3_l2_pages} pages + file L3, write_back",
     "tierkv_l3_file_selective": "L1 {l1_blocks} + L2 {l3_l2_pages} pages + file L3, write_through_selective",
+    "tierkv_l3_file_gil_default": "L1 {l1_blocks} + L2 {l3_l2_pages} pages + file L3, write_through, Python's default "
+                                  "GIL switch interval (`controller.gil_switch_interval_s: 0`)",
     "tierkv_l3_file_shm": "L1 {l1_blocks} + L2 {l3_l2_pages} pages + file L3 on /dev/shm (tmpfs), write_through",
     "tierkv_l3_file_p4": "L1 {l1_blocks} + L2 {l3_l2_pages} blocks in pages of 4 blocks + file L3, write_through",
 }
@@ -586,7 +591,9 @@ def kv_config(name: str, p: dict, cdir: Path, zmq_endpoint: str | None, l3_root:
             extra["page_size"] = k * BLOCK
         extra.update({"config_file": "l3_file.yaml", "l3.file.root": l3_root or str(cdir / "l3"),
                       "host_pool": {"num_pages": p["l3_l2_pages"] // k},
-                      "controller": {"write_policy": WRITE_POLICY.get(name, "write_through")}})
+                      "controller": {"write_policy": WRITE_POLICY.get(name, "write_through"),
+                                     **({"gil_switch_interval_s": 0.0} if name == "tierkv_l3_file_gil_default"
+                                        else {})}})
     elif name == "tierkv_l3_zmq":
         extra.update({"config_file": "l3_zmq.yaml", "l3.zmq.endpoint": zmq_endpoint, "l3.zmq.shm": "auto",
                       "l3.zmq.timeout_s": 5.0, "host_pool": {"num_pages": p["l3_l2_pages"]},
@@ -1238,7 +1245,8 @@ def table(data: dict) -> str:
 #: the issue's targets, as (reference configuration, minimum ratio of request throughput): workloads with reuse are
 #: compared with the ideal, ``random`` (no reuse) with no connector
 TARGETS = {"tierkv_l2": 0.95, "tierkv_l3_file": 0.9, "tierkv_l3_zmq": 0.9, "tierkv_write_back": 0.9,
-           "tierkv_l3_file_shm": 0.9, "tierkv_l3_file_p4": 0.9, "tierkv_l3_file_selective": 0.9}
+           "tierkv_l3_file_shm": 0.9, "tierkv_l3_file_p4": 0.9, "tierkv_l3_file_selective": 0.9,
+           "tierkv_l3_file_gil_default": 0.9}
 NO_REUSE_TARGET = 0.97
 #: TTFT p99 of tierkv L2 at most this times the ideal's, with reuse
 TTFT_P99_TARGET = 1.3

@@ -72,10 +72,11 @@ class ControllerConfig(_Strict):
     read_threads: Optional[int] = Field(default=None, ge=1, le=64)
     max_backup_pages: int = Field(default=65536, ge=1)
     shutdown_drain_s: float = Field(default=10.0, ge=0)
+    gil_switch_interval_s: float = Field(default=0.05, ge=0, le=1.0)
 
     def scheduler_kwargs(self) -> dict:
         """Keyword arguments of :class:`tierkv.connector.controller.Controller`."""
-        return self.model_dump(exclude={"batch_pages", "read_threads", "max_backup_pages"})
+        return self.model_dump(exclude={"batch_pages", "read_threads", "max_backup_pages", "gil_switch_interval_s"})
 
 
 class TierKVConfig(_Strict):

@@ -957,6 +957,9 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             self._worker.finish_loads()  # a layer-wise load still running (no-op otherwise)
             self._worker.close(self.cfg.controller.shutdown_drain_s)
+            from .l3_io import restore_switch_interval
+            restore_switch_interval(getattr(self, "_switch_prev", None), self.cfg.controller.gil_switch_interval_s)
+            self._switch_prev = None
         for store in getattr(self, "_exists_stores", ()):
             store.close()
         self._stats.close()  # the final counters, after the last backups drained
@@ -1020,7 +1023,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         """This rank's store and I/O threads, or (None, None) with a warning when the store cannot start."""
         from tierkv.storage_backends.factory import build_backend
 
-        from .l3_io import L3IO
+        from .l3_io import L3IO, raise_switch_interval
         from .page_checksums import SlotChecksums
         try:
             from vllm.distributed.parallel_state import (get_pipeline_model_parallel_rank,
@@ -1042,6 +1045,10 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         l3 = L3IO(store, host, digest, checksums, batch_pages=c.batch_pages, max_backup_pages=c.max_backup_pages,
                   rank=tp_rank + self.tp_size * pp_rank, read_threads=c.read_threads,
                   backup_writer=not self.use_mla or tp_rank == 0)  # MLA: TP rank 0 writes the one shared record
+        self._switch_prev = raise_switch_interval(c.gil_switch_interval_s)
+        if self._switch_prev is not None:
+            logger.info("tierkv worker: Python's GIL switch interval raised from %g to %g s for the L3 threads "
+                        "(controller.gil_switch_interval_s)", self._switch_prev, c.gil_switch_interval_s)
         return l3, checksums
 
     @_timed_hook

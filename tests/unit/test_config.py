@@ -160,7 +160,7 @@ NON_DEFAULT = {"write_policy": "write_back", "write_through_threshold": 5, "pref
                "prefetch_timeout_base_s": 0.75, "prefetch_timeout_per_page_s": 0.01, "exists_wait_s": 0.25,
                "negative_ttl_s": 3.5, "room_retry_steps": 3, "room_wait_s": 0.25, "probe_interval_s": 2.5,
                "sync_load_max_s": 0.0, "exists_in_scheduler": False, "max_index_pages": 1000, "batch_pages": 8, "read_threads": 3,
-               "max_backup_pages": 100, "shutdown_drain_s": 0.5}
+               "max_backup_pages": 100, "shutdown_drain_s": 0.5, "gil_switch_interval_s": 0.02}
 
 
 @pytest.mark.parametrize("key", sorted(ControllerConfig.model_fields))
@@ -207,6 +207,7 @@ def test_config_check_refuses_controller_keys_without_an_l3_store(tmp_path, caps
     ("read_threads", 0, "greater than or equal to 1"), ("read_threads", 65, "less than or equal to 64"),
     ("room_wait_s", -1, "greater than or equal to 0"), ("probe_interval_s", 0, "greater than 0"),
     ("sync_load_max_s", -0.01, "greater than or equal to 0"),
+    ("gil_switch_interval_s", -0.1, "greater than or equal to 0"), ("gil_switch_interval_s", 2, "less than or equal to 1"),
     ("exists_in_scheduler", "maybe", "valid boolean")])
 def test_the_load_keys_refuse_bad_values_naming_the_key_and_the_allowed_range(key, value, allowed):
     """Keys added for serving under concurrent load: a bad value stops start-up naming the key and what is allowed."""
