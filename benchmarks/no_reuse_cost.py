@@ -22,6 +22,8 @@ minute of the shared machine falls on all of them. The ratio of a configuration 
 
     .venv/bin/python benchmarks/no_reuse_cost.py                       # results/no_reuse_cost.json + README
     .venv/bin/python benchmarks/no_reuse_cost.py --readme-from benchmarks/results/no_reuse_cost.json
+    # the file L3 on another filesystem, drawn as a subsection ``### <tag>`` (here a journaled ext4 image):
+    .venv/bin/python benchmarks/no_reuse_cost.py --l3-root /mnt/ext4 --out benchmarks/results/no_reuse_cost_<tag>.json
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ RESULTS = REPO / "benchmarks" / "results" / "no_reuse_cost.json"
 README = REPO / "benchmarks" / "README.md"
 SECTION = "no_reuse_cost"
 CONFIGS = ("none", "noop_connector", "tierkv_l2", "tierkv_l3_file", "tierkv_l3_zmq", "tierkv_write_back",
-           "tierkv_l3_file_selective")
+           "tierkv_l3_file_selective", "tierkv_l3_file_gil_default")
 PHASES = ("c1", "c8")
 sys.path.insert(0, str(REPO / "benchmarks"))
 import results_check  # noqa: E402
@@ -61,6 +63,17 @@ def prompts(seed: int, phase: str, n: int, length: int, vocab: int) -> list[list
     same for every configuration of a repeat, distinct between phases and repeats."""
     rng = random.Random(f"{seed}-{phase}")
     return [[rng.randrange(100, vocab - 10) for _ in range(length)] for _ in range(n)]
+
+
+def machine_cpu() -> dict[str, float]:
+    """The whole machine's CPU seconds by kind since boot (``/proc/stat``'s ``cpu`` line: user, nice, system, idle,
+    iowait, irq, softirq, steal), so a phase's delta shows work done outside the process (the kernel's writeback
+    threads, interrupts) and time the hypervisor took (steal)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    with open("/proc/stat") as f:
+        fields = f.readline().split()[1:9]
+    names = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+    return {k: int(v) / tick for k, v in zip(names, fields)}
 
 
 def thread_cpu() -> dict[str, float]:
@@ -105,14 +118,15 @@ def child(spec: dict, commands, replies) -> None:
         phase = cmd["phase"]
         n = spec["c1_prompts"] if phase == "c1" else spec["c8_prompts"]
         ps = [TokensPrompt(prompt_token_ids=p) for p in prompts(cmd["seed"], phase, n, n_in, vocab)]
-        cpu0, t0 = thread_cpu(), time.perf_counter()
+        m0, cpu0, t0 = machine_cpu(), thread_cpu(), time.perf_counter()
         if phase == "c1":
             outs = [o for p in ps for o in llm.generate([p], sp, use_tqdm=False)]
         else:
             outs = llm.generate(ps, sp, use_tqdm=False)
         dt = time.perf_counter() - t0
-        cpu1 = thread_cpu()
+        cpu1, m1 = thread_cpu(), machine_cpu()
         replies.write(json.dumps({
+            "machine_cpu_s": {k: round(m1[k] - m0[k], 2) for k in m1},
             "seconds": round(dt, 4), "requests": len(outs),
             "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
             "cached_tokens": sum(o.num_cached_tokens or 0 for o in outs),
@@ -245,23 +259,28 @@ def render(data: dict) -> str:
 
 
 def filesystem_of(path: str) -> str:
-    """The mount of ``path`` from ``/proc/mounts`` (``<fstype> (<options>)`` of the longest mount point above it),
-    plus ``, no journal`` for an ext4 with no jbd2 journal (whose inode allocator skips inodes deleted in the last
-    seconds to minutes, which makes creating files slow after many deletions)."""
-    path = os.path.realpath(path)
-    best = ("", "?", "", "")
-    with open("/proc/mounts") as f:
-        for line in f:
-            dev, mnt, fstype, opts = line.split()[:4]
-            if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[1]):
-                best = (dev, mnt, fstype, opts)
-    dev, mnt, fstype, opts = best
-    text = f"{fstype} at {mnt} ({opts})"
-    if fstype == "ext4":
-        name = os.path.basename(os.path.realpath(dev))
-        journals = os.listdir("/proc/fs/jbd2") if os.path.isdir("/proc/fs/jbd2") else []
-        if not any(j.rsplit("-", 1)[0] == name for j in journals):
-            text += ", no journal"
+    """``<fstype> at <mount> (<options>)`` of the filesystem ``path`` is on (:func:`tierkv.storage_backends.file.
+    mount_of`), plus ``, no journal`` for an ext4 without one (file creation is slow there after many deletions)."""
+    from tierkv.storage_backends.file import mount_of
+
+    m = mount_of(path)
+    if not m:
+        return "?"
+    return f"{m['fstype']} at {m['mount']} ({m['options']})" + (", no journal" if m["journal"] is False else "")
+
+
+def extra_results() -> list[Path]:
+    """Committed results of other runs (``results/no_reuse_cost_<tag>.json``, e.g. another filesystem for the file
+    L3), each drawn as a ``### <tag>`` subsection under the main one."""
+    return sorted(RESULTS.parent.glob(f"{RESULTS.stem}_*.json"))
+
+
+def render_all() -> str:
+    """The whole README section: the committed main result, then a subsection per :func:`extra_results` file."""
+    text = render(json.loads(RESULTS.read_text()))
+    for path in extra_results():
+        body = render(json.loads(path.read_text())).split("\n", 1)[1]
+        text += f"\n### {path.stem[len(RESULTS.stem) + 1:]}\n{body}"
     return text
 
 
@@ -297,9 +316,9 @@ def main(argv: list[str] | None = None) -> int:
         child(json.loads(Path(args.child).read_text()), sys.stdin, sys.stdout)
         return 0
     if args.readme_from:
-        data = results_check.result_with_note(Path(args.readme_from), args.note)
-        results_check.replace_readme_section(README, SECTION, render(data))
-        print(render(data), end="")
+        results_check.result_with_note(Path(args.readme_from), args.note)
+        results_check.replace_readme_section(README, SECTION, render_all())
+        print(render_all(), end="")
         return 0
     names = [x for x in args.configs.split(",") if x]
     bad = [x for x in names if x not in CONFIGS]
@@ -346,8 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     data["load_last"] = sc.loadavg()
     data["finished"] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     Path(args.out).write_text(json.dumps(data, indent=1) + "\n")
-    if not args.no_readme:
-        results_check.replace_readme_section(README, SECTION, render(data))
+    if not args.no_readme and Path(args.out).resolve().parent == RESULTS.parent:
+        results_check.replace_readme_section(README, SECTION, render_all())
     print(render(data), end="")
     return 1 if any(r.get("error") for r in data["runs"]) else 0
 
