@@ -237,9 +237,12 @@ def render(data: dict) -> str:
     if data.get("note"):
         lines += [data["note"], ""]
     lines += ["Request throughput against no connector (`none`), paired by repeat: median (min-max); "
-              "> 1 is faster. `tkv-*` CPU: tierkv's own threads (L3 writer and readers, stats flusher) per phase.",
+              "> 1 is faster. `tkv-*` CPU: tierkv's own threads (L3 writer and readers, stats flusher) per phase; "
+              "kernel CPU: the whole machine's system + irq + softirq seconds over the phase (`/proc/stat`; "
+              "includes the kernel's writeback and the futex and scheduler work of threads handing the GIL over; "
+              "\"-\" where the run did not record it).",
               "", "| config | phase | vs none | vs noop_connector | seconds (min-max) | process CPU s | `tkv-*` CPU s "
-              "| runs |", "|---|---|---|---|---|---|---|---|"]
+              "| kernel CPU s | runs |", "|---|---|---|---|---|---|---|---|---|"]
     for name in data["configs"]:
         for ph in PHASES:
             runs = [r for r in data["runs"] if r["config"] == name and r.get("phase") == ph and not r.get("error")]
@@ -248,10 +251,13 @@ def render(data: dict) -> str:
             secs = [r["seconds"] for r in runs]
             cpu = [r["cpu_s"] for r in runs]
             tk = [r["tierkv_threads_cpu_s"] for r in runs]
+            kern = [sum(r["machine_cpu_s"][k] for k in ("system", "irq", "softirq")) for r in runs
+                    if r.get("machine_cpu_s")]
             vs_none = "-" if name == "none" else _med(ratios(data, name, "none", ph))
             vs_noop = "-" if name in ("none", "noop_connector") else _med(ratios(data, name, "noop_connector", ph))
             lines.append(f"| {name} | {ph} | {vs_none} | {vs_noop} | {min(secs):.2f}-{max(secs):.2f} | "
-                         f"{min(cpu):.1f}-{max(cpu):.1f} | {min(tk):.2f}-{max(tk):.2f} | {len(runs)} |")
+                         f"{min(cpu):.1f}-{max(cpu):.1f} | {min(tk):.2f}-{max(tk):.2f} | "
+                         f"{f'{min(kern):.2f}-{max(kern):.2f}' if kern else '-'} | {len(runs)} |")
     errs = [r for r in data["runs"] if r.get("error")]
     lines += ["", f"Failed runs: {len(errs)}." + "".join(f" {r['config']} r{r.get('repeat')}: {r['error'][:200]}"
                                                       for r in errs)]

