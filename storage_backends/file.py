@@ -250,7 +250,7 @@ class FileStore(StorageBackend):
         if (self.filesystem.get("journal") is False and not self.cfg.read_only
                 and self.filesystem["mount"] not in _NO_JOURNAL_WARNED):
             _NO_JOURNAL_WARNED.add(self.filesystem["mount"])
-            log.warning("file store %s: on ext4 without a journal (%s at %s): after many files there are deleted, "
+            log.warning("file store %s: on ext4 without a journal (%s at %s): once many files on it have been deleted, "
                         "creating each record costs several times more CPU for up to minutes (the kernel skips "
                         "recently deleted inodes); a journaled filesystem or tmpfs does not have this",
                         self.root, self.filesystem["device"], self.filesystem["mount"])
