@@ -1,6 +1,5 @@
 """The README's e2e tables can only be drawn from result files the current benchmark code wrote, at a recorded,
 clean commit (``benchmarks/results_check.py``, ``benchmarks/e2e_cpu.py``)."""
-import importlib.util
 import json
 import re
 import subprocess
@@ -8,17 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from _bench_loader import load_benchmark
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _load(name, path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-e2e = _load("tierkv_bench_e2e_cpu", REPO / "benchmarks" / "e2e_cpu.py")
+e2e = load_benchmark("e2e_cpu")
 rc = e2e.results_check
 
 ROW = {"seconds": 10.0, "ttft_p50_s": 1.0, "ttft_p90_s": 1.2, "requests": 2, "prompt_tokens": 4200,

@@ -1,23 +1,13 @@
 """``benchmarks/no_reuse_cost.py``: prompts shared by the configurations of a repeat and distinct otherwise, ratios
 paired by repeat, tierkv's threads counted apart, and the README section drawn from the committed result."""
-import importlib.util
 import json
 import re
 import threading
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from _bench_loader import load_benchmark
 
-
-def _load(name, path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-nrc = _load("tierkv_bench_no_reuse_cost", REPO / "benchmarks" / "no_reuse_cost.py")
+nrc = load_benchmark("no_reuse_cost")
 
 
 def test_prompts_are_the_same_for_a_repeat_and_distinct_between_phases_and_repeats():

@@ -1,24 +1,18 @@
 """``benchmarks/serve_cpu.py`` and ``benchmarks/make_multiturn_trace.py``: the trace format and its determinism, the
 /metrics parser, and the README section drawn from the committed result file (drift test, as for e2e_cpu)."""
 import copy
-import importlib.util
 import json
 import re
 from pathlib import Path
 
 import pytest
 
+from _bench_loader import load_benchmark
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _load(name, path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-serve = _load("tierkv_bench_serve_cpu", REPO / "benchmarks" / "serve_cpu.py")
+serve = load_benchmark("serve_cpu")
 trace = serve.trace_gen
 
 ARGS = dict(conversations=4, turns=3, first_chunks=3, turn_chunks=2, output_len=5)
@@ -202,9 +196,7 @@ def test_the_noop_connector_is_complete_and_answers_nothing():
     kvc = serve.kv_config("noop_connector", dict(serve.FULL), Path("/nonexistent"), None)
     assert kvc == {"kv_connector": "NoopConnector", "kv_connector_module_path": "noop_connector",
                    "kv_role": "kv_both"}
-    spec = importlib.util.spec_from_file_location("noop_connector", serve.REPO / "benchmarks" / "noop_connector.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("noop_connector")
     cls = getattr(mod, kvc["kv_connector"])
     assert not cls.__abstractmethods__
     conn = object.__new__(cls)  # no vLLM config needed for hooks that keep no state
@@ -317,7 +309,7 @@ def test_a_rerun_subsection_names_its_changed_sizes_and_command():
 
 
 def test_the_readme_hook_time_section_is_what_the_committed_result_renders():
-    hook = _load("tierkv_bench_hook_time", REPO / "benchmarks" / "hook_time.py")
+    hook = load_benchmark("hook_time")
     data = json.loads((REPO / "benchmarks" / "results" / "hook_time.json").read_text())
     assert serve.results_check.readme_section(REPO / "benchmarks" / "README.md", "hook_time") == hook.render(data)
     assert re.fullmatch(r"[0-9a-f]{40}", data["code"]["commit"]) and data["code"]["dirty"] == []
