@@ -1,11 +1,11 @@
 """What tierkv costs the engine when it cannot help (issue 19: "without reuse, >= 0.97x no connector"), measured
-in-process, where a run's noise is a few per cent instead of the serving benchmark's 15-35 %.
+in-process, with the configurations' engines taking turns so that the runs a ratio pairs are seconds apart.
 
 ``benchmarks/serve_cpu.py`` measures the same question through vLLM's OpenAI server and ``vllm bench serve``; there
-the API server, the client and the HTTP path share the machine's two cores with the engine, and the reference's own
-runs spread 1.1-1.4x, so its paired ratios cannot resolve a cost of a few per cent. Here each run is one fresh
-process with vLLM's offline ``LLM`` engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: scheduler, worker and tierkv's
-threads in that one process), the same model, block size, L1 and tierkv configurations as ``serve_cpu``'s full pass
+the API server, the client and the HTTP path share the machine's two cores with the engine, each server is started
+anew per round, and the reference's own runs spread 1.1-1.6x, so its paired ratios cannot resolve a cost of a few
+per cent. Here each configuration is one process with vLLM's offline ``LLM`` engine
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``: scheduler, worker and tierkv's threads in that one process), the same model, block size, L1 and tierkv configurations as ``serve_cpu``'s full pass
 (:func:`serve_cpu.kv_config`), and two timed phases on distinct random prompts (no prefix shared with anything
 before; random token ids of the model's vocabulary):
 
@@ -17,7 +17,8 @@ engine is started once, in its own child process (one after the other; an idle e
 then run the phases in turn: for each repeat and phase every configuration runs the same prompts (the repeat's
 seed), back to back in an order rotated by the repeat, so the runs a ratio pairs are seconds apart and a slow
 minute of the shared machine falls on all of them. The ratio of a configuration to no connector is paired by
-(repeat, phase). Also recorded per run: the child's CPU seconds and those of tierkv's threads (``tkv-*``), and the
+(repeat, phase). Also recorded per run: the child's CPU seconds and those of tierkv's threads (``tkv-*``), the whole
+machine's CPU seconds by kind (``/proc/stat``: the kernel's share shows writeback and GIL hand-overs), and the
 1-minute load average before it.
 
     .venv/bin/python benchmarks/no_reuse_cost.py                       # results/no_reuse_cost.json + README
