@@ -1,6 +1,7 @@
 """TierKVConnector built in-process from vLLM's own config objects (``vllm_parts``): the start-up checks, one test
 per config key whose effect nothing else exercised, and layer-wise load failures through the worker hooks."""
 import logging
+import sys
 
 import pytest
 import torch
@@ -219,9 +220,9 @@ NON_DEFAULT = {"write_policy": "write_back", "write_through_threshold": 5, "pref
                "prefetch_timeout_base_s": 0.75, "prefetch_timeout_per_page_s": 0.01, "exists_wait_s": 0.25,
                "negative_ttl_s": 3.5, "room_retry_steps": 3, "room_wait_s": 0.25, "probe_interval_s": 2.5,
                "sync_load_max_s": 0.05, "exists_in_scheduler": False, "max_index_pages": 1000, "batch_pages": 8, "read_threads": 3,
-               "max_backup_pages": 100, "shutdown_drain_s": 0.5}
-# where each key ends up: the scheduler's Controller or the worker's L3IO (shutdown_drain_s: also the worker's shutdown,
-# checked below)
+               "max_backup_pages": 100, "shutdown_drain_s": 0.5, "gil_switch_interval_s": 0.02}
+# where each key ends up: the scheduler's Controller, the worker's L3IO or the worker's process (the GIL switch interval
+# while the worker runs; shutdown_drain_s: also the worker's shutdown, checked below)
 READ_BY = {"write_policy": ("ctl", "write_policy"), "write_through_threshold": ("ctl", "threshold"),
            "prefetch_policy": ("ctl", "prefetch_policy"), "prefetch_timeout_base_s": ("ctl", "timeout_base_s"),
            "prefetch_timeout_per_page_s": ("ctl", "timeout_per_page_s"), "exists_wait_s": ("ctl", "exists_wait_s"),
@@ -231,7 +232,8 @@ READ_BY = {"write_policy": ("ctl", "write_policy"), "write_through_threshold": (
            "exists_in_scheduler": ("ctl", "exists_in_scheduler"),
            "max_index_pages": ("ctl", "max_index_pages"), "batch_pages": ("l3io", "batch_pages"),
            "read_threads": ("l3io", "read_threads"),
-           "max_backup_pages": ("l3io", "max_backup_pages"), "shutdown_drain_s": ("ctl", "shutdown_drain_s")}
+           "max_backup_pages": ("l3io", "max_backup_pages"), "shutdown_drain_s": ("ctl", "shutdown_drain_s"),
+           "gil_switch_interval_s": ("process", "switchinterval")}
 
 
 def test_every_controller_key_reaches_what_reads_it(model, tmp_path, monkeypatch):
@@ -241,14 +243,22 @@ def test_every_controller_key_reaches_what_reads_it(model, tmp_path, monkeypatch
     extra = {"host_pool.num_pages": 8, "l3.backend": "file", "l3.file.root": str(tmp_path / "l3"),
              **{f"controller.{k}": v for k, v in NON_DEFAULT.items()}}
     s = connector(model, SCHEDULER, extra)
-    w, _l1 = worker_connector(model, extra)
-    ctl, l3io = s._sched.ctl, w._worker.l3
-    assert ctl is not None and l3io is not None
-    drains = []
-    real_close = l3io.close
-    monkeypatch.setattr(l3io, "close", lambda drain_s=10.0: drains.append(drain_s) or real_close(drain_s))
-    w.shutdown()
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)    # the interpreter's default, whatever an earlier test in this process left
+    try:
+        w, _l1 = worker_connector(model, extra)
+        running = {"switchinterval": sys.getswitchinterval()}
+        ctl, l3io = s._sched.ctl, w._worker.l3
+        assert ctl is not None and l3io is not None
+        drains = []
+        real_close = l3io.close
+        monkeypatch.setattr(l3io, "close", lambda drain_s=10.0: drains.append(drain_s) or real_close(drain_s))
+        w.shutdown()
+        assert sys.getswitchinterval() == pytest.approx(0.005)   # given back at shutdown
+    finally:
+        sys.setswitchinterval(before)
     for key, (where, attr) in READ_BY.items():
-        got = {"ctl": lambda: getattr(ctl, attr), "l3io": lambda: getattr(l3io, attr)}
-        assert got[where]() == NON_DEFAULT[key], key
+        got = {"ctl": lambda: getattr(ctl, attr), "l3io": lambda: getattr(l3io, attr), "process": lambda: running[attr]}
+        want = NON_DEFAULT[key]
+        assert got[where]() == (pytest.approx(want) if where == "process" else want), key
     assert drains == [0.5]
