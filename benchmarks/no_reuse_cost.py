@@ -96,6 +96,27 @@ def thread_cpu() -> dict[str, float]:
     return out
 
 
+HOOK_KEYS = ("hook_seconds", "hook_cpu_seconds", "hook_calls", "hook_steps")
+
+
+def hook_counters(llm) -> dict[str, dict[str, float]]:
+    """``{role: {hook_seconds, hook_cpu_seconds, hook_calls, hook_steps}}`` of the tierkv connectors of an
+    in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the scheduler's connector hangs off the engine core,
+    the worker's is vLLM's KV transfer group of this process); ``{}`` without a tierkv connector."""
+    out: dict[str, dict[str, float]] = {}
+    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+    sched = getattr(getattr(getattr(core, "scheduler", None), "connector", None), "_sched", None)
+    try:
+        from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
+        worker = getattr(get_kv_transfer_group(), "_worker", None)
+    except (AssertionError, ImportError):
+        worker = None
+    for role, side in (("scheduler", sched), ("worker", worker)):
+        if side is not None:
+            out[role] = {k: float(getattr(side.counters, k)) for k in HOOK_KEYS}
+    return out
+
+
 def child(spec: dict, commands, replies) -> None:
     """A child's life: build the engine of ``spec['kv_config']`` (None: no connector), warm it up on 4 prompts,
     write ``{"ready": true}``, then for each JSON line ``{"phase": ..., "seed": ...}`` read from ``commands`` run
@@ -119,6 +140,7 @@ def child(spec: dict, commands, replies) -> None:
         phase = cmd["phase"]
         n = spec["c1_prompts"] if phase == "c1" else spec["c8_prompts"]
         ps = [TokensPrompt(prompt_token_ids=p) for p in prompts(cmd["seed"], phase, n, n_in, vocab)]
+        h0 = hook_counters(llm)
         m0, cpu0, t0 = machine_cpu(), thread_cpu(), time.perf_counter()
         if phase == "c1":
             outs = [o for p in ps for o in llm.generate([p], sp, use_tqdm=False)]
@@ -126,13 +148,16 @@ def child(spec: dict, commands, replies) -> None:
             outs = llm.generate(ps, sp, use_tqdm=False)
         dt = time.perf_counter() - t0
         cpu1, m1 = thread_cpu(), machine_cpu()
+        h1 = hook_counters(llm)
+        hooks = {role: {k: round(h1[role][k] - h0[role][k], 4) for k in HOOK_KEYS} for role in h1}
         replies.write(json.dumps({
             "machine_cpu_s": {k: round(m1[k] - m0[k], 2) for k in m1},
             "seconds": round(dt, 4), "requests": len(outs),
             "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
             "cached_tokens": sum(o.num_cached_tokens or 0 for o in outs),
             "cpu_s": round(cpu1["process"] - cpu0["process"], 2),
-            "tierkv_threads_cpu_s": round(cpu1["tierkv_threads"] - cpu0["tierkv_threads"], 3)}) + "\n")
+            "tierkv_threads_cpu_s": round(cpu1["tierkv_threads"] - cpu0["tierkv_threads"], 3),
+            "hooks": hooks}) + "\n")
         replies.flush()
 
 

@@ -110,12 +110,17 @@ class StatsFile:
 
     # ------------------------------------------------------------------ internals
     def _hand_over(self, data: dict, urgent: bool) -> None:
-        """Give the flusher ``data`` to write (``urgent``: without waiting for the interval)."""
+        """Give the flusher ``data`` to write (``urgent``: without waiting for the interval). The flusher is woken
+        only when it may be waiting without a deadline (nothing was pending) or for an urgent write: while a snapshot
+        is pending it already sleeps until the interval ends and then writes the newest one, so a hook that hands one
+        over every step does not wake a thread (and hand it the GIL) every step."""
         with self._lock:
+            idle = self._pending is None
             self._pending = data
             self._urgent = self._urgent or urgent
             self._start_flusher_locked()
-            self._wake.notify()
+            if idle or urgent:
+                self._wake.notify()
 
     def _next_seq_locked(self) -> int:
         self._seq += 1

@@ -1149,10 +1149,16 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             except Exception as e:  # not handed over: wait_for_save hands them over with the backups
                 _hook_error(self._worker.counters, "bind_connector_metadata", e)
 
-    @_timed_hook
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Layer by layer: wait until this layer's L2 -> L1 copies are done; a failed copy reports the step's loads as
-        failed blocks."""
+        failed blocks. vLLM calls it for every layer of every step: without a load in flight it returns at once,
+        untimed (the hook timer would cost more than the call)."""
+        w = self._worker
+        if w is not None and w.loading:
+            self._wait_for_layer_load(layer_name)
+
+    @_timed_hook
+    def _wait_for_layer_load(self, layer_name: str) -> None:
         if self._worker is not None:
             try:
                 self._worker.wait_layer(layer_name)
@@ -1162,9 +1168,9 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                 if isinstance(plan, StepPlan):
                     self._worker.fail_loads(plan)
 
-    @_timed_hook
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
-        """Nothing: saves run once per step in ``wait_for_save``, after every layer wrote its KV."""
+        """Nothing (and untimed: vLLM calls it for every layer of every step): saves run once per step in
+        ``wait_for_save``, after every layer wrote its KV."""
         return None  # saves run once per step in wait_for_save, after every layer wrote its KV
 
     @_timed_hook
@@ -1196,9 +1202,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self._worker.fail_jobs(todo)
         self._stats.maybe_write()
 
-    @_timed_hook
     def get_kv_connector_kv_cache_events(self):
-        """None: a worker has no tier events of its own. What a worker learns about L3 (a page stored, missing or
+        """None (untimed: it does nothing): a worker has no tier events of its own. What a worker learns about L3 (a page stored, missing or
         corrupt) reaches the scheduler side in its job reports, where the index changes and :meth:`take_events`
         publishes it."""
         return None

@@ -313,6 +313,11 @@ class CacheWorker:
         self.counters.load_seconds += dt
         self.counters.max_load_ms = max(self.counters.max_load_ms, 1e3 * dt)
 
+    @property
+    def loading(self) -> bool:
+        """A step's L2 -> L1 load is in flight (what :meth:`wait_layer` and :meth:`finish_loads` would wait for)."""
+        return self._pending is not None
+
     def wait_layer(self, layer_name: str) -> None:
         """Block until this layer's pages of the current step's loads are in L1 (a layer name not among the
         engine's waits for every layer). Never raises for a failed copy: the load's blocks go to

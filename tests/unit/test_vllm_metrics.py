@@ -234,6 +234,42 @@ def test_write_soon_is_written_at_once_by_the_flusher_not_the_hook(tmp_path, mon
     assert _json.loads(path.read_text())["n"] == 3
 
 
+def test_a_snapshot_every_step_wakes_the_flusher_once_per_interval(tmp_path, monkeypatch):
+    """The scheduler side hands a snapshot over every engine step. Each hand-over used to wake the flusher, which
+    only found its interval not yet over and slept again: a thread woken (and handed the GIL) every step for nothing
+    (in-engine hook timing, 2026-12-04: get_kv_connector_stats 89 us a call against 17 us with the engine idle).
+    While a snapshot is pending the flusher sleeps to the end of the interval and writes the newest one; only a
+    hand-over that finds nothing pending (the flusher may wait without a deadline) or an urgent one wakes it."""
+    import json as _json
+    import time as _time
+
+    from tierkv.connector.metrics import StatsFile
+
+    writers = _record_writer_threads(monkeypatch)
+    counters = {"n": 0}
+    f = StatsFile(str(tmp_path / "{role}.json"), "scheduler", lambda: dict(counters), min_interval_s=600.0)
+    wakes = []
+    notify = f._wake.notify
+    monkeypatch.setattr(f._wake, "notify", lambda n=1: (wakes.append(n), notify(n)))
+    path = tmp_path / "scheduler.json"
+    f.maybe_write()                                  # the first write: at once (nothing written before)
+    deadline = _time.monotonic() + 10
+    while not path.exists():
+        assert _time.monotonic() < deadline
+        _time.sleep(0.01)
+    for n in range(1, 101):                          # 100 steps inside the interval
+        counters["n"] = n
+        f.maybe_write()
+    assert len(wakes) == 2, wakes                    # the first hand-over, and the first one after its write
+    assert _json.loads(path.read_text())["n"] == 0 and len(writers) == 1, writers
+    f.write_soon()                                   # urgent: wakes it, and the newest snapshot is written
+    while _json.loads(path.read_text())["n"] != 100:
+        assert _time.monotonic() < deadline, path.read_text()
+        _time.sleep(0.01)
+    assert len(wakes) == 3, wakes
+    f.close()
+
+
 def test_a_counters_file_that_cannot_be_written_at_shutdown_is_a_warning(tmp_path, caplog):
     """The last write (``close``, the connector's ``shutdown`` and ``atexit``) runs on the caller's thread: a file that
     cannot be written there (its name taken by a directory since start-up, a full disk) is logged, never raised into
