@@ -239,6 +239,18 @@ def _med(xs: list[float]) -> str:
     return f"{statistics.median(xs):.3f} ({min(xs):.2f}-{max(xs):.2f})" if xs else "-"
 
 
+def _hooks_per_step(runs: list[dict]) -> str:
+    """``sched / worker`` ms per step (min-max over ``runs``) from each run's ``hooks`` record; "-" without one."""
+    parts = []
+    for role in ("scheduler", "worker"):
+        v = [r["hooks"][role]["hook_seconds"] / r["hooks"][role]["hook_steps"] * 1e3 for r in runs
+             if role in r.get("hooks", {}) and r["hooks"][role]["hook_steps"]]
+        if not v:
+            return "-"
+        parts.append(f"{min(v):.3f}-{max(v):.3f}")
+    return " / ".join(parts)
+
+
 def render(data: dict) -> str:
     """The ``## no_reuse_cost`` section of ``benchmarks/README.md`` from a result file."""
     c, a = data["conditions"], data["args"]
@@ -266,9 +278,11 @@ def render(data: dict) -> str:
               "> 1 is faster. `tkv-*` CPU: tierkv's own threads (L3 writer and readers, stats flusher) per phase; "
               "kernel CPU: the whole machine's system + irq + softirq seconds over the phase (`/proc/stat`; "
               "includes the kernel's writeback and the futex and scheduler work of threads handing the GIL over; "
-              "\"-\" where the run did not record it).",
+              "\"-\" where the run did not record it). Hooks: the time inside tierkv's vLLM hooks per engine step "
+              "(`hook_seconds / hook_steps` of each role over the phase), scheduler / worker, in ms (\"-\" where "
+              "not recorded).",
               "", "| config | phase | vs none | vs noop_connector | seconds (min-max) | process CPU s | `tkv-*` CPU s "
-              "| kernel CPU s | runs |", "|---|---|---|---|---|---|---|---|---|"]
+              "| kernel CPU s | hooks ms/step | runs |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name in data["configs"]:
         for ph in PHASES:
             runs = [r for r in data["runs"] if r["config"] == name and r.get("phase") == ph and not r.get("error")]
@@ -279,11 +293,12 @@ def render(data: dict) -> str:
             tk = [r["tierkv_threads_cpu_s"] for r in runs]
             kern = [sum(r["machine_cpu_s"][k] for k in ("system", "irq", "softirq")) for r in runs
                     if r.get("machine_cpu_s")]
+            hooks = _hooks_per_step(runs)
             vs_none = "-" if name == "none" else _med(ratios(data, name, "none", ph))
             vs_noop = "-" if name in ("none", "noop_connector") else _med(ratios(data, name, "noop_connector", ph))
             lines.append(f"| {name} | {ph} | {vs_none} | {vs_noop} | {min(secs):.2f}-{max(secs):.2f} | "
                          f"{min(cpu):.1f}-{max(cpu):.1f} | {min(tk):.2f}-{max(tk):.2f} | "
-                         f"{f'{min(kern):.2f}-{max(kern):.2f}' if kern else '-'} | {len(runs)} |")
+                         f"{f'{min(kern):.2f}-{max(kern):.2f}' if kern else '-'} | {hooks} | {len(runs)} |")
     errs = [r for r in data["runs"] if r.get("error")]
     lines += ["", f"Failed runs: {len(errs)}." + "".join(f" {r['config']} r{r.get('repeat')}: {r['error'][:200]}"
                                                       for r in errs)]

@@ -41,11 +41,17 @@ def test_ratios_pair_runs_of_the_same_repeat_and_render_medians():
                 code={"commit": "a" * 40, "source": "s"}, started="t0", finished="t1", load_first=[0.1],
                 load_last=[0.2], argv=[], startup_s={"none": 12.0, "tierkv_l3_file": 15.5})
     text = nrc.render(data)
-    assert "| tierkv_l3_file | c8 | 0.900 (0.80-1.00) | 0.900 (0.80-1.00) | 1.00-10.00 | 2.0-2.0 | 0.25-0.25 | - | 3 |" \
+    assert "| tierkv_l3_file | c8 | 0.900 (0.80-1.00) | 0.900 (0.80-1.00) | 1.00-10.00 | 2.0-2.0 | 0.25-0.25 | - | - | 3 |" \
         in text
     for r in data["runs"]:
         r["machine_cpu_s"] = {"system": 1.0, "irq": 0.0, "softirq": 0.25, "user": 9.0}
-    assert "| 0.25-0.25 | 1.25-1.25 | 3 |" in nrc.render(data)
+        if r["config"] == "tierkv_l3_file" and "seconds" in r:  # hook time per step: seconds / steps, in ms
+            steps = 100 * (r["repeat"] + 1)
+            r["hooks"] = {"scheduler": {"hook_seconds": 0.02 * (r["repeat"] + 1), "hook_steps": steps},
+                          "worker": {"hook_seconds": 0.01, "hook_steps": steps}}
+    text = nrc.render(data)
+    assert "| 0.00-0.00 | 1.25-1.25 | - | 2 |" in text                   # none: no hooks recorded
+    assert "| 0.25-0.25 | 1.25-1.25 | 0.200-0.200 / 0.033-0.100 | 3 |" in text
     assert "| none | c1 | - | - |" in text
     assert "start-up 12-16 s" in text and "Failed runs: 1. none r2: child exited 1" in text
 
