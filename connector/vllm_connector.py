@@ -1203,9 +1203,9 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._stats.maybe_write()
 
     def get_kv_connector_kv_cache_events(self):
-        """None (untimed: it does nothing): a worker has no tier events of its own. What a worker learns about L3 (a page stored, missing or
-        corrupt) reaches the scheduler side in its job reports, where the index changes and :meth:`take_events`
-        publishes it."""
+        """None (untimed: it does nothing): a worker has no tier events of its own. What a worker learns about L3
+        (a page stored, missing or corrupt) reaches the scheduler side in its job reports, where the index changes
+        and :meth:`take_events` publishes it."""
         return None
 
     @_timed_hook

@@ -333,3 +333,22 @@ def test_the_time_inside_tierkvs_hooks_is_counted_per_role_and_per_step(tmp_path
     # each call's CPU interval lies inside its wall interval (one thread's CPU clock runs no faster than the wall)
     assert 0 < sc.hook_cpu_seconds <= sc.hook_seconds + 1e-6 * sc.hook_calls
     assert 0 < wc.hook_cpu_seconds <= wc.hook_seconds + 1e-6 * wc.hook_calls
+
+
+def test_the_layer_waits_are_timed_in_a_step_with_a_layerwise_load(tmp_path, monkeypatch):
+    """With ``layerwise_load`` an L2 hit's copies run while the layers wait for them: in the step that loads it,
+    every ``wait_for_layer_load`` is timed (one call more per layer than the 6 of every step); in the steps around
+    it, none is."""
+    monkeypatch.setenv("TIERKV_LEDGER_DIR", str(tmp_path))
+    rng = random.Random(8)
+    doc = [rng.randrange(1, 250) for _ in range(DOC_PAGES * P)]
+    e = Engine(tmp_path, async_scheduling=False, extra_config={"layerwise_load": True})
+    e.add("a", doc + [1])
+    e.run(6)                                      # computed, finished, its pages in L2
+    wc = e.w._worker.counters
+    calls, steps = wc.hook_calls, wc.hook_steps
+    e.add("b", doc + [2])                         # the same pages: an L2 hit, loaded layer by layer in its first step
+    e.run(3)
+    assert e.loaded_ok("b", DOC_PAGES) and wc.steps_with_loads == 1
+    assert wc.hook_calls - calls == 6 * (wc.hook_steps - steps) + len(LAYER_NAMES)
+    e.close()
