@@ -18,7 +18,8 @@ then run the phases in turn: for each repeat and phase every configuration runs 
 seed), back to back in an order rotated by the repeat, so the runs a ratio pairs are seconds apart and a slow
 minute of the shared machine falls on all of them. The ratio of a configuration to no connector is paired by
 (repeat, phase). Also recorded per run: the child's CPU seconds and those of tierkv's threads (``tkv-*``), the whole
-machine's CPU seconds by kind (``/proc/stat``: the kernel's share shows writeback and GIL hand-overs), and the
+machine's CPU seconds by kind (``/proc/stat``: the kernel's share shows writeback and GIL hand-overs), the time
+inside each tierkv connector's vLLM hooks (``hooks``: :func:`hook_counters` before and after, per role), and the
 1-minute load average before it.
 
     .venv/bin/python benchmarks/no_reuse_cost.py                       # results/no_reuse_cost.json + README
