@@ -5,8 +5,8 @@ in-process, with the configurations' engines taking turns so that the runs a rat
 the API server, the client and the HTTP path share the machine's two cores with the engine, each server is started
 anew per round, and the reference's own runs spread 1.1-1.6x, so its paired ratios cannot resolve a cost of a few
 per cent. Here each configuration is one process with vLLM's offline ``LLM`` engine
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``: scheduler, worker and tierkv's threads in that one process), the same model, block size, L1 and tierkv configurations as ``serve_cpu``'s full pass
-(:func:`serve_cpu.kv_config`), and two timed phases on distinct random prompts (no prefix shared with anything
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``: scheduler, worker and tierkv's threads in that one process), the same model,
+block size, L1 and tierkv configurations as ``serve_cpu``'s full pass (:func:`serve_cpu.kv_config`), and two timed phases on distinct random prompts (no prefix shared with anything
 before; random token ids of the model's vocabulary):
 
 - ``c1``: ``--c1-prompts`` prompts one after the other (one ``generate`` call each: concurrency 1);

@@ -137,6 +137,8 @@ FILE_L3_CONFIGS = ("tierkv_l3_file", "tierkv_write_back", "tierkv_l3_file_shm", 
                    "tierkv_l3_file_selective", "tierkv_l3_file_gil_default")
 #: write policy of each file-L3 configuration that does not write through
 WRITE_POLICY = {"tierkv_write_back": "write_back", "tierkv_l3_file_selective": "write_through_selective"}
+#: other controller keys of a file-L3 configuration
+CONTROLLER_KEYS = {"tierkv_l3_file_gil_default": {"gil_switch_interval_s": 0.0}}
 WORKLOADS = ["prefix_repetition", "multiturn", "random"]
 CONFIG_TEXT = {
     "ideal": "no connector, L1 {ideal_blocks} blocks",
@@ -592,8 +594,7 @@ def kv_config(name: str, p: dict, cdir: Path, zmq_endpoint: str | None, l3_root:
         extra.update({"config_file": "l3_file.yaml", "l3.file.root": l3_root or str(cdir / "l3"),
                       "host_pool": {"num_pages": p["l3_l2_pages"] // k},
                       "controller": {"write_policy": WRITE_POLICY.get(name, "write_through"),
-                                     **({"gil_switch_interval_s": 0.0} if name == "tierkv_l3_file_gil_default"
-                                        else {})}})
+                                     **CONTROLLER_KEYS.get(name, {})}})
     elif name == "tierkv_l3_zmq":
         extra.update({"config_file": "l3_zmq.yaml", "l3.zmq.endpoint": zmq_endpoint, "l3.zmq.shm": "auto",
                       "l3.zmq.timeout_s": 5.0, "host_pool": {"num_pages": p["l3_l2_pages"]},

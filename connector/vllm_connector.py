@@ -1159,14 +1159,13 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     @_timed_hook
     def _wait_for_layer_load(self, layer_name: str) -> None:
-        if self._worker is not None:
-            try:
-                self._worker.wait_layer(layer_name)
-            except Exception as e:
-                _hook_error(self._worker.counters, "wait_for_layer_load", e)
-                plan = self._get_connector_metadata()
-                if isinstance(plan, StepPlan):
-                    self._worker.fail_loads(plan)
+        try:
+            self._worker.wait_layer(layer_name)
+        except Exception as e:
+            _hook_error(self._worker.counters, "wait_for_layer_load", e)
+            plan = self._get_connector_metadata()
+            if isinstance(plan, StepPlan):
+                self._worker.fail_loads(plan)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         """Nothing (and untimed: vLLM calls it for every layer of every step): saves run once per step in
