@@ -13,6 +13,16 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then
   fi
 fi
 
+# TCMalloc, which vLLM's CPU backend asks to have preloaded (it warns at start-up without it); the benchmarks preload
+# it into every engine they start (benchmarks/serve_cpu.py preload_env). Debian package; we run as root here.
+if ! ldconfig -p 2>/dev/null | grep -q 'libtcmalloc_minimal.so.4'; then
+  if command -v apt-get >/dev/null 2>&1; then
+    (apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null && apt-get install -y -q libtcmalloc-minimal4 >/dev/null; }) \
+      || echo "setup_env: could not install libtcmalloc-minimal4; benchmarks need --allocator glibc" >&2
+  fi
+fi
+
 # The real LMCache 0.5.6 cache server that the lmcache L3 store is tested against runs in its own venv (its
 # dependencies do not mix with vLLM's). It shares nothing with .venv, so it is built at the same time (pip is
 # single-threaded; on two cores this takes its ~1.5 min off the set-up); the script skips a venv that already works.

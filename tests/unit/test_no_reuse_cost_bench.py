@@ -1,6 +1,7 @@
 """``benchmarks/no_reuse_cost.py``: prompts shared by the configurations of a repeat and distinct otherwise, ratios
 paired by repeat, tierkv's threads counted apart, and the README section drawn from the committed result."""
 import json
+import os
 import re
 import threading
 import time
@@ -76,7 +77,10 @@ def test_thread_cpu_counts_tierkv_threads_apart():
     read.set()
     t.join()
     assert after["tierkv_threads"] - before["tierkv_threads"] >= 0.1
-    assert after["process"] - before["process"] >= after["tierkv_threads"] - before["tierkv_threads"]
+    # /proc counts in clock ticks per thread, and threads of other tests that end between the reads drop out of the
+    # process's sum: two ticks of slack (a sum that left the tierkv threads out would be ~0.15 s short)
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    assert after["process"] - before["process"] >= after["tierkv_threads"] - before["tierkv_threads"] - 2 * tick
 
 
 def test_the_readme_section_is_what_the_committed_results_render():

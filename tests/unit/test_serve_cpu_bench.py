@@ -409,3 +409,17 @@ def test_every_tierkv_configuration_is_a_valid_connector_config(name, tmp_path):
                                            "tierkv_l3_file_selective": "write_through_selective"}.get(
                                                name, "write_through")
     assert cfg.controller.gil_switch_interval_s == (0.0 if name == "tierkv_l3_file_gil_default" else 0.05)
+
+
+def test_every_server_gets_tcmalloc_preloaded_or_the_allocator_named(monkeypatch):
+    # make venv installs Debian's libtcmalloc-minimal4: the default allocator is found and preloaded
+    env = serve.preload_env("tcmalloc")
+    assert set(env) == {"LD_PRELOAD"} and Path(env["LD_PRELOAD"]).is_file() and "tcmalloc" in env["LD_PRELOAD"]
+    assert serve.preload_env("glibc") == {}
+    with pytest.raises(ValueError, match="allowed: tcmalloc, glibc"):
+        serve.preload_env("jemalloc")
+    monkeypatch.setattr(serve, "tcmalloc_path", lambda: None)
+    with pytest.raises(RuntimeError, match="--allocator glibc"):
+        serve.preload_env("tcmalloc")
+    assert serve.allocator_text({"server_env": env}) == "TCMalloc preloaded"
+    assert "no TCMalloc" in serve.allocator_text({"server_env": {}})
