@@ -48,7 +48,8 @@ RESULTS = REPO / "benchmarks" / "results" / "no_reuse_cost.json"
 README = REPO / "benchmarks" / "README.md"
 SECTION = "no_reuse_cost"
 CONFIGS = ("none", "noop_connector", "tierkv_l2", "tierkv_l3_file", "tierkv_l3_zmq", "tierkv_write_back",
-           "tierkv_l3_file_selective", "tierkv_l3_file_gil_default", "tierkv_l3_file_full")
+           "tierkv_l3_file_selective", "tierkv_l3_file_gil_default", "tierkv_l3_file_full",
+           "tierkv_l3_zmq_full")
 PHASES = ("c1", "c8")
 sys.path.insert(0, str(REPO / "benchmarks"))
 import results_check  # noqa: E402
@@ -171,7 +172,8 @@ class Child:
         self.sc, self.name, self.timeout_s = sc, name, timeout_s
         self.cdir = work / name
         self.cdir.mkdir(parents=True, exist_ok=True)
-        self.zmq = sc.ZmqServer(self.cdir / "zmq_server.log", pythonpath) if name == "tierkv_l3_zmq" else None
+        self.zmq = (sc.ZmqServer(self.cdir / "zmq_server.log", pythonpath, capacity=sc.ZMQ_L3_CAPACITY[name])
+                    if name in sc.ZMQ_L3_CAPACITY else None)
         self.proc = None
         try:
             kvc = sc.kv_config(name, sc.FULL, self.cdir, self.zmq.endpoint if self.zmq else None,

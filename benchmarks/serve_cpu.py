@@ -132,11 +132,12 @@ trace_gen = _load("tierkv_make_multiturn_trace", REPO / "benchmarks" / "make_mul
 
 CONFIGS = ["ideal", "none", "tierkv_l2", "tierkv_l3_file", "tierkv_l3_zmq", "tierkv_write_back",
            "tierkv_l3_file_shm", "tierkv_l3_file_p4", "noop_connector", "tierkv_l3_file_selective",
-           "tierkv_l3_file_gil_default", "tierkv_l3_file_full"]
+           "tierkv_l3_file_gil_default", "tierkv_l3_file_full", "tierkv_l3_zmq_full"]
 P4_BLOCKS = 4   # blocks per page of tierkv_l3_file_p4
 FILE_L3_CONFIGS = ("tierkv_l3_file", "tierkv_write_back", "tierkv_l3_file_shm", "tierkv_l3_file_p4",
                    "tierkv_l3_file_selective", "tierkv_l3_file_gil_default", "tierkv_l3_file_full")
-#: L3 capacity of ``tierkv_l3_file_full`` (less than one no_reuse_cost repeat writes: the store runs at capacity)
+#: L3 capacity of ``tierkv_l3_file_full`` and ``tierkv_l3_zmq_full`` (less than one no_reuse_cost repeat writes: the
+#: store runs at capacity)
 FULL_L3_BYTES = "64MiB"
 #: write policy of each file-L3 configuration that does not write through
 WRITE_POLICY = {"tierkv_write_back": "write_back", "tierkv_l3_file_selective": "write_through_selective"}
@@ -159,7 +160,11 @@ CONFIG_TEXT = {
     "tierkv_l3_file_p4": "L1 {l1_blocks} + L2 {l3_l2_pages} blocks in pages of 4 blocks + file L3, write_through",
     "tierkv_l3_file_full": "L1 {l1_blocks} + L2 {l3_l2_pages} pages + file L3 of " + FULL_L3_BYTES + " (soon at "
                            "capacity: each write recycles an evicted record's file), write_through",
+    "tierkv_l3_zmq_full": "L1 {l1_blocks} + L2 {l3_l2_pages} pages + `tierkv server` L3 of " + FULL_L3_BYTES + " (shm "
+                          "auto; soon at capacity: each write evicts a record), write_through",
 }
+#: ZMQ-L3 configurations (each gets its own ``tierkv server``) and the server's capacity of each
+ZMQ_L3_CAPACITY = {"tierkv_l3_zmq": "4GiB", "tierkv_l3_zmq_full": FULL_L3_BYTES}
 
 #: Environment of every vLLM server (as tests/e2e/_engine.py DEFAULT_ENV).
 SERVER_ENV = {
@@ -645,7 +650,7 @@ def kv_config(name: str, p: dict, cdir: Path, zmq_endpoint: str | None, l3_root:
                       **({"l3.file.capacity_bytes": FULL_L3_BYTES} if name == "tierkv_l3_file_full" else {}),
                       "controller": {"write_policy": WRITE_POLICY.get(name, "write_through"),
                                      **CONTROLLER_KEYS.get(name, {})}})
-    elif name == "tierkv_l3_zmq":
+    elif name in ZMQ_L3_CAPACITY:
         extra.update({"config_file": "l3_zmq.yaml", "l3.zmq.endpoint": zmq_endpoint, "l3.zmq.shm": "auto",
                       "l3.zmq.timeout_s": 5.0, "host_pool": {"num_pages": p["l3_l2_pages"]},
                       "controller": {"write_policy": "write_through"}})
@@ -715,8 +720,8 @@ class ConfigServer:
         """Start the servers and send the warm-up request; False (recorded as a failure) if that failed."""
         name, out = self.name, self.out
         try:
-            if name == "tierkv_l3_zmq":
-                self.zmq = ZmqServer(self.cdir / "zmq_server.log", self.pythonpath)
+            if name in ZMQ_L3_CAPACITY:
+                self.zmq = ZmqServer(self.cdir / "zmq_server.log", self.pythonpath, capacity=ZMQ_L3_CAPACITY[name])
                 out["zmq_endpoint"] = self.zmq.endpoint
             if name == "tierkv_l3_file_shm":
                 self.shm_root = tempfile.mkdtemp(prefix="tierkv-serve-l3-", dir="/dev/shm")
