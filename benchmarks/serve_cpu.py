@@ -1302,7 +1302,7 @@ def table(data: dict) -> str:
 #: compared with the ideal, ``random`` (no reuse) with no connector
 TARGETS = {"tierkv_l2": 0.95, "tierkv_l3_file": 0.9, "tierkv_l3_zmq": 0.9, "tierkv_write_back": 0.9,
            "tierkv_l3_file_shm": 0.9, "tierkv_l3_file_p4": 0.9, "tierkv_l3_file_selective": 0.9,
-           "tierkv_l3_file_gil_default": 0.9}
+           "tierkv_l3_file_gil_default": 0.9, "tierkv_l3_file_full": 0.9, "tierkv_l3_zmq_full": 0.9}
 NO_REUSE_TARGET = 0.97
 #: TTFT p99 of tierkv L2 at most this times the ideal's, with reuse
 TTFT_P99_TARGET = 1.3
