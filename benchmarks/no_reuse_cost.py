@@ -20,7 +20,10 @@ minute of the shared machine falls on all of them. The ratio of a configuration 
 (repeat, phase). Also recorded per run: the child's CPU seconds and those of tierkv's threads (``tkv-*``), the whole
 machine's CPU seconds by kind (``/proc/stat``: the kernel's share shows writeback and GIL hand-overs), the time
 inside each tierkv connector's vLLM hooks (``hooks``: :func:`hook_counters` before and after, per role), and the
-1-minute load average before it.
+1-minute load average before it. Every engine runs with TCMalloc preloaded (``--allocator``, as ``serve_cpu``), and
+the conditions record how fast the machine first writes new memory (:func:`first_touch_mb_s`): a store that grows
+pays that for every page it adds, where the engines reuse their own memory; ``tierkv_l3_file_full`` and
+``tierkv_l3_zmq_full`` run their L3 at capacity (64 MiB), as a store does once it has filled.
 
     .venv/bin/python benchmarks/no_reuse_cost.py                       # results/no_reuse_cost.json + README
     .venv/bin/python benchmarks/no_reuse_cost.py --readme-from benchmarks/results/no_reuse_cost.json

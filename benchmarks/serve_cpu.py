@@ -31,8 +31,8 @@ Configurations (L1 = vLLM's own KV pool, ``--num-gpu-blocks-override`` blocks of
 Every tierkv configuration sets ``"kv_load_failure_policy": "recompute"`` and a ``stats_path``. Every server gets
 the same environment (``VLLM_CPU_NUM_OF_RESERVED_CPU=0``: equal compute threads with and without a connector, as
 ``tests/e2e/_engine.py``; TCMalloc preloaded, as vLLM's CPU backend asks for at start-up, see :func:`preload_env`;
-``--allocator glibc`` leaves the C library's malloc), and every client ``PYTHONHASHSEED=0`` (``timed_trace`` seeds each chunk's tokens with
-Python's ``hash()``), so every configuration gets the same prompts.
+``--allocator glibc`` leaves the C library's malloc), and every client ``PYTHONHASHSEED=0`` (``timed_trace`` seeds
+each chunk's tokens with Python's ``hash()``), so every configuration gets the same prompts.
 
 Workloads (``vllm bench serve --dataset-name ...``, greedy, ``--ignore-eos``, closed loop with
 ``--max-concurrency``):
@@ -200,8 +200,8 @@ def preload_env(allocator: str) -> dict:
     vLLM's CPU worker warns at start-up when TCMalloc is not preloaded, and its install guide sets it. With the C
     library's malloc, the engine's per-step tensors of a few MiB come from the main heap, whose top is handed back
     to the kernel and mapped again by page faults, as much or as little as the process's heap layout happens to
-    allow: two engine processes of one configuration differed by up to 4x in faults per phase and 5 % in time, a
-    per-process effect that repeats inside one process cannot average out (benchmarks/README.md, "allocator").
+    allow: an effect fixed for the life of an engine process, which repeats inside one process cannot average out
+    (measured in benchmarks/README.md, ``## no_reuse_cost``, ``### tcmalloc``).
     Raises ValueError for an unknown allocator and RuntimeError when TCMalloc is asked for and not installed."""
     if allocator not in ALLOCATORS:
         raise ValueError(f"allocator {allocator!r}; allowed: {', '.join(ALLOCATORS)}")
