@@ -179,13 +179,16 @@ SERVER_ENV = {
 ALLOCATORS = ("tcmalloc", "glibc")
 
 
-def tcmalloc_path() -> str | None:
+def tcmalloc_path(ldconfig_text: str | None = None) -> str | None:
     """Path of TCMalloc's shared library (``libtcmalloc_minimal.so.4``, Debian's ``libtcmalloc-minimal4``, which
-    ``.ci/setup_env.sh`` installs) from the dynamic linker's cache, else None."""
-    try:
-        out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        out = ""
+    ``.ci/setup_env.sh`` installs) from the dynamic linker's cache (``ldconfig -p``, or ``ldconfig_text``), else
+    None."""
+    out = ldconfig_text
+    if out is None:
+        try:
+            out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            out = ""
     for name in ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"):
         for line in out.splitlines():
             if line.strip().startswith(name + " ") and "=>" in line:

@@ -412,10 +412,15 @@ def test_every_tierkv_configuration_is_a_valid_connector_config(name, tmp_path):
     assert cfg.controller.gil_switch_interval_s == (0.0 if name == "tierkv_l3_file_gil_default" else 0.05)
 
 
-def test_every_server_gets_tcmalloc_preloaded_or_the_allocator_named(monkeypatch):
-    # make venv installs Debian's libtcmalloc-minimal4: the default allocator is found and preloaded
+def test_every_server_gets_tcmalloc_preloaded_or_the_allocator_named(monkeypatch, tmp_path):
+    ldconfig = ("\tlibtcmalloc_minimal_debug.so.4 (libc6,x86-64) => /lib/x86_64-linux-gnu/libtcmalloc_minimal_debug.so.4\n"
+                "\tlibtcmalloc_minimal.so.4 (libc6,x86-64) => /lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4\n")
+    assert serve.tcmalloc_path(ldconfig) == "/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+    assert serve.tcmalloc_path("\tlibc.so.6 (libc6,x86-64) => /lib/x86_64-linux-gnu/libc.so.6\n") is None
+    lib = tmp_path / "libtcmalloc_minimal.so.4"
+    monkeypatch.setattr(serve, "tcmalloc_path", lambda: str(lib))
     env = serve.preload_env("tcmalloc")
-    assert set(env) == {"LD_PRELOAD"} and Path(env["LD_PRELOAD"]).is_file() and "tcmalloc" in env["LD_PRELOAD"]
+    assert env == {"LD_PRELOAD": str(lib)}
     assert serve.preload_env("glibc") == {}
     with pytest.raises(ValueError, match="allowed: tcmalloc, glibc"):
         serve.preload_env("jemalloc")
