@@ -556,20 +556,103 @@ def workload_args(p: dict, workload: str, seed: int, trace: Path | None) -> list
     raise ValueError(workload)
 
 
-def run_seed(workload: str, concurrency: int, repeat: int) -> int:
-    """The seed of one run: the same in every configuration, different for every run of one server."""
+def run_seed(workload: str, concurrency: int, repeat: int, chosen: dict | None = None) -> int:
+    """The seed of one run: the same in every configuration, different for every run of one server. ``chosen``:
+    seeds picked by :func:`disjoint_seeds` for some runs, keyed ``(workload, concurrency, repeat)``; they win."""
+    if chosen and (workload, concurrency, repeat) in chosen:
+        return chosen[(workload, concurrency, repeat)]
     return 1 + 1000 * WORKLOADS.index(workload) + 100 * repeat + concurrency
+
+
+#: the seed :func:`disjoint_seeds` tries after a run's base seed ``s``: ``s + k * SEED_STEP`` (k = 1, 2, ...), far
+#: from every base seed of :func:`run_seed`
+SEED_STEP = 100_003
+
+
+def disjoint_seeds(runs: list[tuple], prompts_of, block: int = BLOCK, tries: int = 64) -> dict[tuple, int]:
+    """A seed for each run of ``runs`` (keys ``(workload, concurrency, repeat)``, in order) whose prompts share no
+    first page with each other nor with any earlier run's: so that a workload meant to have no reuse has none,
+    neither inside a run nor between runs on one server (vLLM's ``random`` dataset makes each prompt a run of
+    consecutive token ids from a random offset; with a small vocabulary, offsets repeat). Two prompts that differ in
+    their first ``block`` tokens share no page of the server's hash chain.
+
+    ``prompts_of(key, seed)`` -> the token ids of each prompt the run would send with that seed (as the server
+    tokenizes them). Each run tries :func:`run_seed`'s seed, then that seed + k * :data:`SEED_STEP`. Raises
+    RuntimeError when no seed of ``tries`` works (the vocabulary is too small for so many prompts)."""
+    seen: set[tuple] = set()
+    out: dict[tuple, int] = {}
+    for key in runs:
+        base = run_seed(*key)
+        for k in range(tries):
+            seed = base + k * SEED_STEP
+            firsts = [tuple(t[:block]) for t in prompts_of(key, seed)]
+            if len(set(firsts)) == len(firsts) and seen.isdisjoint(firsts):
+                seen.update(firsts)
+                out[key] = seed
+                break
+        else:
+            raise RuntimeError(f"no seed among {tries} gives run {key} prompts disjoint from the earlier runs'")
+    return out
+
+
+def client_argv(url: str, model_dir: str, args: list[str], concurrency: int, out_dir: Path, name: str) -> list[str]:
+    """The arguments of ``vllm bench serve`` for one run (``args``: :func:`workload_args`)."""
+    return ["--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions", "--model", model_dir,
+            "--tokenizer", model_dir, "--max-concurrency", str(concurrency), "--request-rate", "inf",
+            "--temperature", "0", "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el",
+            "--metric-percentiles", "50,99", "--num-warmups", "0", "--disable-tqdm", "--label", name,
+            "--save-result", "--save-detailed", "--result-dir", str(out_dir), "--result-filename", f"{name}.json",
+            *args]
+
+
+def client_prompts(model_dir: str, args: list[str]) -> list[list[int]]:
+    """The prompts one client run with workload arguments ``args`` sends, as token ids the way vLLM's completions
+    endpoint tokenizes them (special tokens added): built by vLLM's own ``get_samples`` from the arguments parsed
+    by ``vllm bench serve``'s parser, so they are the client's prompts, not a re-implementation of its dataset."""
+    import contextlib as _cl
+    import io as _io
+    import logging as _logging
+
+    from vllm.benchmarks.datasets import get_samples
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.tokenizers import get_tokenizer
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="vllm bench serve")
+    add_cli_args(parser)
+    ns = parser.parse_args(client_argv("http://127.0.0.1:1", model_dir, args, 1, Path("."), "seeds"))
+    tok = _tokenizer(model_dir, get_tokenizer)
+    quiet = _logging.getLogger("vllm")
+    level = quiet.level
+    quiet.setLevel(_logging.ERROR)  # its per-sample notes on re-encoded lengths
+    try:
+        with _cl.redirect_stdout(_io.StringIO()):
+            samples = get_samples(ns, tok)
+    finally:
+        quiet.setLevel(level)
+    return [tok(s.prompt).input_ids for s in samples]
+
+
+_TOKENIZERS: dict[str, object] = {}
+
+
+def _tokenizer(model_dir: str, get_tokenizer):
+    if model_dir not in _TOKENIZERS:
+        _TOKENIZERS[model_dir] = get_tokenizer(model_dir)
+    return _TOKENIZERS[model_dir]
+
+
+def random_seeds(p: dict, model_dir: str, concurrency: list[int], repeats: int) -> dict[tuple, int]:
+    """:func:`disjoint_seeds` for every ``random`` run of a pass (``repeats`` = runs per concurrency over all
+    rounds), with the prompts of :func:`client_prompts`."""
+    runs = [("random", c, r) for c in concurrency for r in range(repeats)]
+    return disjoint_seeds(runs, lambda key, seed: client_prompts(model_dir, workload_args(p, "random", seed, None)))
 
 
 def run_client(server: VllmServer, model_dir: str, args: list[str], concurrency: int, out_dir: Path, name: str,
                timeout_s: float) -> tuple[dict | None, str]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--client", "--",
-           "--backend", "vllm", "--base-url", server.url, "--endpoint", "/v1/completions", "--model", model_dir,
-           "--tokenizer", model_dir, "--max-concurrency", str(concurrency), "--request-rate", "inf",
-           "--temperature", "0", "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el",
-           "--metric-percentiles", "50,99", "--num-warmups", "0", "--disable-tqdm", "--label", name,
-           "--save-result", "--save-detailed", "--result-dir", str(out_dir), "--result-filename", f"{name}.json",
-           *args]
+           *client_argv(server.url, model_dir, args, concurrency, out_dir, name)]
     env = dict(os.environ)
     env.update(CLIENT_ENV)
     log = out_dir / f"{name}.client.log"
@@ -758,7 +841,7 @@ class ConfigServer:
         configurations that are up meanwhile (``--interleave``): their CPU seconds during the run are recorded as
         ``idle_cpu_s``, the proof that they did not compete with this one."""
         srv, out, args = self.srv, self.out, self.args
-        seed = run_seed(workload, c, r)
+        seed = run_seed(workload, c, r, getattr(args, "random_seeds", None))
         label = f"{workload}-c{c}-r{r}"
         if srv is None or not srv.alive():
             out["failures"].append({"run": label, "error": "server not running (exited "
@@ -769,6 +852,7 @@ class ConfigServer:
         st0 = settled_stats(self.cdir / "stats") if self.has_stats else None
         load0 = loadavg()
         cpu0 = cpu_seconds(srv.proc.pid)
+        zmq0 = cpu_seconds(self.zmq.proc.pid) if self.zmq is not None else None
         others0 = {o.name: cpu_seconds(o.srv.proc.pid) for o in idle if o.srv is not None}
         t0 = time.monotonic()
         res, err = run_client(srv, self.model_dir, workload_args(self.p, workload, seed, trace), c,
@@ -778,6 +862,8 @@ class ConfigServer:
         run = {"workload": workload, "concurrency": c, "repeat": r, "seed": seed,
                "wall_s": round(wall, 2), "load_before": load0, "load_after": loadavg(),
                "cpu_s": cpu_delta(cpu_seconds(srv.proc.pid), cpu0)}
+        if zmq0 is not None:  # the ``tierkv server`` process: a third process on the engine's CPUs
+            run["l3_server_cpu_s"] = cpu_delta(cpu_seconds(self.zmq.proc.pid), zmq0)["total"]
         if others0:
             run["idle_cpu_s"] = {o.name: cpu_delta(cpu_seconds(o.srv.proc.pid), others0[o.name])["total"]
                                  for o in idle if o.name in others0}
@@ -1392,18 +1478,21 @@ def runs_by_cell(c: dict, field: str) -> dict[tuple, list[dict]]:
 def cpu_table(data: dict) -> str:
     """CPU seconds the server's processes used per run, split by :func:`cpu_parts`, min-max over the runs of each
     (configuration, workload, concurrency); the last column is the tierkv threads' share of the total. Empty when
-    no run recorded ``cpu_s`` (results older than the field)."""
+    no run recorded ``cpu_s`` (results older than the field). The ``tierkv server`` column (ZMQ-L3 configurations,
+    runs that recorded ``l3_server_cpu_s``) is that process's CPU seconds in the run, not part of "all processes"."""
+    zmq = any(r.get("l3_server_cpu_s") is not None for c in data["configs"].values() for r in c["runs"])
     lines = ["| config | workload | conc | runs | all processes CPU s | vLLM worker | EngineCore | tierkv threads "
-             "(`tkv-*`) | tierkv threads / all |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "(`tkv-*`) | tierkv threads / all |" + (" `tierkv server` process |" if zmq else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if zmq else "")]
     for cname, c in data["configs"].items():
         for (wl, conc), runs in runs_by_cell(c, "cpu_s").items():
             parts = [cpu_parts(r["cpu_s"]) for r in runs]
             col = {k: [x[k] for x in parts] for k in parts[0]}
             share = [100 * x["tierkv_threads"] / x["total"] for x in parts if x["total"] > 0]
+            l3 = [r["l3_server_cpu_s"] for r in runs if r.get("l3_server_cpu_s") is not None]
             lines.append(f"| {cname} | {wl} | {conc} | {len(parts)} | {_span(col['total'])} | {_span(col['worker'])} | "
                          f"{_span(col['engine_core'])} | {_span(col['tierkv_threads'], 2)} | "
-                         f"{_span(share) + ' %' if share else '-'} |")
+                         f"{_span(share) + ' %' if share else '-'} |" + (f" {_span(l3, 2) if l3 else '-'} |" if zmq else ""))
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
@@ -1512,6 +1601,16 @@ RERUN_JSON = "serve_cpu_rerun.json"   # and serve_cpu_rerun_<name>.json: each a 
 SOAK_BASELINE_JSON = "serve_cpu_soak_none.json"
 
 
+def random_seed_text(data: dict) -> str:
+    """One sentence on how the ``random`` runs' seeds were chosen, for results that record ``random_seeds`` (empty
+    for older results, whose seeds were :func:`run_seed`'s alone)."""
+    seeds = data.get("random_seeds")
+    if not seeds:
+        return ""
+    return (f"\n`random` seeds ({', '.join(f'{k} {v}' for k, v in seeds.items())}) chosen by `disjoint_seeds`: no two "
+            "prompts of the pass share their first page, so no run reuses a prompt sent earlier to the same server.")
+
+
 def render_rerun(data: dict, json_name: str = RERUN_JSON) -> str:
     """The ``### re-run`` subsection: a second pass over fewer configurations, workloads and concurrencies with more
     rounds and repeats (its own result file), drawn with the same ratio and run tables as the full pass."""
@@ -1543,7 +1642,7 @@ Another pass, {sizes}; model preset `{p['preset']}`:
 Measured on tierkv commit `{results_check.short(data['code']['commit'])}` ({data['code'].get('source', '')}),
 {data['started_at']} -> {data['finished_at']}, results `results/{json_name}`: {cond['cpus']} vCPU ({cond['cpu']}),
 {allocator_text(cond)}, {loads}.
-{_repeat_text(sel)}{idle_text(data)}
+{_repeat_text(sel)}{idle_text(data)}{random_seed_text(data)}
 {data.get('readme_note') or ''}
 
 {ratio_table(data)}
@@ -1968,12 +2067,16 @@ def main(argv=None) -> int:
                 path = trace_gen.write_trace(work / "traces" / f"multiturn-c{c}-r{r}.jsonl", rows)
                 traces[(c, r)] = (path, rows)
                 trace_info[f"c{c}-r{r}"] = trace_gen.reuse_stats(rows)
+    args.random_seeds = {}
+    if "random" in args.workloads:  # prompts with no page in common, in a run and between runs
+        args.random_seeds = random_seeds(p, model_dir, args.concurrency, args.repeats * args.rounds)
     data = {"benchmark": SECTION, "quick": args.quick, "params": p, "started_at": started, "code": code,
             "conditions": conditions(), "run_dir": str(work.relative_to(REPO)),
             "selection": {"configs": args.configs, "workloads": args.workloads, "concurrency": args.concurrency,
                           "repeats": args.repeats, "rounds": args.rounds,
                           "order": "interleaved" if args.interleave else "rotated"},
-            "multiturn_traces": trace_info, "configs": {}, "readme_note": args.note}
+            "multiturn_traces": trace_info, "configs": {}, "readme_note": args.note,
+            "random_seeds": {f"c{c}-r{r}": v for (_, c, r), v in args.random_seeds.items()}}
     out = Path(args.out) if args.out else RESULTS / "serve_cpu.json"
     if args.interleave:
         for name, res in run_interleaved(p, args, model_dir, work, pythonpath, traces).items():

@@ -223,6 +223,15 @@ def test_the_cpu_table_splits_each_run_by_process_and_counts_tierkv_threads_wher
     assert rows[("none", "random", "8")] == ["1", "33.0", "30.0", "2.0", "0.00", "0.0 %"]
     assert ("tierkv_l3_file", "multiturn", "8") not in rows
     assert serve.cpu_table({"configs": {"none": {"runs": [{"workload": "random", "concurrency": 1}]}}}) == ""
+    # a ZMQ-L3 configuration's runs record the `tierkv server` process apart: one more column, "-" where absent
+    data["configs"]["tierkv_l3_zmq"] = {"runs": [dict(run("random", tk), l3_server_cpu_s=0.41),
+                                                 dict(run("random", tk2), l3_server_cpu_s=0.73)]}
+    lines = serve.cpu_table(data).splitlines()
+    assert lines[0].endswith("| `tierkv server` process |") and lines[1].count("---") == 10
+    rows = {tuple(c.strip() for c in line.split("|")[1:4]): [c.strip() for c in line.split("|")[4:-1]]
+            for line in lines[2:]}
+    assert rows[("tierkv_l3_zmq", "random", "8")][-1] == "0.41-0.73"
+    assert rows[("tierkv_l3_file", "random", "8")][-1] == "-"
 
 
 def test_hook_time_per_run_is_the_change_of_each_role_and_its_share_of_the_run(tmp_path):
@@ -429,3 +438,42 @@ def test_every_server_gets_tcmalloc_preloaded_or_the_allocator_named(monkeypatch
         serve.preload_env("tcmalloc")
     assert serve.allocator_text({"server_env": env}) == "TCMalloc preloaded"
     assert "no TCMalloc" in serve.allocator_text({"server_env": {}})
+
+
+def test_random_runs_get_seeds_whose_prompts_share_no_first_page_within_or_between_runs():
+    base = {key: serve.run_seed(*key) for key in [("random", 1, 0), ("random", 1, 1), ("random", 8, 0)]}
+    page = [[7] * 32, [8] * 32, [9] * 32, [10] * 32]
+
+    def prompts_of(key, seed):
+        if seed == base[("random", 1, 0)]:
+            return [page[0] + [1], page[1] + [2]]
+        if seed == base[("random", 1, 1)]:  # its first page was sent by run (1, 0)
+            return [page[1] + [3], page[2]]
+        if seed == base[("random", 8, 0)]:  # a page twice in the run itself
+            return [page[3] + [4], page[3] + [5]]
+        if seed == base[("random", 8, 0)] + serve.SEED_STEP:  # the first page differs in one token: disjoint
+            return [page[3], [10] * 31 + [11]]
+        return [page[2][:31] + [99]]  # (1, 1)'s next try; only its first 32 tokens count
+    got = serve.disjoint_seeds(list(base), prompts_of)
+    assert got == {("random", 1, 0): base[("random", 1, 0)],
+                   ("random", 1, 1): base[("random", 1, 1)] + serve.SEED_STEP,
+                   ("random", 8, 0): base[("random", 8, 0)] + serve.SEED_STEP}
+    assert serve.run_seed("random", 1, 1, got) == got[("random", 1, 1)]
+    assert serve.run_seed("multiturn", 1, 1, got) == serve.run_seed("multiturn", 1, 1)
+    assert serve.random_seed_text({}) == ""  # older results: their seeds were run_seed's
+    assert "c1-r1 102105" in serve.random_seed_text({"random_seeds": {"c1-r0": 2002, "c1-r1": 102105}})
+    with pytest.raises(RuntimeError, match="no seed among 3"):
+        serve.disjoint_seeds([("random", 1, 0), ("random", 1, 1)], lambda key, seed: [page[0]], tries=3)
+
+
+def test_client_prompts_are_what_vllm_bench_serve_sends_tokenized_as_the_server_does(tmp_path):
+    maker = serve._load("tierkv_make_tiny_model", REPO / "examples" / "make_tiny_model.py")
+    model = maker.make_model(tmp_path / "m", "test", quiet=True)
+    p = dict(serve.QUICK, rnd_num_prompts=3, rnd_input_len=64)
+    a = serve.client_prompts(model, serve.workload_args(p, "random", 5, None))
+    assert len(a) == 3 and all(len(t) == 64 for t in a)
+    assert a == serve.client_prompts(model, serve.workload_args(p, "random", 5, None))
+    b = serve.client_prompts(model, serve.workload_args(p, "random", 6, None))
+    assert [t[:32] for t in a] != [t[:32] for t in b]
+    # vLLM's random dataset: consecutive ids of its allowed (non-special) tokens from a random offset
+    assert all(t[2] - t[1] in (1, 1 - (maker.PRESETS["test"]["vocab_size"] - maker.NUM_SPECIAL)) for t in a)
