@@ -13,18 +13,39 @@
 k/v scales: vLLM 0.32 keeps per-tensor scales only, 1.0 or read from the checkpoint (no runtime calibration), so
 the model (part of the namespace) fixes them; pages are stored without them and decode identically wherever they
 load (checked through L2 and L3 here; no scale is stored, so none can be lost).
+
+vLLM's CPU attention takes an FP8 KV cache only on a CPU with AVX-512 or AMX; an AVX2-only CPU (one of the machines
+this suite runs on) refuses it at start-up. There the tests above cannot run, and the module checks instead what a
+user of such a machine sees: the engine with tierkv stops with vLLM's reason, not a tierkv error in its place. FP8
+pages are still checked on every machine by ``tests/unit/test_namespace_facts.py`` (namespaces, page bytes and
+bit-exact copies of uint8 KV tensors, with vLLM made to see an AVX-512 CPU).
 """
 import random
 from pathlib import Path
 
 import pytest
+import torch
 
-from _engine import in_parallel, run_job, stats_by_role, tierkv_kv_config
+from _engine import EngineRunError, in_parallel, run_job, stats_by_role, tierkv_kv_config
 
 P = 32
 L1_BLOCKS = 24
 L2_PAGES = 40
 MAX_TOKENS = 4
+HEAD_DIM = 32  # the test preset's head size (hidden 128 / 4 heads)
+
+
+def _vllm_takes_fp8_kv_here() -> bool:
+    """vLLM's own decision (its CPU attention's ISA choice) whether this CPU runs an FP8 KV cache."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    try:
+        _get_attn_isa(torch.bfloat16, P, HEAD_DIM, "fp8_e4m3")
+    except NotImplementedError:
+        return False
+    return True
+
+
+FP8_KV_HERE = _vllm_takes_fp8_kv_here()
 
 
 def _prompts():
@@ -46,6 +67,14 @@ def _engine(model, root, workdir, cache_dtype, workloads):
     return run_job(model, workloads, kv_transfer_config=tierkv_kv_config(cfg, load_failure_policy="recompute"),
                    num_gpu_blocks_override=L1_BLOCKS, max_tokens=MAX_TOKENS,
                    extra_engine_args={"kv_cache_dtype": cache_dtype}, workdir=workdir)
+
+
+if not FP8_KV_HERE:  # an AVX2-only CPU: the one check that can run here (see the module docstring)
+    def test_on_a_cpu_without_avx512_or_amx_an_fp8_engine_with_tierkv_stops_with_vllms_reason(tiny_model, tmp_path):
+        with pytest.raises(EngineRunError) as err:
+            _engine(tiny_model, tmp_path / "l3", tmp_path / "e4m3", "fp8_e4m3", [{"name": "first", "prompts": [[5] * P]}])
+        # vLLM's own reason (raised by its ISA choice, which tierkv's connector asks for its page namespace)
+        assert "NotImplementedError: FP8 KV cache on CPU requires x86 with AVX-512 or AMX." in str(err.value)
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +149,9 @@ def test_fp8_pages_are_half_the_bytes_of_bf16_pages(runs):
     assert rec["fp8_e4m3"][0] - header == rec["fp8_e5m2"][0] - header == pb["e4m3"]
     for k in ("bf16", "e4m3", "e5m2"):
         assert runs[k]["leaked_processes"] == 0
+
+
+if not FP8_KV_HERE:  # these need an engine that runs an FP8 cache (see the module docstring)
+    del (runs, test_fp8_e4m3_pages_from_l2_and_from_a_file_l3_equal_l1_reuse,
+         test_an_fp8_e5m2_engine_gets_no_hit_from_e4m3_or_bf16_pages_and_its_l2_hits_equal_l1_reuse,
+         test_fp8_pages_are_half_the_bytes_of_bf16_pages)

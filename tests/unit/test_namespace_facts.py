@@ -56,7 +56,10 @@ def _digest(model, **kw) -> bytes:
 
 
 def _amx(monkeypatch, on: bool):
+    """Make vLLM see a CPU with AVX-512, with or without AMX, whatever this machine has (vLLM's CPU backend takes an
+    FP8 KV cache only with one of them; an AVX2-only CPU refuses it, so the FP8 facts are those of such a CPU)."""
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: on)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: True)
 
 
 def _gpu(monkeypatch):
