@@ -16,6 +16,7 @@ from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
 from vllm.platforms import current_platform
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
+import vllm.v1.attention.backends.cpu_attn  # noqa: F401  loads vLLM's kernels for this CPU before _amx patches
 import tierkv.connector.page_hash as page_hash
 from fake_engine import P, FakeEngine, Req
 from tierkv.connector.config import ConfigError
@@ -56,8 +57,9 @@ def _digest(model, **kw) -> bytes:
 
 
 def _amx(monkeypatch, on: bool):
-    """Make vLLM see a CPU with AVX-512, with or without AMX, whatever this machine has (vLLM's CPU backend takes an
-    FP8 KV cache only with one of them; an AVX2-only CPU refuses it, so the FP8 facts are those of such a CPU)."""
+    """Make vLLM's ISA choice see a CPU with AVX-512, with or without AMX, whatever this machine has (vLLM's CPU
+    backend takes an FP8 KV cache only with one of them; an AVX2-only CPU refuses it, so the FP8 facts are those of
+    such a CPU). Its kernel library for this machine's CPU is loaded at the module's import, before any patch."""
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: on)
     monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: True)
 
