@@ -113,6 +113,8 @@ import urllib.request
 from pathlib import Path
 from typing import Optional
 
+from tierkv.engine_env import ALLOCATORS, preload_env  # noqa: F401  (ALLOCATORS: no_reuse_cost's choices too)
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 README = REPO / "benchmarks" / "README.md"
@@ -176,47 +178,6 @@ SERVER_ENV = {
     "TRANSFORMERS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
-ALLOCATORS = ("tcmalloc", "glibc")
-
-
-def tcmalloc_path(ldconfig_text: str | None = None) -> str | None:
-    """Path of TCMalloc's shared library (``libtcmalloc_minimal.so.4``, Debian's ``libtcmalloc-minimal4``, which
-    ``.ci/setup_env.sh`` installs) from the dynamic linker's cache (``ldconfig -p``, or ``ldconfig_text``), else
-    None."""
-    out = ldconfig_text
-    if out is None:
-        try:
-            out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=30).stdout
-        except (OSError, subprocess.SubprocessError):
-            out = ""
-    for name in ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"):
-        for line in out.splitlines():
-            if line.strip().startswith(name + " ") and "=>" in line:
-                return line.split("=>", 1)[1].strip()
-    return None
-
-
-def preload_env(allocator: str) -> dict:
-    """Environment that makes every vLLM server (and every in-process engine of ``no_reuse_cost.py``) use
-    ``allocator``: ``tcmalloc`` -> ``{"LD_PRELOAD": <tcmalloc_path()>}``, ``glibc`` -> ``{}``.
-
-    vLLM's CPU worker warns at start-up when TCMalloc is not preloaded, and its install guide sets it. With the C
-    library's malloc, the engine's per-step tensors of a few MiB come from the main heap, whose top is handed back
-    to the kernel and mapped again by page faults, as much or as little as the process's heap layout happens to
-    allow: an effect fixed for the life of an engine process, which repeats inside one process cannot average out
-    (measured in benchmarks/README.md, ``## no_reuse_cost``, ``### tcmalloc``).
-    Raises ValueError for an unknown allocator and RuntimeError when TCMalloc is asked for and not installed."""
-    if allocator not in ALLOCATORS:
-        raise ValueError(f"allocator {allocator!r}; allowed: {', '.join(ALLOCATORS)}")
-    if allocator == "glibc":
-        return {}
-    path = tcmalloc_path()
-    if path is None:
-        raise RuntimeError("--allocator tcmalloc: libtcmalloc_minimal.so.4 is not installed (make venv installs "
-                           "Debian's libtcmalloc-minimal4); pass --allocator glibc to measure without it")
-    return {"LD_PRELOAD": path}
-
-
 def allocator_text(cond: dict) -> str:
     """How a result's servers allocated memory, from its recorded ``server_env`` (for the README)."""
     pre = (cond.get("server_env") or {}).get("LD_PRELOAD", "")

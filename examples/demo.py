@@ -21,6 +21,8 @@ What it does:
    scheduler's ``l2_hit_tokens`` and ``ctl_l3_hit_tokens``, read from the stats files before and after each
    round), then pages saved, backed up and prefetched, and whether the completions match vLLM without tierkv.
 
+Both servers run with TCMalloc preloaded (``--allocator``, :mod:`tierkv.engine_env`), as vLLM's CPU backend asks.
+
 Run: ``make demo`` or ``.venv/bin/python examples/demo.py [--docs 6 --restart-docs 4 --l1-blocks 160]``.
 Server logs, stats files and the L3 store go to ``runs/demo-<time>/`` (git-ignored).
 """
@@ -46,6 +48,8 @@ from make_tiny_model import PRESETS, make_model  # noqa: E402
 
 import requests  # noqa: E402
 from tqdm import tqdm  # noqa: E402
+
+from tierkv.engine_env import ALLOCATORS, preload_env  # noqa: E402
 
 PRESET = "demo"
 BLOCK = 32
@@ -278,6 +282,9 @@ def main(argv=None) -> int:
                          "0 = no restart round)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the run without tierkv")
     ap.add_argument("--start-timeout", type=float, default=420.0, help="seconds to wait for /health")
+    ap.add_argument("--allocator", choices=ALLOCATORS, default="tcmalloc",
+                    help="memory allocator of both servers: tcmalloc (preloaded, as vLLM's CPU backend asks; the "
+                         "default, glibc with a note where it is not installed) or glibc")
     args = ap.parse_args(argv)
     if not 0 <= args.restart_docs <= args.docs:
         ap.error(f"--restart-docs must be between 0 and --docs ({args.docs})")
@@ -287,6 +294,10 @@ def main(argv=None) -> int:
     l3_dir = run_dir / "l3"
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"tierkv demo: logs, stats and the L3 file store in {run_dir}")
+    try:  # both servers alike, so the comparison does not depend on each process's heap layout
+        SERVER_ENV.update(preload_env(args.allocator))
+    except RuntimeError as e:
+        print(f"note: {e}; the servers use the C library's malloc")
     model_dir = make_model(None, PRESET)
     vocab = PRESETS[PRESET]["vocab_size"]
     max_model_len = min(4096, (args.l1_blocks - 1) * BLOCK)

@@ -422,18 +422,20 @@ def test_every_tierkv_configuration_is_a_valid_connector_config(name, tmp_path):
 
 
 def test_every_server_gets_tcmalloc_preloaded_or_the_allocator_named(monkeypatch, tmp_path):
+    from tierkv import engine_env
     ldconfig = ("\tlibtcmalloc_minimal_debug.so.4 (libc6,x86-64) => /lib/x86_64-linux-gnu/libtcmalloc_minimal_debug.so.4\n"
                 "\tlibtcmalloc_minimal.so.4 (libc6,x86-64) => /lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4\n")
-    assert serve.tcmalloc_path(ldconfig) == "/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
-    assert serve.tcmalloc_path("\tlibc.so.6 (libc6,x86-64) => /lib/x86_64-linux-gnu/libc.so.6\n") is None
+    assert engine_env.tcmalloc_path(ldconfig) == "/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+    assert engine_env.tcmalloc_path("\tlibc.so.6 (libc6,x86-64) => /lib/x86_64-linux-gnu/libc.so.6\n") is None
     lib = tmp_path / "libtcmalloc_minimal.so.4"
-    monkeypatch.setattr(serve, "tcmalloc_path", lambda: str(lib))
+    monkeypatch.setattr(engine_env, "tcmalloc_path", lambda: str(lib))
+    assert serve.preload_env is engine_env.preload_env  # the benchmarks' servers and the demo's: one owner
     env = serve.preload_env("tcmalloc")
     assert env == {"LD_PRELOAD": str(lib)}
     assert serve.preload_env("glibc") == {}
     with pytest.raises(ValueError, match="allowed: tcmalloc, glibc"):
         serve.preload_env("jemalloc")
-    monkeypatch.setattr(serve, "tcmalloc_path", lambda: None)
+    monkeypatch.setattr(engine_env, "tcmalloc_path", lambda: None)
     with pytest.raises(RuntimeError, match="--allocator glibc"):
         serve.preload_env("tcmalloc")
     assert serve.allocator_text({"server_env": env}) == "TCMalloc preloaded"
