@@ -92,6 +92,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -570,37 +571,32 @@ def client_prompts(model_dir: str, args: list[str]) -> list[list[int]]:
     """The prompts one client run with workload arguments ``args`` sends, as token ids the way vLLM's completions
     endpoint tokenizes them (special tokens added): built by vLLM's own ``get_samples`` from the arguments parsed
     by ``vllm bench serve``'s parser, so they are the client's prompts, not a re-implementation of its dataset."""
-    import contextlib as _cl
-    import io as _io
-    import logging as _logging
+    import logging
 
     from vllm.benchmarks.datasets import get_samples
     from vllm.benchmarks.serve import add_cli_args
-    from vllm.tokenizers import get_tokenizer
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = FlexibleArgumentParser(prog="vllm bench serve")
     add_cli_args(parser)
     ns = parser.parse_args(client_argv("http://127.0.0.1:1", model_dir, args, 1, Path("."), "seeds"))
-    tok = _tokenizer(model_dir, get_tokenizer)
-    quiet = _logging.getLogger("vllm")
+    tok = _tokenizer(model_dir)
+    quiet = logging.getLogger("vllm")
     level = quiet.level
-    quiet.setLevel(_logging.ERROR)  # its per-sample notes on re-encoded lengths
+    quiet.setLevel(logging.ERROR)  # its per-sample notes on re-encoded lengths
     try:
-        with _cl.redirect_stdout(_io.StringIO()):
+        with contextlib.redirect_stdout(io.StringIO()):
             samples = get_samples(ns, tok)
     finally:
         quiet.setLevel(level)
     return [tok(s.prompt).input_ids for s in samples]
 
 
-_TOKENIZERS: dict[str, object] = {}
-
-
-def _tokenizer(model_dir: str, get_tokenizer):
-    if model_dir not in _TOKENIZERS:
-        _TOKENIZERS[model_dir] = get_tokenizer(model_dir)
-    return _TOKENIZERS[model_dir]
+@functools.lru_cache(maxsize=4)
+def _tokenizer(model_dir: str):
+    """vLLM's tokenizer of ``model_dir``, loaded once per process."""
+    from vllm.tokenizers import get_tokenizer
+    return get_tokenizer(model_dir)
 
 
 def random_seeds(p: dict, model_dir: str, concurrency: list[int], repeats: int) -> dict[tuple, int]:
