@@ -47,6 +47,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from tierkv.engine_env import ALLOCATORS, preload_env
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "no_reuse_cost.json"
 README = REPO / "benchmarks" / "README.md"
@@ -386,9 +388,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     ap.add_argument("--l3-root", default=None, help="directory for the file L3 records (default: the run's own "
                     "directory under runs/): e.g. a mount of another filesystem")
-    ap.add_argument("--allocator", choices=_serve_cpu().ALLOCATORS, default="tcmalloc",
+    ap.add_argument("--allocator", choices=ALLOCATORS, default="tcmalloc",
                     help="memory allocator of every engine: tcmalloc (preloaded, as vLLM's CPU backend asks; default) "
-                    "or glibc (serve_cpu.preload_env)")
+                    "or glibc (tierkv.engine_env.preload_env)")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--no-readme", action="store_true")
     ap.add_argument("--readme-from", default=None, help="rewrite the README section from a result file and exit")
@@ -408,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--configs: {bad or 'none missing'}; allowed {', '.join(CONFIGS)} (none is the reference)")
     sc = _serve_cpu()
     try:
-        sc.SERVER_ENV.update(sc.preload_env(args.allocator))  # every engine of this run (recorded in conditions)
+        sc.SERVER_ENV.update(preload_env(args.allocator))  # every engine of this run (recorded in conditions)
     except RuntimeError as e:
         ap.error(str(e))
     p = sc.FULL

@@ -114,7 +114,7 @@ import urllib.request
 from pathlib import Path
 from typing import Optional
 
-from tierkv.engine_env import ALLOCATORS, preload_env  # noqa: F401  (ALLOCATORS: no_reuse_cost's choices too)
+from tierkv.engine_env import ALLOCATORS, preload_env
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
