@@ -134,7 +134,7 @@ def child(spec: dict, commands, replies) -> None:
     from vllm.inputs import TokensPrompt
 
     kvc = spec["kv_config"]
-    llm = LLM(model=spec["model"], dtype="bfloat16", block_size=spec["block"],
+    llm = LLM(model=spec["model"], dtype=spec.get("dtype", "bfloat16"), block_size=spec["block"],
               num_gpu_blocks_override=spec["l1_blocks"], max_model_len=spec["max_model_len"],
               enable_prefix_caching=True, enforce_eager=True, max_num_seqs=8, seed=0,
               kv_transfer_config=KVTransferConfig(**kvc) if kvc else None)
@@ -273,7 +273,8 @@ def render(data: dict) -> str:
              "`benchmarks/no_reuse_cost.py` (issue 19, \"without reuse >= 0.97x no connector\"): what each "
              "configuration costs an engine it cannot help, in-process (vLLM's offline `LLM`, "
              "`VLLM_ENABLE_V1_MULTIPROCESSING=0`, one process per configuration), with the `serve_cpu` full pass's model "
-             f"(`{a['preset']}`), L1 ({a['l1_blocks']} blocks of {a['block']} tokens) and tierkv configurations. "
+             f"(`{a['preset']}`, {a.get('dtype', 'bfloat16')}), L1 ({a['l1_blocks']} blocks of {a['block']} tokens) "
+             "and tierkv configurations. "
              f"Phase `c1`: {a['c1_prompts']} prompts one after the other; phase `c8`: {a['c8_prompts']} prompts in "
              f"one call, `max_num_seqs` 8; every prompt {a['input_len']} random tokens (no shared prefix), "
              f"{a['output_len']} output tokens, greedy. Every configuration's engine is started once (start-up "
@@ -385,6 +386,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--c8-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=1088)
     ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                    help="the engines' model and KV cache dtype (vLLM's --dtype): float32 where the CPU lacks "
+                         "AVX-512 and its bf16 forward is ~10x slower, so that tierkv's fixed costs show")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     ap.add_argument("--l3-root", default=None, help="directory for the file L3 records (default: the run's own "
                     "directory under runs/): e.g. a mount of another filesystem")
@@ -428,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
             "note": args.note}
     spec = {"model": str(model_dir), "block": sc.BLOCK, "l1_blocks": p["l1_blocks"],
             "max_model_len": p["max_model_len"], "vocab": vocab, "input_len": args.input_len,
-            "output_len": args.output_len, "c1_prompts": args.c1_prompts, "c8_prompts": args.c8_prompts}
+            "output_len": args.output_len, "dtype": args.dtype, "c1_prompts": args.c1_prompts, "c8_prompts": args.c8_prompts}
     children: dict[str, Child] = {}
     data["startup_s"] = {}
     try:
