@@ -297,6 +297,9 @@ class StepPlan:
     #: prompt tokens the engine computes in this step (the workers time the forward of steps with enough of them:
     #: the controller's recompute estimate)
     prefill_tokens: int = 0
+    #: the workers hand their counter deltas to vLLM's metrics after this step (the scheduler side sets it about every
+    #: ``STATS_EVERY_S`` of :mod:`tierkv.connector.vllm_connector`; False: they accumulate until a plan that says so)
+    emit_stats: bool = True
 
     def is_empty(self) -> bool:
         return not (self.loads or self.saves or self.jobs or self.recomputed or self.failed_blocks

@@ -83,7 +83,10 @@ class ConnectorPlan(StepPlan, KVConnectorMetadata):
     @classmethod
     def of(cls, plan: StepPlan) -> "ConnectorPlan":
         """The same plan as vLLM metadata: every field of :class:`StepPlan`, so a new field is never dropped."""
-        return cls(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(StepPlan)})
+        return cls(**{name: getattr(plan, name) for name in _PLAN_FIELDS})
+
+
+_PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(StepPlan))  # (read once: ``fields`` is slow, ``of`` runs every step)
 
 
 _hook_log = None
@@ -380,6 +383,14 @@ SCHEDULER_EXISTS_TIMEOUT_S = 0.05
 #: longer ends in the next step, as without the wait)
 STEP_READ_WAIT_FRACTION = 0.25
 
+#: seconds between two hand-overs of counter deltas to vLLM's metrics (:meth:`TierKVConnector.get_kv_connector_stats`,
+#: both roles). A hand-over snapshots every counter of the role and diffs it against the previous one; vLLM calls the
+#: hook every step, its loggers read the result every few seconds. In the steps between, the hook returns None and the
+#: increases accumulate (nothing is lost); steps without a scheduled request (the engine draining) always hand over,
+#: and an engine that goes idle in between is kept stepping once more so that the workers hand over theirs
+#: (:meth:`TierKVConnector.has_pending_push_work`).
+STATS_EVERY_S = 0.1
+
 
 def scheduler_exists(l3_cfg, digests: list, page_bytes: int):
     """``(exists, stores)`` answering "how many leading page keys are in L3 under every one of ``digests``" in the
@@ -545,6 +556,10 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._param_errors: dict[str, str] = {}  # request -> why its kv_transfer_params["tierkv"] was refused
         self._fwd: Optional[tuple[int, int, float]] = None   # worker: (step, prompt tokens, start) of this forward
         self._forwards: list[tuple[int, int, float]] = []      # worker: timed forwards not reported yet
+        self._clock = time.perf_counter  # seconds; the counter hand-overs' clock (tests replace it)
+        self._stats_due = 0.0           # scheduler: ``_clock`` time of its next counter hand-over (STATS_EVERY_S)
+        self._plan_stats_due = 0.0      # scheduler: same for the workers, ordered through the plan (emit_stats)
+        self._worker_stats_owed = False  # scheduler: the last plan told the workers to hold their deltas back
         if role == KVConnectorRole.SCHEDULER:
             from .scheduler import CacheScheduler
             if self.num_slots == 0:
@@ -670,9 +685,15 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     @_timed_hook
     def get_kv_connector_stats(self) -> Optional[TierKVStats]:
-        """Counter increases, changed gauges and L3 latency samples since the previous call (both roles; vLLM sums
-        the workers'), see :mod:`tierkv.connector.vllm_metrics`."""
+        """Counter increases, changed gauges and L3 latency samples since the previous hand-over (both roles; vLLM
+        sums the workers'), see :mod:`tierkv.connector.vllm_metrics`; None in the steps between two hand-overs
+        (:data:`STATS_EVERY_S`): the scheduler side hands over once that time has passed or when it has no request
+        left, a worker when the step's plan says so (``StepPlan.emit_stats``, or no plan bound)."""
         if self._sched is not None:
+            now = self._clock()
+            if now < self._stats_due and self._sched.has_requests():
+                return None
+            self._stats_due = now + STATS_EVERY_S
             snap = self._sched.stats()
             self._stats.maybe_write(data=dict(snap))   # the stats file, from the same snapshot (once a step)
             snap.update(scheduler_gauges(snap))
@@ -684,6 +705,9 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             for tier, v in self._sched.lookup_stats.take_samples().items():
                 lat[tiers[tier]] = v
             return self._deltas.take(snap, lat or None)
+        plan = getattr(self, "_connector_metadata", None)
+        if isinstance(plan, StepPlan) and not plan.emit_stats:
+            return None
         snap = self._worker_stats()
         lat = None
         l3 = self._worker.l3 if self._worker is not None else None
@@ -801,6 +825,11 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         meta = ConnectorPlan.of(sched.build_plan())
         meta.prefill_tokens = sum(self._prompt_tokens(rid, done, after - done) for rid, after, _b in todo
                                   for done in [after - n_sched.get(rid, 0)])
+        now = self._clock()
+        meta.emit_stats = not todo or now >= self._plan_stats_due  # (STATS_EVERY_S; a step without requests: always)
+        if meta.emit_stats:
+            self._plan_stats_due = now + STATS_EVERY_S
+        self._worker_stats_owed = not meta.emit_stats
         return meta
 
     def _prompt_tokens(self, rid: str, computed: int, scheduled: int) -> int:
@@ -898,9 +927,11 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         report arrives only with a step's output, and until then it pins L2 pages and slots. Without this an engine
         that went idle right after a burst kept them pinned until the next request (docs/architecture.md §4). A job
         out longer than ``controller.shutdown_drain_s`` no longer counts: vLLM's shutdown waits for this too, and a
-        store that stalls must not hold it up."""
+        store that stalls must not hold it up. Also one step more when the engine has no request left and the last
+        plan told the workers to hold their counter deltas back (:data:`STATS_EVERY_S`): that step hands them over."""
         try:
-            return self._sched is not None and self._sched.pins_pending()
+            return self._sched is not None and (self._sched.pins_pending()
+                                                or (self._worker_stats_owed and not self._sched.has_requests()))
         except Exception as e:
             _hook_error(self._sched.counters, "has_pending_push_work", e)
             return False

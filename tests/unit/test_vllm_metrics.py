@@ -284,3 +284,78 @@ def test_a_counters_file_that_cannot_be_written_at_shutdown_is_a_warning(tmp_pat
         f.close()
     assert any("cannot write the counters file" in r.getMessage() and "scheduler.json" in r.getMessage()
                for r in caplog.records), caplog.text
+
+
+def test_counter_deltas_go_to_vllm_once_per_interval_and_none_is_lost(tmp_path, monkeypatch):
+    """vLLM asks both roles for their counter deltas every step; building them snapshots every counter, which took
+    as long as all of tierkv's other hooks of a decode step together. Now they are handed over once per
+    ``STATS_EVERY_S`` (the scheduler side decides, and tells the workers through the plan's ``emit_stats``); in the
+    steps between both roles return None and the increases accumulate: the next hand-over carries them all. A step
+    without a scheduled request always hands over, and an engine that goes idle while the workers hold deltas back is
+    kept stepping once more (``has_pending_push_work``) so that they hand them over."""
+    from types import SimpleNamespace
+
+    from tierkv.connector.plan import PageOrder
+    from tierkv.connector.vllm_connector import STATS_EVERY_S, ConnectorPlan
+    from vllm_parts import BLOCK, SCHEDULER, connector, worker_connector, write_model
+    monkeypatch.setenv("TIERKV_LEDGER_DIR", str(tmp_path))
+    model = write_model(tmp_path / "model")
+    s = connector(model, SCHEDULER, {"host_pool.num_pages": 8})
+    now = [100.0]
+    s._clock = lambda: now[0]
+
+    def req(rid, base):
+        return SimpleNamespace(request_id=rid, all_token_ids=list(range(base, base + 2 * BLOCK + 1)),
+                               lora_request=None, cache_salt=None, kv_transfer_params=None,
+                               skip_reading_prefix_cache=False, num_prompt_tokens=2 * BLOCK + 1)
+
+    def step(running):
+        return s.build_connector_meta(SimpleNamespace(
+            preempted_req_ids=[], num_scheduled_tokens={r: 1 for r in running}, kv_connector_block_state=None,
+            scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=list(running),
+                                                                         num_computed_tokens=[2 * BLOCK + 1] * len(running)),
+            scheduled_spec_decode_tokens={}))
+
+    def lookup(r):
+        s.on_new_request(r)
+        assert s.get_num_new_matched_tokens(r, 0) == (0, False)   # a miss: 2 pages of lookup_miss_tokens
+        s.update_state_after_alloc(r, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3],)), 0)
+
+    lookup(req("a", 1000))
+    assert step(["a"]).emit_stats and s.get_kv_connector_stats().data["lookup_miss_tokens"] == 2 * BLOCK
+    now[0] += STATS_EVERY_S / 4
+    lookup(req("b", 5000))
+    assert not step(["a", "b"]).emit_stats and s.get_kv_connector_stats() is None   # inside the interval
+    assert not s.has_pending_push_work()                                           # requests still run
+    now[0] += STATS_EVERY_S
+    assert step(["a", "b"]).emit_stats
+    assert s.get_kv_connector_stats().data["lookup_miss_tokens"] == 2 * BLOCK       # b's, held back one step
+    now[0] += STATS_EVERY_S / 4
+    assert not step(["a", "b"]).emit_stats
+    lookup(req("c", 9000))
+    assert s.get_kv_connector_stats() is None
+    for rid, base in (("a", 1000), ("b", 5000), ("c", 9000)):
+        s.request_finished(req(rid, base), [1, 2])
+    assert s.has_pending_push_work()              # idle, with the workers' deltas of that last plan held back
+    assert s.get_kv_connector_stats().data["lookup_miss_tokens"] == 2 * BLOCK   # no request left: at once
+    assert step([]).emit_stats                    # the extra step: the workers hand over theirs
+    assert not s.has_pending_push_work()
+
+    w, _l1 = worker_connector(model, {"host_pool.num_pages": 8})
+
+    def worker_step(plan):
+        w.bind_connector_metadata(plan)
+        w.start_load_kv(None)
+        w.wait_for_save()
+        got = w.get_kv_connector_stats()
+        w.clear_connector_metadata()
+        return got
+
+    def save(n, slot, emit):
+        return ConnectorPlan(step=n, emit_stats=emit, saves=[PageOrder("a", [n], [slot], [bytes([n]) * 16])])
+
+    page = w.page_bytes
+    assert worker_step(save(1, 1, True)).data["save_bytes"] == page
+    assert worker_step(save(2, 2, False)) is None
+    assert worker_step(save(3, 3, False)) is None
+    assert worker_step(save(4, 4, True)).data["save_bytes"] == 3 * page             # steps 2-4
