@@ -170,6 +170,9 @@ CONFIG_TEXT = {
 ZMQ_L3_CAPACITY = {"tierkv_l3_zmq": "4GiB", "tierkv_l3_zmq_full": FULL_L3_BYTES}
 
 #: Environment of every vLLM server (as tests/e2e/_engine.py DEFAULT_ENV).
+#: the servers' ``--dtype`` (model weights and KV cache); ``--dtype`` of this script sets it for a run
+SERVER_DTYPE = ["bfloat16"]
+
 SERVER_ENV = {
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",   # same compute threads with and without a connector
     "VLLM_CPU_KVCACHE_SPACE": "1",         # GiB; --num-gpu-blocks-override sets the real L1 size
@@ -179,10 +182,15 @@ SERVER_ENV = {
     "TRANSFORMERS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
+
+
 def allocator_text(cond: dict) -> str:
-    """How a result's servers allocated memory, from its recorded ``server_env`` (for the README)."""
+    """How a result's servers allocated memory, from its recorded ``server_env``, and their dtype where it is not
+    bfloat16 (``server_dtype``; for the README)."""
     pre = (cond.get("server_env") or {}).get("LD_PRELOAD", "")
-    return "TCMalloc preloaded" if "tcmalloc" in pre else "the C library's malloc (no TCMalloc)"
+    text = "TCMalloc preloaded" if "tcmalloc" in pre else "the C library's malloc (no TCMalloc)"
+    dtype = cond.get("server_dtype", "bfloat16")
+    return text if dtype == "bfloat16" else f"{text}, model and KV cache in {dtype}"
 
 
 #: Environment of every client (timed_trace draws each chunk's tokens from a seed made by Python's hash())
@@ -238,6 +246,7 @@ def conditions() -> dict:
             return "?"
     return {"cpu": results_check.cpu_model(), "cpus": os.cpu_count(), "isa": _isa(), "python": platform.python_version(),
             "torch": ver("torch"), "vllm_cpu": ver("vllm-cpu"), "server_env": dict(SERVER_ENV),
+            "server_dtype": SERVER_DTYPE[0],
             "client_env": dict(CLIENT_ENV)}
 
 
@@ -307,7 +316,7 @@ class VllmServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-                    "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16",
+                    "--host", "127.0.0.1", "--port", str(self.port), "--dtype", SERVER_DTYPE[0],
                     "--block-size", str(BLOCK), "--num-gpu-blocks-override", str(l1_blocks),
                     "--max-model-len", str(max_model_len), "--enable-prefix-caching", "--enforce-eager",
                     "--max-num-seqs", "16", "--seed", "0", "--uvicorn-log-level", "warning"]
@@ -1949,6 +1958,9 @@ def main(argv=None) -> int:
                     f"{SOAK['concurrency']} through tierkv_l3_zmq with {SOAK['fault_fraction'] * 100:.0f}%% injected L3 "
                     f"faults and one SIGKILL + restart of the ZMQ server at half; writes results/{SOAK_JSON} "
                     "(--out) and the README's ### soak subsection; exit code 1 if a check fails")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                    help="the servers' --dtype (model and KV cache): float32 where the CPU lacks AVX-512 and its bf16 "
+                         "forward is ~10x slower, so that tierkv's fixed costs show as on a faster one")
     ap.add_argument("--allocator", choices=ALLOCATORS, default="tcmalloc",
                     help="memory allocator of every server: tcmalloc (preloaded, as vLLM's CPU backend asks; "
                     "default) or glibc")
@@ -1983,6 +1995,7 @@ def main(argv=None) -> int:
         print(f"updated the {SECTION} section of {README}")
         return 0
 
+    SERVER_DTYPE[0] = args.dtype
     try:
         SERVER_ENV.update(preload_env(args.allocator))  # every server of this run (recorded in conditions)
     except RuntimeError as e:
