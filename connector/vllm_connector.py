@@ -902,6 +902,10 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         """Release the request's lock; ``(True, ...)`` (vLLM keeps the blocks) only while the workers have not named
         its L3 load as ended, else ``(False, ...)``; the dict (the response's ``kv_transfer_params``) is None, or
         ``{"tierkv_error": ...}`` when the request's tierkv controls were refused."""
+        return self._request_finished(request)
+
+    def _request_finished(self, request: "Request") -> tuple[bool, Optional[dict]]:
+        """:meth:`request_finished`'s work, untimed (so :meth:`request_finished_all_groups` does not count it twice)."""
         try:
             delay = self._sched.on_finished(request.request_id)
         except Exception as e:  # the blocks go back at once: the workers never copy into a finished request's blocks
@@ -918,8 +922,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, Optional[dict]]:
         """vLLM's ``SupportsHMA`` hook, called instead of :meth:`request_finished` with one block list per KV cache
         group: the same answer (tierkv's pages were saved when computed, nothing is read from the blocks now)."""
-        ref = block_ids[self.ref_group] if len(block_ids) > self.ref_group else []
-        return self.request_finished(request, list(ref))
+        return self._request_finished(request)
 
     @_timed_hook
     def has_pending_push_work(self) -> bool:
@@ -1093,6 +1096,10 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         forward, next to nothing): a read that ends within that time is named finished now, and its request is
         scheduled in the next step instead of the one after (the wait delays every request of the step, once per
         read; a further step would cost the waiting request a whole forward)."""
+        return self._finished(finished_req_ids)
+
+    def _finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
+        """:meth:`get_finished`'s work, untimed (so :meth:`get_transfer_results` does not count it twice)."""
         if self._worker is None:
             return None, None
         try:
@@ -1109,7 +1116,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """:meth:`get_finished` as vLLM's transfer results; with several KV cache groups also the requests whose
         (asynchronous) load failed, as ``failed_recving`` (and ended): vLLM recomputes them."""
-        sending, recving = self.get_finished(finished_req_ids)
+        sending, recving = self._finished(finished_req_ids)
         failed: set[str] = set()
         if self._worker is not None and self.hybrid:
             try:

@@ -359,3 +359,26 @@ def test_counter_deltas_go_to_vllm_once_per_interval_and_none_is_lost(tmp_path, 
     assert worker_step(save(2, 2, False)) is None
     assert worker_step(save(3, 3, False)) is None
     assert worker_step(save(4, 4, True)).data["save_bytes"] == 3 * page             # steps 2-4
+
+
+def test_a_hook_that_calls_another_counts_its_time_once(tmp_path, monkeypatch):
+    """``get_transfer_results`` (what vLLM calls) runs ``get_finished``'s work and ``request_finished_all_groups``
+    runs ``request_finished``'s: both inner hooks were timed too, so their time was added to ``hook_seconds`` twice
+    and each such call counted as two in ``hook_calls``."""
+    from types import SimpleNamespace
+
+    from vllm_parts import SCHEDULER, connector, worker_connector, write_model
+    monkeypatch.setenv("TIERKV_LEDGER_DIR", str(tmp_path))
+    model = write_model(tmp_path / "model")
+    w, _l1 = worker_connector(model, {"host_pool.num_pages": 8})
+    c = w._worker.counters
+    calls = c.hook_calls
+    w.get_transfer_results(set())
+    assert c.hook_calls == calls + 1
+    s = connector(model, SCHEDULER, {"host_pool.num_pages": 8})
+    r = SimpleNamespace(request_id="a", all_token_ids=list(range(70)), lora_request=None, cache_salt=None,
+                        kv_transfer_params=None, skip_reading_prefix_cache=False, num_prompt_tokens=70)
+    s.on_new_request(r)
+    calls = s._sched.counters.hook_calls
+    assert s.request_finished_all_groups(r, ([1, 2, 3],)) == (False, None)
+    assert s._sched.counters.hook_calls == calls + 1 and not s._sched.has_requests()
