@@ -420,10 +420,18 @@ _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 _DROP_LABELS = {"engine", "model_name"}
 
 
+#: vLLM's per-request phase histograms whose ``_sum`` and ``_count`` :func:`parse_metrics` keeps (seconds): where a
+#: request's time went (:func:`phase_means_ms`)
+PHASE_HISTOGRAMS = {"queue": "vllm:request_queue_time_seconds", "prefill": "vllm:request_prefill_time_seconds",
+                    "decode": "vllm:request_decode_time_seconds", "ttft": "vllm:time_to_first_token_seconds"}
+
+
 def parse_metrics(text: str) -> dict[str, float]:
     """vLLM's Prometheus text -> {name or name{label=value,...}: value}, summed over engines/models. Keeps the
-    counters (``*_total``) and tierkv's gauges; histogram buckets and ``*_created`` are left out."""
+    counters (``*_total``), tierkv's gauges and the ``_sum`` / ``_count`` of :data:`PHASE_HISTOGRAMS`; other
+    histograms' samples and ``*_created`` are left out."""
     out: dict[str, float] = {}
+    phases = {h + suffix for h in PHASE_HISTOGRAMS.values() for suffix in ("_sum", "_count")}
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
@@ -431,6 +439,9 @@ def parse_metrics(text: str) -> dict[str, float]:
         if not m:
             continue
         name, labels, value = m.group(1), m.group(3) or "", m.group(4)
+        if name in phases:
+            out[name] = out.get(name, 0.0) + float(value)
+            continue
         if not name.startswith("vllm:") or name.endswith(("_bucket", "_created", "_sum", "_count")):
             continue
         if not (name.endswith("_total") or name.startswith("vllm:tierkv_")):
@@ -441,6 +452,18 @@ def parse_metrics(text: str) -> dict[str, float]:
             out[key] = out.get(key, 0.0) + float(value)
         except ValueError:
             continue
+    return out
+
+
+def phase_means_ms(delta: dict) -> dict[str, float]:
+    """Mean milliseconds per request of each of :data:`PHASE_HISTOGRAMS` over a run (its metrics delta: sums over
+    counts); a phase without samples is left out. vLLM's queue time runs from arrival to the first scheduling, its
+    prefill time from there to the first token, its TTFT as its front end sees it."""
+    out = {}
+    for phase, h in PHASE_HISTOGRAMS.items():
+        n = delta.get(h + "_count", 0.0)
+        if n:
+            out[phase] = round(1e3 * delta.get(h + "_sum", 0.0) / n, 1)
     return out
 
 
@@ -678,6 +701,7 @@ def summarise_run(res: dict, delta: dict, trace_rows: list[dict] | None) -> dict
         first = [t * 1e3 for t, r in zip(ttfts, trace_rows) if r["turn"] == 1 and t]
         row["ttft_p50_first_turn_ms"] = _p(first, 0.5)
         row["ttft_p50_later_turns_ms"] = _p(later, 0.5)
+    row["phase_means_ms"] = phase_means_ms(delta)
     row["metrics_delta"] = delta
     return row
 

@@ -55,6 +55,8 @@ vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 3
 vllm:tierkv_hit_tokens_total{engine="0",model_name="m",tier="L3"} 96.0
 vllm:tierkv_l2_used_pages{engine="0",model_name="m"} 12.0
 vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1",model_name="m"} 2.0
+vllm:request_queue_time_seconds_sum{engine="0",model_name="m"} 0.5
+vllm:request_queue_time_seconds_count{engine="0",model_name="m"} 4.0
 vllm:num_requests_running{engine="0",model_name="m"} 1.0
 """
 
@@ -62,10 +64,15 @@ vllm:num_requests_running{engine="0",model_name="m"} 1.0
 def test_metrics_are_summed_over_engines_and_keep_other_labels():
     m = serve.parse_metrics(PROM)
     assert m == {"vllm:prefix_cache_hits_total": 96.0, "vllm:request_success_total{finished_reason=length}": 3.0,
-                 "vllm:tierkv_hit_tokens_total{tier=L3}": 96.0, "vllm:tierkv_l2_used_pages": 12.0}
+                 "vllm:tierkv_hit_tokens_total{tier=L3}": 96.0, "vllm:tierkv_l2_used_pages": 12.0,
+                 "vllm:request_queue_time_seconds_sum": 0.5, "vllm:request_queue_time_seconds_count": 4.0}
     assert serve.metric(m, "vllm:request_success_total") == 3.0
-    later = dict(m, **{"vllm:prefix_cache_hits_total": 160.0, "vllm:tierkv_l2_used_pages": 20.0})
-    assert serve.deltas(later, m) == {"vllm:prefix_cache_hits_total": 64.0, "vllm:tierkv_l2_used_pages": 20.0}
+    later = dict(m, **{"vllm:prefix_cache_hits_total": 160.0, "vllm:tierkv_l2_used_pages": 20.0,
+                       "vllm:request_queue_time_seconds_sum": 0.9, "vllm:request_queue_time_seconds_count": 6.0})
+    d = serve.deltas(later, m)
+    assert d == {"vllm:prefix_cache_hits_total": 64.0, "vllm:tierkv_l2_used_pages": 20.0,
+                 "vllm:request_queue_time_seconds_sum": 0.4, "vllm:request_queue_time_seconds_count": 2.0}
+    assert serve.phase_means_ms(d) == {"queue": 200.0}   # 0.4 s over the run's 2 requests
 
 
 def _committed():
