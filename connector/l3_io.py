@@ -366,6 +366,11 @@ class L3IO:
             out, self._reports = self._reports, []
         return out
 
+    def has_reports(self) -> bool:
+        """Whether a report waits for :meth:`take_reports` (read without the lock: a report added meanwhile is seen
+        by the next call)."""
+        return bool(self._reports)
+
     def pending(self) -> int:
         """Jobs queued or running, plus prefetches whose request side has not ended."""
         with self._lock:
@@ -643,6 +648,9 @@ class NoL3:
     def take_reports(self) -> list[JobReport]:
         out, self._reports = self._reports, []
         return out
+
+    def has_reports(self) -> bool:
+        return bool(self._reports)
 
     def pending(self) -> int:
         return 0

@@ -560,6 +560,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._stats_due = 0.0           # scheduler: ``_clock`` time of its next counter hand-over (STATS_EVERY_S)
         self._plan_stats_due = 0.0      # scheduler: same for the workers, ordered through the plan (emit_stats)
         self._worker_stats_owed = False  # scheduler: the last plan told the workers to hold their deltas back
+        self._loads_ended = False        # worker: get_finished named a request whose L3 load ended, this step
         if role == KVConnectorRole.SCHEDULER:
             from .scheduler import CacheScheduler
             if self.num_slots == 0:
@@ -688,14 +689,17 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         """Counter increases, changed gauges and L3 latency samples since the previous hand-over (both roles; vLLM
         sums the workers'), see :mod:`tierkv.connector.vllm_metrics`; None in the steps between two hand-overs
         (:data:`STATS_EVERY_S`): the scheduler side hands over once that time has passed or when it has no request
-        left, a worker when the step's plan says so (``StepPlan.emit_stats``, or no plan bound)."""
+        left, a worker when the step's plan says so (``StepPlan.emit_stats``, or no plan bound) and in every step
+        that moved its counters: a plan with loads, saves or jobs, a load that ended (:meth:`get_finished`) or a job
+        report waiting. So an engine that stops stepping as soon as its requests are done (vLLM's offline ``LLM``
+        with the EngineCore in its process) has handed over every step's copies."""
         if self._sched is not None:
             now = self._clock()
             if now < self._stats_due and self._sched.has_requests():
                 return None
             self._stats_due = now + STATS_EVERY_S
             snap = self._sched.stats()
-            self._stats.maybe_write(data=dict(snap))   # the stats file, from the same snapshot (once a step)
+            self._stats.maybe_write(data=dict(snap))   # the stats file, from the same snapshot (once a hand-over)
             snap.update(scheduler_gauges(snap))
             lat: dict[str, list] = {}
             for store in getattr(self, "_exists_stores", ()):  # existence answered in this process
@@ -706,7 +710,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                 lat[tiers[tier]] = v
             return self._deltas.take(snap, lat or None)
         plan = getattr(self, "_connector_metadata", None)
-        if isinstance(plan, StepPlan) and not plan.emit_stats:
+        if (isinstance(plan, StepPlan) and not plan.emit_stats and plan.is_empty() and not self._loads_ended
+                and not (self._worker is not None and self._worker.has_reports())):
             return None
         snap = self._worker_stats()
         lat = None
@@ -1107,6 +1112,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.wait_step_reads(0.0 if bound is None else
                                          STEP_READ_WAIT_FRACTION * (time.perf_counter() - bound))
             done = self._worker.poll(finished_req_ids)
+            self._loads_ended = bool(done)
         except Exception as e:
             _hook_error(self._worker.counters, "get_finished", e)
             return None, None

@@ -664,6 +664,11 @@ class CacheWorker:
         out, self._failed_recving = self._failed_recving, set()
         return out
 
+    def has_reports(self) -> bool:
+        """Whether a job report waits for :meth:`take_reports`: a job ended, and the I/O thread that ended it moved
+        this worker's counters."""
+        return bool(self._orphan_reports) or self.l3.has_reports()
+
     def take_reports(self) -> list[JobReport]:
         out, self._orphan_reports = self._orphan_reports, []
         out.extend(self.l3.take_reports())

@@ -295,7 +295,7 @@ def test_counter_deltas_go_to_vllm_once_per_interval_and_none_is_lost(tmp_path, 
     kept stepping once more (``has_pending_push_work``) so that they hand them over."""
     from types import SimpleNamespace
 
-    from tierkv.connector.plan import PageOrder
+    from tierkv.connector.plan import JobReport, PageOrder
     from tierkv.connector.vllm_connector import STATS_EVERY_S, ConnectorPlan
     from vllm_parts import BLOCK, SCHEDULER, connector, worker_connector, write_model
     monkeypatch.setenv("TIERKV_LEDGER_DIR", str(tmp_path))
@@ -347,7 +347,9 @@ def test_counter_deltas_go_to_vllm_once_per_interval_and_none_is_lost(tmp_path, 
         w.bind_connector_metadata(plan)
         w.start_load_kv(None)
         w.wait_for_save()
+        w.get_transfer_results(set())
         got = w.get_kv_connector_stats()
+        w.build_connector_worker_meta()               # (vLLM's order: the stats, then the job reports)
         w.clear_connector_metadata()
         return got
 
@@ -356,9 +358,18 @@ def test_counter_deltas_go_to_vllm_once_per_interval_and_none_is_lost(tmp_path, 
 
     page = w.page_bytes
     assert worker_step(save(1, 1, True)).data["save_bytes"] == page
-    assert worker_step(save(2, 2, False)) is None
-    assert worker_step(save(3, 3, False)) is None
-    assert worker_step(save(4, 4, True)).data["save_bytes"] == 3 * page             # steps 2-4
+    assert worker_step(ConnectorPlan(step=2, emit_stats=False)) is None            # a decode step: nothing moved
+    # a step that moved pages hands its copies over whatever the plan says: an offline engine with its EngineCore
+    # in-process stops stepping when its requests are done, and no later step would carry them
+    assert worker_step(save(3, 3, False)).data["save_bytes"] == page
+    assert worker_step(ConnectorPlan(step=4, emit_stats=False)) is None
+    snapshots = []
+    take = w._worker_stats
+    monkeypatch.setattr(w, "_worker_stats", lambda: snapshots.append(1) or take())
+    assert worker_step(ConnectorPlan(step=5, emit_stats=False)) is None and snapshots == []
+    w._worker._orphan_reports.append(JobReport(7, "backup", [False]))             # a job ended (its counters moved)
+    worker_step(ConnectorPlan(step=6, emit_stats=False))
+    assert snapshots == [1] and not w._worker.has_reports()                         # handed over, report taken
 
 
 def test_a_hook_that_calls_another_counts_its_time_once(tmp_path, monkeypatch):
