@@ -266,8 +266,9 @@ def _first_touch_text(c: dict) -> str:
             "(:func:`first_touch_mb_s`, before the engines started); " if ft else "")
 
 
-def render(data: dict) -> str:
-    """The ``## no_reuse_cost`` section of ``benchmarks/README.md`` from a result file."""
+def render(data: dict, name: str = RESULTS.name) -> str:
+    """The ``## no_reuse_cost`` section of ``benchmarks/README.md`` from a result file (``name``: its file name in
+    ``benchmarks/results``, shown in the redraw command)."""
     c, a = data["conditions"], data["args"]
     lines = [f"## {SECTION}", "",
              "`benchmarks/no_reuse_cost.py` (issue 19, \"without reuse >= 0.97x no connector\"): what each "
@@ -282,7 +283,7 @@ def render(data: dict) -> str:
              "running every configuration back to back on the same prompts in an order rotated by the repeat (the "
              "others idle meanwhile); ratios are paired by (repeat, phase).", "",
              "```bash", ".venv/bin/python benchmarks/no_reuse_cost.py " + " ".join(data.get("argv", [])),
-             f".venv/bin/python benchmarks/no_reuse_cost.py --readme-from benchmarks/results/{RESULTS.name}", "```",
+             f".venv/bin/python benchmarks/no_reuse_cost.py --readme-from benchmarks/results/{name}", "```",
              "",
              f"Measured on tierkv commit `{results_check.short(data['code']['commit'])}` ({data['code']['source']}), "
              f"{data['started']} -> {data['finished']}, {c['cpus']} vCPU ({c['cpu']}; {c['isa']}), vLLM "
@@ -361,7 +362,7 @@ def render_all() -> str:
     """The whole README section: the committed main result, then a subsection per :func:`extra_results` file."""
     text = render(json.loads(RESULTS.read_text()))
     for path in extra_results():
-        body = render(json.loads(path.read_text())).split("\n", 1)[1]
+        body = render(json.loads(path.read_text()), path.name).split("\n", 1)[1]
         text += f"\n### {path.stem[len(RESULTS.stem) + 1:]}\n{body}"
     return text
 
