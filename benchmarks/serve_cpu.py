@@ -169,10 +169,10 @@ CONFIG_TEXT = {
 #: ZMQ-L3 configurations (each gets its own ``tierkv server``) and the server's capacity of each
 ZMQ_L3_CAPACITY = {"tierkv_l3_zmq": "4GiB", "tierkv_l3_zmq_full": FULL_L3_BYTES}
 
-#: Environment of every vLLM server (as tests/e2e/_engine.py DEFAULT_ENV).
 #: the servers' ``--dtype`` (model weights and KV cache); ``--dtype`` of this script sets it for a run
 SERVER_DTYPE = ["bfloat16"]
 
+#: Environment of every vLLM server (as tests/e2e/_engine.py DEFAULT_ENV).
 SERVER_ENV = {
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",   # same compute threads with and without a connector
     "VLLM_CPU_KVCACHE_SPACE": "1",         # GiB; --num-gpu-blocks-override sets the real L1 size
