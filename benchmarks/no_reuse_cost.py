@@ -387,9 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--c8-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=1088)
     ap.add_argument("--output-len", type=int, default=16)
-    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                    help="the engines' model and KV cache dtype (vLLM's --dtype): float32 where the CPU lacks "
-                         "AVX-512 and its bf16 forward is ~10x slower, so that tierkv's fixed costs show")
+    ap.add_argument("--dtype", choices=_serve_cpu().DTYPES, default="bfloat16",
+                    help="the engines' model and KV cache dtype (vLLM's --dtype; serve_cpu.DTYPES)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     ap.add_argument("--l3-root", default=None, help="directory for the file L3 records (default: the run's own "
                     "directory under runs/): e.g. a mount of another filesystem")

@@ -169,7 +169,10 @@ CONFIG_TEXT = {
 #: ZMQ-L3 configurations (each gets its own ``tierkv server``) and the server's capacity of each
 ZMQ_L3_CAPACITY = {"tierkv_l3_zmq": "4GiB", "tierkv_l3_zmq_full": FULL_L3_BYTES}
 
-#: the servers' ``--dtype`` (model weights and KV cache); ``--dtype`` of this script sets it for a run
+#: ``--dtype`` choices of the benchmarks' engines (model weights and KV cache): float32 where the CPU lacks AVX-512
+#: and its bf16 forward is ~10x slower, so that tierkv's fixed costs show as on a faster one
+DTYPES = ("bfloat16", "float32")
+#: the servers' ``--dtype``; ``--dtype`` of this script sets it for a run
 SERVER_DTYPE = ["bfloat16"]
 
 #: Environment of every vLLM server (as tests/e2e/_engine.py DEFAULT_ENV).
@@ -1982,9 +1985,8 @@ def main(argv=None) -> int:
                     f"{SOAK['concurrency']} through tierkv_l3_zmq with {SOAK['fault_fraction'] * 100:.0f}%% injected L3 "
                     f"faults and one SIGKILL + restart of the ZMQ server at half; writes results/{SOAK_JSON} "
                     "(--out) and the README's ### soak subsection; exit code 1 if a check fails")
-    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                    help="the servers' --dtype (model and KV cache): float32 where the CPU lacks AVX-512 and its bf16 "
-                         "forward is ~10x slower, so that tierkv's fixed costs show as on a faster one")
+    ap.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="the servers' --dtype (model and KV cache): "
+                    "float32 where the CPU lacks AVX-512 and its bf16 forward is ~10x slower")
     ap.add_argument("--allocator", choices=ALLOCATORS, default="tcmalloc",
                     help="memory allocator of every server: tcmalloc (preloaded, as vLLM's CPU backend asks; "
                     "default) or glibc")
