@@ -1,6 +1,7 @@
 """One shared-memory segment helper for the stores that move pages through ``/dev/shm``: the ZMQ client's own segment
 (:mod:`.zmq_client`, created here), the client segments the tierkv server maps (:mod:`.zmq_server`) and the LMCache
-server's segment the LMCache store maps (:mod:`.lmcache`).
+server's segment the LMCache store maps (:mod:`.lmcache`), and the tierkv server's presence table
+(:mod:`.presence_table`). :func:`sweep_dead_files` removes such files left by killed processes.
 
 A :class:`Segment` is a file mapped shared and read-write, seen as a flat ``memoryview`` (``mv``, format ``B``, ``size``
 bytes). :meth:`Segment.create` makes a new file (exclusive, mode 0600) that only the creating process removes (on
@@ -12,11 +13,12 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import stat
 import weakref
 from typing import Optional
 
-__all__ = ["Segment", "POPULATE"]
+__all__ = ["Segment", "POPULATE", "sweep_dead_files"]
 
 #: map flag that faults the pages in up front (Linux ``MAP_POPULATE``; 0 elsewhere), so the first calls through a fresh
 #: segment do not pay a page fault per 4 KiB
@@ -103,3 +105,32 @@ class Segment:
         except BufferError:  # a slot view is still referenced somewhere: the mapping goes when it is collected
             pass
         self._fin()
+
+
+def sweep_dead_files(directory: str, name_re: re.Pattern, pid_at: int) -> int:
+    """Remove this user's files in ``directory`` whose names match ``name_re`` and whose creating process is gone
+    (a process killed by SIGKILL leaves its file behind). The creator's pid is the 8 hex digits at ``pid_at`` of the
+    name. A file of another user, or of a process that is alive or not ours to signal, stays. Returns files removed."""
+    n = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    uid = os.getuid()
+    for name in names:
+        if not name_re.match(name):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if os.stat(path, follow_symlinks=False).st_uid != uid:
+                continue
+            os.kill(int(name[pid_at:pid_at + 8], 16), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(path)
+                n += 1
+            except OSError:
+                pass
+        except (OSError, ValueError):  # alive but not ours to signal, or vanished meanwhile
+            continue
+    return n

@@ -40,6 +40,7 @@ import logging
 import math
 import os
 import threading
+import time
 from typing import Any, Callable, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
@@ -47,7 +48,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from tierkv.storage_backends import zmq_protocol as P
 from tierkv.storage_backends.base import Buffer, PageTokens, StorageBackend
 from tierkv.storage_backends.common import Counters, RateLimitedLog, check_store_identity, config_error
-from tierkv.storage_backends.shm_segment import Segment
+from tierkv.storage_backends.presence_table import PRESENCE_NAME_RE, PresenceTable, fingerprint
+from tierkv.storage_backends.shm_segment import Segment, sweep_dead_files
 from tierkv.storage_backends.zmq_channel import ChannelFailed, RequestChannel
 from tierkv.storage_backends.page_format import (PageFormatError, check_checksums, copy_verified, decode_header,
                                                  encode_headers, verify_payload)
@@ -58,6 +60,8 @@ log = logging.getLogger("tierkv.zmq_client")
 _MSG_SLACK = 64 << 10
 #: per-key allowance for the key text, the page header and frame overhead in one message.
 _PER_KEY_OVERHEAD = 256
+#: seconds between two pings asking a server that named no presence table (or one this client could not map) again
+PRESENCE_RETRY_S = 5.0
 #: payload bytes per ``set`` message when a batch is pipelined: the pages of the next message are checksummed
 #: while ZMQ's I/O thread already transmits the previous one (measured on 2 cores, 64 x 256 KiB and 64 x 2 MiB).
 #: A set given its checksums is not pipelined: its messages are only bounded by ``max_message_bytes`` (interleaved
@@ -204,30 +208,9 @@ def sweep_dead_segments(shm_dir: str = P.SHM_DIR) -> int:
     """Remove this user's segment files whose creating process is gone (a client killed by SIGKILL never runs its
     finalizer). The creator's pid is the first 8 hex digits after :data:`zmq_protocol.SHM_PREFIX`. Removing a file
     never breaks a live pair (both keep their mappings; a client whose file is gone makes a new one when it must
-    attach again), so a pid seen from another pid namespace costs at most one new segment. Returns files removed."""
-    n = 0
-    try:
-        names = os.listdir(shm_dir)
-    except OSError:
-        return 0
-    uid = os.getuid()
-    for name in names:
-        if not P.SHM_NAME_RE.match(name):
-            continue
-        path = os.path.join(shm_dir, name)
-        try:
-            if os.stat(path, follow_symlinks=False).st_uid != uid:
-                continue
-            os.kill(int(name[len(P.SHM_PREFIX):len(P.SHM_PREFIX) + 8], 16), 0)
-        except ProcessLookupError:
-            try:
-                os.unlink(path)
-                n += 1
-            except OSError:
-                pass
-        except (OSError, ValueError):  # alive but not ours to signal, or vanished meanwhile
-            continue
-    return n
+    attach again), so a pid seen from another pid namespace costs at most one new segment. Returns files removed
+    (:func:`~.shm_segment.sweep_dead_files`)."""
+    return sweep_dead_files(shm_dir, P.SHM_NAME_RE, len(P.SHM_PREFIX))
 
 
 def _Segment(size: int) -> Segment:
@@ -286,7 +269,7 @@ class ZmqStore(StorageBackend):
         self._warn = RateLimitedLog(log)
         self.counters = Counters("requests", "timeouts", "reconnects", "fast_fails", "stale_replies", "bad_replies",
                                  "error_replies", "max_pending", "shm_pages_in", "shm_pages_out", "shm_attaches",
-                                 "shm_fallbacks", "shm_recreated")
+                                 "shm_fallbacks", "shm_recreated", "presence_answers", "presence_tables")
         self._chan = RequestChannel(cfg.endpoint, timeout_s=cfg.timeout_s, backoff_s=cfg.reconnect_backoff_s,
                                     max_backoff_s=cfg.max_backoff_s, counters=self.counters, log=log,
                                     what="tierkv zmq server", hwm=10000, max_message_bytes=cfg.max_message_bytes)
@@ -297,6 +280,13 @@ class ZmqStore(StorageBackend):
         self._shm_on = mode == "on" or (mode == "auto" and is_local_endpoint(cfg.endpoint))
         self._seg: Optional[Segment] = None
         self._seg_attached = False
+        #: the server's presence table (:mod:`.presence_table`), probed by :meth:`batch_exists` instead of a round
+        #: trip; asked for (a ping) on this host when the shared-memory path is tried, again at most every
+        #: :data:`PRESENCE_RETRY_S` while there is none
+        self._presence: Optional[PresenceTable] = None
+        self._presence_on = self._shm_on
+        self._presence_due = 0.0
+        self._presence_lock = threading.Lock()
 
     # ----------------------------------------------------------------------------------------- requests
     @property
@@ -467,9 +457,56 @@ class ZmqStore(StorageBackend):
         the scheduler's copy of the store caps ``timeout_s``)."""
         return is_local_endpoint(self.endpoint)
 
+    def _presence_lead(self, keys: Sequence[str]) -> Optional[int]:
+        """Leading ``keys`` present according to the server's presence table, or None (no table here: the caller
+        asks over ZMQ). A retired table, or one whose server is gone, is dropped and the server asked (one ping)
+        for its current one; a server without one (older, remote, a spill tier) is asked again at most every
+        :data:`PRESENCE_RETRY_S` seconds."""
+        with self._presence_lock:
+            t = self._presence
+            if t is not None:
+                n = t.lead([fingerprint(self.namespace, k) for k in keys])
+                if n is not None:
+                    self.counters["presence_answers"] += 1
+                    return n
+                self._presence = None
+                t.close()
+                self._presence_due = 0.0
+            if not self._presence_on or time.monotonic() < self._presence_due:
+                return None
+            got: dict = {}
+
+            def on_reply(i, rh, frames):
+                name = rh.get("presence")
+                if isinstance(name, str) and PRESENCE_NAME_RE.match(name):
+                    got["name"] = name
+
+            if not self._exchange([({"op": "ping", "keys": []}, [])], on_reply)[0]:
+                return None  # no answer: asked again on the next call (the channel's back-off spaces the tries)
+            if "name" not in got:
+                self._presence_due = time.monotonic() + PRESENCE_RETRY_S
+                return None
+            try:
+                t = PresenceTable.open(os.path.join(P.SHM_DIR, got["name"]))
+            except (OSError, ValueError) as e:
+                self._presence_due = time.monotonic() + PRESENCE_RETRY_S
+                log.info("zmq store %s: cannot map the server's presence table (%s); existence is asked over ZMQ",
+                         self.endpoint, e)
+                return None
+            self._presence = t
+            self.counters["presence_tables"] += 1
+            n = t.lead([fingerprint(self.namespace, k) for k in keys])
+            if n is not None:
+                self.counters["presence_answers"] += 1
+            return n
+
     def batch_exists(self, keys: Sequence[str], tokens: Optional[Sequence[PageTokens]] = None) -> int:
-        """Number of leading ``keys`` present on the server (0 on any failure)."""
+        """Number of leading ``keys`` present on the server (0 on any failure). On the server's host the answer
+        comes from its presence table (:mod:`.presence_table`) without a round trip, when it publishes one."""
         self._keys(keys)
+        n = self._presence_lead(keys)
+        if n is not None:
+            return n
         lead = 0
         for s, e in self._chunks(len(keys), P.MAX_KEYS):
             got: dict = {}
@@ -712,11 +749,14 @@ class ZmqStore(StorageBackend):
         error_replies, bytes_read/bytes_written (payload bytes), evictions (server evictions caused by this client's
         sets), pending (requests awaiting a reply now), max_pending, connected (a socket is open); shared memory:
         shm (``"attached"``, ``"ready"`` = to be attached on the next call, or ``"off"``), shm_pages_in/out (pages
-        moved through the segment), shm_attaches, shm_fallbacks (times it was found unusable), shm_recreated."""
+        moved through the segment), shm_attaches, shm_fallbacks (times it was found unusable), shm_recreated;
+        presence (``"mapped"``: existence is answered from the server's presence table, else ``"off"``),
+        presence_answers (existence calls answered from it), presence_tables (tables mapped)."""
         s = dict(self.counters)  # no lock: never waits behind a call that is waiting for the server
         s.update(pending=self._chan.pending, max_pending=self._chan.max_pending, connected=self._chan.connected,
                  backend="zmq", endpoint=self.endpoint,
-                 shm="attached" if self._seg_attached else ("ready" if self._shm_on else "off"))
+                 shm="attached" if self._seg_attached else ("ready" if self._shm_on else "off"),
+                 presence="mapped" if self._presence is not None else "off")
         return s
 
     def close(self) -> None:
@@ -732,5 +772,9 @@ class ZmqStore(StorageBackend):
                 finally:
                     self.timeout_s = t
             self._drop_segment()
+            with self._presence_lock:
+                if self._presence is not None:
+                    self._presence.close()
+                    self._presence = None
             self._closed = True
             self._chan.close()

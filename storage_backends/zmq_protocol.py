@@ -35,7 +35,8 @@ Reply ``[header, payload_0, ...]``
     ``{"v", "id", "op", "ok": bool, "err": str (when not ok), "code": str (when not ok), ...}``
 
     - ``ping``: ``{"server": "tierkv", "proto": PROTOCOL_VERSION, "protos": [supported versions], "shm": bool
-      (the server offers the shared-memory path)}``;
+      (the server offers the shared-memory path), "presence": str (to loopback clients, when the server publishes
+      one: the file name in /dev/shm of its presence table, :mod:`.presence_table`)}``;
     - ``exists``: ``{"lead": int, "present": [bool] (with "all")}``;
     - ``get``: ``{"hits": [bool per key], "hdrs": [bin per hit]}`` then one payload frame per hit, in key order;
     - ``set``: ``{"stored": [bool per key], "evicted": int (records evicted from memory to make room)}``;

@@ -21,7 +21,9 @@ serve ``tierkv store stats|verify``.
 Same-host clients may attach a shared-memory segment of their own (``shm_attach``, protocol version 3): their
 get/set requests then name slots of it instead of carrying payload frames, and the server copies pages into and
 out of those slots (docs/architecture.md §5, "Shared-memory data path"). The server maps a segment, never creates
-or removes one: it belongs to the client.
+or removes one: it belongs to the client. It does publish one file of its own there when it runs without a spill
+directory: the presence table of the keys it holds (:mod:`.presence_table`), which same-host clients probe to answer
+``exists`` without a round trip; the ping reply names it to loopback clients.
 
 Wire format and safety rules: :mod:`.zmq_protocol` (msgpack headers under strict limits, raw payload frames,
 an error reply for every request it can attribute, no pickle). Design inspired by LMCache's MP cache server
@@ -44,7 +46,8 @@ import zmq
 
 from tierkv.storage_backends import zmq_protocol as P
 from tierkv.storage_backends.common import Counters
-from tierkv.storage_backends.shm_segment import Segment
+from tierkv.storage_backends.presence_table import PRESENCE_NAME_RE, PRESENCE_PREFIX, PresenceTable, fingerprint
+from tierkv.storage_backends.shm_segment import Segment, sweep_dead_files
 
 log = logging.getLogger("tierkv.zmq_server")
 
@@ -234,10 +237,18 @@ class CacheServer:
         self.used_bytes = 0
         self.pending_writes = 0
         self.counters = Counters("requests", "auth_failures", "too_large", "dropped", "spilled", "spill_hits", "deletes",
-                                 "shm_attached", "shm_refused", "shm_bytes_in", "shm_bytes_out")
+                                 "shm_attached", "shm_refused", "shm_bytes_in", "shm_bytes_out", "presence_tables")
         #: client segments: name -> [Segment, last use (monotonic seconds)]
         self.segments: "OrderedDict[str, list]" = OrderedDict()
         self.spill = _SpillTier(spill_dir, spill_capacity_bytes) if spill_dir else None
+        #: the presence table same-host clients probe (None with a spill tier, whose keys it cannot follow, or when
+        #: /dev/shm is unusable); replaced by a fresh one when full (:meth:`_presence_rebuild`)
+        self.presence: Optional[PresenceTable] = None
+        if self.spill is None:
+            sweep_dead_presence()
+            self._presence_rebuild()
+        #: whether the request being handled came from this host (the ping reply names the presence table only then)
+        self._peer_local = False
         #: unfinished ``verify`` sessions: id -> job (see :meth:`_op_verify`)
         self._verifies: "OrderedDict[int, dict]" = OrderedDict()
         self._verify_ids = itertools.count(int.from_bytes(os.urandom(6), "little"))
@@ -266,6 +277,7 @@ class CacheServer:
             (ns, key), (hdr, payload) = self.records.popitem(last=False)
             self.written.pop((ns, key), None)
             self.used_bytes -= len(hdr) + _nbytes(payload)
+            self._presence_discard(ns, key)
             self.counters["evictions"] += 1
             if self.spill is not None and self.spill.put(ns, key, hdr, payload):
                 self.counters["spilled"] += 1
@@ -281,6 +293,8 @@ class CacheServer:
         if self.spill is not None:
             self.spill.tombstones.discard((ns, key))
         self.records[(ns, key)] = (hdr, payload)
+        if old is None:
+            self._presence_add(ns, key)
         self.written[(ns, key)] = time.time() if born is None else born
         self.used_bytes += size
         return True
@@ -297,6 +311,30 @@ class CacheServer:
                 self._put(ns, key, got[0], got[1], born=got[2] if len(got) > 2 else None)
                 return got
         return None
+
+    def _presence_rebuild(self) -> None:
+        """Publish a fresh presence table of every in-memory key and retire the old one (at start, when the old one
+        is full of removed entries or too small). On failure (no /dev/shm, no space) the clients ask over ZMQ."""
+        old, self.presence = self.presence, None
+        try:
+            self.presence = PresenceTable.create(P.SHM_DIR, (fingerprint(ns, k) for ns, k in self.records))
+            self.counters["presence_tables"] += 1
+        except OSError as e:
+            log.info("no presence table in %s (%s): clients ask over ZMQ whether pages exist", P.SHM_DIR, e)
+        if old is not None:
+            old.retire()
+
+    def _presence_add(self, ns: bytes, key: str) -> None:
+        t = self.presence
+        if t is not None and (not t.add(fingerprint(ns, key)) or t.full()):
+            self._presence_rebuild()  # (includes the key: it is in self.records already)
+
+    def _presence_discard(self, ns: bytes, key: str) -> None:
+        t = self.presence
+        if t is not None:
+            t.discard(fingerprint(ns, key))
+            if t.full():
+                self._presence_rebuild()
 
     def _present(self, ns: bytes, key: str) -> bool:
         return (ns, key) in self.records or (self.spill is not None and self.spill.exists(ns, key))
@@ -348,6 +386,7 @@ class CacheServer:
                 self.counters["shm_refused"] += 1
                 raise P.ProtocolError("shm", "shared memory is only for clients on this host (loopback)")
             payloads = frames[1:]
+            self._peer_local = op == "ping" and _local_peer(frames[0])
             if (op != "set" or "shm" in h) and payloads:
                 raise P.ProtocolError("bad_request", f"op {op[:40]!r} takes no payload frames, got {len(payloads)}")
             body, out = fn(self, h, payloads)
@@ -365,8 +404,13 @@ class CacheServer:
         return [P.pack(reply)] + out
 
     def _op_ping(self, h, payloads):
-        return {"server": "tierkv", "proto": P.PROTOCOL_VERSION, "protos": list(P.SUPPORTED_VERSIONS),
-                "token_required": self.token is not None, "shm": os.path.isdir(P.SHM_DIR)}, []
+        """Who we are; to a client on this host also the name of the presence table (``presence``, a file name in
+        /dev/shm; absent when there is none: older servers never send it)."""
+        body = {"server": "tierkv", "proto": P.PROTOCOL_VERSION, "protos": list(P.SUPPORTED_VERSIONS),
+                "token_required": self.token is not None, "shm": os.path.isdir(P.SHM_DIR)}
+        if self.presence is not None and self._peer_local:
+            body["presence"] = self.presence.name
+        return body, []
 
     # ----------------------------------------------------------------------------------------- shared memory
     def _unmap(self, name: str) -> bool:
@@ -503,6 +547,7 @@ class CacheServer:
             self.written.pop((ns, k), None)
             if rec is not None:
                 self.used_bytes -= len(rec[0]) + _nbytes(rec[1])
+                self._presence_discard(ns, k)
             spilled = self.spill.delete(ns, k) if self.spill is not None else False
             n += int(rec is not None or spilled)
         self.counters["deletes"] += n
@@ -515,6 +560,7 @@ class CacheServer:
             hdr, payload = self.records.pop(k)
             self.written.pop(k, None)
             self.used_bytes -= len(hdr) + _nbytes(payload)
+            self._presence_discard(*k)
         if self.spill is not None:
             self.spill.clear(ns)
         return {"cleared": len(mine)}, []
@@ -602,6 +648,7 @@ class CacheServer:
                     cur = self.records.get((rns, key)) if where == "memory" else None
                     if cur is not None and cur[0] is hdr and cur[1] is payload:  # the record checked, not a newer one
                         del self.records[(rns, key)]
+                        self._presence_discard(rns, key)
                         self.written.pop((rns, key), None)
                         self.used_bytes -= len(hdr) + _nbytes(payload)
                         job["removed"] += 1
@@ -681,11 +728,14 @@ class CacheServer:
         """Server counters: keys, bytes (stored), capacity_bytes, pending_writes, requests, errors, auth_failures,
         too_large, hits, misses, sets, set_failures (sets refused), evictions, spilled, spill_hits, bytes_read (served),
         bytes_written (received), rss_bytes;
-        shared memory: shm_segments (mapped now), shm_attached, shm_refused, shm_bytes_in/out (payload bytes)."""
+        shared memory: shm_segments (mapped now), shm_attached, shm_refused, shm_bytes_in/out (payload bytes);
+        presence (the presence table's file name, or None), presence_slots, presence_tables (tables published)."""
         s: dict = dict(self.counters)
         s.update(keys=len(self.records), bytes=self.used_bytes, capacity_bytes=self.capacity_bytes,
                  pending_writes=self.pending_writes, uptime_s=round(time.time() - self.started, 3),
-                 rss_bytes=_rss_bytes(), pid=os.getpid(), spill=bool(self.spill), shm_segments=len(self.segments))
+                 rss_bytes=_rss_bytes(), pid=os.getpid(), spill=bool(self.spill), shm_segments=len(self.segments),
+                 presence=self.presence.name if self.presence else None,
+                 presence_slots=self.presence.slots if self.presence else 0)
         return s
 
     # ----------------------------------------------------------------------------------------- loop
@@ -728,6 +778,9 @@ class CacheServer:
         try:
             for name in list(self.segments):
                 self._unmap(name)
+            if self.presence is not None:
+                self.presence.retire()
+                self.presence = None
             self.sock.close(0)
             self.ctx.term()
         finally:
@@ -758,6 +811,12 @@ def keep_freed_memory(capacity_bytes: int) -> bool:
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(m_arena_max, 1) and mallopt(m_mmap_threshold, 32 << 20)
                 and mallopt(m_trim_threshold, min(int(capacity_bytes), (1 << 31) - 1)))
+
+
+def sweep_dead_presence(shm_dir: str = P.SHM_DIR) -> int:
+    """Remove this user's presence tables (:mod:`.presence_table`) whose server is gone (killed by SIGKILL: its
+    file stays). Returns files removed (:func:`~.shm_segment.sweep_dead_files`)."""
+    return sweep_dead_files(shm_dir, PRESENCE_NAME_RE, len(PRESENCE_PREFIX))
 
 
 def is_loopback(host: str) -> bool:
