@@ -42,6 +42,7 @@ import time
 from collections import OrderedDict
 from typing import Any, Optional
 
+import numpy as np
 import zmq
 
 from tierkv.storage_backends import zmq_protocol as P
@@ -312,12 +313,15 @@ class CacheServer:
                 return got
         return None
 
-    def _presence_rebuild(self) -> None:
-        """Publish a fresh presence table of every in-memory key and retire the old one (at start, when the old one
-        is full of removed entries or too small). On failure (no /dev/shm, no space) the clients ask over ZMQ."""
+    def _presence_rebuild(self, extra: tuple = ()) -> None:
+        """Publish a fresh presence table and retire the old one (at start, and when the old one is full of removed
+        entries or too small): the old one's entries plus ``extra`` fingerprints (the key whose ``add`` found it
+        full), or at start every in-memory key. On failure (no /dev/shm, no space) the clients ask over ZMQ."""
         old, self.presence = self.presence, None
         try:
-            self.presence = PresenceTable.create(P.SHM_DIR, (fingerprint(ns, k) for ns, k in self.records))
+            live = (old.entries() if old is not None
+                    else np.array([fingerprint(ns, k) for ns, k in self.records], dtype=np.uint64))
+            self.presence = PresenceTable.create(P.SHM_DIR, np.append(live, np.array(extra, dtype=np.uint64)))
             self.counters["presence_tables"] += 1
         except OSError as e:
             log.info("no presence table in %s (%s): clients ask over ZMQ whether pages exist", P.SHM_DIR, e)
@@ -326,8 +330,10 @@ class CacheServer:
 
     def _presence_add(self, ns: bytes, key: str) -> None:
         t = self.presence
-        if t is not None and (not t.add(fingerprint(ns, key)) or t.full()):
-            self._presence_rebuild()  # (includes the key: it is in self.records already)
+        if t is not None:
+            fp = fingerprint(ns, key)
+            if not t.add(fp) or t.full():
+                self._presence_rebuild((fp,))
 
     def _presence_discard(self, ns: bytes, key: str) -> None:
         t = self.presence

@@ -58,6 +58,26 @@ def test_table_entries_removed_slots_fullness_and_retirement(tmp_path):
     r.close()
 
 
+def test_a_table_built_in_bulk_finds_colliding_and_repeated_entries(tmp_path):
+    same_home = [64 * i for i in range(1, 6)]  # 8 entries given -> 64 slots: each of these five has home slot 0
+    w = PresenceTable.create(str(tmp_path), same_home + same_home[:2] + [65], min_slots=8)
+    assert w.slots == 64 and w.live() == 6  # repeats count once
+    assert sorted(w.entries().tolist()) == sorted(same_home + [65])
+    r = PresenceTable.open(os.path.join(tmp_path, w.name))
+    assert r.lead(same_home + [65]) == 6 and r.lead([128, 64 * 7]) == 1
+    assert w.discard(64) and r.lead(same_home[1:]) == 4  # the probe passes the removed home slot
+    rng = np.random.default_rng(1)
+    many = rng.integers(2, 1 << 62, 20000, dtype=np.uint64)
+    big = PresenceTable.create(str(tmp_path), np.append(many, w.entries()))
+    assert big.live() == 20005 and big.slots == 1 << 17
+    rb = PresenceTable.open(os.path.join(tmp_path, big.name))
+    assert rb.lead([int(x) for x in many]) == 20000 and rb.lead(same_home[1:] + [64]) == 4
+    for t in (r, rb):
+        t.close()
+    w.retire()
+    big.retire()
+
+
 def test_table_of_a_killed_writer_is_not_answered_from_and_is_swept(tmp_path):
     code = ("import sys; from tierkv.storage_backends.presence_table import PresenceTable as T; "
             "t = T.create(sys.argv[1]); t.add(12345); print(t.name, flush=True); sys.stdin.read()")
