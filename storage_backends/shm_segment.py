@@ -55,11 +55,13 @@ class Segment:
     @classmethod
     def create(cls, directory: str, name: str, size: int) -> "Segment":
         """Create ``directory/name`` (exclusively, mode 0600, not following a link) of ``size`` bytes and map it with
-        its pages faulted in. Raises OSError (exists already, no space, no such directory); nothing is left behind."""
+        its pages faulted in. The bytes are allocated first (``posix_fallocate``), so a full tmpfs (a container's
+        small ``/dev/shm``) is ENOSPC here rather than SIGBUS at a later write into the mapping. Raises OSError
+        (exists already, no space, no such directory); nothing is left behind."""
         path = os.path.join(directory, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)
             return cls(path, fd, size, owner=True, populate=True)
         except BaseException:
             os.unlink(path)

@@ -15,6 +15,7 @@ import _fixtures_zmq as FZ
 from tierkv.storage_backends import zmq_client
 from tierkv.storage_backends import zmq_protocol as P
 from tierkv.storage_backends.common import ConfigError
+from tierkv.storage_backends.shm_segment import Segment
 from tierkv.storage_backends.zmq_client import ZmqStore, check_options
 
 KiB = 1 << 10
@@ -174,6 +175,16 @@ def test_unusable_segment_falls_back_to_frames(tmp_path, monkeypatch, caplog):
         st = c.stats()
         assert st["shm"] == "off" and st["shm_fallbacks"] == 1 and st["shm_pages_out"] == 0
         assert "pages travel as ZMQ frames" in caplog.text
+
+
+def test_a_segment_larger_than_shm_is_refused_at_creation():
+    # the bytes are allocated up front: a /dev/shm too small (a container's) is ENOSPC at creation, not a SIGBUS at
+    # the first write into a page the mapping could not get; nothing is left behind
+    st = os.statvfs(P.SHM_DIR)
+    name = f"{P.SHM_PREFIX}{os.getpid():08x}{'ef' * 8}"
+    with pytest.raises(OSError):
+        Segment.create(P.SHM_DIR, name, st.f_blocks * st.f_frsize + (1 << 30))
+    assert not os.path.exists(os.path.join(P.SHM_DIR, name))
 
 
 def test_segments_of_dead_processes_are_swept(tmp_path):
