@@ -481,7 +481,7 @@ class ZmqStore(StorageBackend):
                 if isinstance(name, str) and PRESENCE_NAME_RE.match(name):
                     got["name"] = name
 
-            if not self._exchange([({"op": "ping", "keys": []}, [])], on_reply)[0]:
+            if not self._exchange([({"op": "ping", "keys": [], "presence": True}, [])], on_reply)[0]:
                 return None  # no answer: asked again on the next call (the channel's back-off spaces the tries)
             if "name" not in got:
                 self._presence_due = time.monotonic() + PRESENCE_RETRY_S

@@ -35,8 +35,9 @@ Reply ``[header, payload_0, ...]``
     ``{"v", "id", "op", "ok": bool, "err": str (when not ok), "code": str (when not ok), ...}``
 
     - ``ping``: ``{"server": "tierkv", "proto": PROTOCOL_VERSION, "protos": [supported versions], "shm": bool
-      (the server offers the shared-memory path), "presence": str (to loopback clients, when the server publishes
-      one: the file name in /dev/shm of its presence table, :mod:`.presence_table`)}``;
+      (the server offers the shared-memory path), "presence": str (to a loopback client whose ping carried
+      ``"presence": true``, when the server has one or could make it: the file name in /dev/shm of its presence
+      table, :mod:`.presence_table`)}``;
     - ``exists``: ``{"lead": int, "present": [bool] (with "all")}``;
     - ``get``: ``{"hits": [bool per key], "hdrs": [bin per hit]}`` then one payload frame per hit, in key order;
     - ``set``: ``{"stored": [bool per key], "evicted": int (records evicted from memory to make room)}``;

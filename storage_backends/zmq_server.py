@@ -21,9 +21,10 @@ serve ``tierkv store stats|verify``.
 Same-host clients may attach a shared-memory segment of their own (``shm_attach``, protocol version 3): their
 get/set requests then name slots of it instead of carrying payload frames, and the server copies pages into and
 out of those slots (docs/architecture.md §5, "Shared-memory data path"). The server maps a segment, never creates
-or removes one: it belongs to the client. It does publish one file of its own there when it runs without a spill
-directory: the presence table of the keys it holds (:mod:`.presence_table`), which same-host clients probe to answer
-``exists`` without a round trip; the ping reply names it to loopback clients.
+or removes one: it belongs to the client. It does publish one file of its own there, once a loopback client asks for
+it in a ping and when it runs without a spill directory: the presence table of the keys it holds
+(:mod:`.presence_table`), which same-host clients probe to answer ``exists`` without a round trip; the ping reply
+names it. A server whose clients never ask (the shared-memory path off) keeps nothing in ``/dev/shm``.
 
 Wire format and safety rules: :mod:`.zmq_protocol` (msgpack headers under strict limits, raw payload frames,
 an error reply for every request it can attribute, no pickle). Design inspired by LMCache's MP cache server
@@ -242,12 +243,10 @@ class CacheServer:
         #: client segments: name -> [Segment, last use (monotonic seconds)]
         self.segments: "OrderedDict[str, list]" = OrderedDict()
         self.spill = _SpillTier(spill_dir, spill_capacity_bytes) if spill_dir else None
-        #: the presence table same-host clients probe (None with a spill tier, whose keys it cannot follow, or when
-        #: /dev/shm is unusable); replaced by a fresh one when full (:meth:`_presence_rebuild`)
+        #: the presence table same-host clients probe: made when the first loopback client asks for it (ping with
+        #: ``presence``), never with a spill tier (whose evictions it cannot follow), None while /dev/shm is unusable;
+        #: replaced by a fresh one when full (:meth:`_presence_rebuild`)
         self.presence: Optional[PresenceTable] = None
-        if self.spill is None:
-            sweep_dead_presence()
-            self._presence_rebuild()
         #: whether the request being handled came from this host (the ping reply names the presence table only then)
         self._peer_local = False
         #: unfinished ``verify`` sessions: id -> job (see :meth:`_op_verify`)
@@ -319,8 +318,10 @@ class CacheServer:
         full), or at start every in-memory key. On failure (no /dev/shm, no space) the clients ask over ZMQ."""
         old, self.presence = self.presence, None
         try:
+            if old is None:
+                sweep_dead_presence()
             live = (old.entries() if old is not None
-                    else np.array([fingerprint(ns, k) for ns, k in self.records], dtype=np.uint64))
+                    else np.fromiter((fingerprint(ns, k) for ns, k in self.records), dtype=np.uint64))
             self.presence = PresenceTable.create(P.SHM_DIR, np.append(live, np.array(extra, dtype=np.uint64)))
             self.counters["presence_tables"] += 1
         except OSError as e:
@@ -410,12 +411,16 @@ class CacheServer:
         return [P.pack(reply)] + out
 
     def _op_ping(self, h, payloads):
-        """Who we are; to a client on this host also the name of the presence table (``presence``, a file name in
-        /dev/shm; absent when there is none: older servers never send it)."""
+        """Who we are; to a client on this host that asks (``presence: true``) also the name of the presence table
+        (``presence``, a file name in /dev/shm), made now if there is none yet; absent without a table (a spill
+        tier, /dev/shm unusable; older servers never send it)."""
         body = {"server": "tierkv", "proto": P.PROTOCOL_VERSION, "protos": list(P.SUPPORTED_VERSIONS),
                 "token_required": self.token is not None, "shm": os.path.isdir(P.SHM_DIR)}
-        if self.presence is not None and self._peer_local:
-            body["presence"] = self.presence.name
+        if h.get("presence") is True and self._peer_local and self.spill is None:
+            if self.presence is None:
+                self._presence_rebuild()
+            if self.presence is not None:
+                body["presence"] = self.presence.name
         return body, []
 
     # ----------------------------------------------------------------------------------------- shared memory

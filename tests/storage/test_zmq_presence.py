@@ -104,8 +104,10 @@ def test_exists_is_answered_from_the_table_and_follows_sets_deletes_and_eviction
     with FZ.make_backend(tmp_path, PB, NS, shm="on", capacity_pages=8) as h:
         c, plain = h.backend, h.new_client(shm="off")
         ks = keys_of(6)
-        assert c.batch_set(ks, pages(6)) == [True] * 6
-        assert c.batch_exists(ks) == 6  # the first call asks for the table (a ping), then probes it
+        assert plain.batch_set(ks, pages(6)) == [True] * 6 and plain.batch_exists(ks) == 6
+        assert h.server_stats()["presence"] is None  # no client asked for a table: none made
+        assert c.batch_exists(ks) == 6  # the first call asks for the table (a ping, which makes it), then probes it
+        assert h.server_stats()["presence"] is not None
         before = server_requests(h)
         assert c.batch_exists(ks) == 6 and c.batch_exists(ks[:3] + keys_of(1, 9)) == 3
         assert c.batch_exists(keys_of(2, 9)) == 0
@@ -126,9 +128,9 @@ def test_a_full_table_is_replaced_and_clients_follow_the_new_one(tmp_path):
     pb = 4 * KiB
     with FZ.make_backend(tmp_path, pb, NS, shm="on", capacity_pages=4000) as h:
         c = h.backend
-        first = h.server_stats()["presence"]
         ks = keys_of(3500)  # more than 3/4 of the first table's 4,096 slots
-        assert c.batch_exists(ks[:1]) == 0  # maps the first table
+        assert c.batch_exists(ks[:1]) == 0  # makes and maps the first table
+        first = h.server_stats()["presence"]
         for s in range(0, 3500, 500):
             assert all(c.batch_set(ks[s:s + 500], pages(500, pb)))
         st = h.server_stats()
