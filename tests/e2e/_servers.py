@@ -42,9 +42,10 @@ def zmq_server(tmp_path, **opts) -> Iterator["_fixtures_zmq.ZmqHandle"]:
 
 
 def zmq_l3(endpoint: str, *, timeout_s: float = 1.0, reconnect_backoff_s: float = 0.05,
-           max_backoff_s: float = 0.2, faults: Optional[dict] = None) -> dict:
-    """``l3`` config section for a ZMQ server at ``endpoint``."""
-    l3 = {"backend": "zmq", "zmq": {"endpoint": endpoint, "timeout_s": timeout_s,
+           max_backoff_s: float = 0.2, faults: Optional[dict] = None, shm: str = "off") -> dict:
+    """``l3`` config section for a ZMQ server at ``endpoint`` (``shm``: ``l3.zmq.shm``; with it on, pages move
+    through shared memory and existence is answered from the server's presence table)."""
+    l3 = {"backend": "zmq", "zmq": {"endpoint": endpoint, "timeout_s": timeout_s, "shm": shm,
                                     "reconnect_backoff_s": reconnect_backoff_s, "max_backoff_s": max_backoff_s}}
     if faults:
         l3["faults"] = dict(faults)

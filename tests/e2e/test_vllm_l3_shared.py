@@ -6,7 +6,8 @@ Reference (module fixture, shared): one engine without a connector and with an L
 ``first`` and then ``again`` (same documents, new questions), so ``again`` reuses the documents from its own L1.
 tierkv: engine 1 runs ``first`` with write_through to the store, engine 2 (a new process: empty L1 and L2) runs
 ``again``; its document prefixes can only come from the store. The two stores' pairs run side by side, each engine 1
-next to the reference or the other store's engine 1 (fixture ``engines``).
+next to the reference or the other store's engine 1 (fixture ``engines``). The ZMQ engines run with ``l3.zmq.shm:
+auto``: pages move through shared memory and engine 2's scheduler answers existence from the server's presence table.
 """
 import random
 
@@ -77,7 +78,7 @@ def engines(tiny_model, tmp_path_factory):
     first, again = _rounds()
     ref_wd = tmp_path_factory.mktemp("ref")
     with zmq_server(tmp_path_factory.mktemp("zmq")) as srv, mooncake_store(tmp_path_factory.mktemp("mooncake")) as mc:
-        zl3 = zmq_l3(srv.endpoint, timeout_s=STORE_TIMEOUT_S)
+        zl3 = zmq_l3(srv.endpoint, timeout_s=STORE_TIMEOUT_S, shm="auto")
         ml3 = mooncake_l3(mc.master.master_address, mc.master.metadata_server, timeout_s=STORE_TIMEOUT_S)
         one = in_parallel(
             ref=lambda: run_job(tiny_model, [{"name": "first", "prompts": first}, {"name": "again", "prompts": again}],
@@ -154,6 +155,10 @@ def test_zmq_server_shared_by_two_engines(ref, engines):
     assert st["pid"] == pid, st
     assert st["hits"] == w2["l3_prefetch_pages"] == sum(ref["workloads"]["again"]["num_cached_tokens"]) // P, st
     assert st["misses"] == 0, st
+    # the engines used the shared-memory path and asked for the presence table, from which engine 2's existence
+    # answers (checked in _check_pair: one query per request, exactly the shared pages found) came
+    assert st["shm_attached"] >= 2 and st["shm_bytes_in"] > 0 and st["shm_bytes_out"] > 0, st
+    assert st["presence"] is not None and st["presence_tables"] >= 1, st
 
 
 def test_mooncake_store_shared_by_two_engines(ref, engines):
