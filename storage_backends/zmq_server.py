@@ -313,9 +313,11 @@ class CacheServer:
         return None
 
     def _presence_rebuild(self, extra: tuple = ()) -> None:
-        """Publish a fresh presence table and retire the old one (at start, and when the old one is full of removed
-        entries or too small): the old one's entries plus ``extra`` fingerprints (the key whose ``add`` found it
-        full), or at start every in-memory key. On failure (no /dev/shm, no space) the clients ask over ZMQ."""
+        """Publish a fresh presence table and retire the old one (when a client first asks for one, and when the old
+        one is full of removed entries or too small): the old one's entries plus ``extra`` fingerprints (the key
+        whose ``add`` found it full), or for a first table every in-memory key; the first one also sweeps tables
+        that killed servers left behind. On failure (no /dev/shm, no space) the clients ask over ZMQ, and the next
+        ping that asks for a table tries again."""
         old, self.presence = self.presence, None
         try:
             if old is None:
