@@ -761,6 +761,11 @@ class ZmqStore(StorageBackend):
 
     def close(self) -> None:
         """Close the socket and the ZMQ context. Idempotent; later calls return misses/False."""
+        with self._presence_lock:  # first and on its own: a call holding it may be waiting for self._lock
+            self._presence_on = False
+            if self._presence is not None:
+                self._presence.close()
+                self._presence = None
         with self._lock:
             if self._closed:
                 return
@@ -772,9 +777,5 @@ class ZmqStore(StorageBackend):
                 finally:
                     self.timeout_s = t
             self._drop_segment()
-            with self._presence_lock:
-                if self._presence is not None:
-                    self._presence.close()
-                    self._presence = None
             self._closed = True
             self._chan.close()

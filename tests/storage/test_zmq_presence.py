@@ -162,3 +162,23 @@ def test_a_server_with_a_spill_tier_publishes_no_table_and_is_asked(tmp_path):
         assert h.server_stats()["presence"] is None
         assert c.batch_exists(ks) == 4 and c.batch_exists(keys_of(1, 5)) == 0
         assert c.stats()["presence_answers"] == 0 and c.stats()["presence"] == "off"
+
+
+def test_close_never_deadlocks_with_a_call_asking_for_the_table(tmp_path):
+    # a batch_exists that holds the table's lock may be waiting for the request lock (its ping); close must not
+    # hold the request lock while it waits for the table's lock
+    import threading
+
+    with FZ.make_backend(tmp_path, PB, NS, shm="on") as h:
+        c = h.new_client()
+        c._presence_lock.acquire()  # where a batch_exists would be before its ping
+        closer = threading.Thread(target=c.close, daemon=True)
+        closer.start()
+        closer.join(0.3)  # close now waits for the table's lock
+        got = c._lock.acquire(timeout=5)  # what that ping does next: with close holding it, a deadlock
+        if got:
+            c._lock.release()
+        c._presence_lock.release()
+        closer.join(5)
+        assert got, "close held the request lock while it waited for the table's lock"
+        assert not closer.is_alive() and c.stats()["presence"] == "off"
