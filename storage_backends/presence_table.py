@@ -23,7 +23,6 @@ does: a miss, never wrong data (every record is still verified when read).
 """
 from __future__ import annotations
 
-import mmap
 import os
 import re
 from typing import Iterable, Optional, Sequence
@@ -104,8 +103,7 @@ class PresenceTable:
 
     def entries(self) -> np.ndarray:
         """The fingerprints held (a uint64 array, a copy), e.g. to build a replacement table from."""
-        a = np.frombuffer(self._seg.mv if self.writer else self._seg.mm, dtype=np.uint64, count=self.slots,
-                          offset=8 * HEADER_WORDS)
+        a = np.frombuffer(self._seg.mv, dtype=np.uint64, count=self.slots, offset=8 * HEADER_WORDS)
         return a[a > REMOVED].copy()
 
     def _find(self, fp: int) -> tuple[int, int]:
@@ -168,22 +166,18 @@ class PresenceTable:
         this format: bad name, magic, format or size)."""
         if not PRESENCE_NAME_RE.match(os.path.basename(path)):
             raise ValueError(f"{path} is not named like a presence table")
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            size = os.fstat(fd).st_size
-            if size < 8 * HEADER_WORDS:
-                raise ValueError(f"{path}: {size} bytes is no presence table")
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
-        finally:
-            os.close(fd)
-        words = memoryview(mm).cast("Q")
+        seg = Segment.open(path, None, populate=False, readonly=True)
+        if seg.size < 8 * HEADER_WORDS or seg.size % 8:
+            seg.close()
+            raise ValueError(f"{path}: {seg.size} bytes is no presence table")
+        words = seg.mv.cast("Q")
         slots = int(words[_SLOTS])
         if (words[0] != MAGIC or words[1] != FORMAT or slots < 1 or slots & (slots - 1)
-                or size != 8 * (HEADER_WORDS + slots)):
+                or seg.size != 8 * (HEADER_WORDS + slots)):
             words.release()
-            mm.close()
+            seg.close()
             raise ValueError(f"{path} is not a presence table of format {FORMAT}")
-        return cls(_Mapped(path, mm), words, False)
+        return cls(seg, words, False)
 
     def usable(self) -> bool:
         """The table is live and its writer process exists (one ``kill(pid, 0)``: a server killed by SIGKILL
@@ -217,16 +211,3 @@ class PresenceTable:
         except BufferError:
             pass
         self._seg.close()
-
-
-class _Mapped:
-    """A read-only mapping of a table (the part of :class:`~.shm_segment.Segment` a reader needs)."""
-
-    def __init__(self, path: str, mm: mmap.mmap):
-        self.path, self.name, self.size, self.mm = path, os.path.basename(path), len(mm), mm
-
-    def close(self) -> None:
-        try:
-            self.mm.close()
-        except BufferError:
-            pass

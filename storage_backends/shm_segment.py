@@ -39,16 +39,17 @@ def _release(path: str, mm: mmap.mmap, owner_pid: Optional[int]) -> None:
 
 
 class Segment:
-    """A ``/dev/shm`` file mapped shared, read-write (see the module docstring). Attributes: ``path``, ``name`` (its
-    base name), ``size`` (bytes mapped), ``mv`` (flat ``memoryview``), ``pid`` (the creating process, or None for a
-    segment opened with :meth:`open`)."""
+    """A ``/dev/shm`` file mapped shared, read-write (read-only when opened so; see the module docstring).
+    Attributes: ``path``, ``name`` (its base name), ``size`` (bytes mapped), ``mv`` (flat ``memoryview``), ``pid``
+    (the creating process, or None for a segment opened with :meth:`open`)."""
 
-    def __init__(self, path: str, fd: int, size: int, owner: bool, populate: bool):
+    def __init__(self, path: str, fd: int, size: int, owner: bool, populate: bool, readonly: bool = False):
         st = os.fstat(fd)
         self.path, self.name, self.size = path, os.path.basename(path), size
         self.pid: Optional[int] = os.getpid() if owner else None
         self._ino = (st.st_dev, st.st_ino)
-        mm = mmap.mmap(fd, size, mmap.MAP_SHARED | (POPULATE if populate else 0), mmap.PROT_READ | mmap.PROT_WRITE)
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED | (POPULATE if populate else 0),
+                       mmap.PROT_READ | (0 if readonly else mmap.PROT_WRITE))
         self.mv = memoryview(mm)
         self._fin = weakref.finalize(self, _release, path, mm, self.pid)
 
@@ -70,20 +71,22 @@ class Segment:
             os.close(fd)
 
     @classmethod
-    def open(cls, path: str, size: int, populate: bool = True) -> "Segment":
-        """Map the first ``size`` bytes of the existing regular file ``path`` (not following a link).
+    def open(cls, path: str, size: Optional[int], populate: bool = True, readonly: bool = False) -> "Segment":
+        """Map the first ``size`` bytes (None: all of it) of the existing regular file ``path`` (not following a
+        link); ``readonly``: opened and mapped for reading only (writes through ``mv`` raise TypeError).
 
         Raises:
             OSError: it cannot be opened or mapped.
             ValueError: it is not a regular file of at least ``size`` bytes (the message says what it is).
         """
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, (os.O_RDONLY if readonly else os.O_RDWR) | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size < size:
+            want = st.st_size if size is None else size
+            if not stat.S_ISREG(st.st_mode) or st.st_size < want or want < 1:
                 what = f"{st.st_size} bytes" if stat.S_ISREG(st.st_mode) else "not a regular file"
-                raise ValueError(f"{path} is not a regular file of >= {size} bytes ({what})")
-            return cls(path, fd, size, owner=False, populate=populate)
+                raise ValueError(f"{path} is not a regular file of >= {max(want, 1)} bytes ({what})")
+            return cls(path, fd, want, owner=False, populate=populate, readonly=readonly)
         finally:
             os.close(fd)
 

@@ -464,41 +464,48 @@ class ZmqStore(StorageBackend):
         :data:`PRESENCE_RETRY_S` seconds."""
         with self._presence_lock:
             t = self._presence
-            if t is not None:
-                n = t.lead([fingerprint(self.namespace, k) for k in keys])
-                if n is not None:
-                    self.counters["presence_answers"] += 1
-                    return n
+            if t is None and (not self._presence_on or time.monotonic() < self._presence_due):
+                return None
+            fps = [fingerprint(self.namespace, k) for k in keys]
+            n = None if t is None else t.lead(fps)
+            if t is not None and n is None:
                 self._presence = None
                 t.close()
                 self._presence_due = 0.0
-            if not self._presence_on or time.monotonic() < self._presence_due:
-                return None
-            got: dict = {}
-
-            def on_reply(i, rh, frames):
-                name = rh.get("presence")
-                if isinstance(name, str) and PRESENCE_NAME_RE.match(name):
-                    got["name"] = name
-
-            if not self._exchange([({"op": "ping", "keys": [], "presence": True}, [])], on_reply)[0]:
-                return None  # no answer: asked again on the next call (the channel's back-off spaces the tries)
-            if "name" not in got:
-                self._presence_due = time.monotonic() + PRESENCE_RETRY_S
-                return None
-            try:
-                t = PresenceTable.open(os.path.join(P.SHM_DIR, got["name"]))
-            except (OSError, ValueError) as e:
-                self._presence_due = time.monotonic() + PRESENCE_RETRY_S
-                log.info("zmq store %s: cannot map the server's presence table (%s); existence is asked over ZMQ",
-                         self.endpoint, e)
-                return None
-            self._presence = t
-            self.counters["presence_tables"] += 1
-            n = t.lead([fingerprint(self.namespace, k) for k in keys])
+            if n is None:
+                t = self._presence = self._map_presence()
+                n = None if t is None else t.lead(fps)
             if n is not None:
                 self.counters["presence_answers"] += 1
             return n
+
+    def _map_presence(self) -> Optional[PresenceTable]:
+        """Ask the server for its presence table (a ping) and map it; None when it names none or it cannot be
+        mapped (not asked again for :data:`PRESENCE_RETRY_S`), or no answer came (asked again on the next call: the
+        channel's back-off spaces the tries). Called with ``_presence_lock`` held."""
+        if not self._presence_on or time.monotonic() < self._presence_due:
+            return None
+        got: dict = {}
+
+        def on_reply(i, rh, frames):
+            name = rh.get("presence")
+            if isinstance(name, str) and PRESENCE_NAME_RE.match(name):
+                got["name"] = name
+
+        if not self._exchange([({"op": "ping", "keys": [], "presence": True}, [])], on_reply)[0]:
+            return None
+        if "name" not in got:
+            self._presence_due = time.monotonic() + PRESENCE_RETRY_S
+            return None
+        try:
+            t = PresenceTable.open(os.path.join(P.SHM_DIR, got["name"]))
+        except (OSError, ValueError) as e:
+            self._presence_due = time.monotonic() + PRESENCE_RETRY_S
+            log.info("zmq store %s: cannot map the server's presence table (%s); existence is asked over ZMQ",
+                     self.endpoint, e)
+            return None
+        self.counters["presence_tables"] += 1
+        return t
 
     def batch_exists(self, keys: Sequence[str], tokens: Optional[Sequence[PageTokens]] = None) -> int:
         """Number of leading ``keys`` present on the server (0 on any failure). On the server's host the answer
