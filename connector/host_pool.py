@@ -208,6 +208,14 @@ class HostPool:
         m = self._pages[s]
         return [m[i] for i in range(m.shape[0])]
 
+    def page_runs(self, slot: int) -> list[np.ndarray]:
+        """The page's runs as ``uint8`` numpy views of the pool, in page-byte order (one per layer for
+        ``layer_first``, K then V for the semantic layouts, one for MLA): what a store with vectored writes
+        (``StorageBackend.vectored_sources``) is given instead of a staged copy. Cheaper to build than
+        :meth:`page_views` (one numpy view of the pool made at construction). They alias the pool: do not keep
+        them past the slot's life. Raises ValueError for a bad slot."""
+        return list(self._np_pages[self._check_slot(slot)])
+
     def read_page(self, slot: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The page's bytes, ``uint8 [page_bytes]`` (for L3 writes).
 

@@ -217,7 +217,10 @@ class L3IO:
         # kept for the life of the object; the writer's, like the pool itself, registered with stores that read
         # registered memory directly (Mooncake: zero-copy puts; a no-op returning False elsewhere)
         self._direct = host.read_page(0).untyped_storage().data_ptr() == host.buffer.untyped_storage().data_ptr()
-        self._wstage = self._staging(batch_pages)
+        # a page in several runs goes to a store that takes runs as they lie in L2 (one writev, or one copy into
+        # its shared memory) instead of being staged first
+        self._vectored = not self._direct and bool(getattr(store, "vectored_sources", False))
+        self._wstage = self._staging(0 if self._vectored else batch_pages)
         self._threads = [threading.Thread(target=self._serve, args=(self._read_q, self._staging(batch_pages)),
                                           name=f"tierkv-l3-read-{i}", daemon=True) for i in range(read_threads)]
         self._threads.append(threading.Thread(target=self._serve, args=(self._write_q, self._wstage),
@@ -488,11 +491,15 @@ class L3IO:
             srcs, sums = [], []
             for i in send[s:e]:
                 slot, key = job.slots[i], job.keys[i]
-                src = (self.host.read_page(slot) if self._direct
-                       else self.host.read_page(slot, out=self._wstage[len(srcs)]))
+                if self._vectored:
+                    src = self.host.page_runs(slot)
+                elif self._direct:
+                    src = self.host.read_page(slot)
+                else:
+                    src = self.host.read_page(slot, out=self._wstage[len(srcs)])
                 c = self.checksums.get(slot, key)
                 if c is None:  # not recorded (verify_checksums off: saves do not hash): hash it now, once
-                    c = xxhash.xxh3_64_intdigest(memoryview(src.numpy()))
+                    c = self.host.page_checksum(slot)
                 srcs.append(src)
                 sums.append(c)
             try:

@@ -114,7 +114,7 @@ class MultiBlockPages:
     the block pool's layout: ``layer_first`` one run per layer holding the ``k`` blocks of that layer in order
     (``[L, k*block_bytes]``), ``page_first`` / ``page_first_direct`` K then V of the ``k`` blocks (MLA: one run).
     Same interface as :class:`HostPool` for everything page-level (``read_page``, ``write_page``, ``page_views``,
-    ``page_checksum``, ``buffer``, ``layout``, ``kv_layout``).
+    ``page_runs``, ``page_checksum``, ``buffer``, ``layout``, ``kv_layout``).
 
     Raises:
         ValueError: ``blocks_per_page`` < 1 or not dividing ``block_pool.num_slots``.
@@ -155,6 +155,7 @@ class MultiBlockPages:
 
     _check_slot = HostPool._check_slot
     page_views = HostPool.page_views
+    page_runs = HostPool.page_runs
     read_page = HostPool.read_page
     write_page = HostPool.write_page
     page_checksum = HostPool.page_checksum

@@ -33,7 +33,7 @@ from __future__ import annotations
 import abc
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Sequence, Union
 
-from tierkv.storage_backends.common import as_byte_view
+from tierkv.storage_backends.common import as_byte_runs, as_byte_view
 from tierkv.storage_backends.page_format import check_key
 
 if TYPE_CHECKING:  # no torch import at run time: the cache server process stays small and starts fast
@@ -67,6 +67,10 @@ class StorageBackend(abc.ABC):
     #: ``batch_exists`` is a local, bounded operation (no network round trip, or one to a server on this machine under
     #: a short timeout) that the engine's scheduler process may call in its own loop (``controller.exists_in_scheduler``)
     local_exists: bool = False
+    #: ``batch_set`` also takes a page as a list or tuple of byte runs that add up to ``page_bytes`` (vectored
+    #: writes: the connector passes the runs of an L2 slot, e.g. one per layer, instead of first copying them into
+    #: one contiguous staging page); :meth:`_source_views` validates such sources
+    vectored_sources: bool = False
 
     @abc.abstractmethod
     def batch_exists(self, keys: Sequence[str], tokens: Optional[Sequence[PageTokens]] = None) -> int:
@@ -82,7 +86,8 @@ class StorageBackend(abc.ABC):
     def batch_set(self, keys: Sequence[str], sources: Sequence[Buffer],
                   checksums: Optional[Sequence[int]] = None,
                   tokens: Optional[Sequence[PageTokens]] = None) -> list[bool]:
-        """Write pages from ``sources`` (one buffer of ``page_bytes`` per key). ``checksums``: ``None`` (the store
+        """Write pages from ``sources`` (one buffer of ``page_bytes`` per key; a store with
+        :attr:`vectored_sources` also takes a list or tuple of runs adding up to ``page_bytes``). ``checksums``: ``None`` (the store
         hashes each payload) or one XXH3-64 per source (an int in 0..2**64-1, the ``xxhash.xxh3_64_intdigest`` of
         its ``page_bytes`` bytes), written into the record headers without hashing the payloads; a wrong value
         makes that page a miss when read. Raises ValueError for a bad key, a buffer of the wrong size or a
@@ -112,6 +117,20 @@ class StorageBackend(abc.ABC):
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} {what}")
         return [as_byte_view(b, self.page_bytes, writable, f"{what}[{i}]") for i, b in enumerate(buffers)]
+
+    def _source_views(self, keys: Sequence[str], sources: Sequence[Any]) -> list:
+        """:meth:`_views` of ``batch_set``'s ``sources`` for a store with :attr:`vectored_sources`: per key either
+        one flat view (a page given whole) or a list of flat views (a page given as a list or tuple of runs,
+        :func:`~tierkv.storage_backends.common.as_byte_runs`). No copy.
+
+        Raises:
+            ValueError: a length mismatch or a bad buffer or run (named ``sources[i]``).
+        """
+        if len(keys) != len(sources):
+            raise ValueError(f"{len(keys)} keys but {len(sources)} sources")
+        pb = self.page_bytes
+        return [as_byte_runs(b, pb, f"sources[{i}]") if isinstance(b, (list, tuple))
+                else as_byte_view(b, pb, False, f"sources[{i}]") for i, b in enumerate(sources)]
 
     def register_host_buffer(self, buffer: Buffer) -> bool:
         """Declare ``buffer`` (e.g. the whole host pool: a contiguous CPU ``torch.uint8`` tensor of any size) as

@@ -15,8 +15,8 @@ from typing import Any, Optional, Union
 
 from pydantic import ValidationError
 
-__all__ = ["ConfigError", "parse_bytes", "config_error", "as_byte_view", "RateLimitedLog", "Counters",
-           "STORE_COUNTERS"]
+__all__ = ["ConfigError", "parse_bytes", "config_error", "as_byte_view", "as_byte_runs", "RateLimitedLog",
+           "Counters", "STORE_COUNTERS"]
 
 
 class ConfigError(ValueError):
@@ -124,6 +124,28 @@ def as_byte_view(buf: Any, nbytes: int, writable: bool, what: str = "buffer") ->
     if writable and mv.readonly:
         raise ValueError(f"{what}: destination is read-only")
     return mv
+
+
+def as_byte_runs(runs: Any, nbytes: int, what: str = "buffer") -> list[memoryview]:
+    """Flat read-only ``memoryview`` (format ``B``) of each run of a page given in pieces: ``runs`` is a list or
+    tuple of contiguous CPU buffers (numpy arrays, memoryviews, tensors, ``bytes``; e.g. the per-layer runs of a
+    ``layer_first`` L2 slot) whose bytes, in order, are the page. No copy. Raises ``ValueError`` for an empty list,
+    a run that is not a contiguous buffer or runs that do not add up to ``nbytes``."""
+    if not runs:
+        raise ValueError(f"{what}: an empty list of runs")
+    out = []
+    for j, r in enumerate(runs):
+        try:
+            mv = memoryview(r)
+        except TypeError:
+            raise ValueError(f"{what}[{j}]: expected a contiguous buffer, got {type(r).__name__}") from None
+        if not mv.c_contiguous:
+            raise ValueError(f"{what}[{j}]: run is not contiguous")
+        out.append(mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B"))
+    total = sum(m.nbytes for m in out)
+    if total != nbytes:
+        raise ValueError(f"{what}: runs of {total} bytes in all, expected page_bytes={nbytes}")
+    return out
 
 
 class RateLimitedLog:

@@ -139,6 +139,11 @@ class FaultyBackend(StorageBackend):
                         self._release.clear()
 
     @property
+    def vectored_sources(self) -> bool:
+        """The inner store's :attr:`StorageBackend.vectored_sources` (sources are passed through as given)."""
+        return bool(getattr(self.inner, "vectored_sources", False))
+
+    @property
     def local_exists(self) -> bool:
         """Whether the engine scheduler's own copy of this store may answer existence queries in its loop
         (:attr:`StorageBackend.local_exists`): when the inner store may and no existence fault is set. Faults of

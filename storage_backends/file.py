@@ -74,6 +74,7 @@ from tierkv.storage_backends.page_format import (
     PageFormatError,
     check_checksums,
     decode_header,
+    payload_checksum,
 )
 
 log = logging.getLogger("tierkv.storage.file")
@@ -203,6 +204,7 @@ class FileStore(StorageBackend):
 
     default_read_threads = 4  # independent files: reads of several threads overlap in the page cache and the disk
     local_exists = True       # one stat per key
+    vectored_sources = True   # a page given as runs is written with one writev (header + runs), never joined
 
     def __init__(self, namespace: bytes, page_bytes: int, root: Optional[str] = None, **cfg: Any):
         check_store_identity(namespace, page_bytes)
@@ -666,7 +668,8 @@ class FileStore(StorageBackend):
     def batch_set(self, keys: Sequence[str], sources: Sequence[Buffer],
                   checksums: Optional[Sequence[int]] = None,
                   tokens: Optional[Sequence[PageTokens]] = None) -> list[bool]:
-        """Store pages from ``sources`` (each a contiguous CPU buffer of ``page_bytes`` bytes).
+        """Store pages from ``sources`` (each a contiguous CPU buffer of ``page_bytes`` bytes, or a list or tuple of
+        contiguous runs adding up to it: :attr:`vectored_sources`).
 
         Each record is written to a temporary file in its final directory, optionally fsynced, and renamed over the
         key's path (an existing record of the key is replaced). Capacity is made by evicting least recently used
@@ -677,7 +680,7 @@ class FileStore(StorageBackend):
         key, a length mismatch, a buffer of the wrong size or bad ``checksums``."""
         kraws = self._keys(keys)
         sums = check_checksums(checksums, len(keys))
-        views = self._views(keys, sources, False, "sources")
+        views = self._source_views(keys, sources)
         if self._closed or self.cfg.read_only:
             with self._lock:
                 self.counters["set_failures"] += len(keys)
@@ -769,10 +772,11 @@ class FileStore(StorageBackend):
         except OSError as e:
             self._warn.warning("fsync", "file store %s: cannot fsync directory %s: %s", self.root, d, e)
 
-    def _write_one(self, key: str, kraw: bytes, path: str, mv: memoryview, stamp: int,
+    def _write_one(self, key: str, kraw: bytes, path: str, mv: Any, stamp: int,
                    last_try: bool = False, psum: Optional[int] = None) -> Optional[bool]:
-        """Write one record atomically, its mtime set to ``stamp`` (ns); ``psum``: the payload's XXH3-64 if the
-        caller gave it (else computed here). The record is written to a spare (an evicted record file of the same
+        """Write one record atomically, its mtime set to ``stamp`` (ns); ``mv``: the payload, one flat view or a list
+        of flat views of its runs (written by the same ``writev`` as the header); ``psum``: the payload's XXH3-64 if
+        the caller gave it (else computed here). The record is written to a spare (an evicted record file of the same
         size, :meth:`_spare_locked`) when one is kept, else to a new temporary file, then renamed to ``path``.
         True: stored. False: out of space (caller may evict and retry). None: other failure (counted, logged).
         Never leaves the temporary file behind."""
@@ -784,7 +788,7 @@ class FileStore(StorageBackend):
         tmp = spare or f"{d}/{TMP_PREFIX}{key}.{os.getpid()}.{threading.get_ident()}.{next(self._tmp_seq)}"
         # the page_format header, built here from the key bytes already validated (no second regex / struct call)
         if psum is None:
-            psum = xxhash.xxh3_64_intdigest(mv)
+            psum = payload_checksum(mv)
         head = self._hdr_fixed + kraw + self._hdr_len + psum.to_bytes(8, "little")
         head += xxhash.xxh3_64_intdigest(head).to_bytes(8, "little")
         fd = -1
@@ -804,13 +808,11 @@ class FileStore(StorageBackend):
                 except FileNotFoundError:  # the directory was removed (clear() in another process): recreate once
                     os.makedirs(d, exist_ok=True)
                     fd = os.open(tmp, _WR_FLAGS, 0o644)
+            bufs = [head, *mv] if isinstance(mv, list) else [head, mv]
             total = HEADER_BYTES + self.page_bytes
-            n = os.writev(fd, [head, mv])
-            while n < total:
-                if n < HEADER_BYTES:
-                    n += os.writev(fd, [memoryview(head)[n:], mv])
-                else:
-                    n += os.write(fd, mv[n - HEADER_BYTES:])
+            n = os.writev(fd, bufs)
+            if n < total:  # a short write (a signal, a filesystem's own limit): the rest from where it stopped
+                _write_rest(fd, bufs, n)
             if spare is not None and os.fstat(fd).st_size != total:  # not a record's size (never expected): cut
                 os.ftruncate(fd, total)
             os.utime(fd, ns=(stamp, stamp))  # exact LRU order after a restart (kernel mtimes are jiffy-coarse)
@@ -932,6 +934,26 @@ class PageFile:
 
     def __init__(self, ns_hex: str, key: str, path: str, size: int, mtime_ns: int):
         self.ns_hex, self.key, self.path, self.size, self.mtime_ns = ns_hex, key, path, size, mtime_ns
+
+
+def _write_rest(fd: int, bufs: list, done: int) -> None:
+    """Write what follows the first ``done`` bytes of ``bufs`` (byte buffers, in order) to ``fd``, retrying short
+    writes. Raises OSError as ``os.writev`` does."""
+    rest = []
+    for b in bufs:
+        m = memoryview(b)
+        if done >= m.nbytes:
+            done -= m.nbytes
+            continue
+        rest.append(m[done:])
+        done = 0
+    while rest:
+        n = os.writev(fd, rest)
+        while rest and n >= rest[0].nbytes:
+            n -= rest[0].nbytes
+            rest.pop(0)
+        if rest and n:
+            rest[0] = rest[0][n:]
 
 
 def mount_of(path: str, mounts: str = "/proc/mounts", jbd2_dir: str = "/proc/fs/jbd2") -> dict[str, Any]:

@@ -55,7 +55,14 @@ def check_key(key: str) -> bytes:
 def payload_checksum(payload: Any) -> int:
     """XXH3-64 (``xxhash.xxh3_64_intdigest``) of a payload's bytes: the value at header offset 48, and what a caller
     passes in ``batch_set(..., checksums=...)`` when it has hashed the page already (e.g. when the page entered the
-    L2 host pool). ``payload``: any C-contiguous buffer (bytes, bytearray, memoryview, numpy array)."""
+    L2 host pool). ``payload``: any C-contiguous buffer (bytes, bytearray, memoryview, numpy array), or a list or
+    tuple of such runs whose bytes in order are the payload (hashed in one streaming pass: the same value as hashing
+    their concatenation)."""
+    if isinstance(payload, (list, tuple)):
+        h = xxhash.xxh3_64()
+        for run in payload:
+            h.update(run)
+        return h.intdigest()
     return xxhash.xxh3_64_intdigest(memoryview(payload).cast("B"))
 
 

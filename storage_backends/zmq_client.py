@@ -249,6 +249,8 @@ class ZmqStore(StorageBackend):
         ValueError: bad ``namespace`` or ``page_bytes``.
     """
 
+    vectored_sources = True  # a page given as runs is copied run by run into its shared-memory slot
+
     def __init__(self, namespace: bytes, page_bytes: int, **options: Any):
         unknown = sorted(set(options) - set(ZmqStoreConfig.model_fields))
         if unknown:
@@ -638,7 +640,14 @@ class ZmqStore(StorageBackend):
             for i in range(s, e):
                 o = (i - slot0) * pb
                 slot = seg.mv[o:o + pb]
-                slot[:] = srcs[i]
+                src = srcs[i]
+                if isinstance(src, list):  # a page given as runs: each copied to its place in the slot
+                    at = 0
+                    for run in src:
+                        slot[at:at + run.nbytes] = run
+                        at += run.nbytes
+                else:
+                    slot[:] = src
                 slots.append(slot)
             # checksums of what the server will copy (the slots), unless the caller gave them
             hdrs = encode_headers(kraw[s:e], self.namespace, slots, pb, None if sums is None else sums[s:e])
@@ -660,7 +669,9 @@ class ZmqStore(StorageBackend):
     def batch_set(self, keys: Sequence[str], sources: Sequence[Buffer],
                   checksums: Optional[Sequence[int]] = None,
                   tokens: Optional[Sequence[PageTokens]] = None) -> list[bool]:
-        """Store ``sources`` (``page_bytes`` buffers, sent zero-copy) under ``keys``; one bool per key.
+        """Store ``sources`` (``page_bytes`` buffers, sent zero-copy; or lists of runs adding up to it,
+        :attr:`vectored_sources`: copied straight into the shared-memory slots, or joined for the frame path) under
+        ``keys``; one bool per key.
 
         The server stores a message's pages whole or not at all (ZMQ delivers multipart messages atomically). A
         set reported ``False`` because of a timeout may still land later, complete (like any timed-out remote
@@ -670,7 +681,7 @@ class ZmqStore(StorageBackend):
         bugs)."""
         kraw = self._keys(keys)
         sums = check_checksums(checksums, len(keys))
-        srcs = self._views(keys, sources, False, "sources")
+        srcs = self._source_views(keys, sources)
         n = len(keys)
         res = [False] * n
         if self._shm_on:
@@ -681,6 +692,7 @@ class ZmqStore(StorageBackend):
                     self.counters["set_failures"] += n - ok
                     self.counters["bytes_written"] += ok * self.page_bytes
                     return res
+        srcs = [b"".join(v) if isinstance(v, list) else v for v in srcs]  # one payload frame per page
         if sums is None:  # pipelined: the next message's pages are hashed while the previous one is sent
             per = max(1, min(self.keys_per_message, PIPELINE_BYTES // self.page_bytes))
             first = max(1, min(per, FIRST_MESSAGE_BYTES // self.page_bytes))

@@ -477,3 +477,48 @@ def test_faulty_wrapper_passes_checksums_of_the_pages_it_forwards(make_store):
     assert f.batch_get(ks, dst) == [True, False, False, True]
     assert torch.equal(dst[0], src[0]) and torch.equal(dst[3], src[3])
     f.close()
+
+
+# ------------------------------------------------------------------ vectored sources: a page given as its runs
+
+def runs_of(page: torch.Tensor, cuts: list[int]) -> list[np.ndarray]:
+    """``page``'s bytes split at the byte offsets ``cuts`` into numpy views (how the connector passes the runs of a
+    ``layer_first`` L2 slot: one per layer)."""
+    a = page.numpy()
+    edges = [0, *cuts, a.nbytes]
+    return [a[s:e] for s, e in zip(edges, edges[1:])]
+
+
+def test_page_given_as_runs_round_trips_or_is_refused(make_store):
+    """A store with ``vectored_sources`` stores a page given as a list or tuple of runs exactly as the same page
+    given whole (read back bit for bit, checksums given or hashed by the store); a store without refuses runs as a
+    bad buffer (ValueError), storing nothing."""
+    page_bytes = 64 * KiB
+    b = make_store(page_bytes=page_bytes).backend
+    ks, src = keys_of(4, salt=101), pages(4, page_bytes, seed=101)
+    given = [runs_of(src[0], [16 * KiB, 32 * KiB, 48 * KiB]),     # four equal runs (layers)
+             tuple(runs_of(src[1], [1, 40 * KiB + 3])),           # uneven runs, one of a single byte
+             [src[2].numpy()],                                     # one run: the whole page
+             src[3]]                                               # a page given whole, in the same call
+    if not b.vectored_sources:
+        with pytest.raises(ValueError, match=r"sources\[0\]"):
+            b.batch_set(ks, given)
+        assert b.batch_exists(ks) == 0
+        return
+    assert b.batch_set(ks[:2], given[:2]) == [True, True]  # the store hashes the runs
+    assert b.batch_set(ks[2:], given[2:], checksums=sums_of(src[2:])) == [True, True]
+    dst = empties(4, page_bytes)
+    assert b.batch_get(ks, dst) == [True] * 4
+    assert all(torch.equal(s, d) for s, d in zip(src, dst))
+    assert b.stats()["corrupt"] == 0
+
+
+def test_runs_not_adding_up_to_a_page_raise_value_error(make_store):
+    page_bytes = 16 * KiB
+    b = make_store(page_bytes=page_bytes).backend
+    ks, src = keys_of(2, salt=111), pages(2, page_bytes, seed=111)
+    a = src[1].numpy()
+    for bad in ([a[:8 * KiB]], [a[:8 * KiB], a], [], [a[::2], a[1::2]], [a[:8 * KiB], "text"]):
+        with pytest.raises(ValueError, match=r"sources\[1\]"):
+            b.batch_set(ks, [src[0], bad])
+    assert b.batch_exists(ks) == 0

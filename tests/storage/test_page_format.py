@@ -143,3 +143,17 @@ def test_check_checksums():
             check_checksums(bad, 3)
     with pytest.raises(ValueError, match="checksums"):
         encode_headers([_rand16()] * 2, _rand16(), [b"x" * 8] * 2, 8, [1])
+
+
+def test_payload_checksum_of_runs_equals_that_of_the_whole_page():
+    """A page given as runs hashes to the value of its bytes in one piece (the header's checksum must not depend
+    on how the writer held the page)."""
+    page = np.random.default_rng(5).integers(0, 256, 96 * 1024, dtype=np.uint8)
+    whole = page_format.payload_checksum(page)
+    assert whole == xxhash.xxh3_64_intdigest(page.tobytes())
+    for cuts in ([32 * 1024, 64 * 1024], [1], [7, 8, 50000]):
+        edges = [0, *cuts, page.nbytes]
+        runs = [page[s:e] for s, e in zip(edges, edges[1:])]
+        assert page_format.payload_checksum(runs) == whole
+        assert page_format.payload_checksum(tuple(runs)) == whole
+    assert page_format.payload_checksum([page[:1000], page[1001:]]) != whole  # one byte left out
