@@ -938,7 +938,7 @@ class PageFile:
 
 def _write_rest(fd: int, bufs: list, done: int) -> None:
     """Write what follows the first ``done`` bytes of ``bufs`` (byte buffers, in order) to ``fd``, retrying short
-    writes. Raises OSError as ``os.writev`` does."""
+    writes. Raises OSError as ``os.writev`` does, and EIO when a write makes no progress."""
     rest = []
     for b in bufs:
         m = memoryview(b)
@@ -949,6 +949,8 @@ def _write_rest(fd: int, bufs: list, done: int) -> None:
         done = 0
     while rest:
         n = os.writev(fd, rest)
+        if n <= 0:
+            raise OSError(errno.EIO, "a write made no progress")
         while rest and n >= rest[0].nbytes:
             n -= rest[0].nbytes
             rest.pop(0)

@@ -1,0 +1,221 @@
+"""What the L3 writer spends to back up one page of a ``layer_first`` L2 slot (one run per layer), given to the store
+as its runs (``vectored``: ``StorageBackend.vectored_sources``, the file store's one ``writev`` of header + runs, the
+ZMQ store's copy of each run into its shared-memory slot) or first gathered into one contiguous staging page
+(``staged``: the path the writer takes for stores without ``vectored_sources``, e.g. Mooncake and LMCache).
+
+The writer is the connector's own (:class:`tierkv.connector.l3_io.L3IO` over a :class:`HostPool` shaped like the
+``--model`` preset's KV pages: ``demo`` in float32 by default, 4 layers x 32 KiB, 128 KiB pages), with its default
+batches of 16 pages and no checksum recorded at save time (``controller.verify_checksums`` off, the default: the
+writer hashes each page). The staged variant of each store is the same class with ``vectored_sources`` switched off,
+so both go through exactly the code a store of either kind gets. Four configurations, each with its own store at
+capacity (``--capacity-mib``, 64 MiB: every page written evicts one, as in a store that has filled): ``file_staged``,
+``file_vectored`` (file L3 in a directory under ``--dir``), ``zmq_staged``, ``zmq_vectored`` (a ``tierkv server``
+process each, ``l3.zmq.shm: auto``). Each is first filled with twice its capacity, then each repetition times
+``--pages`` backups per configuration, in jobs of 34 pages (a 1,088-token prompt), the configuration order rotated
+between repetitions. Recorded per run: this process's CPU (user + system; the writer is the only thread working, the
+main thread waits) and, for ZMQ, the server process's CPU (``/proc``), each per page, and the wall time per page.
+
+    .venv/bin/python benchmarks/backup_path.py            # writes results/backup_path.json + README section
+    .venv/bin/python benchmarks/backup_path.py --readme-from benchmarks/results/backup_path.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "backup_path.json"
+README = ROOT / "benchmarks" / "README.md"
+SECTION = "backup_path"
+CONFIGS = ("file_staged", "file_vectored", "zmq_staged", "zmq_vectored")
+JOB_PAGES = 34
+NS = bytes(range(16))
+#: KV page shapes of examples/make_tiny_model.py's presets: (layers, bytes of one layer's K and V of a 32-token block)
+MODELS = {"demo": (4, 2 * 2 * 64 * 32 * 4), "bench": (8, 2 * 4 * 64 * 32 * 2)}
+
+
+def _server_cpu_s(pid: int) -> float:
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Setup:
+    """One configuration: its store (at capacity once :meth:`fill` ran), its L3IO and, for ZMQ, its server."""
+
+    def __init__(self, config: str, host, capacity: int, d: str):
+        from tierkv.connector.l3_io import L3IO
+        from tierkv.connector.page_checksums import SlotChecksums
+        from tierkv.storage_backends.file import FileStore
+        from tierkv.storage_backends.zmq_client import ZmqStore
+
+        kind, path = config.split("_")
+        self.server = None
+        if kind == "zmq":
+            self.server = subprocess.Popen([sys.executable, "-m", "tierkv.storage_backends.zmq_server", "--port", "0",
+                                            "--capacity-bytes", str(capacity)], stdout=subprocess.PIPE, text=True)
+            endpoint = self.server.stdout.readline().split()[-1]
+            cls, opts = ZmqStore, {"endpoint": endpoint, "shm": "auto"}
+        else:
+            cls, opts = FileStore, {"root": os.path.join(d, config), "capacity_bytes": capacity}
+        if path == "staged":
+            cls = type(f"Staged{cls.__name__}", (cls,), {"vectored_sources": False})
+        self.store = cls(NS, host.page_bytes, **opts)
+        self.l3 = L3IO(self.store, host, NS, SlotChecksums(host.num_slots), read_threads=1)
+        assert self.l3._vectored is (path == "vectored")
+        self.host, self.job_id = host, 0
+
+    def backup(self, n: int) -> dict:
+        """Back up ``n`` pages (new keys; slots round-robin) in jobs of :data:`JOB_PAGES`; CPU and wall per page."""
+        from tierkv.connector.plan import JOB_BACKUP, Job
+
+        jobs = []
+        for s in range(0, n, JOB_PAGES):
+            self.job_id += 1
+            jobs.append(Job(self.job_id, JOB_BACKUP, [os.urandom(16) for _ in range(JOB_PAGES)],
+                            slots=[(s + i) % self.host.num_slots for i in range(JOB_PAGES)]))
+        n = len(jobs) * JOB_PAGES
+        r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        s0 = _server_cpu_s(self.server.pid) if self.server else 0.0
+        self.l3.submit(jobs)
+        assert self.l3.wait_idle(600.0)
+        wall = time.perf_counter() - t0
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        s1 = _server_cpu_s(self.server.pid) if self.server else 0.0
+        done = sum(sum(r.ok) for r in self.l3.take_reports())
+        cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+        return {"pages": n, "stored": done, "client_cpu_us_per_page": cpu / n * 1e6,
+                "server_cpu_us_per_page": (s1 - s0) / n * 1e6, "wall_us_per_page": wall / n * 1e6}
+
+    def close(self) -> None:
+        self.l3.close()
+        self.store.close()
+        if self.server is not None:
+            self.server.terminate()
+            self.server.wait(30)
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """One row per configuration: median, min and max of each per-page measure over the repetitions."""
+    rows = []
+    for c in CONFIGS:
+        mine = [r for r in runs if r["config"] == c]
+        row = {"config": c, "stored": sum(r["stored"] for r in mine), "pages": sum(r["pages"] for r in mine)}
+        for k in ("client_cpu_us_per_page", "server_cpu_us_per_page", "wall_us_per_page"):
+            xs = sorted(r[k] for r in mine)
+            row[k] = {"median": statistics.median(xs), "min": xs[0], "max": xs[-1]}
+        rows.append(row)
+    return rows
+
+
+def readme(res: dict) -> str:
+    """The ``## backup_path`` section of ``benchmarks/README.md`` from a result file."""
+    c = res["conditions"]
+    lines = [f"## {SECTION}", "",
+             "`benchmarks/backup_path.py`: what the connector's L3 writer (`L3IO`, default batches, the writer "
+             "hashing each page) spends per page it backs up from a `layer_first` L2 slot "
+             f"({c['model']} preset's KV, {c['layers']} runs of {c['run_bytes'] // 1024} KiB, "
+             f"{c['page_bytes'] // 1024} KiB pages) into a store at capacity ({c['capacity_mib']} MiB, every write "
+             "evicting one): the page given as its runs (`vectored`: the store's `vectored_sources`) or gathered "
+             "into a staging page first (`staged`: the path of stores without it; here the same store class with "
+             f"it switched off). {c['pages']} pages per run in jobs of {JOB_PAGES}, {c['reps']} repetitions, order "
+             "rotated; median [min-max] microseconds per page of this process's CPU (user + system), of the ZMQ "
+             "server process's CPU and of wall time.", "",
+             f"Conditions: {c['cpu']}, {c['cpus']} CPUs, load average {c['load_before']:.2f} before and "
+             f"{c['load_after']:.2f} after the {c['wall_s']:.0f} s run ({c['date']}, at {(c['commit'] or '?')[:7]}).",
+             "",
+             "| configuration | writer CPU us/page | server CPU us/page | both, vs staged | wall us/page | stored |",
+             "|---|---|---|---|---|---|"]
+    by = {r["config"]: r for r in res["rows"]}
+
+    def cell(v):
+        return f"{v['median']:.0f} [{v['min']:.0f}-{v['max']:.0f}]"
+
+    for r in res["rows"]:
+        kind = r["config"].split("_")[0]
+        both = r["client_cpu_us_per_page"]["median"] + r["server_cpu_us_per_page"]["median"]
+        ref = by[f"{kind}_staged"]
+        ratio = both / (ref["client_cpu_us_per_page"]["median"] + ref["server_cpu_us_per_page"]["median"])
+        server = cell(r["server_cpu_us_per_page"]) if kind == "zmq" else "-"
+        lines.append(f"| {r['config']} | {cell(r['client_cpu_us_per_page'])} | {server} | {ratio:.2f} | "
+                     f"{cell(r['wall_us_per_page'])} | {r['stored']} of {r['pages']} |")
+    if res.get("note"):
+        lines += ["", res["note"]]
+    return "\n".join(lines) + "\n"
+
+
+def write_readme(res: dict) -> None:
+    import results_check  # benchmarks/ is on sys.path (__main__)
+    results_check.replace_readme_section(README, SECTION, readme(res))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=sorted(MODELS), default="demo", help="KV page shape (float32 demo by default)")
+    ap.add_argument("--pages", type=int, default=1088, help="timed pages per configuration and repetition")
+    ap.add_argument("--capacity-mib", type=int, default=64, help="each store's capacity (MiB)")
+    ap.add_argument("--reps", type=int, default=6)
+    ap.add_argument("--dir", default=None, help="directory for the file stores (default: a temporary one under "
+                                                "benchmarks/, on the filesystem a file L3 there would use)")
+    ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--no-readme", action="store_true")
+    ap.add_argument("--readme-from", default=None, help="rewrite the README section from a result file and exit")
+    ap.add_argument("--note", default="", help="extra paragraph for the README section (kept in the JSON)")
+    args = ap.parse_args(argv)
+    if args.readme_from:
+        from results_check import result_with_note  # benchmarks/ is on sys.path (__main__)
+        res = result_with_note(Path(args.readme_from), args.note)
+        write_readme(res)
+        print(readme(res), end="")
+        return 0
+    import numpy as np
+    import torch
+    from results_check import code_state, cpu_model
+
+    from tierkv.connector.host_pool import HostPool
+
+    layers, run_bytes = MODELS[args.model]
+    host = HostPool(256, layers, run_bytes)
+    host.buffer.copy_(torch.from_numpy(np.random.default_rng(0).integers(0, 256, host.nbytes, dtype=np.uint8)))
+    capacity = args.capacity_mib << 20
+    load_before, t0 = os.getloadavg()[0], time.time()
+    d = tempfile.mkdtemp(prefix="backup-path-", dir=args.dir or str(ROOT / "benchmarks"))
+    setups, runs = {}, []
+    try:
+        for c in CONFIGS:
+            setups[c] = Setup(c, host, capacity, d)
+            setups[c].backup(2 * capacity // host.page_bytes)  # fill: from here on every write evicts one
+        for rep in range(args.reps):
+            for c in CONFIGS[rep % len(CONFIGS):] + CONFIGS[:rep % len(CONFIGS)]:
+                r = {"config": c, "rep": rep, **setups[c].backup(args.pages)}
+                runs.append(r)
+                print(f"rep {rep} {c}: writer {r['client_cpu_us_per_page']:.0f} us CPU/page, server "
+                      f"{r['server_cpu_us_per_page']:.0f}, wall {r['wall_us_per_page']:.0f}", flush=True)
+    finally:
+        for s in setups.values():
+            s.close()
+        shutil.rmtree(d, ignore_errors=True)
+    res = {"conditions": {"cpu": cpu_model(), "cpus": os.cpu_count(), "load_before": load_before,
+                          "load_after": os.getloadavg()[0], "wall_s": time.time() - t0, "reps": args.reps,
+                          "model": args.model, "layers": layers, "run_bytes": run_bytes,
+                          "page_bytes": host.page_bytes, "capacity_mib": args.capacity_mib, "pages": args.pages,
+                          "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **code_state()},
+           "rows": summarize(runs), "runs": runs, "note": args.note}
+    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    if not args.no_readme:
+        write_readme(res)
+    print(readme(res), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.exit(main())
