@@ -160,7 +160,7 @@ def write_readme(res: dict) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="demo", help="KV page shape (float32 demo by default)")
-    ap.add_argument("--pages", type=int, default=1088, help="timed pages per configuration and repetition")
+    ap.add_argument("--pages", type=int, default=8704, help="timed pages per configuration and repetition (the server's CPU is read in 10 ms ticks)")
     ap.add_argument("--capacity-mib", type=int, default=64, help="each store's capacity (MiB)")
     ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--dir", default=None, help="directory for the file stores (default: a temporary one under "
