@@ -33,6 +33,7 @@ docs/architecture.md §8 R13, R15, R19 call for.
 """
 from __future__ import annotations
 
+import functools
 import hmac
 import itertools
 import logging
@@ -832,8 +833,10 @@ def sweep_dead_presence(shm_dir: str = P.SHM_DIR) -> int:
     return sweep_dead_files(shm_dir, PRESENCE_NAME_RE, len(PRESENCE_PREFIX))
 
 
+@functools.lru_cache(maxsize=1024)
 def is_loopback(host: str) -> bool:
-    """True for addresses only this machine can reach (``127.0.0.0/8``, ``::1``, ``localhost``)."""
+    """True for addresses only this machine can reach (``127.0.0.0/8``, ``::1``, ``localhost``). Cached: the server
+    asks it of the peer address of every shared-memory request (``ipaddress`` parsing showed in its profile)."""
     if host == "localhost":
         return True
     import ipaddress
