@@ -25,12 +25,14 @@ import json
 import os
 import resource
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_check import spread, spread_cell  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "backup_path.json"
@@ -110,8 +112,7 @@ def summarize(runs: list[dict]) -> list[dict]:
         mine = [r for r in runs if r["config"] == c]
         row = {"config": c, "stored": sum(r["stored"] for r in mine), "pages": sum(r["pages"] for r in mine)}
         for k in ("client_cpu_us_per_page", "server_cpu_us_per_page", "wall_us_per_page"):
-            xs = sorted(r[k] for r in mine)
-            row[k] = {"median": statistics.median(xs), "min": xs[0], "max": xs[-1]}
+            row[k] = spread(r[k] for r in mine)
         rows.append(row)
     return rows
 
@@ -135,10 +136,7 @@ def readme(res: dict) -> str:
              "| configuration | writer CPU us/page | server CPU us/page | both, vs staged | wall us/page | stored |",
              "|---|---|---|---|---|---|"]
     by = {r["config"]: r for r in res["rows"]}
-
-    def cell(v):
-        return f"{v['median']:.0f} [{v['min']:.0f}-{v['max']:.0f}]"
-
+    cell = spread_cell
     for r in res["rows"]:
         kind = r["config"].split("_")[0]
         both = r["client_cpu_us_per_page"]["median"] + r["server_cpu_us_per_page"]["median"]

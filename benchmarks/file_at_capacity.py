@@ -25,13 +25,15 @@ import hashlib
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_check import spread, spread_cell  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "file_at_capacity.json"
@@ -79,8 +81,7 @@ def summarize(runs: list[dict]) -> list[dict]:
             mine = [r for r in runs if r["page_bytes"] == pb and r["config"] == c]
             row = {"page_bytes": pb, "config": c, "evictions": mine[0]["evictions"], "recycled": mine[0]["recycled"]}
             for k in ("cpu_us_per_page", "wall_us_per_page"):
-                xs = sorted(r[k] for r in mine)
-                row[k] = {"median": statistics.median(xs), "min": xs[0], "max": xs[-1]}
+                row[k] = spread(r[k] for r in mine)
             rows.append(row)
     return rows
 
@@ -101,9 +102,7 @@ def readme(res: dict) -> str:
              "| page | configuration | CPU us/page | wall us/page | CPU vs unlink | evictions | recycled |",
              "|---|---|---|---|---|---|---|"]
     unlink = {r["page_bytes"]: r for r in res["rows"] if r["config"] == "unlink"}
-
-    def cell(v):
-        return f"{v['median']:.0f} [{v['min']:.0f}-{v['max']:.0f}]"
+    cell = spread_cell
 
     for r in res["rows"]:
         ratio = r["cpu_us_per_page"]["median"] / unlink[r["page_bytes"]]["cpu_us_per_page"]["median"]

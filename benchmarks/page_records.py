@@ -30,6 +30,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_check import spread, spread_cell  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "page_records.json"
 KS = (1, 2, 4)
@@ -114,8 +117,7 @@ def summarize(runs: list[dict]) -> list[dict]:
             row = {"model": model, "bytes_per_token": mine[0]["bytes_per_token"], "k": k, "page_bytes": pb,
                    "records_per_token": mine[0]["records"] / tok, "files": mine[0]["files"]}
             for op in ("store", "load", "load_cold"):
-                us = sorted(1e6 * r[op + "_s"] / tok for r in mine)
-                row[op + "_us_per_token"] = {"median": statistics.median(us), "min": us[0], "max": us[-1]}
+                row[op + "_us_per_token"] = spread(1e6 * r[op + "_s"] / tok for r in mine)
                 row[op + "_mbps"] = statistics.median(r["records"] * pb / r[op + "_s"] / 1e6 for r in mine)
             rows.append(row)
     return rows
@@ -142,7 +144,7 @@ def readme(res: dict) -> str:
     base = {r["model"]: r for r in res["rows"] if r["k"] == 1}
 
     def cell(v):
-        return f"{v['median']:.2f} [{v['min']:.2f}-{v['max']:.2f}]"
+        return spread_cell(v, 2)
 
     for r in res["rows"]:
         b = base[r["model"]]

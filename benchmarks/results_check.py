@@ -13,6 +13,7 @@ Used by ``benchmarks/e2e_cpu.py``; tests in ``tests/unit/test_benchmark_results.
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 from pathlib import Path
 from typing import Any, Optional
@@ -144,3 +145,17 @@ def result_with_note(path: Path, note: str, key: str = "note") -> dict:
         data[key] = note
         Path(path).write_text(json.dumps(data, indent=1) + "\n")
     return data
+
+
+def spread(xs) -> dict[str, float]:
+    """``{"median", "min", "max"}`` of the numbers ``xs`` (non-empty): how the benchmarks summarise a measure over
+    repetitions. Raises ValueError for an empty ``xs``."""
+    xs = sorted(xs)
+    if not xs:
+        raise ValueError("spread of no values")
+    return {"median": statistics.median(xs), "min": xs[0], "max": xs[-1]}
+
+
+def spread_cell(v: dict, digits: int = 0) -> str:
+    """A :func:`spread` as a README table cell: ``median [min-max]`` with ``digits`` decimals."""
+    return f"{v['median']:.{digits}f} [{v['min']:.{digits}f}-{v['max']:.{digits}f}]"

@@ -157,3 +157,12 @@ def test_the_readme_e2e_sections_are_what_the_committed_results_render(section, 
     if shallow == "false":  # a full clone holds the commit (a shallow one may not: the format check above stands)
         r = subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=REPO, capture_output=True)
         assert r.returncode == 0, f"{name} was measured at {commit}, which is not in this repository's history"
+
+
+def test_spread_is_the_median_and_range_and_its_cell():
+    assert rc.spread([3.0, 1.0, 2.0, 10.0]) == {"median": 2.5, "min": 1.0, "max": 10.0}
+    assert rc.spread(x for x in (7,)) == {"median": 7, "min": 7, "max": 7}  # any iterable
+    with pytest.raises(ValueError):
+        rc.spread([])
+    assert rc.spread_cell({"median": 2.5, "min": 1.0, "max": 10.25}) == "2 [1-10]"
+    assert rc.spread_cell({"median": 2.5, "min": 1.0, "max": 10.25}, 2) == "2.50 [1.00-10.25]"
