@@ -89,12 +89,12 @@ def readme(res: dict) -> str:
              "`benchmarks/engine_threads.py`: the CPU of each thread of an in-process vLLM CPU engine "
              f"(`{c['config']}`, demo model in {c['dtype']}, serve_cpu's full-pass sizes) over a c1 phase (16 random "
              "1,088-token prompts one after the other) and a c8 phase (48 in one call), as a share of the phase's "
-             "wall time; threads with under 0.01 s not listed.", "",
+             "wall time; threads with under 0.02 s not listed.", "",
              f"Conditions: {c['cpu']}, {c['cpus']} CPUs, load average {c['load_before']:.2f} before "
              f"({c['date']}, at {(c['commit'] or '?')[:7]}).", "",
              "| phase | wall s | thread | last CPU | CPU s | share of wall |", "|---|---|---|---|---|---|"]
     for phase, ph in res["phases"].items():
-        for r in ph["threads"]:
+        for r in (r for r in ph["threads"] if r["cpu_s"] >= 0.02):
             lines.append(f"| {phase} | {ph['wall_s']:.2f} | {r['name']} | {r['last_cpu']} | {r['cpu_s']:.2f} | "
                          f"{100 * r['cpu_s'] / ph['wall_s']:.0f} % |")
     if res.get("note"):
