@@ -133,8 +133,12 @@ def as_byte_runs(runs: Any, nbytes: int, what: str = "buffer") -> list[memoryvie
     a run that is not a contiguous buffer or runs that do not add up to ``nbytes``."""
     if not runs:
         raise ValueError(f"{what}: an empty list of runs")
+    torch = sys.modules.get("torch")
     out = []
     for j, r in enumerate(runs):
+        if torch is not None and isinstance(r, torch.Tensor):
+            out.append(as_byte_view(r, r.nbytes, False, f"{what}[{j}]"))
+            continue
         try:
             mv = memoryview(r)
         except TypeError:

@@ -497,7 +497,7 @@ def test_page_given_as_runs_round_trips_or_is_refused(make_store):
     b = make_store(page_bytes=page_bytes).backend
     ks, src = keys_of(4, salt=101), pages(4, page_bytes, seed=101)
     given = [runs_of(src[0], [16 * KiB, 32 * KiB, 48 * KiB]),     # four equal runs (layers)
-             tuple(runs_of(src[1], [1, 40 * KiB + 3])),           # uneven runs, one of a single byte
+             (*runs_of(src[1], [1, 40 * KiB + 3])[:2], src[1][40 * KiB + 3:]),  # uneven, a 1-byte run, a tensor
              [src[2].numpy()],                                     # one run: the whole page
              src[3]]                                               # a page given whole, in the same call
     if not b.vectored_sources:
@@ -518,7 +518,8 @@ def test_runs_not_adding_up_to_a_page_raise_value_error(make_store):
     b = make_store(page_bytes=page_bytes).backend
     ks, src = keys_of(2, salt=111), pages(2, page_bytes, seed=111)
     a = src[1].numpy()
-    for bad in ([a[:8 * KiB]], [a[:8 * KiB], a], [], [a[::2], a[1::2]], [a[:8 * KiB], "text"]):
+    t = src[1].view(4, -1)
+    for bad in ([a[:8 * KiB]], [a[:8 * KiB], a], [], [a[::2], a[1::2]], [a[:8 * KiB], "text"], [t[:, :2048], t[:, 2048:]]):
         with pytest.raises(ValueError, match=r"sources\[1\]"):
             b.batch_set(ks, [src[0], bad])
     assert b.batch_exists(ks) == 0
