@@ -3,16 +3,19 @@ as its runs (``vectored``: ``StorageBackend.vectored_sources``, the file store's
 ZMQ store's copy of each run into its shared-memory slot) or first gathered into one contiguous staging page
 (``staged``: the path the writer takes for stores without ``vectored_sources``, e.g. Mooncake and LMCache).
 
-The writer is the connector's own (:class:`tierkv.connector.l3_io.L3IO` over a :class:`HostPool` shaped like the
-``--model`` preset's KV pages: ``demo`` in float32 by default, 4 layers x 32 KiB, 128 KiB pages), with its default
-batches of 16 pages and no checksum recorded at save time (``controller.verify_checksums`` off, the default: the
-writer hashes each page). The staged variant of each store is the same class with ``vectored_sources`` switched off,
-so both go through exactly the code a store of either kind gets. Four configurations, each with its own store at
+The writer is the connector's own (:class:`tierkv.connector.l3_io.L3IO` over a :class:`HostPool` of each
+``--shapes`` entry: a preset's KV pages, ``demo`` in float32 (4 layers x 32 KiB, 128 KiB pages) or ``bench`` in
+bfloat16 (8 x 32 KiB), or ``LAYERSxKIB``: that many runs of that many KiB), with its default batches of 16 pages and
+no checksum recorded at save time (``controller.verify_checksums`` off, the default: the writer hashes each page).
+The staged variant of each store is the same class with ``vectored_sources`` switched off, so both go through
+exactly the code a store of either kind gets; the vectored variant is forced for every shape (the connector itself
+hands over runs only from ``VECTORED_MIN_RUN_BYTES`` on; the table says which path it takes for the shape). Per
+shape, four configurations, each with its own store at
 capacity (``--capacity-mib``, 64 MiB: every page written evicts one, as in a store that has filled): ``file_staged``,
 ``file_vectored`` (file L3 in a directory under ``--dir``), ``zmq_staged``, ``zmq_vectored`` (a ``tierkv server``
-process each, ``l3.zmq.shm: auto``). Each is first filled with twice its capacity, then each repetition times
-``--pages`` backups per configuration, in jobs of 34 pages (a 1,088-token prompt), the configuration order rotated
-between repetitions. Recorded per run: this process's CPU (user + system; the writer is the only thread working, the
+process each, ``l3.zmq.shm: auto``). Each is first filled with twice its capacity, then each repetition times the
+backup of ``--pages`` pages' worth of 128 KiB (fewer, larger pages for larger shapes) per configuration, in jobs of 34
+pages (a 1,088-token prompt), the configuration order rotated between repetitions. Recorded per run: this process's CPU (user + system; the writer is the only thread working, the
 main thread waits) and, for ZMQ, the server process's CPU (``/proc``), each per page, and the wall time per page.
 
     .venv/bin/python benchmarks/backup_path.py            # writes results/backup_path.json + README section
@@ -43,6 +46,18 @@ JOB_PAGES = 34
 NS = bytes(range(16))
 #: KV page shapes of examples/make_tiny_model.py's presets: (layers, bytes of one layer's K and V of a 32-token block)
 MODELS = {"demo": (4, 2 * 2 * 64 * 32 * 4), "bench": (8, 2 * 4 * 64 * 32 * 2)}
+DEFAULT_SHAPES = "demo,bench,64x4,80x16,32x64"
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    """A ``--shapes`` entry: a :data:`MODELS` preset, or ``LAYERSxKIB`` (runs x KiB per run) -> (runs, run bytes).
+    Raises ValueError for anything else."""
+    if text in MODELS:
+        return MODELS[text]
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"bad shape {text!r}: a preset ({', '.join(MODELS)}) or LAYERSxKIB, e.g. 64x4")
+    return int(parts[0]), int(parts[1]) << 10
 
 
 def _server_cpu_s(pid: int) -> float:
@@ -54,6 +69,7 @@ class Setup:
     """One configuration: its store (at capacity once :meth:`fill` ran), its L3IO and, for ZMQ, its server."""
 
     def __init__(self, config: str, host, capacity: int, d: str):
+        from tierkv.connector import l3_io
         from tierkv.connector.l3_io import L3IO
         from tierkv.connector.page_checksums import SlotChecksums
         from tierkv.storage_backends.file import FileStore
@@ -71,7 +87,12 @@ class Setup:
         if path == "staged":
             cls = type(f"Staged{cls.__name__}", (cls,), {"vectored_sources": False})
         self.store = cls(NS, host.page_bytes, **opts)
-        self.l3 = L3IO(self.store, host, NS, SlotChecksums(host.num_slots), read_threads=1)
+        rule = l3_io.VECTORED_MIN_RUN_BYTES
+        l3_io.VECTORED_MIN_RUN_BYTES = 1  # vectored whatever the run length (the connector's rule: ``picks``)
+        try:
+            self.l3 = L3IO(self.store, host, NS, SlotChecksums(host.num_slots), read_threads=1)
+        finally:
+            l3_io.VECTORED_MIN_RUN_BYTES = rule
         assert self.l3._vectored is (path == "vectored")
         self.host, self.job_id = host, 0
 
@@ -106,11 +127,12 @@ class Setup:
 
 
 def summarize(runs: list[dict]) -> list[dict]:
-    """One row per configuration: median, min and max of each per-page measure over the repetitions."""
+    """One row per (shape, configuration): median, min and max of each per-page measure over the repetitions."""
     rows = []
-    for c in CONFIGS:
-        mine = [r for r in runs if r["config"] == c]
-        row = {"config": c, "stored": sum(r["stored"] for r in mine), "pages": sum(r["pages"] for r in mine)}
+    for shape, c in ((sh, c) for sh in dict.fromkeys(r["shape"] for r in runs) for c in CONFIGS):
+        mine = [r for r in runs if r["config"] == c and r["shape"] == shape]
+        row = {"shape": shape, "config": c, "stored": sum(r["stored"] for r in mine),
+               "pages": sum(r["pages"] for r in mine), **{k: mine[0][k] for k in ("runs", "run_bytes", "picks")}}
         for k in ("client_cpu_us_per_page", "server_cpu_us_per_page", "wall_us_per_page"):
             row[k] = spread(r[k] for r in mine)
         rows.append(row)
@@ -122,28 +144,33 @@ def readme(res: dict) -> str:
     c = res["conditions"]
     lines = [f"## {SECTION}", "",
              "`benchmarks/backup_path.py`: what the connector's L3 writer (`L3IO`, default batches, the writer "
-             "hashing each page) spends per page it backs up from a `layer_first` L2 slot "
-             f"({c['model']} preset's KV, {c['layers']} runs of {c['run_bytes'] // 1024} KiB, "
-             f"{c['page_bytes'] // 1024} KiB pages) into a store at capacity ({c['capacity_mib']} MiB, every write "
-             "evicting one): the page given as its runs (`vectored`: the store's `vectored_sources`) or gathered "
-             "into a staging page first (`staged`: the path of stores without it; here the same store class with "
-             f"it switched off). {c['pages']} pages per run in jobs of {JOB_PAGES}, {c['reps']} repetitions, order "
+             "hashing each page) spends per page it backs up from a `layer_first` L2 slot into a store at capacity "
+             f"({c['capacity_mib']} MiB, every write evicting one): the page given as its runs (`vectored`: the "
+             "store's `vectored_sources`, forced here for every shape) or gathered into a staging page first "
+             "(`staged`: the path of stores without it; here the same store class with it switched off). Shapes: "
+             "runs per page x bytes per run (`demo`: the demo preset's fp32 KV, `bench`: the bench preset's bf16 KV, "
+             "else synthetic); `picks`: the path the connector takes for that shape (vectored from "
+             f"`VECTORED_MIN_RUN_BYTES` = {c.get('min_run_bytes', 16384) // 1024} KiB per run on). "
+             f"{c['pages']} pages' worth of 128 KiB per run in jobs of {JOB_PAGES}, {c['reps']} repetitions, order "
              "rotated; median [min-max] microseconds per page of this process's CPU (user + system), of the ZMQ "
              "server process's CPU and of wall time.", "",
              f"Conditions: {c['cpu']}, {c['cpus']} CPUs, load average {c['load_before']:.2f} before and "
              f"{c['load_after']:.2f} after the {c['wall_s']:.0f} s run ({c['date']}, at {(c['commit'] or '?')[:7]}).",
              "",
-             "| configuration | writer CPU us/page | server CPU us/page | both, vs staged | wall us/page | stored |",
-             "|---|---|---|---|---|---|"]
-    by = {r["config"]: r for r in res["rows"]}
+             "| shape | page | picks | configuration | writer CPU us/page | server CPU us/page | both, vs staged "
+             "| wall us/page | stored |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    by = {(r["shape"], r["config"]): r for r in res["rows"]}
     cell = spread_cell
     for r in res["rows"]:
         kind = r["config"].split("_")[0]
         both = r["client_cpu_us_per_page"]["median"] + r["server_cpu_us_per_page"]["median"]
-        ref = by[f"{kind}_staged"]
+        ref = by[(r["shape"], f"{kind}_staged")]
         ratio = both / (ref["client_cpu_us_per_page"]["median"] + ref["server_cpu_us_per_page"]["median"])
         server = cell(r["server_cpu_us_per_page"]) if kind == "zmq" else "-"
-        lines.append(f"| {r['config']} | {cell(r['client_cpu_us_per_page'])} | {server} | {ratio:.2f} | "
+        lines.append(f"| {r['shape']} ({r['runs']} x {r['run_bytes'] // 1024} KiB) | "
+                     f"{r['runs'] * r['run_bytes'] // 1024} KiB | {r['picks']} | {r['config']} | "
+                     f"{cell(r['client_cpu_us_per_page'])} | {server} | {ratio:.2f} | "
                      f"{cell(r['wall_us_per_page'])} | {r['stored']} of {r['pages']} |")
     if res.get("note"):
         lines += ["", res["note"]]
@@ -157,8 +184,11 @@ def write_readme(res: dict) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", choices=sorted(MODELS), default="demo", help="KV page shape (float32 demo by default)")
-    ap.add_argument("--pages", type=int, default=8704, help="timed pages per configuration and repetition (the server's CPU is read in 10 ms ticks)")
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES,
+                    help=f"comma-separated presets ({', '.join(MODELS)}) or LAYERSxKIB (default {DEFAULT_SHAPES})")
+    ap.add_argument("--pages", type=int, default=8704,
+                    help="timed pages' worth of 128 KiB per configuration and repetition (the server's CPU is read in "
+                         "10 ms ticks)")
     ap.add_argument("--capacity-mib", type=int, default=64, help="each store's capacity (MiB)")
     ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--dir", default=None, help="directory for the file stores (default: a temporary one under "
@@ -178,33 +208,45 @@ def main(argv=None) -> int:
     import torch
     from results_check import code_state, cpu_model
 
+    from tierkv.connector import l3_io
     from tierkv.connector.host_pool import HostPool
 
-    layers, run_bytes = MODELS[args.model]
-    host = HostPool(256, layers, run_bytes)
-    host.buffer.copy_(torch.from_numpy(np.random.default_rng(0).integers(0, 256, host.nbytes, dtype=np.uint8)))
+    try:
+        shapes = {name: parse_shape(name) for name in args.shapes.split(",") if name}
+    except ValueError as e:
+        ap.error(str(e))
     capacity = args.capacity_mib << 20
     load_before, t0 = os.getloadavg()[0], time.time()
     d = tempfile.mkdtemp(prefix="backup-path-", dir=args.dir or str(ROOT / "benchmarks"))
-    setups, runs = {}, []
+    runs = []
     try:
-        for c in CONFIGS:
-            setups[c] = Setup(c, host, capacity, d)
-            setups[c].backup(2 * capacity // host.page_bytes)  # fill: from here on every write evicts one
-        for rep in range(args.reps):
-            for c in CONFIGS[rep % len(CONFIGS):] + CONFIGS[:rep % len(CONFIGS)]:
-                r = {"config": c, "rep": rep, **setups[c].backup(args.pages)}
-                runs.append(r)
-                print(f"rep {rep} {c}: writer {r['client_cpu_us_per_page']:.0f} us CPU/page, server "
-                      f"{r['server_cpu_us_per_page']:.0f}, wall {r['wall_us_per_page']:.0f}", flush=True)
+        for shape, (layers, run_bytes) in shapes.items():
+            host = HostPool(256, layers, run_bytes)
+            host.buffer.copy_(torch.from_numpy(np.random.default_rng(0).integers(0, 256, host.nbytes,
+                                                                                  dtype=np.uint8)))
+            picks = "vectored" if run_bytes >= l3_io.VECTORED_MIN_RUN_BYTES else "staged"
+            n = max(JOB_PAGES, args.pages * (128 << 10) // host.page_bytes)
+            setups = {}
+            try:
+                for c in CONFIGS:
+                    setups[c] = Setup(c, host, capacity, os.path.join(d, shape))
+                    setups[c].backup(2 * capacity // host.page_bytes)  # fill: from here on every write evicts one
+                for rep in range(args.reps):
+                    for c in CONFIGS[rep % len(CONFIGS):] + CONFIGS[:rep % len(CONFIGS)]:
+                        r = {"shape": shape, "runs": layers, "run_bytes": run_bytes, "picks": picks, "config": c,
+                             "rep": rep, **setups[c].backup(n)}
+                        runs.append(r)
+                        print(f"{shape} rep {rep} {c}: writer {r['client_cpu_us_per_page']:.0f} us CPU/page, server "
+                              f"{r['server_cpu_us_per_page']:.0f}, wall {r['wall_us_per_page']:.0f}", flush=True)
+            finally:
+                for st in setups.values():
+                    st.close()
     finally:
-        for s in setups.values():
-            s.close()
         shutil.rmtree(d, ignore_errors=True)
     res = {"conditions": {"cpu": cpu_model(), "cpus": os.cpu_count(), "load_before": load_before,
                           "load_after": os.getloadavg()[0], "wall_s": time.time() - t0, "reps": args.reps,
-                          "model": args.model, "layers": layers, "run_bytes": run_bytes,
-                          "page_bytes": host.page_bytes, "capacity_mib": args.capacity_mib, "pages": args.pages,
+                          "shapes": args.shapes, "min_run_bytes": l3_io.VECTORED_MIN_RUN_BYTES,
+                          "capacity_mib": args.capacity_mib, "pages": args.pages,
                           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **code_state()},
            "rows": summarize(runs), "runs": runs, "note": args.note}
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")

@@ -58,6 +58,13 @@ logger = logging.getLogger("tierkv.l3")
 CREDIT_FIRST_BATCH = 4
 
 
+#: shortest mean run (bytes) of an L2 page that the writer hands to a store with ``vectored_sources`` as runs; a page
+#: of shorter runs is staged into one contiguous copy first: each run handed over costs a fixed 1-2 us of Python
+#: (a view, a check, a hash update, an iovec or a slice copy), which a page of many short runs pays more than one
+#: copy of the page costs (benchmarks/README.md, backup_path: 64 runs of 4 KiB, 80 of 16 KiB, 4 and 32 of 32-64 KiB)
+VECTORED_MIN_RUN_BYTES = 16 << 10
+
+
 def l3_key(rank_namespace: bytes, key: bytes) -> str:
     """Text key (32 lowercase hex chars) of page ``key`` (16 bytes) in the L3 store, for the rank whose namespace
     digest is ``rank_namespace`` (16 bytes)."""
@@ -218,8 +225,11 @@ class L3IO:
         # registered memory directly (Mooncake: zero-copy puts; a no-op returning False elsewhere)
         self._direct = host.read_page(0).untyped_storage().data_ptr() == host.buffer.untyped_storage().data_ptr()
         # a page in several runs goes to a store that takes runs as they lie in L2 (one writev, or one copy into
-        # its shared memory) instead of being staged first
-        self._vectored = not self._direct and bool(getattr(store, "vectored_sources", False))
+        # its shared memory) instead of being staged first, when its runs are long enough that handing over each
+        # costs less than copying it
+        runs = len(host.page_runs(0))
+        self._vectored = (not self._direct and bool(getattr(store, "vectored_sources", False))
+                          and host.page_bytes >= runs * VECTORED_MIN_RUN_BYTES)
         self._wstage = self._staging(0 if self._vectored else batch_pages)
         self._threads = [threading.Thread(target=self._serve, args=(self._read_q, self._staging(batch_pages)),
                                           name=f"tierkv-l3-read-{i}", daemon=True) for i in range(read_threads)]
