@@ -150,7 +150,7 @@ def readme(res: dict) -> str:
              "(`staged`: the path of stores without it; here the same store class with it switched off). Shapes: "
              "runs per page x bytes per run (`demo`: the demo preset's fp32 KV, `bench`: the bench preset's bf16 KV, "
              "else synthetic); `picks`: the path the connector takes for that shape (vectored from "
-             f"`VECTORED_MIN_RUN_BYTES` = {c.get('min_run_bytes', 16384) // 1024} KiB per run on). "
+             f"`VECTORED_MIN_RUN_BYTES` = {c['min_run_bytes'] // 1024} KiB per run on). "
              f"{c['pages']} pages' worth of 128 KiB per run in jobs of {JOB_PAGES}, {c['reps']} repetitions, order "
              "rotated; median [min-max] microseconds per page of this process's CPU (user + system), of the ZMQ "
              "server process's CPU and of wall time.", "",

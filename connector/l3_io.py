@@ -59,10 +59,11 @@ CREDIT_FIRST_BATCH = 4
 
 
 #: shortest mean run (bytes) of an L2 page that the writer hands to a store with ``vectored_sources`` as runs; a page
-#: of shorter runs is staged into one contiguous copy first: each run handed over costs a fixed 1-2 us of Python
+#: of shorter runs is staged into one contiguous copy first: each run handed over costs a fixed 1-3 us of Python
 #: (a view, a check, a hash update, an iovec or a slice copy), which a page of many short runs pays more than one
-#: copy of the page costs (benchmarks/README.md, backup_path: 64 runs of 4 KiB, 80 of 16 KiB, 4 and 32 of 32-64 KiB)
-VECTORED_MIN_RUN_BYTES = 16 << 10
+#: copy of the page costs (benchmarks/README.md, backup_path: a loss at 4 KiB runs, even at 16 KiB, a gain for both
+#: stores from 32 KiB)
+VECTORED_MIN_RUN_BYTES = 32 << 10
 
 
 def l3_key(rank_namespace: bytes, key: bytes) -> str:
