@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 README = REPO / "benchmarks" / "README.md"
 SECTION = "hook_time"
-KEYS = ("hook_seconds", "hook_cpu_seconds", "hook_calls", "hook_steps")
+KEYS = ("hook_seconds", "hook_calls", "hook_steps")
 
 
 def _serve_cpu():
@@ -86,9 +86,6 @@ def run_config(sc, name: str, p: dict, work: Path, pythonpath: str, concurrency:
                            steps=d["scheduler"]["hook_steps"],
                            sched_ms_per_step=round(1000 * d["scheduler"]["hook_seconds"] / steps, 3),
                            worker_ms_per_step=round(1000 * d["worker"]["hook_seconds"] / max(1, d["worker"]["hook_steps"]), 3),
-                           sched_cpu_ms_per_step=round(1000 * d["scheduler"]["hook_cpu_seconds"] / steps, 3),
-                           worker_cpu_ms_per_step=round(1000 * d["worker"]["hook_cpu_seconds"]
-                                                        / max(1, d["worker"]["hook_steps"]), 3),
                            run_ms_per_step=round(1000 * res["duration"] / steps, 2),
                            hook_share=round((d["scheduler"]["hook_seconds"] + d["worker"]["hook_seconds"])
                                             / res["duration"], 4))
@@ -117,7 +114,8 @@ def render(data: dict) -> str:
 load (vLLM's OpenAI server, `vllm bench serve` at `--max-concurrency {data['concurrency']}`, the `serve_cpu` sizes and
 `demo` model; counters `hook_seconds` / `hook_steps` of each side from the stats files). On vLLM's CPU backend both
 sides are on the critical path of every step. Hook time is wall time: it includes waits for the GIL and for a CPU;
-in brackets the CPU time of the hooks' thread in them (``time.thread_time``), tierkv's own work.
+in brackets the CPU time of the hooks' thread in them (``time.thread_time``), tierkv's own work, where the run
+recorded it ("-": the hooks no longer read their thread's CPU clock, a system call per hook call).
 
 ```bash
 .venv/bin/python benchmarks/hook_time.py

@@ -104,11 +104,11 @@ def thread_cpu() -> dict[str, float]:
     return out
 
 
-HOOK_KEYS = ("hook_seconds", "hook_cpu_seconds", "hook_calls", "hook_steps")
+HOOK_KEYS = ("hook_seconds", "hook_calls", "hook_steps")
 
 
 def hook_counters(llm) -> dict[str, dict[str, float]]:
-    """``{role: {hook_seconds, hook_cpu_seconds, hook_calls, hook_steps}}`` of the tierkv connectors of an
+    """``{role: {hook_seconds, hook_calls, hook_steps}}`` of the tierkv connectors of an
     in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the scheduler's connector hangs off the engine core,
     the worker's is vLLM's KV transfer group of this process); ``{}`` without a tierkv connector."""
     out: dict[str, dict[str, float]] = {}

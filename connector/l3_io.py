@@ -323,6 +323,12 @@ class L3IO:
             self._finish_prefetches_locked()
         return out
 
+    def has_prefetches(self) -> bool:
+        """Whether a prefetch is in flight or not yet reported, i.e. whether :meth:`poll` could find anything (read
+        without the lock: prefetches are added on the engine thread, the caller's; one removed meanwhile only makes
+        the caller poll for nothing)."""
+        return bool(self._prefetches)
+
     def _end_request_locked(self, p: _Prefetch) -> tuple[PageOrder, list[int]]:
         """End the request side of prefetch ``p`` (its batches not started yet are skipped; the job is reported once
         its I/O ended too): the leading run of intact pages as a PageOrder and the engine blocks after it. Counts a
@@ -659,6 +665,9 @@ class NoL3:
     def poll(self, finished_req_ids: Sequence[str] = ()) -> PollResult:
         out, self._ended = self._ended, PollResult()
         return out
+
+    def has_prefetches(self) -> bool:
+        return bool(self._ended.finished or self._ended.failed_blocks)
 
     def wait_reads(self, job_ids: Sequence[int], timeout_s: float) -> tuple[bool, bool]:
         return False, True

@@ -132,7 +132,6 @@ class SchedulerCounters:
     # wall time inside tierkv's scheduler-side vLLM hooks (every call, in the engine core's scheduling loop), the
     # calls, and the steps (plans built): hook_seconds / hook_steps is what tierkv adds to each step there
     hook_seconds: float = 0.0
-    hook_cpu_seconds: float = 0.0  # of which CPU time of the hooks' thread (time.thread_time)
     hook_calls: int = 0
     hook_steps: int = 0
     # L3 hits: engine steps (plans built) from the first lookup that waited for or hit L3 to the step whose output
@@ -173,12 +172,14 @@ class CacheScheduler:
         eviction_policy: ``"lru"`` or ``"lfu"`` for the radix index.
         controller: keyword arguments of :class:`~tierkv.connector.controller.Controller` (policies, deadlines,
             ``world_size``) when an L3 store is configured; None = L1 <-> L2 only.
+        plan_type: the class :meth:`build_plan` returns, :class:`~tierkv.connector.plan.StepPlan` or a subclass
+            taking the same fields (the vLLM connector's metadata class, so a plan is handed over without a copy).
     Raises:
         ValueError: page_size not a whole multiple of block_size, num_slots < 0, or a bad controller setting.
     """
 
     def __init__(self, namespace: ModelNamespace, page_size: int, block_size: int, num_slots: int,
-                 eviction_policy: str = "lru", controller: Optional[dict] = None):
+                 eviction_policy: str = "lru", controller: Optional[dict] = None, plan_type: type = StepPlan):
         check_page_size(page_size, block_size)
         if num_slots < 0:
             raise ValueError(f"num_slots must be >= 0, got {num_slots}")
@@ -194,7 +195,8 @@ class CacheScheduler:
         self.lookup_stats = LookupStats(num_slots, (controller or {}).get("clock", time.monotonic))
         self.requests: dict[str, _RequestState] = {}
         self.counters = SchedulerCounters()
-        self._plan = StepPlan()
+        self.plan_type = plan_type  # what build_plan hands over: StepPlan or a subclass (the engine's metadata class)
+        self._plan = plan_type()
         self._step = 0
         self._drops: list[list[bytes]] = []  # paths whose last page must leave the index once nothing there is locked
         # nodes holding pages whose save the plan being built orders: locked until the plan is handed over, so no
@@ -536,7 +538,7 @@ class CacheScheduler:
     def build_plan(self) -> StepPlan:
         """Hand over everything ordered since the last call as one :class:`StepPlan` and start a new one."""
         self._step += 1
-        plan, self._plan = self._plan, StepPlan(step=self._step + 1)
+        plan, self._plan = self._plan, self.plan_type(step=self._step + 1)
         plan.step = self._step
         for node in self._plan_locks:  # the plan's saves complete within its step: their pages may go from now on
             self.index.unlock(node)

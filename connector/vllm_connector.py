@@ -78,43 +78,33 @@ logger = logging.getLogger("tierkv.vllm")
 
 
 class ConnectorPlan(StepPlan, KVConnectorMetadata):
-    """The per-step metadata vLLM pickles to every worker: a :class:`StepPlan`."""
-
-    @classmethod
-    def of(cls, plan: StepPlan) -> "ConnectorPlan":
-        """The same plan as vLLM metadata: every field of :class:`StepPlan`, so a new field is never dropped."""
-        return cls(**{name: getattr(plan, name) for name in _PLAN_FIELDS})
-
-
-_PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(StepPlan))  # (read once: ``fields`` is slow, ``of`` runs every step)
+    """The per-step metadata vLLM pickles to every worker: a :class:`StepPlan` (the scheduler side builds its plans
+    as this class, ``CacheScheduler(plan_type=...)``, so handing one over copies nothing)."""
 
 
 _hook_log = None
 
 
 def _timed_hook(fn=None, *, step: bool = False):
-    """Decorator of a vLLM hook method: adds its wall time (``time.perf_counter``, seconds), the CPU time of the
-    calling thread in it (``time.thread_time``: the wall time less waits for the GIL, a CPU or I/O) and one call to
-    the ``hook_seconds`` / ``hook_cpu_seconds`` / ``hook_calls`` counters of the role this connector plays (scheduler or worker counters;
+    """Decorator of a vLLM hook method: adds its wall time (``time.perf_counter``, seconds) and one call to the
+    ``hook_seconds`` / ``hook_calls`` counters of the role this connector plays (scheduler or worker counters;
     nothing while neither exists), and with ``step=True`` one to ``hook_steps`` (the hook vLLM calls once per
     step: ``build_connector_meta`` on the scheduler side, ``bind_connector_metadata`` on the worker side). What
-    tierkv adds to an engine step is then ``hook_seconds / hook_steps`` per role, whatever the hook."""
+    tierkv adds to an engine step is then ``hook_seconds / hook_steps`` per role, whatever the hook. Wall time
+    only: the thread's CPU clock (``time.thread_time``) is a system call here (about 1 us warm, more right after a
+    forward), two per hook call, and the hooks' own work is a few microseconds."""
     def wrap(f):
         @functools.wraps(f)
         def timed(self, *args, **kwargs):
-            t0, c0 = time.perf_counter(), time.thread_time()
+            t0 = time.perf_counter()
             try:
                 return f(self, *args, **kwargs)
             finally:
-                c1 = time.thread_time()      # read before the wall clock: the CPU interval lies inside the wall one
                 t1 = time.perf_counter()
-                owner = getattr(self, "_sched", None)
-                if owner is None:
-                    owner = getattr(self, "_worker", None)
+                owner = self._sched or self._worker
                 if owner is not None:
                     c = owner.counters
                     c.hook_seconds += t1 - t0
-                    c.hook_cpu_seconds += c1 - c0
                     c.hook_calls += 1
                     if step:
                         c.hook_steps += 1
@@ -577,7 +567,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                                    "--kv-transfer-config; with \"fail\" a page that arrives late or corrupt from L3 "
                                    "ends its request with an error instead of being recomputed")
             self._sched = CacheScheduler(self.namespace, self.page_size, self.block_size, self.num_slots,
-                                         self.cfg.eviction_policy, controller=ctl)
+                                         self.cfg.eviction_policy, controller=ctl, plan_type=ConnectorPlan)
             self._events = self._tier_events(vllm_config)
             if self.cfg.trace_path:  # the lookup trace for `tierkv plan` (connector/lookup_trace.py)
                 from .lookup_trace import LookupTrace
@@ -827,7 +817,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self._plan_saves(rid, tokens_after - len(drafts.get(rid, ())), state, blocks)
             except Exception as e:  # that request's pages are not saved this step; nothing else changes (§8 R41)
                 _hook_error(sched.counters, "build_connector_meta", e)
-        meta = ConnectorPlan.of(sched.build_plan())
+        meta = sched.build_plan()  # a ConnectorPlan (plan_type): vLLM's metadata as built, no copy
         meta.prefill_tokens = sum(self._prompt_tokens(rid, done, after - done) for rid, after, _b in todo
                                   for done in [after - n_sched.get(rid, 0)])
         now = self._clock()

@@ -69,7 +69,6 @@ class WorkerCounters:
     # wall time inside tierkv's worker-side vLLM hooks (every call, on the model runner's thread), the calls, and
     # the steps (plans bound): hook_seconds / hook_steps is what tierkv adds to each step's forward there
     hook_seconds: float = 0.0
-    hook_cpu_seconds: float = 0.0  # of which CPU time of the hooks' thread (time.thread_time)
     hook_calls: int = 0
     hook_steps: int = 0
     # L3 reads handed over before a step's forward and still running when the step ended (get_finished): steps that
@@ -615,6 +614,8 @@ class CacheWorker:
         (vLLM: ``finished_recving``)."""
         if self._suspect and finished_req_ids:
             self._suspect.difference_update(finished_req_ids)
+        if not self._orphan_finished and self.group_layers is None and not self.l3.has_prefetches():
+            return set()  # no L3 load in flight nor one to report (most steps): nothing to copy or name
         orphans, self._orphan_finished = self._orphan_finished, set()
         res = self.l3.poll(finished_req_ids)
         res.finished |= orphans

@@ -330,9 +330,6 @@ def test_the_time_inside_tierkvs_hooks_is_counted_per_role_and_per_step(tmp_path
     assert wc.hook_calls == 5 * 6
     assert sc.hook_calls > sc.hook_steps          # lookups, allocation, output and stats hooks besides the plans
     assert 0 < sc.hook_seconds < wall and 0 < wc.hook_seconds < wall
-    # each call's CPU interval lies inside its wall interval (one thread's CPU clock runs no faster than the wall)
-    assert 0 < sc.hook_cpu_seconds <= sc.hook_seconds + 1e-6 * sc.hook_calls
-    assert 0 < wc.hook_cpu_seconds <= wc.hook_seconds + 1e-6 * wc.hook_calls
 
 
 def test_the_layer_waits_are_timed_in_a_step_with_a_layerwise_load(tmp_path, monkeypatch):
