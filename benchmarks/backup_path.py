@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import results_check  # noqa: E402
 from results_check import spread, spread_cell  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -178,7 +179,6 @@ def readme(res: dict) -> str:
 
 
 def write_readme(res: dict) -> None:
-    import results_check  # benchmarks/ is on sys.path (__main__)
     results_check.replace_readme_section(README, SECTION, readme(res))
 
 
@@ -193,20 +193,15 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--dir", default=None, help="directory for the file stores (default: a temporary one under "
                                                 "benchmarks/, on the filesystem a file L3 there would use)")
-    ap.add_argument("--out", default=str(RESULTS))
-    ap.add_argument("--no-readme", action="store_true")
-    ap.add_argument("--readme-from", default=None, help="rewrite the README section from a result file and exit")
-    ap.add_argument("--note", default="", help="extra paragraph for the README section (kept in the JSON)")
+    results_check.add_result_args(ap, RESULTS)
     args = ap.parse_args(argv)
     if args.readme_from:
-        from results_check import result_with_note  # benchmarks/ is on sys.path (__main__)
-        res = result_with_note(Path(args.readme_from), args.note)
+        res = results_check.result_with_note(Path(args.readme_from), args.note)
         write_readme(res)
         print(readme(res), end="")
         return 0
     import numpy as np
     import torch
-    from results_check import code_state, cpu_model
 
     from tierkv.connector import l3_io
     from tierkv.connector.host_pool import HostPool
@@ -243,11 +238,11 @@ def main(argv=None) -> int:
                     st.close()
     finally:
         shutil.rmtree(d, ignore_errors=True)
-    res = {"conditions": {"cpu": cpu_model(), "cpus": os.cpu_count(), "load_before": load_before,
+    res = {"conditions": {"cpu": results_check.cpu_model(), "cpus": os.cpu_count(), "load_before": load_before,
                           "load_after": os.getloadavg()[0], "wall_s": time.time() - t0, "reps": args.reps,
                           "shapes": args.shapes, "min_run_bytes": l3_io.VECTORED_MIN_RUN_BYTES,
                           "capacity_mib": args.capacity_mib, "pages": args.pages,
-                          "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **code_state()},
+                          "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **results_check.code_state()},
            "rows": summarize(runs), "runs": runs, "note": args.note}
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     if not args.no_readme:

@@ -106,10 +106,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="tierkv_l3_file_full", help="a serve_cpu configuration name")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--out", default=str(RESULTS))
-    ap.add_argument("--no-readme", action="store_true")
-    ap.add_argument("--readme-from", default=None, help="rewrite the README section from a result file and exit")
-    ap.add_argument("--note", default="", help="extra paragraph for the README section (kept in the JSON)")
+    results_check.add_result_args(ap, RESULTS)
     args = ap.parse_args(argv)
     if not args.readme_from and "LD_PRELOAD" not in os.environ:  # the engine with TCMalloc, as the other benchmarks
         from tierkv.engine_env import preload_env, tcmalloc_path

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import results_check  # noqa: E402
 from results_check import spread, spread_cell  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,7 +115,6 @@ def readme(res: dict) -> str:
 
 
 def write_readme(res: dict) -> None:
-    import results_check  # benchmarks/ is on sys.path (__main__)
     results_check.replace_readme_section(README, SECTION, readme(res))
 
 
@@ -134,18 +134,13 @@ def main(argv=None) -> int:
     ap.add_argument("--writes", type=int, default=2048, help="timed writes of 64 KiB pages per run (default 2048)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dir", default=None, help="directory for the stores (default: a temporary one under benchmarks/)")
-    ap.add_argument("--out", default=str(RESULTS))
-    ap.add_argument("--no-readme", action="store_true")
-    ap.add_argument("--readme-from", default=None, help="rewrite the README section from a result file and exit")
-    ap.add_argument("--note", default="", help="extra paragraph for the README section (kept in the JSON)")
+    results_check.add_result_args(ap, RESULTS)
     args = ap.parse_args(argv)
     if args.readme_from:
-        from results_check import result_with_note  # benchmarks/ is on sys.path (__main__)
-        res = result_with_note(Path(args.readme_from), args.note)
+        res = results_check.result_with_note(Path(args.readme_from), args.note)
         write_readme(res)
         print(readme(res), end="")
         return 0
-    from results_check import code_state, cpu_model
     sizes = [int(x) * 1024 for x in args.page_kib.split(",")]
     load_before, t0 = os.getloadavg()[0], time.time()
     runs = []
@@ -165,10 +160,10 @@ def main(argv=None) -> int:
         fs = _fs_of(os.path.realpath(d))
     finally:
         shutil.rmtree(d, ignore_errors=True)
-    res = {"conditions": {"cpu": cpu_model(), "cpus": os.cpu_count(), "load_before": load_before,
+    res = {"conditions": {"cpu": results_check.cpu_model(), "cpus": os.cpu_count(), "load_before": load_before,
                           "load_after": os.getloadavg()[0], "wall_s": time.time() - t0, "reps": args.reps,
                           "capacity": args.capacity, "writes": args.writes, "fs": fs,
-                          "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **code_state()},
+                          "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **results_check.code_state()},
            "rows": summarize(runs), "runs": runs, "note": args.note}
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     if not args.no_readme:

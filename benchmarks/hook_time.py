@@ -139,14 +139,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", default="tierkv_l2,tierkv_l3_file")
     ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--out", default=str(RESULTS / "hook_time.json"))
-    ap.add_argument("--note", default="")
-    ap.add_argument("--readme-from", default=None)
+    sc = _serve_cpu()
+    sc.results_check.add_result_args(ap, RESULTS / "hook_time.json")
     args = ap.parse_args(argv)
     if args.readme_from:
-        write_readme(_serve_cpu().results_check.result_with_note(Path(args.readme_from), args.note))
+        write_readme(sc.results_check.result_with_note(Path(args.readme_from), args.note))
         return 0
-    sc = _serve_cpu()
     p = dict(sc.FULL)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     work = REPO / "runs" / time.strftime("hook_time-%Y%m%d-%H%M%S")
@@ -163,7 +161,8 @@ def main(argv=None) -> int:
     data["finished_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     Path(args.out).write_text(json.dumps(data, indent=1) + "\n")
     print(f"wrote {args.out}")
-    write_readme(data)
+    if not args.no_readme:
+        write_readme(data)
     return 0
 
 

