@@ -46,6 +46,7 @@ import torch
 import xxhash
 
 from tierkv.storage_backends.common import RateLimitedLog
+from tierkv.storage_backends.page_format import payload_checksum
 
 from .page_checksums import SlotChecksums
 from .plan import JOB_BACKUP, JOB_PREFETCH, Job, JobReport, PageOrder
@@ -232,7 +233,13 @@ class L3IO:
         self._vectored = (not self._direct and bool(getattr(store, "vectored_sources", False))
                           and host.page_bytes >= runs * VECTORED_MIN_RUN_BYTES)
         self._wstage = self._staging(0 if self._vectored else batch_pages)
-        self._threads = [threading.Thread(target=self._serve, args=(self._read_q, self._staging(batch_pages)),
+        # the same rule for reads: a store that reads into runs gets the slot's runs, no staging page and no copy
+        self._vectored_read = (not self._direct and bool(getattr(store, "vectored_destinations", False))
+                               and host.page_bytes >= runs * VECTORED_MIN_RUN_BYTES)
+        # a store that hands back the checksum it verified each page by: the readers do not hash the page again
+        self._store_sums = bool(getattr(store, "verified_checksums", False))
+        rstage = 0 if self._vectored_read else batch_pages
+        self._threads = [threading.Thread(target=self._serve, args=(self._read_q, self._staging(rstage)),
                                           name=f"tierkv-l3-read-{i}", daemon=True) for i in range(read_threads)]
         self._threads.append(threading.Thread(target=self._serve, args=(self._write_q, self._wstage),
                                               name="tierkv-l3-write", daemon=True))
@@ -565,9 +572,15 @@ class L3IO:
                     p.cancelled = len(todo) - b
                     break
             idx = todo[b:e]
-            dsts = [stage[j] for j in range(len(idx))]
+            if self._vectored_read:  # straight into the slots' runs (a failed page leaves its slot unused)
+                dsts = [self.host.page_runs(job.slots[i]) for i in idx]
+            else:
+                dsts = [stage[j] for j in range(len(idx))]
+            sums = [None] * len(idx) if self._store_sums else None
             try:
-                res = self.store.batch_get(self._keys([job.keys[i] for i in idx]), dsts)
+                keys = self._keys([job.keys[i] for i in idx])
+                res = (self.store.batch_get(keys, dsts, checksums=sums) if sums is not None
+                       else self.store.batch_get(keys, dsts))
             except Exception as ex:
                 res = [False] * len(idx)
                 self.counters.store_errors += 1
@@ -577,8 +590,12 @@ class L3IO:
                 if not r:
                     continue
                 slot = job.slots[i]
-                self.host.write_page(slot, dsts[j])
-                self.checksums.record(slot, job.keys[i], xxhash.xxh3_64_intdigest(memoryview(dsts[j].numpy())))
+                if not self._vectored_read:
+                    self.host.write_page(slot, dsts[j])
+                c = sums[j] if sums is not None else None
+                if c is None:  # the store did not say what it verified: hash what arrived
+                    c = payload_checksum(dsts[j] if self._vectored_read else dsts[j].numpy())
+                self.checksums.record(slot, job.keys[i], c)
                 got.append(i)
             if len(got) < len(idx):
                 self._log.warning("prefetch_pages", "tierkv L3: %d of %d pages missing or corrupt in %r",

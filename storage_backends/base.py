@@ -71,6 +71,14 @@ class StorageBackend(abc.ABC):
     #: writes: the connector passes the runs of an L2 slot, e.g. one per layer, instead of first copying them into
     #: one contiguous staging page); :meth:`_source_views` validates such sources
     vectored_sources: bool = False
+    #: ``batch_get`` also takes a destination as a list or tuple of writable byte runs that add up to ``page_bytes``
+    #: (vectored reads: the connector reads a page straight into the runs of its L2 slot instead of into a staging
+    #: page it then copies); :meth:`_dest_views` validates such destinations
+    vectored_destinations: bool = False
+    #: ``batch_get`` takes ``checksums=``, a list of ``len(keys)`` it fills with the XXH3-64 of each page it read
+    #: (the payload checksum it verified against the record; None for a miss), so the caller need not hash the page
+    #: again
+    verified_checksums: bool = False
 
     @abc.abstractmethod
     def batch_exists(self, keys: Sequence[str], tokens: Optional[Sequence[PageTokens]] = None) -> int:
@@ -131,6 +139,20 @@ class StorageBackend(abc.ABC):
         pb = self.page_bytes
         return [as_byte_runs(b, pb, f"sources[{i}]") if isinstance(b, (list, tuple))
                 else as_byte_view(b, pb, False, f"sources[{i}]") for i, b in enumerate(sources)]
+
+    def _dest_views(self, keys: Sequence[str], destinations: Sequence[Any]) -> list:
+        """:meth:`_views` of ``batch_get``'s ``destinations`` for a store with :attr:`vectored_destinations`: per key
+        either one flat writable view (a whole page) or a list of flat writable views (a list or tuple of runs,
+        :func:`~tierkv.storage_backends.common.as_byte_runs`). No copy.
+
+        Raises:
+            ValueError: a length mismatch or a bad or read-only buffer or run (named ``destinations[i]``).
+        """
+        if len(keys) != len(destinations):
+            raise ValueError(f"{len(keys)} keys but {len(destinations)} destinations")
+        pb = self.page_bytes
+        return [as_byte_runs(b, pb, f"destinations[{i}]", writable=True) if isinstance(b, (list, tuple))
+                else as_byte_view(b, pb, True, f"destinations[{i}]") for i, b in enumerate(destinations)]
 
     def register_host_buffer(self, buffer: Buffer) -> bool:
         """Declare ``buffer`` (e.g. the whole host pool: a contiguous CPU ``torch.uint8`` tensor of any size) as

@@ -126,18 +126,19 @@ def as_byte_view(buf: Any, nbytes: int, writable: bool, what: str = "buffer") ->
     return mv
 
 
-def as_byte_runs(runs: Any, nbytes: int, what: str = "buffer") -> list[memoryview]:
-    """Flat read-only ``memoryview`` (format ``B``) of each run of a page given in pieces: ``runs`` is a list or
-    tuple of contiguous CPU buffers (numpy arrays, memoryviews, tensors, ``bytes``; e.g. the per-layer runs of a
+def as_byte_runs(runs: Any, nbytes: int, what: str = "buffer", writable: bool = False) -> list[memoryview]:
+    """Flat ``memoryview`` (format ``B``) of each run of a page given in pieces: ``runs`` is a list or tuple of
+    contiguous CPU buffers (numpy arrays, memoryviews, tensors, ``bytes``; e.g. the per-layer runs of a
     ``layer_first`` L2 slot) whose bytes, in order, are the page. No copy. Raises ``ValueError`` for an empty list,
-    a run that is not a contiguous buffer or runs that do not add up to ``nbytes``."""
+    a run that is not a contiguous buffer, runs that do not add up to ``nbytes`` or, with ``writable`` (the runs
+    are a destination), a read-only run."""
     if not runs:
         raise ValueError(f"{what}: an empty list of runs")
     torch = sys.modules.get("torch")
     out = []
     for j, r in enumerate(runs):
         if torch is not None and isinstance(r, torch.Tensor):
-            out.append(as_byte_view(r, r.nbytes, False, f"{what}[{j}]"))
+            out.append(as_byte_view(r, r.nbytes, writable, f"{what}[{j}]"))
             continue
         try:
             mv = memoryview(r)
@@ -145,6 +146,8 @@ def as_byte_runs(runs: Any, nbytes: int, what: str = "buffer") -> list[memoryvie
             raise ValueError(f"{what}[{j}]: expected a contiguous buffer, got {type(r).__name__}") from None
         if not mv.c_contiguous:
             raise ValueError(f"{what}[{j}]: run is not contiguous")
+        if writable and mv.readonly:
+            raise ValueError(f"{what}[{j}]: destination run is read-only")
         out.append(mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B"))
     total = sum(m.nbytes for m in out)
     if total != nbytes:

@@ -144,6 +144,17 @@ class FaultyBackend(StorageBackend):
         return bool(getattr(self.inner, "vectored_sources", False))
 
     @property
+    def vectored_destinations(self) -> bool:
+        """The inner store's :attr:`StorageBackend.vectored_destinations` (destinations are passed through as given)."""
+        return bool(getattr(self.inner, "vectored_destinations", False))
+
+    @property
+    def verified_checksums(self) -> bool:
+        """The inner store's :attr:`StorageBackend.verified_checksums` (its answers are passed through as given; a
+        page this wrapper fails gets None)."""
+        return bool(getattr(self.inner, "verified_checksums", False))
+
+    @property
     def local_exists(self) -> bool:
         """Whether the engine scheduler's own copy of this store may answer existence queries in its loop
         (:attr:`StorageBackend.local_exists`): when the inner store may and no existence fault is set. Faults of
@@ -219,9 +230,16 @@ class FaultyBackend(StorageBackend):
         return self.inner.batch_exists(list(keys[:limit]), tokens=list(tokens[:limit]))
 
     def batch_get(self, keys: Sequence[str], destinations: Sequence[Buffer],
-                  tokens: Optional[Sequence[PageTokens]] = None) -> list[bool]:
+                  tokens: Optional[Sequence[PageTokens]] = None, checksums: Optional[list] = None) -> list[bool]:
+        """Inner ``batch_get`` of the keys not chosen to fail (after the configured delay or hang), with their
+        destinations, tokens and, where the inner store fills them (:attr:`verified_checksums`), ``checksums``
+        (None for every page not read)."""
         if len(keys) != len(destinations):
             raise ValueError(f"{len(keys)} keys but {len(destinations)} destinations")
+        if checksums is not None:
+            if len(checksums) != len(keys):
+                raise ValueError(f"{len(keys)} keys but a checksums list of {len(checksums)}")
+            checksums[:] = [None] * len(keys)
         self._keys(keys)
         with self._lock:
             healthy = len(keys) <= self._healthy_pages   # 0 by default: every read gets the faults
@@ -233,9 +251,14 @@ class FaultyBackend(StorageBackend):
         out = [False] * len(keys)
         if idx:
             kw = {} if tokens is None else {"tokens": [tokens[i] for i in idx]}
+            sub = [None] * len(idx) if checksums is not None and self.verified_checksums else None
+            if sub is not None:
+                kw["checksums"] = sub
             res = self.inner.batch_get([keys[i] for i in idx], [destinations[i] for i in idx], **kw)
-            for i, r in zip(idx, res):
+            for j, (i, r) in enumerate(zip(idx, res)):
                 out[i] = r
+                if sub is not None and r:
+                    checksums[i] = sub[j]
         return out
 
     def batch_set(self, keys: Sequence[str], sources: Sequence[Buffer],

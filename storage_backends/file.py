@@ -205,6 +205,8 @@ class FileStore(StorageBackend):
     default_read_threads = 4  # independent files: reads of several threads overlap in the page cache and the disk
     local_exists = True       # one stat per key
     vectored_sources = True   # a page given as runs is written with one writev (header + runs), never joined
+    vectored_destinations = True  # a page read into runs with one preadv (header + runs + a byte past the end)
+    verified_checksums = True     # batch_get(checksums=) hands back the payload checksum each read was verified by
 
     def __init__(self, namespace: bytes, page_bytes: int, root: Optional[str] = None, **cfg: Any):
         check_store_identity(namespace, page_bytes)
@@ -511,18 +513,26 @@ class FileStore(StorageBackend):
                 self._usage += size
 
     def batch_get(self, keys: Sequence[str], destinations: Sequence[Buffer],
-                  tokens: Optional[Sequence[PageTokens]] = None) -> list[bool]:
+                  tokens: Optional[Sequence[PageTokens]] = None,
+                  checksums: Optional[list] = None) -> list[bool]:
         """Read pages into ``destinations`` (each a writable contiguous CPU buffer of ``page_bytes`` bytes, e.g. a
-        ``torch.uint8`` host-pool page), directly with ``readv`` (no intermediate copy).
+        ``torch.uint8`` host-pool page, or a list or tuple of writable runs adding up to it:
+        :attr:`vectored_destinations`), directly with ``preadv`` (no intermediate copy).
 
         Every hit has had its header (magic, version, namespace, key, length, header XXH3-64) and its payload
         XXH3-64 checked. Returns one bool per key. ``False``: missing (destination untouched), or
-        corrupt/foreign/truncated (counted in ``corrupt``, quarantined; the destination may hold garbage). Raises
-        ValueError for a bad key, a length mismatch between ``keys`` and ``destinations`` or a buffer of the wrong
+        corrupt/foreign/truncated (counted in ``corrupt``, quarantined; the destination may hold garbage).
+        ``checksums``: a list of ``len(keys)`` filled with each hit's payload XXH3-64 (the value its bytes were just
+        verified against) and None for each miss (:attr:`verified_checksums`). Raises ValueError for a bad key, a
+        length mismatch between ``keys`` and ``destinations`` (or ``checksums``) or a buffer or run of the wrong
         size."""
         kraws = self._keys(keys)
         pb = self.page_bytes
-        views = self._views(keys, destinations, True, "destinations")
+        views = self._dest_views(keys, destinations)
+        if checksums is not None:
+            if len(checksums) != len(keys):
+                raise ValueError(f"{len(keys)} keys but a checksums list of {len(checksums)}")
+            checksums[:] = [None] * len(keys)
         if self._closed:
             return [False] * len(keys)
         out = [False] * len(keys)
@@ -560,8 +570,9 @@ class FileStore(StorageBackend):
             bad = None
             ino = None
             try:
-                # one syscall for header, payload and one byte past the end (an extended file shows up)
-                got = os_preadv(fd, [hdr, mv, tail], 0)
+                # one syscall for header, payload (whole or its runs) and one byte past the end (an extended file
+                # shows up)
+                got = os_preadv(fd, [hdr, *mv, tail] if isinstance(mv, list) else [hdr, mv, tail], 0)
                 if got != rec:
                     got = self._read_slow(fd, hdr, mv, got)
                 if got != rec:
@@ -574,8 +585,10 @@ class FileStore(StorageBackend):
                         psum = from_le(hdr[48:56], "little")
                     else:
                         psum = decode_header(hdr, k, self.namespace, pb)
-                    if digest(mv) != psum:
+                    if (payload_checksum(mv) if isinstance(mv, list) else digest(mv)) != psum:
                         bad = "payload checksum mismatch"
+                    elif checksums is not None:
+                        checksums[i] = psum
             except PageFormatError as e:
                 bad = str(e)
             except OSError as e:
@@ -649,17 +662,15 @@ class FileStore(StorageBackend):
                     except OSError:
                         pass  # evicted, deleted or replaced by another process: nothing to refresh
 
-    def _read_slow(self, fd: int, hdr: bytearray, mv: memoryview, got: int) -> int:
+    def _read_slow(self, fd: int, hdr: bytearray, mv: Any, got: int) -> int:
         """After a short ``preadv``: the record size (``record_bytes`` if the file has exactly that size and was read
-        completely into ``hdr`` and ``mv``, else the file size)."""
+        completely into ``hdr`` and ``mv``, one view or a list of run views, else the file size)."""
         size = os.fstat(fd).st_size
         if size != self.record_bytes:
             return size
+        bufs = [memoryview(hdr), *mv] if isinstance(mv, list) else [memoryview(hdr), mv]
         while got < self.record_bytes:  # a regular file read was interrupted: continue where it stopped
-            if got < HEADER_BYTES:
-                n = os.preadv(fd, [memoryview(hdr)[got:], mv], got)
-            else:
-                n = os.preadv(fd, [mv[got - HEADER_BYTES:]], got)
+            n = os.preadv(fd, _bytes_after(bufs, got), got)
             if n <= 0:
                 return got
             got += n
@@ -936,9 +947,9 @@ class PageFile:
         self.ns_hex, self.key, self.path, self.size, self.mtime_ns = ns_hex, key, path, size, mtime_ns
 
 
-def _write_rest(fd: int, bufs: list, done: int) -> None:
-    """Write what follows the first ``done`` bytes of ``bufs`` (byte buffers, in order) to ``fd``, retrying short
-    writes. Raises OSError as ``os.writev`` does, and EIO when a write makes no progress."""
+def _bytes_after(bufs: list, done: int) -> list[memoryview]:
+    """The views of what follows the first ``done`` bytes of ``bufs`` (flat byte buffers, in order): the buffers
+    wholly after that point and the tail of the one it falls in."""
     rest = []
     for b in bufs:
         m = memoryview(b)
@@ -947,6 +958,13 @@ def _write_rest(fd: int, bufs: list, done: int) -> None:
             continue
         rest.append(m[done:])
         done = 0
+    return rest
+
+
+def _write_rest(fd: int, bufs: list, done: int) -> None:
+    """Write what follows the first ``done`` bytes of ``bufs`` (byte buffers, in order) to ``fd``, retrying short
+    writes. Raises OSError as ``os.writev`` does, and EIO when a write makes no progress."""
+    rest = _bytes_after(bufs, done)
     while rest:
         n = os.writev(fd, rest)
         if n <= 0:

@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 import torch
+import xxhash
 
 from tierkv.storage_backends.file import FileStore, as_byte_view, parse_bytes
 from tierkv.storage_backends.page_format import HEADER_BYTES
@@ -230,3 +231,32 @@ def test_write_rest_resumes_a_short_vectored_write_at_any_byte(tmp_path):
         finally:
             os.close(fd)
         assert p.read_bytes() == want, f"resumed after {done} bytes"
+
+
+@pytest.mark.parametrize("step", [1, 63, 100, 4096, 5000])
+def test_a_short_read_into_runs_resumes_where_it_stopped(tmp_path, monkeypatch, step):
+    """A ``preadv`` that returns fewer bytes than asked (a signal, a filesystem's own limit) is resumed from the byte
+    where it stopped, in the header, at a run's edge or inside a run: the page read into runs is the page, and its
+    checksum the page's."""
+    page = np.random.default_rng(step).integers(0, 256, PAGE, dtype=np.uint8)
+    s = FileStore(NS, PAGE, root=str(tmp_path))
+    key = "3c" * 16
+    assert s.batch_set([key], [page]) == [True]
+    real = os.preadv
+
+    def short(fd, bufs, offset):  # at most ``step`` bytes a call, from the first buffers given
+        out, left = [], step
+        for b in bufs:
+            m = memoryview(b).cast("B")
+            if left <= 0:
+                break
+            out.append(m[:left])
+            left -= min(left, m.nbytes)
+        return real(fd, out, offset)
+
+    monkeypatch.setattr(os, "preadv", short)
+    dst = np.zeros(PAGE, dtype=np.uint8)
+    sums = [None]
+    assert s.batch_get([key], [[dst[:1], dst[1:4096], dst[4096:]]], checksums=sums) == [True]
+    assert np.array_equal(dst, page) and sums == [xxhash.xxh3_64_intdigest(page)]
+    assert s.stats()["corrupt"] == 0
