@@ -1,16 +1,18 @@
-"""What the L3 readers spend to prefetch one page from the file store into a ``layer_first`` L2 slot (one run per
-layer): read straight into the slot's runs with the checksum the store verified handed back (``vectored``: the
-store's ``vectored_destinations`` and ``verified_checksums``), or read into a staging page, copied into the slot and
-hashed again for the slot's checksum (``staged``: the path of stores without them, e.g. Mooncake and LMCache; here the
-same file store class with both switched off, so both go through exactly the code a store of either kind gets).
+"""What the L3 readers spend to prefetch one page from the file or the ZMQ store into a ``layer_first`` L2 slot (one
+run per layer): read straight into the slot's runs with the checksum the store verified handed back (``vectored``:
+the store's ``vectored_destinations`` and ``verified_checksums``; the file store's ``preadv``, the ZMQ store's copy
+out of its shared-memory slot), or read into a staging page, copied into the slot and hashed again for the slot's
+checksum (``staged``: the path of stores without them, e.g. Mooncake and LMCache; here the same store class with both
+switched off, so both go through exactly the code a store of either kind gets).
 
 The readers are the connector's own (:class:`tierkv.connector.l3_io.L3IO` over a :class:`HostPool` of each
 ``--shapes`` entry, as in ``benchmarks/backup_path.py``; one reader thread, default batches of 16 pages). Each
-configuration has its own store holding ``--pages`` pages' worth of 128 KiB (written once, so every read is served
-from the page cache: what is measured is the CPU of the read path, not a disk); each repetition prefetches all of
+configuration has its own store holding ``--pages`` pages' worth of 128 KiB (written once: the file store's reads are
+served from the page cache, so what is measured is the CPU of the read path, not a disk; the ZMQ store is a
+``tierkv server`` process each, ``l3.zmq.shm: auto``); each repetition prefetches all of
 them in jobs of 34 pages (a 1,088-token prompt) into the pool's slots, the configuration order rotated between
 repetitions. Recorded per run: this process's CPU (user + system; the reader is the only thread working, the main
-thread waits) and the wall time, per page; every page read is checked against what was written after each run.
+thread waits), for ZMQ the server process's CPU (``/proc``) and the wall time, per page; every page read is checked against what was written after each run.
 
     .venv/bin/python benchmarks/prefetch_path.py            # writes results/prefetch_path.json + README section
     .venv/bin/python benchmarks/prefetch_path.py --readme-from benchmarks/results/prefetch_path.json
@@ -22,6 +24,7 @@ import json
 import os
 import resource
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -29,33 +32,44 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results_check  # noqa: E402
-from backup_path import JOB_PAGES, MODELS, NS, parse_shape  # noqa: E402
+from backup_path import JOB_PAGES, MODELS, NS, _server_cpu_s, parse_shape  # noqa: E402
 from results_check import spread, spread_cell  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "prefetch_path.json"
 README = ROOT / "benchmarks" / "README.md"
 SECTION = "prefetch_path"
-CONFIGS = ("file_staged", "file_vectored")
+CONFIGS = ("file_staged", "file_vectored", "zmq_staged", "zmq_vectored")
 DEFAULT_SHAPES = "demo,bench,32x64"
 
 
 class Setup:
-    """One configuration: its file store (holding ``n`` pages of random bytes) and its L3IO."""
+    """One configuration: its store (holding ``n`` pages of random bytes), its L3IO and, for ZMQ, its server."""
 
     def __init__(self, config: str, host, n: int, d: str):
         from tierkv.connector.l3_io import L3IO
         from tierkv.connector.page_checksums import SlotChecksums
         from tierkv.storage_backends.file import FileStore
 
-        cls = FileStore
-        if config == "file_staged":
-            cls = type("StagedReadFileStore", (FileStore,), {"vectored_destinations": False,
+        from tierkv.storage_backends.zmq_client import ZmqStore
+
+        kind, path = config.split("_")
+        self.server = None
+        if kind == "zmq":
+            self.server = subprocess.Popen([sys.executable, "-m", "tierkv.storage_backends.zmq_server", "--port", "0",
+                                            "--capacity-bytes", str(2 * n * host.page_bytes + (64 << 20))],
+                                           stdout=subprocess.PIPE, text=True)
+            endpoint = self.server.stdout.readline().split()[-1]
+            cls, opts = ZmqStore, {"endpoint": endpoint, "shm": "auto"}
+        else:
+            cls, opts = FileStore, {"root": os.path.join(d, config)}
+        if path == "staged":
+            cls = type(f"StagedRead{cls.__name__}", (cls,), {"vectored_destinations": False,
                                                              "verified_checksums": False})
-        self.store = cls(NS, host.page_bytes, root=os.path.join(d, config))
+        self.store = cls(NS, host.page_bytes, **opts)
         self.checksums = SlotChecksums(host.num_slots)
         self.l3 = L3IO(self.store, host, NS, self.checksums, read_threads=1)
-        assert self.l3._vectored_read is (config == "file_vectored"), "the configuration's read path"
+        assert self.l3._vectored_read is (path == "vectored"), "the configuration's read path"
         self.host, self.n = host, n
         self.keys = [os.urandom(16) for _ in range(n)]
         self.pages = [os.urandom(host.page_bytes) for _ in range(n)]
@@ -69,7 +83,7 @@ class Setup:
         from tierkv.connector.plan import JOB_PREFETCH, Job
 
         slots_n = self.host.num_slots
-        cpu = wall = 0.0
+        cpu = wall = server = 0.0
         for s in range(0, self.n, JOB_PAGES):
             keys = self.keys[s:s + JOB_PAGES]
             self.job_id += 1
@@ -77,10 +91,12 @@ class Setup:
             job = Job(self.job_id, JOB_PREFETCH, keys, slots=slots, block_ids=list(range(len(keys))),
                       fetch=[True] * len(keys), req_id=f"r{self.job_id}")
             r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+            s0 = _server_cpu_s(self.server.pid) if self.server else 0.0
             self.l3.submit([job])
             assert self.l3.wait_idle(600.0)
             wall += time.perf_counter() - t0
             r1 = resource.getrusage(resource.RUSAGE_SELF)
+            server += (_server_cpu_s(self.server.pid) - s0) if self.server else 0.0
             cpu += (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
             self.l3.poll()
             (rep,) = self.l3.take_reports()
@@ -88,11 +104,15 @@ class Setup:
             for i, slot in enumerate(slots):  # outside the timed span: the page and its recorded checksum
                 assert bytes(self.host.read_page(slot).numpy()) == self.pages[s + i]
                 assert self.checksums.get(slot, keys[i]) == self.host.page_checksum(slot)
-        return {"pages": self.n, "cpu_us_per_page": cpu / self.n * 1e6, "wall_us_per_page": wall / self.n * 1e6}
+        return {"pages": self.n, "cpu_us_per_page": cpu / self.n * 1e6,
+                "server_cpu_us_per_page": server / self.n * 1e6, "wall_us_per_page": wall / self.n * 1e6}
 
     def close(self) -> None:
         self.l3.close()
         self.store.close()
+        if self.server is not None:
+            self.server.terminate()
+            self.server.wait(30)
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -102,7 +122,7 @@ def summarize(runs: list[dict]) -> list[dict]:
         mine = [r for r in runs if r["config"] == c and r["shape"] == shape]
         row = {"shape": shape, "config": c, "pages": sum(r["pages"] for r in mine),
                **{k: mine[0][k] for k in ("runs", "run_bytes")}}
-        for k in ("cpu_us_per_page", "wall_us_per_page"):
+        for k in ("cpu_us_per_page", "server_cpu_us_per_page", "wall_us_per_page"):
             row[k] = spread(r[k] for r in mine)
         rows.append(row)
     return rows
@@ -113,28 +133,33 @@ def readme(res: dict) -> str:
     c = res["conditions"]
     lines = [f"## {SECTION}", "",
              "`benchmarks/prefetch_path.py`: what the connector's L3 readers (`L3IO`, one reader, default batches) "
-             "spend per page they prefetch from the file store (pages in the page cache) into a `layer_first` L2 "
-             "slot: read straight into the slot's runs with the checksum the store verified handed back "
-             "(`vectored`: `vectored_destinations` and `verified_checksums`), or read into a staging page, copied "
-             "into the slot and hashed again (`staged`: the path of stores without them; here the same store class "
-             "with both off). Shapes: runs per page x bytes per run (`demo`: the demo preset's fp32 KV, `bench`: "
+             "spend per page they prefetch from the file store (pages in the page cache) or a ZMQ server (shared "
+             "memory) into a `layer_first` L2 slot: read straight into the slot's runs with the checksum the store "
+             "verified handed back (`vectored`: `vectored_destinations` and `verified_checksums`), or read into a "
+             "staging page, copied into the slot and hashed again (`staged`: the path of stores without them; here "
+             "the same store class with both off). Shapes: runs per page x bytes per run (`demo`: the demo preset's fp32 KV, `bench`: "
              "the bench preset's bf16 KV, else synthetic). "
              f"{c['pages']} pages' worth of 128 KiB per run in jobs of {JOB_PAGES}, {c['reps']} repetitions, order "
-             "rotated; median [min-max] microseconds per page of this process's CPU (user + system) and of wall "
-             "time; every page read checked against what was written.", "",
+             "rotated; median [min-max] microseconds per page of this process's CPU (user + system), of the ZMQ "
+             "server process's CPU and of wall time; every page read checked against what was written.", "",
              f"Conditions: {c['cpu']}, {c['cpus']} CPUs, load average {c['load_before']:.2f} before and "
              f"{c['load_after']:.2f} after the {c['wall_s']:.0f} s run ({c['date']}, at {(c['commit'] or '?')[:7]}).",
              "",
-             "| shape | page | configuration | reader CPU us/page | vs staged | wall us/page | pages |",
-             "|---|---|---|---|---|---|---|"]
+             "| shape | page | configuration | reader CPU us/page | server CPU us/page | both, vs staged | wall us/page "
+             "| pages |",
+             "|---|---|---|---|---|---|---|---|"]
     by = {(r["shape"], r["config"]): r for r in res["rows"]}
+
+    def both(r):
+        return r["cpu_us_per_page"]["median"] + (r.get("server_cpu_us_per_page") or {}).get("median", 0.0)
     for r in res["rows"]:
-        ref = by[(r["shape"], "file_staged")]
-        ratio = r["cpu_us_per_page"]["median"] / ref["cpu_us_per_page"]["median"]
+        kind = r["config"].split("_")[0]
+        ratio = both(r) / both(by[(r["shape"], f"{kind}_staged")])
+        server = spread_cell(r["server_cpu_us_per_page"]) if kind == "zmq" else "-"
         lines.append(f"| {r['shape']} ({r['runs']} x {r['run_bytes'] // 1024} KiB) | "
                      f"{r['runs'] * r['run_bytes'] // 1024} KiB | {r['config']} | "
-                     f"{spread_cell(r['cpu_us_per_page'])} | {ratio:.2f} | {spread_cell(r['wall_us_per_page'])} | "
-                     f"{r['pages']} |")
+                     f"{spread_cell(r['cpu_us_per_page'])} | {server} | {ratio:.2f} | "
+                     f"{spread_cell(r['wall_us_per_page'])} | {r['pages']} |")
     if res.get("note"):
         lines += ["", res["note"]]
     return "\n".join(lines) + "\n"

@@ -173,25 +173,41 @@ def decode_header(header: Union[bytes, memoryview], key: str, namespace: bytes, 
     return psum
 
 
-def verify_payload(payload: Union[bytes, bytearray, memoryview], checksum: int) -> None:
-    """Raise :class:`PageFormatError` unless XXH3-64 of ``payload`` equals ``checksum``."""
-    if xxhash.xxh3_64_intdigest(memoryview(payload).cast("B")) != checksum:
+def verify_payload(payload: Any, checksum: int) -> None:
+    """Raise :class:`PageFormatError` unless XXH3-64 of ``payload`` (a buffer, or a list or tuple of runs:
+    :func:`payload_checksum`) equals ``checksum``."""
+    if payload_checksum(payload) != checksum:
         raise PageFormatError("payload checksum mismatch")
 
 
-def copy_verified(header: Union[bytes, memoryview], payload: Any, dst: memoryview, key: str, namespace: bytes,
-                  page_bytes: int) -> None:
+def copy_into(dst: Any, src: memoryview) -> None:
+    """Copy the flat byte view ``src`` into ``dst``: one flat writable byte view of the same length, or a list of
+    them (a destination's runs) whose lengths add up to it, filled in order."""
+    if isinstance(dst, list):
+        o = 0
+        for run in dst:
+            n = run.nbytes
+            run[:] = src[o:o + n]
+            o += n
+    else:
+        dst[:] = src
+
+
+def copy_verified(header: Union[bytes, memoryview], payload: Any, dst: Any, key: str, namespace: bytes,
+                  page_bytes: int) -> int:
     """Verify, then copy: check ``header`` against ``key``, ``namespace`` and ``page_bytes``
     (:func:`decode_header`), ``payload`` (any C-contiguous buffer) for its length and its XXH3-64 against the header,
-    and only then copy it into ``dst`` (a writable flat byte view of ``page_bytes``). The read path of the stores
-    whose records come from memory no other process writes (ZMQ frames, Mooncake staging, LMCache slots under a read
-    lock). Raises :class:`PageFormatError` (``dst`` untouched)."""
+    and only then copy it into ``dst`` (a writable flat byte view of ``page_bytes``, or a list of such views of runs
+    adding up to it: :func:`copy_into`). The read path of the stores whose records come from memory no other process
+    writes (ZMQ frames, Mooncake staging, LMCache slots under a read lock). Returns the payload's XXH3-64 (the value
+    verified). Raises :class:`PageFormatError` (``dst`` untouched)."""
     psum = decode_header(header, key, namespace, page_bytes)
     pv = memoryview(payload).cast("B")
     if pv.nbytes != page_bytes:
         raise PageFormatError(f"payload of {pv.nbytes} bytes, expected {page_bytes}")
     verify_payload(pv, psum)
-    dst[:] = pv
+    copy_into(dst, pv)
+    return psum
 
 
 def encode_record(key: str, namespace: bytes, payload: Union[bytes, bytearray, memoryview]) -> bytes:

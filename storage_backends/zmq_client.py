@@ -51,8 +51,8 @@ from tierkv.storage_backends.common import Counters, RateLimitedLog, check_store
 from tierkv.storage_backends.presence_table import PRESENCE_NAME_RE, PresenceTable, fingerprint
 from tierkv.storage_backends.shm_segment import Segment, sweep_dead_files
 from tierkv.storage_backends.zmq_channel import ChannelFailed, RequestChannel
-from tierkv.storage_backends.page_format import (PageFormatError, check_checksums, copy_verified, decode_header,
-                                                 encode_headers, verify_payload)
+from tierkv.storage_backends.page_format import (PageFormatError, check_checksums, copy_into, copy_verified,
+                                                 decode_header, encode_headers, verify_payload)
 
 log = logging.getLogger("tierkv.zmq_client")
 
@@ -250,6 +250,8 @@ class ZmqStore(StorageBackend):
     """
 
     vectored_sources = True  # a page given as runs is copied run by run into its shared-memory slot
+    vectored_destinations = True  # a page read is copied run by run from its shared-memory slot (or frame)
+    verified_checksums = True     # batch_get(checksums=) hands back the payload checksum each read was verified by
 
     def __init__(self, namespace: bytes, page_bytes: int, **options: Any):
         unknown = sorted(set(options) - set(ZmqStoreConfig.model_fields))
@@ -534,8 +536,11 @@ class ZmqStore(StorageBackend):
         return lead
 
     def batch_get(self, keys: Sequence[str], destinations: Sequence[Buffer],
-                  tokens: Optional[Sequence[PageTokens]] = None) -> list[bool]:
-        """Fill ``destinations`` (writable ``page_bytes`` buffers) with the pages of ``keys``; one bool per key.
+                  tokens: Optional[Sequence[PageTokens]] = None, checksums: Optional[list] = None) -> list[bool]:
+        """Fill ``destinations`` (writable ``page_bytes`` buffers, or lists or tuples of writable runs adding up to
+        one: :attr:`vectored_destinations`) with the pages of ``keys``; one bool per key. ``checksums``: a list of
+        ``len(keys)`` filled with each hit's verified payload XXH3-64 and None for each miss
+        (:attr:`verified_checksums`).
 
         On the frame path a page is copied into its destination only after its header (namespace, key, length,
         header checksum) and payload XXH3-64 are verified, and a destination of a miss is left untouched. On the
@@ -544,11 +549,16 @@ class ZmqStore(StorageBackend):
         the file store; a key the server does not hold leaves it untouched.
         Raises ValueError for bad keys or buffers (caller bugs)."""
         self._keys(keys)
-        dsts = self._views(keys, destinations, True, "destinations")
+        dsts = self._dest_views(keys, destinations)
+        if checksums is not None:
+            if len(checksums) != len(keys):
+                raise ValueError(f"{len(keys)} keys but a checksums list of {len(checksums)}")
+            checksums[:] = [None] * len(keys)
+        sums = checksums if checksums is not None else [None] * len(keys)
         res = [False] * len(keys)
         if self._shm_on:
             with self._lock:
-                if self._get_shm(keys, dsts, res):
+                if self._get_shm(keys, dsts, res, sums):
                     nh = sum(res)
                     self.counters["hits"] += nh
                     self.counters["misses"] += len(keys) - nh
@@ -573,7 +583,7 @@ class ZmqStore(StorageBackend):
                 try:
                     if not isinstance(hdr, bytes):
                         raise PageFormatError("header is not bin")
-                    copy_verified(hdr, fr.buffer, dsts[idx], keys[idx], self.namespace, self.page_bytes)
+                    sums[idx] = copy_verified(hdr, fr.buffer, dsts[idx], keys[idx], self.namespace, self.page_bytes)
                 except PageFormatError as err:
                     self.counters["corrupt"] += 1
                     self._warn.warning("corrupt", "page %s from %s is not valid (%s): miss", keys[idx], self.endpoint,
@@ -588,7 +598,7 @@ class ZmqStore(StorageBackend):
         self.counters["misses"] += len(keys) - nh
         return res
 
-    def _get_shm(self, keys: Sequence[str], dsts: list, res: list) -> bool:
+    def _get_shm(self, keys: Sequence[str], dsts: list, res: list, sums: list) -> bool:
         pb = self.page_bytes
 
         def build(seg, s, e, slot0):
@@ -619,8 +629,9 @@ class ZmqStore(StorageBackend):
                     psum = decode_header(hdr, keys[idx], self.namespace, pb)
                     # copy first, then check the copy: the slot is memory another process can write, the
                     # destination is not (a page that fails leaves garbage there, as with the file store)
-                    dsts[idx][:] = seg.mv[o:o + pb]
+                    copy_into(dsts[idx], seg.mv[o:o + pb])
                     verify_payload(dsts[idx], psum)
+                    sums[idx] = psum
                 except PageFormatError as err:
                     self.counters["corrupt"] += 1
                     self._warn.warning("corrupt", "page %s from %s is not valid (%s): miss", keys[idx], self.endpoint,

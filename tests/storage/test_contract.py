@@ -19,7 +19,7 @@ _KINDS = [k for k in ("file", "zmq", "zmq_shm", "mooncake", "lmcache") if (_HERE
 #   LRU of a given number of pages, so there is nothing exact to assert for them;
 # - the SIGSTOP test: the file store has no server process to stop;
 # - reads into runs and verified checksums handed back: only the stores that declare them (``vectored_destinations``,
-#   ``verified_checksums``; the file store); every store is checked to refuse runs it does not declare.
+#   ``verified_checksums``; the file and ZMQ stores); every store is checked to refuse runs it does not declare.
 # Stores where a read concurrent with an overwrite of the key may be a miss (never wrong data), and where of two
 # clients overwriting one key at the same moment one may be refused (its set returns False; Mooncake logs
 # "Failed to finalize upsert ... ILLEGAL_CLIENT"): Mooncake writes by upsert, which replaces the object
@@ -27,7 +27,7 @@ _KINDS = [k for k in ("file", "zmq", "zmq_shm", "mooncake", "lmcache") if (_HERE
 MISS_WHILE_OVERWRITTEN = ("mooncake",)
 EXACT_LRU = [k for k in _KINDS if k in ("file", "zmq", "zmq_shm")]
 STOPPABLE = [k for k in _KINDS if k in ("zmq", "zmq_shm", "mooncake", "lmcache")]
-READS_INTO_RUNS = [k for k in _KINDS if k in ("file",)]
+READS_INTO_RUNS = [k for k in _KINDS if k in ("file", "zmq", "zmq_shm")]
 
 KiB = 1024
 NS_A = bytes(range(16))      # the namespace make_store uses by default (conftest.NS_A)
