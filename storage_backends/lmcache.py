@@ -257,6 +257,9 @@ class LMCacheStore(StorageBackend):
     the chunk size when the server first answers (a mismatch then disables the store, logged).
     """
 
+    vectored_destinations = True  # a verified page is copied run by run from the server's shared-memory slot
+    verified_checksums = True     # batch_get(checksums=) hands back the payload checksum each read was verified by
+
     def __init__(self, namespace: bytes, page_bytes: int, **options: Any):
         unknown = sorted(set(options) - set(LMCacheStoreConfig.model_fields))
         if unknown:
@@ -483,13 +486,20 @@ class LMCacheStore(StorageBackend):
         return lead
 
     def batch_get(self, keys: Sequence[str], destinations: Sequence[Buffer],
-                  tokens: Optional[Sequence[PageTokens]] = None) -> list[bool]:
-        """Fill ``destinations`` (writable ``page_bytes`` buffers) with the pages of ``keys``; one bool per key.
-        A page is copied only after its header (namespace, key, length) and payload XXH3-64 verify; the destination
-        of a miss is left untouched. ``tokens``: see :class:`PageTokens`. Raises ValueError for bad keys, buffers or
-        tokens (caller bugs)."""
+                  tokens: Optional[Sequence[PageTokens]] = None, checksums: Optional[list] = None) -> list[bool]:
+        """Fill ``destinations`` (writable ``page_bytes`` buffers, or lists or tuples of writable runs adding up to
+        one: :attr:`vectored_destinations`) with the pages of ``keys``; one bool per key. A page is copied only after
+        its header (namespace, key, length) and payload XXH3-64 verify; the destination of a miss is left untouched.
+        ``tokens``: see :class:`PageTokens`. ``checksums``: a list of ``len(keys)`` filled with each hit's verified
+        payload XXH3-64 and None for each miss (:attr:`verified_checksums`). Raises ValueError for bad keys, buffers
+        or tokens (caller bugs)."""
         self._keys(keys)
-        dsts = self._views(keys, destinations, True, "destinations")
+        dsts = self._dest_views(keys, destinations)
+        if checksums is not None:
+            if len(checksums) != len(keys):
+                raise ValueError(f"{len(keys)} keys but a checksums list of {len(checksums)}")
+            checksums[:] = [None] * len(keys)
+        sums = checksums if checksums is not None else [None] * len(keys)
         res = [False] * len(keys)
         if not keys:
             return res
@@ -497,7 +507,7 @@ class LMCacheStore(StorageBackend):
         with self._lock:
             if self._begin(len(groups)):
                 try:
-                    self._get(keys, groups, dsts, res)
+                    self._get(keys, groups, dsts, res, sums)
                     self._ok()
                 except ChannelFailed as e:
                     self._failed(str(e))
@@ -506,7 +516,7 @@ class LMCacheStore(StorageBackend):
         self.counters["misses"] += len(keys) - nh
         return res
 
-    def _get(self, keys, groups, dsts, res) -> None:
+    def _get(self, keys, groups, dsts, res, sums) -> None:
         C = self.page_tokens
         counts = self._lookup(groups)
         hit = [(g, n) for g, n in zip(groups, counts) if n > 0]
@@ -529,8 +539,9 @@ class LMCacheStore(StorageBackend):
                         if (type(off) is not int or type(length) is not int or length < self.slot_bytes
                                 or off < 0 or off + length > len(shm)):
                             raise PageFormatError(f"slot {slot!r:.80} does not hold a page")
-                        copy_verified(shm[off:off + HEADER_BYTES], shm[off + HEADER_BYTES:off + self.slot_bytes],
-                                      dsts[i], keys[i], self.namespace, self.page_bytes)
+                        sums[i] = copy_verified(shm[off:off + HEADER_BYTES],
+                                                shm[off + HEADER_BYTES:off + self.slot_bytes], dsts[i], keys[i],
+                                                self.namespace, self.page_bytes)
                     except (PageFormatError, KeyError, TypeError) as e:
                         self.counters["corrupt"] += 1
                         self._bad_keys[keys[i]] = True

@@ -303,6 +303,8 @@ class MooncakeStore(StorageBackend):
     """
 
     default_read_threads = 4  # the client runs up to max_inflight (4) calls at once
+    vectored_destinations = True  # a verified page is copied run by run from its staging buffer
+    verified_checksums = True     # batch_get(checksums=) hands back the payload checksum each read was verified by
 
     def __init__(self, namespace: bytes, page_bytes: int, **cfg: Any):
         check_store_identity(namespace, page_bytes, error=TypeError)
@@ -569,18 +571,26 @@ class MooncakeStore(StorageBackend):
         return n
 
     def batch_get(self, keys: Sequence[str], destinations: Sequence[Buffer],
-                  tokens: Optional[Sequence[PageTokens]] = None) -> list[bool]:
-        """Fetch, verify and copy pages into ``destinations`` (writable, ``page_bytes`` each). A destination is
-        written only for a verified hit."""
+                  tokens: Optional[Sequence[PageTokens]] = None, checksums: Optional[list] = None) -> list[bool]:
+        """Fetch, verify and copy pages into ``destinations`` (writable, ``page_bytes`` each, or lists or tuples of
+        writable runs adding up to it: :attr:`vectored_destinations`). A destination is written only for a verified
+        hit. ``checksums``: a list of ``len(keys)`` filled with each hit's verified payload XXH3-64 and None for each
+        miss (:attr:`verified_checksums`)."""
         names = self._check_keys(keys)
-        dsts = [np.frombuffer(v, dtype=np.uint8) for v in self._views(keys, destinations, True, "destinations")]
+        dsts = [v if isinstance(v, list) else np.frombuffer(v, dtype=np.uint8)
+                for v in self._dest_views(keys, destinations)]
+        if checksums is not None:
+            if len(checksums) != len(keys):
+                raise ValueError(f"{len(keys)} keys but a checksums list of {len(checksums)}")
+            checksums[:] = [None] * len(keys)
+        sums = checksums if checksums is not None else [None] * len(keys)
         out = [False] * len(names)
         for a, b in self._chunks(len(names)):
-            bad = self._get_chunk(keys, names, dsts, list(range(a, b)), out, recheck=True)
+            bad = self._get_chunk(keys, names, dsts, list(range(a, b)), out, sums, recheck=True)
             if bad:
                 # A record that fails verification is fetched once more before it counts as corrupt (and is
                 # removed): a concurrent overwrite by another client must not be mistaken for damage.
-                bad = self._get_chunk(keys, names, dsts, bad, out, recheck=False)
+                bad = self._get_chunk(keys, names, dsts, bad, out, sums, recheck=False)
                 self._count(corrupt=len(bad), misses=len(bad))
                 if bad and self.cfg.remove_corrupt:
                     bad_names = [names[i] for i in bad]
@@ -589,9 +599,10 @@ class MooncakeStore(StorageBackend):
                         self._count(removed_corrupt=sum(1 for r in rm if r == 0))
         return out
 
-    def _get_chunk(self, keys, names, dsts, idx: list[int], out: list[bool], recheck: bool) -> list[int]:
-        """Fetch ``idx`` (at most one staging buffer's worth) and fill verified hits. Returns the indices whose
-        records failed verification (not counted yet as misses or corrupt)."""
+    def _get_chunk(self, keys, names, dsts, idx: list[int], out: list[bool], sums: list,
+                   recheck: bool) -> list[int]:
+        """Fetch ``idx`` (at most one staging buffer's worth) and fill verified hits (and their checksums into
+        ``sums``). Returns the indices whose records failed verification (not counted yet as misses or corrupt)."""
         rb, pb, n = self.record_bytes, self.page_bytes, len(idx)
         sh = self._staging_hold("batch_get", n, "misses")
         if sh is None:
@@ -609,8 +620,8 @@ class MooncakeStore(StorageBackend):
                 if r == rb:
                     rec = st.np[j * rb:(j + 1) * rb]
                     try:
-                        copy_verified(memoryview(rec[:HEADER_BYTES]), rec[HEADER_BYTES:], dsts[i], keys[i],
-                                      self.namespace, pb)
+                        sums[i] = copy_verified(memoryview(rec[:HEADER_BYTES]), rec[HEADER_BYTES:], dsts[i],
+                                                keys[i], self.namespace, pb)
                     except PageFormatError as e:
                         bad.append(i)
                         if not recheck:

@@ -17,9 +17,7 @@ _KINDS = [k for k in ("file", "zmq", "zmq_shm", "mooncake", "lmcache") if (_HERE
 # Parametrisations restricted per store (the only ones; every other test runs on every store of conftest.KINDS):
 # - the exact LRU eviction test: Mooncake and LMCache evict by their own policies (watermark, LMCache's), not an exact
 #   LRU of a given number of pages, so there is nothing exact to assert for them;
-# - the SIGSTOP test: the file store has no server process to stop;
-# - reads into runs and verified checksums handed back: only the stores that declare them (``vectored_destinations``,
-#   ``verified_checksums``; the file and ZMQ stores); every store is checked to refuse runs it does not declare.
+# - the SIGSTOP test: the file store has no server process to stop.
 # Stores where a read concurrent with an overwrite of the key may be a miss (never wrong data), and where of two
 # clients overwriting one key at the same moment one may be refused (its set returns False; Mooncake logs
 # "Failed to finalize upsert ... ILLEGAL_CLIENT"): Mooncake writes by upsert, which replaces the object
@@ -27,7 +25,6 @@ _KINDS = [k for k in ("file", "zmq", "zmq_shm", "mooncake", "lmcache") if (_HERE
 MISS_WHILE_OVERWRITTEN = ("mooncake",)
 EXACT_LRU = [k for k in _KINDS if k in ("file", "zmq", "zmq_shm")]
 STOPPABLE = [k for k in _KINDS if k in ("zmq", "zmq_shm", "mooncake", "lmcache")]
-READS_INTO_RUNS = [k for k in _KINDS if k in ("file", "zmq", "zmq_shm")]
 
 KiB = 1024
 NS_A = bytes(range(16))      # the namespace make_store uses by default (conftest.NS_A)
@@ -531,10 +528,10 @@ def test_runs_not_adding_up_to_a_page_raise_value_error(make_store):
 # ------------------------------------------------------------------ vectored destinations, verified checksums
 
 def test_page_read_into_runs_is_the_page_or_is_refused(make_store):
-    """A store with ``vectored_destinations`` reads a page into a list or tuple of writable runs exactly as into one
-    buffer (four equal runs, uneven runs with a 1-byte run and a tensor run, one run, and a whole page in the same
-    call); a store without refuses runs as a bad buffer (ValueError), a read-only run is refused by every store,
-    and a miss leaves its runs untouched."""
+    """Every store reads a page into a list or tuple of writable runs (``vectored_destinations``) exactly as into
+    one buffer (four equal runs, uneven runs with a 1-byte run and a tensor run, one run, and a whole page in the
+    same call); a read-only run or runs not adding up to a page are refused (ValueError), and a miss leaves its runs
+    untouched."""
     page_bytes = 64 * KiB
     b = make_store(page_bytes=page_bytes).backend
     ks, src = keys_of(5, salt=121), pages(5, page_bytes, seed=121)
@@ -551,10 +548,7 @@ def test_page_read_into_runs_is_the_page_or_is_refused(make_store):
     ro.flags.writeable = False
     with pytest.raises(ValueError, match=r"destinations\[1\]"):
         b.batch_get(ks[:2], [dst[0], [ro[:32 * KiB], ro[32 * KiB:]]])
-    if not getattr(b, "vectored_destinations", False):
-        with pytest.raises(ValueError, match=r"destinations\[0\]"):
-            b.batch_get(ks, given)
-        return
+    assert b.vectored_destinations is True and b.verified_checksums is True  # every store: the connector's readers
     assert b.batch_get(ks, given) == [True, True, True, True, False]
     assert all(torch.equal(s, d) for s, d in zip(src[:4], dst[:4]))
     assert bool((dst[4] == 7).all())
@@ -563,7 +557,6 @@ def test_page_read_into_runs_is_the_page_or_is_refused(make_store):
         b.batch_get(ks[:2], [dst[0], [dst[1].numpy()[:8 * KiB]]])
 
 
-@pytest.mark.parametrize("backend_kind", READS_INTO_RUNS, indirect=True)
 def test_a_corrupt_page_read_into_runs_is_a_miss(make_store):
     b_h = make_store(page_bytes=16 * KiB)
     b = b_h.backend
@@ -576,9 +569,8 @@ def test_a_corrupt_page_read_into_runs_is_a_miss(make_store):
     assert torch.equal(dst[0], src[0]) and b.stats()["corrupt"] == 1
 
 
-@pytest.mark.parametrize("backend_kind", READS_INTO_RUNS, indirect=True)
 def test_verified_checksums_are_the_pages_checksums_and_none_for_misses(make_store):
-    """``batch_get(..., checksums=out)`` on a store with ``verified_checksums`` fills ``out`` with each hit's XXH3-64
+    """``batch_get(..., checksums=out)`` (every store: ``verified_checksums``) fills ``out`` with each hit's XXH3-64
     (what the page read hashes to) and None for a miss; a list of the wrong length raises ValueError. Through the
     fault injector the same, with None for the pages it failed."""
     page_bytes = 16 * KiB
