@@ -154,6 +154,21 @@ class StorageBackend(abc.ABC):
         return [as_byte_runs(b, pb, f"destinations[{i}]", writable=True) if isinstance(b, (list, tuple))
                 else as_byte_view(b, pb, True, f"destinations[{i}]") for i, b in enumerate(destinations)]
 
+    @staticmethod
+    def _checksums_out(checksums: Optional[list], n: int) -> list:
+        """The list a ``batch_get`` of ``n`` keys fills with verified checksums (:attr:`verified_checksums`): the
+        caller's ``checksums``, reset to ``n`` Nones, or a list of its own when the caller asked for none.
+
+        Raises:
+            ValueError: ``checksums`` is not ``n`` long.
+        """
+        if checksums is None:
+            return [None] * n
+        if len(checksums) != n:
+            raise ValueError(f"{n} keys but a checksums list of {len(checksums)}")
+        checksums[:] = [None] * n
+        return checksums
+
     def register_host_buffer(self, buffer: Buffer) -> bool:
         """Declare ``buffer`` (e.g. the whole host pool: a contiguous CPU ``torch.uint8`` tensor of any size) as
         memory that stays allocated and mapped until :meth:`unregister_host_buffer` (or :meth:`close`), so the

@@ -237,9 +237,7 @@ class FaultyBackend(StorageBackend):
         if len(keys) != len(destinations):
             raise ValueError(f"{len(keys)} keys but {len(destinations)} destinations")
         if checksums is not None:
-            if len(checksums) != len(keys):
-                raise ValueError(f"{len(keys)} keys but a checksums list of {len(checksums)}")
-            checksums[:] = [None] * len(keys)
+            self._checksums_out(checksums, len(keys))
         self._keys(keys)
         with self._lock:
             healthy = len(keys) <= self._healthy_pages   # 0 by default: every read gets the faults

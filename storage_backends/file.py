@@ -529,10 +529,7 @@ class FileStore(StorageBackend):
         kraws = self._keys(keys)
         pb = self.page_bytes
         views = self._dest_views(keys, destinations)
-        if checksums is not None:
-            if len(checksums) != len(keys):
-                raise ValueError(f"{len(keys)} keys but a checksums list of {len(checksums)}")
-            checksums[:] = [None] * len(keys)
+        sums = self._checksums_out(checksums, len(keys))
         if self._closed:
             return [False] * len(keys)
         out = [False] * len(keys)
@@ -587,8 +584,8 @@ class FileStore(StorageBackend):
                         psum = decode_header(hdr, k, self.namespace, pb)
                     if (payload_checksum(mv) if isinstance(mv, list) else digest(mv)) != psum:
                         bad = "payload checksum mismatch"
-                    elif checksums is not None:
-                        checksums[i] = psum
+                    else:
+                        sums[i] = psum
             except PageFormatError as e:
                 bad = str(e)
             except OSError as e:

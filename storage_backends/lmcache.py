@@ -495,11 +495,7 @@ class LMCacheStore(StorageBackend):
         or tokens (caller bugs)."""
         self._keys(keys)
         dsts = self._dest_views(keys, destinations)
-        if checksums is not None:
-            if len(checksums) != len(keys):
-                raise ValueError(f"{len(keys)} keys but a checksums list of {len(checksums)}")
-            checksums[:] = [None] * len(keys)
-        sums = checksums if checksums is not None else [None] * len(keys)
+        sums = self._checksums_out(checksums, len(keys))
         res = [False] * len(keys)
         if not keys:
             return res

@@ -579,11 +579,7 @@ class MooncakeStore(StorageBackend):
         names = self._check_keys(keys)
         dsts = [v if isinstance(v, list) else np.frombuffer(v, dtype=np.uint8)
                 for v in self._dest_views(keys, destinations)]
-        if checksums is not None:
-            if len(checksums) != len(keys):
-                raise ValueError(f"{len(keys)} keys but a checksums list of {len(checksums)}")
-            checksums[:] = [None] * len(keys)
-        sums = checksums if checksums is not None else [None] * len(keys)
+        sums = self._checksums_out(checksums, len(keys))
         out = [False] * len(names)
         for a, b in self._chunks(len(names)):
             bad = self._get_chunk(keys, names, dsts, list(range(a, b)), out, sums, recheck=True)

@@ -550,11 +550,7 @@ class ZmqStore(StorageBackend):
         Raises ValueError for bad keys or buffers (caller bugs)."""
         self._keys(keys)
         dsts = self._dest_views(keys, destinations)
-        if checksums is not None:
-            if len(checksums) != len(keys):
-                raise ValueError(f"{len(keys)} keys but a checksums list of {len(checksums)}")
-            checksums[:] = [None] * len(keys)
-        sums = checksums if checksums is not None else [None] * len(keys)
+        sums = self._checksums_out(checksums, len(keys))
         res = [False] * len(keys)
         if self._shm_on:
             with self._lock:
