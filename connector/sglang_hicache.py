@@ -36,7 +36,10 @@ as SGLang's own file backend). The copy path (``batch_get``/``batch_set``, flat 
 path (``batch_get_v1``/``batch_set_v1``, host-pool indices) therefore read and write the same records. In the
 zero-copy layouts the store reads into and writes from the host pool directly (Mooncake registers the whole pool,
 as SGLang's Mooncake backend does); ``layer_first`` pages, and single-record MHA pages, are not one contiguous
-region and go through one staging page each.
+region: each record is handed to the store as its contiguous runs in the pool (one per layer, or K then V), read
+into and written from in place, when the store takes runs (``vectored_destinations`` / ``vectored_sources``) and the
+runs average at least ``VECTORED_MIN_RUN_BYTES`` (the connector's rule, :mod:`tierkv.connector.l3_io`); otherwise
+through one staging page each.
 A page is present only if all its parts are; results keep SGLang's leading-run semantics.
 
 Faults: a dead, hung or slow store answers misses/False within the store's own per-call bound (tierkv's ZMQ and
@@ -55,6 +58,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
+from tierkv.connector.l3_io import VECTORED_MIN_RUN_BYTES
 from tierkv.connector.page_hash import FORMAT_VERSION, KEY_BYTES, ModelNamespace
 from tierkv.storage_backends.base import StorageBackend
 from tierkv.storage_backends.common import ConfigError, RateLimitedLog, config_error
@@ -178,6 +182,18 @@ def build_namespace(storage_config: HiCacheStorageConfig, pool: Any, model_id: O
         use_mla=bool(storage_config.is_mla_model), extra=tuple(extra))
 
 
+def byte_runs(part: torch.Tensor) -> list:
+    """The bytes of ``part`` (a view of SGLang's host pool whose last dimension is contiguous) in row-major order, as
+    the fewest ``uint8`` numpy views that are each contiguous: split along the leading dimensions until each piece
+    is (a ``layer_first`` K half: one run per layer). Their bytes in order are the part's flat form (what
+    ``_copy_page`` stages). No copy."""
+    def split(a) -> list:
+        if a.flags.c_contiguous:
+            return [a.reshape(-1)]
+        return [r for i in range(a.shape[0]) for r in split(a[i])]
+    return split(part.view(torch.uint8).numpy())
+
+
 def map_key(namespace_digest: bytes, sglang_key: str, part: int) -> str:
     """tierkv key (32 lowercase hex) of part ``part`` of the page SGLang calls ``sglang_key`` (any string; 64-hex
     SHA-256 in SGLang 0.5.23)."""
@@ -200,8 +216,8 @@ class TierKVHiCacheStorage(HiCacheStorage):
     starting at ``host_indices[i * page_size]``).
 
     Attributes (after registration): ``namespace`` (:class:`ModelNamespace`), ``page_bytes`` (bytes of one page),
-    ``parts_per_page``, ``part_bytes``, ``zero_copy`` (False for ``layer_first`` and single-record MHA pages:
-    staged), ``store``.
+    ``parts_per_page``, ``part_bytes``, ``zero_copy`` (False for ``layer_first`` and single-record MHA pages),
+    ``vectored_get`` / ``vectored_set`` (such pages read / written in place as their runs; else staged), ``store``.
 
     Raises (at attach): :class:`ConfigError` for a bad extra config (see :func:`parse_extra_config`), a namespace
     that cannot be built (:func:`build_namespace`) or a store that cannot start.
@@ -211,6 +227,7 @@ class TierKVHiCacheStorage(HiCacheStorage):
         self.storage_config = storage_config
         self.cfg = parse_extra_config(storage_config.extra_config)
         self.store: Optional[StorageBackend] = None
+        self.zero_copy = self.vectored_get = self.vectored_set = False
         self.mem_pool_host = None
         self.namespace: Optional[ModelNamespace] = None
         self._ns_digest = b""
@@ -246,10 +263,17 @@ class TierKVHiCacheStorage(HiCacheStorage):
                               f"{self.parts_per_page} parts")
         self.part_bytes = self.page_bytes // self.parts_per_page
         self.zero_copy = all(p.is_contiguous() for p in self._split(probe))
+        try:
+            runs = 0 if self.zero_copy else sum(len(byte_runs(p)) for p in self._split(probe))
+        except (RuntimeError, TypeError):  # a view whose last dimension is not contiguous: staged
+            runs = 0
         self.page_size = int(pool.page_size)
         self.namespace = ns
         self._ns_digest = ns.digest()
         store = build_backend(self.cfg.l3, self._ns_digest, self.part_bytes)
+        long_runs = runs > 0 and self.page_bytes >= runs * VECTORED_MIN_RUN_BYTES
+        self.vectored_get = long_runs and bool(getattr(store, "vectored_destinations", False))
+        self.vectored_set = long_runs and bool(getattr(store, "vectored_sources", False))
         if self.zero_copy:
             kv = getattr(pool, "kv_buffer", None)
             if isinstance(kv, torch.Tensor) and kv.is_contiguous():
@@ -261,7 +285,9 @@ class TierKVHiCacheStorage(HiCacheStorage):
         self.store = store
         logger.info("tierkv HiCache storage: %s store, namespace %s, %d B/page in %d part(s), %s",
                     self.cfg.l3.get("backend"), self._ns_digest.hex(), self.page_bytes, self.parts_per_page,
-                    "zero-copy" if self.zero_copy else f"staged ({pool.layout})")
+                    "zero-copy" if self.zero_copy else
+                    f"{runs} runs in place ({pool.layout})" if self.vectored_get and self.vectored_set else
+                    f"staged ({pool.layout})")
 
     def _need_store(self) -> StorageBackend:
         if self.store is None:
@@ -356,8 +382,8 @@ class TierKVHiCacheStorage(HiCacheStorage):
         store = self._need_store()
         pool = self.mem_pool_host
         starts = self._page_starts(len(keys), host_indices)
-        if self.zero_copy:
-            dests = [p for s in starts for p in self._split(pool.get_data_page(s, flat=False))]
+        if self.zero_copy or self.vectored_get:
+            dests = [self._in_place(p) for s in starts for p in self._split(pool.get_data_page(s, flat=False))]
             return self._get(store, keys, dests)
         with self._stage_lock["get"]:
             staging = self._staging("get", len(keys))
@@ -375,14 +401,19 @@ class TierKVHiCacheStorage(HiCacheStorage):
         store = self._need_store()
         pool = self.mem_pool_host
         starts = self._page_starts(len(keys), host_indices)
-        if self.zero_copy:
-            srcs = [p for s in starts for p in self._split(pool.get_data_page(s, flat=False))]
+        if self.zero_copy or self.vectored_set:
+            srcs = [self._in_place(p) for s in starts for p in self._split(pool.get_data_page(s, flat=False))]
             return self._set(store, keys, srcs)
         with self._stage_lock["set"]:
             staging = self._staging("set", len(keys))
             for s, t in zip(starts, staging):
                 self._copy_page(pool.get_data_page(s, flat=False), t, to_pool=False)
             return self._set(store, keys, [p for t in staging for p in self._flat_parts(t)])
+
+    def _in_place(self, part: torch.Tensor) -> Any:
+        """A record's part as the store is given it in place: the view itself when it is one contiguous region
+        (zero-copy layouts), else its runs (:func:`byte_runs`)."""
+        return part if self.zero_copy else byte_runs(part)
 
     def _copy_page(self, page: torch.Tensor, flat: torch.Tensor, to_pool: bool) -> None:
         """Copy between a host-pool page (``get_data_page(i, flat=False)``, a view) and its flat byte form

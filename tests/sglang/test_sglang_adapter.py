@@ -45,6 +45,42 @@ def test_both_paths_round_trip_and_share_records(tmp_path, layout, split):
     b.close(), b2.close()
 
 
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_pages_not_in_one_region_go_in_place_as_runs_and_share_records_with_the_staged_path(tmp_path, monkeypatch,
+                                                                                           layout, split):
+    """A record that is not one region of the host pool (``layer_first``; a single-record ``page_first`` page) is
+    handed to a store that takes runs as its runs in the pool, in place, when they are long enough (32 KiB here):
+    what it writes reads back bit-exact through the staged path (runs too short, forced), and what the staged path
+    writes reads back in place; shorter runs are staged."""
+    from tierkv.connector import sglang_hicache as sh
+
+    l3 = file_l3(tmp_path)
+    pool = mha_pool(layout, heads=8, head_dim=128)  # 16 tokens x 8 heads x 128 x 2 bytes: 32 KiB per layer and K/V
+    b = attach(extra_config(l3, split_kv=split), pool)
+    in_place = not (split and layout == "page_first")  # (split page_first records are one region: zero-copy)
+    assert b.zero_copy is not in_place and b.vectored_get is in_place and b.vectored_set is in_place
+    idx = fill_pages(pool, 4, seed=11)
+    want = [page_bytes_of(pool, i) for i in range(4)]
+    ks = keys(4, f"runs-{layout}-{split}")
+    assert b.batch_set_v1(ks[:2], idx[: 2 * pool.page_size]) == [True, True]
+    monkeypatch.setattr(sh, "VECTORED_MIN_RUN_BYTES", 1 << 30)
+    staged = attach(extra_config(l3, split_kv=split), mha_pool(layout, heads=8, head_dim=128))
+    assert staged.vectored_get is False and staged.vectored_set is False
+    assert staged.batch_get_v1(ks[:2], idx[: 2 * pool.page_size]) == [True, True]
+    assert all(torch.equal(page_bytes_of(staged.mem_pool_host, i), want[i]) for i in range(2))
+    assert staged.batch_set_v1(ks[2:], idx[: 2 * pool.page_size]) == [True, True]  # the same pages under keys 2, 3
+    pool3 = mha_pool(layout, heads=8, head_dim=128)
+    monkeypatch.setattr(sh, "VECTORED_MIN_RUN_BYTES", 32 << 10)
+    r = attach(extra_config(l3, split_kv=split), pool3)
+    assert r.vectored_get is in_place
+    assert r.batch_get_v1(ks, idx) == [True] * 4
+    assert all(torch.equal(page_bytes_of(pool3, i), want[i % 2]) for i in range(4))
+    short = attach(extra_config(l3, split_kv=split), mha_pool(layout))  # 4 KiB runs: staged
+    assert short.vectored_get is False and short.vectored_set is False
+    b.close(), staged.close(), r.close(), short.close()
+
+
 @pytest.mark.parametrize("layout,zero_copy", [("page_first", True), ("page_first_direct", True),
                                               ("layer_first", False)])
 def test_mla_pages_round_trip_and_are_shared_across_tp_ranks(tmp_path, layout, zero_copy):
