@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results_check  # noqa: E402
-from results_check import spread, spread_cell  # noqa: E402
+from results_check import spread_cell  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "backup_path.json"
@@ -79,9 +79,7 @@ class Setup:
         kind, path = config.split("_")
         self.server = None
         if kind == "zmq":
-            self.server = subprocess.Popen([sys.executable, "-m", "tierkv.storage_backends.zmq_server", "--port", "0",
-                                            "--capacity-bytes", str(capacity)], stdout=subprocess.PIPE, text=True)
-            endpoint = self.server.stdout.readline().split()[-1]
+            self.server, endpoint = start_zmq_server(capacity)
             cls, opts = ZmqStore, {"endpoint": endpoint, "shm": "auto"}
         else:
             cls, opts = FileStore, {"root": os.path.join(d, config), "capacity_bytes": capacity}
@@ -123,21 +121,27 @@ class Setup:
         self.l3.close()
         self.store.close()
         if self.server is not None:
-            self.server.terminate()
-            self.server.wait(30)
+            stop_zmq_server(self.server)
 
 
 def summarize(runs: list[dict]) -> list[dict]:
     """One row per (shape, configuration): median, min and max of each per-page measure over the repetitions."""
-    rows = []
-    for shape, c in ((sh, c) for sh in dict.fromkeys(r["shape"] for r in runs) for c in CONFIGS):
-        mine = [r for r in runs if r["config"] == c and r["shape"] == shape]
-        row = {"shape": shape, "config": c, "stored": sum(r["stored"] for r in mine),
-               "pages": sum(r["pages"] for r in mine), **{k: mine[0][k] for k in ("runs", "run_bytes", "picks")}}
-        for k in ("client_cpu_us_per_page", "server_cpu_us_per_page", "wall_us_per_page"):
-            row[k] = spread(r[k] for r in mine)
-        rows.append(row)
-    return rows
+    return results_check.spread_rows(runs, CONFIGS, ("client_cpu_us_per_page", "server_cpu_us_per_page",
+                                                     "wall_us_per_page"),
+                                     carry=("runs", "run_bytes", "picks"), totals=("stored", "pages"))
+
+
+def start_zmq_server(capacity: int) -> tuple[subprocess.Popen, str]:
+    """A ``tierkv server`` process of ``capacity`` bytes on a free loopback port: the process and its endpoint."""
+    proc = subprocess.Popen([sys.executable, "-m", "tierkv.storage_backends.zmq_server", "--port", "0",
+                             "--capacity-bytes", str(capacity)], stdout=subprocess.PIPE, text=True)
+    return proc, proc.stdout.readline().split()[-1]
+
+
+def stop_zmq_server(proc: subprocess.Popen) -> None:
+    """End a server :func:`start_zmq_server` started (its PID) and reap it."""
+    proc.terminate()
+    proc.wait(30)
 
 
 def readme(res: dict) -> str:

@@ -24,7 +24,6 @@ import json
 import os
 import resource
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,8 +31,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results_check  # noqa: E402
-from backup_path import JOB_PAGES, MODELS, NS, _server_cpu_s, parse_shape  # noqa: E402
-from results_check import spread, spread_cell  # noqa: E402
+from backup_path import (JOB_PAGES, MODELS, NS, _server_cpu_s, parse_shape, start_zmq_server,  # noqa: E402
+                         stop_zmq_server)
+from results_check import spread_cell  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "prefetch_path.json"
@@ -56,10 +56,7 @@ class Setup:
         kind, path = config.split("_")
         self.server = None
         if kind == "zmq":
-            self.server = subprocess.Popen([sys.executable, "-m", "tierkv.storage_backends.zmq_server", "--port", "0",
-                                            "--capacity-bytes", str(2 * n * host.page_bytes + (64 << 20))],
-                                           stdout=subprocess.PIPE, text=True)
-            endpoint = self.server.stdout.readline().split()[-1]
+            self.server, endpoint = start_zmq_server(2 * n * host.page_bytes + (64 << 20))
             cls, opts = ZmqStore, {"endpoint": endpoint, "shm": "auto"}
         else:
             cls, opts = FileStore, {"root": os.path.join(d, config)}
@@ -111,21 +108,13 @@ class Setup:
         self.l3.close()
         self.store.close()
         if self.server is not None:
-            self.server.terminate()
-            self.server.wait(30)
+            stop_zmq_server(self.server)
 
 
 def summarize(runs: list[dict]) -> list[dict]:
     """One row per (shape, configuration): median, min and max per page over the repetitions."""
-    rows = []
-    for shape, c in ((sh, c) for sh in dict.fromkeys(r["shape"] for r in runs) for c in CONFIGS):
-        mine = [r for r in runs if r["config"] == c and r["shape"] == shape]
-        row = {"shape": shape, "config": c, "pages": sum(r["pages"] for r in mine),
-               **{k: mine[0][k] for k in ("runs", "run_bytes")}}
-        for k in ("cpu_us_per_page", "server_cpu_us_per_page", "wall_us_per_page"):
-            row[k] = spread(r[k] for r in mine)
-        rows.append(row)
-    return rows
+    return results_check.spread_rows(runs, CONFIGS, ("cpu_us_per_page", "server_cpu_us_per_page", "wall_us_per_page"),
+                                     carry=("runs", "run_bytes"), totals=("pages",))
 
 
 def readme(res: dict) -> str:

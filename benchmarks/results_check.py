@@ -167,6 +167,21 @@ def spread(xs) -> dict[str, float]:
     return {"median": statistics.median(xs), "min": xs[0], "max": xs[-1]}
 
 
+def spread_rows(runs: list[dict], configs, measures, carry=(), totals=()) -> list[dict]:
+    """One row per (``shape``, configuration) of a per-page benchmark's ``runs`` (shapes in their first order,
+    configurations in the order of ``configs``): the :func:`spread` of each of ``measures`` over its repetitions,
+    the values of ``carry`` from its first run and the sums of ``totals``."""
+    rows = []
+    for shape in dict.fromkeys(r["shape"] for r in runs):
+        for c in configs:
+            mine = [r for r in runs if r["config"] == c and r["shape"] == shape]
+            row = {"shape": shape, "config": c, **{k: sum(r[k] for r in mine) for k in totals},
+                   **{k: mine[0][k] for k in carry}}
+            row.update({k: spread(r[k] for r in mine) for k in measures})
+            rows.append(row)
+    return rows
+
+
 def spread_cell(v: dict, digits: int = 0) -> str:
     """A :func:`spread` as a README table cell: ``median [min-max]`` with ``digits`` decimals."""
     return f"{v['median']:.{digits}f} [{v['min']:.{digits}f}-{v['max']:.{digits}f}]"
