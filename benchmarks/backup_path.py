@@ -231,7 +231,7 @@ def main(argv=None) -> int:
                     setups[c] = Setup(c, host, capacity, os.path.join(d, shape))
                     setups[c].backup(2 * capacity // host.page_bytes)  # fill: from here on every write evicts one
                 for rep in range(args.reps):
-                    for c in CONFIGS[rep % len(CONFIGS):] + CONFIGS[:rep % len(CONFIGS)]:
+                    for c in results_check.rotated(CONFIGS, rep):
                         r = {"shape": shape, "runs": layers, "run_bytes": run_bytes, "picks": picks, "config": c,
                              "rep": rep, **setups[c].backup(n)}
                         runs.append(r)
@@ -242,11 +242,9 @@ def main(argv=None) -> int:
                     st.close()
     finally:
         shutil.rmtree(d, ignore_errors=True)
-    res = {"conditions": {"cpu": results_check.cpu_model(), "cpus": os.cpu_count(), "load_before": load_before,
-                          "load_after": os.getloadavg()[0], "wall_s": time.time() - t0, "reps": args.reps,
-                          "shapes": args.shapes, "min_run_bytes": l3_io.VECTORED_MIN_RUN_BYTES,
-                          "capacity_mib": args.capacity_mib, "pages": args.pages,
-                          "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **results_check.code_state()},
+    res = {"conditions": results_check.run_conditions(load_before, t0, reps=args.reps, shapes=args.shapes,
+                                                      min_run_bytes=l3_io.VECTORED_MIN_RUN_BYTES,
+                                                      capacity_mib=args.capacity_mib, pages=args.pages),
            "rows": summarize(runs), "runs": runs, "note": args.note}
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     if not args.no_readme:

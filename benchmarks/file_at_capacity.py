@@ -147,7 +147,7 @@ def main(argv=None) -> int:
     d = tempfile.mkdtemp(prefix="file-at-capacity-", dir=args.dir or str(ROOT / "benchmarks"))
     try:
         for rep in range(args.reps):
-            order = CONFIGS[rep % len(CONFIGS):] + CONFIGS[:rep % len(CONFIGS)]
+            order = results_check.rotated(CONFIGS, rep)
             for pb in sizes:
                 for c in order:
                     scale = max(1, pb // 65536)
@@ -160,10 +160,8 @@ def main(argv=None) -> int:
         fs = _fs_of(os.path.realpath(d))
     finally:
         shutil.rmtree(d, ignore_errors=True)
-    res = {"conditions": {"cpu": results_check.cpu_model(), "cpus": os.cpu_count(), "load_before": load_before,
-                          "load_after": os.getloadavg()[0], "wall_s": time.time() - t0, "reps": args.reps,
-                          "capacity": args.capacity, "writes": args.writes, "fs": fs,
-                          "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **results_check.code_state()},
+    res = {"conditions": results_check.run_conditions(load_before, t0, reps=args.reps, capacity=args.capacity,
+                                                      writes=args.writes, fs=fs),
            "rows": summarize(runs), "runs": runs, "note": args.note}
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     if not args.no_readme:

@@ -471,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.repeats):
             e = r % args.engines
             for ph in PHASES:
-                order = names[r % len(names):] + names[:r % len(names)]
+                order = results_check.rotated(names, r)
                 for name in order:
                     rec = {"config": name, "repeat": r, "engine": e, "phase": ph, "load_before": sc.loadavg()}
                     try:

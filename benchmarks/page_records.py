@@ -177,13 +177,13 @@ def main(argv=None) -> int:
         models = [parse_model(m) for m in args.models.split(",")]
     except ValueError as e:
         ap.error(str(e))
-    from results_check import code_state, cpu_model  # benchmarks/ is on sys.path (__main__)
+    from results_check import rotated, run_conditions  # benchmarks/ is on sys.path (__main__)
     load_before = os.getloadavg()[0]
     t0 = time.time()
     runs = []
     with tempfile.TemporaryDirectory(prefix="page-records-", dir=args.dir or str(ROOT / "benchmarks")) as d:
         for rep in range(args.reps):
-            order = KS[rep % len(KS):] + KS[:rep % len(KS)]
+            order = rotated(KS, rep)
             for model in models:
                 for k in order:
                     r = run_one(k, model, args, os.path.join(d, f"m{len(runs)}"), seed=rep)
@@ -191,10 +191,8 @@ def main(argv=None) -> int:
                     runs.append(r)
                     print(f"rep {rep} {r['model']} k={k}: store {r['store_s']:.3f} s, load {r['load_s']:.3f} s, "
                           f"load_cold {r['load_cold_s']:.3f} s, {r['files']} files", flush=True)
-    res = {"conditions": {"cpu": cpu_model(), "cpus": os.cpu_count(), "load_before": load_before,
-                          "load_after": os.getloadavg()[0], "wall_s": time.time() - t0, "reps": args.reps,
-                          "tokens": args.tokens, "block": args.block, "models": args.models,
-                          "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **code_state()},
+    res = {"conditions": run_conditions(load_before, t0, reps=args.reps, tokens=args.tokens, block=args.block,
+                                        models=args.models),
            "rows": summarize(runs), "runs": runs}
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     print(readme(res), end="")

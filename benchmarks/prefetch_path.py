@@ -185,7 +185,7 @@ def main(argv=None) -> int:
                         setups[c] = Setup(c, host, n, os.path.join(d, shape))
                         setups[c].prefetch()  # warm: the page cache, the reader and the first-touch of the slots
                     for rep in range(args.reps):
-                        for c in CONFIGS[rep % len(CONFIGS):] + CONFIGS[:rep % len(CONFIGS)]:
+                        for c in results_check.rotated(CONFIGS, rep):
                             r = {"shape": shape, "runs": layers, "run_bytes": run_bytes, "config": c, "rep": rep,
                                  **setups[c].prefetch()}
                             runs.append(r)
@@ -196,11 +196,8 @@ def main(argv=None) -> int:
                         st.close()
         finally:
             shutil.rmtree(d, ignore_errors=True)
-        res = {"conditions": {"cpu": results_check.cpu_model(), "cpus": os.cpu_count(), "load_before": load_before,
-                              "load_after": os.getloadavg()[0], "wall_s": time.time() - t0, "reps": args.reps,
-                              "shapes": args.shapes, "pages": args.pages,
-                              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                              **results_check.code_state()},
+        res = {"conditions": results_check.run_conditions(load_before, t0, reps=args.reps, shapes=args.shapes,
+                                                          pages=args.pages),
                "rows": summarize(runs), "runs": runs, "note": args.note}
         Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     if not args.no_readme:

@@ -13,8 +13,10 @@ Used by ``benchmarks/e2e_cpu.py``; tests in ``tests/unit/test_benchmark_results.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -156,6 +158,22 @@ def result_with_note(path: Path, note: str, key: str = "note") -> dict:
         data[key] = note
         Path(path).write_text(json.dumps(data, indent=1) + "\n")
     return data
+
+
+def rotated(items, rep: int) -> list:
+    """``items`` (a sequence) started at ``rep`` modulo its length: the order in which repetition ``rep`` of a
+    benchmark runs its configurations, so that each takes every place in turn."""
+    k = rep % len(items)
+    return list(items[k:]) + list(items[:k])
+
+
+def run_conditions(load_before: float, t0: float, **extra) -> dict[str, Any]:
+    """The ``conditions`` of a benchmark run that started at ``t0`` (``time.time()``) with the 1-minute load average
+    ``load_before``: CPU model and count, the load average now, the run's wall seconds, the date (UTC), the code
+    measured (:func:`code_state`) and the run's own ``extra`` settings."""
+    return {"cpu": cpu_model(), "cpus": os.cpu_count(), "load_before": load_before,
+            "load_after": os.getloadavg()[0], "wall_s": time.time() - t0, **extra,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **code_state()}
 
 
 def spread(xs) -> dict[str, float]:
