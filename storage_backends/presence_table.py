@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import os
 import re
+import select
+import threading
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
@@ -48,6 +50,43 @@ PRESENCE_PREFIX = "tierkv-presence-"
 PRESENCE_NAME_RE = re.compile(r"^tierkv-presence-[0-9a-f]{24}$")
 
 
+class _ExitWatch:
+    """Whether process ``pid`` has exited, from a pidfd (Linux >= 5.3): calling the object polls it without waiting
+    (one ``poll`` system call; a lock keeps calls from several threads apart, as one poll object allows). :meth:`close`
+    closes the descriptor (idempotent); a closed watch reports "exited"."""
+
+    def __init__(self, fd: int):
+        self._fd = fd
+        self._poll = select.poll()
+        self._lock = threading.Lock()
+        if fd >= 0:
+            self._poll.register(fd, select.POLLIN)
+
+    def __call__(self) -> bool:
+        with self._lock:
+            return self._fd < 0 or bool(self._poll.poll(0))
+
+    def close(self) -> None:
+        with self._lock:
+            fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
+def _exit_watch(pid: int) -> Optional[_ExitWatch]:
+    """An :class:`_ExitWatch` of ``pid``; one that reports "exited" when no such process exists in this pid
+    namespace; None where pidfds are not available (not Linux, an old kernel, a seccomp filter: the caller uses
+    ``kill(pid, 0)``)."""
+    if pid <= 0:
+        return _ExitWatch(-1)
+    try:
+        return _ExitWatch(os.pidfd_open(pid))
+    except ProcessLookupError:
+        return _ExitWatch(-1)
+    except (AttributeError, OSError):
+        return None
+
+
 def fingerprint(namespace: bytes, key: str) -> int:
     """The table's 64-bit fingerprint of page ``key`` (32 hex characters) under ``namespace`` (bytes): XXH3-64 of the
     namespace followed by the key's ASCII, moved off the two reserved values (0 empty, 1 removed)."""
@@ -65,6 +104,7 @@ class PresenceTable:
         self.slots = int(words[_SLOTS])
         self._mask = self.slots - 1
         self._pid = int(words[_PID])
+        self._exited = None if writer else _exit_watch(self._pid)
 
     # ----------------------------------------------------------------------------------------- writer
     @classmethod
@@ -180,11 +220,16 @@ class PresenceTable:
         return cls(seg, words, False)
 
     def usable(self) -> bool:
-        """The table is live and its writer process exists (one ``kill(pid, 0)``: a server killed by SIGKILL
-        never retires its table; a pid from another pid namespace reads as gone, so such a reader asks over ZMQ)."""
+        """The table is live and its writer process has not exited. A server killed by SIGKILL never retires its
+        table; its exit is seen through a pidfd opened with the table (readable from the moment the process ends,
+        also while it is an unreaped zombie, and never fooled by a reused pid), else (no pidfd here) by one
+        ``kill(pid, 0)``, which a zombie passes. A pid from another pid namespace reads as gone, so such a reader
+        asks over ZMQ."""
         if self._w[_STATE] != LIVE:
             return False
         if not self.writer:
+            if self._exited is not None:
+                return not self._exited()
             try:
                 os.kill(self._pid, 0)
             except ProcessLookupError:
@@ -206,6 +251,8 @@ class PresenceTable:
 
     def close(self) -> None:
         """Unmap (and in the writer remove the file). Idempotent."""
+        if self._exited is not None:
+            self._exited.close()
         try:
             self._w.release()
         except BufferError:

@@ -88,10 +88,13 @@ def test_table_of_a_killed_writer_is_not_answered_from_and_is_swept(tmp_path):
         r = PresenceTable.open(os.path.join(tmp_path, name))
         assert r.lead([12345, 7]) == 1
         assert sweep_dead_presence(str(tmp_path)) == 0  # its writer lives
+        p.send_signal(signal.SIGKILL)
+        os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOWAIT)  # dead, not reaped: a zombie that kill(pid, 0) passes
+        assert r.lead([12345]) is None  # never retired, but its writer is gone
     finally:
         p.send_signal(signal.SIGKILL)
         p.wait()
-    assert r.lead([12345]) is None  # never retired, but its writer is gone
+    assert r.lead([12345]) is None
     assert sweep_dead_presence(str(tmp_path)) == 1 and not os.path.exists(os.path.join(tmp_path, name))
     r.close()
     other = tmp_path / f"{PT.PRESENCE_PREFIX}{'0' * 24}"
