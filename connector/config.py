@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tierkv.storage_backends.common import ConfigError  # noqa: F401 - re-exported: tierkv.connector.config.ConfigError
 from tierkv.storage_backends.factory import L3Config, validate_l3  # noqa: F401 - re-exported
+from .thread_priority import WRITER_PRIORITIES
 
 #: the names below are defined here only; the host pool, the controller and the config models use them
 HOST_POOL_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
@@ -73,10 +74,12 @@ class ControllerConfig(_Strict):
     max_backup_pages: int = Field(default=65536, ge=1)
     shutdown_drain_s: float = Field(default=10.0, ge=0)
     gil_switch_interval_s: float = Field(default=0.05, ge=0, le=1.0)
+    writer_priority: Literal[WRITER_PRIORITIES] = "idle"
 
     def scheduler_kwargs(self) -> dict:
         """Keyword arguments of :class:`tierkv.connector.controller.Controller`."""
-        return self.model_dump(exclude={"batch_pages", "read_threads", "max_backup_pages", "gil_switch_interval_s"})
+        return self.model_dump(exclude={"batch_pages", "read_threads", "max_backup_pages", "gil_switch_interval_s",
+                                        "writer_priority"})
 
 
 class TierKVConfig(_Strict):

@@ -51,6 +51,7 @@ from tierkv.storage_backends.page_format import payload_checksum
 from .page_checksums import SlotChecksums
 from .plan import JOB_BACKUP, JOB_PREFETCH, Job, JobReport, PageOrder
 from .thread_names import name_this_thread
+from .thread_priority import WRITER_PRIORITIES, BackgroundPriority, can_return_from_idle
 
 logger = logging.getLogger("tierkv.l3")
 
@@ -65,6 +66,11 @@ CREDIT_FIRST_BATCH = 4
 #: copy of the page costs (benchmarks/README.md, backup_path: a loss at 4 KiB runs, even at 16 KiB, a gain for both
 #: stores from 32 KiB)
 VECTORED_MIN_RUN_BYTES = 32 << 10
+
+#: ``writer_priority: idle``: the writer leaves SCHED_IDLE when more than this fraction of the L2 slots (or of
+#: ``max_backup_pages``) wait for backup, each locking its slot, so that saves keep finding free slots under sustained
+#: load; it returns to SCHED_IDLE at half that
+WRITER_IDLE_BACKLOG_FRACTION = 0.5
 
 
 def l3_key(rank_namespace: bytes, key: bytes) -> str:
@@ -185,13 +191,21 @@ class L3IO:
             namespace, so the same key and bytes): its backups send nothing and report their pages done (counted in
             ``backup_other_rank_pages``); the controller ends a backup with the minimum over ranks, i.e. the writer's
             outcome. Reads and existence queries are unaffected.
+        writer_priority: ``normal``, or ``idle``: the writer thread runs in Linux's SCHED_IDLE class while at most
+            :data:`WRITER_IDLE_BACKLOG_FRACTION` of the L2 slots (and of ``max_backup_pages``) wait for it, normal
+            above that until half as many do (:mod:`tierkv.connector.thread_priority`); normal throughout where
+            the process may not leave SCHED_IDLE again (logged at INFO).
     Raises:
-        ValueError: bad ``batch_pages``, ``max_backup_pages``, ``read_threads`` or namespace length.
+        ValueError: bad ``batch_pages``, ``max_backup_pages``, ``read_threads``, ``writer_priority`` or namespace
+            length.
     """
 
     def __init__(self, store, host, rank_namespace: bytes, checksums: SlotChecksums, *, batch_pages: int = 16,
                  max_backup_pages: int = 65536, log_every_s: float = 10.0, rank: int = 0, read_threads: Optional[int] = None,
-                 clock: Callable[[], float] = time.monotonic, backup_writer: bool = True):
+                 clock: Callable[[], float] = time.monotonic, backup_writer: bool = True,
+                 writer_priority: str = "normal"):
+        if writer_priority not in WRITER_PRIORITIES:
+            raise ValueError(f"writer_priority must be one of {', '.join(WRITER_PRIORITIES)}, got {writer_priority!r}")
         if read_threads is None:
             read_threads = default_read_threads(store)
         if batch_pages < 1 or max_backup_pages < 1 or read_threads < 1:
@@ -209,6 +223,7 @@ class L3IO:
         self.clock = clock
         self.rank = rank
         self.backup_writer = backup_writer
+        self.writer_priority = writer_priority
         self.counters = L3Counters()
         self._log = RateLimitedLog(logger, log_every_s)
         self._lock = threading.Lock()
@@ -241,7 +256,14 @@ class L3IO:
         rstage = 0 if self._vectored_read else batch_pages
         self._threads = [threading.Thread(target=self._serve, args=(self._read_q, self._staging(rstage)),
                                           name=f"tierkv-l3-read-{i}", daemon=True) for i in range(read_threads)]
-        self._threads.append(threading.Thread(target=self._serve, args=(self._write_q, self._wstage),
+        idle = writer_priority == "idle" and can_return_from_idle()
+        if writer_priority == "idle" and not idle:
+            logger.info("tierkv L3: this process may not return a thread from SCHED_IDLE (no CAP_SYS_NICE, "
+                        "RLIMIT_NICE < 20): the writer thread keeps the normal scheduling class")
+        high = max(1, int(min(host.num_slots, max_backup_pages) * WRITER_IDLE_BACKLOG_FRACTION))
+        self._writer_prio = BackgroundPriority(idle, high, high // 2)
+        self._threads.append(threading.Thread(target=self._serve, args=(self._write_q, self._wstage,
+                                                                        self._writer_prio),
                                               name="tierkv-l3-write", daemon=True))
         for t in self._threads:
             t.start()
@@ -446,15 +468,20 @@ class L3IO:
         with self._lock:
             d["l3_backup_queued_pages"] = self._queued_backup_pages
             d["l3_pending_jobs"] = self._busy
+        d["l3_writer_idle_class"] = int(self._writer_prio.enabled)
+        d["l3_writer_raised"] = self._writer_prio.raised
         return d
 
     # ------------------------------------------------------------------ I/O threads
-    def _serve(self, q: "queue.Queue[Optional[Job]]", stage: torch.Tensor) -> None:
+    def _serve(self, q: "queue.Queue[Optional[Job]]", stage: torch.Tensor,
+               prio: Optional[BackgroundPriority] = None) -> None:
         name_this_thread()
         while True:
             job = q.get()
             if job is None:
                 return
+            if prio is not None:  # the writer: its scheduling class from the pages waiting for it, this job's included
+                prio.update(self._queued_backup_pages)
             try:
                 if job.kind == JOB_BACKUP:
                     self._run_backup(job)

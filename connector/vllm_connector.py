@@ -1073,7 +1073,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         checksums = SlotChecksums(host.num_slots)
         l3 = L3IO(store, host, digest, checksums, batch_pages=c.batch_pages, max_backup_pages=c.max_backup_pages,
                   rank=tp_rank + self.tp_size * pp_rank, read_threads=c.read_threads,
-                  backup_writer=not self.use_mla or tp_rank == 0)  # MLA: TP rank 0 writes the one shared record
+                  backup_writer=not self.use_mla or tp_rank == 0,  # MLA: TP rank 0 writes the one shared record
+                  writer_priority=c.writer_priority)
         self._switch_prev = raise_switch_interval(c.gil_switch_interval_s)
         if self._switch_prev is not None:
             logger.info("tierkv worker: Python's GIL switch interval raised from %g to %g s for the L3 threads "

@@ -118,6 +118,7 @@ def test_l3_sections_validate_without_a_store(tmp_path):
 @pytest.mark.parametrize("key, bad, allowed", [
     ("controller.write_policy", "write_around", ("write_through", "write_through_selective", "write_back")),
     ("controller.prefetch_policy", "eager", ("best_effort", "wait_complete", "timeout")),
+    ("controller.writer_priority", "low", ("idle", "normal")),
 ])
 def test_unknown_controller_policy_names_key_and_allowed_values(key, bad, allowed):
     """Nested and dotted forms alike: the error names the dotted key, the bad value and every allowed policy."""
@@ -160,7 +161,8 @@ NON_DEFAULT = {"write_policy": "write_back", "write_through_threshold": 5, "pref
                "prefetch_timeout_base_s": 0.75, "prefetch_timeout_per_page_s": 0.01, "exists_wait_s": 0.25,
                "negative_ttl_s": 3.5, "room_retry_steps": 3, "room_wait_s": 0.25, "probe_interval_s": 2.5,
                "sync_load_max_s": 0.0, "exists_in_scheduler": False, "max_index_pages": 1000, "batch_pages": 8, "read_threads": 3,
-               "max_backup_pages": 100, "shutdown_drain_s": 0.5, "gil_switch_interval_s": 0.02}
+               "max_backup_pages": 100, "shutdown_drain_s": 0.5, "gil_switch_interval_s": 0.02,
+               "writer_priority": "normal"}
 
 
 @pytest.mark.parametrize("key", sorted(ControllerConfig.model_fields))

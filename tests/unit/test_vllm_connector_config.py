@@ -220,7 +220,8 @@ NON_DEFAULT = {"write_policy": "write_back", "write_through_threshold": 5, "pref
                "prefetch_timeout_base_s": 0.75, "prefetch_timeout_per_page_s": 0.01, "exists_wait_s": 0.25,
                "negative_ttl_s": 3.5, "room_retry_steps": 3, "room_wait_s": 0.25, "probe_interval_s": 2.5,
                "sync_load_max_s": 0.05, "exists_in_scheduler": False, "max_index_pages": 1000, "batch_pages": 8, "read_threads": 3,
-               "max_backup_pages": 100, "shutdown_drain_s": 0.5, "gil_switch_interval_s": 0.02}
+               "max_backup_pages": 100, "shutdown_drain_s": 0.5, "gil_switch_interval_s": 0.02,
+               "writer_priority": "normal"}
 # where each key ends up: the scheduler's Controller, the worker's L3IO or the worker's process (the GIL switch interval
 # while the worker runs; shutdown_drain_s: also the worker's shutdown, checked below)
 READ_BY = {"write_policy": ("ctl", "write_policy"), "write_through_threshold": ("ctl", "threshold"),
@@ -233,7 +234,7 @@ READ_BY = {"write_policy": ("ctl", "write_policy"), "write_through_threshold": (
            "max_index_pages": ("ctl", "max_index_pages"), "batch_pages": ("l3io", "batch_pages"),
            "read_threads": ("l3io", "read_threads"),
            "max_backup_pages": ("l3io", "max_backup_pages"), "shutdown_drain_s": ("ctl", "shutdown_drain_s"),
-           "gil_switch_interval_s": ("process", "switchinterval")}
+           "gil_switch_interval_s": ("process", "switchinterval"), "writer_priority": ("l3io", "writer_priority")}
 
 
 def test_every_controller_key_reaches_what_reads_it(model, tmp_path, monkeypatch):
