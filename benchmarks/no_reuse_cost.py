@@ -55,7 +55,7 @@ README = REPO / "benchmarks" / "README.md"
 SECTION = "no_reuse_cost"
 CONFIGS = ("none", "noop_connector", "tierkv_l2", "tierkv_l3_file", "tierkv_l3_zmq", "tierkv_write_back",
            "tierkv_l3_file_selective", "tierkv_l3_file_gil_default", "tierkv_l3_file_full",
-           "tierkv_l3_zmq_full")
+           "tierkv_l3_zmq_full", "tierkv_l3_file_full_writer_normal")
 PHASES = ("c1", "c8")
 sys.path.insert(0, str(REPO / "benchmarks"))
 import results_check  # noqa: E402

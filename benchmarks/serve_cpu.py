@@ -21,6 +21,8 @@ Configurations (L1 = vLLM's own KV pool, ``--num-gpu-blocks-override`` blocks of
   (a page goes to L3 once it has been hit ``write_through_threshold`` = 2 times, in any tier);
 - ``tierkv_l3_file_gil_default``: as ``tierkv_l3_file`` with ``controller.gil_switch_interval_s: 0`` (the worker
   keeps Python's 5 ms GIL switch interval, as before the key existed);
+- ``tierkv_l3_file_full_writer_normal``: as ``tierkv_l3_file_full`` with ``controller.writer_priority: normal`` (the
+  L3 writer thread never in SCHED_IDLE, as before the key existed);
 - ``tierkv_l3_file_shm``: as ``tierkv_l3_file`` with the store's root on ``/dev/shm`` (tmpfs; removed when the
   server stops): the same tierkv work without a block device's writeback, to tell the two costs apart;
 - ``tierkv_l3_file_p4``: as ``tierkv_l3_file`` with ``page_size`` = 4 blocks (128 tokens) and an L2 of the same
@@ -135,17 +137,22 @@ trace_gen = _load("tierkv_make_multiturn_trace", REPO / "benchmarks" / "make_mul
 
 CONFIGS = ["ideal", "none", "tierkv_l2", "tierkv_l3_file", "tierkv_l3_zmq", "tierkv_write_back",
            "tierkv_l3_file_shm", "tierkv_l3_file_p4", "noop_connector", "tierkv_l3_file_selective",
-           "tierkv_l3_file_gil_default", "tierkv_l3_file_full", "tierkv_l3_zmq_full"]
+           "tierkv_l3_file_gil_default", "tierkv_l3_file_full", "tierkv_l3_zmq_full",
+           "tierkv_l3_file_full_writer_normal"]
 P4_BLOCKS = 4   # blocks per page of tierkv_l3_file_p4
 FILE_L3_CONFIGS = ("tierkv_l3_file", "tierkv_write_back", "tierkv_l3_file_shm", "tierkv_l3_file_p4",
-                   "tierkv_l3_file_selective", "tierkv_l3_file_gil_default", "tierkv_l3_file_full")
+                   "tierkv_l3_file_selective", "tierkv_l3_file_gil_default", "tierkv_l3_file_full",
+                   "tierkv_l3_file_full_writer_normal")
+#: file-L3 configurations whose store is ``FULL_L3_BYTES``
+FULL_FILE_L3_CONFIGS = ("tierkv_l3_file_full", "tierkv_l3_file_full_writer_normal")
 #: L3 capacity of ``tierkv_l3_file_full`` and ``tierkv_l3_zmq_full`` (less than one no_reuse_cost repeat writes: the
 #: store runs at capacity)
 FULL_L3_BYTES = "64MiB"
 #: write policy of each file-L3 configuration that does not write through
 WRITE_POLICY = {"tierkv_write_back": "write_back", "tierkv_l3_file_selective": "write_through_selective"}
 #: other controller keys of a file-L3 configuration
-CONTROLLER_KEYS = {"tierkv_l3_file_gil_default": {"gil_switch_interval_s": 0.0}}
+CONTROLLER_KEYS = {"tierkv_l3_file_gil_default": {"gil_switch_interval_s": 0.0},
+                   "tierkv_l3_file_full_writer_normal": {"writer_priority": "normal"}}
 WORKLOADS = ["prefix_repetition", "multiturn", "random"]
 CONFIG_TEXT = {
     "ideal": "no connector, L1 {ideal_blocks} blocks",
@@ -165,6 +172,8 @@ CONFIG_TEXT = {
                            "capacity: each write recycles an evicted record's file), write_through",
     "tierkv_l3_zmq_full": "L1 {l1_blocks} + L2 {l3_l2_pages} pages + `tierkv server` L3 of " + FULL_L3_BYTES + " (shm "
                           "auto; soon at capacity: each write evicts a record), write_through",
+    "tierkv_l3_file_full_writer_normal": "as tierkv_l3_file_full, the L3 writer thread always in the normal "
+                                         "scheduling class (`controller.writer_priority: normal`)",
 }
 #: ZMQ-L3 configurations (each gets its own ``tierkv server``) and the server's capacity of each
 ZMQ_L3_CAPACITY = {"tierkv_l3_zmq": "4GiB", "tierkv_l3_zmq_full": FULL_L3_BYTES}
@@ -726,7 +735,7 @@ def kv_config(name: str, p: dict, cdir: Path, zmq_endpoint: str | None, l3_root:
             extra["page_size"] = k * BLOCK
         extra.update({"config_file": "l3_file.yaml", "l3.file.root": l3_root or str(cdir / "l3"),
                       "host_pool": {"num_pages": p["l3_l2_pages"] // k},
-                      **({"l3.file.capacity_bytes": FULL_L3_BYTES} if name == "tierkv_l3_file_full" else {}),
+                      **({"l3.file.capacity_bytes": FULL_L3_BYTES} if name in FULL_FILE_L3_CONFIGS else {}),
                       "controller": {"write_policy": WRITE_POLICY.get(name, "write_through"),
                                      **CONTROLLER_KEYS.get(name, {})}})
     elif name in ZMQ_L3_CAPACITY:
@@ -1384,7 +1393,8 @@ def table(data: dict) -> str:
 #: compared with the ideal, ``random`` (no reuse) with no connector
 TARGETS = {"tierkv_l2": 0.95, "tierkv_l3_file": 0.9, "tierkv_l3_zmq": 0.9, "tierkv_write_back": 0.9,
            "tierkv_l3_file_shm": 0.9, "tierkv_l3_file_p4": 0.9, "tierkv_l3_file_selective": 0.9,
-           "tierkv_l3_file_gil_default": 0.9, "tierkv_l3_file_full": 0.9, "tierkv_l3_zmq_full": 0.9}
+           "tierkv_l3_file_gil_default": 0.9, "tierkv_l3_file_full": 0.9, "tierkv_l3_zmq_full": 0.9,
+           "tierkv_l3_file_full_writer_normal": 0.9}
 NO_REUSE_TARGET = 0.97
 #: TTFT p99 of tierkv L2 at most this times the ideal's, with reuse
 TTFT_P99_TARGET = 1.3
