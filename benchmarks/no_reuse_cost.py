@@ -324,6 +324,33 @@ def render(data: dict, name: str = RESULTS.name) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: the engines still to start may take at most this fraction of the memory available when the first one is up
+ENGINE_MEMORY_FRACTION = 0.8
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of process ``pid`` (bytes; 0 when it cannot be read)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def engines_fit(rss: int, left: int, available: int) -> str:
+    """Why ``left`` more engine processes of ``rss`` bytes each do not fit in ``available`` bytes (at most
+    :data:`ENGINE_MEMORY_FRACTION` of it), or "" when they do. Engines that swap or squeeze the page cache slow every
+    run, the reference's too, and the ratios then measure the machine."""
+    need = rss * left
+    if need <= ENGINE_MEMORY_FRACTION * available:
+        return ""
+    return (f"{left} more engine processes of about {rss / 2**30:.1f} GiB each need {need / 2**30:.1f} GiB, but "
+            f"{available / 2**30:.1f} GiB are available (at most {ENGINE_MEMORY_FRACTION:.0%} of it for them): "
+            "run fewer --engines or --configs")
+
+
 def first_touch_mb_s(mib: int = 256) -> dict[str, float]:
     """MB/s of writing ``mib`` MiB of newly mapped memory (``first``: every 4 KiB page faulted in) and of writing it
     again (``again``). On a VM whose free memory is handed back to the host (free page reporting, a balloon) the
@@ -468,6 +495,12 @@ def main(argv: list[str] | None = None) -> int:
                                           tag=f"-{e}" if e else "")
                 data["startup_s"][f"{name}-{e}" if e else name] = children[name, e].startup_s
                 print(f"[no_reuse_cost] {name} engine {e}: ready after {children[name, e].startup_s} s", flush=True)
+                if len(children) == 1:  # the first engine's size stands for the rest
+                    from tierkv.connector.host_budget import measure_budget_bytes
+                    why = engines_fit(rss_bytes(children[name, e].proc.pid), args.engines * len(names) - 1,
+                                      measure_budget_bytes(0))
+                    if why:
+                        raise SystemExit(f"no_reuse_cost: {why}")
         for r in range(args.repeats):
             e = r % args.engines
             for ph in PHASES:

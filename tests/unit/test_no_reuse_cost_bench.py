@@ -75,6 +75,16 @@ def test_with_several_engines_each_engine_median_is_shown_beside_the_pooled_one(
     assert "runs 2 engine processes" in text and "repeat r on engine r mod 2" in text
 
 
+def test_engines_that_would_not_fit_in_memory_are_refused_before_they_start():
+    gib = 2**30
+    assert nrc.engines_fit(1 * gib, 7, 10 * gib) == ""  # 7 GiB of 10: fits
+    why = nrc.engines_fit(1 * gib, 19, 22 * gib)        # session 33: 20 engines of about 1 GiB, 22 GiB free
+    assert "19 more engine processes of about 1.0 GiB each need 19.0 GiB" in why and "22.0 GiB are available" in why
+    assert "--engines" in why
+    assert nrc.rss_bytes(os.getpid()) > 10 << 20        # this process: tens of MiB at least
+    assert nrc.rss_bytes(2**22 + 12345) == 0           # no such process
+
+
 def test_thread_cpu_counts_tierkv_threads_apart():
     from tierkv.connector.thread_names import name_this_thread
     burnt, read = threading.Event(), threading.Event()
