@@ -21,8 +21,9 @@ Configurations (L1 = vLLM's own KV pool, ``--num-gpu-blocks-override`` blocks of
   (a page goes to L3 once it has been hit ``write_through_threshold`` = 2 times, in any tier);
 - ``tierkv_l3_file_gil_default``: as ``tierkv_l3_file`` with ``controller.gil_switch_interval_s: 0`` (the worker
   keeps Python's 5 ms GIL switch interval, as before the key existed);
-- ``tierkv_l3_file_full_writer_normal``: as ``tierkv_l3_file_full`` with ``controller.writer_priority: normal`` (the
-  L3 writer thread never in SCHED_IDLE, as before the key existed);
+- ``tierkv_l3_file_full_writer_normal``: as ``tierkv_l3_file_full`` with ``controller.writer_priority: normal`` set
+  explicitly (the default again since it was briefly ``idle``: committed runs at a582f84 and aaa559f compare the
+  two, ``tierkv_l3_file_full`` then having the writer in SCHED_IDLE);
 - ``tierkv_l3_file_shm``: as ``tierkv_l3_file`` with the store's root on ``/dev/shm`` (tmpfs; removed when the
   server stops): the same tierkv work without a block device's writeback, to tell the two costs apart;
 - ``tierkv_l3_file_p4``: as ``tierkv_l3_file`` with ``page_size`` = 4 blocks (128 tokens) and an L2 of the same

@@ -74,7 +74,7 @@ class ControllerConfig(_Strict):
     max_backup_pages: int = Field(default=65536, ge=1)
     shutdown_drain_s: float = Field(default=10.0, ge=0)
     gil_switch_interval_s: float = Field(default=0.05, ge=0, le=1.0)
-    writer_priority: Literal[WRITER_PRIORITIES] = "idle"
+    writer_priority: Literal[WRITER_PRIORITIES] = "normal"
 
     def scheduler_kwargs(self) -> dict:
         """Keyword arguments of :class:`tierkv.connector.controller.Controller`."""

@@ -427,7 +427,7 @@ def test_every_tierkv_configuration_is_a_valid_connector_config(name, tmp_path):
                                            "tierkv_l3_file_selective": "write_through_selective"}.get(
                                                name, "write_through")
     assert cfg.controller.gil_switch_interval_s == (0.0 if name == "tierkv_l3_file_gil_default" else 0.05)
-    assert cfg.controller.writer_priority == ("normal" if name == "tierkv_l3_file_full_writer_normal" else "idle")
+    assert cfg.controller.writer_priority == "normal"  # (the default since session 33; _writer_normal says so)
 
 
 def test_every_server_gets_tcmalloc_preloaded_or_the_allocator_named(monkeypatch, tmp_path):

@@ -221,7 +221,7 @@ NON_DEFAULT = {"write_policy": "write_back", "write_through_threshold": 5, "pref
                "negative_ttl_s": 3.5, "room_retry_steps": 3, "room_wait_s": 0.25, "probe_interval_s": 2.5,
                "sync_load_max_s": 0.05, "exists_in_scheduler": False, "max_index_pages": 1000, "batch_pages": 8, "read_threads": 3,
                "max_backup_pages": 100, "shutdown_drain_s": 0.5, "gil_switch_interval_s": 0.02,
-               "writer_priority": "normal"}
+               "writer_priority": "idle"}
 # where each key ends up: the scheduler's Controller, the worker's L3IO or the worker's process (the GIL switch interval
 # while the worker runs; shutdown_drain_s: also the worker's shutdown, checked below)
 READ_BY = {"write_policy": ("ctl", "write_policy"), "write_through_threshold": ("ctl", "threshold"),
