@@ -329,14 +329,8 @@ ENGINE_MEMORY_FRACTION = 0.8
 
 
 def rss_bytes(pid: int) -> int:
-    """Resident memory of process ``pid`` (bytes; 0 when it cannot be read)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
+    """Resident memory of process ``pid`` (bytes; 0 when it cannot be read), from ``serve_cpu._proc_status``."""
+    return _serve_cpu()._proc_status(pid).get("rss_kib", 0) * 1024
 
 
 def engines_fit(rss: int, left: int, available: int) -> str:
