@@ -53,7 +53,9 @@ Tokens per tier come from counter deltas over the run: L1 = ``vllm:prefix_cache_
 ``l2_hit_tokens``, L3 = ``ctl_l3_hit_tokens`` (``vllm:external_prefix_cache_hits`` = L2 + L3 for tierkv).
 Each run also records ``cpu_s``: the CPU seconds (user + system) each server process used during it, and each group
 of its threads with one kernel name (tierkv's are ``tkv-...``; vLLM's forward and OpenMP threads carry the worker's
-name), from ``/proc``. The client's own CPU is not in it.
+name), from ``/proc``. The client's own CPU is not in it; ``machine_cpu_s`` has it (``client``, from
+``RUSAGE_CHILDREN``) and the whole machine's busy CPU seconds (``busy``, ``/proc/stat``), so that what ran outside
+the processes measured (the kernel's writeback of an L3's files, for one) shows as the rest.
 
 Code measured: by default a ``git archive`` snapshot of HEAD's tierkv packages under the run directory, put first
 on the servers' ``PYTHONPATH`` (so uncommitted edits in the working tree are not measured); ``--code worktree``
@@ -101,6 +103,7 @@ import json
 import os
 import platform
 import re
+import resource
 import selectors
 import shutil
 import signal
@@ -204,6 +207,18 @@ def allocator_text(cond: dict) -> str:
     text = "TCMalloc preloaded" if "tcmalloc" in pre else "the C library's malloc (no TCMalloc)"
     dtype = cond.get("server_dtype", "bfloat16")
     return text if dtype == "bfloat16" else f"{text}, model and KV cache in {dtype}"
+
+
+def server_flags(cond: dict) -> str:
+    """The command-line flags that reproduce a result's server dtype and allocator where they differ from the
+    defaults (``--dtype bfloat16``, ``--allocator tcmalloc``), each followed by a space; "" for the defaults. Results
+    older than the ``server_dtype`` field were bfloat16; those without ``server_env`` get no allocator flag."""
+    flags = ""
+    if cond.get("server_dtype", "bfloat16") != "bfloat16":
+        flags += f"--dtype {cond['server_dtype']} "
+    if "server_env" in cond and "tcmalloc" not in cond["server_env"].get("LD_PRELOAD", ""):
+        flags += "--allocator glibc "
+    return flags
 
 
 #: Environment of every client (timed_trace draws each chunk's tokens from a seed made by Python's hash())
@@ -857,14 +872,17 @@ class ConfigServer:
         cpu0 = cpu_seconds(srv.proc.pid)
         zmq0 = cpu_seconds(self.zmq.proc.pid) if self.zmq is not None else None
         others0 = {o.name: cpu_seconds(o.srv.proc.pid) for o in idle if o.srv is not None}
+        machine0, client0 = machine_cpu_seconds(), children_cpu_seconds()
         t0 = time.monotonic()
         res, err = run_client(srv, self.model_dir, workload_args(self.p, workload, seed, trace), c,
                               self.cdir / "clients", label, args.client_timeout)
         wall = time.monotonic() - t0
+        machine_s, client_s = machine_cpu_seconds() - machine0, children_cpu_seconds() - client0
         after = wait_counted(srv, before, (res or {}).get("completed") or 0) if srv.alive() else before
         run = {"workload": workload, "concurrency": c, "repeat": r, "seed": seed,
                "wall_s": round(wall, 2), "load_before": load0, "load_after": loadavg(),
-               "cpu_s": cpu_delta(cpu_seconds(srv.proc.pid), cpu0)}
+               "cpu_s": cpu_delta(cpu_seconds(srv.proc.pid), cpu0),
+               "machine_cpu_s": {"busy": round(machine_s, 2), "client": round(client_s, 2)}}
         if zmq0 is not None:  # the ``tierkv server`` process: a third process on the engine's CPUs
             run["l3_server_cpu_s"] = cpu_delta(cpu_seconds(self.zmq.proc.pid), zmq0)["total"]
         if others0:
@@ -1087,6 +1105,24 @@ def cpu_seconds(root: int) -> dict[str, float]:
                 continue
             out[f"{proc}/{tname}"] = out.get(f"{proc}/{tname}", 0.0) + t
     return out
+
+
+def machine_cpu_seconds() -> float:
+    """CPU seconds the whole machine has been busy since boot, all CPUs together: user + nice + system + irq +
+    softirq of ``/proc/stat``'s first line (idle, iowait and steal left out). Its difference over a run, less the
+    server's, the ``tierkv server``'s and the client's, is what ran elsewhere: the kernel's own threads (writeback of
+    dirty pages among them), other processes, this driver."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()
+    user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in fields[1:8])
+    return (user + nice + system + irq + softirq) / _TICK
+
+
+def children_cpu_seconds() -> float:
+    """User + system CPU seconds of this process's waited-for children so far (``RUSAGE_CHILDREN``); over one
+    :func:`run_client` it is the client's, the only child waited meanwhile."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
 
 
 def cpu_delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
@@ -1479,24 +1515,40 @@ def runs_by_cell(c: dict, field: str) -> dict[tuple, list[dict]]:
     return groups
 
 
+def elsewhere_cpu_s(run: dict) -> float | None:
+    """CPU seconds the machine was busy during ``run`` outside the server's processes, the ``tierkv server``, the
+    idle servers (``--interleave``) and the client: :func:`machine_cpu_seconds`'s difference less those. None for a
+    run without ``machine_cpu_s``."""
+    m = run.get("machine_cpu_s")
+    if not m:
+        return None
+    return (m["busy"] - (run.get("cpu_s") or {}).get("total", 0.0) - m["client"]
+            - (run.get("l3_server_cpu_s") or 0.0) - sum((run.get("idle_cpu_s") or {}).values()))
+
+
 def cpu_table(data: dict) -> str:
     """CPU seconds the server's processes used per run, split by :func:`cpu_parts`, min-max over the runs of each
     (configuration, workload, concurrency); the last column is the tierkv threads' share of the total. Empty when
     no run recorded ``cpu_s`` (results older than the field). The ``tierkv server`` column (ZMQ-L3 configurations,
     runs that recorded ``l3_server_cpu_s``) is that process's CPU seconds in the run, not part of "all processes"."""
     zmq = any(r.get("l3_server_cpu_s") is not None for c in data["configs"].values() for r in c["runs"])
+    mach = any(r.get("machine_cpu_s") for c in data["configs"].values() for r in c["runs"])
     lines = ["| config | workload | conc | runs | all processes CPU s | vLLM worker | EngineCore | tierkv threads "
-             "(`tkv-*`) | tierkv threads / all |" + (" `tierkv server` process |" if zmq else ""),
-             "|---|---|---|---|---|---|---|---|---|" + ("---|" if zmq else "")]
+             "(`tkv-*`) | tierkv threads / all |" + (" `tierkv server` process |" if zmq else "")
+             + (" client | elsewhere on the machine |" if mach else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if zmq else "") + ("---|---|" if mach else "")]
     for cname, c in data["configs"].items():
         for (wl, conc), runs in runs_by_cell(c, "cpu_s").items():
             parts = [cpu_parts(r["cpu_s"]) for r in runs]
             col = {k: [x[k] for x in parts] for k in parts[0]}
             share = [100 * x["tierkv_threads"] / x["total"] for x in parts if x["total"] > 0]
             l3 = [r["l3_server_cpu_s"] for r in runs if r.get("l3_server_cpu_s") is not None]
+            cl = [r["machine_cpu_s"]["client"] for r in runs if r.get("machine_cpu_s")]
+            rest = [x for x in map(elsewhere_cpu_s, runs) if x is not None]
             lines.append(f"| {cname} | {wl} | {conc} | {len(parts)} | {_span(col['total'])} | {_span(col['worker'])} | "
                          f"{_span(col['engine_core'])} | {_span(col['tierkv_threads'], 2)} | "
-                         f"{_span(share) + ' %' if share else '-'} |" + (f" {_span(l3, 2) if l3 else '-'} |" if zmq else ""))
+                         f"{_span(share) + ' %' if share else '-'} |" + (f" {_span(l3, 2) if l3 else '-'} |" if zmq else "")
+                         + (f" {_span(cl) if cl else '-'} | {_span(rest) if rest else '-'} |" if mach else ""))
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
@@ -1527,7 +1579,10 @@ def _cpu_block(data: dict) -> str:
     if not t:
         return ""
     out = ("\nCPU seconds per run of the server's processes (`/proc`, the client's not included; vLLM worker and "
-           "EngineCore include the tierkv threads that run in them), min-max over the runs:\n\n" + t + "\n")
+           "EngineCore include the tierkv threads that run in them), min-max over the runs"
+           + ("; where recorded, the client's and what the machine ran elsewhere meanwhile (`/proc/stat`'s busy "
+              "time less every process measured: the kernel's threads, writeback of the file L3's pages among them, "
+              "other processes, the benchmark's driver)" if "| client |" in t else "") + ":\n\n" + t + "\n")
     h = hook_table(data)
     if h:
         out += ("\nTime in tierkv's hooks on vLLM's own threads per run (stats files before and after each run; the "
@@ -1632,6 +1687,7 @@ def render_rerun(data: dict, json_name: str = RERUN_JSON) -> str:
            + (f"--repeats {sel['repeats']} --interleave " if sel.get("order") == "interleaved" else
               f"--repeats {sel['repeats']} --rounds {sel.get('rounds', 1)} ")
            + "".join(f"--set {k}={v} " for k, v in changed.items())
+           + server_flags(cond)
            + f"--out benchmarks/results/{json_name} --no-readme")
     sizes = ("the same sizes as the full pass" if not changed else
              "the full pass's sizes except " + ", ".join(f"`{k}` = {v}" for k, v in changed.items()))

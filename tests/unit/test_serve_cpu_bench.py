@@ -3,6 +3,7 @@
 import copy
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -321,7 +322,43 @@ def test_a_rerun_subsection_names_its_changed_sizes_and_command():
     text = serve.render_rerun(data, "serve_cpu_rerun_long.json")
     assert text.startswith("### re-run: rerun_long\n")
     assert "except `pr_prefix_len` = 1536" in text
-    assert "--set pr_prefix_len=1536 --out benchmarks/results/serve_cpu_rerun_long.json --no-readme" in text
+    # the committed full pass ran bf16 servers with the C library's malloc: the command says how to get that today
+    assert "--set pr_prefix_len=1536 --allocator glibc --out benchmarks/results/serve_cpu_rerun_long.json" in text
+    data["conditions"] = dict(data["conditions"], server_dtype="float32",
+                              server_env=dict(data["conditions"]["server_env"], LD_PRELOAD="/lib/libtcmalloc.so.4"))
+    assert "--set pr_prefix_len=1536 --dtype float32 --out " in serve.render_rerun(data, "serve_cpu_rerun_long.json")
+
+
+def test_server_flags_name_only_what_differs_from_the_defaults():
+    env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    tc = dict(env, LD_PRELOAD="/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+    assert serve.server_flags({"server_env": tc, "server_dtype": "bfloat16"}) == ""
+    assert serve.server_flags({"server_env": tc, "server_dtype": "float32"}) == "--dtype float32 "
+    assert serve.server_flags({"server_env": env, "server_dtype": "float32"}) == "--dtype float32 --allocator glibc "
+    assert serve.server_flags({}) == ""   # older than both fields: bf16, allocator unknown
+
+
+def test_the_cpu_table_shows_the_client_and_what_ran_elsewhere_on_the_machine():
+    def run(busy, client, total, **kw):
+        return dict({"workload": "random", "concurrency": 8, "repeat": 0, "cpu_s": {"VLLM::Worker:3": total,
+                     "total": total}, "machine_cpu_s": {"busy": busy, "client": client}}, **kw)
+    data = {"configs": {"none": {"runs": [run(40.0, 3.0, 36.0), run(41.0, 3.5, 36.5)]},
+                        "tierkv_l3_zmq": {"runs": [run(44.0, 3.0, 38.0, l3_server_cpu_s=0.5,
+                                                       idle_cpu_s={"none": 0.2})]}}}
+    assert serve.elsewhere_cpu_s(data["configs"]["none"]["runs"][0]) == pytest.approx(1.0)
+    # the tierkv server and an idle server (--interleave) are measured processes, not "elsewhere"
+    assert serve.elsewhere_cpu_s(data["configs"]["tierkv_l3_zmq"]["runs"][0]) == pytest.approx(2.3)
+    assert serve.elsewhere_cpu_s({"cpu_s": {"total": 1.0}}) is None
+    lines = serve.cpu_table(data).splitlines()
+    assert lines[0].endswith("| client | elsewhere on the machine |") and lines[1].count("---") == 12
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[-3:-1]] for line in lines[2:]}
+    assert rows == {"none": ["3.0-3.5", "1.0"], "tierkv_l3_zmq": ["3.0", "2.3"]}
+    # busy time is the whole machine's since boot: this process's own 0.05 CPU s show in it (others may add more);
+    # the children's count only waited-for children, and none ended meanwhile
+    a, c, t = serve.machine_cpu_seconds(), serve.children_cpu_seconds(), time.process_time()
+    while time.process_time() - t < 0.05:
+        pass
+    assert serve.machine_cpu_seconds() - a >= 0.03 and serve.children_cpu_seconds() == c
 
 
 def test_the_readme_hook_time_section_is_what_the_committed_result_renders():
