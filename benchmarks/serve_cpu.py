@@ -1814,7 +1814,7 @@ def render_soak(data: dict, json_name: str = SOAK_JSON) -> str:
                 counters[f"{k} ({role})" if k in counters else k] = v
     ctext = ", ".join(f"`{k}` {v:,}" if isinstance(v, int) else f"`{k}` {v}" for k, v in sorted(counters.items()))
     note = data.get("readme_note") or ""
-    cmd = f".venv/bin/python benchmarks/serve_cpu.py --soak {s['requests']}"
+    cmd = f".venv/bin/python benchmarks/serve_cpu.py --soak {s['requests']} {server_flags(cond)}".rstrip()
     head = "### soak"
     if json_name != SOAK_JSON:  # another soak (committed_extras): its own file, named in its heading and command
         cmd += f" --out benchmarks/results/{json_name} --no-readme"
@@ -1884,8 +1884,8 @@ def render_soak_baseline(soak: dict, base: dict, base_name: str = SOAK_BASELINE_
     rows = "\n".join(f"| {k} | {g1[k] * 100:+.1f} % | {g0[k] * 100:+.1f} % | {(g1[k] - g0[k]) * 100:+.1f} points |"
                       for k in g1 if k in g0)
     run = b.get("run") or {}
-    return f"""Paired baseline: the same soak with no connector (`--soak {b['requests']} --soak-config none --out
-benchmarks/results/{base_name} --no-readme`: L1 {base['params']['l1_blocks']} blocks, no L3, no faults, no kill),
+    return f"""Paired baseline: the same soak with no connector (`--soak {b['requests']} --soak-config none
+{server_flags(cond)}--out benchmarks/results/{base_name} --no-readme`: L1 {base['params']['l1_blocks']} blocks, no L3, no faults, no kill),
 commit `{results_check.short(base['code']['commit'])}`, {base['started_at']} -> {base['finished_at']}, {cond['cpu']},
 1-minute load average {b['load_before'][0]} -> {b['load_after'][0]}; {run.get('completed')} completed,
 {run.get('failed')} failed. Resident memory after its warm-up -> end, per process:

@@ -284,7 +284,7 @@ def test_another_soak_is_found_with_its_own_baseline_and_drawn_under_its_tag(tmp
     body = serve.full_section(_committed(), "serve_cpu.json", soak, serve.SOAK_JSON, {}, main_base, others)
     assert body.count("\n### soak\n") == 1 and body.count("\n### soak: amx\n") == 1
     amx = body.split("\n### soak: amx\n")[1].split("\n### soak: lone\n")[0]
-    assert "--soak 2000 --out benchmarks/results/serve_cpu_soak_amx.json --no-readme" in amx
+    assert "--soak 2000 --allocator glibc --out benchmarks/results/serve_cpu_soak_amx.json --no-readme" in amx
     assert "benchmarks/results/serve_cpu_soak_amx_none.json --no-readme" in amx and "2099-01-01 00:00 UTC" in amx
     assert "Paired baseline" not in body.split("\n### soak: lone\n")[1]
 
@@ -301,6 +301,9 @@ def test_the_soak_baseline_table_sets_each_process_growth_against_no_connector()
         (soak["soak"]["procs_at_end"][worker]["rss_kib"] - start_kib) / start_kib)
     assert serve._rss_by_process(base)["VLLM::Worker"] == pytest.approx(0.04, abs=1e-4)
     text = serve.render_soak_baseline(soak, base)
+    assert "--soak-config none\n--allocator glibc --out benchmarks/results/" in text   # its servers' malloc
+    fp32 = dict(soak, conditions=dict(soak["conditions"], server_dtype="float32"))
+    assert "--soak 2000 --dtype float32 --allocator glibc --out " in serve.render_soak(fp32, "serve_cpu_soak_x.json")
     row = next(line for line in text.splitlines() if line.startswith("| VLLM::Worker |"))
     assert row == (f"| VLLM::Worker | {grown['VLLM::Worker'] * 100:+.1f} % | +4.0 % | "
                    f"{(grown['VLLM::Worker'] - 0.04) * 100:+.1f} points |")
