@@ -200,11 +200,15 @@ SERVER_ENV = {
 }
 
 
+def preloads_tcmalloc(cond: dict) -> bool:
+    """Whether a result's servers ran with TCMalloc preloaded (its recorded ``server_env``'s ``LD_PRELOAD``)."""
+    return "tcmalloc" in (cond.get("server_env") or {}).get("LD_PRELOAD", "")
+
+
 def allocator_text(cond: dict) -> str:
     """How a result's servers allocated memory, from its recorded ``server_env``, and their dtype where it is not
     bfloat16 (``server_dtype``; for the README)."""
-    pre = (cond.get("server_env") or {}).get("LD_PRELOAD", "")
-    text = "TCMalloc preloaded" if "tcmalloc" in pre else "the C library's malloc (no TCMalloc)"
+    text = "TCMalloc preloaded" if preloads_tcmalloc(cond) else "the C library's malloc (no TCMalloc)"
     dtype = cond.get("server_dtype", "bfloat16")
     return text if dtype == "bfloat16" else f"{text}, model and KV cache in {dtype}"
 
@@ -216,7 +220,7 @@ def server_flags(cond: dict) -> str:
     flags = ""
     if cond.get("server_dtype", "bfloat16") != "bfloat16":
         flags += f"--dtype {cond['server_dtype']} "
-    if "server_env" in cond and "tcmalloc" not in cond["server_env"].get("LD_PRELOAD", ""):
+    if "server_env" in cond and not preloads_tcmalloc(cond):
         flags += "--allocator glibc "
     return flags
 
