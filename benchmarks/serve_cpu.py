@@ -210,7 +210,20 @@ def allocator_text(cond: dict) -> str:
     bfloat16 (``server_dtype``; for the README)."""
     text = "TCMalloc preloaded" if preloads_tcmalloc(cond) else "the C library's malloc (no TCMalloc)"
     dtype = cond.get("server_dtype", "bfloat16")
-    return text if dtype == "bfloat16" else f"{text}, model and KV cache in {dtype}"
+    text = text if dtype == "bfloat16" else f"{text}, model and KV cache in {dtype}"
+    cap = onednn_cache(cond)
+    return text if cap is None else f"{text}, oneDNN's primitive cache capped at {cap} (`{ONEDNN_CACHE_ENV}`)"
+
+
+#: oneDNN's environment variable for the capacity of its process-wide primitive cache (1024 primitives by default)
+ONEDNN_CACHE_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
+
+
+def onednn_cache(cond: dict) -> int | None:
+    """The capacity of oneDNN's primitive cache a result's servers ran with where it was set (``--onednn-cache``),
+    else None (oneDNN's default)."""
+    v = (cond.get("server_env") or {}).get(ONEDNN_CACHE_ENV)
+    return None if v is None else int(v)
 
 
 def server_flags(cond: dict) -> str:
@@ -222,6 +235,8 @@ def server_flags(cond: dict) -> str:
         flags += f"--dtype {cond['server_dtype']} "
     if "server_env" in cond and not preloads_tcmalloc(cond):
         flags += "--allocator glibc "
+    if onednn_cache(cond) is not None:
+        flags += f"--onednn-cache {onednn_cache(cond)} "
     return flags
 
 
@@ -2061,6 +2076,9 @@ def main(argv=None) -> int:
     ap.add_argument("--allocator", choices=ALLOCATORS, default="tcmalloc",
                     help="memory allocator of every server: tcmalloc (preloaded, as vLLM's CPU backend asks; "
                     "default) or glibc")
+    ap.add_argument("--onednn-cache", type=int, default=None, metavar="N",
+                    help=f"cap oneDNN's process-wide primitive cache at N primitives in every server ({ONEDNN_CACHE_ENV}; "
+                    "default: oneDNN's own, 1024): vLLM's CPU GEMMs build one primitive per new token count of a step")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=INT",
                     help="override one size of the pass (a key of FULL/QUICK, e.g. pr_prefix_len=1536); repeatable")
     ap.add_argument("--soak-config", default="tierkv_l3_zmq", choices=["tierkv_l3_zmq", "tierkv_l2", "none"],
@@ -2097,6 +2115,10 @@ def main(argv=None) -> int:
         SERVER_ENV.update(preload_env(args.allocator))  # every server of this run (recorded in conditions)
     except RuntimeError as e:
         ap.error(str(e))
+    if args.onednn_cache is not None:
+        if args.onednn_cache < 0:
+            ap.error(f"--onednn-cache must be >= 0, got {args.onednn_cache}")
+        SERVER_ENV[ONEDNN_CACHE_ENV] = str(args.onednn_cache)
     p = dict(QUICK if args.quick else FULL)
     if args.preset:
         p["preset"] = args.preset
