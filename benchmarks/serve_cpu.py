@@ -1307,10 +1307,13 @@ def soak_checks(s: dict) -> dict:
 
 
 def run_soak(p: dict, sp: dict, model_dir: str, work: Path, pythonpath: str, client_timeout: float,
-             config: str = "tierkv_l3_zmq") -> dict:
+             config: str = "tierkv_l3_zmq", heap_watch: Optional[Path] = None) -> dict:
     """One soak: ``tierkv_l3_zmq`` with the faulty wrapper; warm-up, then ``sp['requests']`` prefix_repetition
     requests at ``sp['concurrency']`` with a SIGKILL + restart of the ZMQ server at half of them, then the idle
-    checks. Returns the record (the checks in ``checks``)."""
+    checks. With ``heap_watch`` (the servers started with :func:`heap_watch_env`), vLLM's worker records its
+    allocations with memray from the end of the warm-up to the end of the client's run, and the record gets
+    ``heap_watch``: what was allocated then and not freed, by Python stack (:func:`heap_report`). Returns the record
+    (the checks in ``checks``)."""
     cdir = work / "soak"
     (cdir / "clients").mkdir(parents=True, exist_ok=True)
     s: dict = dict(sp, config=config, load_before=loadavg())
@@ -1366,11 +1369,16 @@ def run_soak(p: dict, sp: dict, model_dir: str, work: Path, pythonpath: str, cli
 
         before = srv.metrics()
         s["stats_after_warmup"] = read_stats(cdir / "stats")
+        if heap_watch is not None:
+            (heap_watch / "START").touch()
         killer = ZmqKiller(srv, zmq, port, before, sp["requests"] // 2, cdir / "zmq_server.log", pythonpath)
         t0 = time.monotonic()
         res, err = run_client(srv, model_dir, wl(sp["requests"], 90002), sp["concurrency"], cdir / "clients",
                               "soak", client_timeout)
         s["wall_s"] = round(time.monotonic() - t0, 1)
+        if heap_watch is not None:
+            (heap_watch / "STOP").touch()
+            s["heap_watch"] = heap_report(heap_watch)
         s["zmq_kill"] = killer.join()
         s["samples"] = killer.samples
         zmq = killer.zmq
@@ -1404,6 +1412,43 @@ def run_soak(p: dict, sp: dict, model_dir: str, work: Path, pythonpath: str, cli
     s["checks"] = soak_checks(s)
     s["all_pass"] = all(c["result"] == "PASS" for c in s["checks"].values())
     return s
+
+
+HEAP_WATCH_DIR = Path(__file__).resolve().parent / "heap_watch"
+
+
+def heap_watch_env(d: Path) -> dict:
+    """Server environment for ``--heap-watch``: ``benchmarks/heap_watch`` on ``PYTHONPATH`` (its sitecustomize
+    records vLLM's worker with memray between ``d/START`` and ``d/STOP``) and ``TIERKV_HEAP_WATCH=d``; memray from
+    the environment or from ``TIERKV_HEAP_WATCH_MEMRAY`` (a ``pip install --target`` folder), which the servers
+    inherit."""
+    return {"PYTHONPATH": str(HEAP_WATCH_DIR), "TIERKV_HEAP_WATCH": str(d)}
+
+
+def heap_report(d: Path, wait_s: float = 120.0) -> dict:
+    """``{"<pid>": leaked_by_stack(...) or {"error": why}}`` for each capture in ``d``, after waiting up to
+    ``wait_s`` for its ``done-<pid>`` marker (memray closes its file when recording stops)."""
+    extra = os.environ.get("TIERKV_HEAP_WATCH_MEMRAY")
+    if extra and extra not in sys.path:
+        sys.path.append(extra)
+    sys.path.insert(0, str(HEAP_WATCH_DIR))
+    try:
+        from report import leaked_by_stack
+    finally:
+        sys.path.remove(str(HEAP_WATCH_DIR))
+    out: dict = {}
+    deadline = time.monotonic() + wait_s
+    for e in sorted(d.glob("error-*")):
+        out[e.name.split("-", 1)[1]] = {"error": e.read_text().strip()}
+    for cap in sorted(d.glob("memray-*.bin")):
+        pid = cap.stem.split("-", 1)[1]
+        while not (d / f"done-{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(1)
+        try:
+            out[pid] = leaked_by_stack(str(cap))
+        except Exception as e:  # recorded; the soak's own checks do not depend on it
+            out[pid] = {"error": f"{type(e).__name__}: {e}"}
+    return out or {"none": {"error": f"no capture in {d}"}}
 
 
 # ------------------------------------------------------------------------------------------------ README
@@ -1834,6 +1879,8 @@ def render_soak(data: dict, json_name: str = SOAK_JSON) -> str:
     ctext = ", ".join(f"`{k}` {v:,}" if isinstance(v, int) else f"`{k}` {v}" for k, v in sorted(counters.items()))
     note = data.get("readme_note") or ""
     cmd = f".venv/bin/python benchmarks/serve_cpu.py --soak {s['requests']} {server_flags(cond)}".rstrip()
+    if s.get("heap_watch"):
+        cmd += " --heap-watch"
     head = "### soak"
     if json_name != SOAK_JSON:  # another soak (committed_extras): its own file, named in its heading and command
         cmd += f" --out benchmarks/results/{json_name} --no-readme"
@@ -1871,7 +1918,30 @@ L3 {t.get('l3_hit')}. {note}
 
 Overall: **{'PASS' if s['all_pass'] else 'FAIL'}**. tierkv's counters at the end (stats files, whole server
 life): {ctext or '-'}.
-"""
+{heap_table(s.get("heap_watch"))}"""
+
+
+def heap_table(hw: dict | None, top: int = 6) -> str:
+    """The ``--heap-watch`` paragraph of a soak: per watched process, what it allocated during the run and had not
+    freed at the run's end, the largest stacks first; "" without a capture."""
+    if not hw:
+        return ""
+    out = []
+    for pid, r in hw.items():
+        if "error" in r:
+            out.append(f"\nHeap watch of process {pid}: no result ({r['error']}).\n")
+            continue
+        rows = "\n".join(f"| {x['mib']:,.2f} | {x['allocations']:,} | `{x['stack']}` |" for x in r["top"][:top])
+        out.append(f"""
+Heap watch (`--heap-watch`, memray with Python stacks) of vLLM's worker (PID {pid}) from the end of the warm-up to the
+end of the client's run: {r['mib']:,.2f} MiB in {r['allocations']:,} allocations made then and not freed at its
+end (memory-mapped segments included), by the innermost Python frames that made or called into them:
+
+| MiB | allocations | stack (innermost first) |
+|---|---|---|
+{rows}
+""")
+    return "".join(out)
 
 
 def _rss_by_process(data: dict) -> dict[str, float]:
@@ -2079,6 +2149,10 @@ def main(argv=None) -> int:
     ap.add_argument("--onednn-cache", type=int, default=None, metavar="N",
                     help=f"cap oneDNN's process-wide primitive cache at N primitives in every server ({ONEDNN_CACHE_ENV}; "
                     "default: oneDNN's own, 1024): vLLM's CPU GEMMs build one primitive per new token count of a step")
+    ap.add_argument("--heap-watch", action="store_true",
+                    help="soak only: record vLLM's worker with memray from the end of the warm-up to the end of the "
+                    "run and keep what it allocated and did not free, by Python stack (benchmarks/heap_watch; memray "
+                    "importable or its pip --target folder in TIERKV_HEAP_WATCH_MEMRAY)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=INT",
                     help="override one size of the pass (a key of FULL/QUICK, e.g. pr_prefix_len=1536); repeatable")
     ap.add_argument("--soak-config", default="tierkv_l3_zmq", choices=["tierkv_l3_zmq", "tierkv_l2", "none"],
@@ -2226,8 +2300,13 @@ def soak_main(args, p: dict) -> int:
     """``--soak N``: one soak (:func:`run_soak`), its JSON and the README subsection; 1 if a check failed."""
     sp = dict(SOAK, requests=args.soak)
     started, work, model_dir, pythonpath, code = _prepare(args, p, "serve_cpu_soak")
+    heap = None
+    if args.heap_watch:
+        heap = work / "heap_watch"
+        heap.mkdir(parents=True, exist_ok=True)
+        SERVER_ENV.update(heap_watch_env(heap))
     timeout = max(args.client_timeout, 3.0 * sp["requests"])
-    s = run_soak(p, sp, model_dir, work, pythonpath, timeout, args.soak_config)
+    s = run_soak(p, sp, model_dir, work, pythonpath, timeout, args.soak_config, heap)
     data = {"benchmark": "serve_cpu_soak", "quick": sp["requests"] < SOAK["requests"], "params": p,
             "started_at": started, "finished_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "code": code, "conditions": conditions(), "run_dir": str(work.relative_to(REPO)), "soak": s,

@@ -2,6 +2,7 @@
 /metrics parser, and the README section drawn from the committed result file (drift test, as for e2e_cpu)."""
 import copy
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -339,6 +340,12 @@ def test_server_flags_name_only_what_differs_from_the_defaults():
     assert serve.server_flags({"server_env": tc, "server_dtype": "float32"}) == "--dtype float32 "
     assert serve.server_flags({"server_env": env, "server_dtype": "float32"}) == "--dtype float32 --allocator glibc "
     assert serve.server_flags({}) == ""   # older than both fields: bf16, allocator unknown
+    capped = dict(tc, ONEDNN_PRIMITIVE_CACHE_CAPACITY="0")
+    assert serve.server_flags({"server_env": capped, "server_dtype": "float32"}) == "--dtype float32 --onednn-cache 0 "
+    assert serve.allocator_text({"server_env": capped, "server_dtype": "float32"}) == (
+        "TCMalloc preloaded, model and KV cache in float32, oneDNN's primitive cache capped at 0 "
+        "(`ONEDNN_PRIMITIVE_CACHE_CAPACITY`)")
+    assert "oneDNN" not in serve.allocator_text({"server_env": tc})
 
 
 def test_the_cpu_table_shows_the_client_and_what_ran_elsewhere_on_the_machine():
@@ -528,3 +535,59 @@ def test_client_prompts_are_what_vllm_bench_serve_sends_tokenized_as_the_server_
     assert [t[:32] for t in a] != [t[:32] for t in b]
     # vLLM's random dataset: consecutive ids of its allowed (non-special) tokens from a random offset
     assert all(t[2] - t[1] in (1, 1 - (maker.PRESETS["test"]["vocab_size"] - maker.NUM_SPECIAL)) for t in a)
+
+
+def test_the_heap_watch_table_lists_the_largest_stacks_and_says_why_a_process_has_none():
+    hw = {"41": {"allocations": 3, "mib": 2.5, "top": [{"mib": 2.0, "allocations": 2, "stack": "a.py:1 <- b.py:2"},
+                                                      {"mib": 0.5, "allocations": 1, "stack": "c.py:3"}]},
+          "42": {"error": "ModuleNotFoundError: No module named 'memray'"}}
+    text = serve.heap_table(hw, top=1)
+    assert "| 2.00 | 2 | `a.py:1 <- b.py:2` |" in text and "c.py:3" not in text
+    assert "2.50 MiB in 3 allocations" in text and "(PID 41)" in text
+    assert "process 42: no result (ModuleNotFoundError" in text
+    assert serve.heap_table(None) == ""
+
+
+def test_heap_report_names_each_process_whose_capture_failed(tmp_path):
+    (tmp_path / "error-7").write_text("ImportError: no memray\n")
+    assert serve.heap_report(tmp_path, wait_s=0) == {"7": {"error": "ImportError: no memray"}}
+    assert "no capture" in serve.heap_report(tmp_path / "empty", wait_s=0)["none"]["error"]
+
+
+def test_the_heap_watch_hook_waits_for_its_process_and_start_marker_and_reports_what_stopped_it(tmp_path):
+    """The sitecustomize hook in a Python process named as the watched one: nothing before START; after it, a capture
+    (memray importable) or an error file saying why not; the process keeps its extra thread either way."""
+    import subprocess
+    import sys
+    code = ("import threading, time, os, sys\n"
+            "names = lambda: sorted(t.name for t in threading.enumerate())\n"
+            "print(names(), flush=True)\n"
+            "sys.stdin.readline()\n"  # the test made START
+            "d = os.environ['TIERKV_HEAP_WATCH']\n"
+            "end = time.monotonic() + 60\n"
+            "while not [f for f in os.listdir(d) if f.startswith(('error-', 'memray-'))] and time.monotonic() < end:\n"
+            "    time.sleep(0.05)\n"
+            "print(names(), flush=True)\n")
+    env = dict(os.environ, PYTHONPATH=str(serve.HEAP_WATCH_DIR), TIERKV_HEAP_WATCH=str(tmp_path),
+               TIERKV_HEAP_WATCH_PROC="python", TIERKV_HEAP_WATCH_MEMRAY=str(tmp_path / "no-memray-here"))
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                         env=env)
+    try:
+        first = p.stdout.readline()
+        assert "heap-watch" in first and not list(tmp_path.iterdir())
+        (tmp_path / "START").touch()
+        p.stdin.write("\n")
+        p.stdin.flush()
+        second = p.stdout.readline()
+        assert "heap-watch" in second
+        made = sorted(f.name for f in tmp_path.iterdir())
+        try:
+            import memray  # noqa: F401
+            assert f"memray-{p.pid}.bin" in made
+        except ImportError:
+            assert made == ["START", f"error-{p.pid}"]
+            assert "memray" in (tmp_path / f"error-{p.pid}").read_text()
+    finally:
+        (tmp_path / "STOP").touch()
+        p.stdin.close()
+        p.wait(timeout=30)
