@@ -1153,14 +1153,47 @@ def cpu_delta(after: dict[str, float], before: dict[str, float]) -> dict[str, fl
     return d
 
 
+def thread_names(pid: int) -> dict[str, int]:
+    """How many threads of ``pid`` carry each kernel name (``/proc/<pid>/task/*/comm``); {} if it went."""
+    out: dict[str, int] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:
+            continue
+        out[name] = out.get(name, 0) + 1
+    return out
+
+
 def engine_processes(server: VllmServer) -> dict[str, dict]:
-    """Threads and resident memory of the API server process and every process under it (EngineCore, vLLM's
-    resource tracker...), keyed ``<name>:<pid>``."""
+    """Threads (their count and, in ``thread_names``, how many carry each name) and resident memory of the API
+    server process and every process under it (EngineCore, vLLM's resource tracker...), keyed ``<name>:<pid>``."""
     out = {}
     for pid in process_tree(server.proc.pid):
         st = _proc_status(pid)
         if st:
+            st["thread_names"] = thread_names(pid)
             out[f"{st['name']}:{pid}"] = st
+    return out
+
+
+def thread_changes(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dict[str, int]]:
+    """Per process of ``before`` whose threads differ in ``after`` (both :func:`engine_processes`), the change in
+    the number of threads of each name (``{"<name>:<pid>": {"<thread name>": +n or -n}}``); processes recorded
+    without names are left out."""
+    out = {}
+    for k, v in before.items():
+        a, b = v.get("thread_names"), (after.get(k) or {}).get("thread_names")
+        if a is None or b is None:
+            continue
+        d = {n: b.get(n, 0) - a.get(n, 0) for n in sorted(set(a) | set(b)) if b.get(n, 0) != a.get(n, 0)}
+        if d:
+            out[k] = d
     return out
 
 
@@ -1296,7 +1329,8 @@ def soak_checks(s: dict) -> dict:
                                      {k: idle.get(k) for k in ("ctl_fetching_pages", "ctl_backing_up_pages")}, 0),
         "threads_as_after_warmup": chk(
             bool(th0) and set(th0) == set(th1) and all(th1[k]["threads"] == v["threads"] for k, v in th0.items()),
-            {k: [v["threads"], th1.get(k, {}).get("threads")] for k, v in th0.items()},
+            dict({k: [v["threads"], th1.get(k, {}).get("threads")] for k, v in th0.items()},
+                 **({"changed": ch} if (ch := thread_changes(th0, th1)) else {})),
             "same processes, same thread counts [after warm-up, end]"),
         "rss_growth_under_limit": chk(growth is not None and growth < lim and all(
             g is not None and g < lim for g in per_proc.values()),

@@ -591,3 +591,20 @@ def test_the_heap_watch_hook_waits_for_its_process_and_start_marker_and_reports_
         (tmp_path / "STOP").touch()
         p.stdin.close()
         p.wait(timeout=30)
+
+
+def test_a_failed_thread_check_names_the_threads_that_came_or_went():
+    def procs(api, worker):
+        return {"python3:10": {"name": "python3", "threads": sum(api.values()), "rss_kib": 1000, "thread_names": api},
+                "VLLM::Worker:12": {"name": "VLLM::Worker", "threads": sum(worker.values()), "rss_kib": 4000,
+                                    "thread_names": worker}}
+    s = _soak_record(procs_after_warmup=procs({"python3": 9, "ZMQbg/IO/0": 1}, {"VLLM::Worker": 50, "tkv-l3-w": 1}),
+                     procs_at_end=procs({"python3": 10, "ZMQbg/IO/0": 1}, {"VLLM::Worker": 50, "tkv-l3-w": 1}))
+    c = serve.soak_checks(s)["threads_as_after_warmup"]
+    assert c["result"] == "FAIL"
+    assert c["value"]["changed"] == {"python3:10": {"python3": 1}}
+    assert c["value"]["VLLM::Worker:12"] == [51, 51]
+    same = serve.soak_checks(_soak_record())["threads_as_after_warmup"]
+    assert same["result"] == "PASS" and "changed" not in same["value"]
+    names = serve.thread_names(os.getpid())
+    assert sum(names.values()) == len(os.listdir(f"/proc/{os.getpid()}/task")) and names
