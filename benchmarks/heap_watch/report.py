@@ -14,17 +14,27 @@ import json
 from collections import Counter
 
 
+def _short(path: str) -> str:
+    """A source path from its package on (``.../site-packages/vllm/model_executor/layers/linear.py`` ->
+    ``vllm/model_executor/layers/linear.py``); other paths by their last two parts."""
+    parts = path.split("/")
+    for i in range(len(parts) - 2, -1, -1):
+        if parts[i] in ("site-packages", "dist-packages"):
+            return "/".join(parts[i + 1:])
+    return "/".join(parts[-2:])
+
+
 def leaked_by_stack(path: str, frames: int = 6, top: int = 12) -> dict:
     """``{"allocations": n, "mib": MiB, "top": [{"mib", "allocations", "stack"}, ...]}`` of the allocations in the
     capture ``path`` not freed by its end; ``stack`` is the innermost ``frames`` Python frames, innermost first,
-    as ``file:line`` (the file's name only)."""
+    as ``file:line`` (:func:`_short` paths)."""
     from memray import FileReader
 
     size: Counter = Counter()
     count: Counter = Counter()
     for rec in FileReader(path).get_leaked_allocation_records(merge_threads=True):
         st = rec.stack_trace(max_stacks=frames)
-        key = " <- ".join(f"{fname.rsplit('/', 1)[-1]}:{line}" for _fn, fname, line in st) or "(no Python stack)"
+        key = " <- ".join(f"{_short(fname)}:{line}" for _fn, fname, line in st) or "(no Python stack)"
         size[key] += rec.size
         count[key] += rec.n_allocations
     return {"allocations": sum(count.values()), "mib": round(sum(size.values()) / 2**20, 2),
