@@ -87,7 +87,11 @@ of every process under it (EngineCore, its worker, vLLM's resource tracker) equa
 VmRSS grown by less than 5 % (in all and per process). Output ``benchmarks/results/serve_cpu_soak.json`` and the
 ``### soak`` subsection of the README section; exit code 1 if a check failed. ``--soak-config none`` (or
 ``tierkv_l2``) runs the same soak without L3, faults or kill, as a baseline for the thread and memory checks (write it
-elsewhere with ``--out ... --no-readme``: its tierkv checks fail by construction).
+elsewhere with ``--out ... --no-readme``: its tierkv checks fail by construction). A thread check that fails names
+the threads that came or went, by name. ``--heap-watch`` records vLLM's worker with memray from the end of the warm-up
+to the end of the run (``benchmarks/heap_watch``) and keeps, in the JSON and the README, what it allocated then and did
+not free, by Python stack; ``--onednn-cache N`` caps oneDNN's primitive cache in every server (vLLM's CPU GEMMs keep one
+primitive per new step size: a worker's memory grows while new sizes appear).
 
 Output: ``benchmarks/results/serve_cpu.json`` (``--out``), a chart ``serve_cpu.png`` next to it, and the
 ``## serve_cpu`` section of ``benchmarks/README.md``. Server logs, stats files, traces and client results go to
