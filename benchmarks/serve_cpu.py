@@ -2178,7 +2178,9 @@ def main(argv=None) -> int:
                     help=f"soak mode instead of the pass: N requests (default {SOAK['requests']}) at concurrency "
                     f"{SOAK['concurrency']} through tierkv_l3_zmq with {SOAK['fault_fraction'] * 100:.0f}%% injected L3 "
                     f"faults and one SIGKILL + restart of the ZMQ server at half; writes results/{SOAK_JSON} "
-                    "(--out) and the README's ### soak subsection; exit code 1 if a check fails")
+                    "(--out) and the README's ### soak subsection; exit code 1 if a check fails. A warm-up of up to "
+                    f"{SOAK['warmup_max_rounds']} rounds of {SOAK['warmup_requests']} requests comes first, whatever N "
+                    "(until a round leaves threads and memory as they were), so even a short soak takes minutes")
     ap.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="the servers' --dtype (model and KV cache): "
                     "float32 where the CPU lacks AVX-512 and its bf16 forward is ~10x slower")
     ap.add_argument("--allocator", choices=ALLOCATORS, default="tcmalloc",
