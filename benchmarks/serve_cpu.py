@@ -1158,7 +1158,8 @@ def cpu_delta(after: dict[str, float], before: dict[str, float]) -> dict[str, fl
 
 
 def thread_names(pid: int) -> dict[str, int]:
-    """How many threads of ``pid`` carry each kernel name (``/proc/<pid>/task/*/comm``); {} if it went."""
+    """How many threads of ``pid`` carry each kernel name (read as :func:`cpu_seconds` reads them); {} if it
+    went."""
     out: dict[str, int] = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
@@ -1166,9 +1167,8 @@ def thread_names(pid: int) -> dict[str, int]:
         return out
     for tid in tids:
         try:
-            with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                name = f.read().strip()
-        except OSError:
+            name, _cpu = _cpu_of(f"/proc/{pid}/task/{tid}/stat")
+        except (OSError, ValueError):
             continue
         out[name] = out.get(name, 0) + 1
     return out
@@ -1469,11 +1469,7 @@ def heap_report(d: Path, wait_s: float = 120.0) -> dict:
     extra = os.environ.get("TIERKV_HEAP_WATCH_MEMRAY")
     if extra and extra not in sys.path:
         sys.path.append(extra)
-    sys.path.insert(0, str(HEAP_WATCH_DIR))
-    try:
-        from report import leaked_by_stack
-    finally:
-        sys.path.remove(str(HEAP_WATCH_DIR))
+    leaked_by_stack = _load("tierkv_heap_watch_report", HEAP_WATCH_DIR / "report.py").leaked_by_stack
     out: dict = {}
     deadline = time.monotonic() + wait_s
     for e in sorted(d.glob("error-*")):
