@@ -17,6 +17,7 @@ so counters moved by I/O threads between steps reach the file too.
 """
 from __future__ import annotations
 
+import math
 import json
 import logging
 import os
@@ -53,7 +54,7 @@ class StatsFile:
         self.snapshot = snapshot
         self.min_interval_s = min_interval_s
         self.snapshot_thread_safe = snapshot_thread_safe
-        self._last_t = 0.0
+        self._last_t = -math.inf  # time.monotonic() of the last write; never written: the first is not held back
         self._last: Optional[str] = None
         self._pending: Optional[dict] = None
         self._lock = threading.Lock()       # guards _pending, _closed, _seq: held only for moments

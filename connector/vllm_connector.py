@@ -46,6 +46,7 @@ state are refused.
 """
 from __future__ import annotations
 
+import math
 import atexit
 import dataclasses
 import functools
@@ -547,8 +548,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._fwd: Optional[tuple[int, int, float]] = None   # worker: (step, prompt tokens, start) of this forward
         self._forwards: list[tuple[int, int, float]] = []      # worker: timed forwards not reported yet
         self._clock = time.perf_counter  # seconds; the counter hand-overs' clock (tests replace it)
-        self._stats_due = 0.0           # scheduler: ``_clock`` time of its next counter hand-over (STATS_EVERY_S)
-        self._plan_stats_due = 0.0      # scheduler: same for the workers, ordered through the plan (emit_stats)
+        self._stats_due = -math.inf         # scheduler: ``_clock`` time of its next counter hand-over (STATS_EVERY_S)
+        self._plan_stats_due = -math.inf    # scheduler: same for the workers, ordered through the plan (emit_stats)
         self._worker_stats_owed = False  # scheduler: the last plan told the workers to hold their deltas back
         self._loads_ended = False        # worker: get_finished named a request whose L3 load ended, this step
         if role == KVConnectorRole.SCHEDULER:

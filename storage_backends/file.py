@@ -42,6 +42,7 @@ rate-limited warning in the ``tierkv.storage.file`` logger.
 """
 from __future__ import annotations
 
+import math
 import errno
 import itertools
 import logging
@@ -229,7 +230,7 @@ class FileStore(StorageBackend):
         self._closed = False
         self._last_stamp = 0
         self._touches: dict[str, int] = {}  # path -> hit stamp (ns) not yet written to the file, oldest first
-        self._touch_due = 0.0  # time.monotonic() by which pending stamps are written
+        self._touch_due = -math.inf  # time.monotonic() by which pending stamps are written
         weakref.finalize(self, _apply_touches, self._touches)  # a store dropped without close() still persists them
         self._rd_flags = _RD_FLAGS
         self._fsync = self.cfg.fsync

@@ -277,7 +277,7 @@ class LMCacheStore(StorageBackend):
         self._hidden = -(-self.slot_bytes // (2 * self.page_tokens))
         self._lock = threading.RLock()
         self._instance: Optional[int] = None
-        self._registered_at = 0.0
+        self._registered_at = -math.inf
         self._checked = False       # the server's chunk size was compared with page_tokens
         self._refused: Optional[str] = None  # a permanent mismatch (chunk size, no shm): every call is a miss
         self._seg: Optional[Segment] = None  # the server's segment, mapped
@@ -308,7 +308,7 @@ class LMCacheStore(StorageBackend):
 
     def _failed(self, why: str) -> None:
         self._chan.failed(why)
-        self._registered_at = 0.0  # register (a fresh instance) before the next data call
+        self._registered_at = -math.inf  # register (a fresh instance) before the next data call
 
     def _calls(self, calls: Sequence[tuple], forget: Sequence[tuple] = ()) -> list:
         """:func:`_lm_calls` on this store's channel. Raises :class:`ChannelFailed`."""
@@ -345,7 +345,7 @@ class LMCacheStore(StorageBackend):
                 self._shm_view = self._seg.mv
             except (OSError, ValueError) as e:
                 self.counters["shm_lost"] += 1
-                self._registered_at = 0.0
+                self._registered_at = -math.inf
                 raise ChannelFailed(f"cannot map the server's shared memory {reg['shm_name']!r}: {e}") from None
         self._registered_at = time.monotonic()
 
@@ -353,7 +353,7 @@ class LMCacheStore(StorageBackend):
         """Connect, check the chunk size once, register when needed. Raises :class:`ChannelFailed`."""
         self._chan.socket()
         if self._chan.disconnected():
-            self._registered_at = 0.0
+            self._registered_at = -math.inf
             self.counters["reconnects"] += 1
         if not self._checked:
             size = self._calls([("get_chunk_size",)])[0]
@@ -369,7 +369,7 @@ class LMCacheStore(StorageBackend):
             self._warn.warning("shm", "LMCache shared memory %s disappeared or was replaced; registering again",
                                self._seg.path)
             self._unmap_shm()
-            self._registered_at = 0.0
+            self._registered_at = -math.inf
         if time.monotonic() - self._registered_at > REFRESH_S:
             self._register()
 

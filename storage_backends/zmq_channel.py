@@ -23,6 +23,7 @@ one; with ``monitor`` the store counts reconnects itself from :meth:`RequestChan
 """
 from __future__ import annotations
 
+import math
 import itertools
 import logging
 import os
@@ -78,7 +79,7 @@ class RequestChannel:
         self.fails = 0
         self.pending = 0
         self.max_pending = 0
-        self._retry_at = 0.0
+        self._retry_at = -math.inf
 
     # ------------------------------------------------------------------------------------------- socket
     @property

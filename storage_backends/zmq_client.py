@@ -289,7 +289,7 @@ class ZmqStore(StorageBackend):
         #: :data:`PRESENCE_RETRY_S` while there is none
         self._presence: Optional[PresenceTable] = None
         self._presence_on = self._shm_on
-        self._presence_due = 0.0
+        self._presence_due = -math.inf
         self._presence_lock = threading.Lock()
 
     # ----------------------------------------------------------------------------------------- requests
@@ -475,7 +475,7 @@ class ZmqStore(StorageBackend):
             if t is not None and n is None:
                 self._presence = None
                 t.close()
-                self._presence_due = 0.0
+                self._presence_due = -math.inf
             if n is None:
                 t = self._presence = self._map_presence()
                 n = None if t is None else t.lead(fps)

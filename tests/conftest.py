@@ -78,3 +78,25 @@ def _own_estimates_dir(tmp_path_factory, monkeypatch):
     """Every test's engines and connectors keep their stored recompute estimate (connector/estimates.py) in a
     directory of their own, so no test starts from another test's estimate."""
     monkeypatch.setenv("TIERKV_ESTIMATES_DIR", str(tmp_path_factory.mktemp("estimates")))
+
+
+class YoungClock:
+    """``time.monotonic`` and ``time.perf_counter`` as on a machine booted a moment ago: both read 0.0 when the
+    test starts and advance with the real clocks. Code that takes a time of 0.0 to mean "long ago" (a first write
+    held back for an interval, a registration skipped) fails under it, as it did on freshly booted machines."""
+
+    def __init__(self, monkeypatch) -> None:
+        import time
+
+        real_mono, real_perf = time.monotonic, time.perf_counter
+        mono0, perf0 = real_mono(), real_perf()
+        monkeypatch.setattr(time, "monotonic", lambda: real_mono() - mono0)
+        monkeypatch.setattr(time, "perf_counter", lambda: real_perf() - perf0)
+
+
+@pytest.fixture(autouse=True)
+def young_clock(request, monkeypatch):
+    """Every in-process test runs under a ``YoungClock`` (engines and servers in other processes keep the real
+    clocks); a test that compares its clock with another process's marks itself ``real_clock``."""
+    if request.node.get_closest_marker("real_clock") is None:
+        YoungClock(monkeypatch)
