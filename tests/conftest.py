@@ -80,23 +80,45 @@ def _own_estimates_dir(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("TIERKV_ESTIMATES_DIR", str(tmp_path_factory.mktemp("estimates")))
 
 
-class YoungClock:
-    """``time.monotonic`` and ``time.perf_counter`` as on a machine booted a moment ago: both read 0.0 when the
-    test starts and advance with the real clocks. Code that takes a time of 0.0 to mean "long ago" (a first write
-    held back for an interval, a registration skipped) fails under it, as it did on freshly booted machines."""
 
-    def __init__(self, monkeypatch) -> None:
+class YoungClock:
+    """``time.monotonic`` and ``time.perf_counter`` as on a machine booted a moment ago: both read 0.0 at ``start``
+    and advance with the real clocks. Code that takes a time of 0.0 to mean "long ago" (a first write held back for
+    an interval, a registration skipped) fails under it, as it did on freshly booted machines."""
+
+    def __init__(self) -> None:
         import time
 
-        real_mono, real_perf = time.monotonic, time.perf_counter
-        mono0, perf0 = real_mono(), real_perf()
-        monkeypatch.setattr(time, "monotonic", lambda: real_mono() - mono0)
-        monkeypatch.setattr(time, "perf_counter", lambda: real_perf() - perf0)
+        self._time = time
+        self.real_monotonic, self.real_perf_counter = time.monotonic, time.perf_counter
+        self.start()
+
+    def start(self) -> None:
+        """Both clocks read 0.0 from now on."""
+        self.mono0, self.perf0 = self.real_monotonic(), self.real_perf_counter()
+
+    def install(self, monkeypatch) -> None:
+        monkeypatch.setattr(self._time, "monotonic", lambda: self.real_monotonic() - self.mono0)
+        monkeypatch.setattr(self._time, "perf_counter", lambda: self.real_perf_counter() - self.perf0)
+
+
+#: this test process's clocks start at 0.0 when it starts, and never run backwards from one test to the next (state
+#: kept across tests, such as a rate-limited log's last line, stays consistent)
+_PROCESS_CLOCK = YoungClock()
 
 
 @pytest.fixture(autouse=True)
-def young_clock(request, monkeypatch):
-    """Every in-process test runs under a ``YoungClock`` (engines and servers in other processes keep the real
-    clocks); a test that compares its clock with another process's marks itself ``real_clock``."""
+def _young_process_clock(request, monkeypatch):
+    """Every in-process test runs under the process's ``YoungClock`` (engines and servers in other processes keep
+    the real clocks); a test that compares its clock with another process's marks itself ``real_clock``."""
     if request.node.get_closest_marker("real_clock") is None:
-        YoungClock(monkeypatch)
+        _PROCESS_CLOCK.install(monkeypatch)
+
+
+@pytest.fixture
+def young_clock(monkeypatch) -> YoungClock:
+    """Clocks that read 0.0 when this test starts: for objects whose first action must not wait for the clock to
+    grow old (use it with ``pytestmark = pytest.mark.usefixtures("young_clock")``)."""
+    clock = YoungClock()
+    clock.install(monkeypatch)
+    return clock

@@ -189,3 +189,7 @@ def test_factory_builds_it_and_names_bad_keys(shared):
             validate_l3({"backend": "lmcache", "lmcache": sub})
     with pytest.raises(TypeError, match="port"):
         LMCacheStore(NS, PB, endpoint=shared.endpoint, page_tokens=C, port=1)
+
+
+# every test here starts its objects on a machine booted a moment ago (both clocks at 0.0)
+pytestmark = pytest.mark.usefixtures("young_clock")

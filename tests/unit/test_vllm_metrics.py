@@ -393,3 +393,7 @@ def test_a_hook_that_calls_another_counts_its_time_once(tmp_path, monkeypatch):
     calls = s._sched.counters.hook_calls
     assert s.request_finished_all_groups(r, ([1, 2, 3],)) == (False, None)
     assert s._sched.counters.hook_calls == calls + 1 and not s._sched.has_requests()
+
+
+# every test here starts its objects on a machine booted a moment ago (both clocks at 0.0)
+pytestmark = pytest.mark.usefixtures("young_clock")
