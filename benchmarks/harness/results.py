@@ -1,14 +1,13 @@
-"""Which code wrote a benchmark result, and whether a result file still has what its table needs.
+"""Result files: which code wrote them, whether they still have what their table needs, writing and loading them.
 
 A table in ``benchmarks/README.md`` is only as good as the JSON it is drawn from. Two rules keep them honest:
 
 - every full run records the commit it ran at and the tracked files that differed from it
-  (:func:`code_state`; ``"dirty"`` lists code paths only, results and this README do not count), and
+  (:func:`code_state`; ``"dirty"`` lists code paths only, results and the README do not count), and
 - the table writers call :func:`check_results` first, which refuses a file that lacks a key the current
-  benchmark writes (a file from an older version of the script, or one edited by hand) or that was measured on
-  uncommitted code, naming what is missing.
+  benchmark writes or that was measured on uncommitted code, naming what is missing.
 
-Used by ``benchmarks/e2e_cpu.py``; tests in ``tests/unit/test_benchmark_results.py``.
+Benchmarks print their README table (:func:`print_section`); they never edit the README themselves.
 """
 from __future__ import annotations
 
@@ -18,9 +17,11 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+from benchmarks.harness.machine import machine
+
+REPO = Path(__file__).resolve().parents[2]
 
 #: paths a benchmark run itself writes: changes there do not make the measured code dirty
 _OUTPUT_PATHS = ("benchmarks/results/", "benchmarks/README.md", "runs/")
@@ -97,57 +98,37 @@ def short(commit: str | None) -> str:
 
 
 
-def replace_readme_section(readme: Path, section: str, body: str, before: Optional[str] = None) -> None:
-    """Put ``body`` (which starts with ``## <section>``) in place of the ``## <section>`` part of ``readme`` (up to
-    the next ``## `` heading). When the section is absent it goes in front of the heading line ``before`` (e.g.
-    ``"## Measurements behind code choices"``) if given and present, else at the end; the file is created if
-    missing. The one splice every benchmark's README section goes through (:func:`readme_section` reads it back)."""
-    text = readme.read_text() if readme.exists() else "# tierkv benchmarks\n"
-    start = text.find(f"\n## {section}\n")
-    if start >= 0:
-        end = text.find("\n## ", start + 1)
-        text = text[:start + 1] + body + (text[end:] if end >= 0 else "")
-    else:
-        anchor = text.find(f"\n{before}\n") if before else -1
-        if anchor >= 0:
-            text = text[:anchor + 1] + body.rstrip("\n") + "\n\n" + text[anchor + 1:]
-        else:
-            text = text.rstrip("\n") + "\n\n" + body
-    readme.write_text(text)
+def print_section(body: str) -> None:
+    """Print a benchmark's README table block (``body``): the maintainer puts it in place of the claim's table in
+    ``benchmarks/README.md`` (one current table per claim; git keeps the ones it replaces)."""
+    print("\n---- README table (for benchmarks/README.md) ----\n" + body.rstrip("\n") + "\n----")
 
 
-def readme_section(readme: Path, section: str) -> Optional[str]:
-    """The ``## <section>`` part of ``readme`` as :func:`replace_readme_section` wrote it (up to the next ``## ``
-    heading), or None if absent: what the drift tests compare with what the committed results render."""
-    text = readme.read_text() if readme.exists() else ""
-    start = text.find(f"\n## {section}\n")
-    if start < 0:
-        return None
-    end = text.find("\n## ", start + 1)
-    return text[start + 1:end if end >= 0 else len(text)]
+def write_result(path: Path, data: dict) -> Path:
+    """Write a result file (JSON, one-space indent, trailing newline), creating its folder; returns ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return path
 
 
-def cpu_model() -> str:
-    """lscpu's ``Model name`` (what every benchmark records of the machine), or ``?`` without lscpu."""
+def load_result(path: Path) -> dict:
+    """A result file's data. Raises :class:`ResultsError` naming the file if it is missing or not JSON."""
     try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return "?"
-    for line in out.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return "?"
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ResultsError(f"{path}: cannot be read as a result file ({e})") from e
 
 
 def add_result_args(ap, out: Path) -> None:
-    """The arguments every benchmark that writes a result file and a README section takes: ``--out`` (the result
-    JSON, default ``out``), ``--no-readme``, ``--readme-from JSON`` (draw the section again from a result file, and
-    exit) and ``--note`` (a paragraph for the section, kept in the JSON: :func:`result_with_note`)."""
+    """The arguments every benchmark that writes a result file and a README table takes: ``--out`` (the result
+    JSON, default ``out``), ``--no-readme``, ``--readme-from JSON`` (print the table of a result file, and exit) and
+    ``--note`` (a paragraph for the table, kept in the JSON: :func:`result_with_note`)."""
     ap.add_argument("--out", default=str(out), help="result JSON (default %(default)s)")
-    ap.add_argument("--no-readme", action="store_true", help="do not rewrite the README section")
+    ap.add_argument("--no-readme", action="store_true", help="do not print the README table at the end")
     ap.add_argument("--readme-from", default=None, metavar="JSON",
-                    help="rewrite the README section from a result file and exit")
-    ap.add_argument("--note", default="", help="extra paragraph for the README section (kept in the JSON)")
+                    help="print the README table of a result file and exit")
+    ap.add_argument("--note", default="", help="extra paragraph for the README table (kept in the JSON)")
 
 
 def result_with_note(path: Path, note: str, key: str = "note") -> dict:
@@ -169,9 +150,10 @@ def rotated(items, rep: int) -> list:
 
 def run_conditions(load_before: float, t0: float, **extra) -> dict[str, Any]:
     """The ``conditions`` of a benchmark run that started at ``t0`` (``time.time()``) with the 1-minute load average
-    ``load_before``: CPU model and count, the load average now, the run's wall seconds, the date (UTC), the code
+    ``load_before``: CPU model, count and flags (:func:`~benchmarks.harness.machine.machine`), the load average now, the run's wall seconds, the date (UTC), the code
     measured (:func:`code_state`) and the run's own ``extra`` settings."""
-    return {"cpu": cpu_model(), "cpus": os.cpu_count(), "load_before": load_before,
+    m = machine()
+    return {"cpu": m["cpu"], "cpus": m["cpus"], "isa": m["isa"], "flags": m["flags"], "load_before": load_before,
             "load_after": os.getloadavg()[0], "wall_s": time.time() - t0, **extra,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **code_state()}
 
