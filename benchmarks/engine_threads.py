@@ -1,6 +1,6 @@
 """Where the CPU of an in-process vLLM CPU engine goes, thread by thread: is any core ever idle for tierkv's threads?
 
-One configuration (``--config``, a name of ``benchmarks/serve_cpu.py``'s full pass; default the file L3 at capacity)
+One configuration (``--config``, a name of ``benchmarks/serve_cpu``'s full pass; default the file L3 at capacity)
 of vLLM's offline ``LLM`` engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: scheduler, worker, OpenMP team and tierkv's
 threads in this one process; the ``demo`` model, float32 by default, L1 and tierkv sizes of ``serve_cpu``'s full
 pass, TCMalloc preloaded when installed: the script starts itself again with it), warmed up on 4 prompts, then two phases on random 1,088-token prompts

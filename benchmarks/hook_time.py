@@ -1,7 +1,7 @@
 """What tierkv adds to each engine step (issue 19: "find what else tierkv takes from the engine's two cores"):
 the wall time spent inside tierkv's vLLM hooks, per step, under concurrent load in vLLM's OpenAI server.
 
-For each configuration (``tierkv_l2``, ``tierkv_l3_file`` of ``benchmarks/serve_cpu.py``, same sizes and model) one
+For each configuration (``tierkv_l2``, ``tierkv_l3_file`` of ``benchmarks/serve_cpu``, same sizes and model) one
 server runs ``vllm bench serve`` once per workload (``random``: no reuse, ``prefix_repetition``, ``multiturn``) at
 ``--max-concurrency 8``; the counters ``hook_seconds``, ``hook_calls`` and ``hook_steps`` of the scheduler and the
 worker (their stats files, ``stats_path``; :func:`tierkv.connector.vllm_connector._timed_hook`) are read before and

@@ -1,5 +1,5 @@
 """Seeded multi-turn conversations in vLLM's ``timed_trace`` dataset format (``vllm bench serve --dataset-name
-timed_trace``), for ``benchmarks/serve_cpu.py``.
+timed_trace``), for ``benchmarks/serve_cpu``.
 
 The format (``vllm/benchmarks/datasets/datasets.py``, class ``TimedTrace``, vLLM 0.32): a JSONL file, one request
 per line, with ``timestamp`` (seconds, multiplied by ``--timed-trace-sec-multiplier``), ``input_length``,

@@ -1,7 +1,7 @@
 """What tierkv costs the engine when it cannot help (issue 19: "without reuse, >= 0.97x no connector"), measured
 in-process, with the configurations' engines taking turns so that the runs a ratio pairs are seconds apart.
 
-``benchmarks/serve_cpu.py`` measures the same question through vLLM's OpenAI server and ``vllm bench serve``; there
+``benchmarks/serve_cpu`` measures the same question through vLLM's OpenAI server and ``vllm bench serve``; there
 the API server, the client and the HTTP path share the machine's two cores with the engine, each server is started
 anew per round, and the reference's own runs spread 1.1-1.6x, so its paired ratios cannot resolve a cost of a few
 per cent. Here each configuration is one process with vLLM's offline ``LLM`` engine

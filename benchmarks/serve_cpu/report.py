@@ -1,8 +1,8 @@
 """serve_cpu's tables: what a result file says, as markdown for ``benchmarks/README.md`` and the terminal.
 
 :func:`render_section` -> the command that reproduces a pass, the machine and commit it ran on, and the ratio table
-(each tierkv configuration's request throughput over the ideal's with reuse, over no connector's without);
-:func:`table` / :func:`details` -> every run and the CPU each process used; :func:`render_soak` -> a soak's checks.
+(:func:`headline_table`: each tierkv configuration's median request throughput over the ideal's with reuse, over no
+connector's without); :func:`details` -> every pair, every run and the CPU each process used; :func:`render_soak` -> a soak's checks.
 Each refuses (``ResultsError``) a result file that lacks a key it needs or was measured on uncommitted code.
 """
 from __future__ import annotations
@@ -120,6 +120,34 @@ def ratio_table(data: dict) -> str:
                 lines.append(f"| {cname} | {w} | {c} | {rng(rq)} | {ref} | {'-' if tgt is None else f'>= {tgt}'} | "
                              f"{meets} | {rng(tt) if w != 'random' else '-'} | {len(rq)} | "
                              f"{'-' if sp is None else f'{sp:.2f}'} |")
+    return "\n".join(lines)
+
+
+def headline_table(data: dict, rerun: dict | None = None) -> str:
+    """The README's table of a pass: per tierkv configuration and workload, the median of :func:`paired_ratios` of
+    request throughput at each concurrency (against the ideal with reuse, no connector on ``random``) and of TTFT
+    p99 against the ideal; a cell that ``rerun`` (another pass over some cells) also ran adds its median."""
+    sel = data["selection"]
+    conc = sel["concurrency"]
+    lines = ["| config | workload | vs | target | " + " | ".join(f"c{c}" for c in conc)
+             + f" | TTFT p99 vs ideal ({'/'.join(f'c{c}' for c in conc)}) |",
+             "|---|---|---|---|" + "---|" * len(conc) + "---|"]
+
+    def med(d, *a):
+        xs = paired_ratios(d, *a)
+        return statistics.median(xs) if xs else None
+    for cname in [c for c in data["configs"] if c in TARGETS]:
+        for w in sel["workloads"]:
+            ref = "none" if w == "random" else "ideal"
+            cells, ttft = [], []
+            for c in conc:
+                m = med(data, cname, ref, w, c, "request_throughput")
+                again = med(rerun, cname, ref, w, c, "request_throughput") if rerun else None
+                cells.append(_fmt(m, 2) + (f" (re-run {again:.2f})" if again is not None else ""))
+                ttft.append(_fmt(med(data, cname, "ideal", w, c, "p99_ttft_ms"), 2))
+            target = NO_REUSE_TARGET if w == "random" else TARGETS[cname]
+            lines.append(f"| {cname} | {w} | {ref} | >= {target} | " + " | ".join(cells)
+                         + f" | {'-' if w == 'random' else ' / '.join(ttft)} |")
     return "\n".join(lines)
 
 
@@ -302,7 +330,7 @@ def command(data: dict, json_name: str) -> str:
 
 
 def render_section(data: dict, json_name: str = "serve_cpu.json") -> str:
-    """A pass's README block: its command, where and on which commit it ran, and :func:`ratio_table`."""
+    """A pass's README block: its command, where and on which commit it ran, and :func:`headline_table`."""
     results.check_results(data, RESULT_SCHEMA, json_name, allow_quick=True)
     sel, cond = data["selection"], data["conditions"]
     loads = ("1-minute load average before->after each configuration (last round): "
@@ -322,15 +350,16 @@ def render_section(data: dict, json_name: str = "serve_cpu.json") -> str:
 {_repeat_text(sel)}{idle_text(data)}{random_seed_text(data)}
 {data.get('readme_note') or ''}
 
-{ratio_table(data)}
+{headline_table(data)}
 
 Failures and server-log errors: {failures_text(data)}
 """
 
 
 def details(data: dict) -> str:
-    """Every run (:func:`table`) and the CPU and hook time of each (:func:`cpu_table`, :func:`hook_table`)."""
-    return "Every run:\n\n" + table(data) + "\n" + _cpu_block(data)
+    """Every pair's ratios (:func:`ratio_table`), every run (:func:`table`) and the CPU and hook time of each
+    (:func:`cpu_table`, :func:`hook_table`)."""
+    return "Paired ratios:\n\n" + ratio_table(data) + "\n\nEvery run:\n\n" + table(data) + "\n" + _cpu_block(data)
 
 
 SOAK_SCHEMA = {
