@@ -87,13 +87,13 @@ def _committed(name=CURRENT):
     return json.loads((REPO / "benchmarks" / "results" / name).read_text())
 
 
-def test_the_current_result_renders_its_command_commit_and_ratio_table():
+def test_the_current_result_renders_its_command_commit_and_headline_table():
     data = _committed()
     text = report.render_section(data, CURRENT)
     assert re.fullmatch(r"[0-9a-f]{40}", data["code"]["commit"]) and data["code"]["dirty"] == []
     assert text.startswith("```bash\n.venv/bin/python -m benchmarks.serve_cpu --preset demo --configs ")
     assert f"--dtype float32 --out benchmarks/results/{CURRENT}\n```" in text   # fp32 servers, TCMalloc (default)
-    assert f"tierkv commit `{data['code']['commit'][:12]}`" in text and report.ratio_table(data) in text
+    assert f"tierkv commit `{data['code']['commit'][:12]}`" in text and report.headline_table(data) in text
     soak_text = report.render_soak(_committed(CURRENT_SOAK), CURRENT_SOAK)
     assert f"--soak 2000 --dtype float32 --onednn-cache 0 --out benchmarks/results/{CURRENT_SOAK}" in soak_text
 
