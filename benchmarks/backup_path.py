@@ -18,7 +18,7 @@ backup of ``--pages`` pages' worth of 128 KiB (fewer, larger pages for larger sh
 pages (a 1,088-token prompt), the configuration order rotated between repetitions. Recorded per run: this process's CPU (user + system; the writer is the only thread working, the
 main thread waits) and, for ZMQ, the server process's CPU (``/proc``), each per page, and the wall time per page.
 
-    .venv/bin/python -m benchmarks.backup_path            # writes results/backup_path.json + README section
+    .venv/bin/python -m benchmarks.backup_path            # writes results/backup_path.json + its README table printed
     .venv/bin/python -m benchmarks.backup_path --readme-from benchmarks/results/backup_path.json
 """
 from __future__ import annotations

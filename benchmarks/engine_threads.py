@@ -8,7 +8,7 @@ with 16 output tokens: ``c1`` (16 prompts one after the other) and ``c8`` (48 pr
 For every thread of the process, its CPU seconds over each phase (``/proc/self/task/*/stat``: user + system), as a
 share of the phase's wall time, with its kernel name (tierkv's are ``tkv-*``) and the CPU it last ran on.
 
-    .venv/bin/python -m benchmarks.engine_threads              # results/engine_threads.json + README section
+    .venv/bin/python -m benchmarks.engine_threads              # results/engine_threads.json + its README table printed
     .venv/bin/python -m benchmarks.engine_threads --readme-from benchmarks/results/engine_threads.json
 """
 from __future__ import annotations

@@ -11,7 +11,7 @@ both sides' hook time over the run's duration. Both sides run on the engine's cr
 (synchronous scheduling: the engine core plans, the worker executes, one after the other); hook time is wall time,
 so it includes waits for the GIL and for a CPU.
 
-    .venv/bin/python -m benchmarks.hook_time                 # results/hook_time.json and the README section
+    .venv/bin/python -m benchmarks.hook_time                 # results/hook_time.json and its README table printed
     .venv/bin/python -m benchmarks.hook_time --readme-from benchmarks/results/hook_time.json
 """
 from __future__ import annotations

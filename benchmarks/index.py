@@ -16,7 +16,7 @@ request-sized batches. Start-up: a file store of ``--startup-pages`` records (de
 and the first prompt's existence query is timed; the index is not rebuilt from L3 (docs/architecture.md §9).
 
     .venv/bin/python -m benchmarks.index                  # full run, ~10-15 min on an idle machine, writes
-                                                          # results/index.json and the README section "index"
+                                                          # results/index.json and its README table printed
     .venv/bin/python -m benchmarks.index --quick --no-write   # smoke run, about a minute
 
 Targets: tree inserts/s and matches/s >= 2x SGLang at every page size; hashing >= 2M pages/s at page size 16;

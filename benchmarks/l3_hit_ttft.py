@@ -29,7 +29,7 @@ that prompt's two reference runs), vLLM's own split of each TTFT into the time q
 compute step (tierkv's wait for L3 is in it) and the compute, tokens served from L3 (vLLM's
 ``num_cached_tokens``), and the outputs (the one greedy token) compared with the reference.
 
-    .venv/bin/python -m benchmarks.l3_hit_ttft            # -> results/l3_hit_ttft.json + README section
+    .venv/bin/python -m benchmarks.l3_hit_ttft            # -> results/l3_hit_ttft.json + its README table printed
     .venv/bin/python -m benchmarks.l3_hit_ttft --quick    # smoke run (test model, 2 short documents), no README
 """
 from __future__ import annotations

@@ -14,7 +14,7 @@ them in jobs of 34 pages (a 1,088-token prompt) into the pool's slots, the confi
 repetitions. Recorded per run: this process's CPU (user + system; the reader is the only thread working, the main
 thread waits), for ZMQ the server process's CPU (``/proc``) and the wall time, per page; every page read is checked against what was written after each run.
 
-    .venv/bin/python -m benchmarks.prefetch_path            # writes results/prefetch_path.json + README section
+    .venv/bin/python -m benchmarks.prefetch_path            # writes results/prefetch_path.json + its README table printed
     .venv/bin/python -m benchmarks.prefetch_path --readme-from benchmarks/results/prefetch_path.json
 """
 from __future__ import annotations

