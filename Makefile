@@ -28,7 +28,7 @@ test: $(STAMP)
 	$(VPY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(VPY) benchmarks/e2e_cpu.py
+	$(VPY) -m benchmarks.e2e_cpu
 
 clean-venv:
 	rm -rf $(VENV)

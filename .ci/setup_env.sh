@@ -14,7 +14,7 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then
 fi
 
 # TCMalloc, which vLLM's CPU backend asks to have preloaded (it warns at start-up without it); the benchmarks preload
-# it into every engine they start (benchmarks/serve_cpu.py preload_env). Debian package; we run as root here.
+# it into every engine they start (benchmarks/serve_cpu preload_env). Debian package; we run as root here.
 if ! ldconfig -p 2>/dev/null | grep -q 'libtcmalloc_minimal.so.4'; then
   if command -v apt-get >/dev/null 2>&1; then
     (apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1 \

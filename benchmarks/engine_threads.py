@@ -1,6 +1,6 @@
 """Where the CPU of an in-process vLLM CPU engine goes, thread by thread: is any core ever idle for tierkv's threads?
 
-One configuration (``--config``, a name of ``benchmarks/serve_cpu.py``'s full pass; default the file L3 at capacity)
+One configuration (``--config``, a name of ``benchmarks/serve_cpu``'s full pass; default the file L3 at capacity)
 of vLLM's offline ``LLM`` engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: scheduler, worker, OpenMP team and tierkv's
 threads in this one process; the ``demo`` model, float32 by default, L1 and tierkv sizes of ``serve_cpu``'s full
 pass, TCMalloc preloaded when installed: the script starts itself again with it), warmed up on 4 prompts, then two phases on random 1,088-token prompts
@@ -8,8 +8,8 @@ with 16 output tokens: ``c1`` (16 prompts one after the other) and ``c8`` (48 pr
 For every thread of the process, its CPU seconds over each phase (``/proc/self/task/*/stat``: user + system), as a
 share of the phase's wall time, with its kernel name (tierkv's are ``tkv-*``) and the CPU it last ran on.
 
-    .venv/bin/python benchmarks/engine_threads.py              # results/engine_threads.json + README section
-    .venv/bin/python benchmarks/engine_threads.py --readme-from benchmarks/results/engine_threads.json
+    .venv/bin/python -m benchmarks.engine_threads              # results/engine_threads.json + its README table printed
+    .venv/bin/python -m benchmarks.engine_threads --readme-from benchmarks/results/engine_threads.json
 """
 from __future__ import annotations
 
@@ -22,12 +22,13 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import results_check  # noqa: E402
+from benchmarks import harness
+from benchmarks.harness import results as results_check
+from benchmarks.harness.machine import cpu_model
+from benchmarks.serve_cpu.configs import BLOCK, FULL, kv_config
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "engine_threads.json"
-README = ROOT / "benchmarks" / "README.md"
 SECTION = "engine_threads"
 
 
@@ -48,17 +49,16 @@ def thread_cpu() -> dict[str, dict]:
 def measure(args) -> dict:
     """Build the engine, run the two phases, return each phase's wall time and per-thread CPU."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    import no_reuse_cost as nrc
+    from benchmarks import no_reuse_cost as nrc
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
-    sc = nrc._serve_cpu()
-    p = sc.FULL
-    mk = sc._load("tierkv_make_tiny_model", ROOT / "examples" / "make_tiny_model.py")
+    p = FULL
+    mk = harness.make_tiny_model()
     model = mk.make_model(ROOT / "runs" / "serve_cpu" / "models" / p["preset"], p["preset"])
-    kvc = sc.kv_config(args.config, p, Path(tempfile.mkdtemp(prefix="engine-threads-")), None)
-    llm = LLM(model=str(model), dtype=args.dtype, block_size=sc.BLOCK, num_gpu_blocks_override=p["l1_blocks"],
+    kvc = kv_config(args.config, p, Path(tempfile.mkdtemp(prefix="engine-threads-")), None)
+    llm = LLM(model=str(model), dtype=args.dtype, block_size=BLOCK, num_gpu_blocks_override=p["l1_blocks"],
               max_model_len=p["max_model_len"], enable_prefix_caching=True, enforce_eager=True, max_num_seqs=8,
               seed=0, kv_transfer_config=KVTransferConfig(**kvc) if kvc else None)
     sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -117,13 +117,13 @@ def main(argv=None) -> int:
     else:
         load = os.getloadavg()[0]
         phases = measure(args)
-        res = {"conditions": {"cpu": results_check.cpu_model(), "cpus": os.cpu_count(), "load_before": load,
+        res = {"conditions": {"cpu": cpu_model(), "cpus": os.cpu_count(), "load_before": load,
                               "config": args.config, "dtype": args.dtype,
                               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **results_check.code_state()},
                "phases": phases, "note": args.note}
         Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     if not args.no_readme:
-        results_check.replace_readme_section(README, SECTION, readme(res))
+        results_check.print_section(readme(res))
     print(readme(res), end="")
     return 0
 

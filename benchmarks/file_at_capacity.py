@@ -15,8 +15,8 @@ wall time per page written. Nothing is deleted until the end of the run, because
 after many deletions pays for scanning past the recently deleted inodes, which would charge one configuration for
 another's clean-up. The configuration order rotates between repetitions.
 
-    .venv/bin/python benchmarks/file_at_capacity.py            # writes results/file_at_capacity.json + README
-    .venv/bin/python benchmarks/file_at_capacity.py --readme-from benchmarks/results/file_at_capacity.json
+    .venv/bin/python -m benchmarks.file_at_capacity            # writes results/file_at_capacity.json + README
+    .venv/bin/python -m benchmarks.file_at_capacity --readme-from benchmarks/results/file_at_capacity.json
 """
 from __future__ import annotations
 
@@ -32,13 +32,11 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import results_check  # noqa: E402
-from results_check import spread, spread_cell  # noqa: E402
+from benchmarks.harness import results as results_check
+from benchmarks.harness.results import spread, spread_cell
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "file_at_capacity.json"
-README = ROOT / "benchmarks" / "README.md"
 SECTION = "file_at_capacity"
 CONFIGS = ("recycle", "unlink", "below_capacity")
 BATCH = 16
@@ -115,7 +113,7 @@ def readme(res: dict) -> str:
 
 
 def write_readme(res: dict) -> None:
-    results_check.replace_readme_section(README, SECTION, readme(res))
+    results_check.print_section(readme(res))
 
 
 def _fs_of(path: str) -> str:
@@ -171,5 +169,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     sys.exit(main())

@@ -1,8 +1,8 @@
 """tierkv's CUDA path checked and timed in one run (issue 18): Triton kernels, pinned L2, side stream, L3.
 
-    python benchmarks/gpu_check.py --out gpu_check.json     # on a CUDA machine: under 6 minutes
-    TRITON_INTERPRET=1 python benchmarks/gpu_check.py --quick --out /tmp/q.json   # CPU (CI): tiny shapes
-    python benchmarks/gpu_check.py --readme-from gpu_check.json    # prints a "## gpu_check" README section
+    python -m benchmarks.gpu_check --out gpu_check.json     # on a CUDA machine: under 6 minutes
+    TRITON_INTERPRET=1 python -m benchmarks.gpu_check --quick --out /tmp/q.json   # CPU (CI): tiny shapes
+    python -m benchmarks.gpu_check --readme-from gpu_check.json    # prints a "## gpu_check" README section
 
 ``--readme-from`` runs in the checkout: a result from the GPU machine (a copy of the working tree without ``.git``)
 records the git blob hashes of its code files, and the section names the commit whose files they are; a result of
@@ -68,14 +68,14 @@ NEEDS_PYDANTIC = "needs pydantic: not on the GPU machine (carry the wheels in .w
 # ---------------------------------------------------------------------------------------------- environment
 def bootstrap_tierkv() -> str:
     """Make ``import tierkv.connector`` work: the installed package when there is one, else the checkout (its
-    top-level folders ``connector/``, ``kernels/``, ... become ``tierkv.connector``, ... as setup.py maps them).
+    top-level folders ``connector/``, ``kernels/``, ... become ``tierkv.connector``, ... as setup.py maps them; run
+    from the checkout's root as ``python -m benchmarks.gpu_check``, which puts the root first on the import path).
     Returns how tierkv was found."""
     try:
         if importlib.util.find_spec("tierkv.connector") is not None:
             return "installed"
     except ModuleNotFoundError:
         pass
-    sys.path.insert(0, str(ROOT))
     for name in [m for m in sys.modules if m == "tierkv" or m.startswith("tierkv.")]:
         del sys.modules[name]
     import tierkv
@@ -83,31 +83,37 @@ def bootstrap_tierkv() -> str:
     return "checkout"
 
 
+#: set in the environment of the re-run :func:`carried_pydantic` starts: how pydantic was found, and its folder
+PYDANTIC_FROM_ENV = "GPU_CHECK_PYDANTIC_FROM"
+
+
 def carried_pydantic() -> str:
     """Make pydantic importable if it is not: install the wheels of ``.whl/`` (env ``GPU_CHECK_WHEELS``: another
-    folder) into a temp dir put on sys.path.
-    Returns ``"installed"``, ``"from .whl (N wheels)"``, ``"missing"`` or ``"pip failed: ..."``."""
+    folder) into a temp dir and run this command again with that dir on ``PYTHONPATH`` (this call then does not
+    return). Returns ``"installed"``, ``"from .whl (N wheels)"`` (in the re-run), ``"missing"`` or
+    ``"pip failed: ..."``."""
+    found = os.environ.get(PYDANTIC_FROM_ENV)
+    if found:   # the re-run: the folder is ours to remove at exit
+        atexit.register(shutil.rmtree, os.environ["PYTHONPATH"].split(os.pathsep)[0], True)
     try:
         import pydantic  # noqa: F401
-        return "installed"
+        return found or "installed"
     except ImportError:
-        pass
+        if found:
+            return f"pip failed: {found} not importable"
     wheels = sorted(Path(os.environ.get("GPU_CHECK_WHEELS", ROOT / ".whl")).glob("*.whl"))
     if not wheels:
         return "missing"
     target = tempfile.mkdtemp(prefix="gpu_check_site_")
-    atexit.register(shutil.rmtree, target, True)
     r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                         "--no-cache-dir", "--target", target, *map(str, wheels)], capture_output=True, text=True)
     if r.returncode:
+        shutil.rmtree(target, True)
         return "pip failed: " + (r.stderr or r.stdout)[-300:]
-    sys.path.insert(0, target)
-    importlib.invalidate_caches()
-    try:
-        import pydantic  # noqa: F401,F811
-    except ImportError as e:
-        return f"pip failed: {e}"
-    return f"from .whl ({len(wheels)} wheels)"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(x for x in (target, os.environ.get("PYTHONPATH")) if x))
+    env[PYDANTIC_FROM_ENV] = f"from .whl ({len(wheels)} wheels)"
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "benchmarks.gpu_check", *sys.argv[1:]], env)
 
 
 def machine_info(torch, device) -> dict[str, Any]:
@@ -522,9 +528,9 @@ def round_trip(torch, device, quick: bool, pydantic_from: str) -> dict[str, Any]
         import pydantic  # noqa: F401
     except ImportError:
         return {"status": "skipped", "passed": None, "reason": NEEDS_PYDANTIC, "pydantic": pydantic_from}
-    if str(ROOT / "tests" / "unit") not in sys.path:
-        sys.path.insert(0, str(ROOT / "tests" / "unit"))
-    import fake_engine
+    from benchmarks.harness import load_file
+
+    fake_engine = load_file("tierkv_fake_engine", ROOT / "tests" / "unit" / "fake_engine.py")
     from tierkv.connector.device_pool import DevicePool
     from tierkv.connector.host_pool import HostPool
     from tierkv.storage_backends.file import FileStore
@@ -672,9 +678,7 @@ def checked_for_readme(res: dict[str, Any], name: str, repo: Path = ROOT) -> dic
     """``res`` ready for a README table: when it ran outside a git checkout (the GPU machine), its commit is found
     from its code files' hashes (:func:`commit_of`); then ``results_check.check_results`` (every key present, a
     commit, no dirty code, not --quick) must pass. Raises ``results_check.ResultsError`` naming what is wrong."""
-    if str(ROOT / "benchmarks") not in sys.path:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-    from results_check import check_results
+    from benchmarks.harness.results import check_results
     code = res.get("code") or {}
     if not code.get("commit") and code.get("files"):
         found = commit_of(code["files"], repo)
@@ -744,7 +748,7 @@ def readme_section(res: dict[str, Any], source: str = "benchmarks/results/gpu_ch
     """The ``## gpu_check`` section of benchmarks/README.md, from a result file alone."""
     m, p = res["machine"], res["parts"]
     out = ["## gpu_check", "",
-           f"`python benchmarks/gpu_check.py` on {m.get('gpu') or 'CPU'} (driver {m.get('driver')}, torch "
+           f"`python -m benchmarks.gpu_check` on {m.get('gpu') or 'CPU'} (driver {m.get('driver')}, torch "
            f"{m['torch']}, Triton {m['triton']}, CUDA {m['cuda']}, Python {m['python']}), {res['mode']} mode, "
            f"{res['wall_s']} s, commit {str(res.get('code', {}).get('commit'))[:10]}; results in `{source}`. "
            f"Overall: **{_fmt_pass(res['passed'])}**.", "",
@@ -806,10 +810,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--pinned-probe", nargs=2, metavar=("GIB", "HOW"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.readme_from:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
         src = Path(args.readme_from).resolve()
         shown = src.relative_to(ROOT) if src.is_relative_to(ROOT) else Path("benchmarks/results") / src.name
-        from results_check import ResultsError
+        from benchmarks.harness.results import ResultsError
         try:
             res = checked_for_readme(json.loads(src.read_text()), str(shown))
         except ResultsError as e:
@@ -829,8 +832,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         print("gpu_check: no CUDA device; on a CPU run it with TRITON_INTERPRET=1 (and --quick)", file=sys.stderr)
         return 2
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from results_check import code_state
+    from benchmarks.harness.results import code_state
     code = code_state(ROOT)
     code["files"] = code_files(ROOT)
     res: dict[str, Any] = {"schema": 1, "mode": "quick" if args.quick else "full", "quick": args.quick,

@@ -1,7 +1,7 @@
 """What tierkv adds to each engine step (issue 19: "find what else tierkv takes from the engine's two cores"):
 the wall time spent inside tierkv's vLLM hooks, per step, under concurrent load in vLLM's OpenAI server.
 
-For each configuration (``tierkv_l2``, ``tierkv_l3_file`` of ``benchmarks/serve_cpu.py``, same sizes and model) one
+For each configuration (``tierkv_l2``, ``tierkv_l3_file`` of ``benchmarks/serve_cpu``, same sizes and model) one
 server runs ``vllm bench serve`` once per workload (``random``: no reuse, ``prefix_repetition``, ``multiturn``) at
 ``--max-concurrency 8``; the counters ``hook_seconds``, ``hook_calls`` and ``hook_steps`` of the scheduler and the
 worker (their stats files, ``stats_path``; :func:`tierkv.connector.vllm_connector._timed_hook`) are read before and
@@ -11,44 +11,43 @@ both sides' hook time over the run's duration. Both sides run on the engine's cr
 (synchronous scheduling: the engine core plans, the worker executes, one after the other); hook time is wall time,
 so it includes waits for the GIL and for a CPU.
 
-    .venv/bin/python benchmarks/hook_time.py                 # results/hook_time.json and the README section
-    .venv/bin/python benchmarks/hook_time.py --readme-from benchmarks/results/hook_time.json
+    .venv/bin/python -m benchmarks.hook_time                 # results/hook_time.json and its README table printed
+    .venv/bin/python -m benchmarks.hook_time --readme-from benchmarks/results/hook_time.json
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 import time
 from pathlib import Path
 
+from benchmarks import harness
+from benchmarks import make_multiturn_trace as trace_gen
+from benchmarks.harness import results as results_check
+from benchmarks.harness.machine import loadavg
+from benchmarks.harness.stats import read_stats
+from benchmarks.serve_cpu.client import run_client, workload_args
+from benchmarks.serve_cpu.configs import FULL, code_snapshot, conditions, kv_config, vllm_server
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
-README = REPO / "benchmarks" / "README.md"
 SECTION = "hook_time"
 KEYS = ("hook_seconds", "hook_calls", "hook_steps")
 
 
-def _serve_cpu():
-    spec = importlib.util.spec_from_file_location("tierkv_serve_cpu", REPO / "benchmarks" / "serve_cpu.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _counters(sc, stats_dir: Path) -> dict:
-    st = sc.read_stats(stats_dir)
+def _counters(stats_dir: Path) -> dict:
+    st = read_stats(stats_dir)
     return {r: {k: (st.get(r) or {}).get(k, 0) for k in KEYS} for r in ("scheduler", "worker")}
 
 
-def _settled(sc, srv, stats_dir: Path, timeout_s: float = 10.0) -> dict:
+def _settled(srv, stats_dir: Path, timeout_s: float = 10.0) -> dict:
     """The hook counters once the stats files stop changing (they are written at most every second), after one
     1-token request that makes both sides run a step."""
     srv.complete(list(range(9, 29)), 1)
     last, t0 = None, time.monotonic()
     while time.monotonic() - t0 < timeout_s:
-        now = _counters(sc, stats_dir)
+        now = _counters(stats_dir)
         if now == last:
             return now
         last = now
@@ -56,28 +55,28 @@ def _settled(sc, srv, stats_dir: Path, timeout_s: float = 10.0) -> dict:
     return last
 
 
-def run_config(sc, name: str, p: dict, work: Path, pythonpath: str, concurrency: int) -> dict:
+def run_config(name: str, p: dict, work: Path, pythonpath: str, concurrency: int) -> dict:
     cdir = work / name
     (cdir / "clients").mkdir(parents=True, exist_ok=True)
-    kvc = sc.kv_config(name, p, cdir, None)
+    kvc = kv_config(name, p, cdir, None)
     model_dir = str(work / "model")
-    srv = sc.VllmServer(model_dir, l1_blocks=p["l1_blocks"], max_model_len=p["max_model_len"],
+    srv = vllm_server(model_dir, l1_blocks=p["l1_blocks"], max_model_len=p["max_model_len"],
                         kv_transfer_config=kvc, log_path=cdir / "server.log", pythonpath=pythonpath)
-    out = {"load_before": sc.loadavg(), "runs": []}
+    out = {"load_before": loadavg(), "runs": []}
     try:
         srv.wait_ready(420)
         srv.complete(list(range(7, 27)), 2)
         for workload in ("random", "prefix_repetition", "multiturn"):
             trace = None
             if workload == "multiturn":
-                rows = sc.trace_gen.make_trace(seed=5, conversations=p["mt_conversations"], turns=p["mt_turns"],
+                rows = trace_gen.make_trace(seed=5, conversations=p["mt_conversations"], turns=p["mt_turns"],
                                                first_chunks=p["mt_first_chunks"], turn_chunks=p["mt_turn_chunks"],
                                                output_len=p["mt_output_len"])
-                trace = sc.trace_gen.write_trace(cdir / "trace.jsonl", rows)
-            before = _settled(sc, srv, cdir / "stats")
-            res, err = sc.run_client(srv, model_dir, sc.workload_args(p, workload, 5, trace), concurrency,
+                trace = trace_gen.write_trace(cdir / "trace.jsonl", rows)
+            before = _settled(srv, cdir / "stats")
+            res, err = run_client(srv, model_dir, workload_args(p, workload, 5, trace), concurrency,
                                      cdir / "clients", f"{workload}-c{concurrency}", 900)
-            after = _settled(sc, srv, cdir / "stats")
+            after = _settled(srv, cdir / "stats")
             d = {r: {k: after[r][k] - before[r][k] for k in KEYS} for r in after}
             row = {"workload": workload, "concurrency": concurrency, "error": err or None, "delta": d}
             if res:
@@ -93,7 +92,7 @@ def run_config(sc, name: str, p: dict, work: Path, pythonpath: str, concurrency:
             print(f"   {name} {workload}: {json.dumps({k: v for k, v in row.items() if k != 'delta'})}", flush=True)
     finally:
         out["stop"] = srv.stop()
-        out["load_after"] = sc.loadavg()
+        out["load_after"] = loadavg()
     return out
 
 
@@ -118,7 +117,7 @@ in brackets the CPU time of the hooks' thread in them (``time.thread_time``), ti
 recorded it ("-": the hooks no longer read their thread's CPU clock, a system call per hook call).
 
 ```bash
-.venv/bin/python benchmarks/hook_time.py
+.venv/bin/python -m benchmarks.hook_time
 ```
 
 Measured on tierkv commit `{data['code']['commit'][:12]}` ({data['code'].get('source', '')}), {data['started_at']} ->
@@ -132,32 +131,31 @@ before->after each configuration: {loads}. {data.get('note') or ''}
 
 
 def write_readme(data: dict) -> None:
-    _serve_cpu().results_check.replace_readme_section(README, SECTION, render(data))
+    results_check.print_section(render(data))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", default="tierkv_l2,tierkv_l3_file")
     ap.add_argument("--concurrency", type=int, default=8)
-    sc = _serve_cpu()
-    sc.results_check.add_result_args(ap, RESULTS / "hook_time.json")
+    results_check.add_result_args(ap, RESULTS / "hook_time.json")
     args = ap.parse_args(argv)
     if args.readme_from:
-        write_readme(sc.results_check.result_with_note(Path(args.readme_from), args.note))
+        write_readme(results_check.result_with_note(Path(args.readme_from), args.note))
         return 0
-    p = dict(sc.FULL)
+    p = dict(FULL)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     work = REPO / "runs" / time.strftime("hook_time-%Y%m%d-%H%M%S")
     work.mkdir(parents=True, exist_ok=True)
-    mk = sc._load("tierkv_make_tiny_model", REPO / "examples" / "make_tiny_model.py")
+    mk = harness.make_tiny_model()
     src = mk.make_model(REPO / "runs" / "serve_cpu" / "models" / p["preset"], p["preset"])
     (work / "model").symlink_to(Path(src).resolve())
-    pythonpath, code = sc.code_snapshot(work)
-    data = {"benchmark": SECTION, "started_at": started, "code": code, "conditions": sc.conditions(),
+    pythonpath, code = code_snapshot(work)
+    data = {"benchmark": SECTION, "started_at": started, "code": code, "conditions": conditions(),
             "concurrency": args.concurrency, "params": p, "configs": {}, "note": args.note}
     for name in [c.strip() for c in args.configs.split(",") if c.strip()]:
         print(f"[hook_time] {name}", flush=True)
-        data["configs"][name] = run_config(sc, name, p, work, str(pythonpath), args.concurrency)
+        data["configs"][name] = run_config(name, p, work, str(pythonpath), args.concurrency)
     data["finished_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     Path(args.out).write_text(json.dumps(data, indent=1) + "\n")
     print(f"wrote {args.out}")

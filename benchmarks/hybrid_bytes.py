@@ -11,7 +11,7 @@ sliding-window group vLLM's null block before the window of the hit's end, as vL
 
 Usage::
 
-    python benchmarks/hybrid_bytes.py [--pages 2 5 8 16 64] [--json out.json]
+    python -m benchmarks.hybrid_bytes [--pages 2 5 8 16 64] [--json out.json]
 
 Prints one row per (pages, manager) with bytes stored per document, bytes loaded per hit, and the ratio on/off.
 """
@@ -20,20 +20,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "examples"))
+from benchmarks import harness
+
+REPO = harness.REPO
 
 BLOCK, WINDOW, KV_HEADS, HEAD_DIM, LAYERS = 32, 64, 2, 32, 4
 
 
 def _model_dir(root: Path) -> str:
     """A config.json of the gemma preset's shape (the connector reads only the config)."""
-    from make_tiny_model import PRESETS
+    PRESETS = harness.make_tiny_model().PRESETS
 
     p = dict(PRESETS["gemma"])
     arch = p.pop("arch")

@@ -15,9 +15,9 @@ included), the repeated lookup of a waiting request, ``match_prefix`` with keys 
 request-sized batches. Start-up: a file store of ``--startup-pages`` records (default 1M) is opened (its own scan)
 and the first prompt's existence query is timed; the index is not rebuilt from L3 (docs/architecture.md §9).
 
-    .venv/bin/python benchmarks/index.py                  # full run, ~10-15 min on an idle machine, writes
-                                                          # results/index.json and the README section "index"
-    .venv/bin/python benchmarks/index.py --quick --no-write   # smoke run, about a minute
+    .venv/bin/python -m benchmarks.index                  # full run, ~10-15 min on an idle machine, writes
+                                                          # results/index.json and its README table printed
+    .venv/bin/python -m benchmarks.index --quick --no-write   # smoke run, about a minute
 
 Targets: tree inserts/s and matches/s >= 2x SGLang at every page size; hashing >= 2M pages/s at page size 16;
 eviction time proportional to pages evicted; <= 200 bytes of index memory per page; a 128k-token lookup at page
@@ -39,13 +39,10 @@ import tracemalloc
 from array import array
 from pathlib import Path
 
-if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path, not run as a script
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-import results_check  # noqa: E402  (README section splice)
-from results_check import code_state  # noqa: E402  (which commit wrote the result file)
+from benchmarks.harness import results as results_check
+from benchmarks.harness.results import code_state
 
 HERE = Path(__file__).resolve().parent
-README = HERE / "README.md"
 RESULTS = HERE / "results"
 SECTION = "index"
 VOCAB = 128_000
@@ -84,8 +81,7 @@ def _freeze_inputs() -> None:
 # ---------------------------------------------------------------------------------------------------- SGLang
 def sglang_available() -> tuple[bool, str]:
     try:
-        sys.path.insert(0, str(HERE / "peers"))
-        import sglang_cpu_shims  # noqa: F401  (before any sglang import: keeps torchvision out)
+        from benchmarks.peers import sglang_cpu_shims  # noqa: F401  (before any sglang import: keeps torchvision out)
         import sglang
         from sglang.srt.mem_cache.radix_cache import RadixCache  # noqa: F401
         return True, sglang.__version__
@@ -486,7 +482,7 @@ def table(res: dict) -> str:
 
 
 def replace_section(body: str) -> None:
-    results_check.replace_readme_section(README, SECTION, body)
+    results_check.print_section(body)
 
 
 def main(argv=None) -> int:

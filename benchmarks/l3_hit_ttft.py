@@ -29,13 +29,12 @@ that prompt's two reference runs), vLLM's own split of each TTFT into the time q
 compute step (tierkv's wait for L3 is in it) and the compute, tokens served from L3 (vLLM's
 ``num_cached_tokens``), and the outputs (the one greedy token) compared with the reference.
 
-    .venv/bin/python benchmarks/l3_hit_ttft.py            # -> results/l3_hit_ttft.json + README section
-    .venv/bin/python benchmarks/l3_hit_ttft.py --quick    # smoke run (test model, 2 short documents), no README
+    .venv/bin/python -m benchmarks.l3_hit_ttft            # -> results/l3_hit_ttft.json + its README table printed
+    .venv/bin/python -m benchmarks.l3_hit_ttft --quick    # smoke run (test model, 2 short documents), no README
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
@@ -43,9 +42,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import harness
+from benchmarks.harness import results as results_check
+from benchmarks.harness.machine import loadavg
+from benchmarks.serve_cpu.configs import conditions
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
-README = REPO / "benchmarks" / "README.md"
 SECTION = "l3_hit_ttft"
 PAGE = 32
 PROMISE = 1.1
@@ -56,17 +59,8 @@ STORES = ("healthy", "paced", "slow", "stalled", "turns_stalled")
 HEALTHY_HITS = 3
 
 
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-engine = _load("tierkv_e2e_engine", REPO / "tests" / "e2e" / "_engine.py")
-make_tiny_model = _load("tierkv_make_tiny_model", REPO / "examples" / "make_tiny_model.py")
-serve = _load("tierkv_bench_serve_cpu", REPO / "benchmarks" / "serve_cpu.py")
-results_check = serve.results_check
+engine = harness.e2e_engine()
+make_tiny_model = harness.make_tiny_model()
 
 FULL = dict(preset="demo", docs=6, doc_tokens=1536, question_tokens=40, l1_blocks=256, l2_pages=128)
 QUICK = dict(preset="test", docs=2, doc_tokens=256, question_tokens=8, l1_blocks=64, l2_pages=32)
@@ -133,7 +127,7 @@ def run_phase(name: str, model_dir: Path, p: dict, work: Path, seq: tuple, kvc) 
     stats = engine.stats_by_role(res) if kvc else {}
     sched = stats.get("scheduler", {})
     out = {"startup_s": res.get("startup_s"), "shutdown_s": res.get("shutdown_s"),
-           "wall_s": round(time.monotonic() - t0, 1), "load": serve.loadavg()}
+           "wall_s": round(time.monotonic() - t0, 1), "load": loadavg()}
     for role in ("hit", "miss", "warmup"):
         idx = [i for i, r in enumerate(roles) if r == role]
         out[role] = {k: [w[k][i] for i in idx] for k in ("ttft_s", "queued_s", "prefill_s", "num_cached_tokens",
@@ -180,7 +174,7 @@ def main(argv=None) -> int:
         phases["recompute_2"] = run_phase("recompute_2", model_dir, p, work, sequence(p, 1, len(delays) + 1), None)
     data = {"benchmark": SECTION, "quick": args.quick, "params": p, "delays_s": delays, "started_at": started,
             "finished_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "code": code,
-            "conditions": serve.conditions(), "phases": phases, "summary": summarise(phases)}
+            "conditions": conditions(), "phases": phases, "summary": summarise(phases)}
     out = Path(args.out) if args.out else (RESULTS / f"{SECTION}.json" if not args.quick else
                                            REPO / "runs" / f"{SECTION}_quick.json")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -311,18 +305,16 @@ Measured {data['started_at']} on tierkv commit `{results_check.short(data['code'
 {table(data)}
 
 ```bash
-.venv/bin/python benchmarks/l3_hit_ttft.py
-.venv/bin/python benchmarks/l3_hit_ttft.py --readme-from benchmarks/results/l3_hit_ttft.json
+.venv/bin/python -m benchmarks.l3_hit_ttft
+.venv/bin/python -m benchmarks.l3_hit_ttft --readme-from benchmarks/results/l3_hit_ttft.json
 ```
 """
     return body
 
 
 def write_readme(data: dict) -> None:
-    """Replace (or add, before "Measurements behind code choices") the section in ``benchmarks/README.md``."""
-    results_check.replace_readme_section(README, SECTION, render_section(data),
-                                         before="## Measurements behind code choices")
-    print(f"updated the {SECTION} section of {README}")
+    """Print the README block (:func:`render_section`)."""
+    results_check.print_section(render_section(data))
 
 
 if __name__ == "__main__":

@@ -11,16 +11,17 @@ One engine subprocess per phase (``tests/e2e/_engine.py``, vLLM's CPU backend, t
    documents with new questions (L3 hits, existence answered in the scheduler) and ``misses`` new documents that
    compute while the hits are read.
 
-    .venv/bin/python benchmarks/l3_wait_steps.py    # prints one JSON object: the counts per phase
+    .venv/bin/python -m benchmarks.l3_wait_steps    # prints one JSON object: the counts per phase
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import random
 import tempfile
 from pathlib import Path
+
+from benchmarks import harness
 
 REPO = Path(__file__).resolve().parent.parent
 PAGE = 32
@@ -29,15 +30,8 @@ KEYS = ("l3_hits", "l3_hit_wait_steps", "l3_hit_wait_steps_1", "l3_hit_wait_step
         "l3_hit_wait_steps_5_8", "l3_hit_wait_steps_9_plus", "ctl_l3_hit_tokens", "ctl_lookups_deferred")
 
 
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-engine = _load("tierkv_e2e_engine", REPO / "tests" / "e2e" / "_engine.py")
-make_tiny_model = _load("tierkv_make_tiny_model", REPO / "examples" / "make_tiny_model.py")
+engine = harness.e2e_engine()
+make_tiny_model = harness.make_tiny_model()
 
 
 def doc(rng: random.Random, pages: int) -> list[int]:

@@ -1,5 +1,5 @@
 """Seeded multi-turn conversations in vLLM's ``timed_trace`` dataset format (``vllm bench serve --dataset-name
-timed_trace``), for ``benchmarks/serve_cpu.py``.
+timed_trace``), for ``benchmarks/serve_cpu``.
 
 The format (``vllm/benchmarks/datasets/datasets.py``, class ``TimedTrace``, vLLM 0.32): a JSONL file, one request
 per line, with ``timestamp`` (seconds, multiplied by ``--timed-trace-sec-multiplier``), ``input_length``,
@@ -26,7 +26,7 @@ while a second tier that holds the whole trace still has it. ``timestamp`` = req
 Hash ids are ``seed * 10**9 + k`` (k = 0, 1, ...): traces of different seeds share no chunk (the system chunks
 are per seed too), and the same arguments always give the same file, byte for byte.
 
-    .venv/bin/python benchmarks/make_multiturn_trace.py --out /tmp/trace.jsonl --seed 1 \\
+    .venv/bin/python -m benchmarks.make_multiturn_trace --out /tmp/trace.jsonl --seed 1 \\
         --conversations 16 --turns 3 --first-chunks 8 --turn-chunks 2 --output-len 8
 """
 from __future__ import annotations

@@ -14,8 +14,8 @@ them all back and checks them byte for byte. Reported per model, TP size, page s
 - ``written_bytes_per_token``: payload bytes the store was sent (``bytes_written`` summed over the ranks' stores);
 - ``records``, ``sets`` (store writes, all ranks) and ``reads`` (store hits, all ranks).
 
-    .venv/bin/python benchmarks/mla_l3_bytes.py             # writes benchmarks/results/mla_l3_bytes.json
-    .venv/bin/python benchmarks/mla_l3_bytes.py --readme-from benchmarks/results/mla_l3_bytes.json
+    .venv/bin/python -m benchmarks.mla_l3_bytes             # writes benchmarks/results/mla_l3_bytes.json
+    .venv/bin/python -m benchmarks.mla_l3_bytes --readme-from benchmarks/results/mla_l3_bytes.json
 """
 from __future__ import annotations
 
@@ -27,13 +27,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path, not run as a script
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-import results_check  # noqa: E402  (README section splice)
+from benchmarks.harness import results as results_check
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "mla_l3_bytes.json"
-README = REPO_ROOT / "benchmarks" / "README.md"
 SECTION = "## MLA L3 bytes per cached token"
 
 LATENT = 576   # kv_lora_rank 512 + qk_rope_head_dim 64 (DeepSeek-V2/V3)
@@ -153,16 +150,15 @@ def section(data: dict) -> str:
     lines += ["", "Per rank costs TP times the L3 bytes of once (and TP times the records); all ranks write stores "
               "once but sends TP times the bytes. L2 is not shared: each rank keeps its own copy of a page in its own "
               "host pool (its L2 -> L1 copies run in its own process), `page_bytes` per page per rank.", "",
-              "```bash", ".venv/bin/python benchmarks/mla_l3_bytes.py",
-              ".venv/bin/python benchmarks/mla_l3_bytes.py --readme-from benchmarks/results/mla_l3_bytes.json",
+              "```bash", ".venv/bin/python -m benchmarks.mla_l3_bytes",
+              ".venv/bin/python -m benchmarks.mla_l3_bytes --readme-from benchmarks/results/mla_l3_bytes.json",
               "```", ""]
     return "\n".join(lines)
 
 
 def write_readme(data: dict) -> None:
-    """Replace (or append) the section in ``benchmarks/README.md``, before ``## Measurements behind code choices``."""
-    results_check.replace_readme_section(README, SECTION.removeprefix("## ").rstrip("\n"), section(data),
-                                         before="## Measurements behind code choices")
+    """Print the README block (:func:`section`)."""
+    results_check.print_section(section(data))
 
 
 def main(argv=None) -> int:

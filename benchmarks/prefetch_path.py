@@ -14,8 +14,8 @@ them in jobs of 34 pages (a 1,088-token prompt) into the pool's slots, the confi
 repetitions. Recorded per run: this process's CPU (user + system; the reader is the only thread working, the main
 thread waits), for ZMQ the server process's CPU (``/proc``) and the wall time, per page; every page read is checked against what was written after each run.
 
-    .venv/bin/python benchmarks/prefetch_path.py            # writes results/prefetch_path.json + README section
-    .venv/bin/python benchmarks/prefetch_path.py --readme-from benchmarks/results/prefetch_path.json
+    .venv/bin/python -m benchmarks.prefetch_path            # writes results/prefetch_path.json + its README table printed
+    .venv/bin/python -m benchmarks.prefetch_path --readme-from benchmarks/results/prefetch_path.json
 """
 from __future__ import annotations
 
@@ -29,15 +29,13 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import results_check  # noqa: E402
-from backup_path import (JOB_PAGES, MODELS, NS, _server_cpu_s, parse_shape, start_zmq_server,  # noqa: E402
+from benchmarks.harness import results as results_check
+from benchmarks.backup_path import (JOB_PAGES, MODELS, NS, _server_cpu_s, parse_shape, start_zmq_server,  # noqa: E402
                          stop_zmq_server)
-from results_check import spread_cell  # noqa: E402
+from benchmarks.harness.results import spread_cell
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "prefetch_path.json"
-README = ROOT / "benchmarks" / "README.md"
 SECTION = "prefetch_path"
 CONFIGS = ("file_staged", "file_vectored", "zmq_staged", "zmq_vectored")
 DEFAULT_SHAPES = "demo,bench,32x64"
@@ -201,7 +199,7 @@ def main(argv=None) -> int:
                "rows": summarize(runs), "runs": runs, "note": args.note}
         Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     if not args.no_readme:
-        results_check.replace_readme_section(README, SECTION, readme(res))
+        results_check.print_section(readme(res))
     print(readme(res), end="")
     return 0
 

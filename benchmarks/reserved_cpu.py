@@ -18,13 +18,12 @@ vLLM logged (``core ids``), load average before and after each engine.
 
 Run (idle machine; ~8 min with the defaults on 2 vCPUs)::
 
-    .venv/bin/python benchmarks/reserved_cpu.py                 # benchmarks/results/reserved_cpu.json + PNG
-    .venv/bin/python benchmarks/reserved_cpu.py --quick         # smoke run (test model; runs/reserved_cpu_quick.json)
+    .venv/bin/python -m benchmarks.reserved_cpu                 # benchmarks/results/reserved_cpu.json + PNG
+    .venv/bin/python -m benchmarks.reserved_cpu --quick         # smoke run (test model; runs/reserved_cpu_quick.json)
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import random
@@ -36,23 +35,15 @@ import tempfile
 import time
 from pathlib import Path
 
-if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path, not run as a script
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results_check import code_state  # noqa: E402  (which commit wrote the result file)
+from benchmarks import harness
+from benchmarks.harness.results import code_state
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-engine = _load("tierkv_e2e_engine", REPO / "tests" / "e2e" / "_engine.py")
-make_tiny_model = _load("tierkv_make_tiny_model", REPO / "examples" / "make_tiny_model.py")
+engine = harness.e2e_engine()
+make_tiny_model = harness.make_tiny_model()
 
 #: configuration -> (connector?, VLLM_CPU_NUM_OF_RESERVED_CPU or None = unset)
 CONFIGS = {"no_connector": (False, None), "tierkv_default": (True, None), "tierkv_reserved": (True, "1")}

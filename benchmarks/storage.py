@@ -28,11 +28,11 @@ tierkv batch time, each pair measured right next to each other (less sensitive t
 ``MooncakeStore`` run in ``benchmarks/peers/.sglang-venv`` (``setup_sglang_venv.sh``; rows are "not measured"
 without it) on the same page sizes and batch, right after, against the same directory / master / segment holder.
 
-    .venv/bin/python benchmarks/storage.py                 # all, ~2-4 min on a busy 2-core box
-    .venv/bin/python benchmarks/storage.py --quick         # fewer repetitions
-    .venv/bin/python benchmarks/storage.py --backends mooncake --pages 256K
-    .venv/bin/python benchmarks/storage.py --set-checksums computed   # the store hashes every payload on set
-    .venv/bin/python benchmarks/storage.py --backends lmcache --pages 256K   # tierkv zmq vs LMCache's server
+    .venv/bin/python -m benchmarks.storage                 # all, ~2-4 min on a busy 2-core box
+    .venv/bin/python -m benchmarks.storage --quick         # fewer repetitions
+    .venv/bin/python -m benchmarks.storage --backends mooncake --pages 256K
+    .venv/bin/python -m benchmarks.storage --set-checksums computed   # the store hashes every payload on set
+    .venv/bin/python -m benchmarks.storage --backends lmcache --pages 256K   # tierkv zmq vs LMCache's server
                                                                    # (benchmarks/storage_lmcache.py, own JSON)
 
 Writes ``benchmarks/results/storage.json``.
@@ -40,7 +40,6 @@ Writes ``benchmarks/results/storage.json``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -54,9 +53,8 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path, not run as a script
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results_check import code_state  # noqa: E402  (which commit wrote the result file)
+from benchmarks.harness.results import code_state
+from benchmarks.harness.servers import MooncakeMaster, MooncakeSegment, ZmqServer, stop_process
 
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
@@ -71,14 +69,6 @@ NS = bytes(range(16))
 BATCH = 64
 TARGETS = {"file": 0.70, "zmq": 0.85, "mooncake": 0.90}  # zmq 85 % since issue 8 (sets pass their checksums)
 KiB, MiB = 1024, 1024 * 1024
-
-
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def keys_for(n: int, rng: np.random.Generator) -> list[str]:
@@ -245,15 +235,9 @@ while True:
 
 
 def stop_procs(*procs: subprocess.Popen) -> None:
-    """End the benchmark's own server processes: SIGTERM, then SIGKILL after 10 s; close their stdout pipes."""
+    """End the benchmark's own server processes by PID (:func:`~benchmarks.harness.servers.stop_process`)."""
     for p in procs:
-        p.terminate()
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-        p.stdout.close()
+        stop_process(p)
 
 
 def bench_zmq(pb: int, reps: int, src: list[torch.Tensor], sums: Optional[list[int]] = None) -> dict:
@@ -266,17 +250,13 @@ def bench_zmq(pb: int, reps: int, src: list[torch.Tensor], sums: Optional[list[i
     S = {k: Series() for k in ("raw_set", "zmq_set", "raw_get", "zmq_get")}
     raw = subprocess.Popen([sys.executable, "-c", _RAW_ZMQ_SERVER], stdout=subprocess.PIPE, text=True)
     cap = 4 * BATCH * (pb + 4096) + (64 << 20)
-    srv = subprocess.Popen([sys.executable, "-m", "tierkv.storage_backends.zmq_server", "--port", "0",
-                            "--capacity-bytes", str(cap), "--log-level", "warning"],
-                           stdout=subprocess.PIPE, text=True)
+    srv = ZmqServer(capacity=cap)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.REQ)
     store = None
     try:
         sock.connect(f"tcp://127.0.0.1:{int(raw.stdout.readline())}")
-        line = srv.stdout.readline().split()
-        assert line[:2] == ["tierkv-server", "ready"], line
-        store = ZmqStore(NS, pb, endpoint=line[2], timeout_s=30.0)
+        store = ZmqStore(NS, pb, endpoint=srv.endpoint, timeout_s=30.0)
         srcv = [memoryview(s.numpy()) for s in src]
         dst = [torch.empty(pb, dtype=torch.uint8) for _ in range(BATCH)]
         raw_dst = [np.empty(pb, dtype=np.uint8) for _ in range(BATCH)]
@@ -306,37 +286,20 @@ def bench_zmq(pb: int, reps: int, src: list[torch.Tensor], sums: Optional[list[i
             store.close()
         sock.close(linger=0)
         ctx.term()
-        stop_procs(raw, srv)
+        stop_procs(raw)
+        srv.stop()
     return {k: v.summary(nbytes) for k, v in S.items()}
 
 
 # ------------------------------------------------------------------------------------------------- mooncake
-
-_HOLDER = r"""
-import os, sys, time
-os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-from mooncake.store import MooncakeDistributedStore
-s = MooncakeDistributedStore()
-rc = s.setup("127.0.0.1", sys.argv[2], int(sys.argv[3]), 16 << 20, "tcp", "", sys.argv[1])
-print("ready", rc, flush=True)
-sys.stdin.read()   # until the benchmark closes our stdin
-s.close()
-"""
-
 
 class MooncakeRig:
     """A master, a segment-holder process (the store's memory, so every page crosses the TCP transport) and a raw
     client with registered buffers."""
 
     def __init__(self, segment: int):
-        mm = _load("mooncake_master", ROOT / "tests" / "storage" / "mooncake_master.py")
-        self.master = mm.MooncakeMaster(log_dir=tempfile.mkdtemp(prefix="tierkv-bench-mc-")).start()
-        self.holder = subprocess.Popen([sys.executable, "-c", _HOLDER, self.master.master_address,
-                                        self.master.metadata_server, str(segment)],
-                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                       text=True)
-        line = self.holder.stdout.readline().split()
-        assert line == ["ready", "0"], line
+        self.master = MooncakeMaster(log_dir=tempfile.mkdtemp(prefix="tierkv-bench-mc-")).start()
+        self.holder = MooncakeSegment(self.master, segment)
         from mooncake.store import MooncakeDistributedStore
 
         self.raw = MooncakeDistributedStore()
@@ -353,13 +316,7 @@ class MooncakeRig:
         try:
             self.raw.close()
         finally:
-            try:
-                self.holder.stdin.close()
-                self.holder.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.holder.kill()
-                self.holder.wait()
-            self.holder.stdout.close()
+            self.holder.stop()
             self.master.stop()
 
 
@@ -537,8 +494,9 @@ def main(argv=None) -> int:
     backends = a.backends.split(",")
     sizes = [{"256K": 256 * KiB, "2M": 2 * MiB}[s] for s in a.pages.split(",")]
     if "lmcache" in backends:  # tierkv's ZMQ server next to LMCache's server: its own module and JSON (issue 11)
-        _load("storage_lmcache", Path(__file__).with_name("storage_lmcache.py")).run(sizes, a.reps, a.quick,
-                                                                                       a.set_checksums)
+        from benchmarks import storage_lmcache
+
+        storage_lmcache.run(sizes, a.reps, a.quick, a.set_checksums)
         backends.remove("lmcache")
         if not backends:
             return 0
@@ -567,7 +525,8 @@ def main(argv=None) -> int:
                     os.makedirs(pdir)
                     peer = run_peer(pb, reps, pdir, rig)
                 if "sglang" in backends:  # rows of benchmarks/storage_sglang.py, same pages sizes, rig and disk
-                    sgl_if = _load("storage_sglang", Path(__file__).with_name("storage_sglang.py"))
+                    from benchmarks import storage_sglang as sgl_if
+
                     raw.setdefault("sglang_interface", {})[pb] = r_if = sgl_if.bench(pb, reps, base, backends, rig)
                     all_rows += sgl_if.rows(r_if)
             finally:

@@ -28,16 +28,15 @@ p50/p99 over the repetitions; the ratio the target is judged on is ``zmq`` MB/s 
 on set and on get), plus the paired ratio (median over repetitions of the two batch times measured back to back);
 the same ratios for ``zmq_shm`` (``zmq_shm_over_lmcache``, ``zmq_shm_meets_target``).
 
-    .venv/bin/python benchmarks/storage_lmcache.py               # ~1-2 min on a 2-core box
-    .venv/bin/python benchmarks/storage_lmcache.py --quick       # smoke run, fewer repetitions
-    .venv/bin/python benchmarks/storage.py --backends lmcache    # the same, from the storage benchmark
+    .venv/bin/python -m benchmarks.storage_lmcache               # ~1-2 min on a 2-core box
+    .venv/bin/python -m benchmarks.storage_lmcache --quick       # smoke run, fewer repetitions
+    .venv/bin/python -m benchmarks.storage --backends lmcache    # the same, from the storage benchmark
 
 Writes ``benchmarks/results/storage_lmcache.json`` (``--quick``: ``$TMPDIR/storage_lmcache_quick.json``).
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -48,9 +47,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
-if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path, not run as a script
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results_check import code_state  # noqa: E402  (which commit wrote the result file)
+from benchmarks import storage as SB  # Series, keys_for, raw server, ...
+from benchmarks.harness import servers
+from benchmarks.harness.results import code_state
 
 import numpy as np
 import torch
@@ -66,18 +65,6 @@ VARIANTS = ("raw", "zmq", "zmq_shm", "lmcache", "lmcache_keys")
 NATIVE_PEER = ROOT / "benchmarks" / "peers" / "lmcache_native_peer.py"
 
 
-def _load(name: str, path: Path):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-SB = _load("tierkv_bench_storage", Path(__file__).with_name("storage.py"))   # Series, keys_for, raw server, ...
-LMF = _load("_fixtures_lmcache", ROOT / "tests" / "storage" / "_fixtures_lmcache.py")  # LMCache server start/stop
 
 
 def bench(pb: int, reps: int, src: list[torch.Tensor], sums: Optional[list[int]]) -> dict:
@@ -92,20 +79,17 @@ def bench(pb: int, reps: int, src: list[torch.Tensor], sums: Optional[list[int]]
     S = {f"{v}_{op}": SB.Series() for v in VARIANTS for op in ("set", "get")}
     raw = subprocess.Popen([sys.executable, "-c", SB._RAW_ZMQ_SERVER], stdout=subprocess.PIPE, text=True)
     cap = 4 * BATCH * (pb + 4096) + (64 << 20)
-    srv = subprocess.Popen([sys.executable, "-m", "tierkv.storage_backends.zmq_server", "--port", "0",
-                            "--capacity-bytes", str(cap), "--log-level", "warning"], stdout=subprocess.PIPE, text=True)
+    srv = servers.ZmqServer(capacity=cap)
     l1_gb = max(1.0, 4 * BATCH * (pb + 4096) / 2**30)
-    lm_proc, lm_ep, lm_shm = LMF.start_server(PAGE_TOKENS, l1_size_gb=round(l1_gb, 2),
+    lm_proc, lm_ep, lm_shm = servers.start_lmcache_server(PAGE_TOKENS, l1_size_gb=round(l1_gb, 2),
                                               log_path=os.path.join(tempfile.gettempdir(), "tierkv-bench-lmcache.log"))
     ctx = zmq.Context()
     sock = ctx.socket(zmq.REQ)
     zs = zsh = lm = None
     try:
         sock.connect(f"tcp://127.0.0.1:{int(raw.stdout.readline())}")
-        line = srv.stdout.readline().split()
-        assert line[:2] == ["tierkv-server", "ready"], line
-        zs = ZmqStore(NS, pb, endpoint=line[2], timeout_s=30.0)
-        zsh = ZmqStore(bytes(range(48, 64)), pb, endpoint=line[2], timeout_s=30.0, shm="on", shm_bytes=BATCH * pb)
+        zs = ZmqStore(NS, pb, endpoint=srv.endpoint, timeout_s=30.0)
+        zsh = ZmqStore(bytes(range(48, 64)), pb, endpoint=srv.endpoint, timeout_s=30.0, shm="on", shm_bytes=BATCH * pb)
         lm = LMCacheStore(NS, pb, endpoint=lm_ep, page_tokens=PAGE_TOKENS, timeout_s=30.0)
         srcv = [memoryview(s.numpy()) for s in src]
         dst = [torch.empty(pb, dtype=torch.uint8) for _ in range(BATCH)]
@@ -172,8 +156,9 @@ def bench(pb: int, reps: int, src: list[torch.Tensor], sums: Optional[list[int]]
                 s.close()
         sock.close(linger=0)
         ctx.term()
-        SB.stop_procs(raw, srv)
-        LMF._stop_proc(lm_proc, lm_shm, grace_s=5.0)
+        SB.stop_procs(raw)
+        srv.stop()
+        servers.stop_lmcache_server(lm_proc, lm_shm)
     return {k: v.summary(BATCH * pb) for k, v in S.items()}
 
 
@@ -184,15 +169,15 @@ def bench_native(pb: int, reps: int) -> dict:
     layers, rest = divmod(pb, 2 * PAGE_TOKENS * heads * head_dim * 2)
     if rest or layers < 1:
         return {"lmcache_native_error": f"no fp16 KV geometry for {pb}-byte pages"}
-    proc, ep, shm = LMF.start_server(PAGE_TOKENS, l1_size_gb=round(max(1.0, 4 * BATCH * pb / 2**30), 2),
+    proc, ep, shm = servers.start_lmcache_server(PAGE_TOKENS, l1_size_gb=round(max(1.0, 4 * BATCH * pb / 2**30), 2),
                                      log_path=os.path.join(tempfile.gettempdir(), "tierkv-bench-lmcache-native.log"))
     try:
         arg = {"endpoint": ep, "chunk_tokens": PAGE_TOKENS, "batch": BATCH, "reps": reps, "layers": layers,
                "heads": heads, "head_dim": head_dim}
-        p = subprocess.run([LMF.lmcache_python(), str(NATIVE_PEER), json.dumps(arg)], capture_output=True, text=True,
+        p = subprocess.run([servers.lmcache_python(), str(NATIVE_PEER), json.dumps(arg)], capture_output=True, text=True,
                            timeout=600, env=dict(os.environ, LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1"))
     finally:
-        LMF._stop_proc(proc, shm, grace_s=5.0)
+        servers.stop_lmcache_server(proc, shm)
     if p.returncode != 0:
         return {"lmcache_native_error": (p.stderr.strip().splitlines() or ["?"])[-1]}
     out = json.loads(p.stdout.strip().splitlines()[-1])

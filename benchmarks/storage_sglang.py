@@ -21,7 +21,7 @@ page; 1 KV head of 128 for 256 KiB pages, 8 heads for 2 MiB).
 
 Run through ``benchmarks/storage.py`` (``--backends ...,sglang``; rows appended to its table and JSON), or alone:
 
-    .venv/bin/python benchmarks/storage_sglang.py [--pages 256K,2M] [--reps N] [--backends file,zmq,mooncake]
+    .venv/bin/python -m benchmarks.storage_sglang [--pages 256K,2M] [--reps N] [--backends file,zmq,mooncake]
 
 Torch intra-op threads: 1 (``--torch-threads``), as in an SGLang GPU server, whose model runner calls
 ``torch.set_num_threads(1)`` in the scheduler process that also runs the HiCache controller (SGLang 0.5.23,
@@ -40,23 +40,18 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Callable
 
-if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path, not run as a script
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results_check import code_state  # noqa: E402  (which commit wrote the result file)
+from benchmarks.harness import REPO, load_file
+from benchmarks.harness.results import code_state
+from benchmarks.harness.servers import ZmqServer
 
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-for _p in (HERE, HERE / "peers", ROOT / "tests" / "sglang"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
+ROOT = REPO
 
 import torch  # noqa: E402
 
@@ -64,6 +59,12 @@ KiB, MiB = 1024, 1024 * 1024
 BATCH = 64
 TARGET = 1.0  # at least as fast as SGLang's own class
 MC_OPTS: dict = json.loads(os.environ.get("TIERKV_BENCH_MC_OPTS", "{}"))  # extra l3.mooncake keys (experiments)
+
+
+def sgl_helpers():
+    """``tests/sglang/_sgl.py`` as a module: SGLang's host pools and the tierkv adapter built as its tests build
+    them (it imports ``benchmarks/peers/sglang_cpu_shims.py`` first)."""
+    return load_file("tierkv_sgl_helpers", REPO / "tests" / "sglang" / "_sgl.py")
 
 
 def _geometry(pb: int) -> dict:
@@ -125,7 +126,7 @@ class _Driver:
 
 
 def _pools(pb: int):
-    import _sgl
+    _sgl = sgl_helpers()
 
     g = _geometry(pb)
     mk = lambda: _sgl.mha_pool("page_first", layers=g["layers"], heads=g["heads"], head_dim=g["head_dim"],  # noqa: E731
@@ -156,7 +157,7 @@ def bench(pb: int, reps: int, base_dir: str, backends: list[str], rig=None, torc
 
 
 def _bench(pb: int, reps: int, base_dir: str, backends: list[str], rig) -> dict:
-    import _sgl
+    _sgl = sgl_helpers()
     from sglang.srt.mem_cache.hicache_storage import HiCacheFile
 
     src, mk = _pools(pb)
@@ -208,12 +209,8 @@ def _bench(pb: int, reps: int, base_dir: str, backends: list[str], rig) -> dict:
                                               (tierkv(l3, "v1", "tierkv mooncake (v1)"), None)]))
         if "zmq" in backends:
             cap = 4 * BATCH * (pb + 4096) + (64 << 20)
-            sproc = subprocess.Popen([sys.executable, "-m", "tierkv.storage_backends.zmq_server", "--port", "0",
-                                      "--capacity-bytes", str(cap), "--log-level", "warning"],
-                                     stdout=subprocess.PIPE, text=True)
-            line = sproc.stdout.readline().split()
-            assert line[:2] == ["tierkv-server", "ready"], line
-            l3 = {"backend": "zmq", "zmq": {"endpoint": line[-1], "timeout_s": 30.0}}
+            sproc = ZmqServer(capacity=cap)
+            l3 = {"backend": "zmq", "zmq": {"endpoint": sproc.endpoint, "timeout_s": 30.0}}
             groups.append(("zmq", None, [(tierkv(l3, "copy", "tierkv zmq (copy)"), None),
                                          (tierkv(l3, "v1", "tierkv zmq (v1)"), None)]))
         # writers: v1 sets read the source pool, so each v1 driver gets a twin attached to src
@@ -264,9 +261,7 @@ def _bench(pb: int, reps: int, base_dir: str, backends: list[str], rig) -> dict:
             except Exception as e:  # noqa: BLE001
                 out["errors"].append(f"close: {e}")
         if sproc is not None:
-            sproc.terminate()
-            sproc.wait(timeout=20)
-            sproc.stdout.close()
+            sproc.stop()
     return out
 
 
@@ -315,7 +310,7 @@ def main(argv=None) -> int:
     ap.add_argument("--torch-threads", type=int, default=1,
                     help="torch intra-op threads (default 1, as SGLang's GPU server process; 0 keeps torch's default)")
     a = ap.parse_args(argv)
-    import storage  # benchmarks/storage.py: MooncakeRig, table printer
+    from benchmarks import storage  # MooncakeRig, table printer
 
     backends = a.backends.split(",")
     sizes = [{"256K": 256 * KiB, "2M": 2 * MiB}[s] for s in a.pages.split(",")]

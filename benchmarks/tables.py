@@ -1,34 +1,37 @@
-"""Render the markdown tables of ``benchmarks/README.md`` from the committed result files.
+"""Draw the ``transfer`` table of ``benchmarks/README.md`` from its result file (the other benchmarks print theirs).
 
-    .venv/bin/python benchmarks/tables.py transfer     # from results/transfer.json
-(``benchmarks/storage.py`` and ``benchmarks/e2e_cpu.py`` print their own tables.)
+    .venv/bin/python -m benchmarks.tables transfer     # from results/transfer.json
+
+One row per (device layout, host layout): GB/s ranges of each direction over batch sizes and block-id patterns,
+the ratio to a plain ``copy_`` and to a non-temporal copy of the same bytes, and the cells that meet the target.
 """
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from benchmarks.harness import RESULTS
+from benchmarks.harness.results import load_result
 
 
-def transfer() -> str:
-    d = json.loads((RESULTS / "transfer.json").read_text())
-    nt = any(r.get("nt_copy_gbps") for r in d["rows"])
-    out = [f"Measured {d['time']}; kernels: {d.get('impl', '?')}; reference: {d['reference']}.", "",
-           "| device layout | host layout | direction | pages | block ids | tierkv GB/s | copy_ GB/s | ratio | target |"
-           + (" non-temporal copy GB/s |" if nt else ""),
-           "|---|---|---|---|---|---|---|---|---|" + ("---|" if nt else "")]
+def _span(xs, fmt: str) -> str:
+    return f"{min(xs):{fmt}}-{max(xs):{fmt}}"
+
+
+def transfer(data: dict | None = None) -> str:
+    """The README's transfer table of ``data`` (default: the committed ``results/transfer.json``)."""
+    d = load_result(RESULTS / "transfer.json") if data is None else data
+    groups: dict[tuple, list[dict]] = {}
     for r in d["rows"]:
-        ok = "ok" if r["meets_target"] else "MISSED"
-        out.append(f"| {r['device_layout']} | {r['layout']} | {r['direction']} | {r['pages']} | {r['ids']} | "
-                   f"{r['gbps']:.2f} | {r['copy_gbps']:.2f} | {r['ratio']:.0%} | {r['target']:.0%} {ok} |"
-                   + (f" {r['nt_copy_gbps']:.2f} |" if nt and r.get("nt_copy_gbps") else (" |" if nt else "")))
-    lw = d.get("layerwise")
-    if lw:
-        keys = [k for k in ("load_ms", "compute_ms", "sequential_ms", "layerwise_ms") if k in lw]
-        if keys:
-            out += ["", "Layer-wise load: " + ", ".join(f"{k} {lw[k]:.1f}" for k in keys)]
+        groups.setdefault((r["device_layout"], r["layout"]), []).append(r)
+    out = ["| device layout | host layout | target | L1->L2 GB/s | L2->L1 GB/s | vs `copy_` | vs non-temporal copy | "
+           "cells meeting target |", "|---|---|---|---|---|---|---|---|"]
+    for (dev, host), rows in groups.items():
+        save = [r["gbps"] for r in rows if r["direction"] == "L1->L2"]
+        load = [r["gbps"] for r in rows if r["direction"] == "L2->L1"]
+        nt = [r["gbps"] / r["nt_copy_gbps"] for r in rows if r.get("nt_copy_gbps")]
+        out.append(f"| {dev} | {host} | {rows[0]['target']:.0%} | {_span(save, '.1f')} | {_span(load, '.1f')} | "
+                   f"{_span([r['ratio'] for r in rows], '.0%')} | {_span(nt, '.0%') if nt else '-'} | "
+                   f"{sum(r['meets_target'] for r in rows)} of {len(rows)} |")
     return "\n".join(out)
 
 

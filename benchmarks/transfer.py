@@ -10,10 +10,10 @@ run ("run") or a random sample of the L1 pool ("scattered", what a busy engine h
 It also times a layer-wise load (:class:`LayerwiseLoad`) against a fake forward pass (a fixed amount of matmul
 work per layer) and writes the timeline: load of layer ``l+1`` overlapping compute of layer ``l``.
 
-    python benchmarks/transfer.py                 # CPU: numba kernels (torch without numba), vLLM CPU-backend layout
-    TIERKV_CPU_KERNELS=torch python benchmarks/transfer.py   # CPU: the torch kernels
-    python benchmarks/transfer.py --device cuda   # GPU: Triton kernels vs pinned copy_, FlashAttention NHD layout
-    python benchmarks/transfer.py --quick         # fewer repetitions; writes $TMPDIR/transfer_quick.json
+    python -m benchmarks.transfer                 # CPU: numba kernels (torch without numba), vLLM CPU-backend layout
+    TIERKV_CPU_KERNELS=torch python -m benchmarks.transfer   # CPU: the torch kernels
+    python -m benchmarks.transfer --device cuda   # GPU: Triton kernels vs pinned copy_, FlashAttention NHD layout
+    python -m benchmarks.transfer --quick         # fewer repetitions; writes $TMPDIR/transfer_quick.json
 
 Results: ``benchmarks/results/transfer.json`` (CPU) or ``transfer_gpu.json`` (CUDA).
 """
@@ -31,9 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path, not run as a script
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results_check import code_state  # noqa: E402  (which commit wrote the result file)
+from benchmarks.harness.results import code_state
 
 os.environ.setdefault("TIERKV_COPY_THREADS", "1")  # copies single-threaded, as measured and committed
 

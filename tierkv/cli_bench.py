@@ -1,9 +1,8 @@
-"""``tierkv bench e2e|transfer|storage [ARGS...]``: run a benchmark script of ``benchmarks/`` (docs/architecture.md
-§12).
+"""``tierkv bench e2e|transfer|storage [ARGS...]``: run a benchmark of ``benchmarks/`` (docs/architecture.md §12).
 
-Each name maps to one script (:data:`BENCHMARKS`), run with this interpreter from the repository root, the remaining
-arguments passed through unchanged (``tierkv bench storage --quick``; ``tierkv bench e2e -- --help`` shows the
-script's own flags). The scripts show their own progress and write JSON (and charts) under ``benchmarks/results/``;
+Each name maps to one module of the ``benchmarks`` package (:data:`BENCHMARKS`), run as
+``python -m benchmarks.<module>`` with this interpreter from the repository root, the remaining arguments passed
+through unchanged (``tierkv bench storage --quick``; ``tierkv bench e2e -- --help`` shows its own flags). The scripts show their own progress and write JSON (and charts) under ``benchmarks/results/``;
 see ``benchmarks/README.md``. The benchmarks ship with the source tree, not with an installed wheel.
 
 Exit status: the script's own (0 success, non-zero failure), 2 when the script cannot be found, 130 on Ctrl-C.
@@ -18,7 +17,7 @@ from pathlib import Path
 
 from tierkv.cli_common import EXIT_INTERRUPTED, EXIT_USAGE, CliError, fail
 
-#: subcommand -> (script under benchmarks/, one-line description)
+#: subcommand -> (module file under benchmarks/, one-line description)
 BENCHMARKS = {
     "e2e": ("e2e_cpu.py", "end to end on vLLM's CPU backend: TTFT and throughput per tier and configuration"),
     "transfer": ("transfer.py", "L1 <-> L2 page transfer GB/s per layout, against memcpy"),
@@ -61,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     try:
-        return subprocess.call([sys.executable, str(script), *rest], cwd=str(repo_root()), env=env)
+        return subprocess.call([sys.executable, "-m", f"benchmarks.{script.stem}", *rest], cwd=str(repo_root()),
+                               env=env)
     except KeyboardInterrupt:
         print(f"tierkv bench {args.benchmark}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -1,9 +1,9 @@
 """What a memray capture (``sitecustomize.py`` of this folder) allocated and had not freed when recording stopped,
 summed by Python stack: the candidates for memory a long run keeps.
 
-    python benchmarks/heap_watch/report.py DIR/memray-<pid>.bin [--frames 6] [--top 12]
+    python -m benchmarks.heap_watch.report DIR/memray-<pid>.bin [--frames 6] [--top 12]
 
-memray must be importable (``PYTHONPATH=<its --target folder>``). Allocations made by C code (libraries, vLLM's
+memray must be importable, or its ``pip install --target`` folder named by ``TIERKV_HEAP_WATCH_MEMRAY``. Allocations made by C code (libraries, vLLM's
 kernels) are filed under the Python frames that called into it; those with no Python frame at all (threads of C
 libraries) under ``(no Python stack)``.
 """
@@ -28,7 +28,9 @@ def leaked_by_stack(path: str, frames: int = 6, top: int = 12) -> dict:
     """``{"allocations": n, "mib": MiB, "top": [{"mib", "allocations", "stack"}, ...]}`` of the allocations in the
     capture ``path`` not freed by its end; ``stack`` is the innermost ``frames`` Python frames, innermost first,
     as ``file:line`` (:func:`_short` paths)."""
-    from memray import FileReader
+    from benchmarks.heap_watch.sitecustomize import import_memray
+
+    FileReader = import_memray().FileReader
 
     size: Counter = Counter()
     count: Counter = Counter()

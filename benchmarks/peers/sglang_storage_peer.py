@@ -21,8 +21,7 @@ import sys
 import time
 
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import sglang_cpu_shims  # noqa: E402,F401  (before any sglang import)
+import sglang_cpu_shims  # noqa: E402,F401  (run as a script: its folder is first on the path; before any sglang import)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402

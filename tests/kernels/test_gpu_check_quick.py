@@ -1,4 +1,4 @@
-"""``benchmarks/gpu_check.py --quick`` on this machine's CPU under ``TRITON_INTERPRET=1`` (the interpreter is picked
+"""``python -m benchmarks.gpu_check --quick`` on this machine's CPU under ``TRITON_INTERPRET=1`` (the interpreter is picked
 when triton is imported, hence a subprocess): the one command prepared for a CUDA machine keeps running between GPU
 runs. Its JSON must hold every correctness case passed (Triton = torch, bit for bit), the controller round trip
 through a file L3 passed for every host layout, and the CUDA-only parts reported as not measured, not failed; its
@@ -6,7 +6,6 @@ through a file L3 passed for every host layout, and the CUDA-only parts reported
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import os
 import subprocess
@@ -16,8 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import gpu_check as gc
+
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+#: run as on the GPU machine: from the checkout's root, the module form
+COMMAND = [sys.executable, "-m", "benchmarks.gpu_check"]
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +28,8 @@ def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check") / "quick.json"
     env = dict(os.environ, TRITON_INTERPRET="1")
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out)], env=env, capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run([*COMMAND, "--quick", "--out", str(out)], env=env, capture_output=True, text=True,
+                       timeout=300, cwd=ROOT)
     took = time.perf_counter() - t0
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return json.loads(out.read_text()), r.stdout, took
@@ -69,9 +71,6 @@ def test_quick_run_passes_every_correctness_case_and_the_round_trip(quick):
 
 def _head_code_files() -> tuple[str, dict[str, str]]:
     """HEAD's commit and its code files as ``gpu_check.code_files`` records them, read from git (not the tree)."""
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    gc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gc)
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                           check=True).stdout.strip()
     ls = subprocess.run(["git", "ls-tree", "-r", "HEAD", "--", *gc.CODE_DIRS], cwd=ROOT, capture_output=True,
@@ -85,8 +84,8 @@ def _head_code_files() -> tuple[str, dict[str, str]]:
 
 
 def _readme(path: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), "--readme-from", str(path)], capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run([*COMMAND, "--readme-from", str(path)], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
 
 
 def test_readme_section_renders_from_the_result_file(quick, tmp_path):
@@ -149,9 +148,6 @@ def test_readme_refuses_uncommitted_code_quick_runs_and_missing_keys(quick, tmp_
 def test_a_part_that_broke_is_reported_not_lost(quick):
     """summary() and the README section name a part that raised (its error) or was skipped (its reason) and keep
     the others."""
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    gc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gc)
     res = copy.deepcopy(quick[0])
     res["parts"]["correctness"] = {"status": "error", "passed": False, "error": "RuntimeError: a | b"}
     res["parts"]["round_trip"] = {"status": "skipped", "passed": None, "reason": gc.NEEDS_PYDANTIC}

@@ -1,13 +1,9 @@
 """``benchmarks/mla_l3_bytes.py``: MLA pages under TP stored once vs per rank, through the workers' L3 path (real MLA
-host pools, L3IO and file stores), and the README section drawn from the committed result file."""
-import importlib.util
+host pools, L3IO and file stores), and the README table of the committed result."""
 import json
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("tierkv_bench_mla_l3_bytes", REPO / "benchmarks" / "mla_l3_bytes.py")
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+from benchmarks import mla_l3_bytes as bench
+from benchmarks.harness import REPO
 
 TOKEN_BYTES = 2 * 576 * 2   # 2 layers x 576 bf16 latent values
 
@@ -26,6 +22,10 @@ def test_once_stores_one_record_per_page_and_per_rank_tp_copies(tmp_path):
     assert all_write["written_bytes_per_token"] == 2 * TOKEN_BYTES
 
 
-def test_the_readme_section_is_drawn_from_the_committed_results():
+def test_the_committed_result_renders_once_against_per_rank():
     data = json.loads((REPO / "benchmarks" / "results" / "mla_l3_bytes.json").read_text())
-    assert bench.section(data) in (REPO / "benchmarks" / "README.md").read_text()
+    row = next(r for r in data["rows"] if r["scheme"] == "once" and r["tp"] == 2)
+    per_rank = next(r for r in data["rows"] if r["scheme"] == "per_rank" and r["tp"] == 2
+                    and (r["model"], r["page_size"]) == (row["model"], row["page_size"]))
+    assert per_rank["disk_bytes_per_token"] == 2 * row["disk_bytes_per_token"]
+    assert f"| {row['disk_bytes_per_token']:,.0f} | {per_rank['disk_bytes_per_token']:,.0f} |" in bench.section(data)

@@ -1,14 +1,15 @@
 """``benchmarks/no_reuse_cost.py``: prompts shared by the configurations of a repeat and distinct otherwise, ratios
-paired by repeat, tierkv's threads counted apart, and the README section drawn from the committed result."""
+paired by repeat, tierkv's threads counted apart, and the README table of the committed results."""
 import json
 import os
 import re
 import threading
 import time
 
-from _bench_loader import load_benchmark
+import pytest
 
-nrc = load_benchmark("no_reuse_cost")
+from benchmarks import no_reuse_cost as nrc
+from benchmarks.harness import REPO
 
 
 def test_prompts_are_the_same_for_a_repeat_and_distinct_between_phases_and_repeats():
@@ -111,13 +112,12 @@ def test_thread_cpu_counts_tierkv_threads_apart():
     assert after["process"] - before["process"] >= after["tierkv_threads"] - before["tierkv_threads"] - 2 * tick
 
 
-def test_the_readme_section_is_what_the_committed_results_render():
-    section = nrc.results_check.readme_section(nrc.README, nrc.SECTION)
-    assert section == nrc.render_all()
-    for path in [nrc.RESULTS] + nrc.extra_results():
-        data = json.loads(path.read_text())
-        assert re.fullmatch(r"[0-9a-f]{40}", data["code"]["commit"]), path
-        assert not [r for r in data["runs"] if r.get("error")], path
-        assert {r["config"] for r in data["runs"]} == set(data["configs"]) and "none" in data["configs"], path
-    for path in nrc.extra_results():
-        assert f"\n### {path.stem[len(nrc.RESULTS.stem) + 1:]}\n" in section
+@pytest.mark.parametrize("name", ["no_reuse_cost_fp32_engines.json", "no_reuse_cost_avx2.json"])
+def test_the_committed_results_are_complete_and_render(name):
+    path = REPO / "benchmarks" / "results" / name
+    data = json.loads(path.read_text())
+    assert re.fullmatch(r"[0-9a-f]{40}", data["code"]["commit"]), path
+    assert not [r for r in data["runs"] if r.get("error")], path
+    assert {r["config"] for r in data["runs"]} == set(data["configs"]) and "none" in data["configs"], path
+    text = nrc.render(data, name)
+    assert text.startswith("## no_reuse_cost\n") and "| none | c1 | - |" in text

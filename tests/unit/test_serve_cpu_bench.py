@@ -1,5 +1,6 @@
-"""``benchmarks/serve_cpu.py`` and ``benchmarks/make_multiturn_trace.py``: the trace format and its determinism, the
-/metrics parser, and the README section drawn from the committed result file (drift test, as for e2e_cpu)."""
+"""``benchmarks.serve_cpu`` and ``benchmarks/make_multiturn_trace.py``: the trace format and its determinism, the
+/metrics parser, the ratio, CPU and hook tables, the soak's checks and the README block of the current result."""
+import argparse
 import copy
 import json
 import os
@@ -9,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from _bench_loader import load_benchmark
+import benchmarks.serve_cpu.__main__ as cli
+from benchmarks import harness, hook_time, noop_connector
+from benchmarks import make_multiturn_trace as trace
+from benchmarks.harness import procs, results, stats
+from benchmarks.serve_cpu import client, configs, passes, report, soak
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-serve = load_benchmark("serve_cpu")
-trace = serve.trace_gen
+REPO = harness.REPO
 
 ARGS = dict(conversations=4, turns=3, first_chunks=3, turn_chunks=2, output_len=5)
 
@@ -64,41 +65,37 @@ vllm:num_requests_running{engine="0",model_name="m"} 1.0
 
 
 def test_metrics_are_summed_over_engines_and_keep_other_labels():
-    m = serve.parse_metrics(PROM)
+    m = stats.parse_metrics(PROM)
     assert m == {"vllm:prefix_cache_hits_total": 96.0, "vllm:request_success_total{finished_reason=length}": 3.0,
                  "vllm:tierkv_hit_tokens_total{tier=L3}": 96.0, "vllm:tierkv_l2_used_pages": 12.0,
                  "vllm:request_queue_time_seconds_sum": 0.5, "vllm:request_queue_time_seconds_count": 4.0}
-    assert serve.metric(m, "vllm:request_success_total") == 3.0
+    assert stats.metric(m, "vllm:request_success_total") == 3.0
     later = dict(m, **{"vllm:prefix_cache_hits_total": 160.0, "vllm:tierkv_l2_used_pages": 20.0,
                        "vllm:request_queue_time_seconds_sum": 0.9, "vllm:request_queue_time_seconds_count": 6.0})
-    d = serve.deltas(later, m)
+    d = stats.deltas(later, m)
     assert d == {"vllm:prefix_cache_hits_total": 64.0, "vllm:tierkv_l2_used_pages": 20.0,
                  "vllm:request_queue_time_seconds_sum": 0.4, "vllm:request_queue_time_seconds_count": 2.0}
-    assert serve.phase_means_ms(d) == {"queue": 200.0}   # 0.4 s over the run's 2 requests
+    assert stats.phase_means_ms(d) == {"queue": 200.0}   # 0.4 s over the run's 2 requests
 
 
-def _committed():
-    return json.loads((REPO / "benchmarks" / "results" / "serve_cpu.json").read_text())
+#: the current result of the serving claim and of the soak (benchmarks/README.md names them)
+CURRENT = "serve_cpu_rerun_full_fp32.json"
+CURRENT_SOAK = "serve_cpu_soak_fp32_onednn0.json"
 
 
-def _committed_soak():
-    path = REPO / "benchmarks" / "results" / serve.SOAK_JSON
-    return json.loads(path.read_text()) if path.exists() else None
+def _committed(name=CURRENT):
+    return json.loads((REPO / "benchmarks" / "results" / name).read_text())
 
 
-def test_the_readme_section_is_what_the_committed_result_renders():
+def test_the_current_result_renders_its_command_commit_and_headline_table():
     data = _committed()
-    soak = _committed_soak()
-    rerun, base, others = serve.committed_extras()
-    assert serve.readme_section() == serve.full_section(data, "serve_cpu.json", soak, serve.SOAK_JSON, rerun, base,
-                                                        others)
-    assert serve.readme_section().startswith(serve.render_section(data, "serve_cpu.json").rstrip("\n"))
-    if soak is not None:
-        assert "\n### soak\n" in serve.readme_section()
-        assert re.fullmatch(r"[0-9a-f]{40}", soak["code"]["commit"]) and soak["code"]["dirty"] == []
+    text = report.render_section(data, CURRENT)
     assert re.fullmatch(r"[0-9a-f]{40}", data["code"]["commit"]) and data["code"]["dirty"] == []
-    if data["quick"]:
-        assert "**Quick run**" in serve.readme_section()
+    assert text.startswith("```bash\n.venv/bin/python -m benchmarks.serve_cpu --preset demo --configs ")
+    assert f"--dtype float32 --out benchmarks/results/{CURRENT}\n```" in text   # fp32 servers, TCMalloc (default)
+    assert f"tierkv commit `{data['code']['commit'][:12]}`" in text and report.headline_table(data) in text
+    soak_text = report.render_soak(_committed(CURRENT_SOAK), CURRENT_SOAK)
+    assert f"--soak 2000 --dtype float32 --onednn-cache 0 --out benchmarks/results/{CURRENT_SOAK}" in soak_text
 
 
 @pytest.mark.parametrize("change, says", [
@@ -109,31 +106,28 @@ def test_the_readme_section_is_what_the_committed_result_renders():
 def test_a_result_without_a_current_key_or_from_dirty_code_is_refused(change, says):
     data = copy.deepcopy(_committed())
     change(data)
-    with pytest.raises(serve.results_check.ResultsError, match=re.escape(says)):
-        serve.render_section(data)
+    with pytest.raises(results.ResultsError, match=re.escape(says)):
+        report.render_section(data, CURRENT)
 
 
 def test_the_soak_file_without_a_current_key_is_refused():
-    soak = _committed_soak()
-    if soak is None:
-        pytest.skip("no soak result committed")
-    soak = copy.deepcopy(soak)
+    soak = copy.deepcopy(_committed(CURRENT_SOAK))
     soak["soak"].pop("checks")
-    with pytest.raises(serve.results_check.ResultsError, match=re.escape("soak.checks")):
-        serve.render_soak(soak)
+    with pytest.raises(results.ResultsError, match=re.escape("soak.checks")):
+        report.render_soak(soak)
 
 
 def test_the_kv_usage_gauge_is_read_from_the_raw_text():
     text = ('# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
             'vllm:kv_cache_usage_perc_other 3\n')
-    assert serve.raw_samples(text, "vllm:kv_cache_usage_perc") == [0.25]
-    assert "vllm:kv_cache_usage_perc" in serve.KV_USAGE_GAUGES
+    assert stats.raw_samples(text, "vllm:kv_cache_usage_perc") == [0.25]
+    assert "vllm:kv_cache_usage_perc" in soak.KV_USAGE_GAUGES
 
 
 def _soak_record(**change):
     procs = {"python3:10": {"name": "python3", "threads": 20, "rss_kib": 1000},
              "VLLM::EngineCor:11": {"name": "VLLM::EngineCor", "threads": 40, "rss_kib": 4000}}
-    s = dict(serve.SOAK, requests=80, run={"completed": 80, "failed": 0}, client_error=None,
+    s = dict(configs.SOAK, requests=80, run={"completed": 80, "failed": 0}, client_error=None,
              server_alive_at_end=True,
              zmq_kill={"done": True, "counted_at_kill": 30, "killed_exit_code": -9, "restart_s": 1.0},
              idle={"kv_usage_gauge": "vllm:kv_cache_usage_perc", "kv_usage": 0.0, "locked_pages": 0,
@@ -150,7 +144,7 @@ def _soak_record(**change):
 
 
 def test_soak_checks_pass_on_a_clean_record():
-    checks = serve.soak_checks(_soak_record())
+    checks = soak.soak_checks(_soak_record())
     assert {n: c["result"] for n, c in checks.items()} == {n: "PASS" for n in checks}
 
 
@@ -170,7 +164,7 @@ def test_soak_checks_pass_on_a_clean_record():
      "rss_growth_under_limit"),
 ])
 def test_soak_checks_fail_on_each_problem(change, fails):
-    checks = serve.soak_checks(_soak_record(**change))
+    checks = soak.soak_checks(_soak_record(**change))
     assert [n for n, c in checks.items() if c["result"] == "FAIL"] == [fails]
 
 
@@ -186,15 +180,15 @@ def test_ratios_pair_runs_of_the_same_repeat_and_compare_random_with_no_connecto
                                        run("multiturn", 4, 2, 5.0, 1.0), run("random", 4, 0, 8.0, 1.0),
                                        run("random", 4, 2, 2.0, 1.0)]}}}
     # repeat 2 of multiturn has no ideal run: left out; random is paired with no connector, not the ideal
-    assert serve.paired_ratios(data, "tierkv_l2", "ideal", "multiturn", 4, "request_throughput") == [0.9, 1.0]
-    assert serve.paired_ratios(data, "tierkv_l2", "none", "random", 4, "request_throughput") == [1.0, 0.5]
-    rows = {tuple(c.strip() for c in line.split("|")[1:4]): line for line in serve.ratio_table(data).splitlines()}
+    assert report.paired_ratios(data, "tierkv_l2", "ideal", "multiturn", 4, "request_throughput") == [0.9, 1.0]
+    assert report.paired_ratios(data, "tierkv_l2", "none", "random", 4, "request_throughput") == [1.0, 0.5]
+    rows = {tuple(c.strip() for c in line.split("|")[1:4]): line for line in report.ratio_table(data).splitlines()}
     assert "| 0.90-1.00, 0.95 | ideal | >= 0.95 | yes | 1.10-1.50, 1.30 | 2 | 2.00 |" in rows[("tierkv_l2", "multiturn", "4")]
     assert "| 0.50-1.00, 0.75 | none | >= 0.97 | no | - | 2 | 2.00 |" in rows[("tierkv_l2", "random", "4")]
-    assert serve.spread(data, "ideal", "random", 4) is None            # one run: no spread
+    assert report.spread(data, "ideal", "random", 4) is None            # one run: no spread
     # the do-nothing connector is compared with no connector on every workload, without a target
     data["configs"]["noop_connector"] = {"runs": [run("multiturn", 4, 0, 9.0, 1.0), run("random", 4, 0, 6.0, 1.0)]}
-    rows = {tuple(c.strip() for c in line.split("|")[1:4]): line for line in serve.ratio_table(data).splitlines()}
+    rows = {tuple(c.strip() for c in line.split("|")[1:4]): line for line in report.ratio_table(data).splitlines()}
     assert "| 0.75-0.75, 0.75 | none | - | - | - | 1 | 2.00 |" in rows[("noop_connector", "random", "4")]
     assert "| - | none | - | - |" in rows[("noop_connector", "multiturn", "4")]  # no run of none on multiturn
 
@@ -202,10 +196,10 @@ def test_ratios_pair_runs_of_the_same_repeat_and_compare_random_with_no_connecto
 def test_the_noop_connector_is_complete_and_answers_nothing():
     """``noop_connector``: vLLM's connector path with nothing behind it. The class must implement every abstract
     hook (vLLM refuses to instantiate it otherwise) and offer no external token."""
-    kvc = serve.kv_config("noop_connector", dict(serve.FULL), Path("/nonexistent"), None)
+    kvc = configs.kv_config("noop_connector", dict(configs.FULL), Path("/nonexistent"), None)
     assert kvc == {"kv_connector": "NoopConnector", "kv_connector_module_path": "noop_connector",
                    "kv_role": "kv_both"}
-    mod = load_benchmark("noop_connector")
+    mod = noop_connector
     cls = getattr(mod, kvc["kv_connector"])
     assert not cls.__abstractmethods__
     conn = object.__new__(cls)  # no vLLM config needed for hooks that keep no state
@@ -224,18 +218,18 @@ def test_the_cpu_table_splits_each_run_by_process_and_counts_tierkv_threads_wher
                                                          "total": 33.0})]},
                         "tierkv_l3_file": {"runs": [run("random", tk), run("random", tk2),
                                                     {"workload": "multiturn", "concurrency": 8, "repeat": 0}]}}}
-    assert serve.cpu_parts(tk) == {"total": 40.0, "worker": 34.0, "engine_core": 4.0, "tierkv_threads": 2.0}
+    assert report.cpu_parts(tk) == {"total": 40.0, "worker": 34.0, "engine_core": 4.0, "tierkv_threads": 2.0}
     rows = {tuple(c.strip() for c in line.split("|")[1:4]): [c.strip() for c in line.split("|")[4:-1]]
-            for line in serve.cpu_table(data).splitlines()[2:]}
+            for line in report.cpu_table(data).splitlines()[2:]}
     # tierkv threads 2.0 of 40 s (5 %) and 4.0 of 60 s (6.7 %); a run without cpu_s (older results) is left out
     assert rows[("tierkv_l3_file", "random", "8")] == ["2", "40.0-60.0", "34.0-54.0", "4.0", "2.00-4.00", "5.0-6.7 %"]
     assert rows[("none", "random", "8")] == ["1", "33.0", "30.0", "2.0", "0.00", "0.0 %"]
     assert ("tierkv_l3_file", "multiturn", "8") not in rows
-    assert serve.cpu_table({"configs": {"none": {"runs": [{"workload": "random", "concurrency": 1}]}}}) == ""
+    assert report.cpu_table({"configs": {"none": {"runs": [{"workload": "random", "concurrency": 1}]}}}) == ""
     # a ZMQ-L3 configuration's runs record the `tierkv server` process apart: one more column, "-" where absent
     data["configs"]["tierkv_l3_zmq"] = {"runs": [dict(run("random", tk), l3_server_cpu_s=0.41),
                                                  dict(run("random", tk2), l3_server_cpu_s=0.73)]}
-    lines = serve.cpu_table(data).splitlines()
+    lines = report.cpu_table(data).splitlines()
     assert lines[0].endswith("| `tierkv server` process |") and lines[1].count("---") == 10
     rows = {tuple(c.strip() for c in line.split("|")[1:4]): [c.strip() for c in line.split("|")[4:-1]]
             for line in lines[2:]}
@@ -244,108 +238,64 @@ def test_the_cpu_table_splits_each_run_by_process_and_counts_tierkv_threads_wher
 
 
 def test_hook_time_per_run_is_the_change_of_each_role_and_its_share_of_the_run(tmp_path):
-    stats = tmp_path / "stats"
-    stats.mkdir()
+    sdir = tmp_path / "stats"
+    sdir.mkdir()
 
     def write(sched, workers):
-        (stats / "scheduler-1.json").write_text(json.dumps({"role": "scheduler", "pid": 1, "hook_seconds": sched}))
+        (sdir / "scheduler-1.json").write_text(json.dumps({"role": "scheduler", "pid": 1, "hook_seconds": sched}))
         for i, w in enumerate(workers):  # one file per worker process (TP ranks): summed
-            (stats / f"worker-{10 + i}.json").write_text(json.dumps({"role": "worker", "pid": 10 + i,
+            (sdir / f"worker-{10 + i}.json").write_text(json.dumps({"role": "worker", "pid": 10 + i,
                                                                       "hook_seconds": w}))
     write(1.0, [2.0, 3.0])
-    before = serve.settled_stats(stats, quiet_s=0.2)
+    before = stats.settled_stats(sdir, quiet_s=0.2)
     write(1.25, [2.5, 3.5])
-    assert serve.hook_delta(serve.settled_stats(stats, quiet_s=0.2), before) == {"scheduler": 0.25, "worker": 1.0}
-    assert serve.hook_delta({}, before) == {}
+    assert stats.hook_delta(stats.settled_stats(sdir, quiet_s=0.2), before) == {"scheduler": 0.25, "worker": 1.0}
+    assert stats.hook_delta({}, before) == {}
 
     def run(conc, hooks, duration):
         return {"workload": "random", "concurrency": conc, "repeat": 0, "duration": duration, "tierkv_hook_s": hooks}
     data = {"configs": {"none": {"runs": [{"workload": "random", "concurrency": 8, "repeat": 0, "duration": 5.0}]},
                         "tierkv_l2": {"runs": [run(8, {"scheduler": 0.05, "worker": 0.15}, 10.0),
                                                run(8, {"scheduler": 0.1, "worker": 0.2}, 5.0)]}}}
-    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in serve.hook_table(data).splitlines()[2:]]
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in report.hook_table(data).splitlines()[2:]]
     # (0.05 + 0.15) / 10 s = 2 %, (0.1 + 0.2) / 5 s = 6 %; no connector: no row
     assert rows == [["tierkv_l2", "random", "8", "2", "0.05-0.10", "0.15-0.20", "2.0-6.0 %"]]
-    assert serve.hook_table({"configs": {"none": data["configs"]["none"]}}) == ""
-
-
-def test_another_soak_is_found_with_its_own_baseline_and_drawn_under_its_tag(tmp_path, monkeypatch):
-    soak = json.loads((REPO / "benchmarks" / "results" / serve.SOAK_JSON).read_text())
-    base = json.loads((REPO / "benchmarks" / "results" / serve.SOAK_BASELINE_JSON).read_text())
-    for name, d in [(serve.SOAK_JSON, soak), (serve.SOAK_BASELINE_JSON, base), ("serve_cpu_soak_amx.json", soak),
-                    ("serve_cpu_soak_amx_none.json", dict(base, finished_at="2099-01-01 00:00 UTC")),
-                    ("serve_cpu_soak_lone.json", soak)]:
-        (tmp_path / name).write_text(json.dumps(d))
-    monkeypatch.setattr(serve, "RESULTS", tmp_path)
-    _reruns, main_base, others = serve.committed_extras()
-    assert main_base["finished_at"] == base["finished_at"]
-    assert list(others) == ["serve_cpu_soak_amx.json", "serve_cpu_soak_lone.json"]  # baselines are not soaks
-    assert others["serve_cpu_soak_amx.json"][1]["finished_at"] == "2099-01-01 00:00 UTC"
-    assert others["serve_cpu_soak_lone.json"][1] is None
-    body = serve.full_section(_committed(), "serve_cpu.json", soak, serve.SOAK_JSON, {}, main_base, others)
-    assert body.count("\n### soak\n") == 1 and body.count("\n### soak: amx\n") == 1
-    amx = body.split("\n### soak: amx\n")[1].split("\n### soak: lone\n")[0]
-    assert "--soak 2000 --allocator glibc --out benchmarks/results/serve_cpu_soak_amx.json --no-readme" in amx
-    assert "benchmarks/results/serve_cpu_soak_amx_none.json --no-readme" in amx and "2099-01-01 00:00 UTC" in amx
-    assert "Paired baseline" not in body.split("\n### soak: lone\n")[1]
-
-
-def test_the_soak_baseline_table_sets_each_process_growth_against_no_connector():
-    soak = json.loads((REPO / "benchmarks" / "results" / serve.SOAK_JSON).read_text())
-    base = json.loads(json.dumps(soak))
-    end = base["soak"]["procs_at_end"]
-    worker = next(k for k in end if k.startswith("VLLM::Worker"))
-    start_kib = base["soak"]["procs_after_warmup"][worker]["rss_kib"]
-    end[worker]["rss_kib"] = start_kib + start_kib // 25                  # the baseline's worker grew 4 %
-    grown = serve._rss_by_process(soak)
-    assert grown["VLLM::Worker"] == pytest.approx(
-        (soak["soak"]["procs_at_end"][worker]["rss_kib"] - start_kib) / start_kib)
-    assert serve._rss_by_process(base)["VLLM::Worker"] == pytest.approx(0.04, abs=1e-4)
-    text = serve.render_soak_baseline(soak, base)
-    assert "--soak-config none\n--allocator glibc --out benchmarks/results/" in text   # its servers' malloc
-    fp32 = dict(soak, conditions=dict(soak["conditions"], server_dtype="float32"))
-    assert "--soak 2000 --dtype float32 --allocator glibc --out " in serve.render_soak(fp32, "serve_cpu_soak_x.json")
-    row = next(line for line in text.splitlines() if line.startswith("| VLLM::Worker |"))
-    assert row == (f"| VLLM::Worker | {grown['VLLM::Worker'] * 100:+.1f} % | +4.0 % | "
-                   f"{(grown['VLLM::Worker'] - 0.04) * 100:+.1f} points |")
+    assert report.hook_table({"configs": {"none": data["configs"]["none"]}}) == ""
 
 
 def test_set_overrides_a_size_and_refuses_unknown_keys_and_bad_values():
-    p = dict(serve.FULL)
-    assert serve.parse_sets(["pr_prefix_len=1536", "pr_output_len=4"], p) == {"pr_prefix_len": 1536,
+    p = dict(configs.FULL)
+    assert configs.parse_sets(["pr_prefix_len=1536", "pr_output_len=4"], p) == {"pr_prefix_len": 1536,
                                                                                 "pr_output_len": 4}
     for bad, says in (("pr_prefix=3", "KEY one of"), ("preset=bench", "KEY one of"), ("pr_prefix_len", "KEY=INT"),
                       ("pr_prefix_len=0", "positive"), ("pr_prefix_len=x", "positive")):
         with pytest.raises(ValueError, match=says):
-            serve.parse_sets([bad], p)
+            configs.parse_sets([bad], p)
 
 
-def test_a_rerun_subsection_names_its_changed_sizes_and_command():
-    data = json.loads((REPO / "benchmarks" / "results" / "serve_cpu.json").read_text())
+def test_the_command_names_the_changed_sizes_and_the_server_flags():
+    data = copy.deepcopy(_committed())
     data["params"] = dict(data["params"], pr_prefix_len=1536)
-    text = serve.render_rerun(data, "serve_cpu_rerun_long.json")
-    assert text.startswith("### re-run: rerun_long\n")
-    assert "except `pr_prefix_len` = 1536" in text
-    # the committed full pass ran bf16 servers with the C library's malloc: the command says how to get that today
-    assert "--set pr_prefix_len=1536 --allocator glibc --out benchmarks/results/serve_cpu_rerun_long.json" in text
-    data["conditions"] = dict(data["conditions"], server_dtype="float32",
-                              server_env=dict(data["conditions"]["server_env"], LD_PRELOAD="/lib/libtcmalloc.so.4"))
-    assert "--set pr_prefix_len=1536 --dtype float32 --out " in serve.render_rerun(data, "serve_cpu_rerun_long.json")
+    data["conditions"]["server_env"] = {k: v for k, v in data["conditions"]["server_env"].items() if k != "LD_PRELOAD"}
+    cmd = report.command(data, "serve_cpu_long.json")
+    assert cmd.startswith(".venv/bin/python -m benchmarks.serve_cpu --preset demo --configs ideal,none,")
+    assert "--rounds 3 --set pr_prefix_len=1536 --dtype float32 --allocator glibc " in cmd
+    assert cmd.endswith("--out benchmarks/results/serve_cpu_long.json")
 
 
 def test_server_flags_name_only_what_differs_from_the_defaults():
     env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     tc = dict(env, LD_PRELOAD="/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
-    assert serve.server_flags({"server_env": tc, "server_dtype": "bfloat16"}) == ""
-    assert serve.server_flags({"server_env": tc, "server_dtype": "float32"}) == "--dtype float32 "
-    assert serve.server_flags({"server_env": env, "server_dtype": "float32"}) == "--dtype float32 --allocator glibc "
-    assert serve.server_flags({}) == ""   # older than both fields: bf16, allocator unknown
+    assert configs.server_flags({"server_env": tc, "server_dtype": "bfloat16"}) == ""
+    assert configs.server_flags({"server_env": tc, "server_dtype": "float32"}) == "--dtype float32 "
+    assert configs.server_flags({"server_env": env, "server_dtype": "float32"}) == "--dtype float32 --allocator glibc "
+    assert configs.server_flags({}) == ""   # older than both fields: bf16, allocator unknown
     capped = dict(tc, ONEDNN_PRIMITIVE_CACHE_CAPACITY="0")
-    assert serve.server_flags({"server_env": capped, "server_dtype": "float32"}) == "--dtype float32 --onednn-cache 0 "
-    assert serve.allocator_text({"server_env": capped, "server_dtype": "float32"}) == (
+    assert configs.server_flags({"server_env": capped, "server_dtype": "float32"}) == "--dtype float32 --onednn-cache 0 "
+    assert configs.allocator_text({"server_env": capped, "server_dtype": "float32"}) == (
         "TCMalloc preloaded, model and KV cache in float32, oneDNN's primitive cache capped at 0 "
         "(`ONEDNN_PRIMITIVE_CACHE_CAPACITY`)")
-    assert "oneDNN" not in serve.allocator_text({"server_env": tc})
+    assert "oneDNN" not in configs.allocator_text({"server_env": tc})
 
 
 def test_the_cpu_table_shows_the_client_and_what_ran_elsewhere_on_the_machine():
@@ -355,39 +305,37 @@ def test_the_cpu_table_shows_the_client_and_what_ran_elsewhere_on_the_machine():
     data = {"configs": {"none": {"runs": [run(40.0, 3.0, 36.0), run(41.0, 3.5, 36.5)]},
                         "tierkv_l3_zmq": {"runs": [run(44.0, 3.0, 38.0, l3_server_cpu_s=0.5,
                                                        idle_cpu_s={"none": 0.2})]}}}
-    assert serve.elsewhere_cpu_s(data["configs"]["none"]["runs"][0]) == pytest.approx(1.0)
+    assert report.elsewhere_cpu_s(data["configs"]["none"]["runs"][0]) == pytest.approx(1.0)
     # the tierkv server and an idle server (--interleave) are measured processes, not "elsewhere"
-    assert serve.elsewhere_cpu_s(data["configs"]["tierkv_l3_zmq"]["runs"][0]) == pytest.approx(2.3)
-    assert serve.elsewhere_cpu_s({"cpu_s": {"total": 1.0}}) is None
-    lines = serve.cpu_table(data).splitlines()
+    assert report.elsewhere_cpu_s(data["configs"]["tierkv_l3_zmq"]["runs"][0]) == pytest.approx(2.3)
+    assert report.elsewhere_cpu_s({"cpu_s": {"total": 1.0}}) is None
+    lines = report.cpu_table(data).splitlines()
     assert lines[0].endswith("| client | elsewhere on the machine |") and lines[1].count("---") == 12
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[-3:-1]] for line in lines[2:]}
     assert rows == {"none": ["3.0-3.5", "1.0"], "tierkv_l3_zmq": ["3.0", "2.3"]}
     # busy time is the whole machine's since boot: this process's own 0.05 CPU s show in it (others may add more);
     # the children's count only waited-for children, and none ended meanwhile
-    a, c, t = serve.machine_cpu_seconds(), serve.children_cpu_seconds(), time.process_time()
+    a, c, t = procs.machine_cpu_seconds(), procs.children_cpu_seconds(), time.process_time()
     while time.process_time() - t < 0.05:
         pass
-    assert serve.machine_cpu_seconds() - a >= 0.03 and serve.children_cpu_seconds() == c
+    assert procs.machine_cpu_seconds() - a >= 0.03 and procs.children_cpu_seconds() == c
 
 
-def test_the_readme_hook_time_section_is_what_the_committed_result_renders():
-    hook = load_benchmark("hook_time")
+def test_the_hook_time_table_shows_each_sides_ms_per_step_of_the_committed_result():
     data = json.loads((REPO / "benchmarks" / "results" / "hook_time.json").read_text())
-    assert serve.results_check.readme_section(REPO / "benchmarks" / "README.md", "hook_time") == hook.render(data)
     assert re.fullmatch(r"[0-9a-f]{40}", data["code"]["commit"]) and data["code"]["dirty"] == []
     row = data["configs"]["tierkv_l2"]["runs"][0]
-    assert f"| {row['sched_ms_per_step']} ({row['sched_cpu_ms_per_step']}) |" in hook.render(data)
+    assert f"| {row['sched_ms_per_step']} ({row['sched_cpu_ms_per_step']}) |" in hook_time.render(data)
 
 
 def test_rounds_rotate_the_order_of_the_configurations():
     """Over as many rounds as configurations, each configuration runs once at each position."""
     configs = ["ideal", "none", "tierkv_l2", "tierkv_l3_file"]
-    orders = [serve.round_order(configs, k) for k in range(4)]
+    orders = [passes.round_order(configs, k) for k in range(4)]
     assert orders[0] == configs and orders[1] == ["none", "tierkv_l2", "tierkv_l3_file", "ideal"]
     for pos in range(4):
         assert sorted(o[pos] for o in orders) == sorted(configs)
-    assert serve.round_order(configs, 5) == orders[1] and serve.round_order([], 3) == []
+    assert passes.round_order(configs, 5) == orders[1] and passes.round_order([], 3) == []
 
 
 def test_interleaved_runs_keep_every_server_up_and_run_the_configurations_back_to_back(monkeypatch, tmp_path):
@@ -414,12 +362,12 @@ def test_interleaved_runs_keep_every_server_up_and_run_the_configurations_back_t
             events.append(("finish", self.name))
             return self.out
 
-    monkeypatch.setattr(serve, "ConfigServer", FakeServer)
-    monkeypatch.setattr(serve, "wait_quiet", lambda servers: events.append(("quiet", sorted(x.name for x in servers)))
+    monkeypatch.setattr(passes, "ConfigServer", FakeServer)
+    monkeypatch.setattr(passes, "wait_quiet", lambda servers: events.append(("quiet", sorted(x.name for x in servers)))
                         or 0.5)
-    args = serve.argparse.Namespace(configs=["none", "broken", "tierkv_l2", "noop_connector"], workloads=["random"],
+    args = argparse.Namespace(configs=["none", "broken", "tierkv_l2", "noop_connector"], workloads=["random"],
                                     concurrency=[4, 8], repeats=2)
-    records = serve.run_interleaved({}, args, "m", tmp_path, "", {})
+    records = passes.run_interleaved({}, args, "m", tmp_path, "", {})
     names = ["none", "broken", "tierkv_l2", "noop_connector"]
     assert events[:4] == [("start", n) for n in names] and events[-4:] == [("finish", n) for n in names]
     runs = [e for e in events if e[0] == "run"]
@@ -431,7 +379,7 @@ def test_interleaved_runs_keep_every_server_up_and_run_the_configurations_back_t
     assert len(runs) == 3 * len(cells)
     for k, (r, c) in enumerate(cells):
         got = runs[3 * k:3 * k + 3]
-        assert [e[1] for e in got] == serve.round_order(up, k)
+        assert [e[1] for e in got] == passes.round_order(up, k)
         assert all(e[2:5] == ("random", c, r) for e in got)
         assert all(sorted(e[5]) == sorted(n for n in up if n != e[1]) for e in got)
     assert [run["position"] for run in records["none"]["runs"]] == [0, 2, 1, 0]
@@ -444,25 +392,25 @@ def test_the_idle_servers_cpu_is_reported_for_an_interleaved_pass():
                                            "idle_cpu_s": {"tierkv_l2": 0.02, "noop_connector": 0.03}}]},
                         "tierkv_l2": {"runs": [{"workload": "random", "concurrency": 8, "repeat": 1,
                                                 "cpu_s": {"total": 7.0}, "idle_cpu_s": {"none": 0.01}}]}}}
-    assert serve.idle_text(data) == (" The idle servers used at most 0.05 CPU s in all during one run (none, random "
+    assert report.idle_text(data) == (" The idle servers used at most 0.05 CPU s in all during one run (none, random "
                                      "c4 r0, whose own server used 9.5 s).")
     data["configs"]["none"]["runs"][0].pop("idle_cpu_s")
     data["configs"]["tierkv_l2"]["runs"][0].pop("idle_cpu_s")
-    assert serve.idle_text(data) == ""
+    assert report.idle_text(data) == ""
 
 
-@pytest.mark.parametrize("name", [c for c in serve.CONFIGS if c not in ("ideal", "none", "noop_connector")])
+@pytest.mark.parametrize("name", [c for c in configs.CONFIGS if c not in ("ideal", "none", "noop_connector")])
 def test_every_tierkv_configuration_is_a_valid_connector_config(name, tmp_path):
     """Each configuration's ``kv_connector_extra_config`` loads through the connector's own parser; the L3
     configurations hold the same L2 bytes, so ``tierkv_l3_file_p4``'s pages of 4 blocks come in a quarter the
     number."""
     from tierkv.connector.config import config_from_extra
 
-    p = dict(serve.FULL)
-    kvc = serve.kv_config(name, p, tmp_path, "tcp://127.0.0.1:5555", l3_root=str(tmp_path / "l3"))
+    p = dict(configs.FULL)
+    kvc = configs.kv_config(name, p, tmp_path, "tcp://127.0.0.1:5555", l3_root=str(tmp_path / "l3"))
     cfg = config_from_extra(kvc["kv_connector_extra_config"])
-    blocks = 1 if cfg.page_size is None else cfg.page_size // serve.BLOCK
-    assert blocks == (serve.P4_BLOCKS if name == "tierkv_l3_file_p4" else 1)
+    blocks = 1 if cfg.page_size is None else cfg.page_size // configs.BLOCK
+    assert blocks == (configs.P4_BLOCKS if name == "tierkv_l3_file_p4" else 1)
     l2_blocks = cfg.host_pool.num_pages * blocks
     assert l2_blocks == (p["l2_pages"] if name == "tierkv_l2" else p["l3_l2_pages"])
     assert (cfg.l3.backend == "file") == (name in ("tierkv_l3_file", "tierkv_write_back", "tierkv_l3_file_shm",
@@ -485,21 +433,21 @@ def test_every_server_gets_tcmalloc_preloaded_or_the_allocator_named(monkeypatch
     assert engine_env.tcmalloc_path("\tlibc.so.6 (libc6,x86-64) => /lib/x86_64-linux-gnu/libc.so.6\n") is None
     lib = tmp_path / "libtcmalloc_minimal.so.4"
     monkeypatch.setattr(engine_env, "tcmalloc_path", lambda: str(lib))
-    assert serve.preload_env is engine_env.preload_env  # the benchmarks' servers and the demo's: one owner
-    env = serve.preload_env("tcmalloc")
+    assert cli.preload_env is engine_env.preload_env  # the benchmarks' servers and the demo's: one owner
+    env = engine_env.preload_env("tcmalloc")
     assert env == {"LD_PRELOAD": str(lib)}
-    assert serve.preload_env("glibc") == {}
+    assert engine_env.preload_env("glibc") == {}
     with pytest.raises(ValueError, match="allowed: tcmalloc, glibc"):
-        serve.preload_env("jemalloc")
+        engine_env.preload_env("jemalloc")
     monkeypatch.setattr(engine_env, "tcmalloc_path", lambda: None)
     with pytest.raises(RuntimeError, match="--allocator glibc"):
-        serve.preload_env("tcmalloc")
-    assert serve.allocator_text({"server_env": env}) == "TCMalloc preloaded"
-    assert "no TCMalloc" in serve.allocator_text({"server_env": {}})
+        engine_env.preload_env("tcmalloc")
+    assert configs.allocator_text({"server_env": env}) == "TCMalloc preloaded"
+    assert "no TCMalloc" in configs.allocator_text({"server_env": {}})
 
 
 def test_random_runs_get_seeds_whose_prompts_share_no_first_page_within_or_between_runs():
-    base = {key: serve.run_seed(*key) for key in [("random", 1, 0), ("random", 1, 1), ("random", 8, 0)]}
+    base = {key: client.run_seed(*key) for key in [("random", 1, 0), ("random", 1, 1), ("random", 8, 0)]}
     page = [[7] * 32, [8] * 32, [9] * 32, [10] * 32]
 
     def prompts_of(key, seed):
@@ -509,29 +457,29 @@ def test_random_runs_get_seeds_whose_prompts_share_no_first_page_within_or_betwe
             return [page[1] + [3], page[2]]
         if seed == base[("random", 8, 0)]:  # a page twice in the run itself
             return [page[3] + [4], page[3] + [5]]
-        if seed == base[("random", 8, 0)] + serve.SEED_STEP:  # the first page differs in one token: disjoint
+        if seed == base[("random", 8, 0)] + client.SEED_STEP:  # the first page differs in one token: disjoint
             return [page[3], [10] * 31 + [11]]
         return [page[2][:31] + [99]]  # (1, 1)'s next try; only its first 32 tokens count
-    got = serve.disjoint_seeds(list(base), prompts_of)
+    got = client.disjoint_seeds(list(base), prompts_of)
     assert got == {("random", 1, 0): base[("random", 1, 0)],
-                   ("random", 1, 1): base[("random", 1, 1)] + serve.SEED_STEP,
-                   ("random", 8, 0): base[("random", 8, 0)] + serve.SEED_STEP}
-    assert serve.run_seed("random", 1, 1, got) == got[("random", 1, 1)]
-    assert serve.run_seed("multiturn", 1, 1, got) == serve.run_seed("multiturn", 1, 1)
-    assert serve.random_seed_text({}) == ""  # older results: their seeds were run_seed's
-    assert "c1-r1 102105" in serve.random_seed_text({"random_seeds": {"c1-r0": 2002, "c1-r1": 102105}})
+                   ("random", 1, 1): base[("random", 1, 1)] + client.SEED_STEP,
+                   ("random", 8, 0): base[("random", 8, 0)] + client.SEED_STEP}
+    assert client.run_seed("random", 1, 1, got) == got[("random", 1, 1)]
+    assert client.run_seed("multiturn", 1, 1, got) == client.run_seed("multiturn", 1, 1)
+    assert report.random_seed_text({}) == ""  # older results: their seeds were run_seed's
+    assert "c1-r1 102105" in report.random_seed_text({"random_seeds": {"c1-r0": 2002, "c1-r1": 102105}})
     with pytest.raises(RuntimeError, match="no seed among 3"):
-        serve.disjoint_seeds([("random", 1, 0), ("random", 1, 1)], lambda key, seed: [page[0]], tries=3)
+        client.disjoint_seeds([("random", 1, 0), ("random", 1, 1)], lambda key, seed: [page[0]], tries=3)
 
 
 def test_client_prompts_are_what_vllm_bench_serve_sends_tokenized_as_the_server_does(tmp_path):
-    maker = serve._load("tierkv_make_tiny_model", REPO / "examples" / "make_tiny_model.py")
+    maker = harness.make_tiny_model()
     model = maker.make_model(tmp_path / "m", "test", quiet=True)
-    p = dict(serve.QUICK, rnd_num_prompts=3, rnd_input_len=64)
-    a = serve.client_prompts(model, serve.workload_args(p, "random", 5, None))
+    p = dict(configs.QUICK, rnd_num_prompts=3, rnd_input_len=64)
+    a = client.client_prompts(model, client.workload_args(p, "random", 5, None))
     assert len(a) == 3 and all(len(t) == 64 for t in a)
-    assert a == serve.client_prompts(model, serve.workload_args(p, "random", 5, None))
-    b = serve.client_prompts(model, serve.workload_args(p, "random", 6, None))
+    assert a == client.client_prompts(model, client.workload_args(p, "random", 5, None))
+    b = client.client_prompts(model, client.workload_args(p, "random", 6, None))
     assert [t[:32] for t in a] != [t[:32] for t in b]
     # vLLM's random dataset: consecutive ids of its allowed (non-special) tokens from a random offset
     assert all(t[2] - t[1] in (1, 1 - (maker.PRESETS["test"]["vocab_size"] - maker.NUM_SPECIAL)) for t in a)
@@ -541,17 +489,17 @@ def test_the_heap_watch_table_lists_the_largest_stacks_and_says_why_a_process_ha
     hw = {"41": {"allocations": 3, "mib": 2.5, "top": [{"mib": 2.0, "allocations": 2, "stack": "a.py:1 <- b.py:2"},
                                                       {"mib": 0.5, "allocations": 1, "stack": "c.py:3"}]},
           "42": {"error": "ModuleNotFoundError: No module named 'memray'"}}
-    text = serve.heap_table(hw, top=1)
+    text = report.heap_table(hw, top=1)
     assert "| 2.00 | 2 | `a.py:1 <- b.py:2` |" in text and "c.py:3" not in text
     assert "2.50 MiB in 3 allocations" in text and "(PID 41)" in text
     assert "process 42: no result (ModuleNotFoundError" in text
-    assert serve.heap_table(None) == ""
+    assert report.heap_table(None) == ""
 
 
 def test_heap_report_names_each_process_whose_capture_failed(tmp_path):
     (tmp_path / "error-7").write_text("ImportError: no memray\n")
-    assert serve.heap_report(tmp_path, wait_s=0) == {"7": {"error": "ImportError: no memray"}}
-    assert "no capture" in serve.heap_report(tmp_path / "empty", wait_s=0)["none"]["error"]
+    assert soak.heap_report(tmp_path, wait_s=0) == {"7": {"error": "ImportError: no memray"}}
+    assert "no capture" in soak.heap_report(tmp_path / "empty", wait_s=0)["none"]["error"]
 
 
 def test_the_heap_watch_hook_waits_for_its_process_and_start_marker_and_reports_what_stopped_it(tmp_path):
@@ -568,7 +516,7 @@ def test_the_heap_watch_hook_waits_for_its_process_and_start_marker_and_reports_
             "while not [f for f in os.listdir(d) if f.startswith(('error-', 'memray-'))] and time.monotonic() < end:\n"
             "    time.sleep(0.05)\n"
             "print(names(), flush=True)\n")
-    env = dict(os.environ, PYTHONPATH=str(serve.HEAP_WATCH_DIR), TIERKV_HEAP_WATCH=str(tmp_path),
+    env = dict(os.environ, PYTHONPATH=str(soak.HEAP_WATCH_DIR), TIERKV_HEAP_WATCH=str(tmp_path),
                TIERKV_HEAP_WATCH_PROC="python", TIERKV_HEAP_WATCH_MEMRAY=str(tmp_path / "no-memray-here"))
     p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                          env=env)
@@ -594,17 +542,17 @@ def test_the_heap_watch_hook_waits_for_its_process_and_start_marker_and_reports_
 
 
 def test_a_failed_thread_check_names_the_threads_that_came_or_went():
-    def procs(api, worker):
+    def procs_of(api, worker):
         return {"python3:10": {"name": "python3", "threads": sum(api.values()), "rss_kib": 1000, "thread_names": api},
                 "VLLM::Worker:12": {"name": "VLLM::Worker", "threads": sum(worker.values()), "rss_kib": 4000,
                                     "thread_names": worker}}
-    s = _soak_record(procs_after_warmup=procs({"python3": 9, "ZMQbg/IO/0": 1}, {"VLLM::Worker": 50, "tkv-l3-w": 1}),
-                     procs_at_end=procs({"python3": 10, "ZMQbg/IO/0": 1}, {"VLLM::Worker": 50, "tkv-l3-w": 1}))
-    c = serve.soak_checks(s)["threads_as_after_warmup"]
+    s = _soak_record(procs_after_warmup=procs_of({"python3": 9, "ZMQbg/IO/0": 1}, {"VLLM::Worker": 50, "tkv-l3-w": 1}),
+                     procs_at_end=procs_of({"python3": 10, "ZMQbg/IO/0": 1}, {"VLLM::Worker": 50, "tkv-l3-w": 1}))
+    c = soak.soak_checks(s)["threads_as_after_warmup"]
     assert c["result"] == "FAIL"
     assert c["value"]["changed"] == {"python3:10": {"python3": 1}}
     assert c["value"]["VLLM::Worker:12"] == [51, 51]
-    same = serve.soak_checks(_soak_record())["threads_as_after_warmup"]
+    same = soak.soak_checks(_soak_record())["threads_as_after_warmup"]
     assert same["result"] == "PASS" and "changed" not in same["value"]
-    names = serve.thread_names(os.getpid())
+    names = procs.thread_names(os.getpid())
     assert sum(names.values()) == len(os.listdir(f"/proc/{os.getpid()}/task")) and names
