@@ -62,6 +62,11 @@ COUNTERS = {
     "ctl_l3_hit_tokens": "Prefix tokens loaded from L3 (asynchronous loads) instead of recomputed (tokens).",
     "ctl_l3_declined_slow_pages": "L3 hits declined because loading was estimated slower than recomputing (pages).",
     "ctl_exists_queries": "L3 existence queries sent to the workers.",
+    "ctl_backup_stored_pages": "Pages whose L2 -> L3 backup every rank confirmed (pages).",
+    "ctl_prefetch_sync_jobs": "L3 hits loaded before the forward of the step that admitted them, like an L2 hit.",
+    "ctl_l3_probe_hits": "L3 hits read although estimated slower than recomputing, to refresh a stale estimate.",
+    "hook_errors": "Exceptions caught at a vLLM hook, each turned into a miss or recomputed pages.",
+    "l3_writer_raised": "Times the idle-class L3 writer thread was raised to the normal class (backlog).",
     "l3_hits": "Requests whose L3 load ended (asynchronous loads).",
     "l3_hit_wait_steps": "Engine steps those requests waited for L3, summed (an L2 hit waits 0; an L3 hit at least 1 with "
                          "synchronous scheduling, vLLM's CPU backend, and 2 with asynchronous scheduling).",
