@@ -73,6 +73,7 @@ COUNTERS = {
     "l3_hit_wait_steps_1": "L3 hits that waited at most one engine step.",
     "l3_backup_pages": "Pages stored L2 -> L3, summed over the workers (each rank stores its shard; MLA: TP rank 0 stores the one shared record) (pages).",
     "l3_backup_failed_pages": "Pages whose L2 -> L3 backup failed or was dropped (pages).",
+    "l3_backup_other_rank_pages": "MLA: pages a rank other than TP rank 0 did not send (rank 0 writes the shared record).",
     "l3_backup_bytes": "Bytes stored L2 -> L3 (bytes).",
     "l3_prefetch_pages": "Pages read L3 -> L2 intact, summed over the workers (pages).",
     "l3_prefetch_failed_pages": "Pages whose L3 read failed, was corrupt or missing (pages).",
