@@ -21,7 +21,7 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from tierkv.storage_backends.common import ConfigError  # noqa: F401 - re-exported: tierkv.connector.config.ConfigError
+from tierkv.storage_backends.common import ConfigError, unknown_key  # noqa: F401 - re-exported: ConfigError
 from tierkv.storage_backends.factory import L3Config, validate_l3  # noqa: F401 - re-exported
 from .thread_priority import WRITER_PRIORITIES
 
@@ -200,11 +200,12 @@ def _format_error(err: ValidationError) -> str:
         key = _short(".".join(str(p) for p in e["loc"]) or "<root>")
         if e["type"] == "extra_forbidden":
             section = tuple(e["loc"][:-1])
-            allowed = "" if section in listed else _allowed_keys(section)
+            allowed, first = _allowed_keys(section), section not in listed
             listed.add(section)
             if not _KEY_LIKE.fullmatch(str(e["loc"][-1])):  # not a key someone mistyped: do not echo file content
                 key = ".".join(str(p) for p in section + ("<an entry that is not a key, not shown>",))
-            lines.append(f"unknown config key '{key}'" + (f": allowed keys are {allowed}" if allowed else ""))
+                allowed = [] if not first else allowed
+            lines.append(unknown_key(key, allowed, list_allowed=first))
         elif e["type"] == "literal_error":
             allowed = e.get("ctx", {}).get("expected", "")
             lines.append(f"bad value {_short(e.get('input'))!r} for '{key}': allowed values are {allowed}")
@@ -215,21 +216,21 @@ def _format_error(err: ValidationError) -> str:
     return "invalid tierkv config: " + "; ".join(lines)
 
 
-def _allowed_keys(loc: tuple) -> str:
-    """The keys the section at ``loc`` (a pydantic error location, e.g. ``("controller",)``) accepts, quoted and
-    sorted; "" when the section is not a model (a free-form mapping)."""
+def _allowed_keys(loc: tuple) -> list:
+    """The keys the section at ``loc`` (a pydantic error location, e.g. ``("controller",)``) accepts; empty when the
+    section is not a model (a free-form mapping)."""
     model: Any = TierKVConfig
     for part in loc:
         field = getattr(model, "model_fields", {}).get(part)
         if field is None:
-            return ""
+            return []
         model = field.annotation
         for arg in getattr(model, "__args__", ()):  # Optional[Model]: the model
             if isinstance(arg, type) and issubclass(arg, BaseModel):
                 model = arg
     if not (isinstance(model, type) and issubclass(model, BaseModel)):
-        return ""
-    return ", ".join(f"'{k}'" for k in sorted(model.model_fields))
+        return []
+    return list(model.model_fields)
 
 
 def _plain(msg: str) -> str:

@@ -130,13 +130,16 @@ def _hook_error(counters, hook: str, err: BaseException) -> None:
 
 _params_log_obj = None
 
+#: refused request controls are logged at most once per this many seconds (the line counts the ones suppressed)
+PARAMS_LOG_EVERY_S = 10.0
+
 
 def _params_log():
-    """The rate-limited logger of refused request controls (one line per 10 s)."""
+    """The rate-limited logger of refused request controls (one line per :data:`PARAMS_LOG_EVERY_S`)."""
     global _params_log_obj
     if _params_log_obj is None:
         from tierkv.storage_backends.common import RateLimitedLog
-        _params_log_obj = RateLimitedLog(logger)
+        _params_log_obj = RateLimitedLog(logger, PARAMS_LOG_EVERY_S)
     return _params_log_obj
 
 

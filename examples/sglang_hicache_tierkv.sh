@@ -16,15 +16,15 @@ MODEL=${MODEL:-Qwen/Qwen3-8B}
 case $backend in
 file)
   # pages in a directory (local disk or a shared file system); survives restarts
-  python -m sglang.launch_server --model-path "$MODEL" --page-size 64 \
+  python -m sglang.launch_server --model-path "$MODEL" --host 127.0.0.1 --page-size 64 \
     --enable-hierarchical-cache --hicache-ratio 2 --hicache-mem-layout page_first \
     --hicache-storage-backend dynamic \
     --hicache-storage-backend-extra-config '{"backend_name": "tierkv", "module_path": "tierkv.connector.sglang_hicache", "class_name": "TierKVHiCacheStorage", "interface_v1": 1, "l3": {"backend": "file", "file": {"root": "/var/cache/tierkv-l3", "capacity_bytes": "200GiB"}}}'
   ;;
 zmq)
   # one tierkv cache server shared by several engines (vLLM and SGLang alike); start it first
-  tierkv server --port 5557 --capacity-bytes 64GiB &
-  python -m sglang.launch_server --model-path "$MODEL" --page-size 64 \
+  tierkv server --host 127.0.0.1 --port 5557 --capacity-bytes 64GiB &
+  python -m sglang.launch_server --model-path "$MODEL" --host 127.0.0.1 --page-size 64 \
     --enable-hierarchical-cache --hicache-ratio 2 --hicache-mem-layout page_first \
     --hicache-storage-backend dynamic \
     --hicache-storage-backend-extra-config '{"backend_name": "tierkv", "module_path": "tierkv.connector.sglang_hicache", "class_name": "TierKVHiCacheStorage", "interface_v1": 1, "l3": {"backend": "zmq", "zmq": {"endpoint": "tcp://127.0.0.1:5557", "timeout_s": 1.0}}}'
@@ -33,7 +33,7 @@ mooncake)
   # a Mooncake master (HTTP metadata server on); each rank contributes 4 GiB of store memory
   mooncake_master -rpc_port 50051 -rpc_address 127.0.0.1 -enable_http_metadata_server=true \
     -http_metadata_server_host 127.0.0.1 -http_metadata_server_port 8080 -metrics_host 127.0.0.1 &
-  python -m sglang.launch_server --model-path "$MODEL" --page-size 64 \
+  python -m sglang.launch_server --model-path "$MODEL" --host 127.0.0.1 --page-size 64 \
     --enable-hierarchical-cache --hicache-ratio 2 --hicache-mem-layout page_first \
     --hicache-storage-backend dynamic \
     --hicache-storage-backend-extra-config '{"backend_name": "tierkv", "module_path": "tierkv.connector.sglang_hicache", "class_name": "TierKVHiCacheStorage", "interface_v1": 1, "l3": {"backend": "mooncake", "mooncake": {"master_address": "127.0.0.1:50051", "metadata_server": "http://127.0.0.1:8080/metadata", "protocol": "tcp", "global_segment_size": "4GiB", "timeout_s": 1.0}}}'
@@ -45,7 +45,7 @@ lmcache)
   LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 "${LMCACHE_PYTHON:-benchmarks/peers/.lmcache-venv/bin/python}" \
     -m lmcache.v1.multiprocess.server --host 127.0.0.1 --port 5555 --chunk-size 64 --l1-size-gb 64 \
     --supported-transfer-mode engine_driven --shm-name tierkv-sglang --disable-observability &
-  python -m sglang.launch_server --model-path "$MODEL" --page-size 64 \
+  python -m sglang.launch_server --model-path "$MODEL" --host 127.0.0.1 --page-size 64 \
     --enable-hierarchical-cache --hicache-ratio 2 --hicache-mem-layout page_first \
     --hicache-storage-backend dynamic \
     --hicache-storage-backend-extra-config '{"backend_name": "tierkv", "module_path": "tierkv.connector.sglang_hicache", "class_name": "TierKVHiCacheStorage", "interface_v1": 1, "l3": {"backend": "lmcache", "lmcache": {"endpoint": "tcp://127.0.0.1:5555", "page_tokens": 64, "timeout_s": 1.0}}}'

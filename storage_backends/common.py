@@ -7,6 +7,7 @@ depends on the connector (``tierkv.connector.config`` imports :class:`ConfigErro
 from __future__ import annotations
 
 import ctypes
+import difflib
 import logging
 import sys
 import threading
@@ -15,7 +16,7 @@ from typing import Any, Optional, Union
 
 from pydantic import ValidationError
 
-__all__ = ["ConfigError", "parse_bytes", "config_error", "as_byte_view", "as_byte_runs", "RateLimitedLog",
+__all__ = ["ConfigError", "parse_bytes", "config_error", "unknown_key", "as_byte_view", "as_byte_runs", "RateLimitedLog",
            "Counters", "STORE_COUNTERS"]
 
 
@@ -56,6 +57,22 @@ def check_store_identity(namespace: Any, page_bytes: Any, error: type = ValueErr
     return bytes(namespace)
 
 
+def unknown_key(key: str, allowed, list_allowed: bool = True) -> str:
+    """The one message for an unknown config key, wherever it is found: ``unknown config key 'KEY' (did you mean
+    'NEAREST'?): allowed keys are 'a', 'b'``. The suggestion is the allowed key closest to the last part of ``key``
+    (:func:`difflib.get_close_matches`), left out when none is close; the list is left out when ``list_allowed`` is
+    false (a second unknown key of a section already listed) or nothing is allowed."""
+    allowed = sorted(str(k) for k in allowed)
+    section, _, leaf = key.rpartition(".")
+    near = difflib.get_close_matches(leaf, allowed, n=1, cutoff=0.6)
+    msg = f"unknown config key '{key}'"
+    if near:
+        msg += f" (did you mean '{section + '.' if section else ''}{near[0]}'?)"
+    if list_allowed and allowed:
+        msg += ": allowed keys are " + ", ".join(f"'{k}'" for k in allowed)
+    return msg
+
+
 def config_error(err: ValidationError, prefix: str, model: Optional[type] = None) -> ConfigError:
     """A :class:`ConfigError` naming each bad key as ``<prefix>.<key>`` and what is allowed (for an unknown key, the
     allowed keys when ``model``, the pydantic model that failed, is given). The value of a field declared with
@@ -67,8 +84,7 @@ def config_error(err: ValidationError, prefix: str, model: Optional[type] = None
         if field is not None and not field.repr:
             e["input"] = "<hidden>"
         if e["type"] == "extra_forbidden":
-            allowed = f"; allowed keys: {', '.join(model.model_fields)}" if model is not None else ""
-            lines.append(f"unknown config key '{key}'{allowed}")
+            lines.append(unknown_key(key, model.model_fields if model is not None else ()))
         elif e["type"] == "literal_error":
             lines.append(f"bad value {e.get('input')!r} for '{key}': allowed values are "
                          f"{e.get('ctx', {}).get('expected', '')}")

@@ -40,7 +40,7 @@ class OneLineParser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with one sub-parser per entry of :data:`COMMANDS`."""
     p = OneLineParser(prog="tierkv", description="tierkv: hierarchical KV cache tools",
-                      epilog="exit codes: see 'tierkv COMMAND --help' and the README, section 'Operating tierkv: commands'")
+                      epilog="exit codes: see 'tierkv COMMAND --help' and docs/user-guide.md, section 'The tierkv command'")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, mod_name, help_text in COMMANDS:

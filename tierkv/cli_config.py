@@ -11,8 +11,9 @@ The key list is generated from the schema, never written by hand:
   shipped commented configs (``configs/default.yaml``, ``configs/l3_<backend>.yaml``), else the ``Args:`` entry of the
   class that takes the key (``FaultyBackend`` for ``l3.faults``).
 
-README.md holds the same table between the markers :data:`BEGIN` and :data:`END`; ``tierkv config docs --markdown``
-prints it, ``--update-readme FILE`` rewrites that part, and ``tests/cli/test_cli_config.py`` fails when they drift.
+docs/user-guide.md holds the same table between the markers :data:`BEGIN` and :data:`END` (and the exit codes of
+:data:`tierkv.cli_common.EXIT_CODES` between theirs); ``tierkv config docs --markdown`` prints it, ``--update-readme
+FILE`` rewrites both parts, and ``tests/cli/test_cli_config.py`` fails when they drift.
 """
 from __future__ import annotations
 
@@ -185,7 +186,7 @@ def _fmt_default(v: Any) -> str:
 
 
 def markdown_table() -> str:
-    """The README table: one row per key (``key``, type, default, meaning)."""
+    """The key table of docs/user-guide.md: one row per key (``key``, type, default, meaning)."""
     lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for r in config_keys():
         meaning = r["meaning"].replace("|", "\\|")
@@ -195,7 +196,8 @@ def markdown_table() -> str:
 
 
 def readme_section(readme_text: str) -> Optional[str]:
-    """The generated part of README.md (between :data:`BEGIN` and :data:`END`, stripped), or None without markers."""
+    """The generated key table of a document (between :data:`BEGIN` and :data:`END`, stripped), or None without
+    markers."""
     if BEGIN not in readme_text or END not in readme_text:
         return None
     return readme_text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
@@ -265,7 +267,14 @@ def cmd_check(args) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- docs
+def _splice(text: str, begin: str, end: str, body: str) -> str:
+    head, rest = text.split(begin, 1)
+    return f"{head}{begin}\n{body}\n{end}{rest.split(end, 1)[1]}"
+
+
 def cmd_docs(args) -> int:
+    from tierkv.cli_common import EXIT_BEGIN, EXIT_END, exit_codes_markdown
+
     if args.update_readme:
         try:
             with open(args.update_readme) as f:
@@ -274,13 +283,16 @@ def cmd_docs(args) -> int:
             raise CliError(EXIT_USAGE, f"cannot read {args.update_readme}: {e.strerror}") from None
         if readme_section(text) is None:
             raise CliError(EXIT_USAGE, f"{args.update_readme} has no markers {BEGIN!r} ... {END!r}")
-        head, rest = text.split(BEGIN, 1)
-        tail = rest.split(END, 1)[1]
+        text = _splice(text, BEGIN, END, markdown_table())
+        if EXIT_BEGIN in text and EXIT_END in text:
+            text = _splice(text, EXIT_BEGIN, EXIT_END, exit_codes_markdown())
         with open(args.update_readme, "w") as f:
-            f.write(f"{head}{BEGIN}\n{markdown_table()}\n{END}{tail}")
-        print(f"updated the config key table in {args.update_readme}")
+            f.write(text)
+        print(f"updated the generated tables in {args.update_readme}")
         return EXIT_OK
-    if args.markdown:
+    if args.exit_codes:
+        print(exit_codes_markdown())
+    elif args.markdown:
         print(markdown_table())
     elif args.json:
         print(json.dumps(config_keys(), indent=1, default=str))
@@ -309,10 +321,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        description="Print every configuration key with type, default and meaning, generated from "
                                    "the pydantic schema (and the comments of the shipped configs).")
     fmt = d.add_mutually_exclusive_group()
-    fmt.add_argument("--markdown", action="store_true", help="print the README table")
+    fmt.add_argument("--markdown", action="store_true", help="print the key table of docs/user-guide.md")
+    fmt.add_argument("--exit-codes", action="store_true", help="print the exit-code table of docs/user-guide.md")
     fmt.add_argument("--json", action="store_true", help="print JSON")
-    fmt.add_argument("--update-readme", metavar="README", default=None,
-                     help="rewrite the generated table between the markers in README")
+    fmt.add_argument("--update-readme", metavar="FILE", default=None,
+                     help="rewrite the generated tables (keys; exit codes where FILE has their markers) in FILE, "
+                          "e.g. docs/user-guide.md")
     d.set_defaults(_config_run=cmd_docs)
     return p
 

@@ -142,6 +142,9 @@ class ZmqAdmin:
         import zmq
 
         self.t, self.token, self.timeout_s = t, token, timeout_s
+        # ZMQ connects lazily and would wait the whole --timeout for an answer from a port nothing listens on; a
+        # plain TCP connect first is refused at once there (a filtered remote port still takes up to --timeout)
+        _check_port(t, timeout_s, "'tierkv server'")
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -312,7 +315,8 @@ def _check_port(t: Target, timeout_s: float, what: str) -> None:
         with socket.create_connection((t.host, t.port), timeout=timeout_s):
             pass
     except OSError as e:
-        raise CliError(EXIT_UNREACHABLE, f"cannot reach {what} at {t.host}:{t.port}: {e.strerror or e}") from None
+        raise CliError(EXIT_UNREACHABLE, f"cannot reach {what} at {t.host}:{t.port}: {e.strerror or e} (is it "
+                                         "running there and listening on that address? see --timeout)") from None
 
 
 def _stats_mooncake(args) -> dict:
@@ -352,6 +356,7 @@ def _stats_lmcache(args) -> dict:
 
     t = args._target
     host = f"[{t.host}]" if ":" in t.host else t.host
+    _check_port(t, args.timeout, "the LMCache server")
     try:
         info = server_info(f"tcp://{host}:{t.port}", timeout_s=args.timeout)
     except ChannelFailed as e:

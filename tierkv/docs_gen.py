@@ -59,8 +59,16 @@ def source_root() -> Path:
     return _package_dir("tierkv").parent
 
 
+#: a docstring's pointer into the old numbered sections of the architecture document ("docs/architecture.md §4",
+#: "docs §8 R31"), left out of the generated parts: the document they sit in has no numbered sections
+_SECTION_CITE = re.compile(r",?\s*docs(?:/architecture\.md)?,?\s*§\s*\d+(?:\s*R\d+)?(?:,\s*R\d+)*")
+
+
 def plain(text: str) -> str:
-    """Docstring text as one Markdown line: reST roles and literals become code spans, whitespace collapses."""
+    """Docstring text as one Markdown line: reST roles and literals become code spans, citations of numbered
+    document sections are dropped (with the parentheses they leave empty), whitespace collapses."""
+    text = _SECTION_CITE.sub("", text)
+    text = re.sub(r"\s*\(\s*\)", "", text)
     text = re.sub(r":[a-z]+:`~([^`]+)`", lambda m: f"`{m.group(1).rsplit('.', 1)[-1]}`", text)  # ~: last part
     text = re.sub(r":[a-z]+:`\.?([^`]+)`", r"`\1`", text)
     text = text.replace("``", "`")

@@ -1,4 +1,4 @@
-"""``tierkv config check|docs`` and the README key table generated from the same schema; ``tierkv bench`` and every
+"""``tierkv config check|docs`` and the user guide's key and exit-code tables generated from the code; ``tierkv bench`` and every
 ``--help``."""
 from __future__ import annotations
 
@@ -16,14 +16,40 @@ from tierkv.connector.config import ControllerConfig, HostPoolConfig, TierKVConf
 from tierkv.storage_backends.file import FileStoreConfig
 from tierkv.storage_backends.zmq_client import OPTION_DEFAULTS
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+GUIDE = Path(__file__).resolve().parents[2] / "docs" / "user-guide.md"
 
 
-def test_readme_key_table_is_the_generated_one():
-    section = readme_section(README.read_text())
-    assert section is not None, "README.md lost the config key table markers"
+def test_user_guide_key_table_is_the_generated_one():
+    section = readme_section(GUIDE.read_text())
+    assert section is not None, "docs/user-guide.md lost the config key table markers"
     assert section == markdown_table(), (
-        "README.md's config key table is stale: run `tierkv config docs --update-readme README.md`")
+        "docs/user-guide.md's config key table is stale: run `tierkv config docs --update-readme docs/user-guide.md`")
+
+
+def test_user_guide_exit_codes_are_the_generated_ones_and_the_cli_returns_them():
+    from tierkv.cli_common import (EXIT_BEGIN, EXIT_CODES, EXIT_END, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_NEWER,
+                                   EXIT_REFUSED, EXIT_UNREACHABLE, exit_codes_markdown)
+
+    text = GUIDE.read_text()
+    assert EXIT_BEGIN in text and EXIT_END in text, "docs/user-guide.md lost the exit code table markers"
+    section = text.split(EXIT_BEGIN, 1)[1].split(EXIT_END, 1)[0].strip()
+    assert section == exit_codes_markdown(), (
+        "docs/user-guide.md's exit code table is stale: run `tierkv config docs --update-readme docs/user-guide.md`")
+    # every code a command can return is in the table, and nothing else is
+    assert sorted(EXIT_CODES) == sorted({EXIT_OK, EXIT_FOUND, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_NEWER, EXIT_REFUSED,
+                                         EXIT_INTERNAL, EXIT_INTERRUPTED}) == [0, 1, 2, 3, 4, 5, 70, 130]
+
+
+def test_update_rewrites_both_generated_tables(tmp_path):
+    from tierkv.cli_common import EXIT_BEGIN, EXIT_END, exit_codes_markdown
+    from tierkv.cli_config import BEGIN, END
+
+    doc = tmp_path / "guide.md"
+    doc.write_text(f"intro\n{BEGIN}\nold keys\n{END}\nmiddle\n{EXIT_BEGIN}\nold codes\n{EXIT_END}\nend\n")
+    assert main(["config", "docs", "--update-readme", str(doc)]) == EXIT_OK
+    text = doc.read_text()
+    assert text == (f"intro\n{BEGIN}\n{markdown_table()}\n{END}\nmiddle\n{EXIT_BEGIN}\n{exit_codes_markdown()}\n"
+                    f"{EXIT_END}\nend\n")
 
 
 def test_docs_list_every_schema_key_with_type_default_and_meaning():

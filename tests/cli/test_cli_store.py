@@ -149,7 +149,8 @@ def test_bad_input_is_one_line_and_a_documented_exit_code(tmp_path, store):
         (["store", "verify", str(f)], EXIT_USAGE, "not a directory"),
         (["store", "gc", str(tmp_path), "--max-bytes", "0"], EXIT_USAGE, "not a tierkv file store"),
         (["store", "stats", "http://x:1"], EXIT_USAGE, "unknown store address"),
-        (["store", "stats", f"tcp://127.0.0.1:{_free_port()}", "--timeout", "0.5"], EXIT_UNREACHABLE, "no answer"),
+        (["store", "stats", f"tcp://127.0.0.1:{_free_port()}", "--timeout", "0.5"], EXIT_UNREACHABLE,
+         "cannot reach 'tierkv server'"),
         (["store", "stats", f"mooncake://127.0.0.1:{_free_port()}", "--timeout", "0.5"], EXIT_UNREACHABLE,
          "cannot reach"),
         (["store", "clear", store], EXIT_USAGE, "--namespace"),
@@ -279,7 +280,7 @@ def test_lmcache_server_stats_say_what_the_server_can_tell(tmp_path, capsys):
         s.bind(("127.0.0.1", 0))
         free = s.getsockname()[1]
     assert main(["store", "stats", f"lmcache://127.0.0.1:{free}", "--timeout", "0.3"]) == EXIT_UNREACHABLE
-    assert "no answer from the LMCache server" in capsys.readouterr().err
+    assert "cannot reach the LMCache server" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------- Mooncake master
@@ -304,3 +305,15 @@ def test_mooncake_master_stats_and_clear(tmp_path, capsys):
             assert st.batch_exists([key(0)]) == 0
         finally:
             st.close()
+
+
+def test_a_loopback_port_nothing_listens_on_answers_at_once_with_the_default_timeout(capsys):
+    """With the default --timeout (10 s), a refused loopback connect is reported at once, naming what to check."""
+    for scheme, what in (("tcp", "'tierkv server'"), ("lmcache", "the LMCache server")):
+        t0 = time.monotonic()
+        assert main(["store", "stats", f"{scheme}://127.0.0.1:{_free_port()}"]) == EXIT_UNREACHABLE
+        took = time.monotonic() - t0
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1, err
+        assert f"cannot reach {what} at 127.0.0.1:" in err and "is it running there" in err, err
+        assert took < 1.0, (scheme, took)   # was the whole 10 s of --timeout

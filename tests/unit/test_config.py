@@ -29,11 +29,36 @@ def test_unknown_key_named():
         config_from_extra({"host_pool": {"sise_gb": 1}})
     with pytest.raises(ConfigError, match=r"unknown config key 'bogus'"):
         config_from_extra({"bogus": 1})
-    # the message lists the keys that section accepts, so a typo is fixed without opening the docs
-    with pytest.raises(ConfigError, match=r"'controller.write_polcy': allowed keys are .*'write_policy'"):
+    # the message suggests the nearest key and lists the keys that section accepts, so a typo is fixed without
+    # opening the docs
+    with pytest.raises(ConfigError, match=r"'controller.write_polcy' \(did you mean 'controller.write_policy'\?\): "
+                                          r"allowed keys are .*'write_policy'"):
         config_from_extra({"controller": {"write_polcy": "write_back"}})
-    with pytest.raises(ConfigError, match=r"'host_pool.sise_gb': allowed keys are .*'size_gb'"):
+    with pytest.raises(ConfigError, match=r"'host_pool.sise_gb' \(did you mean 'host_pool.size_gb'\?\): "
+                                          r"allowed keys are .*'size_gb'"):
         config_from_extra({"host_pool": {"sise_gb": 1}})
+    with pytest.raises(ConfigError) as e:   # nothing close: no suggestion, still the list
+        config_from_extra({"zzzz": 1})
+    assert "did you mean" not in str(e.value) and "allowed keys are 'controller'" in str(e.value)
+
+
+def test_unknown_keys_have_one_format_in_the_connector_and_the_storage_layer():
+    """The same message shape whether the top-level schema or a store's own section finds the key."""
+    import re
+
+    from tierkv.storage_backends.factory import validate_l3
+
+    with pytest.raises(ConfigError) as top:
+        config_from_extra({"host_pool": {"size_gbb": 1}})
+    with pytest.raises(ConfigError) as store:
+        validate_l3({"backend": "file", "file": {"root": "/tmp/x", "capacity_byte": 5}})
+    with pytest.raises(ConfigError) as via_config:
+        config_from_extra({"l3": {"backend": "zmq", "zmq": {"endpont": "tcp://127.0.0.1:1"}}})
+    shape = re.compile(r"invalid tierkv config: unknown config key '([a-z0-9_.]+)' \(did you mean '([a-z0-9_.]+)'\?\): "
+                       r"allowed keys are '")
+    got = [shape.match(str(e.value)).groups() for e in (top, store, via_config)]
+    assert got == [("host_pool.size_gbb", "host_pool.size_gb"), ("l3.file.capacity_byte", "l3.file.capacity_bytes"),
+                   ("l3.zmq.endpont", "l3.zmq.endpoint")]
 
 
 def test_bad_enum_lists_allowed_values():

@@ -108,3 +108,8 @@ def test_hook_sides_follow_vllms_sections():
                                               ("class", "build_kv_connector_stats", "Stats.")]
     with pytest.raises(RuntimeError, match="Worker-side methods"):
         docs_gen.vllm_sides(BASE.replace("# Worker-side methods", "# Worker methods"))
+
+
+def test_citations_of_numbered_sections_are_left_out():
+    assert docs_gen.plain("Keeps stepping (docs/architecture.md §4). Saves (none failed, docs §8 R31); "
+                          "L3 (``x``, docs/architecture.md §4)") == "Keeps stepping. Saves (none failed); L3 (`x`)"

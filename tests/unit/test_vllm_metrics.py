@@ -395,5 +395,18 @@ def test_a_hook_that_calls_another_counts_its_time_once(tmp_path, monkeypatch):
     assert s._sched.counters.hook_calls == calls + 1 and not s._sched.has_requests()
 
 
+def test_controller_counters_the_docs_name_reach_the_prometheus_counters():
+    """Counters kept by the scheduler's controller and the hooks (not only the stats file) are shipped as deltas."""
+    from tierkv.connector.controller import ControllerCounters
+
+    c = ControllerCounters()
+    d = CounterDeltas()
+    assert d.take({**c.as_dict(), "hook_errors": 0}) is None          # nothing changed yet
+    c.backup_stored_pages, c.prefetch_sync_jobs, c.l3_probe_hits = 12, 2, 1
+    s = d.take({**c.as_dict(), "hook_errors": 1})
+    assert s.data == {"ctl_backup_stored_pages": 12, "ctl_prefetch_sync_jobs": 2, "ctl_l3_probe_hits": 1,
+                      "hook_errors": 1}
+
+
 # every test here starts its objects on a machine booted a moment ago (both clocks at 0.0)
 pytestmark = pytest.mark.usefixtures("young_clock")
