@@ -103,9 +103,10 @@ def records_per_page(pool: Any, split_kv: Optional[bool], backend: str) -> int:
 
 def build_namespace(storage_config: HiCacheStorageConfig, pool: Any, model_id: Optional[str] = None,
                     namespace_extra: Sequence[str] = (), records: int = 1,
-                    kv_cache_dtype: Optional[str] = None) -> ModelNamespace:
+                    kv_cache_dtype: Optional[str] = None, page_bytes: Optional[int] = None) -> ModelNamespace:
     """The tierkv namespace of one SGLang rank's pages (see the module docstring for what it holds). The dtype is
-    the host pool's; a ``uint8`` pool (SGLang's storage of every FP8 format) adds ``kv_cache_dtype``.
+    the host pool's; a ``uint8`` pool (SGLang's storage of every FP8 format) adds ``kv_cache_dtype``; ``page_bytes``
+    (for pools whose attributes do not fix it) is added when given.
 
     Raises:
         ConfigError: no model name (SGLang's ``--served-model-name``/model path, or ``model_id``),
@@ -130,6 +131,8 @@ def build_namespace(storage_config: HiCacheStorageConfig, pool: Any, model_id: O
              ("dcp", storage_config.dcp_rank, storage_config.dcp_size, storage_config.logical_page_size or 0),
              ("records_per_page", int(records))]
     extra += [("user", str(x)) for x in namespace_extra]
+    if page_bytes is not None:
+        extra.append(("page_bytes", int(page_bytes)))
     dtype = str(getattr(pool, "dtype", None) or pool.kv_buffer.dtype).removeprefix("torch.")
     if dtype == "uint8":
         if not kv_cache_dtype:
@@ -155,13 +158,13 @@ _GEOMETRY = ("layer_num", "num_mamba_layers", "head_num", "head_dim", "v_head_di
 
 
 def side_namespace(anchor: ModelNamespace, name: str, pool: Any, storage_config: HiCacheStorageConfig,
-                   records: int = 1, kv_cache_dtype: Optional[str] = None) -> ModelNamespace:
+                   records: int = 1, page_bytes: int = 0, kv_cache_dtype: Optional[str] = None) -> ModelNamespace:
     """Namespace of side pool ``name`` (v2): the anchor's, with the pool's name, class, layout, dtype, page size and
-    geometry (:data:`_GEOMETRY`). TP-rank specific unless the model is MLA and the pool is neither Mamba state (always
+    geometry (:data:`_GEOMETRY`) and page bytes. TP-rank specific unless the model is MLA and the pool is neither Mamba state (always
     TP-sharded) nor an MHA pool (heads split over TP), so a rank never reads another rank's shard."""
     shared = bool(storage_config.is_mla_model) and name != PoolName.MAMBA.value and not is_mha(pool)
     layout = str(getattr(pool, "layout", ""))
-    facts = [("pool", name), ("records_per_page", int(records))]
+    facts = [("pool", name), ("records_per_page", int(records)), ("page_bytes", int(page_bytes))]
     facts += [(a, str(getattr(pool, a))) for a in _GEOMETRY if getattr(pool, a, None) is not None]
     dtype = str(getattr(pool, "dtype", "")).removeprefix("torch.")
     if dtype == "uint8" and kv_cache_dtype:
@@ -229,9 +232,10 @@ class TierKVHiCacheStorage(HiCacheStorage):
         pool, cfg = mem_pool_host, self.cfg
         backend = str(cfg.l3.get("backend"))
 
-        def namespace(records: int) -> ModelNamespace:
+        def namespace(records: int, page_bytes: int) -> ModelNamespace:
+            # a pool without get_data_page (only get_page_buffer_meta) says nothing else that fixes its page size
             return build_namespace(self.storage_config, pool, cfg.model_id, cfg.namespace_extra, records,
-                                   cfg.kv_cache_dtype)
+                                   cfg.kv_cache_dtype, None if hasattr(pool, "get_data_page") else page_bytes)
 
         self.kv = PoolIO(pool, PoolName.KV.value, namespace, records_per_page(pool, cfg.split_kv, backend), cfg.l3,
                          self._counters)
@@ -253,8 +257,9 @@ class TierKVHiCacheStorage(HiCacheStorage):
             return
         cfg = self.cfg
 
-        def namespace(records: int) -> ModelNamespace:
-            return side_namespace(kv.namespace, name, host_pool, self.storage_config, records, cfg.kv_cache_dtype)
+        def namespace(records: int, page_bytes: int) -> ModelNamespace:
+            return side_namespace(kv.namespace, name, host_pool, self.storage_config, records, page_bytes,
+                                  cfg.kv_cache_dtype)
 
         io = PoolIO(host_pool, name, namespace, records_per_page(host_pool, cfg.split_kv, str(cfg.l3.get("backend"))),
                     cfg.l3, self._counters)
@@ -400,6 +405,7 @@ class TierKVHiCacheStorage(HiCacheStorage):
         else:
             views = None
         if views is None:
+            self._counters.bump("pointer_rejected")
             _warn.warning(f"pointer-{op}", "tierkv HiCache %s, pointer form: %r bytes at %r is not one page (%d bytes, "
                           "or %d records of %d) inside the host pool; %s", op, sizes, location, kv.page_bytes,
                           kv.parts_per_page, kv.part_bytes, "a miss" if op == "get" else "not stored")
@@ -431,7 +437,8 @@ class TierKVHiCacheStorage(HiCacheStorage):
             ks = list(t.keys or [])
             io, hi = self._io(t.name), t.host_indices
             if io is None or hi is None or hi.numel() != len(ks) * io.page_size:
-                _warn.warning(f"v2-{op}", "tierkv HiCache batch_%s_v2: pool %s %s; %d page(s) %s", op, _name(t.name),
+                self._counters.bump("v2_rejected")
+                _warn.warning(f"v2-{op}-{io is None}", "tierkv HiCache batch_%s_v2: pool %s %s; %d page(s) %s", op, _name(t.name),
                               "not registered" if io is None else
                               f"has {0 if hi is None else hi.numel()} host indices for {len(ks)} keys", len(ks),
                               "missed" if op == "get" else "not stored")

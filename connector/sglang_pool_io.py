@@ -90,7 +90,8 @@ class IOCounters:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.counts = {"pages_get": 0, "pages_hit": 0, "pages_set": 0, "pages_set_failed": 0, "errors": 0}
+        self.counts = {"pages_get": 0, "pages_hit": 0, "pages_set": 0, "pages_set_failed": 0, "errors": 0,
+                       "v2_rejected": 0, "pointer_rejected": 0}
         self.metrics: Dict[str, list] = {"prefetch_pgs": [], "backup_pgs": []}
 
     def got(self, asked: int, hits: int) -> None:
@@ -105,6 +106,10 @@ class IOCounters:
             self.counts["pages_set_failed"] += asked - done
             self.metrics["backup_pgs"].append(done)
 
+    def bump(self, name: str) -> None:
+        with self.lock:
+            self.counts[name] += 1
+
     def error(self, op: str, e: BaseException) -> None:
         with self.lock:
             self.counts["errors"] += 1
@@ -116,11 +121,11 @@ class IOCounters:
 
 class PoolIO:
     """Pages of host pool ``pool`` (named ``name``: ``kv`` for SGLang's anchor pool) in a store of ``l3`` under
-    ``namespace(records_per_page)``, ``parts`` records per page (2 = K and V halves of an MHA view page, else 1; a ``meta`` pool has
+    ``namespace(records_per_page, page_bytes)``, ``parts`` records per page (2 = K and V halves of an MHA view page, else 1; a ``meta`` pool has
     one record per buffer entry). Attributes: ``mode``, ``page_bytes``, ``part_bytes``, ``parts_per_page``,
     ``zero_copy``, ``vectored_get`` / ``vectored_set``, ``digest``, ``store``. Raises ConfigError at build."""
 
-    def __init__(self, pool: Any, name: str, namespace: Callable[[int], ModelNamespace], parts: int, l3: dict,
+    def __init__(self, pool: Any, name: str, namespace: Callable[[int, int], ModelNamespace], parts: int, l3: dict,
                  counters: IOCounters):
         self.pool, self.name, self.counters = pool, str(name), counters
         self.page_size = int(getattr(pool, "page_size", 1) or 1)
@@ -158,7 +163,7 @@ class PoolIO:
         if self.page_bytes % parts:
             raise ConfigError(f"host pool {name}: a page of {self.page_bytes} bytes does not split into {parts} parts")
         self.part_bytes = self.page_bytes // parts
-        self.namespace = namespace(parts)
+        self.namespace = namespace(parts, self.page_bytes)
         self.digest = self.namespace.digest()
         if self.mode == "view":
             self.zero_copy = all(p.is_contiguous() for p in self._split(probe))
