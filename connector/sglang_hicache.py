@@ -25,8 +25,12 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorageConfig, PoolHitPolicy, PoolName,
-                                                  PoolTransfer, PoolTransferResult)
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+
+try:  # the hybrid (v2) interface; an SGLang without it never calls the v2 methods
+    from sglang.srt.mem_cache.hicache_storage import PoolTransfer, PoolTransferResult
+except ImportError:  # pragma: no cover - not the SGLang the tests install
+    PoolTransfer = PoolTransferResult = None
 
 from tierkv.connector.page_hash import FORMAT_VERSION, ModelNamespace
 from tierkv.connector.sglang_pool_io import IOCounters, PoolIO, byte_runs, is_mha, map_key, region
@@ -127,8 +131,9 @@ def build_namespace(storage_config: HiCacheStorageConfig, pool: Any, model_id: O
         layout += f"/{tag}"
     extra = [("sglang_hicache", 1),
              ("v_head_dim", int(getattr(pool, "v_head_dim", 0) or 0)),
-             ("attn_cp", storage_config.attn_cp_rank, storage_config.attn_cp_size),
-             ("dcp", storage_config.dcp_rank, storage_config.dcp_size, storage_config.logical_page_size or 0),
+             ("attn_cp", getattr(storage_config, "attn_cp_rank", 0), getattr(storage_config, "attn_cp_size", 1)),
+             ("dcp", getattr(storage_config, "dcp_rank", 0), getattr(storage_config, "dcp_size", 1),
+              getattr(storage_config, "logical_page_size", None) or 0),
              ("records_per_page", int(records))]
     extra += [("user", str(x)) for x in namespace_extra]
     if page_bytes is not None:
@@ -151,6 +156,10 @@ def build_namespace(storage_config: HiCacheStorageConfig, pool: Any, model_id: O
 
 
 
+#: SGLang's pool names and hit policies (its ``PoolName`` / ``PoolHitPolicy`` are str enums equal to these)
+KV, MAMBA = "kv", "mamba"
+ALL_PAGES, TRAILING_PAGES, BLOCK_GROUPS = "all_pages", "trailing_pages", "block_groups"
+
 #: host-pool attributes that describe a side pool's bytes (those it has go into its namespace)
 _GEOMETRY = ("layer_num", "num_mamba_layers", "head_num", "head_dim", "v_head_dim", "kv_cache_dim", "kv_lora_rank",
              "qk_rope_head_dim", "temporal_dtype", "conv_dtype", "temporal_state_shape", "conv_state_shapes",
@@ -162,7 +171,7 @@ def side_namespace(anchor: ModelNamespace, name: str, pool: Any, storage_config:
     """Namespace of side pool ``name`` (v2): the anchor's, with the pool's name, class, layout, dtype, page size and
     geometry (:data:`_GEOMETRY`) and page bytes. TP-rank specific unless the model is MLA and the pool is neither Mamba state (always
     TP-sharded) nor an MHA pool (heads split over TP), so a rank never reads another rank's shard."""
-    shared = bool(storage_config.is_mla_model) and name != PoolName.MAMBA.value and not is_mha(pool)
+    shared = bool(storage_config.is_mla_model) and name != MAMBA and not is_mha(pool)
     layout = str(getattr(pool, "layout", ""))
     facts = [("pool", name), ("records_per_page", int(records)), ("page_bytes", int(page_bytes))]
     facts += [(a, str(getattr(pool, a))) for a in _GEOMETRY if getattr(pool, a, None) is not None]
@@ -237,7 +246,7 @@ class TierKVHiCacheStorage(HiCacheStorage):
             return build_namespace(self.storage_config, pool, cfg.model_id, cfg.namespace_extra, records,
                                    cfg.kv_cache_dtype, None if hasattr(pool, "get_data_page") else page_bytes)
 
-        self.kv = PoolIO(pool, PoolName.KV.value, namespace, records_per_page(pool, cfg.split_kv, backend), cfg.l3,
+        self.kv = PoolIO(pool, KV, namespace, records_per_page(pool, cfg.split_kv, backend), cfg.l3,
                          self._counters)
         logger.info("tierkv HiCache storage: %s store, namespace %s, %d B/page in %d part(s), %s (%s)", backend,
                     self.kv.digest.hex(), self.kv.page_bytes, self.kv.parts_per_page, self.kv.how,
@@ -250,7 +259,7 @@ class TierKVHiCacheStorage(HiCacheStorage):
         kv = self._need_kv()
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
         name = _name(host_pool_name)
-        if name == PoolName.KV.value:
+        if name == KV:
             if host_pool is not self.mem_pool_host:
                 logger.warning("tierkv HiCache: v2 'kv' pool %s is not the anchor pool %s; kv transfers use the "
                                "anchor's records", type(host_pool).__name__, type(self.mem_pool_host).__name__)
@@ -277,9 +286,9 @@ class TierKVHiCacheStorage(HiCacheStorage):
 
     def _io(self, name: Any) -> Optional[PoolIO]:
         name = _name(name)
-        return self._need_kv() if name == PoolName.KV.value else self.pools.get(name)
+        return self._need_kv() if name == KV else self.pools.get(name)
 
-    def tierkv_keys(self, key: str, pool: Any = PoolName.KV) -> List[str]:
+    def tierkv_keys(self, key: str, pool: Any = KV) -> List[str]:
         """The tierkv keys (one per record) under which SGLang's page ``key`` of pool ``pool`` is stored."""
         return self._io(pool).keys_of([key])
 
@@ -298,21 +307,21 @@ class TierKVHiCacheStorage(HiCacheStorage):
         boundary, ``restorable_prefix_pages`` every prefix length all pools can restore (a ``trailing_pages`` pool
         holds only windows ending on stored pages, so the set has holes). A pool never registered is absent."""
         kv_pages = self.batch_exists(keys)
-        hits: Dict[Any, int] = {PoolName.KV: kv_pages} if kv_pages else {}
+        hits: Dict[Any, int] = {KV: kv_pages} if kv_pages else {}
         restorable = set(range(1, kv_pages + 1))
         for t in pool_transfers or []:
             if not restorable:
                 break
             io = self._io(t.name)
             present = self._present(io, keys[:kv_pages]) if io is not None else [False] * kv_pages
-            if t.hit_policy == PoolHitPolicy.ALL_PAGES:
+            if t.hit_policy == ALL_PAGES:
                 boundary = present.index(False) if False in present else kv_pages
                 own = set(range(1, boundary + 1))
-            elif t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+            elif t.hit_policy == TRAILING_PAGES:
                 w = max(1, len(t.keys) if t.keys else 1)
                 own = {p for p in range(1, kv_pages + 1) if all(present[max(0, p - w):p])}
                 boundary = max(own, default=0)
-            elif t.hit_policy == PoolHitPolicy.BLOCK_GROUPS:  # its own verdict only; never gates the KV hit
+            elif t.hit_policy == BLOCK_GROUPS:  # its own verdict only; never gates the KV hit
                 g = max(1, t.group_pages or 1)
                 groups = next((i for i in range(kv_pages // g) if not all(present[i * g:(i + 1) * g])), kv_pages // g)
                 boundary, own = groups * g, restorable
