@@ -185,6 +185,15 @@ def side_namespace(anchor: ModelNamespace, name: str, pool: Any, storage_config:
         extra=tuple(anchor.extra) + (("side_pool", tuple(facts)),))
 
 
+def side_pool_l3(l3: dict) -> dict:
+    """The ``l3`` section a side pool's store client is built from: the anchor's, except that a Mooncake client of a
+    side pool contributes no segment of its own (``global_segment_size: 0``; its records live in the segments the
+    anchor's and other clients contribute), so N side pools do not add N segments of this process's memory."""
+    if l3.get("backend") != "mooncake":
+        return l3
+    return {**l3, "mooncake": {**l3.get("mooncake", {}), "global_segment_size": 0}}
+
+
 def _name(name: Any) -> str:
     """A pool name as text (``PoolName`` member or plain string)."""
     return name.value if isinstance(name, Enum) else str(name)
@@ -271,7 +280,7 @@ class TierKVHiCacheStorage(HiCacheStorage):
                                   cfg.kv_cache_dtype)
 
         io = PoolIO(host_pool, name, namespace, records_per_page(host_pool, cfg.split_kv, str(cfg.l3.get("backend"))),
-                    cfg.l3, self._counters)
+                    side_pool_l3(cfg.l3), self._counters)
         with self._pools_lock:
             old, self.pools[name] = self.pools.get(name), io
         if old is not None:
@@ -508,4 +517,4 @@ class TierKVHiCacheStorage(HiCacheStorage):
 
 
 __all__ = ["TierKVHiCacheStorage", "SGLangExtraConfig", "parse_extra_config", "build_namespace", "side_namespace",
-           "map_key", "byte_runs", "SGLANG_KEYS", "FORMAT_VERSION", "records_per_page"]
+           "side_pool_l3", "map_key", "byte_runs", "SGLANG_KEYS", "FORMAT_VERSION", "records_per_page"]

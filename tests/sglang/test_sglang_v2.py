@@ -223,3 +223,13 @@ def test_side_pool_registered_again_is_replaced_and_close_ends_all(tmp_path):
     e.b.close()
     assert all(io.store is None for io in e.b.pools.values()) and e.b.kv.store is None
     assert e.b.batch_get_v2(side(keys(2, "closed"), 0, 0)) == {PoolName.MAMBA: [False], PoolName.SWA: [False] * W}
+
+
+def test_side_pool_mooncake_clients_add_no_segment():
+    from tierkv.connector.sglang_hicache import side_pool_l3
+
+    l3 = {"backend": "mooncake", "mooncake": {"master_address": "127.0.0.1:1", "global_segment_size": 1 << 30}}
+    assert side_pool_l3(l3)["mooncake"] == {"master_address": "127.0.0.1:1", "global_segment_size": 0}
+    assert l3["mooncake"]["global_segment_size"] == 1 << 30  # the anchor's section is left as it was
+    file_l3 = {"backend": "file", "file": {"root": "/x"}}
+    assert side_pool_l3(file_l3) is file_l3
