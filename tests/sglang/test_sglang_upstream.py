@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import sys
 import types
 from types import SimpleNamespace
@@ -30,6 +31,17 @@ from _sgl import StorageBackendFactory, extra_config
 
 MOONCAKE_TEST = "sglang.srt.mem_cache.storage.mooncake_store.test_mooncake_store"
 AIBRIX_TEST = "sglang.srt.mem_cache.storage.aibrix_kvcache.unit_test"
+
+
+@pytest.fixture(autouse=True)
+def _root_logger_as_before():
+    """SGLang's test modules call ``logging.basicConfig(level=INFO)`` when imported: put the root logger back."""
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    yield
+    root.setLevel(level)
+    for h in [h for h in root.handlers if h not in handlers]:
+        root.removeHandler(h)
 
 
 def tierkv_factory(tmp_path, made: list):
