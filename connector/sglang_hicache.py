@@ -155,7 +155,6 @@ def build_namespace(storage_config: HiCacheStorageConfig, pool: Any, model_id: O
         use_mla=bool(storage_config.is_mla_model), extra=tuple(extra))
 
 
-
 #: SGLang's pool names and hit policies (its ``PoolName`` / ``PoolHitPolicy`` are str enums equal to these)
 KV, MAMBA = "kv", "mamba"
 ALL_PAGES, TRAILING_PAGES, BLOCK_GROUPS = "all_pages", "trailing_pages", "block_groups"
@@ -168,9 +167,10 @@ _GEOMETRY = ("layer_num", "num_mamba_layers", "head_num", "head_dim", "v_head_di
 
 def side_namespace(anchor: ModelNamespace, name: str, pool: Any, storage_config: HiCacheStorageConfig,
                    records: int = 1, page_bytes: int = 0, kv_cache_dtype: Optional[str] = None) -> ModelNamespace:
-    """Namespace of side pool ``name`` (v2): the anchor's, with the pool's name, class, layout, dtype, page size and
-    geometry (:data:`_GEOMETRY`) and page bytes. TP-rank specific unless the model is MLA and the pool is neither Mamba state (always
-    TP-sharded) nor an MHA pool (heads split over TP), so a rank never reads another rank's shard."""
+    """Namespace of side pool ``name`` (v2): the anchor's, with the pool's name, class, layout, dtype, page size,
+    page bytes and geometry (:data:`_GEOMETRY`). TP-rank specific unless the model is MLA and the pool is neither
+    Mamba state (always TP-sharded) nor an MHA pool (heads split over TP), so a rank never reads another rank's
+    shard."""
     shared = bool(storage_config.is_mla_model) and name != MAMBA and not is_mha(pool)
     layout = str(getattr(pool, "layout", ""))
     facts = [("pool", name), ("records_per_page", int(records)), ("page_bytes", int(page_bytes))]
