@@ -1,68 +1,41 @@
-"""tierkv's L3 stores as an SGLang HiCache storage backend (docs/architecture.md §10).
+"""tierkv's L3 stores as an SGLang HiCache storage backend (docs/architecture.md §10, docs/sglang.md).
 
-SGLang (0.5.23) loads out-of-tree L3 backends with ``--hicache-storage-backend dynamic`` and
-``--hicache-storage-backend-extra-config '{"backend_name": "tierkv", "module_path":
-"tierkv.connector.sglang_hicache", "class_name": "TierKVHiCacheStorage", "interface_v1": 1, "l3": {...}}'``.
-Its ``StorageBackendFactory`` imports this module, checks that :class:`TierKVHiCacheStorage` subclasses
-``HiCacheStorage`` and builds it with ``(HiCacheStorageConfig, kwargs)``; the controller then calls
-:meth:`TierKVHiCacheStorage.register_mem_pool_host` with its host pool (L2), and from two background threads
-``batch_exists`` (prefetch queries), ``batch_get``/``batch_get_v1`` (L3 -> L2) and ``batch_set``/``batch_set_v1``
-(L2 -> L3). ``l3`` is the ``l3`` section of a tierkv config (``backend: file|zmq|mooncake|lmcache`` plus that
-backend's keys, optional ``faults``), built by :func:`tierkv.storage_backends.factory.build_backend`, so the same store, with
-the same checks, serves vLLM (through :mod:`tierkv.connector.vllm_connector`) and SGLang.
-
-This module is the engine edge: nothing in tierkv's core imports it, and it is the only tierkv module importing
-``sglang`` (at import time; tierkv works without SGLang installed).
-
-Keys (decision recorded in docs/architecture.md §10): SGLang names a page by a 64-hex SHA-256 chain hash that
-carries neither the model's dtype nor the host layout, nor (for MLA) anything but the model name. tierkv stores
-index 32-hex (16-byte) keys and check a 16-byte namespace digest in every record header. The adapter maps
-
-    tierkv_key(page, part) = BLAKE2b-128("tierkv/sglang-key/v1" || namespace digest || SGLang key || part)
-
-where the namespace (:class:`tierkv.connector.page_hash.ModelNamespace`) holds the served model name, the KV dtype
-(for SGLang's ``uint8`` FP8 pools with the ``kv_cache_dtype`` of the extra config),
-the host pool class and layout (plus SGLang's ``storage_format_tag``), page size in tokens, layer count, heads and
-head dims, TP rank/size (ignored for MLA, whose pages are identical on every rank), PP rank/size, attention-CP and
-DCP shard, and tierkv's ``FORMAT_VERSION``. So a page written by TP rank 0 of 2, by another dtype or layout, or
-under another format version is a different key *and* a foreign namespace in the header: a miss, never data. The
-record format is unchanged (no version bump): SGLang's key is an input of the key, not stored.
-
-Pages and parts: a page is stored in the byte order of SGLang's flat data page (``host_pool.get_data_page(i)``,
-what SGLang's own file backend stores), split into ``parts_per_page`` records of equal size: 2 for MHA pools with ``split_kv`` (the
-K half and the V half, each one contiguous region of the host pool in the ``page_first``, ``page_first_direct`` and
-``page_head`` layouts; the default for every backend but ``file``), else 1 (MLA, or ``file``: one file per page,
-as SGLang's own file backend). The copy path (``batch_get``/``batch_set``, flat page tensors) and the zero-copy
-path (``batch_get_v1``/``batch_set_v1``, host-pool indices) therefore read and write the same records. In the
-zero-copy layouts the store reads into and writes from the host pool directly (Mooncake registers the whole pool,
-as SGLang's Mooncake backend does); ``layer_first`` pages, and single-record MHA pages, are not one contiguous
-region: each record is handed to the store as its contiguous runs in the pool (one per layer, or K then V), read
-into and written from in place, when the store takes runs (``vectored_destinations`` / ``vectored_sources``) and the
-runs average at least ``VECTORED_MIN_RUN_BYTES`` (the connector's rule, :mod:`tierkv.connector.l3_io`); otherwise
-through one staging page each.
-A page is present only if all its parts are; results keep SGLang's leading-run semantics.
-
-Faults: a dead, hung or slow store answers misses/False within the store's own per-call bound (tierkv's ZMQ and
-Mooncake clients have ``timeout_s``); nothing here raises on the I/O threads. Bad configuration raises
-:class:`tierkv.storage_backends.common.ConfigError` at attach time (the constructor or ``register_mem_pool_host``),
-which SGLang reports and rolls back.
+SGLang (0.5.23) loads it with ``--hicache-storage-backend dynamic`` and ``--hicache-storage-backend-extra-config
+'{"backend_name": "tierkv", "module_path": "tierkv.connector.sglang_hicache", "class_name": "TierKVHiCacheStorage",
+"interface_v1": 1, "l3": {...}}'`` (``l3``: a tierkv ``l3`` section, built by :func:`~tierkv.storage_backends.factory.
+build_backend`). Calls served: ``batch_exists``; copy path ``batch_get``/``batch_set`` (flat pages); zero-copy path
+``batch_get_v1``/``batch_set_v1`` (host indices); the hybrid (v2) path ``register_mem_host_pool_v2`` +
+``batch_exists_v2``/``batch_get_v2``/``batch_set_v2`` (one :class:`PoolTransfer` per side pool: SWA, Mamba, indexer,
+...); the pointer form of ``get``/``set`` (``target_location`` = address, ``target_sizes`` = bytes, inside the host
+pool). Each pool is a :class:`~tierkv.connector.sglang_pool_io.PoolIO` with its own store (a store holds one record
+size) and namespace: the anchor's (model, dtype, layout, page size, heads, TP/PP/CP/DCP shard, records per page,
+``FORMAT_VERSION``) plus the side pool's name and geometry; a side pool is TP-rank specific unless the model is MLA
+and the pool is neither Mamba state nor MHA. SGLang's 64-hex key maps to ``BLAKE2b-128(domain, namespace, key,
+part)``, so another rank, dtype, layout, pool or format version is a miss, never data. The only tierkv module that
+imports ``sglang``. Faults: store errors are misses / False, never raised on SGLang's I/O threads; bad configuration
+raises :class:`~tierkv.storage_backends.common.ConfigError` at attach (SGLang reports it and rolls back).
 """
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import logging
 import threading
+from enum import Enum
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
-from tierkv.connector.l3_io import VECTORED_MIN_RUN_BYTES
-from tierkv.connector.page_hash import FORMAT_VERSION, KEY_BYTES, ModelNamespace
-from tierkv.storage_backends.base import StorageBackend
+try:  # the hybrid (v2) interface; an SGLang without it never calls the v2 methods
+    from sglang.srt.mem_cache.hicache_storage import PoolTransfer, PoolTransferResult
+except ImportError:  # pragma: no cover - not the SGLang the tests install
+    PoolTransfer = PoolTransferResult = None
+
+from tierkv.connector.page_hash import FORMAT_VERSION, ModelNamespace
+from tierkv.connector.sglang_pool_io import IOCounters, PoolIO, byte_runs, is_mha, map_key, region
 from tierkv.storage_backends.common import ConfigError, RateLimitedLog, config_error
-from tierkv.storage_backends.factory import L3_BACKENDS, build_backend, validate_l3
+from tierkv.storage_backends.factory import L3_BACKENDS, validate_l3
 
 logger = logging.getLogger(__name__)
 _warn = RateLimitedLog(logger)
@@ -71,7 +44,6 @@ _warn = RateLimitedLog(logger)
 SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "prefetch_threshold",
                "prefetch_timeout_base", "prefetch_timeout_per_ki_token", "hicache_storage_pass_prefix_keys",
                "tp_lcm_size", "allocator")
-_KEY_DOMAIN = b"tierkv/sglang-key/v1"
 
 
 class SGLangExtraConfig(BaseModel):
@@ -122,14 +94,11 @@ def parse_extra_config(extra: Optional[dict]) -> SGLangExtraConfig:
     return cfg
 
 
-def _is_mha(pool: Any) -> bool:
-    return hasattr(pool, "k_buffer") and hasattr(pool, "v_buffer") and hasattr(pool, "head_num")
-
 
 def records_per_page(pool: Any, split_kv: Optional[bool], backend: str) -> int:
     """Records one page is stored as: 2 (K, V) for an MHA pool when ``split_kv`` (default: every backend but
     ``file``), else 1."""
-    if not _is_mha(pool):
+    if not is_mha(pool):
         return 1
     if split_kv is None:
         split_kv = backend != "file"
@@ -138,9 +107,10 @@ def records_per_page(pool: Any, split_kv: Optional[bool], backend: str) -> int:
 
 def build_namespace(storage_config: HiCacheStorageConfig, pool: Any, model_id: Optional[str] = None,
                     namespace_extra: Sequence[str] = (), records: int = 1,
-                    kv_cache_dtype: Optional[str] = None) -> ModelNamespace:
+                    kv_cache_dtype: Optional[str] = None, page_bytes: Optional[int] = None) -> ModelNamespace:
     """The tierkv namespace of one SGLang rank's pages (see the module docstring for what it holds). The dtype is
-    the host pool's; a ``uint8`` pool (SGLang's storage of every FP8 format) adds ``kv_cache_dtype``.
+    the host pool's; a ``uint8`` pool (SGLang's storage of every FP8 format) adds ``kv_cache_dtype``; ``page_bytes``
+    (for pools whose attributes do not fix it) is added when given.
 
     Raises:
         ConfigError: no model name (SGLang's ``--served-model-name``/model path, or ``model_id``),
@@ -154,18 +124,21 @@ def build_namespace(storage_config: HiCacheStorageConfig, pool: Any, model_id: O
     if storage_config.should_split_heads:
         raise ConfigError("tp_lcm_size head splitting (page_head layout shared across TP sizes) is not supported "
                           "by the tierkv HiCache backend; remove 'tp_lcm_size' from the extra config")
-    mha = _is_mha(pool)
+    mha = is_mha(pool)
     layout = f"sglang/{type(pool).__name__}/{pool.layout}"
     tag = getattr(pool, "storage_format_tag", None)
     if tag:
         layout += f"/{tag}"
     extra = [("sglang_hicache", 1),
              ("v_head_dim", int(getattr(pool, "v_head_dim", 0) or 0)),
-             ("attn_cp", storage_config.attn_cp_rank, storage_config.attn_cp_size),
-             ("dcp", storage_config.dcp_rank, storage_config.dcp_size, storage_config.logical_page_size or 0),
+             ("attn_cp", getattr(storage_config, "attn_cp_rank", 0), getattr(storage_config, "attn_cp_size", 1)),
+             ("dcp", getattr(storage_config, "dcp_rank", 0), getattr(storage_config, "dcp_size", 1),
+              getattr(storage_config, "logical_page_size", None) or 0),
              ("records_per_page", int(records))]
     extra += [("user", str(x)) for x in namespace_extra]
-    dtype = str(pool.dtype).removeprefix("torch.")
+    if page_bytes is not None:
+        extra.append(("page_bytes", int(page_bytes)))
+    dtype = str(getattr(pool, "dtype", None) or pool.kv_buffer.dtype).removeprefix("torch.")
     if dtype == "uint8":
         if not kv_cache_dtype:
             raise ConfigError("SGLang's host pool holds this KV cache as uint8 (how it stores FP8), which does not "
@@ -174,7 +147,7 @@ def build_namespace(storage_config: HiCacheStorageConfig, pool: Any, model_id: O
         dtype += f"/{kv_cache_dtype}"
     return ModelNamespace(
         model_id=str(name), dtype=dtype, kv_layout=layout,
-        page_size=int(pool.page_size), num_layers=int(pool.layer_num),
+        page_size=int(pool.page_size), num_layers=int(getattr(pool, "layer_num", 0) or 0),
         num_kv_heads=int(pool.head_num) if mha else 1,
         head_dim=int(pool.head_dim) if mha else int(getattr(pool, "kv_cache_dim", 0) or 0),
         tp_rank=storage_config.tp_rank, tp_size=storage_config.tp_size,
@@ -182,321 +155,351 @@ def build_namespace(storage_config: HiCacheStorageConfig, pool: Any, model_id: O
         use_mla=bool(storage_config.is_mla_model), extra=tuple(extra))
 
 
-def byte_runs(part: torch.Tensor) -> list:
-    """The bytes of ``part`` (a view of SGLang's host pool whose last dimension is contiguous) in row-major order, as
-    the fewest ``uint8`` numpy views that are each contiguous: split along the leading dimensions until each piece
-    is (a ``layer_first`` K half: one run per layer). Their bytes in order are the part's flat form (what
-    ``_copy_page`` stages). No copy."""
-    def split(a) -> list:
-        if a.flags.c_contiguous:
-            return [a.reshape(-1)]
-        return [r for i in range(a.shape[0]) for r in split(a[i])]
-    return split(part.view(torch.uint8).numpy())
+#: SGLang's pool names and hit policies (its ``PoolName`` / ``PoolHitPolicy`` are str enums equal to these)
+KV, MAMBA = "kv", "mamba"
+ALL_PAGES, TRAILING_PAGES, BLOCK_GROUPS = "all_pages", "trailing_pages", "block_groups"
+
+#: host-pool attributes that describe a side pool's bytes (those it has go into its namespace)
+_GEOMETRY = ("layer_num", "num_mamba_layers", "head_num", "head_dim", "v_head_dim", "kv_cache_dim", "kv_lora_rank",
+             "qk_rope_head_dim", "temporal_dtype", "conv_dtype", "temporal_state_shape", "conv_state_shapes",
+             "size_per_token", "storage_format_tag")
 
 
-def map_key(namespace_digest: bytes, sglang_key: str, part: int) -> str:
-    """tierkv key (32 lowercase hex) of part ``part`` of the page SGLang calls ``sglang_key`` (any string; 64-hex
-    SHA-256 in SGLang 0.5.23)."""
-    h = hashlib.blake2b(digest_size=KEY_BYTES)
-    h.update(_KEY_DOMAIN)
-    h.update(namespace_digest)
-    h.update(sglang_key.encode())
-    h.update(bytes((part,)))
-    return h.hexdigest()
+def side_namespace(anchor: ModelNamespace, name: str, pool: Any, storage_config: HiCacheStorageConfig,
+                   records: int = 1, page_bytes: int = 0, kv_cache_dtype: Optional[str] = None) -> ModelNamespace:
+    """Namespace of side pool ``name`` (v2): the anchor's, with the pool's name, class, layout, dtype, page size,
+    page bytes and geometry (:data:`_GEOMETRY`). TP-rank specific unless the model is MLA and the pool is neither
+    Mamba state (always TP-sharded) nor an MHA pool (heads split over TP), so a rank never reads another rank's
+    shard."""
+    shared = bool(storage_config.is_mla_model) and name != MAMBA and not is_mha(pool)
+    layout = str(getattr(pool, "layout", ""))
+    facts = [("pool", name), ("records_per_page", int(records)), ("page_bytes", int(page_bytes))]
+    facts += [(a, str(getattr(pool, a))) for a in _GEOMETRY if getattr(pool, a, None) is not None]
+    dtype = str(getattr(pool, "dtype", "")).removeprefix("torch.")
+    if dtype == "uint8" and kv_cache_dtype:
+        dtype += f"/{kv_cache_dtype}"
+    return dataclasses.replace(
+        anchor, dtype=dtype, kv_layout=f"sglang/{type(pool).__name__}/{layout}", use_mla=shared,
+        page_size=int(getattr(pool, "page_size", 1) or 1), num_layers=int(getattr(pool, "layer_num", 0) or 0),
+        num_kv_heads=int(getattr(pool, "head_num", 1) or 1), head_dim=int(getattr(pool, "head_dim", 0) or 0),
+        extra=tuple(anchor.extra) + (("side_pool", tuple(facts)),))
+
+
+def side_pool_l3(l3: dict) -> dict:
+    """The ``l3`` section a side pool's store client is built from: the anchor's, except that a Mooncake client of a
+    side pool contributes no segment of its own (``global_segment_size: 0``; its records live in the segments the
+    anchor's and other clients contribute), so N side pools do not add N segments of this process's memory."""
+    if l3.get("backend") != "mooncake":
+        return l3
+    return {**l3, "mooncake": {**l3.get("mooncake", {}), "global_segment_size": 0}}
+
+
+def _name(name: Any) -> str:
+    """A pool name as text (``PoolName`` member or plain string)."""
+    return name.value if isinstance(name, Enum) else str(name)
 
 
 class TierKVHiCacheStorage(HiCacheStorage):
-    """SGLang ``HiCacheStorage`` over one tierkv store (file, ZMQ cache server, Mooncake, LMCache server: any backend
+    """SGLang ``HiCacheStorage`` over tierkv stores (file, ZMQ cache server, Mooncake, LMCache server: any backend
     tierkv's factory builds). Built by SGLang's ``StorageBackendFactory`` (``dynamic``) as
-    ``TierKVHiCacheStorage(storage_config, kwargs)``; usable only after :meth:`register_mem_pool_host`.
+    ``TierKVHiCacheStorage(storage_config, kwargs)``; usable after :meth:`register_mem_pool_host`.
 
-    Page tensors: the copy path takes and returns flat pages as SGLang's host pool makes them
-    (``get_data_page(i)`` / ``get_dummy_flat_data_page()``: 1-D, the pool's dtype, ``page_bytes`` bytes); the
-    zero-copy path takes ``host_indices`` (int64 token slots of the host pool, ``page_size`` per page, page ``i``
-    starting at ``host_indices[i * page_size]``).
+    Page tensors: the copy path takes and returns flat pages as SGLang's host pool makes them (``get_data_page(i)``
+    / ``get_dummy_flat_data_page()``); the zero-copy and v2 paths take ``host_indices`` (int64 slots of the pool,
+    ``page_size`` per page, page ``i`` starting at ``host_indices[i * page_size]``).
 
-    Attributes (after registration): ``namespace`` (:class:`ModelNamespace`), ``page_bytes`` (bytes of one page),
-    ``parts_per_page``, ``part_bytes``, ``zero_copy`` (False for ``layer_first`` and single-record MHA pages),
-    ``vectored_get`` / ``vectored_set`` (such pages read / written in place as their runs; else staged), ``store``.
+    Attributes (after registration): ``kv`` (the anchor pool's :class:`PoolIO`; ``namespace``, ``page_bytes``,
+    ``part_bytes``, ``parts_per_page``, ``zero_copy``, ``vectored_get``/``vectored_set`` and ``store`` read
+    through to it) and ``pools`` (side pools by name, from :meth:`register_mem_host_pool_v2`).
 
-    Raises (at attach): :class:`ConfigError` for a bad extra config (see :func:`parse_extra_config`), a namespace
-    that cannot be built (:func:`build_namespace`) or a store that cannot start.
+    Raises (at attach): :class:`ConfigError` for a bad extra config (:func:`parse_extra_config`), a namespace that
+    cannot be built (:func:`build_namespace`), a pool whose pages cannot be read or a store that cannot start.
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
         self.storage_config = storage_config
         self.cfg = parse_extra_config(storage_config.extra_config)
-        self.store: Optional[StorageBackend] = None
-        self.zero_copy = self.vectored_get = self.vectored_set = False
         self.mem_pool_host = None
-        self.namespace: Optional[ModelNamespace] = None
-        self._ns_digest = b""
-        self._lock = threading.Lock()
-        self._registered: Optional[torch.Tensor] = None
-        self._counts = {"pages_get": 0, "pages_hit": 0, "pages_set": 0, "pages_set_failed": 0, "errors": 0}
-        self._metrics = {"prefetch_pgs": [], "backup_pgs": []}
-        self._closed = False
-        # staged pages (layouts without an in-place region): one buffer per direction, since SGLang reads and
-        # writes from two threads
-        self._stage: Dict[str, torch.Tensor] = {}
-        self._stage_lock = {"get": threading.Lock(), "set": threading.Lock()}
+        self.kv: Optional[PoolIO] = None
+        self.pools: Dict[str, PoolIO] = {}
+        self.registered_pools: Dict[Any, Any] = {}
+        self._counters = IOCounters()
+        self._pools_lock = threading.Lock()
+
+    # read-through attributes of the anchor pool
+    store = property(lambda self: self.kv.store if self.kv else None)
+    namespace = property(lambda self: self.kv.namespace if self.kv else None)
+    _ns_digest = property(lambda self: self.kv.digest if self.kv else b"")
+    page_bytes = property(lambda self: self._need_kv().page_bytes)
+    part_bytes = property(lambda self: self._need_kv().part_bytes)
+    parts_per_page = property(lambda self: self._need_kv().parts_per_page)
+    page_size = property(lambda self: self._need_kv().page_size)
+    zero_copy = property(lambda self: bool(self.kv and self.kv.zero_copy))
+    vectored_get = property(lambda self: bool(self.kv and self.kv.vectored_get))
+    vectored_set = property(lambda self: bool(self.kv and self.kv.vectored_set))
 
     # ------------------------------------------------------------------ attach
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        """Receive SGLang's host pool: build the namespace and the store (``l3``), register the pool's buffer with
-        the store for zero-copy sets. Raises :class:`ConfigError` (SGLang rolls the attach back)."""
-        if self.store is not None:  # registered again (SGLang registers once per attach): start over on this pool
+        """Receive SGLang's anchor host pool (L2): build its namespace and store (``l3``), register the pool's buffer
+        with the store for zero-copy sets. Registering again starts over. Raises :class:`ConfigError`."""
+        if self.kv is not None or self.pools:
             self.close()
-            self._closed = False
+            with self._pools_lock:
+                self.pools = {}
         super().register_mem_pool_host(mem_pool_host)
-        pool = mem_pool_host
-        probe = pool.get_data_page(0, flat=False)
-        self.parts_per_page = records_per_page(pool, self.cfg.split_kv, str(self.cfg.l3.get("backend")))
-        if self.parts_per_page == 2 and probe.shape[0] != 2:
-            raise ConfigError(f"split_kv: a page of {type(pool).__name__} ({pool.layout}) has no K/V axis first "
-                              f"(shape {tuple(probe.shape)}); set split_kv false")
-        ns = build_namespace(self.storage_config, pool, self.cfg.model_id, self.cfg.namespace_extra,
-                             self.parts_per_page, self.cfg.kv_cache_dtype)
-        self.page_bytes = probe.numel() * probe.element_size()
-        if self.page_bytes % self.parts_per_page:
-            raise ConfigError(f"host pool page of {self.page_bytes} bytes does not split into "
-                              f"{self.parts_per_page} parts")
-        self.part_bytes = self.page_bytes // self.parts_per_page
-        self.zero_copy = all(p.is_contiguous() for p in self._split(probe))
-        try:
-            runs = 0 if self.zero_copy else sum(len(byte_runs(p)) for p in self._split(probe))
-        except (RuntimeError, TypeError):  # a view whose last dimension is not contiguous: staged
-            runs = 0
-        self.page_size = int(pool.page_size)
-        self.namespace = ns
-        self._ns_digest = ns.digest()
-        store = build_backend(self.cfg.l3, self._ns_digest, self.part_bytes)
-        long_runs = runs > 0 and self.page_bytes >= runs * VECTORED_MIN_RUN_BYTES
-        self.vectored_get = long_runs and bool(getattr(store, "vectored_destinations", False))
-        self.vectored_set = long_runs and bool(getattr(store, "vectored_sources", False))
-        if self.zero_copy:
-            kv = getattr(pool, "kv_buffer", None)
-            if isinstance(kv, torch.Tensor) and kv.is_contiguous():
-                try:
-                    if store.register_host_buffer(kv):
-                        self._registered = kv
-                except ValueError as e:  # not a CPU buffer (cannot happen for SGLang host pools); stay on copies
-                    _warn.warning("register", "host pool not registered with the store: %s", e)
-        self.store = store
-        logger.info("tierkv HiCache storage: %s store, namespace %s, %d B/page in %d part(s), %s",
-                    self.cfg.l3.get("backend"), self._ns_digest.hex(), self.page_bytes, self.parts_per_page,
-                    "zero-copy" if self.zero_copy else
-                    f"{runs} runs in place ({pool.layout})" if self.vectored_get and self.vectored_set else
-                    f"staged ({pool.layout})")
+        pool, cfg = mem_pool_host, self.cfg
+        backend = str(cfg.l3.get("backend"))
 
-    def _need_store(self) -> StorageBackend:
-        if self.store is None:
+        def namespace(records: int, page_bytes: int) -> ModelNamespace:
+            # a pool without get_data_page (only get_page_buffer_meta) says nothing else that fixes its page size
+            return build_namespace(self.storage_config, pool, cfg.model_id, cfg.namespace_extra, records,
+                                   cfg.kv_cache_dtype, None if hasattr(pool, "get_data_page") else page_bytes)
+
+        self.kv = PoolIO(pool, KV, namespace, records_per_page(pool, cfg.split_kv, backend), cfg.l3,
+                         self._counters)
+        logger.info("tierkv HiCache storage: %s store, namespace %s, %d B/page in %d part(s), %s (%s)", backend,
+                    self.kv.digest.hex(), self.kv.page_bytes, self.kv.parts_per_page, self.kv.how,
+                    getattr(pool, "layout", "?"))
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Receive one host pool of SGLang's hybrid pool group (v2): ``kv`` is the anchor (already registered);
+        any other name gets its own store and namespace (:func:`side_namespace`). Registering a name again
+        replaces its pool. Raises :class:`ConfigError` (before the anchor: RuntimeError)."""
+        kv = self._need_kv()
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = _name(host_pool_name)
+        if name == KV:
+            if host_pool is not self.mem_pool_host:
+                logger.warning("tierkv HiCache: v2 'kv' pool %s is not the anchor pool %s; kv transfers use the "
+                               "anchor's records", type(host_pool).__name__, type(self.mem_pool_host).__name__)
+            return
+        cfg = self.cfg
+
+        def namespace(records: int, page_bytes: int) -> ModelNamespace:
+            return side_namespace(kv.namespace, name, host_pool, self.storage_config, records, page_bytes,
+                                  cfg.kv_cache_dtype)
+
+        io = PoolIO(host_pool, name, namespace, records_per_page(host_pool, cfg.split_kv, str(cfg.l3.get("backend"))),
+                    side_pool_l3(cfg.l3), self._counters)
+        with self._pools_lock:
+            old, self.pools[name] = self.pools.get(name), io
+        if old is not None:
+            old.close()
+        logger.info("tierkv HiCache storage: side pool %s (%s), namespace %s, %d B/page in %d part(s), %s", name,
+                    type(host_pool).__name__, io.digest.hex(), io.page_bytes, io.parts_per_page, io.how)
+
+    def _need_kv(self) -> PoolIO:
+        if self.kv is None:
             raise RuntimeError("TierKVHiCacheStorage used before register_mem_pool_host (SGLang calls it at attach)")
-        return self.store
+        return self.kv
 
-    # ------------------------------------------------------------------ keys and views
-    def tierkv_keys(self, key: str) -> List[str]:
-        """The tierkv keys (one per part) under which SGLang's page ``key`` is stored."""
-        return [map_key(self._ns_digest, key, j) for j in range(self.parts_per_page)]
+    def _io(self, name: Any) -> Optional[PoolIO]:
+        name = _name(name)
+        return self._need_kv() if name == KV else self.pools.get(name)
 
-    def _all_keys(self, keys: Sequence[str]) -> List[str]:
-        d, n = self._ns_digest, self.parts_per_page
-        return [map_key(d, k, j) for k in keys for j in range(n)]
-
-    def _split(self, page: torch.Tensor) -> List[torch.Tensor]:
-        """Parts of a page as given by ``get_data_page(i, flat=False)`` (views into the pool)."""
-        return [page[j] for j in range(2)] if self.parts_per_page == 2 else [page]
-
-    def _flat_parts(self, flat: torch.Tensor) -> List[torch.Tensor]:
-        b = flat.reshape(-1).view(torch.uint8)
-        pb = self.part_bytes
-        return [b[j * pb:(j + 1) * pb] for j in range(self.parts_per_page)]
-
-    def _page_ok(self, res: Sequence[bool], n_pages: int) -> List[bool]:
-        p = self.parts_per_page
-        if len(res) != n_pages * p:
-            return [False] * n_pages
-        return [all(res[i * p:(i + 1) * p]) for i in range(n_pages)]
-
-    def _page_starts(self, n: int, host_indices: torch.Tensor) -> List[int]:
-        starts = host_indices[: n * self.page_size: self.page_size].tolist()
-        if len(starts) != n:
-            raise ValueError(f"{n} keys but {host_indices.numel()} host indices (page_size {self.page_size})")
-        return starts
+    def tierkv_keys(self, key: str, pool: Any = KV) -> List[str]:
+        """The tierkv keys (one per record) under which SGLang's page ``key`` of pool ``pool`` is stored."""
+        return self._io(pool).keys_of([key])
 
     # ------------------------------------------------------------------ existence
     def batch_exists(self, keys: List[str], extra_info: Any = None) -> int:
-        """Number of leading ``keys`` whose every part is stored (0 on any store error)."""
-        if not keys:
-            return 0
-        try:
-            n = self._need_store().batch_exists(self._all_keys(keys))
-        except Exception as e:  # noqa: BLE001 - a store bug must not kill SGLang's prefetch thread
-            self._count_error("batch_exists", e)
-            return 0
-        return n // self.parts_per_page
+        """Number of leading ``keys`` whose every record is stored (0 on any store error)."""
+        return self._need_kv().exists(keys)
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
-    # ------------------------------------------------------------------ copy path
+    def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[PoolTransfer]] = None,
+                        extra_info: Any = None) -> PoolTransferResult:
+        """Usable prefix of ``keys`` over the KV pool and each side pool of ``pool_transfers`` (their hit policies):
+        ``kv_hit_pages`` is the longest prefix every pool can restore, ``extra_pool_hit_pages`` each pool's own
+        boundary, ``restorable_prefix_pages`` every prefix length all pools can restore (a ``trailing_pages`` pool
+        holds only windows ending on stored pages, so the set has holes). A pool never registered is absent."""
+        kv_pages = self.batch_exists(keys)
+        hits: Dict[Any, int] = {KV: kv_pages} if kv_pages else {}
+        restorable = set(range(1, kv_pages + 1))
+        for t in pool_transfers or []:
+            if not restorable:
+                break
+            io = self._io(t.name)
+            present = self._present(io, keys[:kv_pages]) if io is not None else [False] * kv_pages
+            if t.hit_policy == ALL_PAGES:
+                boundary = present.index(False) if False in present else kv_pages
+                own = set(range(1, boundary + 1))
+            elif t.hit_policy == TRAILING_PAGES:
+                w = max(1, len(t.keys) if t.keys else 1)
+                own = {p for p in range(1, kv_pages + 1) if all(present[max(0, p - w):p])}
+                boundary = max(own, default=0)
+            elif t.hit_policy == BLOCK_GROUPS:  # its own verdict only; never gates the KV hit
+                g = max(1, t.group_pages or 1)
+                groups = next((i for i in range(kv_pages // g) if not all(present[i * g:(i + 1) * g])), kv_pages // g)
+                boundary, own = groups * g, restorable
+            else:
+                raise ValueError(f"unsupported pool hit policy: {t.hit_policy}")
+            if boundary:
+                hits[t.name] = boundary
+            restorable &= own
+        return PoolTransferResult(max(restorable, default=0), hits, sorted(restorable))
+
+    @staticmethod
+    def _present(io: PoolIO, keys: Sequence[str]) -> List[bool]:
+        """Per page: stored or not, from the store's leading-run query (one call per run and per absent page)."""
+        out = [False] * len(keys)
+        i = 0
+        while i < len(keys):
+            run = io.exists(keys[i:])
+            out[i:i + run] = [True] * run
+            i += run + 1
+        return out
+
+    # ------------------------------------------------------------------ copy path and pointer form
     def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
-                  target_sizes: Optional[Any] = None) -> List[Optional[torch.Tensor]]:
+                  target_sizes: Optional[Any] = None) -> List[Any]:
         """Copy path: fill each flat page tensor in ``target_locations`` (SGLang passes
         ``get_dummy_flat_data_page()`` per key; ``None`` allocates them) and return it, or ``None`` for a miss
-        (missing, corrupt, truncated, foreign or unreadable)."""
+        (missing, corrupt, truncated, foreign or unreadable). Pointer form (``target_sizes`` given): per key an
+        address and size as :meth:`get` takes; True per hit, None per miss."""
+        kv = self._need_kv()
         if not keys:
             return []
-        store = self._need_store()
+        if target_sizes is not None:
+            return [self.get(k, loc, n) for k, loc, n in zip(keys, target_locations or [None] * len(keys),
+                                                              target_sizes)]
         if target_locations is None:
-            target_locations = [torch.empty(self.page_bytes, dtype=torch.uint8).view(self.mem_pool_host.dtype)
-                                for _ in keys]
-        dests = [p for t in target_locations for p in self._flat_parts(t)]
-        ok = self._get(store, keys, dests)
+            dt = getattr(self.mem_pool_host, "dtype", torch.uint8)
+            target_locations = [torch.empty(kv.page_bytes, dtype=torch.uint8).view(dt) for _ in keys]
+        ok = kv.get(keys, [p for t in target_locations for p in kv.flat_parts(t)])
         return [t if o else None for t, o in zip(target_locations, ok)]
 
-    def get(self, key: str, target_location: Optional[Any] = None,
-            target_sizes: Optional[Any] = None) -> Optional[torch.Tensor]:
-        return self.batch_get([key], None if target_location is None else [target_location])[0]
+    def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> Any:
+        """One page: copy path (``target_location`` a flat page tensor or None) as :meth:`batch_get`; pointer form
+        (``target_location`` an address, ``target_sizes`` its bytes: the whole page in SGLang's flat byte order, or
+        lists of one address and size per record) reads the page there and returns True, or None for a miss or a
+        location that is not inside the host pool (one log line)."""
+        if target_sizes is None:
+            return self.batch_get([key], None if target_location is None else [target_location])[0]
+        dests = self._pointer_parts("get", target_location, target_sizes)
+        return True if dests is not None and self._need_kv().get([key], dests)[0] else None
 
     def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None,
                   target_sizes: Optional[Any] = None) -> bool:
-        """Copy path: store flat pages ``values`` (``get_data_page(i)`` per key). True only if every page was
-        stored."""
+        """Copy path: store flat pages ``values`` (``get_data_page(i)`` per key); pointer form (``values`` None,
+        ``target_locations``/``target_sizes`` per key as :meth:`set` takes). True only if every page was stored."""
+        kv = self._need_kv()
         if not keys:
             return True
-        store = self._need_store()
-        srcs = [p for v in values for p in self._flat_parts(v.contiguous())]
-        return all(self._set(store, keys, srcs))
+        if values is None:
+            if target_locations is None or target_sizes is None:
+                _warn.warning("set-none", "tierkv HiCache set: neither values nor target_locations/target_sizes "
+                              "given; nothing stored")
+                return False
+            return all([self.set(k, None, loc, n) for k, loc, n in zip(keys, target_locations, target_sizes)])
+        return all(kv.set(keys, [p for v in values for p in kv.flat_parts(v.contiguous())]))
 
     def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
             target_sizes: Optional[Any] = None) -> bool:
-        return self.batch_set([key], [value])
+        """One page: copy path (``value`` a flat page) or pointer form (``target_location``/``target_sizes`` as
+        :meth:`get` takes). False, with one log line, for a location that is not a whole page inside the host pool."""
+        if value is not None:
+            return self.batch_set([key], [value])
+        if target_location is None or target_sizes is None:
+            return self.batch_set([key], None)
+        srcs = self._pointer_parts("set", target_location, target_sizes)
+        return srcs is not None and self._need_kv().set([key], srcs)[0]
 
-    # ------------------------------------------------------------------ zero-copy path
+    def _pointer_parts(self, op: str, location: Any, sizes: Any) -> Optional[list]:
+        """Views of the anchor pool's buffer for a pointer-form page: one address of ``page_bytes`` (split into the
+        records), or one address per record of ``part_bytes`` each; None (logged) for anything else."""
+        kv = self._need_kv()
+        locs = list(location) if isinstance(location, (list, tuple)) else [location]
+        lens = list(sizes) if isinstance(sizes, (list, tuple)) else [sizes]
+        ok = len(locs) == len(lens) and all(isinstance(x, int) for x in locs + lens)
+        if ok and len(locs) == 1 and lens[0] == kv.page_bytes:
+            r = region(kv.pool, locs[0], lens[0])
+            views = None if r is None else kv.flat_parts(r)
+        elif ok and len(locs) == kv.parts_per_page and all(n == kv.part_bytes for n in lens):
+            views = [region(kv.pool, p, n) for p, n in zip(locs, lens)]
+            views = None if any(v is None for v in views) else views
+        else:
+            views = None
+        if views is None:
+            self._counters.bump("pointer_rejected")
+            _warn.warning(f"pointer-{op}", "tierkv HiCache %s, pointer form: %r bytes at %r is not one page (%d bytes, "
+                          "or %d records of %d) inside the host pool; %s", op, sizes, location, kv.page_bytes,
+                          kv.parts_per_page, kv.part_bytes, "a miss" if op == "get" else "not stored")
+        return views
+
+    # ------------------------------------------------------------------ zero-copy path (anchor) and v2 (any pool)
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Any = None) -> List[bool]:
         """Zero-copy path: read page ``i`` straight into the host-pool slots starting at
         ``host_indices[i * page_size]``; one bool per key (SGLang uses the leading run of True)."""
-        if not keys:
-            return []
-        store = self._need_store()
-        pool = self.mem_pool_host
-        starts = self._page_starts(len(keys), host_indices)
-        if self.zero_copy or self.vectored_get:
-            dests = [self._in_place(p) for s in starts for p in self._split(pool.get_data_page(s, flat=False))]
-            return self._get(store, keys, dests)
-        with self._stage_lock["get"]:
-            staging = self._staging("get", len(keys))
-            ok = self._get(store, keys, [p for t in staging for p in self._flat_parts(t)])
-            for s, t, o in zip(starts, staging, ok):
-                if o:
-                    self._copy_page(pool.get_data_page(s, flat=False), t, to_pool=True)
-        return ok
+        return self._need_kv().get_at(keys, host_indices)
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Any = None) -> List[bool]:
         """Zero-copy path: store the pages held in the host-pool slots starting at ``host_indices[i * page_size]``;
         one bool per key."""
-        if not keys:
-            return []
-        store = self._need_store()
-        pool = self.mem_pool_host
-        starts = self._page_starts(len(keys), host_indices)
-        if self.zero_copy or self.vectored_set:
-            srcs = [self._in_place(p) for s in starts for p in self._split(pool.get_data_page(s, flat=False))]
-            return self._set(store, keys, srcs)
-        with self._stage_lock["set"]:
-            staging = self._staging("set", len(keys))
-            for s, t in zip(starts, staging):
-                self._copy_page(pool.get_data_page(s, flat=False), t, to_pool=False)
-            return self._set(store, keys, [p for t in staging for p in self._flat_parts(t)])
+        return self._need_kv().set_at(keys, host_indices)
 
-    def _in_place(self, part: torch.Tensor) -> Any:
-        """A record's part as the store is given it in place: the view itself when it is one contiguous region
-        (zero-copy layouts), else its runs (:func:`byte_runs`)."""
-        return part if self.zero_copy else byte_runs(part)
+    def batch_get_v2(self, transfers: List[PoolTransfer], extra_info: Any = None) -> Dict[Any, List[bool]]:
+        """v2: per transfer, read its ``keys`` into its pool (``name``) at its ``host_indices`` (``page_size`` of
+        that pool per key); ``{name: one bool per key}``. An unknown pool or a length mismatch is all False."""
+        return self._v2("get", transfers)
 
-    def _copy_page(self, page: torch.Tensor, flat: torch.Tensor, to_pool: bool) -> None:
-        """Copy between a host-pool page (``get_data_page(i, flat=False)``, a view) and its flat byte form
-        ``flat`` (uint8, ``page_bytes``), the K and V halves separately: each is one contiguous region in the
-        page-first layouts (a plain memcpy), cheaper than one strided copy of the whole page."""
-        off = 0
-        for part in ([page[0], page[1]] if _is_mha(self.mem_pool_host) and page.shape[0] == 2 else [page]):
-            n = part.numel() * part.element_size()
-            f = flat[off:off + n].view(part.dtype).view(part.shape)
-            (part.copy_(f) if to_pool else f.copy_(part))
-            off += n
+    def batch_set_v2(self, transfers: List[PoolTransfer], extra_info: Any = None) -> Dict[Any, List[bool]]:
+        """v2: per transfer, store its ``keys`` from its pool at its ``host_indices``; ``{name: one bool per key}``."""
+        return self._v2("set", transfers)
 
-    def _staging(self, direction: str, n: int) -> List[torch.Tensor]:
-        """``n`` page-sized uint8 views of this direction's staging buffer (kept between calls, grown on demand:
-        no allocation and no fresh page faults per batch). Caller holds ``self._stage_lock[direction]``."""
-        buf = self._stage.get(direction)
-        if buf is None or buf.numel() < n * self.page_bytes:
-            buf = self._stage[direction] = torch.empty(n * self.page_bytes, dtype=torch.uint8)
-        pb = self.page_bytes
-        return [buf[i * pb:(i + 1) * pb] for i in range(n)]
-
-    # ------------------------------------------------------------------ I/O with accounting
-    def _get(self, store: StorageBackend, keys: Sequence[str], dests: List[Any]) -> List[bool]:
-        try:
-            res = store.batch_get(self._all_keys(keys), dests)
-        except Exception as e:  # noqa: BLE001 - degrade to a miss, never crash the prefetch thread
-            self._count_error("batch_get", e)
-            return [False] * len(keys)
-        ok = self._page_ok(res, len(keys))
-        hits = sum(ok)
-        with self._lock:
-            self._counts["pages_get"] += len(keys)
-            self._counts["pages_hit"] += hits
-            self._metrics["prefetch_pgs"].append(hits)
-        return ok
-
-    def _set(self, store: StorageBackend, keys: Sequence[str], srcs: List[Any]) -> List[bool]:
-        try:
-            res = store.batch_set(self._all_keys(keys), srcs)
-        except Exception as e:  # noqa: BLE001 - a failed backup is a later miss, never a crash
-            self._count_error("batch_set", e)
-            return [False] * len(keys)
-        ok = self._page_ok(res, len(keys))
-        done = sum(ok)
-        with self._lock:
-            self._counts["pages_set"] += done
-            self._counts["pages_set_failed"] += len(keys) - done
-            self._metrics["backup_pgs"].append(done)
-        return ok
-
-    def _count_error(self, op: str, e: BaseException) -> None:
-        with self._lock:
-            self._counts["errors"] += 1
-        if isinstance(e, ValueError):  # a caller bug (wrong buffer size, bad key): say so loudly
-            logger.error("tierkv HiCache %s: %s", op, e)
-        else:
-            _warn.warning(op, "tierkv HiCache %s failed (%s: %s); treated as a miss", op, type(e).__name__, e)
+    def _v2(self, op: str, transfers: List[PoolTransfer]) -> Dict[Any, List[bool]]:
+        out: Dict[Any, List[bool]] = {}
+        for t in transfers:
+            ks = list(t.keys or [])
+            io, hi = self._io(t.name), t.host_indices
+            if io is None or hi is None or hi.numel() != len(ks) * io.page_size:
+                self._counters.bump("v2_rejected")
+                _warn.warning(f"v2-{op}-{io is None}", "tierkv HiCache batch_%s_v2: pool %s %s; %d page(s) %s", op, _name(t.name),
+                              "not registered" if io is None else
+                              f"has {0 if hi is None else hi.numel()} host indices for {len(ks)} keys", len(ks),
+                              "missed" if op == "get" else "not stored")
+                out[t.name] = [False] * len(ks)
+                continue
+            try:
+                out[t.name] = io.get_at(ks, hi) if op == "get" else io.set_at(ks, hi)
+            except Exception as e:  # noqa: BLE001 - a pool bug is a miss / failed backup, never a crash
+                self._counters.error(f"batch_{op}_v2", e)
+                out[t.name] = [False] * len(ks)
+        return out
 
     # ------------------------------------------------------------------ lifecycle
+    def _all_io(self) -> List[PoolIO]:
+        with self._pools_lock:
+            return ([self.kv] if self.kv else []) + list(self.pools.values())
+
     def clear(self) -> None:
-        """Drop every page of this namespace from the store (SGLang's ``/clear_hicache_storage_backend``)."""
-        if self.store is None:
-            return
-        try:
-            self.store.clear()
-        except NotImplementedError:
-            _warn.warning("clear", "tierkv HiCache clear: the %s store cannot clear", self.cfg.l3.get("backend"))
+        """Drop every page of every pool's store (SGLang's ``/clear_hicache_storage_backend``)."""
+        for io in self._all_io():
+            try:
+                if io.store is not None:
+                    io.store.clear()
+            except NotImplementedError:
+                _warn.warning("clear", "tierkv HiCache clear: the %s store cannot clear", self.cfg.l3.get("backend"))
 
     def stats(self) -> Dict[str, Any]:
-        """Adapter counters (pages asked/hit/stored/failed, errors) and the store's own ``stats()`` under
-        ``"store"``."""
-        with self._lock:
-            out: Dict[str, Any] = dict(self._counts)
-        if self.store is not None:
-            out["store"] = self.store.stats()
+        """Adapter counters (pages asked/hit/stored/failed, errors, all pools), the anchor store's ``stats()`` under
+        ``"store"`` and each side pool's under ``"pools"``."""
+        with self._counters.lock:
+            out: Dict[str, Any] = dict(self._counters.counts)
+        if self.kv is not None and self.kv.store is not None:
+            out["store"] = self.kv.store.stats()
+        out["pools"] = {n: io.store.stats() for n, io in list(self.pools.items()) if io.store is not None}
         return out
 
     def get_stats(self):
         """SGLang's ``StorageMetrics`` (pages per prefetch / backup call since the last call), with tierkv's
         counters (:meth:`stats`) attached as ``.tierkv``."""
-        with self._lock:
-            pre, back = self._metrics["prefetch_pgs"], self._metrics["backup_pgs"]
-            self._metrics = {"prefetch_pgs": [], "backup_pgs": []}
+        c = self._counters
+        with c.lock:
+            pre, back = c.metrics["prefetch_pgs"], c.metrics["backup_pgs"]
+            c.metrics = {"prefetch_pgs": [], "backup_pgs": []}
         try:
             from sglang.srt.observability.metrics_collector import StorageMetrics
         except Exception:  # noqa: BLE001 - metrics module not importable: plain counters only
@@ -508,21 +511,10 @@ class TierKVHiCacheStorage(HiCacheStorage):
         return m
 
     def close(self) -> None:
-        """Unregister the host pool and close the store. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        store, self.store = self.store, None
-        if store is None:
-            return
-        if self._registered is not None:
-            try:
-                store.unregister_host_buffer(self._registered)
-            except Exception as e:  # noqa: BLE001
-                _warn.warning("close", "tierkv HiCache close: unregister failed: %s", e)
-            self._registered = None
-        store.close()
+        """Unregister the host pools and close every store. Idempotent; afterwards every call is a miss / False."""
+        for io in self._all_io():
+            io.close()
 
 
-__all__ = ["TierKVHiCacheStorage", "SGLangExtraConfig", "parse_extra_config", "build_namespace", "map_key",
-           "SGLANG_KEYS", "FORMAT_VERSION", "records_per_page"]
+__all__ = ["TierKVHiCacheStorage", "SGLangExtraConfig", "parse_extra_config", "build_namespace", "side_namespace",
+           "side_pool_l3", "map_key", "byte_runs", "SGLANG_KEYS", "FORMAT_VERSION", "records_per_page"]

@@ -111,3 +111,50 @@ def build_namespace_for(pool, records: int = 1, **cfg):
     from tierkv.connector.sglang_hicache import build_namespace
 
     return build_namespace(storage_config({}, layout=pool.layout, **cfg), pool, records=records)
+
+
+def mamba_pool(layout: str = "page_first", *, layers: int = 2, slots: int = 8):
+    """SGLang's Mamba state host pool on the CPU (one page = one state slot: fp32 temporal state and a bf16 conv
+    state per layer)."""
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    info = MambaStateBufferInfo(temporal=torch.zeros(layers, slots, 4, 8, dtype=torch.float32),
+                                conv=(torch.zeros(layers, slots, 3, 16, dtype=torch.bfloat16),))
+    return MambaPoolHost(info, 2.0, 0, device_capacity=slots, pin_memory=False, device="cpu", layout=layout)
+
+
+def fill_slots(pool, slots, seed: int) -> None:
+    """Random bytes in the pages (state slots, or token pages) starting at host indices ``slots``."""
+    g = torch.Generator().manual_seed(seed)
+    for s in slots:
+        n = pool.get_dummy_flat_data_page().numel() * pool.get_dummy_flat_data_page().element_size()
+        pool.set_from_flat_data_page(s, torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).view(
+            pool.get_dummy_flat_data_page().dtype))
+
+
+def slot_bytes(pool, s: int) -> torch.Tensor:
+    """Copy of the page at host index ``s`` in its flat byte order."""
+    return pool.get_data_page(s, flat=True).contiguous().reshape(-1).view(torch.uint8).clone()
+
+
+def hybrid_controller(backend, pools: dict, page_size: int):
+    """SGLang's own ``HybridCacheController`` object, not started (no device, threads or process groups), holding
+    just what its storage paths read (``_storage_hit_query``, ``_page_backup_with_stable_layout``,
+    ``_page_transfer_with_stable_layout``): the backend and its storage config (``backup_skip``), the page size, the zero-copy page functions, the host pool
+    group's ``entry_map`` and the prefetch ack queue. Its methods then run unchanged."""
+    from queue import Queue
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+
+    ctl = object.__new__(HybridCacheController)
+    ctl.storage_backend, ctl.storage_config, ctl.page_size = backend, backend.storage_config, page_size
+    ctl.storage_backend_type = "dynamic"
+    ctl.page_get_func, ctl.page_set_func = ctl._page_get_zero_copy, ctl._page_set_zero_copy
+    ctl.prefetch_sync_queue = Queue()
+    ctl.released = []
+    ctl.append_host_mem_release = lambda *a, **k: ctl.released.append((a, k))
+    ctl.mem_pool_host = SimpleNamespace(page_size=page_size,
+                                        entry_map={n: SimpleNamespace(host_pool=p) for n, p in pools.items()})
+    return ctl

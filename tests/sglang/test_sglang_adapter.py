@@ -53,7 +53,7 @@ def test_pages_not_in_one_region_go_in_place_as_runs_and_share_records_with_the_
     handed to a store that takes runs as its runs in the pool, in place, when they are long enough (32 KiB here):
     what it writes reads back bit-exact through the staged path (runs too short, forced), and what the staged path
     writes reads back in place; shorter runs are staged."""
-    from tierkv.connector import sglang_hicache as sh
+    from tierkv.connector import sglang_pool_io as sio
 
     l3 = file_l3(tmp_path)
     pool = mha_pool(layout, heads=8, head_dim=128)  # 16 tokens x 8 heads x 128 x 2 bytes: 32 KiB per layer and K/V
@@ -64,14 +64,14 @@ def test_pages_not_in_one_region_go_in_place_as_runs_and_share_records_with_the_
     want = [page_bytes_of(pool, i) for i in range(4)]
     ks = keys(4, f"runs-{layout}-{split}")
     assert b.batch_set_v1(ks[:2], idx[: 2 * pool.page_size]) == [True, True]
-    monkeypatch.setattr(sh, "VECTORED_MIN_RUN_BYTES", 1 << 30)
+    monkeypatch.setattr(sio, "VECTORED_MIN_RUN_BYTES", 1 << 30)
     staged = attach(extra_config(l3, split_kv=split), mha_pool(layout, heads=8, head_dim=128))
     assert staged.vectored_get is False and staged.vectored_set is False
     assert staged.batch_get_v1(ks[:2], idx[: 2 * pool.page_size]) == [True, True]
     assert all(torch.equal(page_bytes_of(staged.mem_pool_host, i), want[i]) for i in range(2))
     assert staged.batch_set_v1(ks[2:], idx[: 2 * pool.page_size]) == [True, True]  # the same pages under keys 2, 3
     pool3 = mha_pool(layout, heads=8, head_dim=128)
-    monkeypatch.setattr(sh, "VECTORED_MIN_RUN_BYTES", 32 << 10)
+    monkeypatch.setattr(sio, "VECTORED_MIN_RUN_BYTES", 32 << 10)
     r = attach(extra_config(l3, split_kv=split), pool3)
     assert r.vectored_get is in_place
     assert r.batch_get_v1(ks, idx) == [True] * 4

@@ -2,7 +2,7 @@
 server (a real server subprocess) and Mooncake store (a real ``mooncake_master``), each attached to SGLang's own
 MHA host pool through SGLang's ``StorageBackendFactory`` (``dynamic``) and driven with the calls SGLang's
 controller makes (``batch_exists``, ``batch_get_v1``/``batch_set_v1`` over host indices, ``batch_get``/``batch_set``
-over flat pages). Servers come from the storage tests' fixtures (tests/storage/_fixtures_*.py)."""
+over flat pages, and the hybrid controller's v2 calls over side pools). Servers come from the storage tests' fixtures (tests/storage/_fixtures_*.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -13,7 +13,9 @@ import pytest
 import torch
 
 import _sgl  # noqa: F401  (tests/sglang: shims + SGLang imports, tests/storage on sys.path)
-from _sgl import attach, build_namespace_for, extra_config, fill_pages, keys, mha_pool, page_bytes_of
+from _sgl import (attach, build_namespace_for, extra_config, fill_pages, fill_slots, keys, mamba_pool, mha_pool,
+                  page_bytes_of, slot_bytes)
+from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 
 TIMEOUT_S = 1.0
 KINDS = ["file", "zmq", "mooncake", "lmcache"]
@@ -131,3 +133,49 @@ def test_restart_and_hang(kind, tmp_path):
         while b.batch_get_v1(k2, idx[:ps]) != [True]:
             assert time.monotonic() < deadline, f"{kind}: no service 30 s after SIGCONT"
             time.sleep(0.05)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_v2_side_pools_round_trip_on_every_store(kind, tmp_path):
+    """SGLang's hybrid (v2) calls on every store: an SWA and a Mamba side pool (each its own store client, namespace
+    and record size) next to the KV anchor. What one engine stores (``batch_set_v1`` + ``batch_set_v2``) another
+    finds (``batch_exists_v2``: the trailing windows) and restores bit-exact (``batch_get_v2``); a page of one pool
+    is never found in another."""
+    trail = PoolHitPolicy.TRAILING_PAGES
+
+    def side_pools(b):
+        swa, mamba = mha_pool(layers=1, heads=1, head_dim=32, pages=4), mamba_pool()
+        b.register_mem_host_pool_v2(swa, PoolName.SWA)
+        b.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+        b.on_host_pools_registered()
+        return swa, mamba
+
+    def transfers(ks, swa_at: int, slot: int):
+        return [PoolTransfer(name=PoolName.SWA, host_indices=torch.arange(swa_at, swa_at + 32), keys=ks[1:3],
+                             hit_policy=trail),
+                PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([slot]), keys=ks[2:3], hit_policy=trail)]
+
+    with rig(kind, tmp_path) as (h, b, pool):
+        swa, mamba = side_pools(b)
+        idx = fill_pages(pool, 3, seed=31)
+        fill_pages(swa, 2, seed=32)
+        fill_slots(mamba, [4], seed=33)
+        ks = keys(3, kind + "v2")
+        assert b.batch_set_v1(ks, idx) == [True] * 3
+        assert b.batch_set_v2(transfers(ks, 0, 4)) == {PoolName.SWA: [True, True], PoolName.MAMBA: [True]}
+        pool2 = mha_pool()
+        b2 = attach(xc(h), pool2)
+        swa2, mamba2 = side_pools(b2)
+        r = b2.batch_exists_v2(ks, transfers(ks, 32, 1))
+        assert (r.kv_hit_pages, r.restorable_prefix_pages) == (3, [3])
+        assert r.extra_pool_hit_pages == {PoolName.KV: 3, PoolName.SWA: 3, PoolName.MAMBA: 3}
+        assert b2.batch_get_v1(ks, idx) == [True] * 3 and same_pages(pool2, [page_bytes_of(pool, i) for i in range(3)], 3)
+        assert b2.batch_get_v2(transfers(ks, 32, 1)) == {PoolName.SWA: [True, True], PoolName.MAMBA: [True]}
+        assert torch.equal(slot_bytes(mamba2, 1), slot_bytes(mamba, 4))
+        assert all(torch.equal(slot_bytes(swa2, 32 + i * 16), slot_bytes(swa, i * 16)) for i in range(2))
+        # another pool's page under the same SGLang key: not there
+        assert b2.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([0]), keys=ks[1:2]),
+                                PoolTransfer(name=PoolName.SWA, host_indices=torch.arange(16), keys=ks[0:1])]) == \
+            {PoolName.MAMBA: [False], PoolName.SWA: [False]}
+        assert b2.stats()["errors"] == 0
+        b2.close()
