@@ -20,6 +20,7 @@ import time
 from typing import Any, Optional, Sequence
 
 from pydantic import ValidationError
+from redis.exceptions import OutOfMemoryError
 
 from tierkv.storage_backends.base import Buffer, PageTokens, StorageBackend
 from tierkv.storage_backends.common import ConfigError, Counters, RateLimitedLog, check_store_identity, config_error
@@ -205,7 +206,7 @@ class RedisStore(StorageBackend):
             if r is True or r == b"OK":
                 out[i] = True
                 ok += 1
-            elif isinstance(r, Exception) and str(r).startswith("OOM"):
+            elif isinstance(r, OutOfMemoryError) or isinstance(r, Exception) and str(r).startswith("OOM"):
                 refused += 1
             elif isinstance(r, Exception) and not _is_conn_error(r):
                 errors += 1

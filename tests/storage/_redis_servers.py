@@ -68,7 +68,7 @@ class RedisServer:
             p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  start_new_session=True)
             _LIVE[p.pid] = p
-            ok, last = _wait_line(p, b"Ready to accept connections")
+            ok, last = _wait_line(p, b"Ready to accept connections", os.path.join(self.workdir, "redis.log"))
             if ok:
                 self.proc = p
                 return
@@ -96,9 +96,9 @@ class RedisServer:
             stop(self.proc)
 
 
-def _wait_line(p: subprocess.Popen, needle: bytes) -> tuple[bool, str]:
+def _wait_line(p: subprocess.Popen, needle: bytes, log_path: str) -> tuple[bool, str]:
     """Read ``p``'s stdout until a line holds ``needle`` (True) or it exits / the deadline passes (False), then keep
-    draining it in a thread so the server never blocks on a full pipe."""
+    copying it to ``log_path`` in a thread so the server never blocks on a full pipe."""
     sel = selectors.DefaultSelector()
     fd = p.stdout.fileno()
     sel.register(fd, selectors.EVENT_READ)
@@ -113,20 +113,23 @@ def _wait_line(p: subprocess.Popen, needle: bytes) -> tuple[bool, str]:
                 break
             seen += chunk
             if needle in seen:
-                _drain(p)
+                with open(log_path, "ab") as f:
+                    f.write(seen)
+                _drain(p, log_path)
                 return True, seen.decode(errors="replace")
     finally:
         sel.close()
     return False, seen.decode(errors="replace")
 
 
-def _drain(p: subprocess.Popen) -> None:
+def _drain(p: subprocess.Popen, log_path: str) -> None:
     import threading
 
     def run():
         fd = p.stdout.fileno()
-        while os.read(fd, 65536):
-            pass
+        with open(log_path, "ab", buffering=0) as f:
+            while chunk := os.read(fd, 65536):
+                f.write(chunk)
 
     threading.Thread(target=run, daemon=True, name=f"redis-log-{p.pid}").start()
 
@@ -139,7 +142,8 @@ class RedisClusterServers:
         self.workdir = workdir
         n = masters * (1 + replicas)
         args = ("--cluster-enabled", "yes", "--cluster-node-timeout", str(node_timeout_ms),
-                "--cluster-require-full-coverage", "no", "--cluster-allow-reads-when-down", "no")
+                "--cluster-require-full-coverage", "no", "--cluster-allow-reads-when-down", "no",
+                "--repl-diskless-sync-delay", "0")
         self.servers = []
         for i in range(n):
             port = free_port()
@@ -159,7 +163,8 @@ class RedisClusterServers:
         return [s.node for s in self.servers]
 
     def wait_ok(self, servers: Optional[list] = None, timeout_s: float = 30.0) -> None:
-        """Poll until every node in ``servers`` (default: all) says ``cluster_state:ok`` and knows every other."""
+        """Poll until every node in ``servers`` (default: all) says ``cluster_state:ok``, knows every other and, for a
+        replica, has its link to its master up."""
         servers = servers or self.servers
         deadline = time.monotonic() + timeout_s
         while True:
@@ -169,11 +174,13 @@ class RedisClusterServers:
                     c = s.client()
                     info = c.cluster("info")
                     known = c.cluster("nodes")
+                    repl = c.info("replication")
                     c.close()
                 except redis.RedisError:
                     ok = False
                     break
-                if info.get("cluster_state") != "ok" or len(known) < len(servers):
+                if info.get("cluster_state") != "ok" or len(known) < len(servers) or (
+                        repl.get("role") == "slave" and repl.get("master_link_status") != "up"):
                     ok = False
                     break
             if ok:
