@@ -146,7 +146,7 @@ trace_gen = _load("tierkv_make_multiturn_trace", REPO / "benchmarks" / "make_mul
 CONFIGS = ["ideal", "none", "tierkv_l2", "tierkv_l3_file", "tierkv_l3_zmq", "tierkv_write_back",
            "tierkv_l3_file_shm", "tierkv_l3_file_p4", "noop_connector", "tierkv_l3_file_selective",
            "tierkv_l3_file_gil_default", "tierkv_l3_file_full", "tierkv_l3_zmq_full",
-           "tierkv_l3_file_full_writer_normal"]
+           "tierkv_l3_file_full_writer_normal", "tierkv_l3_redis"]
 P4_BLOCKS = 4   # blocks per page of tierkv_l3_file_p4
 FILE_L3_CONFIGS = ("tierkv_l3_file", "tierkv_write_back", "tierkv_l3_file_shm", "tierkv_l3_file_p4",
                    "tierkv_l3_file_selective", "tierkv_l3_file_gil_default", "tierkv_l3_file_full",
@@ -182,6 +182,8 @@ CONFIG_TEXT = {
                           "auto; soon at capacity: each write evicts a record), write_through",
     "tierkv_l3_file_full_writer_normal": "as tierkv_l3_file_full, the L3 writer thread always in the normal "
                                          "scheduling class (`controller.writer_priority: normal`)",
+    "tierkv_l3_redis": "L1 {l1_blocks} + L2 {l3_l2_pages} pages + redis L3 (`redis-server` 7 on loopback, 4 GiB "
+                       "allkeys-lru), write_through",
 }
 #: ZMQ-L3 configurations (each gets its own ``tierkv server``) and the server's capacity of each
 ZMQ_L3_CAPACITY = {"tierkv_l3_zmq": "4GiB", "tierkv_l3_zmq_full": FULL_L3_BYTES}
@@ -425,6 +427,9 @@ class ZmqServer:
 
     def __init__(self, log_path: Path, pythonpath: str, capacity: str = "4GiB", ready_timeout_s: float = 60.0,
                  port: int = 0):
+        if capacity == "redis":   # a ``redis-server`` instead (tierkv_l3_redis): same start/stop, ``endpoint`` a URL
+            self._start_redis(log_path, ready_timeout_s)
+            return
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in [pythonpath, env.get("PYTHONPATH")] if p)
         self._log = open(log_path, "ab")
@@ -455,6 +460,30 @@ class ZmqServer:
             self.stop()
             raise RuntimeError(f"unexpected ready line {line!r}")
         self.endpoint = line.split()[-1]
+
+    def _start_redis(self, log_path: Path, ready_timeout_s: float) -> None:
+        import redis
+
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            port = sk.getsockname()[1]
+        self._log = open(log_path, "ab")
+        self.cmd = ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+                    "--maxmemory", "4gb", "--maxmemory-policy", "allkeys-lru"]
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=self._log, stdin=subprocess.DEVNULL,
+                                     cwd=str(log_path.parent), start_new_session=True)
+        self.endpoint = f"redis://127.0.0.1:{port}/0"
+        c, deadline = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=1), time.monotonic() + ready_timeout_s
+        while True:
+            try:
+                c.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    self.stop()
+                    raise RuntimeError(f"redis-server did not answer within {ready_timeout_s:.0f} s") from None
+                time.sleep(0.05)
+        c.close()
 
     def stop(self) -> dict:
         try:
@@ -777,6 +806,10 @@ def kv_config(name: str, p: dict, cdir: Path, zmq_endpoint: str | None, l3_root:
                       **({"l3.file.capacity_bytes": FULL_L3_BYTES} if name in FULL_FILE_L3_CONFIGS else {}),
                       "controller": {"write_policy": WRITE_POLICY.get(name, "write_through"),
                                      **CONTROLLER_KEYS.get(name, {})}})
+    elif name == "tierkv_l3_redis":
+        extra.update({"config_file": "l3_zmq.yaml", "l3.backend": "redis", "l3.redis.url": zmq_endpoint,
+                      "l3.redis.timeout_s": 5.0, "host_pool": {"num_pages": p["l3_l2_pages"]},
+                      "controller": {"write_policy": "write_through"}})
     elif name in ZMQ_L3_CAPACITY:
         extra.update({"config_file": "l3_zmq.yaml", "l3.zmq.endpoint": zmq_endpoint, "l3.zmq.shm": "auto",
                       "l3.zmq.timeout_s": 5.0, "host_pool": {"num_pages": p["l3_l2_pages"]},
@@ -847,8 +880,9 @@ class ConfigServer:
         """Start the servers and send the warm-up request; False (recorded as a failure) if that failed."""
         name, out = self.name, self.out
         try:
-            if name in ZMQ_L3_CAPACITY:
-                self.zmq = ZmqServer(self.cdir / "zmq_server.log", self.pythonpath, capacity=ZMQ_L3_CAPACITY[name])
+            if name in ZMQ_L3_CAPACITY or name == "tierkv_l3_redis":
+                self.zmq = ZmqServer(self.cdir / "zmq_server.log", self.pythonpath,
+                                     capacity=ZMQ_L3_CAPACITY.get(name, "redis"))
                 out["zmq_endpoint"] = self.zmq.endpoint
             if name == "tierkv_l3_file_shm":
                 self.shm_root = tempfile.mkdtemp(prefix="tierkv-serve-l3-", dir="/dev/shm")
@@ -1529,7 +1563,7 @@ def table(data: dict) -> str:
 TARGETS = {"tierkv_l2": 0.95, "tierkv_l3_file": 0.9, "tierkv_l3_zmq": 0.9, "tierkv_write_back": 0.9,
            "tierkv_l3_file_shm": 0.9, "tierkv_l3_file_p4": 0.9, "tierkv_l3_file_selective": 0.9,
            "tierkv_l3_file_gil_default": 0.9, "tierkv_l3_file_full": 0.9, "tierkv_l3_zmq_full": 0.9,
-           "tierkv_l3_file_full_writer_normal": 0.9}
+           "tierkv_l3_file_full_writer_normal": 0.9, "tierkv_l3_redis": 0.9}
 NO_REUSE_TARGET = 0.97
 #: TTFT p99 of tierkv L2 at most this times the ideal's, with reuse
 TTFT_P99_TARGET = 1.3

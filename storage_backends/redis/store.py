@@ -98,7 +98,7 @@ class RedisStore(StorageBackend):
             self._stats.add(errors=1)
             self._down_until = time.monotonic() + self._backoff
             self._backoff = min(max(self._backoff * 2, 0.001), self.cfg.max_backoff_s)
-        if warn:
+        if warn and self._stats["connects"]:  # never connected: the start-up warning said so already
             self._warn.warning("conn", "redis L3: %s (%s: %s); misses until it answers", what, type(err).__name__,
                                err)
 
