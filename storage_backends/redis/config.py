@@ -34,32 +34,34 @@ class RedisStoreConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    #: ``standalone``: one server at ``url``; ``cluster``: a Redis Cluster reached through the seed ``nodes``
-    mode: Literal["standalone", "cluster"] = "standalone"
-    #: ``redis://HOST:PORT/DB``, ``rediss://HOST:PORT/DB`` (TLS) or ``unix:///path/to/socket``; no credentials in it
-    url: str = "redis://127.0.0.1:6379/0"
-    #: cluster mode: seed nodes ``["HOST:PORT", ...]`` (any of the cluster's nodes; the rest are discovered)
-    nodes: list[str] = Field(default_factory=list)
-    #: ACL user (``AUTH user password``); None: the default user
-    username: Optional[str] = None
-    password: Optional[str] = Field(default=None, repr=False)
-    #: TLS (also on for a ``rediss://`` url); CA bundle, client certificate and key (PEM files), hostname check
-    tls: bool = False
-    tls_ca_file: Optional[str] = None
-    tls_cert_file: Optional[str] = None
-    tls_key_file: Optional[str] = None
-    tls_check_hostname: bool = True
-    #: first part of every key: ``<key_prefix>:<namespace hex>:<page key>``
-    key_prefix: str = "tierkv"
-    #: seconds a stored page lives (Redis ``SET ... PX``); None: until the server evicts it
-    ttl_s: Optional[float] = None
-    #: connections per server (standalone: the pool; cluster: per node); calls wait for a free one
-    pool_size: int = Field(default=8, ge=1, le=1024)
-    #: bound of one call's network wait (connect, send, reply)
-    timeout_s: float = 2.0
-    #: after a failed call, calls return misses for this long before trying again (doubling up to max_backoff_s)
-    reconnect_backoff_s: float = 0.05
-    max_backoff_s: float = 2.0
+    mode: Literal["standalone", "cluster"] = Field(
+        default="standalone", description="standalone: one server at url; cluster: a Redis Cluster reached through "
+        "the seed nodes")
+    url: str = Field(default="redis://127.0.0.1:6379/0", description="redis://HOST:PORT/DB, rediss://HOST:PORT/DB "
+                     "(TLS) or unix:///path/to/socket, without credentials (standalone mode)")
+    nodes: list[str] = Field(default_factory=list, description="cluster mode: seed nodes ['HOST:PORT', ...], any of "
+                             "the cluster's nodes (the rest are discovered)")
+    username: Optional[str] = Field(default=None, description="ACL user for AUTH; null: the default user")
+    password: Optional[str] = Field(default=None, repr=False, description="AUTH password (a secret: never shown); "
+                                    "null: no AUTH")
+    tls: bool = Field(default=False, description="TLS to the server (also on for a rediss:// url)")
+    tls_ca_file: Optional[str] = Field(default=None, description="CA bundle (PEM) that signed the server's "
+                                       "certificate; null: the system's")
+    tls_cert_file: Optional[str] = Field(default=None, description="client certificate (PEM) for mutual TLS; with "
+                                         "tls_key_file")
+    tls_key_file: Optional[str] = Field(default=None, description="client key (PEM) for mutual TLS; with "
+                                        "tls_cert_file")
+    tls_check_hostname: bool = Field(default=True, description="check that the server's certificate names its host")
+    key_prefix: str = Field(default="tierkv", description="first part of every key: "
+                            "<key_prefix>:<namespace hex>:<page key> (1-64 of A-Z a-z 0-9 _ . -)")
+    ttl_s: Optional[float] = Field(default=None, description="seconds a stored page lives (SET ... PX); null: until "
+                                   "the server evicts it")
+    pool_size: int = Field(default=8, ge=1, le=1024, description="connections per server (cluster: per node), 1..1024; "
+                           "calls wait up to timeout_s for a free one")
+    timeout_s: float = Field(default=2.0, description="bound of one call's network wait (connect, send, reply), > 0")
+    reconnect_backoff_s: float = Field(default=0.05, description="after a failed call, calls are misses without I/O "
+                                       "for this long (doubling per failure up to max_backoff_s)")
+    max_backoff_s: float = Field(default=2.0, description="longest back-off after consecutive failures")
 
     @field_validator("url")
     @classmethod

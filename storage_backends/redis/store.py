@@ -41,7 +41,8 @@ def _is_conn_error(r: Any) -> bool:
 
 
 class RedisStore(StorageBackend):
-    """See the module docstring. ``RedisStore(namespace, page_bytes, **l3.redis section)``."""
+    """L3 store on a Redis >= 7 or Valkey server or cluster: one pipelined round trip per batch, pages verified.
+    ``RedisStore(namespace, page_bytes, **l3.redis section)``; see the module docstring."""
 
     vectored_sources = True
     vectored_destinations = True
