@@ -217,3 +217,40 @@ def test_cluster_nodes_naming_a_standalone_server_stop_start_up(tmp_path):
             build_backend({"backend": "redis", "redis": {"mode": "cluster", "nodes": [s.node]}}, NS, 4 * KiB)
     finally:
         s.close()
+
+
+def _certs(d) -> dict:
+    """A CA and a server certificate for 127.0.0.1 made with the openssl command line (PEM files in ``d``)."""
+    import subprocess
+
+    d.mkdir()
+    ca, ca_key, crt, key, csr, ext = (str(d / n) for n in ("ca.crt", "ca.key", "srv.crt", "srv.key", "srv.csr",
+                                                            "ext.cnf"))
+    (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
+    for cmd in (["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca, "-days", "2",
+                 "-subj", "/CN=tierkv-test-ca"],
+                ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", "/CN=127.0.0.1"],
+                ["x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", crt,
+                 "-days", "2", "-extfile", ext]):
+        subprocess.run(["openssl", *cmd], check=True, capture_output=True, timeout=60)
+    return {"ca": ca, "crt": crt, "key": key}
+
+
+def test_tls_with_the_servers_ca_and_a_refused_handshake_without_it(tmp_path):
+    c = _certs(tmp_path / "pki")
+    port = free_port()
+    s = RedisServer(str(tmp_path / "tls"), port=free_port(), args=(
+        "--tls-port", str(port), "--tls-cert-file", c["crt"], "--tls-key-file", c["key"], "--tls-ca-cert-file",
+        c["ca"], "--tls-auth-clients", "no"))
+    try:
+        url = f"rediss://127.0.0.1:{port}/0"
+        b = RedisStore(NS, 4 * KiB, url=url, tls_ca_file=c["ca"])
+        ks, src = keys(3, 9), pages(3, 4 * KiB, 9)
+        assert b.batch_set(ks, src) == [True] * 3
+        dst = empties(3, 4 * KiB)
+        assert b.batch_get(ks, dst) == [True] * 3 and all(torch.equal(x, y) for x, y in zip(src, dst))
+        b.close()
+        with pytest.raises(ConfigError, match=r"TLS .*l3\.redis\.tls"):   # the system CAs do not know this one
+            RedisStore(NS, 4 * KiB, url=url)
+    finally:
+        s.close()
