@@ -254,3 +254,13 @@ def test_tls_with_the_servers_ca_and_a_refused_handshake_without_it(tmp_path):
             RedisStore(NS, 4 * KiB, url=url)
     finally:
         s.close()
+
+
+def test_clear_drops_only_this_namespace(tmp_path):
+    with F.make_backend(tmp_path, 4 * KiB, NS) as h:
+        other = h.new_client(namespace=bytes(range(16, 32)))
+        ks = keys(40, 10)
+        assert h.backend.batch_set(ks, pages(40, 4 * KiB, 10)) == [True] * 40
+        assert other.batch_set(ks, pages(40, 4 * KiB, 11)) == [True] * 40
+        h.backend.clear()
+        assert h.backend.batch_exists(ks) == 0 and other.batch_exists(ks) == 40
