@@ -28,6 +28,14 @@ from tierkv.storage_backends.redis.config import RedisStoreConfig, parse_node
 log = logging.getLogger("tierkv.redis")
 
 
+class ServerRefusedConfig(ConfigError):
+    """The server answered and refused this configuration (wrong or missing password, a cluster node given as a
+    standalone server or the reverse, a failed TLS handshake): unlike an unreachable server, waiting does not help, so
+    the engine stops at start-up instead of serving without L3 (``stops_startup``)."""
+
+    stops_startup = True
+
+
 class NotStandalone(RedisError):
     """The server named by ``l3.redis.url`` is a cluster node (it would answer MOVED for most keys)."""
 
@@ -75,20 +83,20 @@ def startup_error(err: BaseException, cfg: RedisStoreConfig) -> Optional[ConfigE
     if isinstance(err, (AuthenticationError, AuthenticationWrongNumberOfArgsError)) or "NOAUTH" in text \
             or "WRONGPASS" in text or "invalid password" in text or "invalid username-password" in text:
         what = "is missing (the server needs AUTH)" if cfg.password is None else "or l3.redis.username is wrong"
-        return ConfigError(f"invalid tierkv config: l3.redis.password {what}: the server at {where} said: {text}")
+        return ServerRefusedConfig(f"invalid tierkv config: l3.redis.password {what}: the server at {where} said: {text}")
     if "cluster support disabled" in text or "Cluster mode is not enabled" in text:
-        return ConfigError(f"invalid tierkv config: l3.redis.nodes names a server that is not in cluster mode "
+        return ServerRefusedConfig(f"invalid tierkv config: l3.redis.nodes names a server that is not in cluster mode "
                            f"({', '.join(cfg.nodes)}): use mode 'standalone' and l3.redis.url, or cluster seed nodes")
     if isinstance(err, NotStandalone):
-        return ConfigError("invalid tierkv config: l3.redis.url names a cluster node: use mode 'cluster' and "
+        return ServerRefusedConfig("invalid tierkv config: l3.redis.url names a cluster node: use mode 'cluster' and "
                            "l3.redis.nodes")
     if isinstance(err, ResponseError) and "DB index is out of range" in text:
-        return ConfigError(f"invalid tierkv config: bad value for 'l3.redis.url': {text}")
+        return ServerRefusedConfig(f"invalid tierkv config: bad value for 'l3.redis.url': {text}")
     if "SSL" in type(err).__name__ or "certificate" in text or "wrong version number" in text:
-        return ConfigError(f"invalid tierkv config: TLS to {where} failed (l3.redis.tls*): {text}")
+        return ServerRefusedConfig(f"invalid tierkv config: TLS to {where} failed (l3.redis.tls*): {text}")
     if isinstance(err, FileNotFoundError) or (isinstance(err, RedisClusterException)
                                                and "Redis Cluster cannot be connected" not in text):
-        return ConfigError(f"invalid tierkv config: {key}: {text}")
+        return ServerRefusedConfig(f"invalid tierkv config: {key}: {text}")
     return None
 
 

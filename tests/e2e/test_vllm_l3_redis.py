@@ -5,12 +5,14 @@ For each: engine 1 runs ``first`` with write_through into Redis, engine 2 (a new
 store: a restarted engine, or a second engine of the deployment) runs ``again`` and loads the documents' pages from
 Redis; greedy outputs are bit-identical to a reference engine reusing the same prefixes from its own L1
 (``test_vllm_l3_shared._check_pair``: the same checks as for the ZMQ server and Mooncake). A third engine starts with
-its Redis down: each of its processes logs one warning naming the server and serves from L1/L2, outputs equal to the reference's.
+its Redis down: each of its processes logs one warning naming the server and serves from L1/L2, outputs equal to the
+reference's. A fourth is given a wrong password: its start-up stops with a message naming ``l3.redis.password`` (the
+server answered and refused: waiting would not help).
 """
 import pytest
 
 import _servers  # noqa: F401  (puts tests/storage on sys.path)
-from _engine import in_parallel, run_job, stats_by_role
+from _engine import EngineRunError, in_parallel, run_job, stats_by_role
 from _redis_servers import RedisClusterServers, RedisServer, free_port
 from test_vllm_l3_shared import ARGS, MAX_TOKENS, STORE_TIMEOUT_S, _check_pair, _config, _engine, _rounds
 
@@ -24,6 +26,18 @@ def engines(tiny_model, tmp_path_factory):
     first, again = _rounds()
     ref_wd, down_wd = tmp_path_factory.mktemp("ref"), tmp_path_factory.mktemp("down")
     solo = RedisServer(str(tmp_path_factory.mktemp("redis")))
+    locked = RedisServer(str(tmp_path_factory.mktemp("redis-pw")), password="s3cret")
+    badpw_wd = tmp_path_factory.mktemp("badpw")
+
+    def badpw():
+        try:
+            run_job(tiny_model, [{"name": "first", "prompts": first[:1]}], max_tokens=MAX_TOKENS, workdir=badpw_wd,
+                    kv_transfer_config=_config(_redis_l3(url=locked.url, password="wrong")),
+                    num_gpu_blocks_override=200, extra_engine_args=ARGS, timeout_s=600)
+        except EngineRunError as e:
+            return str(e) + open(badpw_wd / "engine.log", errors="replace").read()
+        return None
+
     cluster = RedisClusterServers(str(tmp_path_factory.mktemp("redis-cluster")))
     down_l3 = _redis_l3(url=f"redis://127.0.0.1:{free_port()}/0")
     down_l3["redis"]["timeout_s"] = 0.3
@@ -44,11 +58,13 @@ def engines(tiny_model, tmp_path_factory):
             down=lambda: run_job(tiny_model, [{"name": "first", "prompts": first},
                                               {"name": "again", "prompts": again}],
                                  kv_transfer_config=_config(down_l3), num_gpu_blocks_override=200,
-                                 max_tokens=MAX_TOKENS, extra_engine_args=ARGS, workdir=down_wd))
+                                 max_tokens=MAX_TOKENS, extra_engine_args=ARGS, workdir=down_wd),
+            badpw=badpw)
     finally:
         solo.close()
+        locked.close()
         cluster.close()
-    return {"ref": one["ref"], "held": held, "down": two["down"], "down_url": down_l3["redis"]["url"],
+    return {"ref": one["ref"], "held": held, "down": two["down"], "badpw": two["badpw"], "down_url": down_l3["redis"]["url"],
             **{k: {"e1": one[k], "e2": two[k]} for k in ("solo", "cluster")}}
 
 
@@ -71,3 +87,9 @@ def test_engine_with_redis_down_at_start_serves_and_warns_once(engines):
     s = stats_by_role(res)
     assert s["scheduler"]["ctl_l3_hit_tokens"] == 0 and s["scheduler"]["locked_pages"] == 0
     assert res["leaked_processes"] == 0
+
+
+def test_wrong_password_stops_engine_start_up_naming_the_key(engines):
+    text = engines["badpw"]
+    assert text is not None, "the engine started with a wrong l3.redis.password"
+    assert "l3.redis.password" in text and "s3cret" not in text, text[-3000:]
