@@ -98,3 +98,23 @@ def test_a_killed_master_is_misses_then_its_replica_serves(tmp_path):
     finally:
         b.close()
         cluster.close()
+
+
+def test_unreachable_seeds_at_start_up_warn_once_and_give_misses(caplog):
+    import logging
+
+    from _redis_servers import free_port
+
+    nodes = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    with caplog.at_level(logging.WARNING, logger="tierkv.redis"):
+        b = RedisStore(NS, PB, mode="cluster", nodes=nodes, timeout_s=0.5, reconnect_backoff_s=0.01,
+                       max_backoff_s=0.02)
+        try:
+            ks, src = keys(3, 14), pages(3, PB, 14)
+            for _ in range(3):
+                assert b.batch_set(ks, src) == [False] * 3 and b.batch_exists(ks) == 0
+                assert b.batch_get(ks, empties(3, PB)) == [False] * 3
+        finally:
+            b.close()
+    lines = [r.message for r in caplog.records if "redis L3" in r.message]
+    assert len(lines) == 1 and f"cannot reach {', '.join(nodes)} at start-up" in lines[0], lines
