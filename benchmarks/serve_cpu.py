@@ -472,7 +472,7 @@ class ZmqServer:
                     "--maxmemory", "4gb", "--maxmemory-policy", "allkeys-lru"]
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=self._log, stdin=subprocess.DEVNULL,
                                      cwd=str(log_path.parent), start_new_session=True)
-        self.endpoint = f"redis://127.0.0.1:{port}/0"
+        self.endpoint = f"tcp://127.0.0.1:{port}"
         c, deadline = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=1), time.monotonic() + ready_timeout_s
         while True:
             try:
@@ -807,7 +807,8 @@ def kv_config(name: str, p: dict, cdir: Path, zmq_endpoint: str | None, l3_root:
                       "controller": {"write_policy": WRITE_POLICY.get(name, "write_through"),
                                      **CONTROLLER_KEYS.get(name, {})}})
     elif name == "tierkv_l3_redis":
-        extra.update({"config_file": "l3_zmq.yaml", "l3.backend": "redis", "l3.redis.url": zmq_endpoint,
+        url = "redis://" + zmq_endpoint.split("://", 1)[-1] + "/0"   # the server's tcp://HOST:PORT
+        extra.update({"config_file": "l3_zmq.yaml", "l3.backend": "redis", "l3.redis.url": url,
                       "l3.redis.timeout_s": 5.0, "host_pool": {"num_pages": p["l3_l2_pages"]},
                       "controller": {"write_policy": "write_through"}})
     elif name in ZMQ_L3_CAPACITY:
