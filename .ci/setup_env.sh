@@ -63,7 +63,7 @@ VPY="$VENV/bin/python"
 # `import transformers` models ("operator torchvision::nms does not exist"). tierkv needs none of them.
 "$VPY" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 "$VPY" - <<'PYCHECK'
-import torch, transformers, vllm, msgpack, zmq, xxhash, yaml, pydantic, redis
+import torch, transformers, vllm, msgpack, zmq, xxhash, yaml, pydantic, redis, hiredis
 from transformers import LlamaForCausalLM  # fails if a broken torchvision is still around
 import tierkv.connector, tierkv.storage_backends, tierkv.kernels
 import tierkv.connector.sglang_hicache  # SGLang's HiCacheStorage importable (sglang installed --no-deps)

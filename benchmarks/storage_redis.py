@@ -152,7 +152,10 @@ def main(argv=None) -> int:
     load["after"] = os.getloadavg()
     redis_version = subprocess.run(["redis-server", "--version"], capture_output=True, text=True).stdout.strip()
     flags = [f for f in open("/proc/cpuinfo").read().split() if f.startswith(("amx", "avx512f", "avx512_bf16"))]
+    from redis.utils import HIREDIS_AVAILABLE
+
     doc = {"what": "redis L3 store vs tierkv server (tcp, shm) and mooncake", "batch_pages": a.batch,
+           "redis_parser": "hiredis" if HIREDIS_AVAILABLE else "python (redis-py's own; hiredis not installed)",
            "reps": reps, "wall_s": round(time.time() - t0, 1), "load_average": load, "redis_server": redis_version,
            "host": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                     "flags": sorted(set(flags))},
