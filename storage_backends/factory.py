@@ -54,6 +54,7 @@ BACKENDS: dict[str, Backend] = {
     "mooncake": Backend("tierkv.storage_backends.mooncake", "MooncakeStore", "MooncakeStoreConfig", "master_address"),
     "lmcache": Backend("tierkv.storage_backends.lmcache", "LMCacheStore", "LMCacheStoreConfig", "endpoint",
                        {"page_tokens": 16}),
+    "redis": Backend("tierkv.storage_backends.redis", "RedisStore", "RedisStoreConfig", "url"),
 }
 
 #: the values of ``l3.backend``

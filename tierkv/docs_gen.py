@@ -135,7 +135,8 @@ def l3_backends() -> list[tuple[str, str, str, Optional[str]]]:
 def backends_part() -> str:
     rows = []
     for name, mod_name, cls_name, doc in l3_backends():
-        path = mod_name.replace("tierkv.", "", 1).replace(".", "/") + ".py"
+        path = mod_name.replace("tierkv.", "", 1).replace(".", "/")
+        path += "/" if hasattr(importlib.import_module(mod_name), "__path__") else ".py"  # a package: its folder
         rows.append([f"`{name}`", f"`{path}`", f"`{cls_name}`", doc or "*(no class docstring)*"])
     return _table(["`l3.backend`", "module", "class", "what it is"], rows)
 

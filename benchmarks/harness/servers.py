@@ -148,6 +148,42 @@ class VllmServer:
             self._log.close()
 
 
+class RedisServer:
+    """``redis-server`` (Debian's package) on a free 127.0.0.1 port in its own session, persistence off, ``maxmemory``
+    bytes under ``allkeys-lru``; its output goes to ``log_path``. ``.endpoint`` (tcp://HOST:PORT, as ZmqServer's),
+    ``.url``, ``.proc``; :meth:`stop`. Raises RuntimeError if it does not answer PING within ``ready_timeout_s``."""
+
+    def __init__(self, log_path: Path, maxmemory: str = "4gb", ready_timeout_s: float = 30.0):
+        port = free_port()
+        self._log = open(log_path, "ab")
+        self.cmd = ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+                    "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"]
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=self._log, stdin=subprocess.DEVNULL,
+                                     cwd=str(log_path.parent), start_new_session=True)
+        self.endpoint, self.url = f"tcp://127.0.0.1:{port}", f"redis://127.0.0.1:{port}/0"
+        deadline = time.monotonic() + ready_timeout_s
+        while not self._pong(port):
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"redis-server did not answer PING within {ready_timeout_s:.0f} s")
+            time.sleep(0.05)  # polling a starting server: nothing to wait on
+
+    @staticmethod
+    def _pong(port: int) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1.0) as sk:
+                sk.sendall(b"PING\r\n")
+                return sk.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def stop(self) -> dict:
+        try:
+            return stop_pid(self.proc, term_wait_s=15.0)
+        finally:
+            self._log.close()
+
+
 class ZmqServer:
     """``tierkv server`` (the ZMQ L3) on 127.0.0.1, a free port read from its ready line (``port`` to reuse one), in
     its own session; its stderr goes to ``log_path`` (None: discarded). ``.endpoint``, ``.proc``; :meth:`stop`."""

@@ -23,7 +23,7 @@ BLOCK = 32
 CONFIGS = ["ideal", "none", "tierkv_l2", "tierkv_l3_file", "tierkv_l3_zmq", "tierkv_write_back",
            "tierkv_l3_file_shm", "tierkv_l3_file_p4", "noop_connector", "tierkv_l3_file_selective",
            "tierkv_l3_file_gil_default", "tierkv_l3_file_full", "tierkv_l3_zmq_full",
-           "tierkv_l3_file_full_writer_normal"]
+           "tierkv_l3_file_full_writer_normal", "tierkv_l3_redis"]
 
 
 P4_BLOCKS = 4   # blocks per page of tierkv_l3_file_p4
@@ -75,6 +75,8 @@ CONFIG_TEXT = {
                           "auto; soon at capacity: each write evicts a record), write_through",
     "tierkv_l3_file_full_writer_normal": "as tierkv_l3_file_full, the L3 writer thread always in the normal "
                                          "scheduling class (`controller.writer_priority: normal`)",
+    "tierkv_l3_redis": "L1 {l1_blocks} + L2 {l3_l2_pages} pages + redis L3 (`redis-server` on loopback, 4 GiB "
+                       "allkeys-lru), write_through",
 }
 
 
@@ -206,9 +208,10 @@ def code_snapshot(dest: Path) -> tuple[Path, dict]:
     return pkg, {"commit": head, "dirty": [], "source": "a git archive of HEAD, working-tree edits not measured"}
 
 
-def kv_config(name: str, p: dict, cdir: Path, zmq_endpoint: str | None, l3_root: str | None = None) -> dict | None:
+def kv_config(name: str, p: dict, cdir: Path, zmq_endpoint: str | None, l3_root: str | None = None,
+              l3_url: str | None = None) -> dict | None:
     """vLLM's ``kv_transfer_config`` of configuration ``name`` (None without a connector); ``l3_root``: the file
-    store's root (default ``cdir/l3``)."""
+    store's root (default ``cdir/l3``); ``l3_url``: the redis server's URL."""
     if name in ("ideal", "none"):
         return None
     if name == "noop_connector":
@@ -225,6 +228,10 @@ def kv_config(name: str, p: dict, cdir: Path, zmq_endpoint: str | None, l3_root:
                       **({"l3.file.capacity_bytes": FULL_L3_BYTES} if name in FULL_FILE_L3_CONFIGS else {}),
                       "controller": {"write_policy": WRITE_POLICY.get(name, "write_through"),
                                      **CONTROLLER_KEYS.get(name, {})}})
+    elif name == "tierkv_l3_redis":
+        extra.update({"config_file": "l3_zmq.yaml", "l3.backend": "redis", "l3.redis.url": l3_url,
+                      "l3.redis.timeout_s": 5.0, "host_pool": {"num_pages": p["l3_l2_pages"]},
+                      "controller": {"write_policy": "write_through"}})
     elif name in ZMQ_L3_CAPACITY:
         extra.update({"config_file": "l3_zmq.yaml", "l3.zmq.endpoint": zmq_endpoint, "l3.zmq.shm": "auto",
                       "l3.zmq.timeout_s": 5.0, "host_pool": {"num_pages": p["l3_l2_pages"]},

@@ -20,7 +20,7 @@ from benchmarks import harness
 from benchmarks.harness import REPO, results
 from benchmarks.harness.machine import loadavg
 from benchmarks.harness.procs import children_cpu_seconds, cpu_delta, cpu_seconds, machine_cpu_seconds
-from benchmarks.harness.servers import VllmServer, ZmqServer, tail
+from benchmarks.harness.servers import RedisServer, VllmServer, ZmqServer, tail
 from benchmarks.harness.stats import deltas, hook_delta, read_stats, settled_stats
 from benchmarks.serve_cpu.client import run_client, run_seed, summarise_run, wait_counted, workload_args
 from benchmarks.serve_cpu.configs import ZMQ_L3_CAPACITY, code_snapshot, kv_config, vllm_server
@@ -75,7 +75,7 @@ class ConfigServer:
         self.cdir = work / (name if round_no == 0 else f"{name}-round{round_no}")
         (self.cdir / "clients").mkdir(parents=True, exist_ok=True)
         self.out: dict = {"load_before": loadavg(), "runs": [], "failures": []}
-        self.zmq: Optional[ZmqServer] = None
+        self.zmq: Optional[ZmqServer | RedisServer] = None  # the L3 server
         self.kvc: Optional[dict] = None
         self.shm_root: Optional[str] = None
         self.srv: Optional[VllmServer] = None
@@ -88,10 +88,13 @@ class ConfigServer:
             if name in ZMQ_L3_CAPACITY:
                 self.zmq = ZmqServer(self.cdir / "zmq_server.log", self.pythonpath, capacity=ZMQ_L3_CAPACITY[name])
                 out["zmq_endpoint"] = self.zmq.endpoint
+            if name == "tierkv_l3_redis":  # the L3 server is a redis-server; started, measured and stopped alike
+                self.zmq = RedisServer(self.cdir / "redis_server.log")
+                out["zmq_endpoint"] = self.zmq.endpoint
             if name == "tierkv_l3_file_shm":
                 self.shm_root = tempfile.mkdtemp(prefix="tierkv-serve-l3-", dir="/dev/shm")
             self.kvc = kv_config(name, self.p, self.cdir, self.zmq.endpoint if self.zmq else None,
-                                 l3_root=self.shm_root)
+                                 l3_root=self.shm_root, l3_url=getattr(self.zmq, "url", None))
             blocks = self.p["ideal_blocks"] if name == "ideal" else self.p["l1_blocks"]
             out["kv_transfer_config"] = self.kvc
             out["l1_blocks"] = blocks

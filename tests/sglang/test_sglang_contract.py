@@ -18,7 +18,7 @@ from _sgl import (attach, build_namespace_for, extra_config, fill_pages, fill_sl
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 
 TIMEOUT_S = 1.0
-KINDS = ["file", "zmq", "mooncake", "lmcache"]
+KINDS = ["file", "zmq", "mooncake", "lmcache", "redis", "redis_cluster"]
 
 
 def l3_for(h) -> dict:
@@ -27,6 +27,8 @@ def l3_for(h) -> dict:
     if h.name == "zmq":
         return {"backend": "zmq", "zmq": {"endpoint": h.endpoint, "timeout_s": TIMEOUT_S,
                                           "reconnect_backoff_s": 0.05, "max_backoff_s": 0.2}}
+    if h.name in ("redis", "redis_cluster"):
+        return {"backend": "redis", "redis": h.options(timeout_s=TIMEOUT_S)}
     if h.name == "lmcache":  # page_tokens = the server's chunk size = the host pool's page size (16)
         return {"backend": "lmcache", "lmcache": h.options(timeout_s=TIMEOUT_S)}
     cfg = h.config(global_segment_size=0)  # a pure client: the pages live in the handle's own client's segment

@@ -41,7 +41,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-KINDS = [k for k in ("file", "zmq", "zmq_shm", "mooncake", "lmcache") if (HERE / f"_fixtures_{k}.py").exists()]
+KINDS = [k for k in ("file", "zmq", "zmq_shm", "mooncake", "lmcache", "redis", "redis_cluster") if (HERE / f"_fixtures_{k}.py").exists()]
 
 NS_A = bytes(range(16))
 NS_B = bytes(range(16, 32))

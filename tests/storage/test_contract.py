@@ -13,7 +13,7 @@ import _contract_workers as W
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
-_KINDS = [k for k in ("file", "zmq", "zmq_shm", "mooncake", "lmcache") if (_HERE / f"_fixtures_{k}.py").exists()]
+_KINDS = [k for k in ("file", "zmq", "zmq_shm", "mooncake", "lmcache", "redis", "redis_cluster") if (_HERE / f"_fixtures_{k}.py").exists()]
 # Parametrisations restricted per store (the only ones; every other test runs on every store of conftest.KINDS):
 # - the exact LRU eviction test: Mooncake and LMCache evict by their own policies (watermark, LMCache's), not an exact
 #   LRU of a given number of pages, so there is nothing exact to assert for them;
@@ -24,7 +24,7 @@ _KINDS = [k for k in ("file", "zmq", "zmq_shm", "mooncake", "lmcache") if (_HERE
 # (docs/architecture.md §5). The other stores switch from one whole page to the next and accept every set.
 MISS_WHILE_OVERWRITTEN = ("mooncake",)
 EXACT_LRU = [k for k in _KINDS if k in ("file", "zmq", "zmq_shm")]
-STOPPABLE = [k for k in _KINDS if k in ("zmq", "zmq_shm", "mooncake", "lmcache")]
+STOPPABLE = [k for k in _KINDS if k in ("zmq", "zmq_shm", "mooncake", "lmcache", "redis", "redis_cluster")]
 
 KiB = 1024
 NS_A = bytes(range(16))      # the namespace make_store uses by default (conftest.NS_A)

@@ -173,7 +173,7 @@ def test_build_none_file_and_faults(tmp_path):
 
 
 @pytest.mark.parametrize("cfg,match", [
-    ({"backend": "fiel"}, r"'l3\.backend'.*'none', 'file', 'zmq', 'mooncake' or 'lmcache'"),
+    ({"backend": "fiel"}, r"'l3\.backend'.*'none', 'file', 'zmq', 'mooncake', 'lmcache' or 'redis'"),
     ({"backend": "file", "file": {}}, r"missing config key 'l3\.file\.root'"),
     ({"backend": "file", "file": {"root": "/tmp/x", "capacity": 5}}, r"unknown config key 'l3\.file\.capacity'"),
     ({"backend": "file", "file": {"root": "/tmp/x", "capacity_bytes": "lots"}}, r"l3\.file\.capacity_bytes"),
