@@ -50,10 +50,10 @@ RESULTS = HERE / "results"
 SECTION = "index"
 VOCAB = 128_000
 
-from tierkv.connector.page_hash import (ModelNamespace, page_keys, page_keys_reference,  # noqa: E402
+from tierkv.connector.core.page_hash import (ModelNamespace, page_keys, page_keys_reference,  # noqa: E402
                                         request_root, warm_up)
-from tierkv.connector.radix_index import NO_SLOT, RadixIndex  # noqa: E402
-from tierkv.connector.scheduler import CacheScheduler  # noqa: E402
+from tierkv.connector.core.radix_index import NO_SLOT, RadixIndex  # noqa: E402
+from tierkv.connector.core.scheduler import CacheScheduler  # noqa: E402
 
 
 def loadavg() -> float:

@@ -490,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
                 data["startup_s"][f"{name}-{e}" if e else name] = children[name, e].startup_s
                 print(f"[no_reuse_cost] {name} engine {e}: ready after {children[name, e].startup_s} s", flush=True)
                 if len(children) == 1:  # the first engine's size stands for the rest
-                    from tierkv.connector.host_budget import measure_budget_bytes
+                    from tierkv.connector.l2.host_budget import measure_budget_bytes
                     why = engines_fit(rss_bytes(children[name, e].proc.pid), args.engines * len(names) - 1,
                                       measure_budget_bytes(0))
                     if why:

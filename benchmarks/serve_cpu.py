@@ -783,7 +783,7 @@ def kv_config(name: str, p: dict, cdir: Path, zmq_endpoint: str | None, l3_root:
                       "controller": {"write_policy": "write_through"}})
     else:
         raise ValueError(name)
-    return {"kv_connector": "TierKVConnector", "kv_connector_module_path": "tierkv.connector.vllm_connector",
+    return {"kv_connector": "TierKVConnector", "kv_connector_module_path": "tierkv.connector.vllm.connector",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
 
@@ -1111,7 +1111,7 @@ def _cpu_of(stat_path: str) -> tuple[str, float]:
 def cpu_seconds(root: int) -> dict[str, float]:
     """CPU seconds (user + system) used so far by each process of ``root``'s tree, keyed ``<name>:<pid>``, and by
     each group of its threads with one kernel name, keyed ``<name>:<pid>/<thread name>`` (tierkv names its threads
-    ``tkv-...``: :mod:`tierkv.connector.thread_names`). A process or thread that ends while being read is left out."""
+    ``tkv-...``: :mod:`tierkv.connector.obs.thread_names`). A process or thread that ends while being read is left out."""
     out: dict[str, float] = {}
     for pid in process_tree(root):
         try:

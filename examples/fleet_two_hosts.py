@@ -227,7 +227,7 @@ def engine_command(args, fleet: Fleet, host: str, model: str, store: dict) -> tu
              "l3": store[host],
              "controller": {"write_policy": "write_through", "prefetch_policy": "wait_complete"},
              "stats_path": str(fleet.run_dir / f"stats-{host}" / "{role}-{pid}.json")}
-    kv = {"kv_connector": "TierKVConnector", "kv_connector_module_path": "tierkv.connector.vllm_connector",
+    kv = {"kv_connector": "TierKVConnector", "kv_connector_module_path": "tierkv.connector.vllm.connector",
           "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{EVENTS_PORT}",
               "topic": host}

@@ -10,7 +10,7 @@ A store is named by an address (:func:`tierkv.cli_common.parse_target`):
 - ``lmcache://HOST:PORT``: an LMCache cache server (``stats`` only): it cannot list its chunks either, so stats show
   what it tells (:func:`tierkv.storage_backends.lmcache.server_info`: chunk size, L1 capacity, resident bytes).
 
-Namespaces are the 16-byte digests in every page header (:meth:`tierkv.connector.page_hash.ModelNamespace.digest`);
+Namespaces are the 16-byte digests in every page header (:meth:`tierkv.connector.core.page_hash.ModelNamespace.digest`);
 where a file store has a ``<namespace>/namespace.json`` describing it (model, dtype, layout...; written by
 :func:`tierkv.storage_backends.file.describe_namespace`), stats show it.
 Exit codes: :mod:`tierkv.cli_common`.

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import tierkv.storage_backends.file as file_mod
-from tierkv.connector.config import ConfigError
+from tierkv.connector.core.config import ConfigError
 from tierkv.storage_backends.file import FileStore
 from tierkv.storage_backends.page_format import HEADER_BYTES
 
@@ -194,7 +194,7 @@ def test_unwritable_root_is_a_config_error(tmp_path, monkeypatch):
 
 _RO_CHECK = """
 import sys
-from tierkv.connector.config import ConfigError
+from tierkv.connector.core.config import ConfigError
 from tierkv.storage_backends.file import FileStore
 root = sys.argv[1]
 try:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierkv.connector.config import ConfigError, L3Config, load_config
+from tierkv.connector.core.config import ConfigError, L3Config, load_config
 from tierkv.storage_backends import FaultyBackend, FileStore, StorageBackend, build_backend
 
 NS = bytes(range(16))

@@ -16,7 +16,7 @@ import torch
 from _fixtures_mooncake import make_backend
 from mooncake_master import free_ports
 
-from tierkv.connector.config import ConfigError, load_config
+from tierkv.connector.core.config import ConfigError, load_config
 from tierkv.storage_backends.factory import build_backend
 from tierkv.storage_backends.mooncake import MooncakeStore
 from tierkv.storage_backends.page_format import HEADER_BYTES, encode_record

@@ -456,7 +456,7 @@ def test_r19_random_and_truncated_msgpack_fuzz(srv, tmp_path):
 
 def test_shipped_l3_zmq_config_builds_a_working_store(srv):
     """configs/l3_zmq.yaml validates, and the factory builds a ZmqStore from it (endpoint overridden)."""
-    from tierkv.connector.config import load_config
+    from tierkv.connector.core.config import load_config
     from tierkv.storage_backends.factory import build_backend
 
     cfg = load_config("l3_zmq.yaml", {"l3.zmq.endpoint": srv.endpoint})

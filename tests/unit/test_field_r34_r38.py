@@ -30,8 +30,8 @@ import torch
 
 import fake_engine
 from fake_engine import P, FakeEngine, Req, inject_copy_fault
-from tierkv.connector.l3_io import l3_key
-from tierkv.connector.page_hash import page_keys, request_root
+from tierkv.connector.l3.io import l3_key
+from tierkv.connector.core.page_hash import page_keys, request_root
 from tierkv.storage_backends.faulty import FaultyBackend
 from tierkv.storage_backends.file import FileStore
 

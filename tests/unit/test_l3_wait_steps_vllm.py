@@ -29,7 +29,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from tierkv.connector.plan import JOB_PREFETCH
+from tierkv.connector.core.plan import JOB_PREFETCH
 from vllm_parts import BLOCK, LAYER_NAMES, kv_cache_config, worker_connector, write_model
 
 P = BLOCK          # a page is one block
@@ -49,7 +49,7 @@ class Engine:
         model = write_model(tmp_path / "model")
         extra = {"host_pool.num_pages": 64, "l3.backend": "file", "l3.file.root": str(tmp_path / "l3"),
                  **(extra_config or {})}
-        kt = KVTransferConfig(kv_connector="TierKVConnector", kv_connector_module_path="tierkv.connector.vllm_connector",
+        kt = KVTransferConfig(kv_connector="TierKVConnector", kv_connector_module_path="tierkv.connector.vllm.connector",
                               kv_role="kv_both", kv_connector_extra_config=extra)
         cfg = VllmConfig(model_config=ModelConfig(model=model, skip_tokenizer_init=True, dtype="bfloat16",
                                                   max_model_len=1024),

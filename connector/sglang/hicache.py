@@ -2,14 +2,14 @@
 
 SGLang (0.5.23) loads out-of-tree L3 backends with ``--hicache-storage-backend dynamic`` and
 ``--hicache-storage-backend-extra-config '{"backend_name": "tierkv", "module_path":
-"tierkv.connector.sglang_hicache", "class_name": "TierKVHiCacheStorage", "interface_v1": 1, "l3": {...}}'``.
+"tierkv.connector.sglang.hicache", "class_name": "TierKVHiCacheStorage", "interface_v1": 1, "l3": {...}}'``.
 Its ``StorageBackendFactory`` imports this module, checks that :class:`TierKVHiCacheStorage` subclasses
 ``HiCacheStorage`` and builds it with ``(HiCacheStorageConfig, kwargs)``; the controller then calls
 :meth:`TierKVHiCacheStorage.register_mem_pool_host` with its host pool (L2), and from two background threads
 ``batch_exists`` (prefetch queries), ``batch_get``/``batch_get_v1`` (L3 -> L2) and ``batch_set``/``batch_set_v1``
 (L2 -> L3). ``l3`` is the ``l3`` section of a tierkv config (``backend: file|zmq|mooncake|lmcache`` plus that
 backend's keys, optional ``faults``), built by :func:`tierkv.storage_backends.factory.build_backend`, so the same store, with
-the same checks, serves vLLM (through :mod:`tierkv.connector.vllm_connector`) and SGLang.
+the same checks, serves vLLM (through :mod:`tierkv.connector.vllm.connector`) and SGLang.
 
 This module is the engine edge: nothing in tierkv's core imports it, and it is the only tierkv module importing
 ``sglang`` (at import time; tierkv works without SGLang installed).
@@ -20,7 +20,7 @@ index 32-hex (16-byte) keys and check a 16-byte namespace digest in every record
 
     tierkv_key(page, part) = BLAKE2b-128("tierkv/sglang-key/v1" || namespace digest || SGLang key || part)
 
-where the namespace (:class:`tierkv.connector.page_hash.ModelNamespace`) holds the served model name, the KV dtype
+where the namespace (:class:`tierkv.connector.core.page_hash.ModelNamespace`) holds the served model name, the KV dtype
 (for SGLang's ``uint8`` FP8 pools with the ``kv_cache_dtype`` of the extra config),
 the host pool class and layout (plus SGLang's ``storage_format_tag``), page size in tokens, layer count, heads and
 head dims, TP rank/size (ignored for MLA, whose pages are identical on every rank), PP rank/size, attention-CP and
@@ -38,7 +38,7 @@ zero-copy layouts the store reads into and writes from the host pool directly (M
 as SGLang's Mooncake backend does); ``layer_first`` pages, and single-record MHA pages, are not one contiguous
 region: each record is handed to the store as its contiguous runs in the pool (one per layer, or K then V), read
 into and written from in place, when the store takes runs (``vectored_destinations`` / ``vectored_sources``) and the
-runs average at least ``VECTORED_MIN_RUN_BYTES`` (the connector's rule, :mod:`tierkv.connector.l3_io`); otherwise
+runs average at least ``VECTORED_MIN_RUN_BYTES`` (the connector's rule, :mod:`tierkv.connector.l3.io`); otherwise
 through one staging page each.
 A page is present only if all its parts are; results keep SGLang's leading-run semantics.
 
@@ -58,8 +58,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
-from tierkv.connector.l3_io import VECTORED_MIN_RUN_BYTES
-from tierkv.connector.page_hash import FORMAT_VERSION, KEY_BYTES, ModelNamespace
+from tierkv.connector.l3.io import VECTORED_MIN_RUN_BYTES
+from tierkv.connector.core.page_hash import FORMAT_VERSION, KEY_BYTES, ModelNamespace
 from tierkv.storage_backends.base import StorageBackend
 from tierkv.storage_backends.common import ConfigError, RateLimitedLog, config_error
 from tierkv.storage_backends.factory import L3_BACKENDS, build_backend, validate_l3

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any
 
-#: store method -> stats key of its latency samples (:data:`tierkv.connector.vllm_metrics.LATENCY_KEYS`)
+#: store method -> stats key of its latency samples (:data:`tierkv.connector.vllm.metrics.LATENCY_KEYS`)
 TIMED_CALLS = {"batch_get": "l3_get_seconds", "batch_set": "l3_set_seconds", "batch_exists": "l3_exists_seconds"}
 
 

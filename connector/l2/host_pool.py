@@ -20,7 +20,7 @@ the layout with the fastest per-layer transfers (one dense run per layer and blo
 merge into one ``copy_``) and it never needs to know the backend's packing (vLLM's CPU backend packs K transposed,
 and its AMX ISA packs differently again). For MLA and for NHD backends it coincides with SGLang's semantic
 ``[L, S*p, 1, C]`` / token-major order. ``page_first`` and ``page_first_direct`` are **semantic**: K and V
-(or the MLA latent) of each token are decoded from the device packing (see :mod:`tierkv.connector.device_pool`) and
+(or the MLA latent) of each token are decoded from the device packing (see :mod:`tierkv.connector.l2.device_pool`) and
 stored token-major in the design's shapes, so a page is 1-2 contiguous runs, ready for L3.
 
 Page bytes (what :meth:`HostPool.read_page` returns and L3 stores) are the page's runs concatenated in the order of
@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import xxhash
 
-from .config import HOST_POOL_LAYOUTS
+from tierkv.connector.core.config import HOST_POOL_LAYOUTS
 from .device_pool import DevicePool, KVGeometry
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ class HostPool:
         block_bytes: bytes of one page of one layer (``DevicePool.block_bytes``).
         layout: ``layer_first`` | ``page_first`` | ``page_first_direct`` (module docstring).
         pin_memory: page-lock the buffer (CUDA only; without CUDA a warning is logged and it stays pageable).
-        geometry: :class:`~tierkv.connector.device_pool.KVGeometry`; required by the semantic layouts, optional
+        geometry: :class:`~tierkv.connector.l2.device_pool.KVGeometry`; required by the semantic layouts, optional
             for ``layer_first`` (then only layer count and block bytes are checked against a device pool).
         prefault: zero the (unpinned) buffer once when it is allocated, so the kernel maps every one of its pages
             at start-up. Left to first use, each 4 KiB of a slot is mapped by a page fault (the kernel zeroes the

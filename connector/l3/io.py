@@ -1,7 +1,7 @@
 """Worker half of the backup/prefetch controller: the L3 store client and its I/O threads (docs/architecture.md §4).
 
 Design after SGLang HiCache's cache controller (a backup queue and a prefetch queue served by I/O threads off the
-engine's critical path), driven here by the jobs of :mod:`tierkv.connector.plan` instead of a shared tree:
+engine's critical path), driven here by the jobs of :mod:`tierkv.connector.core.plan` instead of a shared tree:
 
 - :meth:`L3IO.submit` takes the step's jobs (after the step's L1 -> L2 saves, so a backup may read a slot saved in
   the same step). Backups go to the writer thread, prefetches and existence queries to a pool of ``read_threads``
@@ -14,7 +14,7 @@ engine's critical path), driven here by the jobs of :mod:`tierkv.connector.plan`
   (:data:`CREDIT_FIRST_BATCH` pages) so that the credit starts before its first deadline.
 - The threads move bytes between L2 slots and the store in batches of ``batch_pages`` pages. A failed batch fails
   only its own pages; later batches still run (a page is reported done only if the store acknowledged it).
-- Once a job ended, its :class:`~tierkv.connector.plan.JobReport` waits in :meth:`take_reports` for the next step's
+- Once a job ended, its :class:`~tierkv.connector.core.plan.JobReport` waits in :meth:`take_reports` for the next step's
   worker metadata. Data moves whether or not the engine steps again: a page handed to the writer reaches L3 in
   bounded time even on an idle engine (docs/architecture.md §8 R30).
 - A prefetch also has a request side, served on the engine thread by :meth:`poll` (vLLM's ``get_finished``): when
@@ -48,10 +48,10 @@ import xxhash
 from tierkv.storage_backends.common import RateLimitedLog
 from tierkv.storage_backends.page_format import payload_checksum
 
-from .page_checksums import SlotChecksums
-from .plan import JOB_BACKUP, JOB_PREFETCH, Job, JobReport, PageOrder
-from .thread_names import name_this_thread
-from .thread_priority import WRITER_PRIORITIES, BackgroundPriority, can_return_from_idle
+from tierkv.connector.core.page_checksums import SlotChecksums
+from tierkv.connector.core.plan import JOB_BACKUP, JOB_PREFETCH, Job, JobReport, PageOrder
+from tierkv.connector.obs.thread_names import name_this_thread
+from tierkv.connector.cpu.thread_priority import WRITER_PRIORITIES, BackgroundPriority, can_return_from_idle
 
 logger = logging.getLogger("tierkv.l3")
 
@@ -177,7 +177,7 @@ class L3IO:
     Args:
         store: the rank's L3 store (a :class:`tierkv.storage_backends.base.StorageBackend` built with the rank's
             namespace).
-        host: the L2 :class:`~tierkv.connector.host_pool.HostPool` (``host.page_bytes`` bytes per page).
+        host: the L2 :class:`~tierkv.connector.l2.host_pool.HostPool` (``host.page_bytes`` bytes per page).
         rank_namespace: 16-byte namespace digest of this rank (model, dtype, layout, TP/PP rank...).
         checksums: the worker's :class:`SlotChecksums` (read for backups, written for prefetched pages).
         batch_pages: pages per store call (>= 1).
@@ -193,7 +193,7 @@ class L3IO:
             outcome. Reads and existence queries are unaffected.
         writer_priority: ``normal``, or ``idle``: the writer thread runs in Linux's SCHED_IDLE class while at most
             :data:`WRITER_IDLE_BACKLOG_FRACTION` of the L2 slots (and of ``max_backup_pages``) wait for it, normal
-            above that until half as many do (:mod:`tierkv.connector.thread_priority`); normal throughout where
+            above that until half as many do (:mod:`tierkv.connector.cpu.thread_priority`); normal throughout where
             the process may not leave SCHED_IDLE again (logged at INFO).
     Raises:
         ValueError: bad ``batch_pages``, ``max_backup_pages``, ``read_threads``, ``writer_priority`` or namespace

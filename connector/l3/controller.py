@@ -1,8 +1,8 @@
 """Scheduler half of the backup/prefetch controller: decisions, jobs and per-page job state (docs/architecture.md §4).
 
-No torch and no I/O: it decides and keeps state; the worker half (:mod:`tierkv.connector.l3_io`) moves the bytes.
-The two halves talk only through :class:`~tierkv.connector.plan.Job` s (in the step plan) and
-:class:`~tierkv.connector.plan.JobReport` s (in the step output). Policies after SGLang HiCache
+No torch and no I/O: it decides and keeps state; the worker half (:mod:`tierkv.connector.l3.io`) moves the bytes.
+The two halves talk only through :class:`~tierkv.connector.core.plan.Job` s (in the step plan) and
+:class:`~tierkv.connector.core.plan.JobReport` s (in the step output). Policies after SGLang HiCache
 (``--hicache-write-policy``, ``--hicache-storage-prefetch-policy``), adapted to vLLM's connector API:
 
 Backup (L2 -> L3)
@@ -65,10 +65,10 @@ from typing import Callable, Optional, Sequence
 
 from tierkv.storage_backends.common import RateLimitedLog
 
-from .config import PREFETCH_POLICIES, WRITE_POLICIES
-from .plan import JOB_BACKUP, JOB_EXISTS, JOB_PREFETCH, Job, JobReport, merge_reports
-from .radix_index import NO_SLOT, RadixIndex, RadixNode
-from .slot_allocator import SlotAllocator
+from tierkv.connector.core.config import PREFETCH_POLICIES, WRITE_POLICIES
+from tierkv.connector.core.plan import JOB_BACKUP, JOB_EXISTS, JOB_PREFETCH, Job, JobReport, merge_reports
+from tierkv.connector.core.radix_index import NO_SLOT, RadixIndex, RadixNode
+from tierkv.connector.l2.slot_allocator import SlotAllocator
 
 logger = logging.getLogger("tierkv.controller")
 _rate_limited = RateLimitedLog(logger)  # one line per kind per 10 s, with the count of those suppressed
@@ -317,7 +317,7 @@ class Controller:
     """Scheduler half of the controller for one engine (see the module docstring).
 
     Args:
-        index: the scheduler's :class:`RadixIndex` (shared with :class:`~tierkv.connector.scheduler.CacheScheduler`).
+        index: the scheduler's :class:`RadixIndex` (shared with :class:`~tierkv.connector.core.scheduler.CacheScheduler`).
         allocator: the L2 :class:`SlotAllocator` (shared).
         page_size: tokens per page.
         world_size: worker ranks that report every job (TP x PP); a job ends when all of them reported.
@@ -855,7 +855,7 @@ class Controller:
         """Order the load (``sync``: before this step's forward, :meth:`load_sync`; else asynchronous) of pages
         ``path[first:last]`` into ``block_ids`` (``blocks_per_page`` per page, less the first ``skip_blocks`` blocks
         of page ``first``, which the engine holds in L1; ``groups``: the same blocks per KV cache group of a hybrid
-        model, :class:`~tierkv.connector.plan.Job`). Pages without an L2 copy get staging slots (evicting others if
+        model, :class:`~tierkv.connector.core.plan.Job`). Pages without an L2 copy get staging slots (evicting others if
         needed); the path is locked until the report. Pages for which no slot could be had are in the job with slot
         -1: the worker reports them as load errors."""
         path = list(path[:last])

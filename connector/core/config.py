@@ -21,9 +21,9 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from tierkv.storage_backends.common import ConfigError  # noqa: F401 - re-exported: tierkv.connector.config.ConfigError
+from tierkv.storage_backends.common import ConfigError  # noqa: F401 - re-exported: tierkv.connector.core.config.ConfigError
 from tierkv.storage_backends.factory import L3Config, validate_l3  # noqa: F401 - re-exported
-from .thread_priority import WRITER_PRIORITIES
+from tierkv.connector.cpu.thread_priority import WRITER_PRIORITIES
 
 #: the names below are defined here only; the host pool, the controller and the config models use them
 HOST_POOL_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
@@ -39,7 +39,7 @@ class HostPoolConfig(_Strict):
     """L2 host pool, per worker. Give ``size_gb`` (GiB of DRAM) or ``num_pages``; neither = an automatic size
     (``auto_fraction`` of the host budget, divided among the engine's ranks on the host, at most ``auto_max_gb``
     per rank). The host budget is ``min(MemAvailable, cgroup room) - reserve_gb``, shared by every worker of every
-    engine on the host; pools that do not fit stop start-up (:mod:`tierkv.connector.host_budget`)."""
+    engine on the host; pools that do not fit stop start-up (:mod:`tierkv.connector.l2.host_budget`)."""
 
     size_gb: Optional[float] = Field(default=None, gt=0)
     num_pages: Optional[int] = Field(default=None, gt=0)
@@ -53,7 +53,7 @@ class HostPoolConfig(_Strict):
 class ControllerConfig(_Strict):
     """Backup (L1->L2->L3) and prefetch (L3->L2->L1) policies, after SGLang HiCache's ``--hicache-write-policy``
     and ``--hicache-storage-prefetch-policy``; used only when ``l3.backend`` is not ``none``
-    (:mod:`tierkv.connector.controller`, docs/architecture.md §4): with ``none``, values other than the defaults are
+    (:mod:`tierkv.connector.l3.controller`, docs/architecture.md §4): with ``none``, values other than the defaults are
     a ConfigError (:func:`check_controller_used`). Times in seconds, sizes in pages."""
 
     write_policy: Literal[WRITE_POLICIES] = "write_through"
@@ -77,7 +77,7 @@ class ControllerConfig(_Strict):
     writer_priority: Literal[WRITER_PRIORITIES] = "normal"
 
     def scheduler_kwargs(self) -> dict:
-        """Keyword arguments of :class:`tierkv.connector.controller.Controller`."""
+        """Keyword arguments of :class:`tierkv.connector.l3.controller.Controller`."""
         return self.model_dump(exclude={"batch_pages", "read_threads", "max_backup_pages", "gil_switch_interval_s",
                                         "writer_priority"})
 
@@ -101,7 +101,7 @@ class TierKVConfig(_Strict):
     @classmethod
     def _stats_file(cls, v: Optional[str]) -> Optional[str]:
         # a file name template: {role} and {pid} are the only placeholders, and the name is not a directory (each
-        # process creates the file's directory itself, connector/metrics.py)
+        # process creates the file's directory itself, connector/obs/metrics.py)
         if not v:
             return v
         p = os.path.expanduser(v)

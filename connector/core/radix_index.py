@@ -3,7 +3,7 @@
 Design after SGLang HiCache's radix tree (``HiRadixCache``), adapted to a plug-in:
 
 - An edge is a run of whole pages. Pages are identified by their chained page keys
-  (:mod:`tierkv.connector.page_hash`), which name the token ids of the page *and* of every page before it
+  (:mod:`tierkv.connector.core.page_hash`), which name the token ids of the page *and* of every page before it
   *and* the namespace (model, dtype, layout, LoRA, cache salt...). So two sequences share a path exactly
   when they share a page-aligned token prefix within one namespace, and matching is page-aligned by
   construction: a tail shorter than a page has no key and never matches (docs/architecture.md §8 R12).
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
 NO_SLOT = -1
-_L2, _L3 = 1, 2  # tier bits of :mod:`tierkv.connector.kv_events`
+_L2, _L3 = 1, 2  # tier bits of :mod:`tierkv.connector.obs.kv_events`
 
 
 class RadixNode:
@@ -157,7 +157,7 @@ class RadixIndex:
         self.splits = 0
         self.num_nodes = 1
         self.match_steps = 0
-        #: optional observer of tier changes (:class:`tierkv.connector.kv_events.TierEvents`): told which pages gain
+        #: optional observer of tier changes (:class:`tierkv.connector.obs.kv_events.TierEvents`): told which pages gain
         #: or lose an L2 copy or an L3 copy and which leave the index
         self.events = None
         # bumped when a node loses L2 copies while a child still holds some (only a write_back victim that gained

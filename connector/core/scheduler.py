@@ -1,9 +1,9 @@
 """Scheduler side of the cache: prefix matching over L2 and L3, locks, L2 slot allocation, per-step plans.
 
-Engine-free: :class:`tierkv.connector.vllm_connector.TierKVConnector` adapts vLLM's scheduler hooks to the
+Engine-free: :class:`tierkv.connector.vllm.connector.TierKVConnector` adapts vLLM's scheduler hooks to the
 methods below, and the tests drive them with a scheduler stub. It never touches tensor data
 (docs/architecture.md §3). With an L3 store configured it owns the scheduler half of the controller
-(:class:`tierkv.connector.controller.Controller`), which decides backups and prefetches.
+(:class:`tierkv.connector.l3.controller.Controller`), which decides backups and prefetches.
 
 Life of a request (vLLM v1 hook in brackets):
 
@@ -33,12 +33,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from .controller import Controller, LookupStats, reclaim_l2
+from tierkv.connector.l3.controller import Controller, LookupStats, reclaim_l2
 from .page_hash import ModelNamespace, RequestKeys, request_root, warm_up
 from .plan import JobReport, PageOrder, StepPlan, live_blocks
 from .radix_index import MatchCursor, RadixIndex, RadixNode
 from .request_params import RequestControls
-from .slot_allocator import SlotAllocator
+from tierkv.connector.l2.slot_allocator import SlotAllocator
 
 logger = logging.getLogger("tierkv.scheduler")
 
@@ -170,9 +170,9 @@ class CacheScheduler:
         block_size: the engine's block size in tokens.
         num_slots: pages in the L2 host pool (same number on every worker rank).
         eviction_policy: ``"lru"`` or ``"lfu"`` for the radix index.
-        controller: keyword arguments of :class:`~tierkv.connector.controller.Controller` (policies, deadlines,
+        controller: keyword arguments of :class:`~tierkv.connector.l3.controller.Controller` (policies, deadlines,
             ``world_size``) when an L3 store is configured; None = L1 <-> L2 only.
-        plan_type: the class :meth:`build_plan` returns, :class:`~tierkv.connector.plan.StepPlan` or a subclass
+        plan_type: the class :meth:`build_plan` returns, :class:`~tierkv.connector.core.plan.StepPlan` or a subclass
             taking the same fields (the vLLM connector's metadata class, so a plan is handed over without a copy).
     Raises:
         ValueError: page_size not a whole multiple of block_size, num_slots < 0, or a bad controller setting.
@@ -203,7 +203,7 @@ class CacheScheduler:
         # later save or staging slot of the same plan can evict them and be handed their slot (docs §8 R41)
         self._plan_locks: list[RadixNode] = []
         self._l3_since: dict[str, int] = {}  # request -> plans built when its lookup first waited for / hit L3
-        #: the lookup trace writer (config ``trace_path``, :class:`tierkv.connector.lookup_trace.LookupTrace`) or None
+        #: the lookup trace writer (config ``trace_path``, :class:`tierkv.connector.obs.lookup_trace.LookupTrace`) or None
         self.trace = None
         self.ctl: Optional[Controller] = None
         if controller is not None and num_slots > 0:
@@ -316,7 +316,7 @@ class CacheScheduler:
         """The engine allocated ``block_ids`` (the request's whole table) and will take
         ``num_external_tokens`` from us: lock the matched path and order the load for this step. ``groups``
         (hybrid models): the whole table of every KV cache group, ``block_ids`` being a full-attention group's; the
-        load then copies each group's live blocks (:func:`tierkv.connector.plan.live_blocks`)."""
+        load then copies each group's live blocks (:func:`tierkv.connector.core.plan.live_blocks`)."""
         st = self.requests[req_id]
         c = st.last_num_computed
         l3_hit = (st.async_hit or st.sync_hit) and self.ctl is not None
@@ -401,7 +401,7 @@ class CacheScheduler:
         (``num_tokens_after_step`` = computed + scheduled tokens) and not yet in L2. ``block_ids`` is the
         request's whole block table. ``groups`` (hybrid models): every KV cache group's whole table, ``block_ids``
         being a full-attention group's; a page is saved only when all its blocks in every group are live
-        (:func:`tierkv.connector.plan.live_blocks`): one that is not and is already indexed (an L3 copy) is left as
+        (:func:`tierkv.connector.core.plan.live_blocks`): one that is not and is already indexed (an L3 copy) is left as
         it is, one that is not indexed ends this step's saves there."""
         if not self.needs_saves(req_id, num_tokens_after_step):
             return

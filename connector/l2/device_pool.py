@@ -49,7 +49,7 @@ from typing import Optional
 
 import torch
 
-from .cpu_features import cpu_flags
+from tierkv.connector.cpu.cpu_features import cpu_flags
 
 #: attention backend names (vLLM ``AttentionBackendEnum`` names, case-insensitive) -> device kind
 _BACKEND_KINDS = {
@@ -115,7 +115,7 @@ class KVGeometry:
     """What the bytes of one page mean: element ``dtype``, ``num_kv_heads`` (1 for MLA), ``head_dim`` (K head dim;
     for MLA the latent width ``C``), ``page_size`` (tokens per page = manager block), ``use_mla``.
 
-    Used by :class:`tierkv.connector.host_pool.HostPool` for its semantic layouts and to refuse a device pool of a
+    Used by :class:`tierkv.connector.l2.host_pool.HostPool` for its semantic layouts and to refuse a device pool of a
     different shape (ValueError before any byte moves)."""
 
     dtype: torch.dtype

@@ -1,6 +1,6 @@
 """Lookup trace (config key ``trace_path``): one JSON line per counted lookup, for ``tierkv plan`` (docs/architecture.md §6).
 
-The scheduler side (:class:`tierkv.connector.scheduler.CacheScheduler`) hands :meth:`LookupTrace.lookup` each request
+The scheduler side (:class:`tierkv.connector.core.scheduler.CacheScheduler`) hands :meth:`LookupTrace.lookup` each request
 that may read a cache at its first admission, the moment its lookup is counted. The file holds:
 
 - a header line ``{"tierkv_lookup_trace": 1, "page_size": P, "l2_pages": N, "eviction_policy": "lru"}``;
@@ -8,7 +8,7 @@ that may read a cache at its first admission, the moment its lookup is counted. 
   ``keys`` are the keys of every full page the request holds at admission (its prompt: the pages it saves),
   ``lookup_pages`` how many of them the lookup offered (all but the last token), ``outcome`` the tokens of that
   lookup per part (``l1``, ``l2``, ``l3`` = sent to an L3 load, and the miss reasons of
-  :data:`tierkv.connector.controller.MISS_REASONS`), nonzero parts only; ``load_cap`` / ``save_cap`` (pages) when
+  :data:`tierkv.connector.l3.controller.MISS_REASONS`), nonzero parts only; ``load_cap`` / ``save_cap`` (pages) when
   the request's controls limit them.
 
 No token ids are written (a key is a one-way hash), so a trace can be shared. Pages of generated tokens, and requests

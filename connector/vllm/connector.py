@@ -3,19 +3,19 @@
 Load it with::
 
     --kv-transfer-config '{"kv_connector": "TierKVConnector",
-                           "kv_connector_module_path": "tierkv.connector.vllm_connector",
+                           "kv_connector_module_path": "tierkv.connector.vllm.connector",
                            "kv_role": "kv_both",
                            "kv_connector_extra_config": {"config_file": "default.yaml"}}'
 
 ``kv_connector_extra_config`` may name a YAML ``config_file`` and override any key (nested or dotted, see
-:mod:`tierkv.connector.config`); empty = shipped defaults. One class serves both vLLM roles (vLLM builds one
+:mod:`tierkv.connector.core.config`); empty = shipped defaults. One class serves both vLLM roles (vLLM builds one
 instance in the scheduler process and one per worker; they share nothing but the per-step
 :class:`ConnectorPlan`):
 
-- scheduler role -> :class:`tierkv.connector.scheduler.CacheScheduler` (radix index over L2 and L3, locks, slots,
+- scheduler role -> :class:`tierkv.connector.core.scheduler.CacheScheduler` (radix index over L2 and L3, locks, slots,
   and with an L3 store the scheduler half of the controller),
-- worker role -> :class:`tierkv.connector.worker.CacheWorker` (host pool memory, device pool adapter, and with an
-  L3 store the controller's I/O threads, :class:`tierkv.connector.l3_io.L3IO`).
+- worker role -> :class:`tierkv.connector.l2.worker.CacheWorker` (host pool memory, device pool adapter, and with an
+  L3 store the controller's I/O threads, :class:`tierkv.connector.l3.io.L3IO`).
 
 Loads from L2 are synchronous in vLLM's sense (``load_async=False``): they complete before the layers read
 them, inside the same step. Loads that need L3 are asynchronous (``load_async=True``): the request waits in
@@ -38,7 +38,7 @@ Constraints (checked at start-up, clear errors): ``page_size`` a whole multiple 
 page spans k consecutive blocks of a request. KV cache groups (:func:`_geometry`): one group of any attention kind
 vLLM keeps for every token; or, with vLLM's hybrid KV cache manager on (tierkv is ``SupportsHMA``, so vLLM keeps it
 on), several full-attention and sliding-window groups of one block size: each page holds every layer, each group's
-blocks are copied with its own layers and vLLM's null block never (:func:`tierkv.connector.plan.live_blocks`), and
+blocks are copied with its own layers and vLLM's null block never (:func:`tierkv.connector.core.plan.live_blocks`), and
 every hit is an asynchronous load (vLLM takes a failed load of such a model only as a failed request). With the
 manager off a hybrid model of sliding-window and full-attention layers is one group of full-attention specs, its
 pages hold every layer for every token. Sliding window in every layer, local chunks beside other layers and Mamba
@@ -60,14 +60,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorRole, KVConnectorTransferResults,
                                                                KVConnectorWorkerMetadata, SupportsHMA)
 
-from .config import ConfigError, TierKVConfig, config_from_extra
-from .host_budget import group_bytes, reserve
-from .metrics import StatsFile
-from .page_hash import ModelNamespace, lora_identity
-from .plan import JobReport, StepPlan
-from .request_params import RequestControls, RequestParamsError, parse_controls
-from .store_metrics import TimedStore
-from .vllm_metrics import (REUSE_KEYS, SCHEDULER_ONLY, CounterDeltas, TierKVPromMetrics, TierKVStats,
+from tierkv.connector.core.config import ConfigError, TierKVConfig, config_from_extra
+from tierkv.connector.l2.host_budget import group_bytes, reserve
+from tierkv.connector.obs.metrics import StatsFile
+from tierkv.connector.core.page_hash import ModelNamespace, lora_identity
+from tierkv.connector.core.plan import JobReport, StepPlan
+from tierkv.connector.core.request_params import RequestControls, RequestParamsError, parse_controls
+from tierkv.connector.obs.store_metrics import TimedStore
+from .metrics import (REUSE_KEYS, SCHEDULER_ONLY, CounterDeltas, TierKVPromMetrics, TierKVStats,
                            scheduler_gauges)
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -141,7 +141,7 @@ def _params_log():
 
 
 class TierKVWorkerMeta(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: the :class:`~tierkv.connector.plan.JobReport` s of one step and the timed forwards
+    """Worker -> scheduler: the :class:`~tierkv.connector.core.plan.JobReport` s of one step and the timed forwards
     (``(step, prompt tokens, seconds)``) of steps that computed enough prompt tokens. vLLM merges the ranks' objects
     with :meth:`aggregate` (concatenation: the scheduler side waits for every rank's report of a job and merges
     them page by page; of a step timed by several ranks it takes the slowest)."""
@@ -180,7 +180,7 @@ def _spec_kind(spec) -> str:
 
 
 #: KV cache spec kinds a hybrid model's groups (vLLM's hybrid KV cache manager on) may have: full attention, and
-#: sliding window (its blocks before the window are null in vLLM's tables: :func:`tierkv.connector.plan.live_blocks`)
+#: sliding window (its blocks before the window are null in vLLM's tables: :func:`tierkv.connector.core.plan.live_blocks`)
 _GROUP_SPECS = ("FullAttentionSpec", "SlidingWindowSpec")
 
 
@@ -205,7 +205,7 @@ def _geometry(kv_cache_config, model_type: str = "this model"
     block size are served: ``groups`` lists each group's layer names, ``layer names`` every layer (ordered as the
     device pool orders them), ``ref`` the first full-attention group (its blocks are never null), ``window`` the
     sliding window. Each page still holds every layer; each group's blocks are copied with that group's layers, null
-    blocks never (:func:`tierkv.connector.plan.live_blocks`).
+    blocks never (:func:`tierkv.connector.core.plan.live_blocks`).
 
     Raises ConfigError naming ``model_type`` (the HF ``model_type``) and why, for: no KV cache group
     (attention-free model); several groups with a kind other than full attention and sliding window (Mamba/SSM
@@ -237,7 +237,7 @@ def _geometry(kv_cache_config, model_type: str = "this model"
                               "without tierkv")
         ref = kinds.index("FullAttentionSpec")
         names = [list(g.layer_names) for g in groups]
-        from .device_pool import _layer_sort_key
+        from tierkv.connector.l2.device_pool import _layer_sort_key
         layers = sorted((n for g in names for n in g), key=_layer_sort_key)
         window = max((int(getattr(sp, "sliding_window", 0) or 0) for sp in specs), default=0)
         return specs[ref], layers, (window or None), names, ref
@@ -288,7 +288,7 @@ def device_packing(vllm_config, spec, use_mla: bool) -> tuple[str, Optional[str]
     cache dtype, which reads the CPU's AMX/AVX-512 support)."""
     from vllm.platforms import current_platform
 
-    from .device_pool import device_kind
+    from tierkv.connector.l2.device_pool import device_kind
     backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
     backend = getattr(backend, "name", backend)
     kind = device_kind(backend, "cpu" if current_platform.is_cpu() else "cuda", use_mla)
@@ -306,7 +306,7 @@ _unhashed_adapters: set = set()
 
 def lora_key(lora_request) -> Optional[str]:
     """The LoRA identity a request's key chain starts from (``None`` without an adapter): the adapter's name and
-    the content digest of its files (:func:`tierkv.connector.page_hash.lora_identity`, computed once per adapter in
+    the content digest of its files (:func:`tierkv.connector.core.page_hash.lora_identity`, computed once per adapter in
     this process), the files found as vLLM's worker finds them (``get_adapter_absolute_path``). When they cannot be
     read here, the identity is the name plus this process's random nonce, with one warning per adapter: its pages
     are then reused inside this engine only, never through a store shared with another engine."""
@@ -333,13 +333,13 @@ def lora_key(lora_request) -> Optional[str]:
 def page_namespace_facts(vllm_config, kv_cache_config, spec, use_mla: bool, host_layout: str) -> dict:
     """The ``ModelNamespace`` fields, besides model id and geometry, that change a page's bytes: ``dtype``
     (:func:`kv_dtype_name`), ``kv_layout`` (``"<host layout>/<device packing>"``, equal to the worker's
-    ``HostPool.kv_layout``: :func:`tierkv.connector.device_pool.device_layout_tag` of :func:`device_packing`) and
+    ``HostPool.kv_layout``: :func:`tierkv.connector.l2.device_pool.device_layout_tag` of :func:`device_packing`) and
     ``extra`` (the model dtype, the weights' quantisation method and the host byte order)."""
     import sys
 
     from vllm.platforms import current_platform
 
-    from .device_pool import device_layout_tag
+    from tierkv.connector.l2.device_pool import device_layout_tag
     mc, cc = vllm_config.model_config, vllm_config.cache_config
     kind, isa = device_packing(vllm_config, spec, use_mla)
     layout = kv_cache_config.kv_cache_layout or cc.kv_cache_layout
@@ -392,12 +392,12 @@ def scheduler_exists(l3_cfg, digests: list, page_bytes: int):
     ``exists(keys) -> int | None`` takes connector page keys (bytes); it returns None, so the lookup asks the workers
     instead of taking a dead or slow server's silence for "absent", when the store counted a failure during the query
     (``errors``, ``timeouts`` or ``fast_fails`` in its ``stats()``). ``stores`` are the
-    :class:`~tierkv.connector.store_metrics.TimedStore` wrappers (one per digest; the caller closes them). A store with
+    :class:`~tierkv.connector.obs.store_metrics.TimedStore` wrappers (one per digest; the caller closes them). A store with
     a ``timeout_s`` waits at most :data:`SCHEDULER_EXISTS_TIMEOUT_S` here.
     """
     from tierkv.storage_backends.factory import build_backend
 
-    from .l3_io import l3_key
+    from tierkv.connector.l3.io import l3_key
     stores: list = []
     try:
         for digest in digests:
@@ -498,7 +498,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        from .cpu_features import request_amx_permission
+        from tierkv.connector.cpu.cpu_features import request_amx_permission
         request_amx_permission()  # before any page moves: vLLM's AMX kernels die of SIGILL without it (cpu_features)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.cfg: TierKVConfig = config_from_extra(extra)
@@ -506,7 +506,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         cache_config = vllm_config.cache_config
         self.block_size = int(cache_config.block_size)
         self.page_size = int(self.cfg.page_size or self.block_size)
-        from .scheduler import check_page_size
+        from tierkv.connector.core.scheduler import check_page_size
         try:  # a page is k whole engine blocks of the request (k >= 1)
             self.blocks_per_page = check_page_size(self.page_size, self.block_size)
         except ValueError as e:
@@ -553,7 +553,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker_stats_owed = False  # scheduler: the last plan told the workers to hold their deltas back
         self._loads_ended = False        # worker: get_finished named a request whose L3 load ended, this step
         if role == KVConnectorRole.SCHEDULER:
-            from .scheduler import CacheScheduler
+            from tierkv.connector.core.scheduler import CacheScheduler
             if self.num_slots == 0:
                 logger.warning("tierkv: host pool of %d bytes (%s) holds no page of %d bytes; serving without L2",
                                pool_bytes, _SIZE_KEYS[self._size_from], self.page_bytes)
@@ -570,13 +570,13 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._sched = CacheScheduler(self.namespace, self.page_size, self.block_size, self.num_slots,
                                          self.cfg.eviction_policy, controller=ctl, plan_type=ConnectorPlan)
             self._events = self._tier_events(vllm_config)
-            if self.cfg.trace_path:  # the lookup trace for `tierkv plan` (connector/lookup_trace.py)
-                from .lookup_trace import LookupTrace
+            if self.cfg.trace_path:  # the lookup trace for `tierkv plan` (connector/obs/lookup_trace.py)
+                from tierkv.connector.obs.lookup_trace import LookupTrace
                 self._sched.trace = LookupTrace(self.cfg.trace_path, self.page_size, self.num_slots,
                                                 self.cfg.eviction_policy)
             self._estimates = None
-            if ctl is not None and self.num_slots > 0:  # a predecessor's recompute estimate (connector/estimates.py)
-                from .estimates import EstimateFile
+            if ctl is not None and self.num_slots > 0:  # a predecessor's recompute estimate (connector/l3/estimates.py)
+                from tierkv.connector.l3.estimates import EstimateFile
                 self._estimates = EstimateFile(self.namespace.digest().hex())
                 prior = self._estimates.load()
                 if prior is not None:
@@ -614,7 +614,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         return exists
 
     def _pool_bytes(self, vllm_config, role) -> int:
-        """Bytes of this worker's L2 pool, from the host budget (:mod:`tierkv.connector.host_budget`): a worker
+        """Bytes of this worker's L2 pool, from the host budget (:mod:`tierkv.connector.l2.host_budget`): a worker
         reserves its share before any page exists (ConfigError on every rank when the engine's pools do not fit);
         the scheduler process sizes its index like its workers (with an automatic size: from their reservations)."""
         pc = vllm_config.parallel_config
@@ -678,7 +678,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
     @_timed_hook
     def get_kv_connector_stats(self) -> Optional[TierKVStats]:
         """Counter increases, changed gauges and L3 latency samples since the previous hand-over (both roles; vLLM
-        sums the workers'), see :mod:`tierkv.connector.vllm_metrics`; None in the steps between two hand-overs
+        sums the workers'), see :mod:`tierkv.connector.vllm.metrics`; None in the steps between two hand-overs
         (:data:`STATS_EVERY_S`): the scheduler side hands over once that time has passed or when it has no request
         left, a worker when the step's plan says so (``StepPlan.emit_stats``, or no plan bound) and in every step
         that moved its counters: a plan with loads, saves or jobs, a load that ended (:meth:`get_finished`) or a job
@@ -725,8 +725,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                                     cache_salt=getattr(request, "cache_salt", None), controls=self._controls(request))
 
     def _controls(self, request: "Request") -> Optional[RequestControls]:
-        """The request's tierkv controls (``kv_transfer_params["tierkv"]``, :mod:`tierkv.connector.request_params`).
-        Malformed ones (a front-end without the :mod:`tierkv.connector.vllm_params_check` validator let them through)
+        """The request's tierkv controls (``kv_transfer_params["tierkv"]``, :mod:`tierkv.connector.core.request_params`).
+        Malformed ones (a front-end without the :mod:`tierkv.connector.vllm.params_check` validator let them through)
         are refused here: the request is served without tierkv (nothing loaded, nothing saved), the refusal is
         counted (``request_params_refused``) and logged, and its response's ``kv_transfer_params`` carries
         ``{"tierkv_error": <message naming the field>}``."""
@@ -936,13 +936,13 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             return False
 
     def _tier_events(self, vllm_config):
-        """The :class:`~tierkv.connector.kv_events.TierEvents` feeding :meth:`take_events`, attached to the index,
+        """The :class:`~tierkv.connector.obs.kv_events.TierEvents` feeding :meth:`take_events`, attached to the index,
         when vLLM publishes KV events (``--kv-events-config`` with ``enable_kv_cache_events``) and L2 holds pages;
         None otherwise (then the index pays nothing for events)."""
         ev_cfg = getattr(vllm_config, "kv_events_config", None)
         if ev_cfg is None or not getattr(ev_cfg, "enable_kv_cache_events", False) or self.num_slots == 0:
             return None
-        from .kv_events import TierEvents, page_infos
+        from tierkv.connector.obs.kv_events import TierEvents, page_infos
         hash_block_size = int(getattr(self.kv_cache_config, "hash_block_size", 0) or self.block_size)
 
         def resolve(req_id: str, start: int, end: int):
@@ -962,7 +962,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
     @_timed_hook
     def take_events(self):
         """vLLM's ``BlockStored`` / ``BlockRemoved`` events for pages that entered or left L2 (``medium="CPU"``) or
-        L3 (``medium="STORAGE"``, ``ownership="L3:<backend>"``) since the last step (:mod:`tierkv.connector.kv_events`);
+        L3 (``medium="STORAGE"``, ``ownership="L3:<backend>"``) since the last step (:mod:`tierkv.connector.obs.kv_events`);
         vLLM publishes them after its own L1 events of the step. Empty when KV events are off."""
         events = getattr(self, "_events", None)
         if events is None:
@@ -987,7 +987,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             self._worker.finish_loads()  # a layer-wise load still running (no-op otherwise)
             self._worker.close(self.cfg.controller.shutdown_drain_s)
-            from .l3_io import restore_switch_interval
+            from tierkv.connector.l3.io import restore_switch_interval
             restore_switch_interval(getattr(self, "_switch_prev", None), self.cfg.controller.gil_switch_interval_s)
             self._switch_prev = None
         for store in getattr(self, "_exists_stores", ()):
@@ -999,10 +999,10 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         """Build the device pool adapter over vLLM's KV tensors and the host pool (as many slots as the scheduler side),
         with an L3 store this rank's store and I/O threads (a store that cannot start: a warning, served without L3);
         warm the kernels up."""
-        from .. import kernels
-        from .device_pool import DevicePool
-        from .host_pool import HostPool
-        from .worker import CacheWorker
+        from tierkv import kernels
+        from tierkv.connector.l2.device_pool import DevicePool
+        from tierkv.connector.l2.host_pool import HostPool
+        from tierkv.connector.l2.worker import CacheWorker
         layout = self.kv_cache_config.kv_cache_layout or self._vllm_config.cache_config.kv_cache_layout
         backend = None
         try:
@@ -1027,7 +1027,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         host = HostPool.for_device(dev, self.num_slots * self.blocks_per_page, self.cfg.host_pool.layout,
                                    pin_memory=pin, prefault=self._size_from != "automatic size")
         if self.blocks_per_page > 1:  # page slot s = the pool's block rows s*k .. s*k+k-1
-            from .worker import MultiBlockPages
+            from tierkv.connector.l2.worker import MultiBlockPages
             host = MultiBlockPages(host, self.blocks_per_page)
         if host.kv_layout != self.namespace.kv_layout:
             raise ConfigError(f"tierkv: pages are laid out as {host.kv_layout!r} in the worker but the page "
@@ -1053,8 +1053,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         """This rank's store and I/O threads, or (None, None) with a warning when the store cannot start."""
         from tierkv.storage_backends.factory import build_backend
 
-        from .l3_io import L3IO, raise_switch_interval
-        from .page_checksums import SlotChecksums
+        from tierkv.connector.l3.io import L3IO, raise_switch_interval
+        from tierkv.connector.core.page_checksums import SlotChecksums
         try:
             from vllm.distributed.parallel_state import (get_pipeline_model_parallel_rank,
                                                          get_tensor_model_parallel_rank)

@@ -6,7 +6,7 @@ seconds, and once more at shutdown.
 
 The file never lags the counters by more than about ``min_interval_s`` (docs/architecture.md §13; the scheduler
 side hands a snapshot over only with its counter hand-overs to vLLM, about every ``STATS_EVERY_S`` of
-:mod:`tierkv.connector.vllm_connector`, and at once when it goes idle): a change seen
+:mod:`tierkv.connector.vllm.connector`, and at once when it goes idle): a change seen
 by :meth:`StatsFile.maybe_write` inside the interval is not dropped but written by a background flusher thread when
 the interval ends, even if the engine never steps again. Only the flusher writes for :meth:`StatsFile.maybe_write`
 and :meth:`StatsFile.write_soon` (the engine's hooks call them, and a write on their thread would lengthen the

@@ -4,10 +4,10 @@ vLLM 0.32 gives a KV connector no hook at request entry: the connector first see
 scheduler, where it can no longer refuse it. vLLM does run, in the API server process and before a request
 reaches the engine, the ``validate_params`` class method of every custom logits processor; a ``ValueError`` there
 becomes an HTTP 400 whose message is the error's. :class:`TierKVParamsCheck` is such a processor that only validates
-(``kv_transfer_params["tierkv"]``, :mod:`tierkv.connector.request_params`) and leaves the logits alone. Start the
+(``kv_transfer_params["tierkv"]``, :mod:`tierkv.connector.core.request_params`) and leaves the logits alone. Start the
 server with::
 
-    vllm serve ... --logits-processors tierkv.connector.vllm_params_check:TierKVParamsCheck
+    vllm serve ... --logits-processors tierkv.connector.vllm.params_check:TierKVParamsCheck
 
 Without it a malformed control is refused in the scheduler instead: the request is served without tierkv and its
 response's ``kv_transfer_params`` is ``{"tierkv_error": "..."}`` (:meth:`TierKVConnector._controls`).
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from vllm.v1.sample.logits_processor import LogitsProcessor
 
-from .request_params import RequestParamsError, parse_controls
+from tierkv.connector.core.request_params import RequestParamsError, parse_controls
 
 
 class TierKVParamsCheck(LogitsProcessor):

@@ -30,7 +30,7 @@ from typing import Any, Optional
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from .controller import REUSE_BUCKETS_S
+from tierkv.connector.l3.controller import REUSE_BUCKETS_S
 
 #: counter key -> Prometheus help text
 COUNTERS = {
@@ -188,7 +188,7 @@ class CounterDeltas:
 
 
 def scheduler_gauges(stats: dict[str, Any]) -> dict[str, int]:
-    """The :data:`GAUGES` from a :meth:`tierkv.connector.scheduler.CacheScheduler.stats` snapshot."""
+    """The :data:`GAUGES` from a :meth:`tierkv.connector.core.scheduler.CacheScheduler.stats` snapshot."""
     out = {"l2_capacity_pages": stats.get("num_slots", 0),
            "l2_used_pages": stats.get("num_slots", 0) - stats.get("free_slots", 0)}
     if "lookup_waiting_tokens" in stats:

@@ -1,10 +1,10 @@
 """Worker side of the cache: executes each step's plan on the L1 and L2 memory.
 
-Engine-free: :class:`tierkv.connector.vllm_connector.TierKVConnector` calls it from vLLM's worker hooks.
+Engine-free: :class:`tierkv.connector.vllm.connector.TierKVConnector` calls it from vLLM's worker hooks.
 
 - Loads (L2 -> L1) of a step start in ``start_load_kv`` (before the forward, since tierkv's loads from DRAM
   are synchronous loads in vLLM's sense). With ``layerwise`` they run layer by layer on a background
-  thread (:class:`tierkv.connector.layer_loader.LayerwiseLoad`) and each attention layer waits only for its
+  thread (:class:`tierkv.connector.l2.layer_loader.LayerwiseLoad`) and each attention layer waits only for its
   own pages (``wait_for_layer_load``), after LMCache's layerwise mode and SGLang HiCache's per-layer
   load_back; otherwise all layers are copied at once. A copy that fails never reaches the engine as an exception:
   the blocks of the load are reported as failed (``get_block_ids_with_load_errors``) and vLLM recomputes them; in
@@ -17,12 +17,12 @@ Engine-free: :class:`tierkv.connector.vllm_connector.TierKVConnector` calls it f
   whose save was not made is never loaded nor backed up (docs/architecture.md §8 R31). Loads of one step that read
   the same slot (requests sharing a prefix, admitted together) are copied in rounds (the kernels take a slot once).
 - With ``verify``, the XXH3-64 of every page saved into L2 is kept per slot
-  (:class:`tierkv.connector.page_checksums.SlotChecksums`, bounded by the pool), travels into the L3 record header
+  (:class:`tierkv.connector.core.page_checksums.SlotChecksums`, bounded by the pool), travels into the L3 record header
   on backup ("checksum once") and is checked before the page is loaded again; a mismatch (a slot reused too early,
   memory corruption) is never loaded: the blocks from the first bad page on are reported as failed
   (``get_block_ids_with_load_errors``) so vLLM recomputes them. Without ``verify`` a save hashes nothing on the
   forward's thread: the L3 writer hashes a page when it backs it up, and pages never backed up are never hashed.
-- With an L3 store, the step's jobs go to :class:`tierkv.connector.l3_io.L3IO` after the saves; :meth:`poll`
+- With an L3 store, the step's jobs go to :class:`tierkv.connector.l3.io.L3IO` after the saves; :meth:`poll`
   (vLLM's ``get_finished``) copies prefetched pages L2 -> L1 and names the requests whose asynchronous load ended;
   :meth:`take_reports` hands the job reports to the scheduler side.
 """
@@ -35,12 +35,12 @@ from typing import Optional, Sequence
 
 from tierkv.storage_backends.common import RateLimitedLog
 
-from .. import kernels
+from tierkv import kernels
 from .device_pool import DevicePool
 from .host_pool import HostPool
-from .l3_io import L3IO, NoL3
-from .page_checksums import SlotChecksums
-from .plan import JOB_BACKUP, JOB_PREFETCH, JobReport, PageOrder, StepPlan, group_copies
+from tierkv.connector.l3.io import L3IO, NoL3
+from tierkv.connector.core.page_checksums import SlotChecksums
+from tierkv.connector.core.plan import JOB_BACKUP, JOB_PREFETCH, JobReport, PageOrder, StepPlan, group_copies
 
 logger = logging.getLogger("tierkv.worker")
 _rate_limited = RateLimitedLog(logger)  # failures that can repeat at traffic rate: one line per kind per 10 s
@@ -106,7 +106,7 @@ def _unique_slot_rounds(slots: list[int], blocks: list[int]) -> list[tuple[list[
 class MultiBlockPages:
     """Pages of ``blocks_per_page`` engine blocks over a :class:`HostPool` of block rows (``block_pool``, its
     ``num_slots`` a multiple of ``blocks_per_page``): page slot ``s`` is block rows ``s*k .. s*k+k-1``. The kernels
-    copy blocks with ``block_pool`` and block rows (:meth:`tierkv.connector.plan.PageOrder.block_slots`); L3, the
+    copy blocks with ``block_pool`` and block rows (:meth:`tierkv.connector.core.plan.PageOrder.block_slots`); L3, the
     checksums and the scheduler side see ``num_slots`` pages of ``page_bytes`` = ``k`` x the block pool's page bytes.
 
     Page bytes (what :meth:`read_page` returns, L3 stores and :meth:`page_checksum` hashes) are the page's runs in
@@ -229,7 +229,7 @@ class CacheWorker:
     def _copies(self, orders: Sequence[PageOrder]) -> list[tuple[Optional[list[int]], list[int], list[int]]]:
         """What the kernels copy for ``orders``: ``(layers, L2 block slots, engine blocks)`` triples. One model group:
         one triple with every layer (``layers`` None). Hybrid models: one per KV cache group with live blocks, that
-        group's layers and its live blocks only (:func:`tierkv.connector.plan.group_copies`).
+        group's layers and its live blocks only (:func:`tierkv.connector.core.plan.group_copies`).
 
         Raises:
             ValueError: an order without ``groups`` on a hybrid model's worker."""

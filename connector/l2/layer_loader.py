@@ -21,15 +21,15 @@ from typing import Optional, Sequence
 
 from tierkv.kernels import load_pages, validate_transfer
 
-from .thread_names import name_this_thread
+from tierkv.connector.obs.thread_names import name_this_thread
 
 
 class LayerwiseLoad:
     """Loads pages ``slots[i] -> block_ids[i]`` layer by layer on a background thread (CPU) or side stream (CUDA).
 
     Args:
-        host: the :class:`~tierkv.connector.host_pool.HostPool` (source).
-        dev: the :class:`~tierkv.connector.device_pool.DevicePool` (destination).
+        host: the :class:`~tierkv.connector.l2.host_pool.HostPool` (source).
+        dev: the :class:`~tierkv.connector.l2.device_pool.DevicePool` (destination).
         slots, block_ids: equal-length int sequences (validated here, ValueError before anything moves).
         impl: force ``"torch"`` or ``"triton"`` (default: by device).
         copies: instead of ``slots``/``block_ids`` (pass them empty): ``(layers, slots, block_ids)`` triples, each

@@ -3,7 +3,7 @@
 Two directions, plain data only (lists of ints and bytes: small and cheap to pickle):
 
 - scheduler -> worker: one :class:`StepPlan` per engine step, built by
-  :class:`tierkv.connector.scheduler.CacheScheduler` and pickled by the engine to every worker rank (vLLM sends it
+  :class:`tierkv.connector.core.scheduler.CacheScheduler` and pickled by the engine to every worker rank (vLLM sends it
   inside ``SchedulerOutput``). ``loads`` (L2 -> L1) and ``saves`` (L1 -> L2) are finished by the worker within the
   step. ``recomputed`` names requests whose failed load the scheduler side has
   handled (docs/architecture.md §8 R31). ``jobs`` are L3 transfers that outlive the step: each has an id, and the slots, blocks and index nodes it
@@ -59,7 +59,7 @@ def live_blocks(block_ids: Sequence[int]) -> list[int]:
     null block (:data:`NULL_BLOCK`). This is tierkv's one rule for hybrid models:
 
     - save: a page is stored only when all of its blocks in every group are live at the step that orders its save
-      (:meth:`tierkv.connector.scheduler.CacheScheduler.schedule_saves`); a page is ordered in the step that computes
+      (:meth:`tierkv.connector.core.scheduler.CacheScheduler.schedule_saves`); a page is ordered in the step that computes
       it (or fills it), when vLLM still holds every group's block of it, so every page of a prompt is stored with
       every layer, sliding-window layers included (a hit may end at any page, and the window before it is then
       needed). A page whose sliding-window block is already null (an engine prefix-cache hit older than the window)
@@ -298,7 +298,7 @@ class StepPlan:
     #: the controller's recompute estimate)
     prefill_tokens: int = 0
     #: the workers hand their counter deltas to vLLM's metrics after this step (the scheduler side sets it about every
-    #: ``STATS_EVERY_S`` of :mod:`tierkv.connector.vllm_connector`; False: they accumulate until a plan that says so)
+    #: ``STATS_EVERY_S`` of :mod:`tierkv.connector.vllm.connector`; False: they accumulate until a plan that says so)
     emit_stats: bool = True
 
     def is_empty(self) -> bool:
