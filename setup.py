@@ -45,7 +45,7 @@ setup(
         # (with its own torch); these are the packages its storage, host-pool and server-args modules import that a
         # `pip install --no-deps sglang==0.5.23` leaves out (the CPU install: README "Using it with SGLang").
         "sglang": ["orjson", "ipython", "traitlets", "gguf", "msgspec"],
-        # LMCache cache server as L3 (storage_backends/lmcache.py): the client speaks LMCache's wire protocol itself
+        # LMCache cache server as L3 (storage_backends/lmcache/store.py): the client speaks LMCache's wire protocol itself
         # and imports nothing from LMCache, so it needs only pyzmq + msgpack (already core dependencies). The server
         # runs in a venv of its own: `bash benchmarks/peers/setup_lmcache_venv.sh` (README "Which L3 to choose").
         "lmcache": ["pyzmq>=25", "msgpack>=1.0"],

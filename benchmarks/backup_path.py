@@ -73,8 +73,8 @@ class Setup:
         from tierkv.connector.l3 import io as l3_io
         from tierkv.connector.l3.io import L3IO
         from tierkv.connector.core.page_checksums import SlotChecksums
-        from tierkv.storage_backends.file import FileStore
-        from tierkv.storage_backends.zmq_client import ZmqStore
+        from tierkv.storage_backends.file.store import FileStore
+        from tierkv.storage_backends.zmq.client import ZmqStore
 
         kind, path = config.split("_")
         self.server = None
@@ -133,7 +133,7 @@ def summarize(runs: list[dict]) -> list[dict]:
 
 def start_zmq_server(capacity: int) -> tuple[subprocess.Popen, str]:
     """A ``tierkv server`` process of ``capacity`` bytes on a free loopback port: the process and its endpoint."""
-    proc = subprocess.Popen([sys.executable, "-m", "tierkv.storage_backends.zmq_server", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "tierkv.storage_backends.zmq.server", "--port", "0",
                              "--capacity-bytes", str(capacity)], stdout=subprocess.PIPE, text=True)
     return proc, proc.stdout.readline().split()[-1]
 

@@ -527,7 +527,7 @@ def round_trip(torch, device, quick: bool, pydantic_from: str) -> dict[str, Any]
     import fake_engine
     from tierkv.connector.l2.device_pool import DevicePool
     from tierkv.connector.l2.host_pool import HostPool
-    from tierkv.storage_backends.file import FileStore
+    from tierkv.storage_backends.file.store import FileStore
 
     pinned_l2 = device.type == "cuda"
 

@@ -379,7 +379,7 @@ def bench_scale(args) -> dict:
 
 def bench_startup(args) -> dict:
     """A file store of N records: its own start-up scan, and the existence query of one 128k-token prompt on it."""
-    from tierkv.storage_backends.file import FileStore
+    from tierkv.storage_backends.file.store import FileStore
     from tierkv.storage_backends.page_format import encode_record
 
     n = args.startup_pages

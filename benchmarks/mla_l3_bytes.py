@@ -5,7 +5,7 @@ record (what tierkv's workers did before: the same key and bytes sent ``tp`` tim
 
 Deterministic (sizes and counts, no timing), through the worker's own path: per rank an MLA
 :class:`~tierkv.connector.l2.device_pool.DevicePool` over vLLM's MLA cache shape ``[blocks, page, 576]`` (bf16), its
-:class:`~tierkv.connector.l2.host_pool.HostPool` (``layer_first``), a :class:`~tierkv.storage_backends.file.FileStore`
+:class:`~tierkv.connector.l2.host_pool.HostPool` (``layer_first``), a :class:`~tierkv.storage_backends.file.store.FileStore`
 over one shared directory and :class:`~tierkv.connector.l3.io.L3IO` with ``backup_writer`` as the vLLM connector
 sets it. Every rank backs up the same ``--pages`` pages (identical bytes in every rank's L2), then every rank reads
 them all back and checks them byte for byte. Reported per model, TP size, page size and scheme:
@@ -55,7 +55,7 @@ def run_case(layers: int, tp: int, page: int, scheme: str, pages: int, root: Pat
     from tierkv.connector.core.page_checksums import SlotChecksums
     from tierkv.connector.core.page_hash import ModelNamespace
     from tierkv.connector.core.plan import JOB_BACKUP, JOB_PREFETCH, Job
-    from tierkv.storage_backends.file import FileStore
+    from tierkv.storage_backends.file.store import FileStore
 
     g = torch.Generator().manual_seed(1)
     data = None

@@ -363,9 +363,9 @@ def first_touch_mb_s(mib: int = 256) -> dict[str, float]:
 
 
 def filesystem_of(path: str) -> str:
-    """``<fstype> at <mount> (<options>)`` of the filesystem ``path`` is on (:func:`tierkv.storage_backends.file.
+    """``<fstype> at <mount> (<options>)`` of the filesystem ``path`` is on (:func:`tierkv.storage_backends.file.store.
     mount_of`), plus ``, no journal`` for an ext4 without one (file creation is slow there after many deletions)."""
-    from tierkv.storage_backends.file import mount_of
+    from tierkv.storage_backends.file.store import mount_of
 
     m = mount_of(path)
     if not m:

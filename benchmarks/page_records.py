@@ -52,7 +52,7 @@ def run_one(k: int, model: tuple[int, int, int], args, root: str, seed: int) -> 
     from tierkv.connector.core.page_checksums import SlotChecksums
     from tierkv.connector.core.plan import JOB_BACKUP, JOB_PREFETCH, Job
     from tierkv.connector.l2.worker import MultiBlockPages
-    from tierkv.storage_backends.file import FileStore
+    from tierkv.storage_backends.file.store import FileStore
 
     layers, kv_heads, head_dim = model
     block_bytes = 2 * kv_heads * head_dim * args.block * 2  # one layer's K and V of one block, bf16

@@ -49,9 +49,9 @@ class Setup:
     def __init__(self, config: str, host, n: int, d: str):
         from tierkv.connector.l3.io import L3IO
         from tierkv.connector.core.page_checksums import SlotChecksums
-        from tierkv.storage_backends.file import FileStore
+        from tierkv.storage_backends.file.store import FileStore
 
-        from tierkv.storage_backends.zmq_client import ZmqStore
+        from tierkv.storage_backends.zmq.client import ZmqStore
 
         kind, path = config.split("_")
         self.server = None

@@ -168,7 +168,7 @@ def checksums_of(src: list[torch.Tensor]) -> list[int]:
 
 def bench_file(pb: int, reps: int, src: list[torch.Tensor], base: str, fsync_reps: int,
                sums: Optional[list[int]] = None) -> dict:
-    from tierkv.storage_backends.file import FileStore
+    from tierkv.storage_backends.file.store import FileStore
 
     rng = np.random.default_rng(pb)
     nbytes = BATCH * pb
@@ -259,14 +259,14 @@ def stop_procs(*procs: subprocess.Popen) -> None:
 def bench_zmq(pb: int, reps: int, src: list[torch.Tensor], sums: Optional[list[int]] = None) -> dict:
     import zmq
 
-    from tierkv.storage_backends.zmq_client import ZmqStore
+    from tierkv.storage_backends.zmq.client import ZmqStore
 
     rng = np.random.default_rng(pb + 1)
     nbytes = BATCH * pb
     S = {k: Series() for k in ("raw_set", "zmq_set", "raw_get", "zmq_get")}
     raw = subprocess.Popen([sys.executable, "-c", _RAW_ZMQ_SERVER], stdout=subprocess.PIPE, text=True)
     cap = 4 * BATCH * (pb + 4096) + (64 << 20)
-    srv = subprocess.Popen([sys.executable, "-m", "tierkv.storage_backends.zmq_server", "--port", "0",
+    srv = subprocess.Popen([sys.executable, "-m", "tierkv.storage_backends.zmq.server", "--port", "0",
                             "--capacity-bytes", str(cap), "--log-level", "warning"],
                            stdout=subprocess.PIPE, text=True)
     ctx = zmq.Context()
@@ -365,7 +365,7 @@ class MooncakeRig:
 
 def bench_mooncake(pb: int, reps: int, src: list[torch.Tensor], rig: MooncakeRig,
                    sums: Optional[list[int]] = None) -> dict:
-    from tierkv.storage_backends.mooncake import MooncakeStore
+    from tierkv.storage_backends.mooncake.store import MooncakeStore
 
     rng = np.random.default_rng(pb + 2)
     nbytes = BATCH * pb

@@ -284,7 +284,7 @@ def start_store(args, fleet: Fleet) -> dict:
 #: without it or with a wrong one are refused (argv: endpoint, token file); prints the outcome as JSON
 TOKEN_CHECK = """
 import json, os, sys
-from tierkv.storage_backends.zmq_client import ZmqStore
+from tierkv.storage_backends.zmq.client import ZmqStore
 ep, token = sys.argv[1], open(sys.argv[2]).read().strip()
 ns, key, page = b"fleet-token-chk!", os.urandom(16).hex(), bytearray(os.urandom(4096))
 out = {}

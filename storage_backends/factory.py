@@ -49,10 +49,10 @@ class Backend(NamedTuple):
 
 #: ``l3.backend`` name -> its backend; one entry adds a backend everywhere (config keys, validation, build, CLI)
 BACKENDS: dict[str, Backend] = {
-    "file": Backend("tierkv.storage_backends.file", "FileStore", "FileStoreConfig", "root", {"root": "."}),
-    "zmq": Backend("tierkv.storage_backends.zmq_client", "ZmqStore", "ZmqStoreConfig", "endpoint"),
-    "mooncake": Backend("tierkv.storage_backends.mooncake", "MooncakeStore", "MooncakeStoreConfig", "master_address"),
-    "lmcache": Backend("tierkv.storage_backends.lmcache", "LMCacheStore", "LMCacheStoreConfig", "endpoint",
+    "file": Backend("tierkv.storage_backends.file.store", "FileStore", "FileStoreConfig", "root", {"root": "."}),
+    "zmq": Backend("tierkv.storage_backends.zmq.client", "ZmqStore", "ZmqStoreConfig", "endpoint"),
+    "mooncake": Backend("tierkv.storage_backends.mooncake.store", "MooncakeStore", "MooncakeStoreConfig", "master_address"),
+    "lmcache": Backend("tierkv.storage_backends.lmcache.store", "LMCacheStore", "LMCacheStoreConfig", "endpoint",
                        {"page_tokens": 16}),
 }
 

@@ -589,7 +589,7 @@ def test_the_connector_answers_existence_in_the_scheduler_only_for_a_local_store
     instead (read faults leave existence to the scheduler, as without them)."""
     import dataclasses
     from tierkv.connector.l3.io import l3_key
-    from tierkv.storage_backends.file import FileStore
+    from tierkv.storage_backends.file.store import FileStore
     from vllm_parts import SCHEDULER, connector, write_model
     monkeypatch.setenv("TIERKV_LEDGER_DIR", str(tmp_path))
     model = write_model(tmp_path / "model")

@@ -15,7 +15,7 @@ from tierkv.connector.l3.io import l3_key
 from tierkv.connector.core.radix_index import RadixIndex
 from tierkv.connector.l2.slot_allocator import SlotAllocator
 from tierkv.storage_backends.faulty import FaultyBackend
-from tierkv.storage_backends.file import FileStore
+from tierkv.storage_backends.file.store import FileStore
 
 
 def toks(a, n):

@@ -18,7 +18,7 @@ from tierkv.connector.core.page_checksums import SlotChecksums
 from tierkv.connector.core.plan import JOB_BACKUP, Job
 from tierkv.connector.l2.worker import MultiBlockPages
 from tierkv.storage_backends import FaultyBackend
-from tierkv.storage_backends.file import FileStore
+from tierkv.storage_backends.file.store import FileStore
 
 NS = bytes(range(16))
 

@@ -202,7 +202,7 @@ def test_a_read_that_ends_just_after_the_forward_is_named_finished_by_the_step_t
     lasted: a read held back by a slow store (fault: its ``batch_get`` waits until the forward's end) is named
     finished by its own step and the hit costs one step; a read that does not end within that wait (the store held
     until the next step's forward) ends the step anyway, and its load ends in the next step."""
-    from tierkv.storage_backends.file import FileStore
+    from tierkv.storage_backends.file.store import FileStore
     monkeypatch.setenv("TIERKV_LEDGER_DIR", str(tmp_path))
     gate = threading.Event()
     real_get = FileStore.batch_get
@@ -270,7 +270,7 @@ def test_the_end_of_step_wait_for_a_read_ends_at_the_reads_deadline(tmp_path, mo
     Then the request is released at its deadline (its blocks reported failed, recomputed) and nothing stays pinned."""
     from fake_engine import FakeEngine, Req
     from test_controller import file_store, write_to_l3
-    from tierkv.storage_backends.file import FileStore
+    from tierkv.storage_backends.file.store import FileStore
     doc = list(range(7, 7 + DOC_PAGES * P))
     write_to_l3(tmp_path, doc)
     gate = threading.Event()

@@ -21,7 +21,7 @@ from tierkv.connector.core.page_hash import ModelNamespace, page_keys, request_r
 from tierkv.connector.core.plan import PageOrder, block_slots
 from tierkv.connector.core.scheduler import CacheScheduler, check_page_size
 from tierkv.connector.l2.worker import CacheWorker, MultiBlockPages
-from tierkv.storage_backends.file import FileStore
+from tierkv.storage_backends.file.store import FileStore
 
 B = 16                       # engine block size, tokens
 LAYERS, HEADS, HEAD_DIM = 2, 2, 8

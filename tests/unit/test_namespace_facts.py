@@ -23,7 +23,7 @@ from tierkv.connector.core.config import ConfigError
 from tierkv.connector.l2.device_pool import DevicePool, device_layout_tag
 from tierkv.connector.core.page_hash import adapter_digest, lora_identity, request_root
 from tierkv.connector.vllm.connector import TierKVConnector, kv_dtype_name, lora_key
-from tierkv.storage_backends.file import FileStore
+from tierkv.storage_backends.file.store import FileStore
 from vllm_parts import BLOCK, HEAD_DIM, KV_HEADS, LAYER_NAMES, SCHEDULER, WORKER, TierkvLoggerState, write_model
 
 

@@ -11,7 +11,7 @@ from tierkv.connector.l3.io import L3IO
 from tierkv.connector.obs.metrics import StatsFile
 from tierkv.connector.core.page_checksums import SlotChecksums
 from tierkv.connector.obs.thread_names import os_thread_name
-from tierkv.storage_backends.file import FileStore
+from tierkv.storage_backends.file.store import FileStore
 
 NS = bytes(range(16))
 

@@ -18,7 +18,7 @@ from tierkv.connector.l2.host_pool import HostPool
 from tierkv.connector.l3.io import L3IO, l3_key
 from tierkv.connector.core.page_checksums import SlotChecksums
 from tierkv.connector.core.plan import JOB_BACKUP, Job
-from tierkv.storage_backends.file import FileStore
+from tierkv.storage_backends.file.store import FileStore
 
 NS = bytes(range(16))
 

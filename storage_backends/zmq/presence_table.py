@@ -1,5 +1,5 @@
 """Which keys a tierkv cache server holds, published in shared memory so that a client on the same host answers
-"how many leading pages are stored?" without a round trip (:meth:`.zmq_client.ZmqStore.batch_exists`).
+"how many leading pages are stored?" without a round trip (:meth:`.client.ZmqStore.batch_exists`).
 
 The question is asked by the engine's scheduler before every new request, in its own loop; over ZMQ the answer waits
 for the single-threaded server to finish whatever message it is copying (a backup batch of dozens of pages) and for
@@ -32,7 +32,7 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 import xxhash
 
-from .shm_segment import Segment
+from tierkv.storage_backends.shm_segment import Segment
 
 __all__ = ["PresenceTable", "fingerprint", "PRESENCE_PREFIX", "PRESENCE_NAME_RE"]
 

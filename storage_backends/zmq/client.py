@@ -1,4 +1,4 @@
-"""Client of the tierkv ZMQ cache server (:mod:`.zmq_server`): an L3 :class:`StorageBackend`.
+"""Client of the tierkv ZMQ cache server (:mod:`.server`): an L3 :class:`StorageBackend`.
 
 One DEALER socket per store, guarded by a lock (thread-safe). Every page travels as a 64-byte
 :mod:`.page_format` header (inside the msgpack request header) plus one raw payload frame sent zero-copy from
@@ -45,10 +45,10 @@ from typing import Any, Callable, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from tierkv.storage_backends import zmq_protocol as P
+from tierkv.storage_backends.zmq import protocol as P
 from tierkv.storage_backends.base import Buffer, PageTokens, StorageBackend
 from tierkv.storage_backends.common import Counters, RateLimitedLog, check_store_identity, config_error
-from tierkv.storage_backends.presence_table import PRESENCE_NAME_RE, PresenceTable, fingerprint
+from tierkv.storage_backends.zmq.presence_table import PRESENCE_NAME_RE, PresenceTable, fingerprint
 from tierkv.storage_backends.shm_segment import Segment, sweep_dead_files
 from tierkv.storage_backends.zmq_channel import ChannelFailed, RequestChannel
 from tierkv.storage_backends.page_format import (PageFormatError, check_checksums, copy_into, copy_verified,

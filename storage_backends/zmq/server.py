@@ -1,6 +1,6 @@
 """tierkv ZMQ cache server: a standalone process that holds L3 pages in memory for several engines.
 
-Run it as ``tierkv server`` or ``python -m tierkv.storage_backends.zmq_server`` (same flags; the command line is
+Run it as ``tierkv server`` or ``python -m tierkv.storage_backends.zmq.server`` (same flags; the command line is
 :mod:`tierkv.cli_server`). It binds a ZMQ ROUTER socket on ``--host`` (127.0.0.1 unless a wider address is
 given explicitly) and ``--port`` (0 = any free port), prints one line ``tierkv-server ready tcp://HOST:PORT``
 on stdout once it is listening, and exits cleanly on SIGTERM/SIGINT.
@@ -8,7 +8,7 @@ on stdout once it is listening, and exits cleanly on SIGTERM/SIGINT.
 Storage: an LRU of records ``(namespace, key) -> (page record header, payload frame)`` bounded by
 ``--capacity-bytes``
 (header + payload bytes); received payload frames are kept as they came off the wire and sent back with
-zero-copy sends. Evicted records optionally spill to a :class:`tierkv.storage_backends.file.FileStore`
+zero-copy sends. Evicted records optionally spill to a :class:`tierkv.storage_backends.file.store.FileStore`
 under ``--spill-dir`` and are read back (and promoted to memory) on a later get. The server never looks
 inside a payload: the client wraps every page with a :mod:`.page_format` header and verifies it on read.
 
@@ -26,7 +26,7 @@ it in a ping and when it runs without a spill directory: the presence table of t
 (:mod:`.presence_table`), which same-host clients probe to answer ``exists`` without a round trip; the ping reply
 names it. A server whose clients never ask (the shared-memory path off) keeps nothing in ``/dev/shm``.
 
-Wire format and safety rules: :mod:`.zmq_protocol` (msgpack headers under strict limits, raw payload frames,
+Wire format and safety rules: :mod:`.protocol` (msgpack headers under strict limits, raw payload frames,
 an error reply for every request it can attribute, no pickle). Design inspired by LMCache's MP cache server
 (DEALER/ROUTER, request ids) and SGLang HiCache's storage semantics (leading-run exists), with the fixes
 docs/architecture.md §8 R13, R15, R19 call for.
@@ -47,9 +47,9 @@ from typing import Any, Optional
 import numpy as np
 import zmq
 
-from tierkv.storage_backends import zmq_protocol as P
+from tierkv.storage_backends.zmq import protocol as P
 from tierkv.storage_backends.common import Counters
-from tierkv.storage_backends.presence_table import PRESENCE_NAME_RE, PRESENCE_PREFIX, PresenceTable, fingerprint
+from tierkv.storage_backends.zmq.presence_table import PRESENCE_NAME_RE, PRESENCE_PREFIX, PresenceTable, fingerprint
 from tierkv.storage_backends.shm_segment import Segment, sweep_dead_files
 
 log = logging.getLogger("tierkv.zmq_server")
@@ -84,7 +84,7 @@ class _SpillTier:
     the key is stored again) until the next restart or clear of its namespace."""
 
     def __init__(self, root: str, capacity_bytes: Optional[int] = None):
-        from tierkv.storage_backends.file import FileStore  # lazy: spill is optional
+        from tierkv.storage_backends.file.store import FileStore  # lazy: spill is optional
 
         self._cls = FileStore
         self.root = root
@@ -160,7 +160,7 @@ class _SpillTier:
         """Yield ``(ns, key, header, payload, written_at, "spill")`` for every spilled record (of ``ns`` if given),
         except tombstoned ones and keys in ``skip`` (a mapping of ``(ns, key)`` held in memory). ``headers_only``:
         ``payload`` is its length in bytes (an int) and only the start of each file is read."""
-        from tierkv.storage_backends.file import iter_page_files, read_record_file
+        from tierkv.storage_backends.file.store import iter_page_files, read_record_file
         from tierkv.storage_backends.page_format import HEADER_BYTES
 
         for (sns, length), st in list(self.stores.items()):
@@ -899,7 +899,7 @@ def _rss_bytes() -> int:
         return 0
 
 
-if __name__ == "__main__":  # ``python -m tierkv.storage_backends.zmq_server`` = ``tierkv server``
+if __name__ == "__main__":  # ``python -m tierkv.storage_backends.zmq.server`` = ``tierkv server``
     from tierkv.cli_server import main
 
     sys.exit(main())

@@ -1,4 +1,4 @@
-"""Wire format shared by the tierkv ZMQ cache server (:mod:`.zmq_server`) and its client (:mod:`.zmq_client`).
+"""Wire format shared by the tierkv ZMQ cache server (:mod:`.server`) and its client (:mod:`.client`).
 
 Transport: a client **DEALER** socket talks to the server's **ROUTER** socket over TCP (loopback by default).
 Every message is one ZMQ multipart message, which ZMQ delivers whole or not at all (so a writer killed
@@ -70,7 +70,7 @@ from typing import Any, Optional
 
 import msgpack
 
-#: version of the data ops (every op except the admin ops below); what :mod:`.zmq_client` speaks.
+#: version of the data ops (every op except the admin ops below); what :mod:`.client` speaks.
 PROTOCOL_VERSION = 1
 #: version that added the admin ops ``scan`` and ``verify`` (used by ``tierkv store stats|verify``). A server
 #: answers requests of every version in :data:`SUPPORTED_VERSIONS` and replies with the request's version; an admin op
