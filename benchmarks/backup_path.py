@@ -133,7 +133,7 @@ def summarize(runs: list[dict]) -> list[dict]:
 
 def start_zmq_server(capacity: int) -> tuple[subprocess.Popen, str]:
     """A ``tierkv server`` process of ``capacity`` bytes on a free loopback port: the process and its endpoint."""
-    proc = subprocess.Popen([sys.executable, "-m", "tierkv.storage_backends.zmq.server", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "tierkv.cli_server", "--port", "0",
                              "--capacity-bytes", str(capacity)], stdout=subprocess.PIPE, text=True)
     return proc, proc.stdout.readline().split()[-1]
 

@@ -266,7 +266,7 @@ def bench_zmq(pb: int, reps: int, src: list[torch.Tensor], sums: Optional[list[i
     S = {k: Series() for k in ("raw_set", "zmq_set", "raw_get", "zmq_get")}
     raw = subprocess.Popen([sys.executable, "-c", _RAW_ZMQ_SERVER], stdout=subprocess.PIPE, text=True)
     cap = 4 * BATCH * (pb + 4096) + (64 << 20)
-    srv = subprocess.Popen([sys.executable, "-m", "tierkv.storage_backends.zmq.server", "--port", "0",
+    srv = subprocess.Popen([sys.executable, "-m", "tierkv.cli_server", "--port", "0",
                             "--capacity-bytes", str(cap), "--log-level", "warning"],
                            stdout=subprocess.PIPE, text=True)
     ctx = zmq.Context()

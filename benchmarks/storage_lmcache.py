@@ -92,7 +92,7 @@ def bench(pb: int, reps: int, src: list[torch.Tensor], sums: Optional[list[int]]
     S = {f"{v}_{op}": SB.Series() for v in VARIANTS for op in ("set", "get")}
     raw = subprocess.Popen([sys.executable, "-c", SB._RAW_ZMQ_SERVER], stdout=subprocess.PIPE, text=True)
     cap = 4 * BATCH * (pb + 4096) + (64 << 20)
-    srv = subprocess.Popen([sys.executable, "-m", "tierkv.storage_backends.zmq.server", "--port", "0",
+    srv = subprocess.Popen([sys.executable, "-m", "tierkv.cli_server", "--port", "0",
                             "--capacity-bytes", str(cap), "--log-level", "warning"], stdout=subprocess.PIPE, text=True)
     l1_gb = max(1.0, 4 * BATCH * (pb + 4096) / 2**30)
     lm_proc, lm_ep, lm_shm = LMF.start_server(PAGE_TOKENS, l1_size_gb=round(l1_gb, 2),

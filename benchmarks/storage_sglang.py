@@ -208,7 +208,7 @@ def _bench(pb: int, reps: int, base_dir: str, backends: list[str], rig) -> dict:
                                               (tierkv(l3, "v1", "tierkv mooncake (v1)"), None)]))
         if "zmq" in backends:
             cap = 4 * BATCH * (pb + 4096) + (64 << 20)
-            sproc = subprocess.Popen([sys.executable, "-m", "tierkv.storage_backends.zmq.server", "--port", "0",
+            sproc = subprocess.Popen([sys.executable, "-m", "tierkv.cli_server", "--port", "0",
                                       "--capacity-bytes", str(cap), "--log-level", "warning"],
                                      stdout=subprocess.PIPE, text=True)
             line = sproc.stdout.readline().split()

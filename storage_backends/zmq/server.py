@@ -1,6 +1,6 @@
 """tierkv ZMQ cache server: a standalone process that holds L3 pages in memory for several engines.
 
-Run it as ``tierkv server`` or ``python -m tierkv.storage_backends.zmq.server`` (same flags; the command line is
+Run it as ``tierkv server`` or ``python -m tierkv.cli_server`` (same flags; the command line is
 :mod:`tierkv.cli_server`). It binds a ZMQ ROUTER socket on ``--host`` (127.0.0.1 unless a wider address is
 given explicitly) and ``--port`` (0 = any free port), prints one line ``tierkv-server ready tcp://HOST:PORT``
 on stdout once it is listening, and exits cleanly on SIGTERM/SIGINT.
@@ -897,9 +897,3 @@ def _rss_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError):
         return 0
-
-
-if __name__ == "__main__":  # ``python -m tierkv.storage_backends.zmq.server`` = ``tierkv server``
-    from tierkv.cli_server import main
-
-    sys.exit(main())
