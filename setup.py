@@ -3,7 +3,7 @@
 The repository keeps its top-level folders (``connector/``, ``storage_backends/``, ``kernels/``,
 ``configs/``) and installs them under the single import name ``tierkv``.
 """
-from setuptools import setup
+from setuptools import find_packages, setup
 
 PACKAGES = {
     "tierkv": "tierkv",
@@ -29,7 +29,8 @@ setup(
     version="0.1.0",
     description="Hierarchical KV cache (L1/L2/L3) connector for vLLM and storage backends for SGLang HiCache",
     python_requires=">=3.10",
-    packages=list(PACKAGES),
+    packages=[*PACKAGES, *(f"{pkg}.{sub}" for pkg, folder in PACKAGES.items() if pkg != "tierkv"
+                           for sub in find_packages(folder))],
     package_dir=PACKAGES,
     package_data={"tierkv.configs": ["*.yaml"]},
     include_package_data=True,
@@ -40,11 +41,11 @@ setup(
         "mooncake": ["mooncake-transfer-engine-non-cuda"],
         "test": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3", "hypothesis>=6.100", "transformers", "requests", "matplotlib>=3.7", "ruff"],
         "bench": ["matplotlib>=3.7"],
-        # SGLang HiCache backend (connector/sglang_hicache.py). On a GPU machine SGLang itself is installed as usual
+        # SGLang HiCache backend (connector/sglang/hicache.py). On a GPU machine SGLang itself is installed as usual
         # (with its own torch); these are the packages its storage, host-pool and server-args modules import that a
         # `pip install --no-deps sglang==0.5.23` leaves out (the CPU install: README "Using it with SGLang").
         "sglang": ["orjson", "ipython", "traitlets", "gguf", "msgspec"],
-        # LMCache cache server as L3 (storage_backends/lmcache.py): the client speaks LMCache's wire protocol itself
+        # LMCache cache server as L3 (storage_backends/lmcache/store.py): the client speaks LMCache's wire protocol itself
         # and imports nothing from LMCache, so it needs only pyzmq + msgpack (already core dependencies). The server
         # runs in a venv of its own: `bash benchmarks/peers/setup_lmcache_venv.sh` (README "Which L3 to choose").
         "lmcache": ["pyzmq>=25", "msgpack>=1.0"],

@@ -66,7 +66,7 @@ VPY="$VENV/bin/python"
 import torch, transformers, vllm, msgpack, zmq, xxhash, yaml, pydantic, redis, hiredis
 from transformers import LlamaForCausalLM  # fails if a broken torchvision is still around
 import tierkv.connector, tierkv.storage_backends, tierkv.kernels
-import tierkv.connector.sglang_hicache  # SGLang's HiCacheStorage importable (sglang installed --no-deps)
+import tierkv.connector.sglang.hicache  # SGLang's HiCacheStorage importable (sglang installed --no-deps)
 assert torch.__version__.startswith("2.13.0"), torch.__version__
 print(f"setup_env: ok (torch {torch.__version__}, vllm {vllm.__version__}, transformers {transformers.__version__})")
 PYCHECK

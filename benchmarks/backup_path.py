@@ -3,7 +3,7 @@ as its runs (``vectored``: ``StorageBackend.vectored_sources``, the file store's
 ZMQ store's copy of each run into its shared-memory slot) or first gathered into one contiguous staging page
 (``staged``: the path the writer takes for stores without ``vectored_sources``, e.g. Mooncake and LMCache).
 
-The writer is the connector's own (:class:`tierkv.connector.l3_io.L3IO` over a :class:`HostPool` of each
+The writer is the connector's own (:class:`tierkv.connector.l3.io.L3IO` over a :class:`HostPool` of each
 ``--shapes`` entry: a preset's KV pages, ``demo`` in float32 (4 layers x 32 KiB, 128 KiB pages) or ``bench`` in
 bfloat16 (8 x 32 KiB), or ``LAYERSxKIB``: that many runs of that many KiB), with its default batches of 16 pages and
 no checksum recorded at save time (``controller.verify_checksums`` off, the default: the writer hashes each page).
@@ -68,11 +68,11 @@ class Setup:
     """One configuration: its store (at capacity once :meth:`fill` ran), its L3IO and, for ZMQ, its server."""
 
     def __init__(self, config: str, host, capacity: int, d: str):
-        from tierkv.connector import l3_io
-        from tierkv.connector.l3_io import L3IO
-        from tierkv.connector.page_checksums import SlotChecksums
-        from tierkv.storage_backends.file import FileStore
-        from tierkv.storage_backends.zmq_client import ZmqStore
+        from tierkv.connector.l3 import io as l3_io
+        from tierkv.connector.l3.io import L3IO
+        from tierkv.connector.core.page_checksums import SlotChecksums
+        from tierkv.storage_backends.file.store import FileStore
+        from tierkv.storage_backends.zmq.client import ZmqStore
 
         kind, path = config.split("_")
         self.server = None
@@ -95,7 +95,7 @@ class Setup:
 
     def backup(self, n: int) -> dict:
         """Back up ``n`` pages (new keys; slots round-robin) in jobs of :data:`JOB_PAGES`; CPU and wall per page."""
-        from tierkv.connector.plan import JOB_BACKUP, Job
+        from tierkv.connector.core.plan import JOB_BACKUP, Job
 
         jobs = []
         for s in range(0, n, JOB_PAGES):
@@ -131,7 +131,7 @@ def summarize(runs: list[dict]) -> list[dict]:
 
 def start_zmq_server(capacity: int) -> tuple[subprocess.Popen, str]:
     """A ``tierkv server`` process of ``capacity`` bytes on a free loopback port: the process and its endpoint."""
-    proc = subprocess.Popen([sys.executable, "-m", "tierkv.storage_backends.zmq_server", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "tierkv.cli_server", "--port", "0",
                              "--capacity-bytes", str(capacity)], stdout=subprocess.PIPE, text=True)
     return proc, proc.stdout.readline().split()[-1]
 
@@ -205,8 +205,8 @@ def main(argv=None) -> int:
     import numpy as np
     import torch
 
-    from tierkv.connector import l3_io
-    from tierkv.connector.host_pool import HostPool
+    from tierkv.connector.l3 import io as l3_io
+    from tierkv.connector.l2.host_pool import HostPool
 
     try:
         shapes = {name: parse_shape(name) for name in args.shapes.split(",") if name}

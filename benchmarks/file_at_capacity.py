@@ -49,7 +49,7 @@ def _keys(tag: str, n: int) -> list[str]:
 
 def run_one(config: str, page_bytes: int, capacity: int, writes: int, root: str, seed: int) -> dict:
     """Fill a store to ``capacity`` records (untimed), then time ``writes`` more page writes in batches of 16."""
-    from tierkv.storage_backends.file import FileStore
+    from tierkv.storage_backends.file.store import FileStore
     from tierkv.storage_backends.page_format import HEADER_BYTES
     rec = HEADER_BYTES + page_bytes
     cap_records = capacity + writes if config == "below_capacity" else capacity

@@ -173,8 +173,8 @@ def _same_views_on(torch, kv: dict, storage, device):
 
 def correctness(torch, device, quick: bool, budget: Budget, stop_at: float) -> dict[str, Any]:
     """Triton vs torch, bit for bit (module docstring). ``stop_at``: budget seconds left at which to stop."""
-    from tierkv.connector.device_pool import DevicePool
-    from tierkv.connector.host_pool import HOST_POOL_LAYOUTS, HostPool
+    from tierkv.connector.l2.device_pool import DevicePool
+    from tierkv.connector.l2.host_pool import HOST_POOL_LAYOUTS, HostPool
     from tierkv.kernels import load_pages, save_pages
     from tierkv.kernels.testing import DEVICE_LAYOUTS, make_kv_caches
 
@@ -300,8 +300,8 @@ def bandwidth(torch, device, quick: bool, budget: Budget, stop_at: float) -> dic
     """Scattered page transfers vs one contiguous pinned copy of the same bytes (module docstring)."""
     if device.type != "cuda":
         return {"status": NOT_MEASURED, "passed": None, "target_ratio": BW_TARGET}
-    from tierkv.connector.device_pool import DevicePool
-    from tierkv.connector.host_pool import HOST_POOL_LAYOUTS, HostPool
+    from tierkv.connector.l2.device_pool import DevicePool
+    from tierkv.connector.l2.host_pool import HOST_POOL_LAYOUTS, HostPool
     from tierkv.kernels import load_pages, save_pages
 
     total = (256 if quick else 1024) * 2**20
@@ -373,8 +373,8 @@ def overlap(torch, device, quick: bool, budget: Budget) -> dict[str, Any]:
     """Transfers on the side stream during a matmul loop on the compute stream (module docstring)."""
     if device.type != "cuda":
         return {"status": NOT_MEASURED, "passed": None, "target_slowdown": SLOWDOWN_TARGET}
-    from tierkv.connector.device_pool import DevicePool
-    from tierkv.connector.host_pool import HostPool
+    from tierkv.connector.l2.device_pool import DevicePool
+    from tierkv.connector.l2.host_pool import HostPool
     from tierkv.kernels import load_pages, save_pages
 
     n_mm = 4096 if quick else 8192
@@ -459,7 +459,7 @@ def pinned_probe(gib: int, how: str) -> dict[str, Any]:
     memory that took, from /proc/self/status and the caching host allocator's stats."""
     import torch
     bootstrap_tierkv()
-    from tierkv.connector.host_pool import HostPool
+    from tierkv.connector.l2.host_pool import HostPool
     torch.cuda.init()
     torch.empty(1, device="cuda")
     want = gib * 2**30
@@ -531,9 +531,9 @@ def round_trip(torch, device, quick: bool, pydantic_from: str) -> dict[str, Any]
     from benchmarks.harness import load_file
 
     fake_engine = load_file("tierkv_fake_engine", ROOT / "tests" / "unit" / "fake_engine.py")
-    from tierkv.connector.device_pool import DevicePool
-    from tierkv.connector.host_pool import HostPool
-    from tierkv.storage_backends.file import FileStore
+    from tierkv.connector.l2.device_pool import DevicePool
+    from tierkv.connector.l2.host_pool import HostPool
+    from tierkv.storage_backends.file.store import FileStore
 
     pinned_l2 = device.type == "cuda"
 

@@ -4,7 +4,7 @@ the wall time spent inside tierkv's vLLM hooks, per step, under concurrent load 
 For each configuration (``tierkv_l2``, ``tierkv_l3_file`` of ``benchmarks/serve_cpu``, same sizes and model) one
 server runs ``vllm bench serve`` once per workload (``random``: no reuse, ``prefix_repetition``, ``multiturn``) at
 ``--max-concurrency 8``; the counters ``hook_seconds``, ``hook_calls`` and ``hook_steps`` of the scheduler and the
-worker (their stats files, ``stats_path``; :func:`tierkv.connector.vllm_connector._timed_hook`) are read before and
+worker (their stats files, ``stats_path``; :func:`tierkv.connector.vllm.connector._timed_hook`) are read before and
 after each run. Reported per run: hook time per step on each side, the run's wall time per step (the client's
 duration over the steps the scheduler planned: an upper bound of a step's length, since the engine also idles), and
 both sides' hook time over the run's duration. Both sides run on the engine's critical path on vLLM's CPU backend

@@ -52,9 +52,9 @@ def _connectors(model: str, hybrid: bool, pages: int):
     from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
 
-    from tierkv.connector.vllm_connector import TierKVConnector
+    from tierkv.connector.vllm.connector import TierKVConnector
 
-    kt = KVTransferConfig(kv_connector="TierKVConnector", kv_connector_module_path="tierkv.connector.vllm_connector",
+    kt = KVTransferConfig(kv_connector="TierKVConnector", kv_connector_module_path="tierkv.connector.vllm.connector",
                           kv_role="kv_both", kv_connector_extra_config={"host_pool.num_pages": 2 * pages + 2})
     mc = ModelConfig(model=model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096)
     vc = VllmConfig(model_config=mc, cache_config=CacheConfig(block_size=BLOCK), kv_transfer_config=kt)

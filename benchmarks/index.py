@@ -47,10 +47,10 @@ RESULTS = HERE / "results"
 SECTION = "index"
 VOCAB = 128_000
 
-from tierkv.connector.page_hash import (ModelNamespace, page_keys, page_keys_reference,  # noqa: E402
+from tierkv.connector.core.page_hash import (ModelNamespace, page_keys, page_keys_reference,  # noqa: E402
                                         request_root, warm_up)
-from tierkv.connector.radix_index import NO_SLOT, RadixIndex  # noqa: E402
-from tierkv.connector.scheduler import CacheScheduler  # noqa: E402
+from tierkv.connector.core.radix_index import NO_SLOT, RadixIndex  # noqa: E402
+from tierkv.connector.core.scheduler import CacheScheduler  # noqa: E402
 
 
 def loadavg() -> float:
@@ -375,7 +375,7 @@ def bench_scale(args) -> dict:
 
 def bench_startup(args) -> dict:
     """A file store of N records: its own start-up scan, and the existence query of one 128k-token prompt on it."""
-    from tierkv.storage_backends.file import FileStore
+    from tierkv.storage_backends.file.store import FileStore
     from tierkv.storage_backends.page_format import encode_record
 
     n = args.startup_pages

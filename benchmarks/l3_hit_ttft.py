@@ -110,7 +110,7 @@ def tierkv_config(p: dict, root: Path, faults: dict | None) -> dict:
     extra = {"host_pool": {"num_pages": p["l2_pages"]}, "l3": {"backend": "file", "file": {"root": str(root)}}}
     if faults is not None:
         extra["l3"]["faults"] = faults
-    return {"kv_connector": "TierKVConnector", "kv_connector_module_path": "tierkv.connector.vllm_connector",
+    return {"kv_connector": "TierKVConnector", "kv_connector_module_path": "tierkv.connector.vllm.connector",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
 

@@ -4,9 +4,9 @@ namespace, as tierkv does for K/V pages, whose heads differ per rank) and agains
 record (what tierkv's workers did before: the same key and bytes sent ``tp`` times).
 
 Deterministic (sizes and counts, no timing), through the worker's own path: per rank an MLA
-:class:`~tierkv.connector.device_pool.DevicePool` over vLLM's MLA cache shape ``[blocks, page, 576]`` (bf16), its
-:class:`~tierkv.connector.host_pool.HostPool` (``layer_first``), a :class:`~tierkv.storage_backends.file.FileStore`
-over one shared directory and :class:`~tierkv.connector.l3_io.L3IO` with ``backup_writer`` as the vLLM connector
+:class:`~tierkv.connector.l2.device_pool.DevicePool` over vLLM's MLA cache shape ``[blocks, page, 576]`` (bf16), its
+:class:`~tierkv.connector.l2.host_pool.HostPool` (``layer_first``), a :class:`~tierkv.storage_backends.file.store.FileStore`
+over one shared directory and :class:`~tierkv.connector.l3.io.L3IO` with ``backup_writer`` as the vLLM connector
 sets it. Every rank backs up the same ``--pages`` pages (identical bytes in every rank's L2), then every rank reads
 them all back and checks them byte for byte. Reported per model, TP size, page size and scheme:
 
@@ -46,13 +46,13 @@ def run_case(layers: int, tp: int, page: int, scheme: str, pages: int, root: Pat
     rank; returns the counts (see the module docstring). Raises AssertionError if a page reads back wrong."""
     import torch
 
-    from tierkv.connector.device_pool import DevicePool
-    from tierkv.connector.host_pool import HostPool
-    from tierkv.connector.l3_io import L3IO
-    from tierkv.connector.page_checksums import SlotChecksums
-    from tierkv.connector.page_hash import ModelNamespace
-    from tierkv.connector.plan import JOB_BACKUP, JOB_PREFETCH, Job
-    from tierkv.storage_backends.file import FileStore
+    from tierkv.connector.l2.device_pool import DevicePool
+    from tierkv.connector.l2.host_pool import HostPool
+    from tierkv.connector.l3.io import L3IO
+    from tierkv.connector.core.page_checksums import SlotChecksums
+    from tierkv.connector.core.page_hash import ModelNamespace
+    from tierkv.connector.core.plan import JOB_BACKUP, JOB_PREFETCH, Job
+    from tierkv.storage_backends.file.store import FileStore
 
     g = torch.Generator().manual_seed(1)
     data = None

@@ -357,9 +357,9 @@ def first_touch_mb_s(mib: int = 256) -> dict[str, float]:
 
 
 def filesystem_of(path: str) -> str:
-    """``<fstype> at <mount> (<options>)`` of the filesystem ``path`` is on (:func:`tierkv.storage_backends.file.
+    """``<fstype> at <mount> (<options>)`` of the filesystem ``path`` is on (:func:`tierkv.storage_backends.file.store.
     mount_of`), plus ``, no journal`` for an ext4 without one (file creation is slow there after many deletions)."""
-    from tierkv.storage_backends.file import mount_of
+    from tierkv.storage_backends.file.store import mount_of
 
     m = mount_of(path)
     if not m:
@@ -467,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
                 data["startup_s"][f"{name}-{e}" if e else name] = children[name, e].startup_s
                 print(f"[no_reuse_cost] {name} engine {e}: ready after {children[name, e].startup_s} s", flush=True)
                 if len(children) == 1:  # the first engine's size stands for the rest
-                    from tierkv.connector.host_budget import measure_budget_bytes
+                    from tierkv.connector.l2.host_budget import measure_budget_bytes
                     why = engines_fit(rss_bytes(children[name, e].proc.pid), args.engines * len(names) - 1,
                                       measure_budget_bytes(0))
                     if why:

@@ -1,9 +1,9 @@
 """L3 records of several blocks (issue 20 item 4): what ``page_size`` = 1, 2 or 4 x the engine block size changes
 for the file L3, through the worker's own path.
 
-One L2 host pool of block rows (``layer_first``, :class:`tierkv.connector.worker.MultiBlockPages` for k > 1 blocks
+One L2 host pool of block rows (``layer_first``, :class:`tierkv.connector.l2.worker.MultiBlockPages` for k > 1 blocks
 per page) holds ``--tokens`` tokens of KV of a model of each ``--models`` shape (``LAYERSxKV_HEADSxHEAD_DIM``,
-bf16), ``--block`` tokens per engine block. For each shape and k, :class:`tierkv.connector.l3_io.L3IO` (the
+bf16), ``--block`` tokens per engine block. For each shape and k, :class:`tierkv.connector.l3.io.L3IO` (the
 connector's L3 threads, default ``controller`` settings: batches of 16 pages, the file store's 4 read threads) runs
 
 - ``store``: one backup job of every page (the pages' XXH3 taken beforehand, as when they entered L2),
@@ -46,12 +46,12 @@ def parse_model(text: str) -> tuple[int, int, int]:
 
 
 def run_one(k: int, model: tuple[int, int, int], args, root: str, seed: int) -> dict:
-    from tierkv.connector.host_pool import HostPool
-    from tierkv.connector.l3_io import L3IO
-    from tierkv.connector.page_checksums import SlotChecksums
-    from tierkv.connector.plan import JOB_BACKUP, JOB_PREFETCH, Job
-    from tierkv.connector.worker import MultiBlockPages
-    from tierkv.storage_backends.file import FileStore
+    from tierkv.connector.l2.host_pool import HostPool
+    from tierkv.connector.l3.io import L3IO
+    from tierkv.connector.core.page_checksums import SlotChecksums
+    from tierkv.connector.core.plan import JOB_BACKUP, JOB_PREFETCH, Job
+    from tierkv.connector.l2.worker import MultiBlockPages
+    from tierkv.storage_backends.file.store import FileStore
 
     layers, kv_heads, head_dim = model
     block_bytes = 2 * kv_heads * head_dim * args.block * 2  # one layer's K and V of one block, bf16

@@ -5,7 +5,7 @@ out of its shared-memory slot), or read into a staging page, copied into the slo
 checksum (``staged``: the path of stores without them, e.g. Mooncake and LMCache; here the same store class with both
 switched off, so both go through exactly the code a store of either kind gets).
 
-The readers are the connector's own (:class:`tierkv.connector.l3_io.L3IO` over a :class:`HostPool` of each
+The readers are the connector's own (:class:`tierkv.connector.l3.io.L3IO` over a :class:`HostPool` of each
 ``--shapes`` entry, as in ``benchmarks/backup_path.py``; one reader thread, default batches of 16 pages). Each
 configuration has its own store holding ``--pages`` pages' worth of 128 KiB (written once: the file store's reads are
 served from the page cache, so what is measured is the CPU of the read path, not a disk; the ZMQ store is a
@@ -45,11 +45,11 @@ class Setup:
     """One configuration: its store (holding ``n`` pages of random bytes), its L3IO and, for ZMQ, its server."""
 
     def __init__(self, config: str, host, n: int, d: str):
-        from tierkv.connector.l3_io import L3IO
-        from tierkv.connector.page_checksums import SlotChecksums
-        from tierkv.storage_backends.file import FileStore
+        from tierkv.connector.l3.io import L3IO
+        from tierkv.connector.core.page_checksums import SlotChecksums
+        from tierkv.storage_backends.file.store import FileStore
 
-        from tierkv.storage_backends.zmq_client import ZmqStore
+        from tierkv.storage_backends.zmq.client import ZmqStore
 
         kind, path = config.split("_")
         self.server = None
@@ -68,14 +68,14 @@ class Setup:
         self.host, self.n = host, n
         self.keys = [os.urandom(16) for _ in range(n)]
         self.pages = [os.urandom(host.page_bytes) for _ in range(n)]
-        from tierkv.connector.l3_io import l3_key
+        from tierkv.connector.l3.io import l3_key
         assert all(self.store.batch_set([l3_key(NS, k)], [p]) == [True] for k, p in zip(self.keys, self.pages))
         self.job_id = 0
 
     def prefetch(self) -> dict:
         """Prefetch every page (slots round-robin, a job of :data:`JOB_PAGES` at a time so no slot is read twice in
         one job); CPU and wall per page; raises AssertionError if a page read is not what was written."""
-        from tierkv.connector.plan import JOB_PREFETCH, Job
+        from tierkv.connector.core.plan import JOB_PREFETCH, Job
 
         slots_n = self.host.num_slots
         cpu = wall = server = 0.0
@@ -165,7 +165,7 @@ def main(argv=None) -> int:
     if args.readme_from:
         res = results_check.result_with_note(Path(args.readme_from), args.note)
     else:
-        from tierkv.connector.host_pool import HostPool
+        from tierkv.connector.l2.host_pool import HostPool
         try:
             shapes = {name: parse_shape(name) for name in args.shapes.split(",") if name}
         except ValueError as e:

@@ -158,7 +158,7 @@ def checksums_of(src: list[torch.Tensor]) -> list[int]:
 
 def bench_file(pb: int, reps: int, src: list[torch.Tensor], base: str, fsync_reps: int,
                sums: Optional[list[int]] = None) -> dict:
-    from tierkv.storage_backends.file import FileStore
+    from tierkv.storage_backends.file.store import FileStore
 
     rng = np.random.default_rng(pb)
     nbytes = BATCH * pb
@@ -243,7 +243,7 @@ def stop_procs(*procs: subprocess.Popen) -> None:
 def bench_zmq(pb: int, reps: int, src: list[torch.Tensor], sums: Optional[list[int]] = None) -> dict:
     import zmq
 
-    from tierkv.storage_backends.zmq_client import ZmqStore
+    from tierkv.storage_backends.zmq.client import ZmqStore
 
     rng = np.random.default_rng(pb + 1)
     nbytes = BATCH * pb
@@ -322,7 +322,7 @@ class MooncakeRig:
 
 def bench_mooncake(pb: int, reps: int, src: list[torch.Tensor], rig: MooncakeRig,
                    sums: Optional[list[int]] = None) -> dict:
-    from tierkv.storage_backends.mooncake import MooncakeStore
+    from tierkv.storage_backends.mooncake.store import MooncakeStore
 
     rng = np.random.default_rng(pb + 2)
     nbytes = BATCH * pb

@@ -72,8 +72,8 @@ def bench(pb: int, reps: int, src: list[torch.Tensor], sums: Optional[list[int]]
     import zmq
 
     from tierkv.storage_backends.base import PageTokens
-    from tierkv.storage_backends.lmcache import LMCacheStore
-    from tierkv.storage_backends.zmq_client import ZmqStore
+    from tierkv.storage_backends.lmcache.store import LMCacheStore
+    from tierkv.storage_backends.zmq.client import ZmqStore
 
     rng = np.random.default_rng(pb + 11)
     S = {f"{v}_{op}": SB.Series() for v in VARIANTS for op in ("set", "get")}

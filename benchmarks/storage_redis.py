@@ -51,9 +51,9 @@ OPS = ("set", "exists", "get")
 def bench(pb: int, batch: int, reps: int, rig) -> dict:
     from benchmarks.harness.servers import ZmqServer
     from tests.storage._redis_servers import RedisClusterServers, RedisServer
-    from tierkv.storage_backends.mooncake import MooncakeStore
+    from tierkv.storage_backends.mooncake.store import MooncakeStore
     from tierkv.storage_backends.redis import RedisStore
-    from tierkv.storage_backends.zmq_client import ZmqStore
+    from tierkv.storage_backends.zmq.client import ZmqStore
 
     rng = np.random.default_rng(pb)
     src = [torch.from_numpy(np.frombuffer(rng.bytes(pb), dtype=np.uint8).copy()) for _ in range(batch)]

@@ -37,10 +37,10 @@ os.environ.setdefault("TIERKV_COPY_THREADS", "1")  # copies single-threaded, as 
 
 import torch  # noqa: E402
 
-from tierkv.connector.device_pool import DevicePool
-from tierkv.connector.host_pool import HOST_POOL_LAYOUTS, HostPool
-from tierkv.connector.slot_allocator import SlotAllocator
-from tierkv.connector.layer_loader import LayerwiseLoad
+from tierkv.connector.l2.device_pool import DevicePool
+from tierkv.connector.l2.host_pool import HOST_POOL_LAYOUTS, HostPool
+from tierkv.connector.l2.slot_allocator import SlotAllocator
+from tierkv.connector.l2.layer_loader import LayerwiseLoad
 from tierkv.kernels import _impl, load_pages, numba_impl, save_pages
 from tierkv.kernels.torch_impl import COPY_THREADS, copy_threads
 from tierkv.kernels.testing import make_kv_caches

@@ -311,7 +311,7 @@ def main(argv=None) -> int:
              if args.restart_docs else ""))
 
     def tierkv_config(stats_dir: Path) -> dict:
-        return {"kv_connector": "TierKVConnector", "kv_connector_module_path": "tierkv.connector.vllm_connector",
+        return {"kv_connector": "TierKVConnector", "kv_connector_module_path": "tierkv.connector.vllm.connector",
                 "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": {"config_file": "l3_file.yaml", "l3.file.root": str(l3_dir),
                                               "host_pool": {"size_gb": args.l2_gb},

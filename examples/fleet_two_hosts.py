@@ -227,7 +227,7 @@ def engine_command(args, fleet: Fleet, host: str, model: str, store: dict) -> tu
              "l3": store[host],
              "controller": {"write_policy": "write_through", "prefetch_policy": "wait_complete"},
              "stats_path": str(fleet.run_dir / f"stats-{host}" / "{role}-{pid}.json")}
-    kv = {"kv_connector": "TierKVConnector", "kv_connector_module_path": "tierkv.connector.vllm_connector",
+    kv = {"kv_connector": "TierKVConnector", "kv_connector_module_path": "tierkv.connector.vllm.connector",
           "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{EVENTS_PORT}",
               "topic": host}
@@ -284,7 +284,7 @@ def start_store(args, fleet: Fleet) -> dict:
 #: without it or with a wrong one are refused (argv: endpoint, token file); prints the outcome as JSON
 TOKEN_CHECK = """
 import json, os, sys
-from tierkv.storage_backends.zmq_client import ZmqStore
+from tierkv.storage_backends.zmq.client import ZmqStore
 ep, token = sys.argv[1], open(sys.argv[2]).read().strip()
 ns, key, page = b"fleet-token-chk!", os.urandom(16).hex(), bytearray(os.urandom(4096))
 out = {}

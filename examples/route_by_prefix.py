@@ -3,7 +3,7 @@
 A prefix-aware router (llm-d's KV cache indexer, Dynamo's KV router, SGLang's router) keeps, per engine, which
 blocks it holds, from vLLM's KV events (``--kv-events-config``). vLLM announces its own L1 blocks
 (``medium="GPU"``); tierkv announces its L2 (``medium="CPU"``) and L3 (``medium="STORAGE"``,
-``ownership="L3:<backend>"``) with the same block hashes, parents and token ids (``connector/kv_events.py``). This
+``ownership="L3:<backend>"``) with the same block hashes, parents and token ids (``connector/obs/kv_events.py``). This
 example is such a router, written against those events only (no tierkv import):
 
 - **Bookkeeping** (:class:`FleetView`): every ``BlockStored`` block gets a *content key*, the router's own chained

@@ -19,7 +19,7 @@ file)
   python -m sglang.launch_server --model-path "$MODEL" --host 127.0.0.1 --page-size 64 \
     --enable-hierarchical-cache --hicache-ratio 2 --hicache-mem-layout page_first \
     --hicache-storage-backend dynamic \
-    --hicache-storage-backend-extra-config '{"backend_name": "tierkv", "module_path": "tierkv.connector.sglang_hicache", "class_name": "TierKVHiCacheStorage", "interface_v1": 1, "l3": {"backend": "file", "file": {"root": "/var/cache/tierkv-l3", "capacity_bytes": "200GiB"}}}'
+    --hicache-storage-backend-extra-config '{"backend_name": "tierkv", "module_path": "tierkv.connector.sglang.hicache", "class_name": "TierKVHiCacheStorage", "interface_v1": 1, "l3": {"backend": "file", "file": {"root": "/var/cache/tierkv-l3", "capacity_bytes": "200GiB"}}}'
   ;;
 zmq)
   # one tierkv cache server shared by several engines (vLLM and SGLang alike); start it first
@@ -27,7 +27,7 @@ zmq)
   python -m sglang.launch_server --model-path "$MODEL" --host 127.0.0.1 --page-size 64 \
     --enable-hierarchical-cache --hicache-ratio 2 --hicache-mem-layout page_first \
     --hicache-storage-backend dynamic \
-    --hicache-storage-backend-extra-config '{"backend_name": "tierkv", "module_path": "tierkv.connector.sglang_hicache", "class_name": "TierKVHiCacheStorage", "interface_v1": 1, "l3": {"backend": "zmq", "zmq": {"endpoint": "tcp://127.0.0.1:5557", "timeout_s": 1.0}}}'
+    --hicache-storage-backend-extra-config '{"backend_name": "tierkv", "module_path": "tierkv.connector.sglang.hicache", "class_name": "TierKVHiCacheStorage", "interface_v1": 1, "l3": {"backend": "zmq", "zmq": {"endpoint": "tcp://127.0.0.1:5557", "timeout_s": 1.0}}}'
   ;;
 mooncake)
   # a Mooncake master (HTTP metadata server on); each rank contributes 4 GiB of store memory
@@ -36,7 +36,7 @@ mooncake)
   python -m sglang.launch_server --model-path "$MODEL" --host 127.0.0.1 --page-size 64 \
     --enable-hierarchical-cache --hicache-ratio 2 --hicache-mem-layout page_first \
     --hicache-storage-backend dynamic \
-    --hicache-storage-backend-extra-config '{"backend_name": "tierkv", "module_path": "tierkv.connector.sglang_hicache", "class_name": "TierKVHiCacheStorage", "interface_v1": 1, "l3": {"backend": "mooncake", "mooncake": {"master_address": "127.0.0.1:50051", "metadata_server": "http://127.0.0.1:8080/metadata", "protocol": "tcp", "global_segment_size": "4GiB", "timeout_s": 1.0}}}'
+    --hicache-storage-backend-extra-config '{"backend_name": "tierkv", "module_path": "tierkv.connector.sglang.hicache", "class_name": "TierKVHiCacheStorage", "interface_v1": 1, "l3": {"backend": "mooncake", "mooncake": {"master_address": "127.0.0.1:50051", "metadata_server": "http://127.0.0.1:8080/metadata", "protocol": "tcp", "global_segment_size": "4GiB", "timeout_s": 1.0}}}'
   ;;
 lmcache)
   # LMCache's cache server (its own venv: benchmarks/peers/setup_lmcache_venv.sh); --chunk-size = SGLang's --page-size
@@ -48,7 +48,7 @@ lmcache)
   python -m sglang.launch_server --model-path "$MODEL" --host 127.0.0.1 --page-size 64 \
     --enable-hierarchical-cache --hicache-ratio 2 --hicache-mem-layout page_first \
     --hicache-storage-backend dynamic \
-    --hicache-storage-backend-extra-config '{"backend_name": "tierkv", "module_path": "tierkv.connector.sglang_hicache", "class_name": "TierKVHiCacheStorage", "interface_v1": 1, "l3": {"backend": "lmcache", "lmcache": {"endpoint": "tcp://127.0.0.1:5555", "page_tokens": 64, "timeout_s": 1.0}}}'
+    --hicache-storage-backend-extra-config '{"backend_name": "tierkv", "module_path": "tierkv.connector.sglang.hicache", "class_name": "TierKVHiCacheStorage", "interface_v1": 1, "l3": {"backend": "lmcache", "lmcache": {"endpoint": "tcp://127.0.0.1:5555", "page_tokens": 64, "timeout_s": 1.0}}}'
   ;;
 *)
   echo "unknown backend '$backend': use file, zmq, mooncake or lmcache" >&2

@@ -1,5 +1,5 @@
-"""Page transfer kernels between L1 (the engine's KV blocks, :class:`~tierkv.connector.device_pool.DevicePool`)
-and L2 (the host pool, :class:`~tierkv.connector.host_pool.HostPool`).
+"""Page transfer kernels between L1 (the engine's KV blocks, :class:`~tierkv.connector.l2.device_pool.DevicePool`)
+and L2 (the host pool, :class:`~tierkv.connector.l2.host_pool.HostPool`).
 
 One dispatch API:
 
@@ -66,8 +66,8 @@ def _check_range(name: str, ids: list[int], n: int, what: str) -> None:
 def validate_transfer(dev, host, block_ids, slots, layers) -> tuple[list[int], list[int], Optional[list[int]]]:
     """Check a transfer order; return (block_ids, slots, layers) as int lists (layers None = all).
     Raises ValueError before any byte moves (see the module docstring)."""
-    from tierkv.connector.device_pool import DevicePool
-    from tierkv.connector.host_pool import HostPool
+    from tierkv.connector.l2.device_pool import DevicePool
+    from tierkv.connector.l2.host_pool import HostPool
 
     if not isinstance(dev, DevicePool) or not isinstance(host, HostPool):
         raise ValueError(f"expected an L1 DevicePool and an L2 HostPool, got {type(dev).__name__} as the device "

@@ -4,7 +4,7 @@
 and hands out one view per layer, the way vLLM 0.32's ``allocate_kv_cache`` / ``create_kv_cache_views`` do, for
 every device layout the adapter supports. :func:`encode_semantic` writes known K/V (or MLA latent) values into
 them through the *logical* definition of each backend's packing (written independently of
-:class:`~tierkv.connector.device_pool.DevicePool`'s stride arithmetic), so tests can check the adapter's decode
+:class:`~tierkv.connector.l2.device_pool.DevicePool`'s stride arithmetic), so tests can check the adapter's decode
 against a reference.
 """
 from __future__ import annotations

@@ -12,7 +12,7 @@ threads (default: torch's own, see there).
 * ``layer_first`` (opaque bytes): ``host[l, s:s+k, :] <-> dev_bytes[l, b:b+k, :]``.
 * ``page_first`` / ``page_first_direct`` (semantic): per part (K, V or MLA latent),
   ``host_part[s:s+k, l, tokens, H, D] <-> dev_part[l, b:b+k, tokens, H, D]`` where the device view decodes the
-  backend's packing with strides (see :class:`~tierkv.connector.device_pool.DevicePool.semantic_view`).
+  backend's packing with strides (see :class:`~tierkv.connector.l2.device_pool.DevicePool.semantic_view`).
 """
 from __future__ import annotations
 

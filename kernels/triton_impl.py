@@ -9,7 +9,7 @@ per step" as in SGLang HiCache's transfer kernels, but written for vLLM's block 
 * ``layer_first`` (opaque): item = ``[L, block_bytes / w]`` words of width ``w`` (8, 4, 2 or 1 bytes, the widest
   that divides every size and offset), device stride per layer = the layer stride, host stride = ``S * block_bytes``.
 * semantic layouts: item = ``[L, r, n, H, D]`` elements; device strides decode the backend packing
-  (:meth:`~tierkv.connector.device_pool.DevicePool.semantic_view`), host strides are the pool's.
+  (:meth:`~tierkv.connector.l2.device_pool.DevicePool.semantic_view`), host strides are the pool's.
 
 On CUDA the host pool must be pinned (page-locked memory is mapped into the device's address space, so the kernel
 reads and writes it directly over PCIe, no staging copy). The copies run on a per-device side stream that first

@@ -13,7 +13,7 @@ from typing import Any
 from tierkv.storage_backends.base import StorageBackend
 from tierkv.storage_backends.factory import BACKENDS, build_backend
 from tierkv.storage_backends.faulty import FaultsConfig, FaultyBackend
-from tierkv.storage_backends.file import FileStore, FileStoreConfig
+from tierkv.storage_backends.file.store import FileStore, FileStoreConfig
 
 __all__ = ["StorageBackend", "FileStore", "FileStoreConfig", "FaultyBackend", "FaultsConfig", "build_backend",
            *(b.cls for b in BACKENDS.values() if b.cls != "FileStore")]

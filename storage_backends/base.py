@@ -2,7 +2,7 @@
 
 Semantics follow SGLang HiCache's ``HiCacheStorage`` so the same classes plug into SGLang:
 
-- keys are page keys in text form (:data:`tierkv.connector.page_hash.KEY_HEX_LEN` lowercase hex chars);
+- keys are page keys in text form (:data:`tierkv.connector.core.page_hash.KEY_HEX_LEN` lowercase hex chars);
   the key already names the prefix and the namespace, and every stored page additionally carries the
   namespace digest in a header that readers check;
 - ``batch_exists(keys)`` returns the number of *leading* keys present (a prefix is only usable up to its first
@@ -48,7 +48,7 @@ class PageTokens(NamedTuple):
     ``prefix``: token ids of the whole prefix up to and including this page (``(page_index + 1) * page_size`` ints,
     each in 0..2**32-1); consecutive pages of one request may share one list (pass slices or the same list object).
     ``root``: the request root the page's key chain starts from (16 bytes,
-    :func:`tierkv.connector.page_hash.request_root`: namespace, LoRA adapter, cache salt), so pages of different
+    :func:`tierkv.connector.core.page_hash.request_root`: namespace, LoRA adapter, cache salt), so pages of different
     salts or adapters never share a name even when their tokens are equal."""
 
     prefix: Sequence[int]

@@ -2,7 +2,7 @@
 messages that name ``l3.<backend>.<key>``, flat byte views of caller buffers and a rate-limited warning logger.
 
 This module is the bottom of ``tierkv.storage_backends``: it imports nothing from tierkv, so the storage layer never
-depends on the connector (``tierkv.connector.config`` imports :class:`ConfigError` from here and re-exports it).
+depends on the connector (``tierkv.connector.core.config`` imports :class:`ConfigError` from here and re-exports it).
 """
 from __future__ import annotations
 

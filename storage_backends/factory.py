@@ -49,10 +49,10 @@ class Backend(NamedTuple):
 
 #: ``l3.backend`` name -> its backend; one entry adds a backend everywhere (config keys, validation, build, CLI)
 BACKENDS: dict[str, Backend] = {
-    "file": Backend("tierkv.storage_backends.file", "FileStore", "FileStoreConfig", "root", {"root": "."}),
-    "zmq": Backend("tierkv.storage_backends.zmq_client", "ZmqStore", "ZmqStoreConfig", "endpoint"),
-    "mooncake": Backend("tierkv.storage_backends.mooncake", "MooncakeStore", "MooncakeStoreConfig", "master_address"),
-    "lmcache": Backend("tierkv.storage_backends.lmcache", "LMCacheStore", "LMCacheStoreConfig", "endpoint",
+    "file": Backend("tierkv.storage_backends.file.store", "FileStore", "FileStoreConfig", "root", {"root": "."}),
+    "zmq": Backend("tierkv.storage_backends.zmq.client", "ZmqStore", "ZmqStoreConfig", "endpoint"),
+    "mooncake": Backend("tierkv.storage_backends.mooncake.store", "MooncakeStore", "MooncakeStoreConfig", "master_address"),
+    "lmcache": Backend("tierkv.storage_backends.lmcache.store", "LMCacheStore", "LMCacheStoreConfig", "endpoint",
                        {"page_tokens": 16}),
     "redis": Backend("tierkv.storage_backends.redis", "RedisStore", "RedisStoreConfig", "url"),
 }
@@ -67,7 +67,7 @@ class _L3Base(BaseModel):
 
 L3Config = create_model(
     "L3Config", __base__=_L3Base, __module__=__name__,
-    __doc__="""The ``l3`` section of the tierkv config (a field of :class:`tierkv.connector.config.TierKVConfig`, which
+    __doc__="""The ``l3`` section of the tierkv config (a field of :class:`tierkv.connector.core.config.TierKVConfig`, which
     re-exports this class). ``backend`` selects one store (one of :data:`L3_BACKENDS`); each backend's keys live under
     the section of its name as plain mappings and are validated by :func:`validate_l3` (at config load) and
     :func:`build_backend`; ``faults`` wraps the store in :class:`~tierkv.storage_backends.faulty.FaultyBackend`.""",
@@ -100,7 +100,7 @@ def _l3(l3_cfg: Union[dict, L3Config, None]) -> L3Config:
 def validate_l3(l3_cfg: Union[dict, L3Config, None]) -> L3Config:
     """Check every key of the ``l3`` section without building a store or touching the network or the disk:
     the backend name, ``l3.faults``, and each backend section that is set (the selected one and any other, so a
-    typo in a section not in use is caught too). :func:`tierkv.connector.config.load_config` calls this, so a
+    typo in a section not in use is caught too). :func:`tierkv.connector.core.config.load_config` calls this, so a
     bad L3 key stops the engine at start-up like any other key. Returns the validated :class:`L3Config`.
 
     Raises:

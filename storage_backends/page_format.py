@@ -7,7 +7,7 @@ A stored page is ``header || payload``. The header (little-endian, :data:`HEADER
 | 0 | 4 | magic ``b"TKVP"`` |
 | 4 | 2 | format version (:data:`VERSION`) |
 | 6 | 2 | flags (0) |
-| 8 | 16 | namespace digest (:meth:`tierkv.connector.page_hash.ModelNamespace.digest`) |
+| 8 | 16 | namespace digest (:meth:`tierkv.connector.core.page_hash.ModelNamespace.digest`) |
 | 24 | 16 | page key (raw 16 bytes of the hex key) |
 | 40 | 8 | payload length in bytes |
 | 48 | 8 | XXH3-64 of the payload (:func:`payload_checksum`; given by the caller or computed at set time) |

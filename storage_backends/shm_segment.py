@@ -1,7 +1,7 @@
 """One shared-memory segment helper for the stores that move pages through ``/dev/shm``: the ZMQ client's own segment
-(:mod:`.zmq_client`, created here), the client segments the tierkv server maps (:mod:`.zmq_server`) and the LMCache
-server's segment the LMCache store maps (:mod:`.lmcache`), and the tierkv server's presence table
-(:mod:`.presence_table`). :func:`sweep_dead_files` removes such files left by killed processes.
+(:mod:`tierkv.storage_backends.zmq.client`, created here), the client segments the tierkv server maps (:mod:`tierkv.storage_backends.zmq.server`) and the LMCache
+server's segment the LMCache store maps (:mod:`tierkv.storage_backends.lmcache.store`), and the tierkv server's presence table
+(:mod:`tierkv.storage_backends.zmq.presence_table`). :func:`sweep_dead_files` removes such files left by killed processes.
 
 A :class:`Segment` is a file mapped shared and read-write, seen as a flat ``memoryview`` (``mv``, format ``B``, ``size``
 bytes). :meth:`Segment.create` makes a new file (exclusive, mode 0600) that only the creating process removes (on

@@ -1,5 +1,5 @@
 """The request channel the L3 stores that talk to a ZMQ server share: the tierkv cache server's client
-(:mod:`.zmq_client`) and the LMCache store (:mod:`.lmcache`).
+(:mod:`tierkv.storage_backends.zmq.client`) and the LMCache store (:mod:`tierkv.storage_backends.lmcache.store`).
 
 A :class:`RequestChannel` owns one DEALER socket to the server's ROUTER and everything around it that does not depend on
 the server's wire format:

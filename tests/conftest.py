@@ -75,7 +75,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
 
 @pytest.fixture(autouse=True)
 def _own_estimates_dir(tmp_path_factory, monkeypatch):
-    """Every test's engines and connectors keep their stored recompute estimate (connector/estimates.py) in a
+    """Every test's engines and connectors keep their stored recompute estimate (connector/l3/estimates.py) in a
     directory of their own, so no test starts from another test's estimate."""
     monkeypatch.setenv("TIERKV_ESTIMATES_DIR", str(tmp_path_factory.mktemp("estimates")))
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from tierkv.connector.device_pool import DevicePool
+from tierkv.connector.l2.device_pool import DevicePool
 from tierkv.kernels.testing import (DEVICE_LAYOUTS, block_bytes_reference, encode_semantic, make_kv_caches,
                                     random_semantic)
 

@@ -59,7 +59,7 @@ def test_the_link_check_finds_what_it_should():
 
 
 def _prometheus_names() -> set[str]:
-    from tierkv.connector.vllm_metrics import COUNTERS, GAUGES
+    from tierkv.connector.vllm.metrics import COUNTERS, GAUGES
 
     names = {f"vllm:tierkv_{k}_total" for k in COUNTERS} | {f"vllm:tierkv_{k}" for k in GAUGES}
     names |= {"vllm:tierkv_hit_tokens_total", "vllm:tierkv_lookup_outcome_tokens_total",
@@ -73,7 +73,7 @@ USER_DOCS = ("README.md", "docs/user-guide.md")
 def test_every_metric_the_user_docs_name_is_on_metrics():
     """``vllm:tierkv_<name>`` as written in the README and the user guide is a series the connector exports, and a
     bare counter name (``ctl_...``, ``l3_..._pages``) is a key of the exported counters or gauges."""
-    from tierkv.connector.vllm_metrics import COUNTERS, GAUGES
+    from tierkv.connector.vllm.metrics import COUNTERS, GAUGES
 
     exported = _prometheus_names()
     unknown = []
@@ -145,7 +145,7 @@ def test_refused_controls_are_logged_at_the_rate_the_user_guide_promises(caplog)
     connector's logger of refused controls uses that N, and a burst logs one line."""
     import logging
 
-    from tierkv.connector import vllm_connector as vc
+    from tierkv.connector.vllm import connector as vc
 
     guide = (REPO / "docs" / "user-guide.md").read_text(encoding="utf-8")
     said = re.search(r"refusal is\s+counted .*? logged as a warning at most once per (\d+) s", guide, re.S)

@@ -10,10 +10,10 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierkv.connector.device_pool import DevicePool
-from tierkv.connector.host_pool import HOST_POOL_LAYOUTS, HostPool
-from tierkv.connector.slot_allocator import SlotAllocator
-from tierkv.connector.page_hash import ModelNamespace
+from tierkv.connector.l2.device_pool import DevicePool
+from tierkv.connector.l2.host_pool import HOST_POOL_LAYOUTS, HostPool
+from tierkv.connector.l2.slot_allocator import SlotAllocator
+from tierkv.connector.core.page_hash import ModelNamespace
 from tierkv.kernels import load_pages, save_pages
 from tierkv.kernels.testing import (DEVICE_LAYOUTS, block_bytes_reference, encode_semantic, make_kv_caches,
                                     random_semantic)
@@ -160,7 +160,7 @@ def test_page_copies_from_an_io_thread_start_no_openmp_team():
 _FAULTS_SCRIPT = r"""
 import resource, sys
 import numpy as np, torch
-from tierkv.connector.host_pool import HostPool
+from tierkv.connector.l2.host_pool import HostPool
 
 def faults_writing(buf, page):
     a = buf.numpy()

@@ -3,7 +3,7 @@
 Sub-packages (installed from the repository's top-level folders):
 
 - ``tierkv.connector``: config, page keys, radix prefix index, host pool (L2), device pool adapter (L1),
-  controller, and the vLLM v1 connector (``tierkv.connector.vllm_connector``, the only module importing vLLM).
+  controller, and the vLLM v1 connector (``tierkv.connector.vllm.connector``, the only module importing vLLM).
 - ``tierkv.storage_backends``: L3 stores (file, zmq, mooncake) behind one interface.
 - ``tierkv.kernels``: page transfer kernels between L1 and L2 (torch on CPU, Triton on CUDA).
 - ``tierkv.configs``: shipped YAML configs.

@@ -2,11 +2,11 @@
 
 The key list is generated from the schema, never written by hand:
 
-- names, types and defaults: the pydantic models :class:`tierkv.connector.config.TierKVConfig` (with
-  :class:`~tierkv.connector.config.HostPoolConfig`, :class:`~tierkv.connector.config.ControllerConfig`,
+- names, types and defaults: the pydantic models :class:`tierkv.connector.core.config.TierKVConfig` (with
+  :class:`~tierkv.connector.core.config.HostPoolConfig`, :class:`~tierkv.connector.core.config.ControllerConfig`,
   :class:`tierkv.storage_backends.factory.L3Config`) and the models of the backend sections
-  (:class:`~tierkv.storage_backends.file.FileStoreConfig`, :class:`~tierkv.storage_backends.mooncake.MooncakeStoreConfig`,
-  :class:`~tierkv.storage_backends.zmq_client.ZmqStoreConfig`, :class:`~tierkv.storage_backends.faulty.FaultsConfig`);
+  (:class:`~tierkv.storage_backends.file.store.FileStoreConfig`, :class:`~tierkv.storage_backends.mooncake.store.MooncakeStoreConfig`,
+  :class:`~tierkv.storage_backends.zmq.client.ZmqStoreConfig`, :class:`~tierkv.storage_backends.faulty.FaultsConfig`);
 - meanings: a field's pydantic ``description`` where it has one, else the comment next to (or above) the key in the
   shipped commented configs (``configs/default.yaml``, ``configs/l3_<backend>.yaml``), else the ``Args:`` entry of the
   class that takes the key (``FaultyBackend`` for ``l3.faults``).
@@ -61,7 +61,7 @@ def _default(field: Any) -> Any:
 
 def _sections() -> list[tuple[str, Any]]:
     """(dotted prefix, pydantic model) for every section with a model."""
-    from tierkv.connector.config import ControllerConfig, HostPoolConfig, TierKVConfig
+    from tierkv.connector.core.config import ControllerConfig, HostPoolConfig, TierKVConfig
     from tierkv.storage_backends.factory import BACKENDS, L3Config
     from tierkv.storage_backends.faulty import FaultsConfig
 
@@ -135,7 +135,7 @@ def _args_doc(cls: Any) -> dict[str, str]:
 
 
 def _meanings() -> dict[str, str]:
-    from tierkv.connector.config import shipped_config_path
+    from tierkv.connector.core.config import shipped_config_path
     from tierkv.storage_backends.factory import BACKENDS
     from tierkv.storage_backends.faulty import FaultyBackend
 
@@ -245,7 +245,7 @@ def cmd_check(args) -> int:
 
     import yaml
 
-    from tierkv.connector.config import load_config, shipped_config_path
+    from tierkv.connector.core.config import load_config, shipped_config_path
     from tierkv.storage_backends.common import ConfigError
 
     if not os.path.exists(os.path.expanduser(args.file)) and not shipped_config_path(args.file).exists():

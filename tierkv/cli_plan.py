@@ -1,7 +1,7 @@
 """``tierkv plan TRACE --l2 SIZES --l3 SIZES``: size L2 and L3 by replaying a request trace (docs/architecture.md §6).
 
-Each request of the trace goes through tierkv's own scheduler side, :class:`tierkv.connector.scheduler.CacheScheduler`
-(its :class:`~tierkv.connector.radix_index.RadixIndex`, :class:`~tierkv.connector.slot_allocator.SlotAllocator` and
+Each request of the trace goes through tierkv's own scheduler side, :class:`tierkv.connector.core.scheduler.CacheScheduler`
+(its :class:`~tierkv.connector.core.radix_index.RadixIndex`, :class:`~tierkv.connector.l2.slot_allocator.SlotAllocator` and
 LRU/LFU eviction), with ``num_slots`` = the L2 size, as the fake engine of the tests drives it: add the request,
 look up, allocate (lock the L2 hit), save its full pages (evicting), build the step's plan, finish. No engine, no
 page bytes. What is a model and not tierkv's code:
@@ -21,7 +21,7 @@ Trace formats (one JSON object per line; blank lines are skipped):
   (optional). Page i's key chains the ids of chunks 0..i (equal id prefixes give equal keys, as token prefixes do).
   Pages of generated tokens (``output_length``) are saved too, as in the engine, under keys of their own request
   (``--no-output-pages``: not modelled).
-- the lookup trace tierkv records when ``trace_path`` is set (:mod:`tierkv.connector.lookup_trace`): a header with the
+- the lookup trace tierkv records when ``trace_path`` is set (:mod:`tierkv.connector.obs.lookup_trace`): a header with the
   page size, then per lookup the hex page keys, how many the lookup offered and the outcome the engine saw.
 
 A malformed line is one error naming the file and line number (exit 2, :mod:`tierkv.cli_common`).
@@ -74,7 +74,7 @@ class _Len:
 
 
 class _GivenKeys:
-    """Stands in for :class:`tierkv.connector.page_hash.RequestKeys`: the page keys come from the trace, not from
+    """Stands in for :class:`tierkv.connector.core.page_hash.RequestKeys`: the page keys come from the trace, not from
     hashing token ids. ``extend(tokens)`` returns the keys of the full pages of ``len(tokens)`` tokens."""
 
     __slots__ = ("keys", "page_size")
@@ -108,7 +108,7 @@ def read_trace(path: str, page_size: Optional[int] = None, output_pages: bool = 
     Raises:
         CliError(EXIT_USAGE): an unreadable or empty file, or a malformed line (the message names its number).
     """
-    from tierkv.connector.lookup_trace import FORMAT, HEADER_KEY
+    from tierkv.connector.obs.lookup_trace import FORMAT, HEADER_KEY
 
     try:
         f = open(path, "rb")
@@ -202,8 +202,8 @@ def replay(trace: Trace, l2_pages: int, l3_pages: int = 0, policy: str = "lru", 
     Returns the tokens of every lookup per tier: ``lookup_tokens``, ``l1_tokens``, ``l2_tokens``, ``l3_tokens``,
     ``miss_tokens``, ``hit_rate`` ((L1 + L2 + L3) / lookup), and the scheduler's ``evicted_pages`` and
     ``save_skipped_pages``."""
-    from tierkv.connector.page_hash import ModelNamespace
-    from tierkv.connector.scheduler import CacheScheduler
+    from tierkv.connector.core.page_hash import ModelNamespace
+    from tierkv.connector.core.scheduler import CacheScheduler
 
     ps = trace.page_size
     sched = CacheScheduler(ModelNamespace("tierkv-plan", "-", "-", ps, 1, 1, 1), ps, ps, l2_pages, policy)

@@ -1,6 +1,6 @@
-"""``tierkv server``: run the L3 ZMQ cache server (:class:`tierkv.storage_backends.zmq_server.CacheServer`) from the
-command line (docs/architecture.md §12). ``python -m tierkv.storage_backends.zmq_server`` and
-``python -m tierkv.cli_server`` take the same flags.
+"""``tierkv server``: run the L3 ZMQ cache server (:class:`tierkv.storage_backends.zmq.server.CacheServer`) from the
+command line (docs/architecture.md §12). ``python -m tierkv.cli_server`` takes the same flags. The server module
+imports nothing from the command line, so the two never import each other.
 
 Exit codes are :mod:`tierkv.cli_common`'s: 0 after SIGTERM/SIGINT, :data:`~tierkv.cli_common.EXIT_USAGE` for a bad
 flag, :data:`~tierkv.cli_common.EXIT_REFUSED` when the server refuses to start (a bind beyond loopback without a
@@ -16,8 +16,8 @@ import sys
 from typing import Optional
 
 from tierkv.cli_common import EXIT_OK, EXIT_REFUSED, CliError, fail
-from tierkv.storage_backends import zmq_protocol as P
-from tierkv.storage_backends import zmq_server
+from tierkv.storage_backends.zmq import protocol as P
+from tierkv.storage_backends.zmq import server as zmq_server
 from tierkv.storage_backends.common import parse_bytes
 
 log = logging.getLogger("tierkv.zmq_server")

@@ -2,17 +2,17 @@
 
 A store is named by an address (:func:`tierkv.cli_common.parse_target`):
 
-- a directory: a file store (:mod:`tierkv.storage_backends.file`; read directly, one record file per page);
-- ``tcp://HOST:PORT``: a ``tierkv server`` (:mod:`tierkv.storage_backends.zmq_server`), through the admin ops
-  ``scan`` and ``verify`` of wire protocol 2 (:mod:`tierkv.storage_backends.zmq_protocol`);
+- a directory: a file store (:mod:`tierkv.storage_backends.file.store`; read directly, one record file per page);
+- ``tcp://HOST:PORT``: a ``tierkv server`` (:mod:`tierkv.storage_backends.zmq.server`), through the admin ops
+  ``scan`` and ``verify`` of wire protocol 2 (:mod:`tierkv.storage_backends.zmq.protocol`);
 - ``mooncake://HOST:PORT``: a Mooncake master's RPC address; totals come from its metrics endpoint
   (``--metrics-port``), since a master cannot list its objects;
 - ``lmcache://HOST:PORT``: an LMCache cache server (``stats`` only): it cannot list its chunks either, so stats show
-  what it tells (:func:`tierkv.storage_backends.lmcache.server_info`: chunk size, L1 capacity, resident bytes).
+  what it tells (:func:`tierkv.storage_backends.lmcache.store.server_info`: chunk size, L1 capacity, resident bytes).
 
-Namespaces are the 16-byte digests in every page header (:meth:`tierkv.connector.page_hash.ModelNamespace.digest`);
+Namespaces are the 16-byte digests in every page header (:meth:`tierkv.connector.core.page_hash.ModelNamespace.digest`);
 where a file store has a ``<namespace>/namespace.json`` describing it (model, dtype, layout...; written by
-:func:`tierkv.storage_backends.file.describe_namespace`), stats show it.
+:func:`tierkv.storage_backends.file.store.describe_namespace`), stats show it.
 Exit codes: :mod:`tierkv.cli_common`.
 """
 from __future__ import annotations
@@ -66,7 +66,7 @@ def _bytes_arg(text: str) -> int:
 
 
 def _age_bucket(age_s: float) -> int:
-    from tierkv.storage_backends.zmq_protocol import AGE_BUCKETS_S
+    from tierkv.storage_backends.zmq.protocol import AGE_BUCKETS_S
 
     for i, b in enumerate(AGE_BUCKETS_S):
         if age_s < b:
@@ -91,7 +91,7 @@ def _check_store_dir(t: Target) -> None:
     given to ``gc`` or ``clear`` is an error, not a silent success."""
     import re
 
-    from tierkv.storage_backends.file import QUARANTINE_DIR, TMP_PREFIX
+    from tierkv.storage_backends.file.store import QUARANTINE_DIR, TMP_PREFIX
 
     try:
         names = os.listdir(t.path)
@@ -106,7 +106,7 @@ def _check_store_dir(t: Target) -> None:
 
 
 def _list_files(root: str, namespaces: Optional[list] = None) -> list:
-    from tierkv.storage_backends.file import iter_page_files
+    from tierkv.storage_backends.file.store import iter_page_files
 
     try:
         return list(iter_page_files(root, namespaces))
@@ -157,7 +157,7 @@ class ZmqAdmin:
     def call(self, op: str, v: int = 1, timeout_s: Optional[float] = None, **fields: Any) -> dict:
         import zmq
 
-        from tierkv.storage_backends import zmq_protocol as P
+        from tierkv.storage_backends.zmq import protocol as P
 
         self._id += 1
         h = {"v": v, "id": self._id, "op": op, **fields}
@@ -190,7 +190,7 @@ class ZmqAdmin:
 
     def need_admin(self) -> bool:
         """True if the server speaks protocol 2 (scan/verify). Raises CliError(4) for a server of only newer ones."""
-        from tierkv.storage_backends import zmq_protocol as P
+        from tierkv.storage_backends.zmq import protocol as P
 
         protos = self.protos()
         if P.ADMIN_PROTOCOL_VERSION in protos:
@@ -211,7 +211,7 @@ def _admin(args) -> ZmqAdmin:
 
 # ----------------------------------------------------------------------------------------------- stats
 def _stats_file(args) -> dict:
-    from tierkv.storage_backends.file import QUARANTINE_DIR
+    from tierkv.storage_backends.file.store import QUARANTINE_DIR
     from tierkv.storage_backends.page_format import HEADER_BYTES, VERSION, PageFormatError, read_header
 
     root = _file_root(args._target)
@@ -259,7 +259,7 @@ def _stats_file(args) -> dict:
 
 def _ns_info(root: str, ns_hex: str) -> Optional[dict]:
     """The optional ``namespace.json`` next to a namespace's pages (model_id, dtype, kv_layout, ...), if readable."""
-    from tierkv.storage_backends.file import NAMESPACE_INFO_FILE
+    from tierkv.storage_backends.file.store import NAMESPACE_INFO_FILE
 
     try:
         with open(os.path.join(root, ns_hex, NAMESPACE_INFO_FILE)) as f:
@@ -270,7 +270,7 @@ def _ns_info(root: str, ns_hex: str) -> Optional[dict]:
 
 
 def _stats_zmq(args) -> dict:
-    from tierkv.storage_backends import zmq_protocol as P
+    from tierkv.storage_backends.zmq import protocol as P
 
     a = _admin(args)
     try:
@@ -351,7 +351,7 @@ def _stats_mooncake(args) -> dict:
 
 
 def _stats_lmcache(args) -> dict:
-    from tierkv.storage_backends.lmcache import server_info
+    from tierkv.storage_backends.lmcache.store import server_info
     from tierkv.storage_backends.zmq_channel import ChannelFailed
 
     t = args._target
@@ -413,7 +413,7 @@ def cmd_stats(args) -> int:
 
 # ----------------------------------------------------------------------------------------------- verify
 def _verify_file(args) -> dict:
-    from tierkv.storage_backends.file import quarantine_file, read_record_file
+    from tierkv.storage_backends.file.store import quarantine_file, read_record_file
     from tierkv.storage_backends.page_format import NewerFormatError, PageFormatError, check_record
 
     root = _file_root(args._target)
@@ -474,7 +474,7 @@ def verify_server(a: ZmqAdmin, namespace: Optional[str], fix: bool, quiet: bool 
     but the last with the running totals (``checked``, ``good``, ``bad``, ``newer``, ``removed``, ``reasons``).
     A server that does not know sessions checks everything in its first reply (then no ``on_step`` call). Returns
     the last reply. Raises :class:`CliError` as :meth:`ZmqAdmin.call` does."""
-    from tierkv.storage_backends import zmq_protocol as P
+    from tierkv.storage_backends.zmq import protocol as P
 
     fields: dict = {"fix": bool(fix), "limit": per_request}
     if namespace:
@@ -581,7 +581,7 @@ def cmd_clear(args) -> int:
         print(f"{t.text}: removed {n} pages")
         return EXIT_OK
     if t.kind == "zmq":
-        from tierkv.storage_backends import zmq_protocol as P
+        from tierkv.storage_backends.zmq import protocol as P
 
         a = _admin(args)
         try:
@@ -611,7 +611,7 @@ def _clear_mooncake(args) -> int:
         pats = ["^" + re.escape(f"{args.key_prefix}/{ns}/") for ns in args.namespace]
     _check_port(t, args.timeout, "the Mooncake master")
     from tierkv.storage_backends.common import ConfigError
-    from tierkv.storage_backends.mooncake import MooncakeStore
+    from tierkv.storage_backends.mooncake.store import MooncakeStore
 
     meta = args.metadata_server or f"http://{t.host}:8080/metadata"
     try:

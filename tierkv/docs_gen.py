@@ -7,7 +7,7 @@ Each part sits between two markers, ``<!-- BEGIN generated: NAME ... -->`` and `
 - ``l3-backends`` (§5): the values of ``l3.backend`` in ``storage_backends/factory.py`` with the module and class
   of each store and the summary of the class docstring;
 - ``vllm-hooks`` (§3): the methods of vLLM's ``KVConnectorBase_V1`` that ``TierKVConnector``
-  (``connector/vllm_connector.py``) implements, grouped as vLLM's base class groups them (scheduler side, worker
+  (``connector/vllm/connector.py``) implements, grouped as vLLM's base class groups them (scheduler side, worker
   side), each with the summary of its docstring.
 
 Modules and hooks are read with :mod:`ast` (nothing is imported: no torch, no vLLM); the backend list imports the
@@ -98,11 +98,12 @@ def modules() -> list[tuple[str, Optional[str]]]:
     """``(folder/file.py, docstring summary)`` of every module of :data:`PACKAGES`; empty ``__init__.py`` left out."""
     out = []
     for pkg, folder in PACKAGES:
-        for path in sorted(_package_dir(pkg).glob("*.py")):
+        for path in sorted(_package_dir(pkg).rglob("*.py")):
             text = path.read_text(encoding="utf-8")
             if path.name == "__init__.py" and not text.strip():
                 continue
-            out.append((f"{folder}/{path.name}", summary(ast.get_docstring(ast.parse(text)))))
+            rel = path.relative_to(_package_dir(pkg)).as_posix()
+            out.append((f"{folder}/{rel}", summary(ast.get_docstring(ast.parse(text)))))
     return out
 
 
@@ -192,7 +193,7 @@ def hooks(base_source: Optional[str] = None, connector_source: Optional[str] = N
     (:data:`SIDES` order) and then in the connector's source order."""
     sides = vllm_sides(base_source if base_source is not None else vllm_base_source())
     if connector_source is None:
-        connector_source = (_package_dir("tierkv.connector") / "vllm_connector.py").read_text(encoding="utf-8")
+        connector_source = (_package_dir("tierkv.connector") / "vllm" / "connector.py").read_text(encoding="utf-8")
     cls = _class(ast.parse(connector_source),
                  lambda c: any(getattr(b, "id", getattr(b, "attr", None)) == VLLM_BASE[1] for b in c.bases))
     found = [(sides[fn.name], fn.name, summary(ast.get_docstring(fn))) for fn in _methods(cls) if fn.name in sides]

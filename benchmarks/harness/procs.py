@@ -57,7 +57,7 @@ def _cpu_of(stat_path: str) -> tuple[str, float]:
 def cpu_seconds(root: int) -> dict[str, float]:
     """CPU seconds (user + system) used so far by each process of ``root``'s tree, keyed ``<name>:<pid>``, and by
     each group of its threads with one kernel name, keyed ``<name>:<pid>/<thread name>`` (tierkv names its threads
-    ``tkv-...``: :mod:`tierkv.connector.thread_names`). A process or thread that ends while being read is left out."""
+    ``tkv-...``: :mod:`tierkv.connector.obs.thread_names`). A process or thread that ends while being read is left out."""
     out: dict[str, float] = {}
     for pid in process_tree(root):
         try:

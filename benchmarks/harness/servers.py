@@ -389,7 +389,7 @@ def _lmcache_answers(endpoint: str) -> bool:
     import msgpack
     import zmq
 
-    from tierkv.storage_backends.lmcache import OPS
+    from tierkv.storage_backends.lmcache.store import OPS
 
     s = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)

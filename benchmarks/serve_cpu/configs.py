@@ -238,7 +238,7 @@ def kv_config(name: str, p: dict, cdir: Path, zmq_endpoint: str | None, l3_root:
                       "controller": {"write_policy": "write_through"}})
     else:
         raise ValueError(name)
-    return {"kv_connector": "TierKVConnector", "kv_connector_module_path": "tierkv.connector.vllm_connector",
+    return {"kv_connector": "TierKVConnector", "kv_connector_module_path": "tierkv.connector.vllm.connector",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
 

@@ -12,9 +12,9 @@ from _cli_helpers import one_line_error, tierkv
 from tierkv.cli import COMMANDS, main
 from tierkv.cli_common import EXIT_FOUND, EXIT_OK, EXIT_USAGE
 from tierkv.cli_config import config_keys, markdown_table, readme_section
-from tierkv.connector.config import ControllerConfig, HostPoolConfig, TierKVConfig
-from tierkv.storage_backends.file import FileStoreConfig
-from tierkv.storage_backends.zmq_client import OPTION_DEFAULTS
+from tierkv.connector.core.config import ControllerConfig, HostPoolConfig, TierKVConfig
+from tierkv.storage_backends.file.store import FileStoreConfig
+from tierkv.storage_backends.zmq.client import OPTION_DEFAULTS
 
 GUIDE = Path(__file__).resolve().parents[2] / "docs" / "user-guide.md"
 

@@ -14,7 +14,7 @@ import xxhash
 from _cli_helpers import NS_A, NS_B, key, one_line_error, page, tierkv
 from tierkv.cli import main
 from tierkv.cli_common import EXIT_FOUND, EXIT_NEWER, EXIT_OK, EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_USAGE
-from tierkv.storage_backends.file import FileStore
+from tierkv.storage_backends.file.store import FileStore
 
 PB_A, PB_B = 4096, 8192
 DAY = 86400
@@ -65,7 +65,7 @@ def test_stats_of_a_file_store_counts_pages_bytes_namespaces_and_ages(store, cap
 
 
 def test_stats_shows_a_namespace_description_where_present(store, capsys):
-    from tierkv.storage_backends.file import describe_namespace
+    from tierkv.storage_backends.file.store import describe_namespace
 
     assert describe_namespace(store, NS_B, {"model_id": "Qwen/Qwen3-0.6B", "dtype": "bfloat16",
                                             "kv_layout": "layer_first/LBHNC"})
@@ -287,7 +287,7 @@ def test_lmcache_server_stats_say_what_the_server_can_tell(tmp_path, capsys):
 def test_mooncake_master_stats_and_clear(tmp_path, capsys):
     from mooncake_master import MooncakeMaster
 
-    from tierkv.storage_backends.mooncake import MooncakeStore
+    from tierkv.storage_backends.mooncake.store import MooncakeStore
 
     with MooncakeMaster(log_dir=str(tmp_path)) as m:
         st = MooncakeStore(NS_A, PB_A, **m.client_config(), global_segment_size=16 << 20, staging_bytes=1 << 20)

@@ -10,16 +10,16 @@ import msgpack
 import pytest
 
 from _cli_helpers import NS_A, key, page
-from tierkv.storage_backends import zmq_protocol as P
+from tierkv.storage_backends.zmq import protocol as P
 from tierkv import cli_server
-from tierkv.storage_backends import zmq_server
+from tierkv.storage_backends.zmq import server as zmq_server
 
 TOKEN = "Tk-9f3c2a7e51"
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "192.0.2.10", "::", "eth0"])
 def test_non_loopback_bind_without_token_refuses_to_start(host, fresh_env):
-    r = subprocess.run([sys.executable, "-m", "tierkv.storage_backends.zmq_server", "--host", host, "--port", "0"],
+    r = subprocess.run([sys.executable, "-m", "tierkv.cli_server", "--host", host, "--port", "0"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == cli_server.EXIT_REFUSED and r.stdout == ""  # no ready line: it never listened
     lines = r.stderr.strip().splitlines()
@@ -139,7 +139,7 @@ def test_ping_lists_protocols_and_whether_a_token_is_required(srv):
 def test_port_in_use_is_a_one_line_error_not_a_crash(srv):
     """A second server on a port that is taken: exit 5 (refused) and one line naming the address, no traceback."""
     port = srv.endpoint.rsplit(":", 1)[1]
-    r = subprocess.run([sys.executable, "-m", "tierkv.storage_backends.zmq_server", "--port", port],
+    r = subprocess.run([sys.executable, "-m", "tierkv.cli_server", "--port", port],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == cli_server.EXIT_REFUSED and r.stdout == ""
     lines = r.stderr.strip().splitlines()

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import os
 
-from tierkv.connector.plan import StepPlan
-from tierkv.connector.vllm_connector import TierKVConnector
+from tierkv.connector.core.plan import StepPlan
+from tierkv.connector.vllm.connector import TierKVConnector
 
 ENV = "TIERKV_TEST_CORRUPT_SAVES"
 

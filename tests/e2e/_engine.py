@@ -50,7 +50,7 @@ from typing import Any, Optional
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 TIERKV_CONNECTOR = "TierKVConnector"
-TIERKV_MODULE = "tierkv.connector.vllm_connector"
+TIERKV_MODULE = "tierkv.connector.vllm.connector"
 
 #: Environment every engine subprocess gets unless the caller overrides a key.
 DEFAULT_ENV = {
@@ -203,7 +203,7 @@ def run_job(
         result_path.unlink()
 
     child_env = dict(os.environ)
-    # each engine starts without a predecessor's recompute estimate (connector/estimates.py) unless ``env`` names
+    # each engine starts without a predecessor's recompute estimate (connector/l3/estimates.py) unless ``env`` names
     # a directory shared by several engines
     child_env["TIERKV_ESTIMATES_DIR"] = str(workdir)
     layout_env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if ENGINE_CORE_IN_PROCESS else {}

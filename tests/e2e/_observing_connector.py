@@ -10,15 +10,15 @@ tierkv's own stats do not name, so that a test can prove that its workload reach
   (side-effect free: no split, no LRU touch) before tierkv plans the step.
 
 The counters are added to the scheduler's stats file (``stats_path``), with ``test_scheduler_file``: the file of the
-``tierkv.connector.scheduler`` module the engine imported (which checkout is under test). Nothing else changes.
+``tierkv.connector.core.scheduler`` module the engine imported (which checkout is under test). Nothing else changes.
 
 Load it with ``"kv_connector": "ObservingTierKVConnector", "kv_connector_module_path": "_observing_connector"``
 and ``tests/e2e`` on ``PYTHONPATH`` (the engine's subprocesses inherit it).
 """
 from __future__ import annotations
 
-from tierkv.connector import scheduler as _scheduler_module
-from tierkv.connector.vllm_connector import TierKVConnector
+from tierkv.connector.core import scheduler as _scheduler_module
+from tierkv.connector.vllm.connector import TierKVConnector
 
 
 class ObservingTierKVConnector(TierKVConnector):

@@ -5,7 +5,7 @@ here) and wrapped so that an e2e test gets what an engine's ``l3`` config needs:
 
 - :func:`zmq_server` -> a :class:`_fixtures_zmq.ZmqHandle`: a server subprocess on a free loopback port (read from
   its ready line), ``.endpoint``, ``.pid``, ``.kill9()`` (SIGKILL by PID), ``.start()`` (an empty server on the same
-  port), ``.server_stats()`` (through a :class:`~tierkv.storage_backends.zmq_client.ZmqStore` client of the test
+  port), ``.server_stats()`` (through a :class:`~tierkv.storage_backends.zmq.client.ZmqStore` client of the test
   process; ``["keys"]`` = records held), stopped by PID on exit.
 - :func:`mooncake_store` -> a :class:`_fixtures_mooncake.MooncakeHandle`: a master on free loopback ports plus a
   client in the test process that contributes the store's memory (``global_segment_size``), so pages written by an

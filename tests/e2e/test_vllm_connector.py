@@ -8,7 +8,7 @@ outputs must be identical and every counter must move by exactly what the worklo
 
 The tierkv runs cover the configurations the engine can be given (``TIER_CONFIGS``): the shipped defaults (empty
 extra config: ``layer_first``, ``verify_checksums: false``, loads all layers at once), the semantic host layouts
-``page_first`` (with layer-wise loading, ``connector/layer_loader.py``) and ``page_first_direct`` (the numba
+``page_first`` (with layer-wise loading, ``connector/l2/layer_loader.py``) and ``page_first_direct`` (the numba
 transposes of docs/architecture.md §2), and - in :func:`corrupt` - ``layer_first`` with checksums where one L2 page
 is corrupted after its save (``_corrupting_connector.py``), so the path "corrupt L2 page -> failed blocks -> vLLM
 recomputes -> same outputs" runs in the engine.

@@ -14,7 +14,7 @@ store evicts and overwrites the evicted files (``l3.file.recycle_evicted``), and
 
 On a CPU with AMX tiles engine 2 is also the restart path of the second crash in the issue "Serving under
 concurrent load": its first forward is an L3 hit, and vLLM's AMX attention kernel dies of SIGILL unless the process
-asked for AMX tile permission first (``connector/cpu_features.py``). The namespace test checks which packing the
+asked for AMX tile permission first (``connector/cpu/cpu_features.py``). The namespace test checks which packing the
 engines ran, so a run on such a host says it covered that path.
 """
 import random
@@ -121,7 +121,7 @@ def test_store_records_what_its_namespace_stands_for(runs, tiny_model):
     info = json.loads(infos[0].read_text())
     assert info["model_id"].startswith(str(tiny_model)) and info["page_size"] == P and info["tp_rank"] == 0
     # vLLM's CPU attention packs bf16 pages for AMX where the CPU has AMX bf16 tiles: the namespace names it
-    from tierkv.connector.cpu_features import cpu_flags
+    from tierkv.connector.cpu.cpu_features import cpu_flags
     assert ("/cpu-amx/" in info["kv_layout"]) == ("amx_bf16" in cpu_flags()), info["kv_layout"]
     out = subprocess.run([sys.executable, "-m", "tierkv.cli", "store", "stats", str(root)], capture_output=True,
                          text=True, timeout=120)

@@ -401,7 +401,7 @@ def test_pages_recomputed_after_failed_l3_read_are_stored_again(killed_run):
     _w1, _w2, w3 = _killed_parts()
     w = stats_by_role(res)["worker"]
     assert after["keys"] == _full_pages(w3), (
-        "BUG connector/controller.py Controller._end_prefetch: a page whose L3 read failed is only remembered as "
+        "BUG connector/l3/controller.py Controller._end_prefetch: a page whose L3 read failed is only remembered as "
         "absent for negative_ttl_s; its index node keeps in_l3=True, so when vLLM recomputes it and "
         "CacheScheduler.schedule_saves puts it back into L2, Controller._backup skips it (it filters on "
         "'not m.in_l3[i]'). After an L3 restart such pages are never stored again and every later use after L2 "
@@ -493,7 +493,7 @@ def test_mooncake_master_down_jobs_answered(mooncake_down_run):
     assert asks == 9
     assert c["ctl_exists_queries"] == asks, c
     assert c["ctl_pending_jobs"] == 0 and c["locked_pages"] == 0 and c["ctl_exists_late_answers"] == 0, (
-        "BUG connector/worker.py CacheWorker.submit_jobs (with connector/vllm_connector.py _build_l3): when the L3 "
+        "BUG connector/l2/worker.py CacheWorker.submit_jobs (with connector/vllm/connector.py _build_l3): when the L3 "
         "store could not start the worker has no L3IO and drops the plan's jobs, so they are never reported "
         "(the docstring says they are 'answered not done'): backup jobs keep their pages locked in L2 forever, "
         "every lookup that asks L3 waits exists_wait_s for an answer that never comes. "

@@ -10,7 +10,7 @@ question and generates 4 tokens, so every request computes the KV of exactly 5 f
    L3 (160 tokens, one existence query, one read batch).
 
 The server validates tierkv's request controls at entry (``--logits-processors`` with
-:class:`tierkv.connector.vllm_params_check.TierKVParamsCheck`): one request with ``{"tierkv": {"save": false}}``, and
+:class:`tierkv.connector.vllm.params_check.TierKVParamsCheck`): one request with ``{"tierkv": {"save": false}}``, and
 malformed ones answered 400.
 """
 import json
@@ -74,7 +74,7 @@ def server(tiny_model, tmp_path_factory):
            "--port", str(port), "--block-size", str(P), "--enable-prefix-caching", "--enforce-eager",
            "--dtype", "bfloat16", "--max-model-len", "512", "--num-gpu-blocks-override", "20", "--max-num-seqs", "4",
            "--seed", "0", "--kv-transfer-config", json.dumps(kv),
-           "--logits-processors", "tierkv.connector.vllm_params_check:TierKVParamsCheck"]
+           "--logits-processors", "tierkv.connector.vllm.params_check:TierKVParamsCheck"]
     log_path = tmp / "server.log"
     log = open(log_path, "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(tmp), start_new_session=True)

@@ -86,8 +86,8 @@ def _namespaces(root: Path) -> dict[int, dict]:
 
 def _record_path(namespaces: dict, rank: int, tokens: list[int], page: int) -> Path:
     """Where rank ``rank`` stores the page ``page`` of the token sequence ``tokens`` (no LoRA, no cache salt)."""
-    from tierkv.connector.l3_io import l3_key
-    from tierkv.connector.page_hash import ModelNamespace, page_keys, request_root
+    from tierkv.connector.l3.io import l3_key
+    from tierkv.connector.core.page_hash import ModelNamespace, page_keys, request_root
 
     def ns(info):
         return ModelNamespace(**{**info, "extra": tuple(info["extra"])})
@@ -170,7 +170,7 @@ def test_l2_hits_under_tp_equal_the_reference(runs):
 
 
 def test_each_rank_stores_under_its_own_namespace(runs):
-    from tierkv.connector.page_hash import ModelNamespace
+    from tierkv.connector.core.page_hash import ModelNamespace
 
     ns = runs["after_tier"]
     assert sorted(ns) == [0, 1]

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import tierkv.kernels as kernels
-from tierkv.connector.device_pool import DevicePool
-from tierkv.connector.host_pool import HOST_POOL_LAYOUTS, HostPool
+from tierkv.connector.l2.device_pool import DevicePool
+from tierkv.connector.l2.host_pool import HOST_POOL_LAYOUTS, HostPool
 from tierkv.kernels import load_pages, numba_impl, save_pages, torch_impl
 from tierkv.kernels.testing import (DEVICE_LAYOUTS, block_bytes_reference, encode_semantic, make_kv_caches,
                                     random_semantic)

@@ -6,10 +6,10 @@ import threading
 import pytest
 import torch
 
-import tierkv.connector.layer_loader as layer_loader
-from tierkv.connector.device_pool import DevicePool
-from tierkv.connector.host_pool import HOST_POOL_LAYOUTS, HostPool
-from tierkv.connector.layer_loader import LayerwiseLoad
+import tierkv.connector.l2.layer_loader as layer_loader
+from tierkv.connector.l2.device_pool import DevicePool
+from tierkv.connector.l2.host_pool import HOST_POOL_LAYOUTS, HostPool
+from tierkv.connector.l2.layer_loader import LayerwiseLoad
 from tierkv.kernels import load_pages, plan_runs, save_pages, torch_impl
 from tierkv.kernels.testing import block_bytes_reference, make_kv_caches
 

@@ -11,8 +11,8 @@ SCRIPT = textwrap.dedent(r'''
     import os, random, zlib
     assert os.environ["TRITON_INTERPRET"] == "1"
     import torch
-    from tierkv.connector.device_pool import DevicePool
-    from tierkv.connector.host_pool import HOST_POOL_LAYOUTS, HostPool
+    from tierkv.connector.l2.device_pool import DevicePool
+    from tierkv.connector.l2.host_pool import HOST_POOL_LAYOUTS, HostPool
     from tierkv.kernels import load_pages, save_pages
     from tierkv.kernels.testing import DEVICE_LAYOUTS, make_kv_caches
 

@@ -23,7 +23,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
-MODULE = "tierkv.connector.sglang_hicache"
+MODULE = "tierkv.connector.sglang.hicache"
 CLASS = "TierKVHiCacheStorage"
 MODEL = "Qwen/Qwen3-0.6B"
 
@@ -108,7 +108,7 @@ def keys(n: int, salt: str = "") -> list[str]:
 def build_namespace_for(pool, records: int = 1, **cfg):
     """The tierkv namespace the adapter will use for ``pool`` under :func:`storage_config` ``(**cfg)`` with
     ``records`` records per page."""
-    from tierkv.connector.sglang_hicache import build_namespace
+    from tierkv.connector.sglang.hicache import build_namespace
 
     return build_namespace(storage_config({}, layout=pool.layout, **cfg), pool, records=records)
 

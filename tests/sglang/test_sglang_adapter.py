@@ -1,4 +1,4 @@
-"""The tierkv SGLang HiCache backend (connector/sglang_hicache.py) on the file store, driven through SGLang's own
+"""The tierkv SGLang HiCache backend (connector/sglang/hicache.py) on the file store, driven through SGLang's own
 factory and host pool (docs/architecture.md §10): layouts, copy vs zero-copy path, namespace isolation, bad input,
 stats / clear / close."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ import _sgl  # noqa: F401  (tests/sglang: shims + SGLang imports)
 from _sgl import attach, extra_config, fill_pages, keys, mha_pool, mla_pool, page_bytes_of, storage_config
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-from tierkv.connector import page_hash
-from tierkv.connector.sglang_hicache import TierKVHiCacheStorage, build_namespace, map_key
+from tierkv.connector.core import page_hash
+from tierkv.connector.sglang.hicache import TierKVHiCacheStorage, build_namespace, map_key
 from tierkv.storage_backends.common import ConfigError
 
 
@@ -53,7 +53,7 @@ def test_pages_not_in_one_region_go_in_place_as_runs_and_share_records_with_the_
     handed to a store that takes runs as its runs in the pool, in place, when they are long enough (32 KiB here):
     what it writes reads back bit-exact through the staged path (runs too short, forced), and what the staged path
     writes reads back in place; shorter runs are staged."""
-    from tierkv.connector import sglang_pool_io as sio
+    from tierkv.connector.sglang import pool_io as sio
 
     l3 = file_l3(tmp_path)
     pool = mha_pool(layout, heads=8, head_dim=128)  # 16 tokens x 8 heads x 128 x 2 bytes: 32 KiB per layer and K/V
@@ -171,7 +171,7 @@ def test_other_namespace_is_a_miss(tmp_path, monkeypatch, change):
 
 
 def test_default_records_per_page():
-    from tierkv.connector.sglang_hicache import records_per_page
+    from tierkv.connector.sglang.hicache import records_per_page
 
     pool = mha_pool()
     assert records_per_page(pool, None, "file") == 1 and records_per_page(pool, None, "zmq") == 2
@@ -190,7 +190,7 @@ def test_mla_namespace_ignores_tp_rank_mha_does_not():
 
 
 @pytest.mark.parametrize("extra,exc,words", [
-    ({"module_path": "tierkv.connector.sglang_hicache", "class_name": "TierKVHiCacheStorage"}, ValueError,
+    ({"module_path": "tierkv.connector.sglang.hicache", "class_name": "TierKVHiCacheStorage"}, ValueError,
      ["backend_name"]),
     (extra_config(None) | {"l3": None}, ConfigError, ["l3"]),
     ({k: v for k, v in extra_config({}).items() if k != "l3"}, ConfigError, ["missing", "'hicache-storage-backend-extra-config.l3'"]),

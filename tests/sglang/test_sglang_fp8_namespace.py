@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from _sgl import attach, extra_config, mha_pool, storage_config
-from tierkv.connector.config import ConfigError
-from tierkv.connector.sglang_hicache import build_namespace
+from tierkv.connector.core.config import ConfigError
+from tierkv.connector.sglang.hicache import build_namespace
 
 
 def _digest(pool, kv_cache_dtype=None):

@@ -52,7 +52,7 @@ def test_anything_but_a_whole_page_in_the_pool_is_refused_with_one_log_line(rig,
     loc, size = {"half_page": (ptr, pb // 2), "outside_pool": (other.data_ptr(), pb), "no_location": (None, None),
                  "past_the_end": (ptr + buf.numel() - pb // 2, pb), "not_an_int": (float(ptr), pb)}[case]
     k = keys(1, case)
-    caplog.set_level(logging.WARNING, logger="tierkv.connector.sglang_hicache")
+    caplog.set_level(logging.WARNING, logger="tierkv.connector.sglang.hicache")
     caplog.clear()
     assert b.set(k[0], None, loc, size) is False
     assert b.exists(k[0]) is False and b.stats()["pages_set"] == 0

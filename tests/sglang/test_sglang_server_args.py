@@ -17,7 +17,7 @@ from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCach
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.server_args import ServerArgs
 
-from tierkv.connector.sglang_hicache import TierKVHiCacheStorage, parse_extra_config
+from tierkv.connector.sglang.hicache import TierKVHiCacheStorage, parse_extra_config
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "sglang_hicache_tierkv.sh"
 
@@ -72,7 +72,7 @@ def round_trip(args, extra):
 def test_launch_line_parses_and_factory_builds_tierkv(case, tmp_path):
     args, extra = parse(launch_lines()[case])
     assert args.enable_hierarchical_cache and args.hicache_storage_backend == "dynamic"
-    assert extra["module_path"] == "tierkv.connector.sglang_hicache" and extra["interface_v1"] == 1
+    assert extra["module_path"] == "tierkv.connector.sglang.hicache" and extra["interface_v1"] == 1
     cls = StorageBackendFactory._load_backend_class(extra["module_path"], extra["class_name"], extra["backend_name"])
     assert cls is TierKVHiCacheStorage
     cfg = parse_extra_config(extra)

@@ -226,7 +226,7 @@ def test_side_pool_registered_again_is_replaced_and_close_ends_all(tmp_path):
 
 
 def test_side_pool_mooncake_clients_add_no_segment():
-    from tierkv.connector.sglang_hicache import side_pool_l3
+    from tierkv.connector.sglang.hicache import side_pool_l3
 
     l3 = {"backend": "mooncake", "mooncake": {"master_address": "127.0.0.1:1", "global_segment_size": 1 << 30}}
     assert side_pool_l3(l3)["mooncake"] == {"master_address": "127.0.0.1:1", "global_segment_size": 0}

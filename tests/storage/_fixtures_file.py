@@ -6,7 +6,7 @@ import functools
 import os
 from typing import Any, Callable, Optional
 
-from tierkv.storage_backends.file import FileStore, FileStoreConfig
+from tierkv.storage_backends.file.store import FileStore, FileStoreConfig
 from tierkv.storage_backends.page_format import HEADER_BYTES, encode_header
 
 NAME = "file"
@@ -110,7 +110,7 @@ def crash_during_write(root: str, namespace: bytes, page_bytes: int, capacity_by
     SIGKILLed, leaving a real torn temporary file behind."""
     import threading
 
-    import tierkv.storage_backends.file as file_mod
+    import tierkv.storage_backends.file.store as file_mod
 
     store = FileStore(namespace, page_bytes, root=root, capacity_bytes=capacity_bytes)
     assert store.batch_set(keys, payloads) == [True] * len(keys)

@@ -33,7 +33,7 @@ import msgpack
 import zmq
 
 from sigstop import sigstop  # tests/storage is on sys.path wherever these fixtures are imported
-from tierkv.storage_backends.lmcache import OPS, LMCacheStore
+from tierkv.storage_backends.lmcache.store import OPS, LMCacheStore
 
 NAME = "lmcache"
 REPO = Path(__file__).resolve().parents[2]

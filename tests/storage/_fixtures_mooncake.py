@@ -1,7 +1,7 @@
 """Contract-suite fixture for the Mooncake store (convention: see ``conftest.py``).
 
 ``make_backend`` starts a real ``mooncake_master`` (HTTP metadata server enabled) on free loopback ports through
-:class:`mooncake_master.MooncakeMaster`, connects a :class:`~tierkv.storage_backends.mooncake.MooncakeStore` that
+:class:`mooncake_master.MooncakeMaster`, connects a :class:`~tierkv.storage_backends.mooncake.store.MooncakeStore` that
 contributes the store's memory (``global_segment_size``), and stops the master by PID on exit. Further clients
 (``new_client``, ``client_factory``) live in the same process or in spawned ones and contribute no memory, so their
 pages sit in the first client's segment and outlive them. Several ``MooncakeDistributedStore`` clients in one
@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from mooncake_master import MooncakeMaster  # noqa: E402
 
-from tierkv.storage_backends.mooncake import MooncakeStore  # noqa: E402
+from tierkv.storage_backends.mooncake.store import MooncakeStore  # noqa: E402
 from tierkv.storage_backends.page_format import HEADER_BYTES, encode_header  # noqa: E402
 
 NAME = "mooncake"

@@ -1,6 +1,6 @@
 """Contract-suite fixture for the ZMQ cache server and its client (convention: see ``conftest.py``).
 
-``make_backend`` starts a real ``python -m tierkv.storage_backends.zmq_server`` subprocess on loopback with
+``make_backend`` starts a real ``python -m tierkv.cli_server`` subprocess on loopback with
 ``--port 0`` (the port is read from its ready line, no sleeping), with ``--enable-test-ops`` so ``h.corrupt``
 can damage a stored record in place, and kills it by PID on exit. Helpers for the ZMQ-specific tests:
 :func:`start_server`, :func:`raw_request` (one hand-made request on a fresh DEALER socket), :func:`rss_bytes`.
@@ -22,9 +22,9 @@ import msgpack
 import zmq
 
 from sigstop import sigstop  # tests/storage is on sys.path wherever these fixtures are imported
-from tierkv.storage_backends import zmq_protocol as P
+from tierkv.storage_backends.zmq import protocol as P
 from tierkv.storage_backends.page_format import HEADER_BYTES
-from tierkv.storage_backends.zmq_client import ZmqStore
+from tierkv.storage_backends.zmq.client import ZmqStore
 
 NAME = "zmq"
 #: client timeout used by the fixture unless ``timeout_s`` is given (generous: the test machine is shared).
@@ -61,7 +61,7 @@ def start_server(port: int = 0, *, log_path: Optional[str] = None, test_ops: boo
                  args: tuple = ()) -> tuple[subprocess.Popen, str]:
     """Start a server subprocess (``--port port``, ``--host 127.0.0.1`` unless ``args`` override it) and wait for
     its ready line. Returns ``(process, endpoint)``. Raises RuntimeError (with its log) if it exits first."""
-    cmd = [sys.executable, "-m", "tierkv.storage_backends.zmq_server", "--port", str(port), *map(str, args)]
+    cmd = [sys.executable, "-m", "tierkv.cli_server", "--port", str(port), *map(str, args)]
     if test_ops:
         cmd.append("--enable-test-ops")
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL

@@ -139,7 +139,7 @@ class MooncakeMaster:
         return self.proc.pid if self.proc else None
 
     def client_config(self) -> dict:
-        """``l3.mooncake`` keys that point a :class:`~tierkv.storage_backends.mooncake.MooncakeStore` here."""
+        """``l3.mooncake`` keys that point a :class:`~tierkv.storage_backends.mooncake.store.MooncakeStore` here."""
         return {"master_address": self.master_address, "metadata_server": self.metadata_server,
                 "protocol": "tcp", "local_hostname": "127.0.0.1"}
 

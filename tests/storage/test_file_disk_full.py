@@ -19,9 +19,9 @@ from collections import OrderedDict
 import pytest
 import torch
 
-import tierkv.storage_backends.file as file_mod
-from tierkv.connector.config import ConfigError
-from tierkv.storage_backends.file import FileStore
+import tierkv.storage_backends.file.store as file_mod
+from tierkv.connector.core.config import ConfigError
+from tierkv.storage_backends.file.store import FileStore
 from tierkv.storage_backends.page_format import HEADER_BYTES
 
 MiB = 1 << 20
@@ -194,8 +194,8 @@ def test_unwritable_root_is_a_config_error(tmp_path, monkeypatch):
 
 _RO_CHECK = """
 import sys
-from tierkv.connector.config import ConfigError
-from tierkv.storage_backends.file import FileStore
+from tierkv.connector.core.config import ConfigError
+from tierkv.storage_backends.file.store import FileStore
 root = sys.argv[1]
 try:
     FileStore(bytes(range(16)), 4096, root=root)

@@ -8,8 +8,8 @@ import random
 
 import torch
 
-import tierkv.storage_backends.file as file_mod
-from tierkv.storage_backends.file import FileStore
+import tierkv.storage_backends.file.store as file_mod
+from tierkv.storage_backends.file.store import FileStore
 from tierkv.storage_backends.page_format import HEADER_BYTES, decode_record, encode_header
 
 _RK = random.Random(0xfa57)  # fixed: the same keys in every run (a failure reproduces)

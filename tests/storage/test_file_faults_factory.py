@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierkv.connector.config import ConfigError, L3Config, load_config
+from tierkv.connector.core.config import ConfigError, L3Config, load_config
 from tierkv.storage_backends import FaultyBackend, FileStore, StorageBackend, build_backend
 
 NS = bytes(range(16))
@@ -213,9 +213,9 @@ class _FakeZmqStore(StorageBackend):
 
 
 def test_lazy_backends_get_their_section_as_kwargs(monkeypatch):
-    mod = types.ModuleType("tierkv.storage_backends.zmq_client")
+    mod = types.ModuleType("tierkv.storage_backends.zmq.client")
     mod.ZmqStore = _FakeZmqStore
-    monkeypatch.setitem(sys.modules, "tierkv.storage_backends.zmq_client", mod)
+    monkeypatch.setitem(sys.modules, "tierkv.storage_backends.zmq.client", mod)
     s = build_backend({"backend": "zmq", "zmq": {"address": "tcp://127.0.0.1:5555"}}, NS, PAGE)
     assert isinstance(s, _FakeZmqStore) and s.address == "tcp://127.0.0.1:5555" and s.page_bytes == PAGE
     with pytest.raises(ConfigError, match=r"l3\.zmq"):
@@ -226,7 +226,7 @@ def test_lazy_backends_get_their_section_as_kwargs(monkeypatch):
 
 
 def test_missing_lazy_backend_is_a_clear_error(monkeypatch):
-    monkeypatch.setitem(sys.modules, "tierkv.storage_backends.mooncake", None)  # import fails
+    monkeypatch.setitem(sys.modules, "tierkv.storage_backends.mooncake.store", None)  # import fails
     with pytest.raises(ConfigError, match=r"l3\.backend 'mooncake' is not available"):
         build_backend({"backend": "mooncake"}, NS, PAGE)
 

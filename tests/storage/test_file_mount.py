@@ -3,8 +3,8 @@ allocator skips recently deleted inodes: creating records gets slow after many d
 import logging
 import os
 
-from tierkv.storage_backends import file as file_mod
-from tierkv.storage_backends.file import FileStore, mount_of
+from tierkv.storage_backends.file.store import store as file_mod
+from tierkv.storage_backends.file.store import FileStore, mount_of
 
 NS = bytes(range(16))
 

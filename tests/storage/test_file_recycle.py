@@ -1,5 +1,5 @@
 """The file store at capacity overwrites evicted record files instead of unlinking them and creating new ones
-(``l3.file.recycle_evicted``, storage_backends/file.py): real files on the test machine's filesystem."""
+(``l3.file.recycle_evicted``, storage_backends/file/store.py): real files on the test machine's filesystem."""
 from __future__ import annotations
 
 import os
@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from tierkv.storage_backends.file import TMP_PREFIX, FileStore
+from tierkv.storage_backends.file.store import TMP_PREFIX, FileStore
 from tierkv.storage_backends.page_format import HEADER_BYTES, PageFormatError, decode_header
 
 PAGE = 4096

@@ -12,8 +12,8 @@ import signal
 import torch
 
 from _fixtures_file import crash_during_write
-from tierkv.connector.page_hash import ModelNamespace, key_hex, page_keys, request_root
-from tierkv.storage_backends.file import FileStore
+from tierkv.connector.core.page_hash import ModelNamespace, key_hex, page_keys, request_root
+from tierkv.storage_backends.file.store import FileStore
 from tierkv.storage_backends.page_format import HEADER_BYTES
 
 _RK = random.Random(0x4e57)  # fixed: the same keys in every run (a failure reproduces)

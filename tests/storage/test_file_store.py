@@ -15,7 +15,7 @@ import pytest
 import torch
 import xxhash
 
-from tierkv.storage_backends.file import FileStore, as_byte_view, parse_bytes
+from tierkv.storage_backends.file.store import FileStore, as_byte_view, parse_bytes
 from tierkv.storage_backends.page_format import HEADER_BYTES
 
 _RK = random.Random(0xf11e)  # fixed: the same keys in every run (a failure reproduces)
@@ -177,7 +177,7 @@ def test_batch_delete(tmp_path):
 
 def test_import_does_not_need_torch():
     """The cache server imports FileStore for spilling and stays free of torch."""
-    code = ("import sys; import tierkv.storage_backends.file as f; assert 'torch' not in sys.modules, 'torch'; "
+    code = ("import sys; import tierkv.storage_backends.file.store as f; assert 'torch' not in sys.modules, 'torch'; "
             "import tempfile; s = f.FileStore(bytes(16), 8, root=tempfile.mkdtemp()); "
             "assert s.batch_set(['00' * 16], [b'abcdefgh']) == [True]; b = bytearray(8); "
             "assert s.batch_get(['00' * 16], [b]) == [True] and b == b'abcdefgh'")
@@ -215,7 +215,7 @@ def test_parse_bytes():
 def test_write_rest_resumes_a_short_vectored_write_at_any_byte(tmp_path):
     """After a short ``writev`` (a signal, a filesystem's own limit) the record is completed from the byte where the
     write stopped: in the header, at a run's edge or inside a run, the file ends up the header and runs in order."""
-    from tierkv.storage_backends.file import _write_rest
+    from tierkv.storage_backends.file.store import _write_rest
 
     rng = np.random.default_rng(3)
     head = rng.bytes(64)

@@ -14,7 +14,7 @@ import _fixtures_lmcache as F
 from tierkv.storage_backends.base import PageTokens
 from tierkv.storage_backends.common import ConfigError
 from tierkv.storage_backends.factory import build_backend, validate_l3
-from tierkv.storage_backends.lmcache import LMCacheStore
+from tierkv.storage_backends.lmcache.store import LMCacheStore
 
 NS = bytes(range(16))
 PB = 4096

@@ -16,9 +16,9 @@ import torch
 from _fixtures_mooncake import make_backend
 from mooncake_master import free_ports
 
-from tierkv.connector.config import ConfigError, load_config
+from tierkv.connector.core.config import ConfigError, load_config
 from tierkv.storage_backends.factory import build_backend
-from tierkv.storage_backends.mooncake import MooncakeStore
+from tierkv.storage_backends.mooncake.store import MooncakeStore
 from tierkv.storage_backends.page_format import HEADER_BYTES, encode_record
 
 NS = bytes(range(16))
@@ -98,7 +98,7 @@ def test_r16_record_of_another_key_is_a_miss(mc):
 
 _WRITER = textwrap.dedent("""
     import os, sys, time
-    from tierkv.storage_backends.mooncake import MooncakeStore
+    from tierkv.storage_backends.mooncake.store import MooncakeStore
     master, meta, seg, ns_hex, pb, mode = sys.argv[1:7]
     keys = sys.argv[7:]
     s = MooncakeStore(bytes.fromhex(ns_hex), int(pb), master_address=master, metadata_server=meta,
@@ -262,7 +262,7 @@ def test_native_client_is_never_left_to_the_garbage_collector(mc):
     """A store dropped without close() keeps its native client alive (its destructor would block the collecting
     thread while it retries a dead master); close() releases it."""
     import gc
-    from tierkv.storage_backends import mooncake
+    from tierkv.storage_backends.mooncake.store import store as mooncake
 
     before = len(mooncake._UNCLOSED)
     s = mc.new_client()
@@ -280,7 +280,7 @@ def test_native_client_is_never_left_to_the_garbage_collector(mc):
 def test_unreachable_master_is_a_clear_error_within_bound():
     rpc, http = free_ports(2)
     t0 = time.monotonic()
-    from tierkv.storage_backends import mooncake
+    from tierkv.storage_backends.mooncake.store import store as mooncake
 
     before = len(mooncake._UNCLOSED)
     with pytest.raises(ConfigError, match="master_address"):

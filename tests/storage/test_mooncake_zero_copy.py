@@ -10,7 +10,7 @@ import torch
 
 from _fixtures_mooncake import make_backend
 
-from tierkv.storage_backends.file import FileStore
+from tierkv.storage_backends.file.store import FileStore
 from tierkv.storage_backends.page_format import HEADER_BYTES, encode_record
 
 NS = bytes(range(40, 56))
@@ -160,7 +160,7 @@ def test_pipelined_groups_store_exact_records_and_route_overwrites(zc, monkeypat
     """Zero-copy sets go out in groups (headers of the next group checksummed while the previous one is put): with
     one page per group, fresh keys and existing keys interleaved across group boundaries, every fresh page is
     stored zero-copy, every existing key is replaced through the upsert, and every record is exact."""
-    import tierkv.storage_backends.mooncake as mc
+    import tierkv.storage_backends.mooncake.store as mc
 
     monkeypatch.setattr(mc, "PUT_GROUP_BYTES", 2 * PB)  # groups of 2 pages: 7 pages -> 4 groups
     b = zc.backend
@@ -184,7 +184,7 @@ def test_zero_copy_set_with_checksums_stores_exact_records_without_hashing(zc, m
     record bytes as a set that hashes), no payload is hashed, and all the pages go out in one put group."""
     import xxhash
 
-    import tierkv.storage_backends.mooncake as mc
+    import tierkv.storage_backends.mooncake.store as mc
     from tierkv.storage_backends.page_format import payload_checksum
 
     monkeypatch.setattr(mc, "PUT_GROUP_BYTES", 2 * PB)  # would be 3 groups of 2 pages when hashing here

@@ -18,9 +18,9 @@ import torch
 import zmq
 
 import _fixtures_zmq as FZ
-from tierkv.storage_backends import zmq_protocol as P
+from tierkv.storage_backends.zmq import protocol as P
 from tierkv.storage_backends.page_format import encode_header
-from tierkv.storage_backends.zmq_client import ZmqStore
+from tierkv.storage_backends.zmq.client import ZmqStore
 
 KiB, MiB = 1 << 10, 1 << 20
 NS = bytes(range(50, 66))
@@ -433,7 +433,7 @@ def test_r15_writer_dies_mid_put_raw_zmtp(tmp_path):
 _SPAWNER = r"""
 import json, os, random, signal, sys, time
 import msgpack, zmq
-from tierkv.storage_backends.zmq_client import ZmqStore
+from tierkv.storage_backends.zmq.client import ZmqStore
 ep, spec = sys.argv[1], json.load(open(sys.argv[2]))
 rnd = random.Random(spec["seed"])
 probe = ZmqStore(bytes.fromhex(spec["ns"]), spec["page_bytes"], endpoint=ep, timeout_s=5.0)

@@ -1,4 +1,4 @@
-"""The tierkv server's presence table (``storage_backends/presence_table.py``): a same-host client answers ``exists``
+"""The tierkv server's presence table (``storage_backends/zmq/presence_table.py``): a same-host client answers ``exists``
 from it without a round trip, and the answer follows the server's sets, deletes and evictions, a replaced table, a
 killed or restarted server and a server that cannot publish one (a spill tier). Real server processes; the table
 itself also alone."""
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import _fixtures_zmq as FZ
-from tierkv.storage_backends import presence_table as PT
-from tierkv.storage_backends.presence_table import PresenceTable
-from tierkv.storage_backends.zmq_server import sweep_dead_presence
+from tierkv.storage_backends.zmq import presence_table as PT
+from tierkv.storage_backends.zmq.presence_table import PresenceTable
+from tierkv.storage_backends.zmq.server import sweep_dead_presence
 
 KiB = 1 << 10
 NS = bytes(range(90, 106))
@@ -79,7 +79,7 @@ def test_a_table_built_in_bulk_finds_colliding_and_repeated_entries(tmp_path):
 
 
 def test_table_of_a_killed_writer_is_not_answered_from_and_is_swept(tmp_path):
-    code = ("import sys; from tierkv.storage_backends.presence_table import PresenceTable as T; "
+    code = ("import sys; from tierkv.storage_backends.zmq.presence_table import PresenceTable as T; "
             "t = T.create(sys.argv[1]); t.add(12345); print(t.name, flush=True); sys.stdin.read()")
     p = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          text=True)

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import _fixtures_zmq as FZ
-from tierkv.storage_backends import zmq_protocol as P
+from tierkv.storage_backends.zmq import protocol as P
 from tierkv import cli_server
-from tierkv.storage_backends.zmq_client import ZmqStore
+from tierkv.storage_backends.zmq.client import ZmqStore
 
 KiB, MiB = 1 << 10, 1 << 20
 NS = bytes(range(100, 116))
@@ -114,7 +114,7 @@ def test_cli_server_ping_sigterm_and_no_test_ops(tmp_path):
 def test_pipelined_set_splits_batch_into_messages_and_round_trips(srv, monkeypatch):
     """A set larger than PIPELINE_BYTES goes out as several messages (the next one checksummed while the previous
     one is in flight); every page lands exactly, in key order, and a page of the last message is not mixed up."""
-    from tierkv.storage_backends import zmq_client
+    from tierkv.storage_backends.zmq import client as zmq_client
 
     monkeypatch.setattr(zmq_client, "PIPELINE_BYTES", 3 * 4096)  # 3 pages per message
     c = srv.new_client()
@@ -174,7 +174,7 @@ def test_reply_that_arrived_during_a_pause_is_an_answer_not_a_timeout(srv, monke
 def test_set_with_checksums_is_split_by_max_message_bytes_only(srv, monkeypatch):
     """With the checksums given there is nothing to hash while a message is sent, so a set is not pipelined: it
     goes out in as few messages as ``max_message_bytes`` allows, every page exact."""
-    from tierkv.storage_backends import zmq_client
+    from tierkv.storage_backends.zmq import client as zmq_client
     from tierkv.storage_backends.page_format import payload_checksum
 
     monkeypatch.setattr(zmq_client, "PIPELINE_BYTES", 3 * 4096)
@@ -200,7 +200,7 @@ def test_set_with_checksums_is_split_by_max_message_bytes_only(srv, monkeypatch)
 
 def test_keep_freed_memory_applies_on_glibc():
     """The server's allocator tuning (run before the ZMQ context exists) reports success on glibc Linux."""
-    code = "from tierkv.storage_backends.zmq_server import keep_freed_memory as k; print(k(64 << 20))"
+    code = "from tierkv.storage_backends.zmq.server import keep_freed_memory as k; print(k(64 << 20))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     glibc = sys.platform.startswith("linux") and bool(os.confstr("CS_GNU_LIBC_VERSION"))
@@ -456,7 +456,7 @@ def test_r19_random_and_truncated_msgpack_fuzz(srv, tmp_path):
 
 def test_shipped_l3_zmq_config_builds_a_working_store(srv):
     """configs/l3_zmq.yaml validates, and the factory builds a ZmqStore from it (endpoint overridden)."""
-    from tierkv.connector.config import load_config
+    from tierkv.connector.core.config import load_config
     from tierkv.storage_backends.factory import build_backend
 
     cfg = load_config("l3_zmq.yaml", {"l3.zmq.endpoint": srv.endpoint})
@@ -484,7 +484,7 @@ def test_cli_sizes_mean_what_the_yaml_configs_mean():
     import argparse
 
     from tierkv import cli_server as S
-    from tierkv.storage_backends.file import parse_bytes
+    from tierkv.storage_backends.file.store import parse_bytes
 
     p = S.add_arguments(argparse.ArgumentParser())
     a = p.parse_args(["--capacity-bytes", "8GiB", "--max-message-bytes", "64MiB"])

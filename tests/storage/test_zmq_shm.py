@@ -12,11 +12,11 @@ import pytest
 import torch
 
 import _fixtures_zmq as FZ
-from tierkv.storage_backends import zmq_client
-from tierkv.storage_backends import zmq_protocol as P
+from tierkv.storage_backends.zmq import client as zmq_client
+from tierkv.storage_backends.zmq import protocol as P
 from tierkv.storage_backends.common import ConfigError
 from tierkv.storage_backends.shm_segment import Segment
-from tierkv.storage_backends.zmq_client import ZmqStore, check_options
+from tierkv.storage_backends.zmq.client import ZmqStore, check_options
 
 KiB = 1 << 10
 NS = bytes(range(70, 86))

@@ -26,14 +26,14 @@ from typing import Optional
 import torch
 
 from tierkv import kernels
-from tierkv.connector import layer_loader
-from tierkv.connector.device_pool import DevicePool
-from tierkv.connector.host_pool import HostPool
-from tierkv.connector.l3_io import L3IO
-from tierkv.connector.page_checksums import SlotChecksums
-from tierkv.connector.page_hash import ModelNamespace
-from tierkv.connector.scheduler import CacheScheduler
-from tierkv.connector.worker import CacheWorker
+from tierkv.connector.l2 import layer_loader
+from tierkv.connector.l2.device_pool import DevicePool
+from tierkv.connector.l2.host_pool import HostPool
+from tierkv.connector.l3.io import L3IO
+from tierkv.connector.core.page_checksums import SlotChecksums
+from tierkv.connector.core.page_hash import ModelNamespace
+from tierkv.connector.core.scheduler import CacheScheduler
+from tierkv.connector.l2.worker import CacheWorker
 
 P = 32
 LAYERS, HEADS, HEAD_DIM = 2, 2, 8
@@ -67,7 +67,7 @@ def rank_namespace(ns: ModelNamespace, rank: int) -> bytes:
 
 class FakeEngine:
     """``store``: a callable ``(rank, rank namespace digest, page bytes) -> L3 store`` turns the controller on;
-    ``controller``: keyword arguments of :class:`tierkv.connector.controller.Controller`; ``tp_size``: worker
+    ``controller``: keyword arguments of :class:`tierkv.connector.l3.controller.Controller`; ``tp_size``: worker
     ranks (each with its own L1 and L2 copy and its own L3 keys, one scheduler side)."""
 
     def __init__(self, num_blocks: int = 64, num_slots: int = 64, verify: bool = True, policy: str = "lru",
@@ -104,7 +104,7 @@ class FakeEngine:
             if clock is not None:
                 ctl.setdefault("clock", clock)
             if scheduler_exists:  # the connector's exists_fn: the scheduler process's own store objects, per rank
-                from tierkv.connector.l3_io import l3_key
+                from tierkv.connector.l3.io import l3_key
                 mine = [(rank_namespace(self.ns, r), store(r, rank_namespace(self.ns, r), self.host.page_bytes))
                         for r in range(tp_size)]
                 self.scheduler_stores = [s for _d, s in mine]

@@ -33,7 +33,7 @@ def _round_trip(store) -> None:
 
 
 def test_the_tierkv_server_serves_a_store_and_is_stopped_by_pid(tmp_path):
-    from tierkv.storage_backends.zmq_client import ZmqStore
+    from tierkv.storage_backends.zmq.client import ZmqStore
 
     srv = servers.ZmqServer(tmp_path / "zmq.log", capacity="64MiB")
     try:
@@ -49,7 +49,7 @@ def test_the_tierkv_server_serves_a_store_and_is_stopped_by_pid(tmp_path):
 
 
 def test_a_mooncake_master_and_segment_serve_a_client_that_mounts_nothing(tmp_path):
-    from tierkv.storage_backends.mooncake import MooncakeStore
+    from tierkv.storage_backends.mooncake.store import MooncakeStore
 
     master = servers.MooncakeMaster(str(tmp_path)).start()
     segment = None

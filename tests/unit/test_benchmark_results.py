@@ -73,7 +73,7 @@ def test_a_file_without_a_current_key_is_refused_naming_it(drop, named):
 @pytest.mark.parametrize("change, says", [
     (lambda r: r["code"].update(commit=None), "does not record the commit"),
     (lambda r: r.pop("code"), "does not record the commit"),
-    (lambda r: r["code"].update(dirty=["connector/worker.py"]), "uncommitted changes to connector/worker.py"),
+    (lambda r: r["code"].update(dirty=["connector/l2/worker.py"]), "uncommitted changes to connector/l2/worker.py"),
     (lambda r: r.update(quick=True), "--quick smoke run"),
 ])
 def test_unknown_or_dirty_code_and_quick_runs_are_refused(change, says):

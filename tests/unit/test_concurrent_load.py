@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from fake_engine import P, FakeEngine, Req
-from tierkv.connector.page_hash import ModelNamespace, page_keys, request_root
-from tierkv.connector.radix_index import NO_SLOT
-from tierkv.connector.scheduler import CacheScheduler
+from tierkv.connector.core.page_hash import ModelNamespace, page_keys, request_root
+from tierkv.connector.core.radix_index import NO_SLOT
+from tierkv.connector.core.scheduler import CacheScheduler
 from test_controller import keys_of
 
 
@@ -122,9 +122,9 @@ def test_pages_never_read_because_their_request_was_released_count_as_cancelled_
 
 # ---------------------------------------------------------------- staging room while other prefetches run
 def _controller(num_slots, **kw):
-    from tierkv.connector.controller import Controller
-    from tierkv.connector.radix_index import RadixIndex
-    from tierkv.connector.slot_allocator import SlotAllocator
+    from tierkv.connector.l3.controller import Controller
+    from tierkv.connector.core.radix_index import RadixIndex
+    from tierkv.connector.l2.slot_allocator import SlotAllocator
     index, alloc = RadixIndex(), SlotAllocator(num_slots)
     return index, alloc, Controller(index, alloc, page_size=P, **kw)
 
@@ -213,7 +213,7 @@ class _GatedStore:
 
 
 def _prefetch_job(jid, rid, keys, slots, blocks, deadline_s=None):
-    from tierkv.connector.plan import JOB_PREFETCH, Job
+    from tierkv.connector.core.plan import JOB_PREFETCH, Job
     return Job(jid, JOB_PREFETCH, keys, slots=slots, block_ids=blocks, fetch=[True] * len(keys), req_id=rid,
                deadline_s=deadline_s)
 
@@ -263,7 +263,7 @@ def test_a_prefetch_deadline_counts_from_the_start_of_its_read(tmp_path):
     e0.close()
     e = FakeEngine(store=file_store(tmp_path), clock=lambda: now[0], batch_pages=4)
     e.worker.l3.close()                                  # rebuild it with one reader and the fake clock
-    from tierkv.connector.l3_io import L3IO
+    from tierkv.connector.l3.io import L3IO
     w = e.worker
     l3 = L3IO(w.l3.store, w.host, w.l3.rank_namespace, w.checksums, batch_pages=4, read_threads=1,
               clock=lambda: now[0])
@@ -348,7 +348,7 @@ def test_best_effort_waits_at_most_a_twentieth_of_the_recompute_time():
     """Class 4: best_effort waited as long as recomputing would take, then recomputed: a stalled store cost about
     twice the recompute. The wait is now at most 5 % of the estimated recompute time (and at most three times the
     estimated fetch time), so a stall costs at most 1.05x recomputing."""
-    from tierkv.connector.controller import BEST_EFFORT_MIN_WAIT_S
+    from tierkv.connector.l3.controller import BEST_EFFORT_MIN_WAIT_S
     _index, _alloc, ctl = _controller(8, prefetch_policy="best_effort")
     assert ctl.deadline_s(10) == 0.5 + 0.005 * 10       # no estimate yet: the timeout policy's deadline
     ctl.observe_prefill(1.0, 1000)                      # 1 ms per token: 10 pages recompute in 0.32 s
@@ -364,11 +364,11 @@ def test_the_recompute_estimate_comes_from_timed_forwards_of_prefill_steps(tmp_p
     *after* the forward in steps without a synchronous load) of steps with at least four pages of prompt tokens;
     the scheduler side takes the slowest rank's time per step."""
     from types import SimpleNamespace
-    from tierkv.connector.vllm_connector import ConnectorPlan, TierKVWorkerMeta
+    from tierkv.connector.vllm.connector import ConnectorPlan, TierKVWorkerMeta
     from vllm_parts import worker_connector, connector, SCHEDULER, write_model
     monkeypatch.setenv("TIERKV_LEDGER_DIR", str(tmp_path))
     model = write_model(tmp_path / "model")
-    import tierkv.connector.vllm_connector as vc
+    import tierkv.connector.vllm.connector as vc
     w, _l1 = worker_connector(model, {"host_pool.num_pages": 8})
     now = [100.0]
     monkeypatch.setattr(vc.time, "perf_counter", lambda: now[0])
@@ -588,8 +588,8 @@ def test_the_connector_answers_existence_in_the_scheduler_only_for_a_local_store
     stored; with ``controller.exists_in_scheduler: false`` or injected existence faults the workers are asked
     instead (read faults leave existence to the scheduler, as without them)."""
     import dataclasses
-    from tierkv.connector.l3_io import l3_key
-    from tierkv.storage_backends.file import FileStore
+    from tierkv.connector.l3.io import l3_key
+    from tierkv.storage_backends.file.store import FileStore
     from vllm_parts import SCHEDULER, connector, write_model
     monkeypatch.setenv("TIERKV_LEDGER_DIR", str(tmp_path))
     model = write_model(tmp_path / "model")
@@ -635,7 +635,7 @@ def test_write_back_waits_for_acknowledged_slots_instead_of_fetching_without_the
     but the room check counted it as free at once: the prefetch then found no staging slot for those pages and they
     were recomputed (42 of 1,024 pages in the benchmark). Now the lookup starts those backups and waits until the
     slots are really free; then every page gets a staging slot."""
-    from tierkv.connector.plan import JobReport
+    from tierkv.connector.core.plan import JobReport
     index, alloc, ctl = _controller(8, write_policy="write_back")
     own, hit = _keys(1, 8), _keys(100000, 4)
     index.insert(own, alloc.alloc(8))                                # 8 L2 pages not in L3 yet, unlocked
@@ -673,8 +673,8 @@ def test_the_engine_keeps_stepping_while_a_backup_or_prefetch_has_not_reported(t
     asks vLLM to keep stepping (``has_pending_push_work``) exactly while such a job is out; an existence query
     pins nothing and does not count."""
     from types import SimpleNamespace
-    from tierkv.connector.plan import JobReport
-    from tierkv.connector.vllm_connector import TierKVWorkerMeta
+    from tierkv.connector.core.plan import JobReport
+    from tierkv.connector.vllm.connector import TierKVWorkerMeta
     from vllm_parts import SCHEDULER, connector, write_model
     monkeypatch.setenv("TIERKV_LEDGER_DIR", str(tmp_path))
     model = write_model(tmp_path / "model")
@@ -734,8 +734,8 @@ def _credit_run(tmp_path, credit_s, max_s=None, batch_pages=16):
     the test opens it. Returns (store call sizes, finished at t = 0.5, finished at t = 0.95 with its result)."""
     import threading
     from test_controller import file_store
-    from tierkv.connector.l3_io import L3IO
-    from tierkv.connector.plan import JOB_PREFETCH, Job
+    from tierkv.connector.l3.io import L3IO
+    from tierkv.connector.core.plan import JOB_PREFETCH, Job
     now = [0.0]
     doc = toks(7000, 12 * P)
     e0 = FakeEngine(store=file_store(tmp_path))
@@ -804,7 +804,7 @@ def test_best_effort_credit_is_the_estimated_recompute_time_of_one_page():
     """The controller's credit per page: the prefill estimate x page size under best_effort (0 before an estimate
     and under the other policies); a prefetch job carries it, and a synchronous one carries the cap of
     2 x ``sync_load_max_s``."""
-    from tierkv.connector.controller import SYNC_DEADLINE_FACTOR
+    from tierkv.connector.l3.controller import SYNC_DEADLINE_FACTOR
     _index, _alloc, ctl = _controller(8, prefetch_policy="best_effort")
     assert ctl.deadline_credit_s() == 0.0
     ctl.observe_prefill(1.0, 1000)                      # 1 ms per token
@@ -824,7 +824,7 @@ def test_a_credited_prefetch_with_nothing_to_read_makes_no_store_call(tmp_path):
     """A prefetch whose pages are all in L2 already reads nothing: no ``batch_get`` with zero keys (a round trip
     to a networked store for nothing), with or without the deadline credit."""
     from test_controller import file_store
-    from tierkv.connector.plan import JOB_PREFETCH, Job
+    from tierkv.connector.core.plan import JOB_PREFETCH, Job
     e = FakeEngine(store=file_store(tmp_path))
     l3 = e.worker.l3
     calls = []

@@ -3,7 +3,7 @@ import pytest
 
 from tierkv.cli import main
 from tierkv.cli_common import EXIT_FOUND, EXIT_OK
-from tierkv.connector.config import (ConfigError, ControllerConfig, TierKVConfig, config_from_extra, load_config,
+from tierkv.connector.core.config import (ConfigError, ControllerConfig, TierKVConfig, config_from_extra, load_config,
                                      shipped_config_path)
 
 WITH_L3 = {"l3.backend": "file", "l3.file.root": "/nonexistent/tierkv-l3"}  # validated only, never created

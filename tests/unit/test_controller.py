@@ -10,12 +10,12 @@ import threading
 import pytest
 
 from fake_engine import P, FakeEngine, Req
-from tierkv.connector.controller import Controller
-from tierkv.connector.l3_io import l3_key
-from tierkv.connector.radix_index import RadixIndex
-from tierkv.connector.slot_allocator import SlotAllocator
+from tierkv.connector.l3.controller import Controller
+from tierkv.connector.l3.io import l3_key
+from tierkv.connector.core.radix_index import RadixIndex
+from tierkv.connector.l2.slot_allocator import SlotAllocator
 from tierkv.storage_backends.faulty import FaultyBackend
-from tierkv.storage_backends.file import FileStore
+from tierkv.storage_backends.file.store import FileStore
 
 
 def toks(a, n):
@@ -36,7 +36,7 @@ def l3_has(engine, req, n_pages, rank=0):
     keys = engine.sched.requests[req.req_id].keys.extend(req.tokens)[:n_pages] if req.req_id in engine.sched.requests \
         else None
     if keys is None:
-        from tierkv.connector.page_hash import page_keys, request_root
+        from tierkv.connector.core.page_hash import page_keys, request_root
         keys = page_keys(request_root(engine.sched.ns_digest), req.tokens, P)[:n_pages]
     return store.batch_exists([l3_key(ns_rank, k) for k in keys])
 
@@ -58,7 +58,7 @@ def pump(e):
 
 
 def keys_of(engine, tokens):
-    from tierkv.connector.page_hash import page_keys, request_root
+    from tierkv.connector.core.page_hash import page_keys, request_root
     return page_keys(request_root(engine.sched.ns_digest), tokens, P)
 
 
@@ -381,7 +381,7 @@ def test_the_first_l3_reads_of_a_process_do_not_set_the_fetch_estimate(tmp_path)
     took about a second after a restart), and the first sample of the running average sets it outright: the next
     hits were declined as slower than recomputing until a probe. A read that started before the rank's first read
     ended is reported ``cold`` and not timed; the next hit's read is."""
-    from tierkv.connector.plan import JOB_PREFETCH, JobReport, merge_reports
+    from tierkv.connector.core.plan import JOB_PREFETCH, JobReport, merge_reports
     doc1, doc2 = toks(3, 4 * P), toks(900, 4 * P)
     write_to_l3(tmp_path, doc1)
     write_to_l3(tmp_path, doc2)
@@ -549,8 +549,8 @@ def test_pages_that_fail_to_read_from_l3_are_stored_again_once_recomputed(tmp_pa
 
 def test_a_worker_without_a_store_answers_every_job(tmp_path):
     e = FakeEngine(store=file_store(tmp_path))
-    from tierkv.connector.l3_io import NoL3
-    from tierkv.connector.plan import JOB_PREFETCH, Job
+    from tierkv.connector.l3.io import NoL3
+    from tierkv.connector.core.plan import JOB_PREFETCH, Job
     e.worker.l3.close(drain_s=0)
     e.worker.l3 = NoL3()                            # as when the store could not start (CacheWorker(l3=None))
     assert e.run_l3(Req("a", toks(1, 4 * P) + [1])) == 0

@@ -35,7 +35,7 @@ def test_a_changed_part_is_found_and_rewritten(tmp_path):
     text = DOC.read_text(encoding="utf-8")
     good = docs_gen.render(text)
     assert docs_gen.stale_parts(good) == []
-    broken = good.replace("| `connector/plan.py` |", "| `connector/plan_gone.py` |", 1)
+    broken = good.replace("| `connector/core/plan.py` |", "| `connector/plan_gone.py` |", 1)
     assert broken != good
     assert docs_gen.stale_parts(broken) == ["layout"]
     assert docs_gen.render(broken) == good

@@ -1,4 +1,4 @@
-"""The recompute estimate outlives the engine process (connector/estimates.py): a restarted scheduler of the same
+"""The recompute estimate outlives the engine process (connector/l3/estimates.py): a restarted scheduler of the same
 page namespace on the same host starts from its predecessor's prefill time per token."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tierkv.connector.estimates import SAVE_INTERVAL_S, EstimateFile
+from tierkv.connector.l3.estimates import SAVE_INTERVAL_S, EstimateFile
 
 
 def test_an_estimate_is_written_when_due_and_read_back(tmp_path):

@@ -30,10 +30,10 @@ import torch
 
 import fake_engine
 from fake_engine import P, FakeEngine, Req, inject_copy_fault
-from tierkv.connector.l3_io import l3_key
-from tierkv.connector.page_hash import page_keys, request_root
+from tierkv.connector.l3.io import l3_key
+from tierkv.connector.core.page_hash import page_keys, request_root
 from tierkv.storage_backends.faulty import FaultyBackend
-from tierkv.storage_backends.file import FileStore
+from tierkv.storage_backends.file.store import FileStore
 
 STORAGE_TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "storage")
 if STORAGE_TESTS not in sys.path:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tierkv.connector.config import config_from_extra
+from tierkv.connector.core.config import config_from_extra
 
 _PATH = Path(__file__).resolve().parents[2] / "examples" / "fleet_two_hosts.py"
 _SPEC = importlib.util.spec_from_file_location("fleet_two_hosts", _PATH)

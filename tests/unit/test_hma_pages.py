@@ -4,7 +4,7 @@ Gemma-3 shape (4 layers alternating a 64-token sliding window and full attention
 full-attention group) and KV tensors shared by one layer of each group, as vLLM allocates them.
 
 Block ids are per group (one block pool, so never the same id in two groups); a sliding-window group's table holds
-vLLM's null block (0) before the window. The rule (:func:`tierkv.connector.plan.live_blocks`): a page is stored with
+vLLM's null block (0) before the window. The rule (:func:`tierkv.connector.core.plan.live_blocks`): a page is stored with
 every layer when all its blocks are live; a hit copies each group's live blocks only, so a hit that ends past two
 windows loads only the window's blocks of the sliding-window layers, and block 0 is never read or written.
 """
@@ -16,7 +16,7 @@ import torch
 from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
 
-from tierkv.connector.vllm_connector import TierKVConnector
+from tierkv.connector.vllm.connector import TierKVConnector
 from vllm_parts import BLOCK, HEAD_DIM, KV_HEADS, SCHEDULER, WORKER, TierkvLoggerState, vllm_config
 
 WINDOW = 64

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tierkv import kernels
-from tierkv.connector.plan import PageOrder
-from tierkv.connector.vllm_connector import ConnectorPlan
+from tierkv.connector.core.plan import PageOrder
+from tierkv.connector.vllm.connector import ConnectorPlan
 from vllm_parts import SCHEDULER, TierkvLoggerState, connector, run_step, worker_connector, write_model
 
 
@@ -63,7 +63,7 @@ def test_a_load_hook_that_raises_reports_the_blocks_as_failed(model, monkeypatch
 
 
 def test_submitting_jobs_that_raises_answers_them_not_done(model, monkeypatch):
-    from tierkv.connector.plan import JOB_PREFETCH, Job
+    from tierkv.connector.core.plan import JOB_PREFETCH, Job
     c, _l1 = worker_connector(model, {"host_pool.num_pages": 8})
 
     def broken(plan):

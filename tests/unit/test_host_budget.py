@@ -1,4 +1,4 @@
-"""One L2 budget per host shared by co-located workers (tierkv.connector.host_budget), with real processes.
+"""One L2 budget per host shared by co-located workers (tierkv.connector.l2.host_budget), with real processes.
 
 Each "worker" is a separate Python process that takes its share from a ledger in a temporary directory (the same
 code path as a vLLM worker's connector before it allocates its pool), reports the outcome on stdout, and either
@@ -12,14 +12,14 @@ import textwrap
 
 import pytest
 
-from tierkv.connector.host_budget import GiB, cgroup_room_bytes, group_bytes, measure_budget_bytes, reserve
+from tierkv.connector.l2.host_budget import GiB, cgroup_room_bytes, group_bytes, measure_budget_bytes, reserve
 from tierkv.storage_backends.common import ConfigError
 
 BUDGET = 10 * GiB
 
 WORKER = textwrap.dedent("""
     import json, sys
-    from tierkv.connector.host_budget import reserve
+    from tierkv.connector.l2.host_budget import reserve
     from tierkv.storage_backends.common import ConfigError
     ledger, group, rank, ranks, req, hold = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), \\
         sys.argv[5], sys.argv[6] == "hold"

@@ -19,8 +19,8 @@ from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
 from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
                                         MambaSpec, SlidingWindowSpec)
 
-from tierkv.connector.config import ConfigError
-from tierkv.connector.vllm_connector import TierKVConnector
+from tierkv.connector.core.config import ConfigError
+from tierkv.connector.vllm.connector import TierKVConnector
 from vllm_parts import BLOCK, HEAD_DIM, KV_HEADS, SCHEDULER, WORKER, TierkvLoggerState, vllm_config
 
 WINDOW = 64

@@ -8,9 +8,9 @@
 """
 import random
 
-from tierkv.connector.page_hash import ModelNamespace, page_keys, request_root
-from tierkv.connector.radix_index import NO_SLOT, RadixIndex
-from tierkv.connector.scheduler import CacheScheduler
+from tierkv.connector.core.page_hash import ModelNamespace, page_keys, request_root
+from tierkv.connector.core.radix_index import NO_SLOT, RadixIndex
+from tierkv.connector.core.scheduler import CacheScheduler
 
 P = 4
 NS = ModelNamespace(model_id="m", dtype="float16", kv_layout="layer_first/LBHNC", page_size=P, num_layers=2,

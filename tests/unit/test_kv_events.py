@@ -1,4 +1,4 @@
-"""KV events for tierkv's tiers (connector/kv_events.py) on the fake engine: which pages are announced as stored in
+"""KV events for tierkv's tiers (connector/obs/kv_events.py) on the fake engine: which pages are announced as stored in
 and removed from L2 and L3, with the block hashes the resolver gives (vLLM's, in the connector), and their shape
 as vLLM events (docs/architecture.md §4, "KV events")."""
 import hashlib
@@ -8,7 +8,7 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
 from fake_engine import P, FakeEngine, Req
 from test_controller import file_store, toks
-from tierkv.connector.kv_events import L2, L3, PageInfo, TierEvents
+from tierkv.connector.obs.kv_events import L2, L3, PageInfo, TierEvents
 
 
 def vhash(tokens, i) -> bytes:
@@ -165,7 +165,7 @@ def test_a_full_buffer_drops_and_counts_instead_of_growing(tmp_path):
 
 
 def test_undescribed_pages_are_counted_not_published():
-    from tierkv.connector.radix_index import RadixIndex
+    from tierkv.connector.core.radix_index import RadixIndex
     idx = RadixIndex()
     ev = TierEvents(lambda rid, a, b: [], block_size=P)
     idx.events = ev
@@ -193,7 +193,7 @@ def test_page_infos_name_the_blocks_as_vllms_own_l1_events_with_lora_and_cache_s
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
-    from tierkv.connector.kv_events import page_infos
+    from tierkv.connector.obs.kv_events import page_infos
     init_none_hash(sha256)
     tokens = toks(40, 3 * P + 5)
     r = Request("r", tokens, SamplingParams(max_tokens=1), None, lora_request=LoRARequest("ad", 7, "/nowhere"),

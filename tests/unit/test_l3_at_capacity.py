@@ -4,7 +4,7 @@ recomputed (fake engine, real L3 I/O threads, real file store)."""
 from __future__ import annotations
 
 from fake_engine import P, FakeEngine, Req
-from tierkv.storage_backends.file import FileStore
+from tierkv.storage_backends.file.store import FileStore
 from tierkv.storage_backends.page_format import HEADER_BYTES
 
 CAP_PAGES = 8

@@ -2,7 +2,7 @@
 takes runs (``StorageBackend.vectored_sources``: the file and ZMQ stores) as those runs, with no staging copy, and
 stages it into one contiguous page for a store that does not, and for any store when its runs are short
 (``VECTORED_MIN_RUN_BYTES``); either way the record is the page's bytes and its
-checksum, so it reads back bit for bit (connector/l3_io.py ``_run_backup``). The readers the same way back: a store
+checksum, so it reads back bit for bit (connector/l3/io.py ``_run_backup``). The readers the same way back: a store
 that reads into runs (``vectored_destinations``) gets the slot's runs, and the slot's checksum is the one the store
 verified (``verified_checksums``) or the readers' hash (``_run_prefetch``)."""
 
@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from tierkv.connector.host_pool import HostPool
-from tierkv.connector.l3_io import L3IO, VECTORED_MIN_RUN_BYTES, l3_key
-from tierkv.connector.page_checksums import SlotChecksums
-from tierkv.connector.plan import JOB_BACKUP, Job
-from tierkv.connector.worker import MultiBlockPages
+from tierkv.connector.l2.host_pool import HostPool
+from tierkv.connector.l3.io import L3IO, VECTORED_MIN_RUN_BYTES, l3_key
+from tierkv.connector.core.page_checksums import SlotChecksums
+from tierkv.connector.core.plan import JOB_BACKUP, Job
+from tierkv.connector.l2.worker import MultiBlockPages
 from tierkv.storage_backends import FaultyBackend
-from tierkv.storage_backends.file import FileStore
+from tierkv.storage_backends.file.store import FileStore
 
 NS = bytes(range(16))
 
@@ -82,7 +82,7 @@ def test_prefetch_into_a_slot_in_runs_lands_the_page_and_its_checksum(tmp_path, 
     into a staging page copied into the slot; the checksum recorded for the slot is the one the store verified
     (file store) or the readers' own hash, either way the page's; a page missing from L3 is not ok and records
     nothing."""
-    from tierkv.connector.plan import JOB_PREFETCH
+    from tierkv.connector.core.plan import JOB_PREFETCH
 
     host = HostPool(8, 3, run_bytes)
     pages = np.random.default_rng(9).integers(0, 256, (4, host.page_bytes), dtype=np.uint8)

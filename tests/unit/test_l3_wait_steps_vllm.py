@@ -29,7 +29,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from tierkv.connector.plan import JOB_PREFETCH
+from tierkv.connector.core.plan import JOB_PREFETCH
 from vllm_parts import BLOCK, LAYER_NAMES, kv_cache_config, worker_connector, write_model
 
 P = BLOCK          # a page is one block
@@ -49,7 +49,7 @@ class Engine:
         model = write_model(tmp_path / "model")
         extra = {"host_pool.num_pages": 64, "l3.backend": "file", "l3.file.root": str(tmp_path / "l3"),
                  **(extra_config or {})}
-        kt = KVTransferConfig(kv_connector="TierKVConnector", kv_connector_module_path="tierkv.connector.vllm_connector",
+        kt = KVTransferConfig(kv_connector="TierKVConnector", kv_connector_module_path="tierkv.connector.vllm.connector",
                               kv_role="kv_both", kv_connector_extra_config=extra)
         cfg = VllmConfig(model_config=ModelConfig(model=model, skip_tokenizer_init=True, dtype="bfloat16",
                                                   max_model_len=1024),
@@ -202,7 +202,7 @@ def test_a_read_that_ends_just_after_the_forward_is_named_finished_by_the_step_t
     lasted: a read held back by a slow store (fault: its ``batch_get`` waits until the forward's end) is named
     finished by its own step and the hit costs one step; a read that does not end within that wait (the store held
     until the next step's forward) ends the step anyway, and its load ends in the next step."""
-    from tierkv.storage_backends.file import FileStore
+    from tierkv.storage_backends.file.store import FileStore
     monkeypatch.setenv("TIERKV_LEDGER_DIR", str(tmp_path))
     gate = threading.Event()
     real_get = FileStore.batch_get
@@ -270,7 +270,7 @@ def test_the_end_of_step_wait_for_a_read_ends_at_the_reads_deadline(tmp_path, mo
     Then the request is released at its deadline (its blocks reported failed, recomputed) and nothing stays pinned."""
     from fake_engine import FakeEngine, Req
     from test_controller import file_store, write_to_l3
-    from tierkv.storage_backends.file import FileStore
+    from tierkv.storage_backends.file.store import FileStore
     doc = list(range(7, 7 + DOC_PAGES * P))
     write_to_l3(tmp_path, doc)
     gate = threading.Event()

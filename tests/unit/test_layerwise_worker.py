@@ -11,11 +11,13 @@ import threading
 import pytest
 import torch
 
-from tierkv.connector import layer_loader, worker as worker_mod
-from tierkv.connector.device_pool import DevicePool
-from tierkv.connector.host_pool import HostPool
-from tierkv.connector.plan import PageOrder, StepPlan
-from tierkv.connector.worker import CacheWorker
+from tierkv.connector.l2 import layer_loader
+
+from tierkv.connector.l2 import worker as worker_mod
+from tierkv.connector.l2.device_pool import DevicePool
+from tierkv.connector.l2.host_pool import HostPool
+from tierkv.connector.core.plan import PageOrder, StepPlan
+from tierkv.connector.l2.worker import CacheWorker
 from tierkv.storage_backends.common import RateLimitedLog
 
 from fake_engine import REAL_LOAD_PAGES, inject_copy_fault

@@ -10,7 +10,7 @@ import pytest
 
 from fake_engine import P, FakeEngine, Req, inject_copy_fault
 from test_controller import file_store, keys_of
-from tierkv.connector.l3_io import l3_key
+from tierkv.connector.l3.io import l3_key
 
 
 def toks(a, n):

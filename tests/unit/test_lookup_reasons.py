@@ -7,8 +7,8 @@ import pytest
 
 from fake_engine import P, FakeEngine, Req
 from test_controller import _hanging_l3_load, file_store, pump, write_to_l3
-from tierkv.connector.controller import HIT_PARTS, MISS_REASONS
-from tierkv.connector.request_params import RequestControls, RequestParamsError, parse_controls
+from tierkv.connector.l3.controller import HIT_PARTS, MISS_REASONS
+from tierkv.connector.core.request_params import RequestControls, RequestParamsError, parse_controls
 from tierkv.storage_backends.faulty import FaultyBackend
 
 
@@ -268,7 +268,7 @@ def test_a_request_that_never_reads_the_cache_is_not_counted(sched_connector):
 def test_outcomes_and_reuse_distances_reach_prometheus():
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-    from tierkv.connector.vllm_metrics import CounterDeltas, TierKVPromMetrics, scheduler_gauges
+    from tierkv.connector.vllm.metrics import CounterDeltas, TierKVPromMetrics, scheduler_gauges
     reg = CollectorRegistry()
 
     def bind(cls):
@@ -302,7 +302,7 @@ def test_pages_never_read_because_the_request_was_released_first_are_late(cancel
     """A prefetch whose request was released at its deadline before its reads were sent reports those pages as not
     done and ``cancelled``: they count as late, not as failed reads (the first unserved page decides)."""
     from test_concurrent_load import _controller, _keys
-    from tierkv.connector.plan import JobReport
+    from tierkv.connector.core.plan import JobReport
     _index, _alloc, ctl = _controller(8)
     keys = _keys(11, 4)
     ctl._found([], keys, 4)                       # indexed as L3-only (an existence answer)
@@ -321,7 +321,7 @@ def test_a_load_failed_as_a_whole_request_serves_nothing(ok, cancelled, reason):
     all go to the reason of its first page to read that did not arrive intact (``late`` when every page read
     arrived, the request having been released first)."""
     from test_concurrent_load import _controller, _keys
-    from tierkv.connector.plan import JobReport
+    from tierkv.connector.core.plan import JobReport
     _index, _alloc, ctl = _controller(8)
     keys = _keys(12, 4)
     ctl._found([], keys, 4)

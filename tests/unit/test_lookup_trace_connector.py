@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from tierkv.cli_plan import read_trace
-from tierkv.connector.page_hash import page_keys, request_root
+from tierkv.connector.core.page_hash import page_keys, request_root
 from vllm_parts import BLOCK, SCHEDULER, TierkvLoggerState, connector, write_model
 
 

@@ -1,4 +1,4 @@
-"""The lookup trace (config ``trace_path``, connector/lookup_trace.py) and the capacity planner (``tierkv plan``,
+"""The lookup trace (config ``trace_path``, connector/obs/lookup_trace.py) and the capacity planner (``tierkv plan``,
 tierkv/cli_plan.py): a trace recorded by the fake engine, replayed through the planner with the same L2 size, gives
 the same L2 hit counts as the run that recorded it; the writer never fails the engine."""
 import json
@@ -10,8 +10,8 @@ import pytest
 from fake_engine import P, FakeEngine, Req
 from tierkv.cli_common import CliError
 from tierkv.cli_plan import read_trace, recorded_totals, replay
-from tierkv.connector.config import ConfigError, load_config
-from tierkv.connector.lookup_trace import LookupTrace
+from tierkv.connector.core.config import ConfigError, load_config
+from tierkv.connector.obs.lookup_trace import LookupTrace
 
 
 def conversations(seed: int, n: int = 12, turns: int = 4) -> list[list[int]]:
@@ -159,7 +159,7 @@ def test_writer_oserror_is_counted_and_logged_once(tmp_path, caplog):
 
 
 def test_writer_buffers_and_is_bounded(tmp_path, monkeypatch):
-    from tierkv.connector import lookup_trace
+    from tierkv.connector.obs import lookup_trace
 
     monkeypatch.setattr(lookup_trace, "FLUSH_LINES", 3)
     now = [0.0]

@@ -3,8 +3,8 @@ page, every rank uses TP rank 0's namespace (so the same L3 key), only the write
 and every rank reads the one record.
 
 Real parts: the MLA device pool over vLLM's CPU MLA tensor shape ``[num_blocks, block_size, 576]`` (bf16), the MLA
-host pool, a real :class:`~tierkv.storage_backends.file.FileStore` per rank over one shared directory, and
-:class:`~tierkv.connector.l3_io.L3IO` with its I/O threads, as the vLLM connector's ``_build_l3`` builds them.
+host pool, a real :class:`~tierkv.storage_backends.file.store.FileStore` per rank over one shared directory, and
+:class:`~tierkv.connector.l3.io.L3IO` with its I/O threads, as the vLLM connector's ``_build_l3`` builds them.
 """
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import dataclasses
 
 import torch
 
-from tierkv.connector.device_pool import DevicePool
-from tierkv.connector.host_pool import HostPool
-from tierkv.connector.l3_io import L3IO
-from tierkv.connector.page_checksums import SlotChecksums
-from tierkv.connector.page_hash import ModelNamespace
-from tierkv.connector.plan import JOB_BACKUP, JOB_PREFETCH, Job
-from tierkv.storage_backends.file import FileStore
+from tierkv.connector.l2.device_pool import DevicePool
+from tierkv.connector.l2.host_pool import HostPool
+from tierkv.connector.l3.io import L3IO
+from tierkv.connector.core.page_checksums import SlotChecksums
+from tierkv.connector.core.page_hash import ModelNamespace
+from tierkv.connector.core.plan import JOB_BACKUP, JOB_PREFETCH, Job
+from tierkv.storage_backends.file.store import FileStore
 
 P, LAYERS, LATENT = 16, 2, 576   # vLLM's CPU MLA: block_size 16, kv_lora_rank 512 + qk_rope_head_dim 64
 NUM_BLOCKS, NUM_SLOTS, PAGES = 8, 8, 5

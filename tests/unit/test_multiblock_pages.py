@@ -13,15 +13,15 @@ import hashlib
 import pytest
 import torch
 
-from tierkv.connector.device_pool import DevicePool
-from tierkv.connector.host_pool import HostPool
-from tierkv.connector.l3_io import L3IO, l3_key
-from tierkv.connector.page_checksums import SlotChecksums
-from tierkv.connector.page_hash import ModelNamespace, page_keys, request_root
-from tierkv.connector.plan import PageOrder, block_slots
-from tierkv.connector.scheduler import CacheScheduler, check_page_size
-from tierkv.connector.worker import CacheWorker, MultiBlockPages
-from tierkv.storage_backends.file import FileStore
+from tierkv.connector.l2.device_pool import DevicePool
+from tierkv.connector.l2.host_pool import HostPool
+from tierkv.connector.l3.io import L3IO, l3_key
+from tierkv.connector.core.page_checksums import SlotChecksums
+from tierkv.connector.core.page_hash import ModelNamespace, page_keys, request_root
+from tierkv.connector.core.plan import PageOrder, block_slots
+from tierkv.connector.core.scheduler import CacheScheduler, check_page_size
+from tierkv.connector.l2.worker import CacheWorker, MultiBlockPages
+from tierkv.storage_backends.file.store import FileStore
 
 B = 16                       # engine block size, tokens
 LAYERS, HEADS, HEAD_DIM = 2, 2, 8
@@ -315,7 +315,7 @@ def test_kv_events_name_each_page_s_blocks_as_vllm_s_own_l1_events():
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
-    from tierkv.connector.kv_events import L2, TierEvents, page_infos
+    from tierkv.connector.obs.kv_events import L2, TierEvents, page_infos
     init_none_hash(sha256)
     tokens = toks(40, 4 * B + 5)
     r = Request("r", tokens, SamplingParams(max_tokens=1), None, cache_salt="tenant-1",

@@ -17,13 +17,13 @@ from vllm.platforms import current_platform
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
 import vllm.v1.attention.backends.cpu_attn  # noqa: F401  loads vLLM's kernels for this CPU before _amx patches
-import tierkv.connector.page_hash as page_hash
+import tierkv.connector.core.page_hash as page_hash
 from fake_engine import P, FakeEngine, Req
-from tierkv.connector.config import ConfigError
-from tierkv.connector.device_pool import DevicePool, device_layout_tag
-from tierkv.connector.page_hash import adapter_digest, lora_identity, request_root
-from tierkv.connector.vllm_connector import TierKVConnector, kv_dtype_name, lora_key
-from tierkv.storage_backends.file import FileStore
+from tierkv.connector.core.config import ConfigError
+from tierkv.connector.l2.device_pool import DevicePool, device_layout_tag
+from tierkv.connector.core.page_hash import adapter_digest, lora_identity, request_root
+from tierkv.connector.vllm.connector import TierKVConnector, kv_dtype_name, lora_key
+from tierkv.storage_backends.file.store import FileStore
 from vllm_parts import BLOCK, HEAD_DIM, KV_HEADS, LAYER_NAMES, SCHEDULER, WORKER, TierkvLoggerState, write_model
 
 
@@ -37,7 +37,7 @@ def model(tmp_path, monkeypatch):
 
 def _conn(model, role=SCHEDULER, *, cache_dtype="auto", dtype="bfloat16", layout=None, extra=None, caches=None):
     """A connector of ``role`` for an engine with these settings (``caches``: register these KV tensors)."""
-    kt = KVTransferConfig(kv_connector="TierKVConnector", kv_connector_module_path="tierkv.connector.vllm_connector",
+    kt = KVTransferConfig(kv_connector="TierKVConnector", kv_connector_module_path="tierkv.connector.vllm.connector",
                           kv_role="kv_both", kv_connector_extra_config={"host_pool.num_pages": 4, **(extra or {})})
     mc = ModelConfig(model=model, skip_tokenizer_init=True, dtype=dtype, max_model_len=1024)
     vc = VllmConfig(model_config=mc, cache_config=CacheConfig(block_size=BLOCK, cache_dtype=cache_dtype),

@@ -87,7 +87,7 @@ def test_engines_that_would_not_fit_in_memory_are_refused_before_they_start():
 
 
 def test_thread_cpu_counts_tierkv_threads_apart():
-    from tierkv.connector.thread_names import name_this_thread
+    from tierkv.connector.obs.thread_names import name_this_thread
     burnt, read = threading.Event(), threading.Event()
 
     def burn():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import threading
 
-from tierkv.connector.page_checksums import SlotChecksums
+from tierkv.connector.core.page_checksums import SlotChecksums
 
 A, B = b"\xaa" * 16, b"\xbb" * 16
 

@@ -11,8 +11,8 @@ import struct
 
 import pytest
 
-from tierkv.connector import page_hash
-from tierkv.connector.page_hash import (KEY_HEX_LEN, ModelNamespace, RequestKeys, page_keys, page_keys_reference,
+from tierkv.connector.core import page_hash
+from tierkv.connector.core.page_hash import (KEY_HEX_LEN, ModelNamespace, RequestKeys, page_keys, page_keys_reference,
                                         request_root)
 
 NS = ModelNamespace(model_id="tiny-llama", dtype="bfloat16", kv_layout="layer_first/LBHNC", page_size=16,
@@ -28,7 +28,7 @@ GOLDEN_KEYS = ["6ce9b292b484b2540201e8629d95e3ad", "9a3bb33bfcf309eaff2f0973bf73
 
 SCRIPT = r"""
 import json, sys
-from tierkv.connector.page_hash import ModelNamespace, page_keys, request_root
+from tierkv.connector.core.page_hash import ModelNamespace, page_keys, request_root
 ns = ModelNamespace(model_id="tiny-llama", dtype="bfloat16", kv_layout="layer_first/LBHNC", page_size=16,
                     num_layers=4, num_kv_heads=2, head_dim=32, tp_rank=0, tp_size=2)
 root = request_root(ns.digest())

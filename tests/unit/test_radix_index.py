@@ -4,8 +4,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from tierkv.connector.page_hash import page_keys, request_root
-from tierkv.connector.radix_index import NO_SLOT, RadixIndex
+from tierkv.connector.core.page_hash import page_keys, request_root
+from tierkv.connector.core.radix_index import NO_SLOT, RadixIndex
 
 P = 2
 ROOT = request_root(b"\x00" * 16)

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
-from tierkv.connector.kv_events import L2, L3, TierEvents, page_infos
+from tierkv.connector.obs.kv_events import L2, L3, TierEvents, page_infos
 
 P = 32
 _SPEC = importlib.util.spec_from_file_location(

@@ -1,4 +1,4 @@
-"""The scheduler's own existence answer (``connector.vllm_connector.scheduler_exists``) for a ZMQ server on this
+"""The scheduler's own existence answer (``connector.vllm.connector.scheduler_exists``) for a ZMQ server on this
 machine: answered in one short round trip, over every rank's namespace, and "cannot answer" (None: the workers are
 asked) instead of "absent" when the server is silent."""
 from __future__ import annotations
@@ -11,9 +11,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "storage"))
 
 from _fixtures_zmq import make_backend  # noqa: E402
 
-from tierkv.connector.config import L3Config  # noqa: E402
-from tierkv.connector.l3_io import l3_key  # noqa: E402
-from tierkv.connector.vllm_connector import SCHEDULER_EXISTS_TIMEOUT_S, scheduler_exists  # noqa: E402
+from tierkv.connector.core.config import L3Config  # noqa: E402
+from tierkv.connector.l3.io import l3_key  # noqa: E402
+from tierkv.connector.vllm.connector import SCHEDULER_EXISTS_TIMEOUT_S, scheduler_exists  # noqa: E402
 
 PAGE_BYTES = 4096
 D0, D1 = bytes(range(16)), bytes(range(1, 17))   # two ranks' namespace digests

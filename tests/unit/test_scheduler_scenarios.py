@@ -7,7 +7,7 @@ import random
 import pytest
 
 from fake_engine import LAYERS, P, FakeEngine, Req, inject_copy_fault
-from tierkv.connector.page_hash import page_keys, request_root
+from tierkv.connector.core.page_hash import page_keys, request_root
 
 
 def toks(a, n):

@@ -101,7 +101,7 @@ def test_the_current_result_renders_its_command_commit_and_headline_table():
 @pytest.mark.parametrize("change, says", [
     (lambda d: d["conditions"].pop("cpu"), "conditions.cpu"),
     (lambda d: d["code"].update(commit=None), "does not record the commit"),
-    (lambda d: d["code"].update(dirty=["connector/worker.py"]), "uncommitted changes to connector/worker.py"),
+    (lambda d: d["code"].update(dirty=["connector/l2/worker.py"]), "uncommitted changes to connector/l2/worker.py"),
 ])
 def test_a_result_without_a_current_key_or_from_dirty_code_is_refused(change, says):
     data = copy.deepcopy(_committed())
@@ -404,7 +404,7 @@ def test_every_tierkv_configuration_is_a_valid_connector_config(name, tmp_path):
     """Each configuration's ``kv_connector_extra_config`` loads through the connector's own parser; the L3
     configurations hold the same L2 bytes, so ``tierkv_l3_file_p4``'s pages of 4 blocks come in a quarter the
     number."""
-    from tierkv.connector.config import config_from_extra
+    from tierkv.connector.core.config import config_from_extra
 
     p = dict(configs.FULL)
     kvc = configs.kv_config(name, p, tmp_path, "tcp://127.0.0.1:5555", l3_root=str(tmp_path / "l3"))

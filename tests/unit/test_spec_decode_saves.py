@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tierkv.connector.page_hash import RequestKeys
+from tierkv.connector.core.page_hash import RequestKeys
 from vllm_parts import BLOCK as P
 from vllm_parts import SCHEDULER, TierkvLoggerState, connector, write_model
 

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from tierkv.connector.l3_io import raise_switch_interval, restore_switch_interval
+from tierkv.connector.l3.io import raise_switch_interval, restore_switch_interval
 
 
 @pytest.fixture

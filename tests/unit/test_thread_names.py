@@ -6,12 +6,12 @@ from __future__ import annotations
 import threading
 import time
 
-from tierkv.connector.host_pool import HostPool
-from tierkv.connector.l3_io import L3IO
-from tierkv.connector.metrics import StatsFile
-from tierkv.connector.page_checksums import SlotChecksums
-from tierkv.connector.thread_names import os_thread_name
-from tierkv.storage_backends.file import FileStore
+from tierkv.connector.l2.host_pool import HostPool
+from tierkv.connector.l3.io import L3IO
+from tierkv.connector.obs.metrics import StatsFile
+from tierkv.connector.core.page_checksums import SlotChecksums
+from tierkv.connector.obs.thread_names import os_thread_name
+from tierkv.storage_backends.file.store import FileStore
 
 NS = bytes(range(16))
 

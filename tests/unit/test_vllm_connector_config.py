@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from fake_engine import inject_copy_fault
-from tierkv.connector.config import ConfigError, ControllerConfig
-from tierkv.connector.page_hash import page_keys, request_root
-from tierkv.connector.plan import PageOrder
-from tierkv.connector.vllm_connector import ConnectorPlan
+from tierkv.connector.core.config import ConfigError, ControllerConfig
+from tierkv.connector.core.page_hash import page_keys, request_root
+from tierkv.connector.core.plan import PageOrder
+from tierkv.connector.vllm.connector import ConnectorPlan
 from vllm_parts import (BLOCK, NUM_LAYERS, SCHEDULER, WORKER, TierkvLoggerState, connector, run_step,
                         vllm_config, worker_connector, write_model)
 

@@ -2,7 +2,7 @@
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from tierkv.connector.vllm_metrics import COUNTERS, CounterDeltas, TierKVPromMetrics, TierKVStats
+from tierkv.connector.vllm.metrics import COUNTERS, CounterDeltas, TierKVPromMetrics, TierKVStats
 
 
 def test_deltas_aggregate_reduce():
@@ -40,7 +40,7 @@ def test_prometheus_counters_per_engine():
 
 
 def test_gauges_latencies_and_tier_hits():
-    from tierkv.connector.vllm_metrics import scheduler_gauges
+    from tierkv.connector.vllm.metrics import scheduler_gauges
 
     d = CounterDeltas()
     snap = {"num_slots": 10, "free_slots": 10, "ctl_backing_up_pages": 0, "ctl_fetching_pages": 0,
@@ -89,7 +89,7 @@ def test_gauges_latencies_and_tier_hits():
 
 
 def test_timed_store_times_calls_and_counts_failures():
-    from tierkv.connector.store_metrics import TimedStore
+    from tierkv.connector.obs.store_metrics import TimedStore
 
     class Store:
         def __init__(self):
@@ -122,7 +122,7 @@ def _record_writer_threads(monkeypatch) -> list:
     """Names of the threads that write a StatsFile from now on (one per write), in order."""
     import threading as _threading
 
-    from tierkv.connector.metrics import StatsFile
+    from tierkv.connector.obs.metrics import StatsFile
     writers = []
     write = StatsFile._write
 
@@ -140,7 +140,7 @@ def test_stats_file_keeps_the_last_change_without_another_call(tmp_path, monkeyp
     import json as _json
     import time as _time
 
-    from tierkv.connector.metrics import StatsFile
+    from tierkv.connector.obs.metrics import StatsFile
 
     writers = _record_writer_threads(monkeypatch)
     counters = {"n": 1}
@@ -177,7 +177,7 @@ def test_a_hook_never_waits_for_the_stats_file_write(tmp_path, monkeypatch):
     import json as _json
     import threading as _threading
 
-    import tierkv.connector.metrics as m
+    import tierkv.connector.obs.metrics as m
 
     in_write, release = _threading.Event(), _threading.Event()
     replace = m.os.replace
@@ -212,7 +212,7 @@ def test_write_soon_is_written_at_once_by_the_flusher_not_the_hook(tmp_path, mon
     import json as _json
     import time as _time
 
-    from tierkv.connector.metrics import StatsFile
+    from tierkv.connector.obs.metrics import StatsFile
 
     writers = _record_writer_threads(monkeypatch)
     counters = {"n": 1}
@@ -243,7 +243,7 @@ def test_a_snapshot_every_step_wakes_the_flusher_once_per_interval(tmp_path, mon
     import json as _json
     import time as _time
 
-    from tierkv.connector.metrics import StatsFile
+    from tierkv.connector.obs.metrics import StatsFile
 
     writers = _record_writer_threads(monkeypatch)
     counters = {"n": 0}
@@ -276,7 +276,7 @@ def test_a_counters_file_that_cannot_be_written_at_shutdown_is_a_warning(tmp_pat
     vLLM's engine shutdown."""
     import logging as _logging
 
-    from tierkv.connector.metrics import StatsFile
+    from tierkv.connector.obs.metrics import StatsFile
 
     f = StatsFile(str(tmp_path / "{role}.json"), "scheduler", lambda: {"n": 1})
     (tmp_path / "scheduler.json").mkdir()
@@ -295,8 +295,8 @@ def test_counter_deltas_go_to_vllm_once_per_interval_and_none_is_lost(tmp_path, 
     kept stepping once more (``has_pending_push_work``) so that they hand them over."""
     from types import SimpleNamespace
 
-    from tierkv.connector.plan import JobReport, PageOrder
-    from tierkv.connector.vllm_connector import STATS_EVERY_S, ConnectorPlan
+    from tierkv.connector.core.plan import JobReport, PageOrder
+    from tierkv.connector.vllm.connector import STATS_EVERY_S, ConnectorPlan
     from vllm_parts import BLOCK, SCHEDULER, connector, worker_connector, write_model
     monkeypatch.setenv("TIERKV_LEDGER_DIR", str(tmp_path))
     model = write_model(tmp_path / "model")
@@ -397,7 +397,7 @@ def test_a_hook_that_calls_another_counts_its_time_once(tmp_path, monkeypatch):
 
 def test_controller_counters_the_docs_name_reach_the_prometheus_counters():
     """Counters kept by the scheduler's controller and the hooks (not only the stats file) are shipped as deltas."""
-    from tierkv.connector.controller import ControllerCounters
+    from tierkv.connector.l3.controller import ControllerCounters
 
     c = ControllerCounters()
     d = CounterDeltas()

@@ -1,5 +1,5 @@
 """``controller.writer_priority: idle``: the L3 writer thread runs in Linux's SCHED_IDLE class while its backlog is
-short, in the normal class from above ``high`` pages down to ``low`` (connector/thread_priority.py, connector/l3_io.py
+short, in the normal class from above ``high`` pages down to ``low`` (connector/cpu/thread_priority.py, connector/l3/io.py
 ``_serve``); where the process could not leave SCHED_IDLE again it keeps the normal class. Real file store; the
 store's ``batch_set`` records the calling thread's class and the first call waits for the test to queue more."""
 
@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from tierkv.connector import thread_priority
-from tierkv.connector.host_pool import HostPool
-from tierkv.connector.l3_io import L3IO, l3_key
-from tierkv.connector.page_checksums import SlotChecksums
-from tierkv.connector.plan import JOB_BACKUP, Job
-from tierkv.storage_backends.file import FileStore
+from tierkv.connector.cpu import thread_priority
+from tierkv.connector.l2.host_pool import HostPool
+from tierkv.connector.l3.io import L3IO, l3_key
+from tierkv.connector.core.page_checksums import SlotChecksums
+from tierkv.connector.core.plan import JOB_BACKUP, Job
+from tierkv.storage_backends.file.store import FileStore
 
 NS = bytes(range(16))
 

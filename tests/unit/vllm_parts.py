@@ -17,7 +17,7 @@ from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-from tierkv.connector.vllm_connector import TierKVConnector
+from tierkv.connector.vllm.connector import TierKVConnector
 
 BLOCK = 32
 KV_HEADS, HEAD_DIM, NUM_LAYERS = 2, 8, 3
@@ -37,7 +37,7 @@ def write_model(directory: Path) -> str:
 
 
 def vllm_config(model_dir: str, extra: Optional[dict] = None, *, block_size: int = BLOCK) -> VllmConfig:
-    kt = KVTransferConfig(kv_connector="TierKVConnector", kv_connector_module_path="tierkv.connector.vllm_connector",
+    kt = KVTransferConfig(kv_connector="TierKVConnector", kv_connector_module_path="tierkv.connector.vllm.connector",
                           kv_role="kv_both", kv_connector_extra_config=dict(extra or {}))
     mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=1024)
     return VllmConfig(model_config=mc, cache_config=CacheConfig(block_size=block_size), kv_transfer_config=kt)

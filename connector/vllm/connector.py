@@ -1,0 +1,1261 @@
+"""vLLM v1 KV connector for tierkv: the only module that imports vLLM.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "TierKVConnector",
+                           "kv_connector_module_path": "tierkv.connector.vllm.connector",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"config_file": "default.yaml"}}'
+
+``kv_connector_extra_config`` may name a YAML ``config_file`` and override any key (nested or dotted, see
+:mod:`tierkv.connector.core.config`); empty = shipped defaults. One class serves both vLLM roles (vLLM builds one
+instance in the scheduler process and one per worker; they share nothing but the per-step
+:class:`ConnectorPlan`):
+
+- scheduler role -> :class:`tierkv.connector.core.scheduler.CacheScheduler` (radix index over L2 and L3, locks, slots,
+  and with an L3 store the scheduler half of the controller),
+- worker role -> :class:`tierkv.connector.l2.worker.CacheWorker` (host pool memory, device pool adapter, and with an
+  L3 store the controller's I/O threads, :class:`tierkv.connector.l3.io.L3IO`).
+
+Loads from L2 are synchronous in vLLM's sense (``load_async=False``): they complete before the layers read
+them, inside the same step. Loads that need L3 are asynchronous (``load_async=True``): the request waits in
+``WAITING_FOR_REMOTE_KVS`` while other requests run, and the worker names it in ``finished_recving`` once its pages
+are in L1 (failed pages in ``get_block_ids_with_load_errors``). Saves complete in ``wait_for_save`` of the step that
+computed the pages; L3 jobs go to the I/O threads right after and report back through the worker metadata
+(:class:`TierKVWorkerMeta`: ``build_connector_worker_meta`` -> ``update_connector_output``).
+``request_finished`` delays freeing blocks only for a request aborted while its L3 load runs.
+``requires_kv_delivery`` is False: tierkv is a best-effort cache. Needed with L3, recommended always:
+``"kv_load_failure_policy": "recompute"``, so a page that fails its checksum or arrives too late is recomputed
+rather than failing the request.
+
+With an L3 store the worker builds its store with its own rank's namespace (TP and PP rank; rank 0 for MLA, whose
+pages are the same on every rank: TP rank 0 writes each record once, every rank reads it).
+A store that cannot start (server down, unwritable directory) is a logged
+warning and the worker serves without L3 (its jobs are answered "not done"); a bad ``l3`` key or value stops
+start-up with a ConfigError naming it.
+
+Constraints (checked at start-up, clear errors): ``page_size`` a whole multiple (k >= 1) of the engine block size: a
+page spans k consecutive blocks of a request. KV cache groups (:func:`_geometry`): one group of any attention kind
+vLLM keeps for every token; or, with vLLM's hybrid KV cache manager on (tierkv is ``SupportsHMA``, so vLLM keeps it
+on), several full-attention and sliding-window groups of one block size: each page holds every layer, each group's
+blocks are copied with its own layers and vLLM's null block never (:func:`tierkv.connector.core.plan.live_blocks`), and
+every hit is an asynchronous load (vLLM takes a failed load of such a model only as a failed request). With the
+manager off a hybrid model of sliding-window and full-attention layers is one group of full-attention specs, its
+pages hold every layer for every token. Sliding window in every layer, local chunks beside other layers and Mamba
+state are refused.
+"""
+from __future__ import annotations
+
+import math
+import atexit
+import dataclasses
+import functools
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                               KVConnectorRole, KVConnectorTransferResults,
+                                                               KVConnectorWorkerMetadata, SupportsHMA)
+
+from tierkv.connector.core.config import ConfigError, TierKVConfig, config_from_extra
+from tierkv.connector.l2.host_budget import group_bytes, reserve
+from tierkv.connector.obs.metrics import StatsFile
+from tierkv.connector.core.page_hash import ModelNamespace, lora_identity
+from tierkv.connector.core.plan import JobReport, StepPlan
+from tierkv.connector.core.request_params import RequestControls, RequestParamsError, parse_controls
+from tierkv.connector.obs.store_metrics import TimedStore
+from .metrics import (REUSE_KEYS, SCHEDULER_ONLY, CounterDeltas, TierKVPromMetrics, TierKVStats,
+                           scheduler_gauges)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("tierkv.vllm")
+
+
+class ConnectorPlan(StepPlan, KVConnectorMetadata):
+    """The per-step metadata vLLM pickles to every worker: a :class:`StepPlan` (the scheduler side builds its plans
+    as this class, ``CacheScheduler(plan_type=...)``, so handing one over copies nothing)."""
+
+
+_hook_log = None
+
+
+def _timed_hook(fn=None, *, step: bool = False):
+    """Decorator of a vLLM hook method: adds its wall time (``time.perf_counter``, seconds) and one call to the
+    ``hook_seconds`` / ``hook_calls`` counters of the role this connector plays (scheduler or worker counters;
+    nothing while neither exists), and with ``step=True`` one to ``hook_steps`` (the hook vLLM calls once per
+    step: ``build_connector_meta`` on the scheduler side, ``bind_connector_metadata`` on the worker side). What
+    tierkv adds to an engine step is then ``hook_seconds / hook_steps`` per role, whatever the hook. Wall time
+    only: the thread's CPU clock (``time.thread_time``) is a system call here (about 1 us warm, more right after a
+    forward), two per hook call, and the hooks' own work is a few microseconds."""
+    def wrap(f):
+        @functools.wraps(f)
+        def timed(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return f(self, *args, **kwargs)
+            finally:
+                t1 = time.perf_counter()
+                owner = self._sched or self._worker
+                if owner is not None:
+                    c = owner.counters
+                    c.hook_seconds += t1 - t0
+                    c.hook_calls += 1
+                    if step:
+                        c.hook_steps += 1
+        return timed
+    return wrap(fn) if fn is not None else wrap
+
+
+def _hook_error(counters, hook: str, err: BaseException) -> None:
+    """An exception caught at a vLLM hook (docs/architecture.md §8 R41): counted and logged (at most one line per hook
+    per 10 s, with the traceback of the first); the caller turns it into a miss or failed pages. Nothing from
+    tierkv ever reaches vLLM's forward or its scheduler loop."""
+    global _hook_log
+    if _hook_log is None:
+        from tierkv.storage_backends.common import RateLimitedLog
+        _hook_log = RateLimitedLog(logger)
+    if counters is not None:
+        counters.hook_errors += 1
+    _hook_log.warning(f"hook:{hook}", "tierkv: %s raised %r; served as a miss / failed pages (vLLM recomputes "
+                      "them)", hook, err)
+    logger.debug("tierkv: %s traceback", hook, exc_info=err)
+
+
+_params_log_obj = None
+
+#: refused request controls are logged at most once per this many seconds (the line counts the ones suppressed)
+PARAMS_LOG_EVERY_S = 10.0
+
+
+def _params_log():
+    """The rate-limited logger of refused request controls (one line per :data:`PARAMS_LOG_EVERY_S`)."""
+    global _params_log_obj
+    if _params_log_obj is None:
+        from tierkv.storage_backends.common import RateLimitedLog
+        _params_log_obj = RateLimitedLog(logger, PARAMS_LOG_EVERY_S)
+    return _params_log_obj
+
+
+class TierKVWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: the :class:`~tierkv.connector.core.plan.JobReport` s of one step and the timed forwards
+    (``(step, prompt tokens, seconds)``) of steps that computed enough prompt tokens. vLLM merges the ranks' objects
+    with :meth:`aggregate` (concatenation: the scheduler side waits for every rank's report of a job and merges
+    them page by page; of a step timed by several ranks it takes the slowest)."""
+
+    def __init__(self, reports: Optional[list[JobReport]] = None,
+                 forwards: Optional[list[tuple[int, int, float]]] = None):
+        self.reports: list[JobReport] = list(reports or [])
+        self.forwards: list[tuple[int, int, float]] = list(forwards or [])
+
+    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "TierKVWorkerMeta":
+        return TierKVWorkerMeta(self.reports + list(getattr(other, "reports", []) or []),
+                                self.forwards + list(getattr(other, "forwards", []) or []))
+
+
+#: KV cache spec kinds (vLLM class names, matched along the class's MRO) whose group vLLM keeps only in part, and why
+#: tierkv cannot store their pages: vLLM frees blocks a layer no longer reads and puts its null block in their place
+_PARTIAL_SPECS = {
+    "MambaSpec": "Mamba/SSM layers keep one recurrent state per request, not one KV entry per token, so no page of "
+                 "a prefix holds what a hit needs",
+    "SlidingWindowSpec": "every layer attends within a sliding window, and vLLM frees each request's blocks before "
+                         "the window (its null block takes their place), so those pages can be neither saved nor "
+                         "loaded",
+    "ChunkedLocalAttentionSpec": "every layer attends within local chunks, and vLLM frees each request's blocks "
+                                 "before the current chunk, so those pages can be neither saved nor loaded",
+    "RSWASpec": "every layer keeps a ring of sliding-window blocks, and vLLM frees each request's blocks before the "
+                "window, so those pages can be neither saved nor loaded",
+    "CircularBufferSpec": "every layer keeps a circular buffer of blocks, not one block per page of the prompt",
+}
+
+
+def _spec_kind(spec) -> str:
+    """The vLLM class name a KV cache spec is an instance of, for messages: the first of :data:`_PARTIAL_SPECS`
+    along its MRO, else its own class name."""
+    names = [c.__name__ for c in type(spec).__mro__]
+    return next((n for n in names if n in _PARTIAL_SPECS), names[0])
+
+
+#: KV cache spec kinds a hybrid model's groups (vLLM's hybrid KV cache manager on) may have: full attention, and
+#: sliding window (its blocks before the window are null in vLLM's tables: :func:`tierkv.connector.core.plan.live_blocks`)
+_GROUP_SPECS = ("FullAttentionSpec", "SlidingWindowSpec")
+
+
+def _group_kind(spec) -> str:
+    """``spec``'s class name when it is one of :data:`_GROUP_SPECS` (exactly: subclasses such as vLLM's R-SWA or
+    sliding-window MLA are not verified), else :func:`_spec_kind`."""
+    kind = type(spec).__name__
+    return kind if kind in _GROUP_SPECS else _spec_kind(spec)
+
+
+def _geometry(kv_cache_config, model_type: str = "this model"
+              ) -> tuple[Any, list[str], Optional[int], Optional[list[list[str]]], int]:
+    """``(spec, layer names, window, groups, ref)`` of the model's KV cache groups.
+
+    One group (every plain model, and a hybrid model with vLLM's hybrid KV cache manager off): ``groups`` None,
+    ``ref`` 0, ``window`` (tokens) not None when some layers attend within a sliding window (or local chunks) but
+    vLLM keeps their KV for every token (it then gives them a ``FullAttentionSpec`` carrying the window in the one
+    group): every page holds every layer's KV of its tokens and is stored and loaded like a full-attention page.
+
+    Several groups (a hybrid model, Gemma-2/3 shape, with the hybrid KV cache manager on, which vLLM keeps on for
+    tierkv since it is ``SupportsHMA``): full-attention and sliding-window groups of one block size and one per-layer
+    block size are served: ``groups`` lists each group's layer names, ``layer names`` every layer (ordered as the
+    device pool orders them), ``ref`` the first full-attention group (its blocks are never null), ``window`` the
+    sliding window. Each page still holds every layer; each group's blocks are copied with that group's layers, null
+    blocks never (:func:`tierkv.connector.core.plan.live_blocks`).
+
+    Raises ConfigError naming ``model_type`` (the HF ``model_type``) and why, for: no KV cache group
+    (attention-free model); several groups with a kind other than full attention and sliding window (Mamba/SSM
+    state, local chunks, ...), with no full-attention group, or with different block sizes or per-layer block bytes;
+    one group of a kind vLLM keeps only in part (:data:`_PARTIAL_SPECS`: sliding window or local chunks in every
+    layer, Mamba/SSM state)."""
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", []) or [])
+    if not groups:
+        raise ConfigError(f"tierkv: model type {model_type!r} has no KV cache (attention-free); tierkv has nothing "
+                          "to store: serve it without --kv-transfer-config")
+    if len(groups) != 1:
+        kinds = [_group_kind(g.kv_cache_spec) for g in groups]
+        other = sorted({k for k in kinds if k not in _GROUP_SPECS})
+        if other:
+            why = "; ".join(f"{k}: {_PARTIAL_SPECS[k]}" if k in _PARTIAL_SPECS else f"{k}: not verified with tierkv"
+                            for k in other)
+            raise ConfigError(f"tierkv cannot serve model type {model_type!r}: of its {len(groups)} KV cache groups, "
+                              f"{', '.join(other)} ones are neither full attention nor sliding window ({why}); serve "
+                              "it without tierkv")
+        if "FullAttentionSpec" not in kinds:
+            raise ConfigError(f"tierkv cannot serve model type {model_type!r}: none of its {len(groups)} KV cache "
+                              "groups is full attention (every layer attends within a sliding window, so no page of "
+                              "a long prefix stays in vLLM's cache); serve it without tierkv")
+        specs = [g.kv_cache_spec for g in groups]
+        shapes = {(int(sp.block_size), int(sp.page_size_bytes)) for sp in specs}
+        if len(shapes) != 1:
+            raise ConfigError(f"tierkv cannot serve model type {model_type!r}: its KV cache groups have different "
+                              f"(block size, block bytes per layer) {sorted(shapes)}; tierkv pages need one; serve it "
+                              "without tierkv")
+        ref = kinds.index("FullAttentionSpec")
+        names = [list(g.layer_names) for g in groups]
+        from tierkv.connector.l2.device_pool import _layer_sort_key
+        layers = sorted((n for g in names for n in g), key=_layer_sort_key)
+        window = max((int(getattr(sp, "sliding_window", 0) or 0) for sp in specs), default=0)
+        return specs[ref], layers, (window or None), names, ref
+    spec = groups[0].kv_cache_spec
+    kind = _spec_kind(spec)
+    if kind in _PARTIAL_SPECS:
+        hint = (" (or with --disable-sliding-window, which caps the model length at the window)"
+                if kind in ("SlidingWindowSpec", "RSWASpec") else "")
+        raise ConfigError(f"tierkv cannot serve model type {model_type!r} ({kind}): {_PARTIAL_SPECS[kind]}; serve "
+                          f"it without tierkv{hint}")
+    window = getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None)
+    return spec, list(groups[0].layer_names), (int(window) if window else None), None, 0
+
+
+#: the keys behind each way of sizing the L2 pool (named in messages about its size)
+_SIZE_KEYS = {"num_pages": "host_pool.num_pages", "size_gb": "host_pool.size_gb",
+              "automatic size": "host_pool.auto_fraction/auto_max_gb/reserve_gb"}
+
+
+def _dtype_name(dt) -> str:
+    return str(dt).replace("torch.", "")
+
+
+#: ``--kv-cache-dtype`` values whose pages are exactly the bytes of the KV tensors tierkv copies
+_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def kv_dtype_name(cache_dtype: Optional[str], spec_dtype, fp8_fnuz: bool = False) -> str:
+    """The namespace's ``dtype``: the KV element type as stored. ``auto``/``bfloat16``/``float16``: the KV tensors'
+    dtype; FP8: the ``--kv-cache-dtype`` name (vLLM keeps every FP8 cache in ``uint8`` tensors, so the tensor dtype
+    cannot tell e4m3 from e5m2), with ``-fnuz`` on platforms whose FP8 is the fnuz variant (other bytes). Per-tensor
+    k/v scales are not stored with pages: in vLLM 0.32 they are 1.0 or read from the checkpoint, so the model
+    identity fixes them. Raises ConfigError for other cache dtypes (their scales or packing live outside the KV
+    tensors tierkv copies, or have not been verified)."""
+    cd = str(cache_dtype or "auto")
+    if cd not in _KV_CACHE_DTYPES:
+        raise ConfigError(f"--kv-cache-dtype {cd} is not supported by tierkv (its pages were not verified to hold "
+                          f"every byte a hit needs); use one of {', '.join(_KV_CACHE_DTYPES)} or serve without tierkv")
+    if cd.startswith("fp8"):
+        return cd + ("-fnuz" if fp8_fnuz else "")
+    return _dtype_name(spec_dtype)
+
+
+def device_packing(vllm_config, spec, use_mla: bool) -> tuple[str, Optional[str]]:
+    """(device kind, CPU attention ISA or None) of this engine's KV tensors, known
+    without the tensors (the scheduler process has none): the kind from the attention backend and the platform,
+    the ISA from vLLM's own choice (``cpu_attn._get_attn_isa`` over the model dtype, block size, head size and
+    cache dtype, which reads the CPU's AMX/AVX-512 support)."""
+    from vllm.platforms import current_platform
+
+    from tierkv.connector.l2.device_pool import device_kind
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    backend = getattr(backend, "name", backend)
+    kind = device_kind(backend, "cpu" if current_platform.is_cpu() else "cuda", use_mla)
+    isa = None
+    if kind == "cpu":
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+        isa = _get_attn_isa(vllm_config.model_config.dtype, int(spec.block_size), int(spec.head_size),
+                            vllm_config.cache_config.cache_dtype)
+    return kind, isa
+
+
+_PROCESS_NONCE = os.urandom(8).hex()
+_unhashed_adapters: set = set()
+
+
+def lora_key(lora_request) -> Optional[str]:
+    """The LoRA identity a request's key chain starts from (``None`` without an adapter): the adapter's name and
+    the content digest of its files (:func:`tierkv.connector.core.page_hash.lora_identity`, computed once per adapter in
+    this process), the files found as vLLM's worker finds them (``get_adapter_absolute_path``). When they cannot be
+    read here, the identity is the name plus this process's random nonce, with one warning per adapter: its pages
+    are then reused inside this engine only, never through a store shared with another engine."""
+    if lora_request is None or not getattr(lora_request, "lora_name", None):
+        return None
+    name, path = lora_request.lora_name, getattr(lora_request, "lora_path", None) or ""
+    adapter_id = getattr(lora_request, "lora_int_id", None)
+    if path and not os.path.exists(path):
+        try:
+            from vllm.lora.utils import get_adapter_absolute_path
+            path = get_adapter_absolute_path(path)
+        except Exception:  # not resolvable here: adapter_digest raises OSError below
+            pass
+    try:
+        return lora_identity(name, path, adapter_id)
+    except OSError as e:
+        if (name, path) not in _unhashed_adapters:
+            _unhashed_adapters.add((name, path))
+            logger.warning("tierkv: LoRA adapter %r: its files at %r cannot be read (%s); its pages are reused inside "
+                           "this engine only", name, path, e)
+        return f"{name}@process:{_PROCESS_NONCE}:{adapter_id}"
+
+
+def page_namespace_facts(vllm_config, kv_cache_config, spec, use_mla: bool, host_layout: str) -> dict:
+    """The ``ModelNamespace`` fields, besides model id and geometry, that change a page's bytes: ``dtype``
+    (:func:`kv_dtype_name`), ``kv_layout`` (``"<host layout>/<device packing>"``, equal to the worker's
+    ``HostPool.kv_layout``: :func:`tierkv.connector.l2.device_pool.device_layout_tag` of :func:`device_packing`) and
+    ``extra`` (the model dtype, the weights' quantisation method and the host byte order)."""
+    import sys
+
+    from vllm.platforms import current_platform
+
+    from tierkv.connector.l2.device_pool import device_layout_tag
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    kind, isa = device_packing(vllm_config, spec, use_mla)
+    layout = kv_cache_config.kv_cache_layout or cc.kv_cache_layout
+    fnuz = bool(getattr(current_platform, "is_fp8_fnuz", lambda: False)())
+    return dict(dtype=kv_dtype_name(cc.cache_dtype, spec.dtype, fnuz),
+                kv_layout=f"{host_layout}{'-mla' if use_mla else ''}/{device_layout_tag(kind, layout, isa)}",
+                extra=(("model_dtype", _dtype_name(mc.dtype)), ("quantization", mc.quantization or None),
+                       ("byteorder", sys.byteorder)))
+
+
+def route_logs_to_vllm(level: str) -> None:
+    """Send the ``tierkv`` loggers' records to vLLM's handlers (same format and stream as vLLM's own lines).
+
+    ``tierkv.*`` is not under vLLM's ``vllm`` logger, so without this its records reach only Python's last-resort
+    handler (warnings and errors on stderr, no INFO line). Idempotent."""
+    from vllm.logger import init_logger
+    init_logger("vllm.tierkv")  # makes sure vLLM configured its root logger
+    tk, vl = logging.getLogger("tierkv"), logging.getLogger("vllm")
+    tk.setLevel(level.upper())
+    if vl.handlers and not tk.handlers:
+        for h in vl.handlers:
+            tk.addHandler(h)
+        tk.propagate = False
+
+
+#: seconds the scheduler's own copy of a networked store (``local_exists``) waits for an existence answer: a dead or
+#: busy server costs the scheduler's loop at most this once per back-off window, and the workers are asked instead
+SCHEDULER_EXISTS_TIMEOUT_S = 0.05
+
+#: the end of a step waits for the L3 reads it started at most this fraction of the step's length so far: the wait
+#: delays every request of the step, so it is bounded to a quarter of one step, once per read (a read that needs
+#: longer ends in the next step, as without the wait)
+STEP_READ_WAIT_FRACTION = 0.25
+
+#: seconds between two hand-overs of counter deltas to vLLM's metrics (:meth:`TierKVConnector.get_kv_connector_stats`,
+#: both roles). A hand-over snapshots every counter of the role and diffs it against the previous one; vLLM calls the
+#: hook every step, its loggers read the result every few seconds. In the steps between, the hook returns None and the
+#: increases accumulate (nothing is lost); steps without a scheduled request (the engine draining) always hand over,
+#: and an engine that goes idle in between is kept stepping once more so that the workers hand over theirs
+#: (:meth:`TierKVConnector.has_pending_push_work`).
+STATS_EVERY_S = 0.1
+
+
+def scheduler_exists(l3_cfg, digests: list, page_bytes: int):
+    """``(exists, stores)`` answering "how many leading page keys are in L3 under every one of ``digests``" in the
+    calling (the engine scheduler's) process, or None when the store cannot answer here: it is not ``local_exists``
+    (the file store and a ZMQ server on this machine are) or could not be built (logged at INFO; the workers are
+    asked instead).
+
+    ``exists(keys) -> int | None`` takes connector page keys (bytes); it returns None, so the lookup asks the workers
+    instead of taking a dead or slow server's silence for "absent", when the store counted a failure during the query
+    (``errors``, ``timeouts`` or ``fast_fails`` in its ``stats()``). ``stores`` are the
+    :class:`~tierkv.connector.obs.store_metrics.TimedStore` wrappers (one per digest; the caller closes them). A store with
+    a ``timeout_s`` waits at most :data:`SCHEDULER_EXISTS_TIMEOUT_S` here.
+    """
+    from tierkv.storage_backends.factory import build_backend
+
+    from tierkv.connector.l3.io import l3_key
+    stores: list = []
+    try:
+        for digest in digests:
+            stores.append((digest, TimedStore(build_backend(l3_cfg, digest, page_bytes))))
+            store = stores[-1][1].store
+            if not getattr(store, "local_exists", False):
+                raise LookupError(f"the {getattr(l3_cfg, 'backend', '?')} store answers existence over the network")
+            if hasattr(store, "timeout_s"):
+                store.timeout_s = min(float(store.timeout_s), SCHEDULER_EXISTS_TIMEOUT_S)
+    except Exception as e:  # not local, or could not start here: the workers answer existence
+        logger.info("tierkv: L3 existence is asked through the workers (%s)", e)
+        for _d, store in stores:
+            store.close()
+        return None
+
+    def failures(store) -> int:
+        st = store.stats() or {}
+        return sum(int(st.get(k, 0) or 0) for k in ("errors", "timeouts", "fast_fails"))
+
+    def exists(keys):
+        n = len(keys)
+        for digest, store in stores:
+            before = failures(store)
+            n = min(n, int(store.batch_exists([l3_key(digest, k) for k in keys[:n]])))
+            if failures(store) != before:
+                return None
+            if n == 0:
+                break
+        return n
+    return exists, [s for _d, s in stores]
+
+
+def _l3_target(cfg: TierKVConfig) -> str:
+    from tierkv.storage_backends.factory import l3_target
+
+    l3 = cfg.l3
+    if l3.backend == "none":
+        return "none"
+    faults = " with injected faults" if l3.faults else ""
+    return f"{l3.backend}({l3_target(l3)}){faults}"
+
+
+def startup_line(cfg: TierKVConfig, *, num_slots: int, page_bytes: int, page_size: int, ranks: int, size_from: str,
+                 budget: Optional[int], num_blocks: int, layout: str, namespace_hex: str,
+                 local: Optional[tuple[int, int, Optional[int]]] = None, hybrid: bool = False) -> str:
+    """The one INFO line an engine logs at start-up with tierkv's effective configuration (tiers, sizes, layout,
+    policies, store). ``local`` = (sliding-window layers, layers, window in tokens) of a hybrid model
+    (:func:`_geometry`): the line then says how their KV is kept: in full (``hybrid`` False: vLLM's hybrid KV cache
+    manager off) or per KV cache group (``hybrid`` True)."""
+    def size(n: float) -> str:
+        return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+    bud = f", host budget {size(budget)}" if budget is not None else ""
+    c = cfg.controller
+    l3 = _l3_target(cfg)
+    pol = (f", write_policy={c.write_policy}, prefetch_policy={c.prefetch_policy}" if cfg.l3.backend != "none" else "")
+    return (f"tierkv: L1 {num_blocks} blocks (vLLM) | L2 {num_slots} pages x {page_bytes} B = {size(num_slots * page_bytes)} per "
+            f"worker x {ranks} worker(s) ({size_from}{bud}), layout {layout}, page {page_size} tokens, "
+            f"eviction {cfg.eviction_policy} | L3 {l3}{pol} | verify_checksums={cfg.verify_checksums}, "
+            f"layerwise_load={cfg.layerwise_load}, stats_path={cfg.stats_path}, namespace {namespace_hex}"
+            + _local_note(local, hybrid))
+
+
+def _local_note(local: Optional[tuple[int, int, Optional[int]]], hybrid: bool = False) -> str:
+    """The start-up line's note on sliding-window layers (empty when there are none): kept in full (vLLM's hybrid KV
+    cache manager off) or per KV cache group (on)."""
+    if local is None or not local[2]:
+        return ""
+    n, total, window = local
+    which = f"{n} of {total} layers" if n else "some layers"
+    if hybrid:
+        return (f" | hybrid model: {which} attend a {window}-token sliding window; vLLM's hybrid KV cache manager "
+                "is on: every page is stored with every layer, and a hit loads those layers' blocks inside the "
+                "window only")
+    return (f" | hybrid model: {which} attend a {window}-token sliding window; vLLM's hybrid KV cache manager is off "
+            "with tierkv, so their KV is kept, stored and loaded for every token like the full-attention layers'")
+
+
+def _local_kv(hybrid: bool) -> str:
+    """The namespace's ``local_attention_kv`` fact of a model with sliding-window layers: ``every_token`` (vLLM's
+    hybrid KV cache manager off: one group, those layers kept in full) or ``per_group`` (on: each group's blocks
+    copied apart, a sliding-window layer's blocks before a hit's window never loaded)."""
+    return "per_group" if hybrid else "every_token"
+
+
+def _local_layer_count(model_config, window: Optional[int]) -> tuple[int, int]:
+    """(layers that attend within a sliding window or local chunks, layers) of the whole model, from the HF config's
+    ``layer_types``; (0, 0) when ``window`` is None or the config has no ``layer_types`` (unknown)."""
+    types = getattr(getattr(model_config, "hf_text_config", None), "layer_types", None) or ()
+    if not window or not types:
+        return 0, 0
+    return sum(1 for t in types if t in ("sliding_attention", "chunked_attention")), len(types)
+
+
+class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
+    """tierkv as a vLLM ``KVConnectorBase_V1`` (see the module docstring); ``SupportsHMA``, so vLLM keeps its hybrid
+    KV cache manager on and calls :meth:`request_finished_all_groups`."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        from tierkv.connector.cpu.cpu_features import request_amx_permission
+        request_amx_permission()  # before any page moves: vLLM's AMX kernels die of SIGILL without it (cpu_features)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.cfg: TierKVConfig = config_from_extra(extra)
+        route_logs_to_vllm(self.cfg.log_level)
+        cache_config = vllm_config.cache_config
+        self.block_size = int(cache_config.block_size)
+        self.page_size = int(self.cfg.page_size or self.block_size)
+        from tierkv.connector.core.scheduler import check_page_size
+        try:  # a page is k whole engine blocks of the request (k >= 1)
+            self.blocks_per_page = check_page_size(self.page_size, self.block_size)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if kv_cache_config is None:
+            raise ConfigError("tierkv needs vLLM's kv_cache_config (vLLM >= 0.32)")
+        self.kv_cache_config = kv_cache_config
+        model_type = str(getattr(vllm_config.model_config.hf_config, "model_type", None) or "?")
+        spec, self.layer_names, self.local_window, self.group_names, self.ref_group = _geometry(kv_cache_config,
+                                                                                               model_type)
+        #: several KV cache groups (vLLM's hybrid KV cache manager on): block ids per group, every load asynchronous
+        self.hybrid = self.group_names is not None
+        self.local_layers = _local_layer_count(vllm_config.model_config, self.local_window)
+        self.spec = spec
+        self.num_blocks = int(kv_cache_config.num_blocks)
+        self.use_mla = type(spec).__name__.startswith("MLA") or "MLA" in type(spec).__name__
+        layer_block_bytes = int(spec.page_size_bytes)
+        self.page_bytes = layer_block_bytes * len(self.layer_names) * self.blocks_per_page
+        mc, pc = vllm_config.model_config, vllm_config.parallel_config
+        pool_bytes = self._pool_bytes(vllm_config, role)
+        self.num_slots = pool_bytes // self.page_bytes
+        model_id = self.cfg.model_id or f"{mc.model}@{getattr(mc, 'revision', None) or ''}"
+        self.tp_size = int(pc.tensor_parallel_size)
+        self.namespace = ModelNamespace(
+            model_id=model_id, page_size=self.page_size, num_layers=len(self.layer_names),
+            num_kv_heads=int(getattr(spec, "num_kv_heads", 1)), head_dim=int(getattr(spec, "head_size", 0)),
+            tp_rank=0, tp_size=self.tp_size, pp_rank=0, pp_size=int(pc.pipeline_parallel_size),
+            use_mla=self.use_mla,
+            **page_namespace_facts(vllm_config, kv_cache_config, spec, self.use_mla, self.cfg.host_pool.layout))
+        if self.local_window:  # sliding-window layers stored another way: never mixed with pages of another scheme
+            self.namespace = dataclasses.replace(
+                self.namespace, extra=tuple(self.namespace.extra) + (("local_attention_kv", _local_kv(self.hybrid)),))
+        self.world_size = self.tp_size * int(pc.pipeline_parallel_size)
+        self.use_l3 = self.cfg.l3.backend != "none"
+        self._sched = None
+        self._worker = None
+        self._requests: dict[str, "Request"] = {}
+        self._param_errors: dict[str, str] = {}  # request -> why its kv_transfer_params["tierkv"] was refused
+        self._fwd: Optional[tuple[int, int, float]] = None   # worker: (step, prompt tokens, start) of this forward
+        self._forwards: list[tuple[int, int, float]] = []      # worker: timed forwards not reported yet
+        self._clock = time.perf_counter  # seconds; the counter hand-overs' clock (tests replace it)
+        self._stats_due = -math.inf         # scheduler: ``_clock`` time of its next counter hand-over (STATS_EVERY_S)
+        self._plan_stats_due = -math.inf    # scheduler: same for the workers, ordered through the plan (emit_stats)
+        self._worker_stats_owed = False  # scheduler: the last plan told the workers to hold their deltas back
+        self._loads_ended = False        # worker: get_finished named a request whose L3 load ended, this step
+        if role == KVConnectorRole.SCHEDULER:
+            from tierkv.connector.core.scheduler import CacheScheduler
+            if self.num_slots == 0:
+                logger.warning("tierkv: host pool of %d bytes (%s) holds no page of %d bytes; serving without L2",
+                               pool_bytes, _SIZE_KEYS[self._size_from], self.page_bytes)
+            ctl = None
+            if self.use_l3:
+                ctl = dict(self.cfg.controller.scheduler_kwargs(), world_size=self.world_size,
+                           exists_fn=self._scheduler_exists(pc))
+                if self.hybrid:  # every hit of several KV cache groups is asynchronous (failed loads name requests)
+                    ctl["sync_load_max_s"] = 0.0
+                if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
+                    logger.warning("tierkv: with an L3 store set \"kv_load_failure_policy\": \"recompute\" in "
+                                   "--kv-transfer-config; with \"fail\" a page that arrives late or corrupt from L3 "
+                                   "ends its request with an error instead of being recomputed")
+            self._sched = CacheScheduler(self.namespace, self.page_size, self.block_size, self.num_slots,
+                                         self.cfg.eviction_policy, controller=ctl, plan_type=ConnectorPlan)
+            self._events = self._tier_events(vllm_config)
+            if self.cfg.trace_path:  # the lookup trace for `tierkv plan` (connector/obs/lookup_trace.py)
+                from tierkv.connector.obs.lookup_trace import LookupTrace
+                self._sched.trace = LookupTrace(self.cfg.trace_path, self.page_size, self.num_slots,
+                                                self.cfg.eviction_policy)
+            self._estimates = None
+            if ctl is not None and self.num_slots > 0:  # a predecessor's recompute estimate (connector/l3/estimates.py)
+                from tierkv.connector.l3.estimates import EstimateFile
+                self._estimates = EstimateFile(self.namespace.digest().hex())
+                prior = self._estimates.load()
+                if prior is not None:
+                    self._sched.observe_prefill(prior, 1)
+                    logger.info("tierkv: recompute estimate %.1f us/token from %s", 1e6 * prior,
+                                self._estimates.path)
+            max_pages = (int(mc.max_model_len) + self.page_size - 1) // self.page_size
+            if 0 < self.num_slots < max_pages:
+                logger.warning("tierkv: L2 holds %d pages, fewer than one request of max_model_len (%d pages); "
+                               "pages that do not fit are not cached", self.num_slots, max_pages)
+            logger.info(startup_line(self.cfg, num_slots=self.num_slots, page_bytes=self.page_bytes,
+                                     page_size=self.page_size, ranks=self._local_ranks, size_from=self._size_from,
+                                     budget=self._budget, num_blocks=self.num_blocks,
+                                     layout=self.namespace.kv_layout, namespace_hex=self.namespace.digest().hex(),
+                                     local=(*self.local_layers, self.local_window), hybrid=self.hybrid))
+            self._stats = StatsFile(self.cfg.stats_path, "scheduler", self._sched.stats)
+        else:
+            self._stats = StatsFile(self.cfg.stats_path, "worker", self._worker_stats, snapshot_thread_safe=True)
+        self._deltas = CounterDeltas() if role == KVConnectorRole.SCHEDULER else CounterDeltas(SCHEDULER_ONLY)
+        atexit.register(self._stats.close)
+
+    def _scheduler_exists(self, pc):
+        """The scheduler's existence function (:func:`scheduler_exists`) over every rank namespace (MLA ranks share
+        rank 0's), or None (the workers are asked): also with no L2, ``controller.exists_in_scheduler: false`` or
+        injected existence faults (the fault wrapper's ``local_exists``)."""
+        if self.num_slots == 0 or not self.cfg.controller.exists_in_scheduler:
+            return None
+        ranks = sorted({(0 if self.use_mla else t, p) for t in range(self.tp_size)
+                        for p in range(int(pc.pipeline_parallel_size))})
+        digests = [dataclasses.replace(self.namespace, tp_rank=t, pp_rank=p).digest() for t, p in ranks]
+        built = scheduler_exists(self.cfg.l3, digests, self.page_bytes)
+        if built is None:
+            return None
+        exists, self._exists_stores = built
+        return exists
+
+    def _pool_bytes(self, vllm_config, role) -> int:
+        """Bytes of this worker's L2 pool, from the host budget (:mod:`tierkv.connector.l2.host_budget`): a worker
+        reserves its share before any page exists (ConfigError on every rank when the engine's pools do not fit);
+        the scheduler process sizes its index like its workers (with an automatic size: from their reservations)."""
+        pc = vllm_config.parallel_config
+        hp = self.cfg.host_pool
+        self._local_ranks = max(1, int(pc.tensor_parallel_size) * int(pc.pipeline_parallel_size)
+                                // max(1, int(getattr(pc, "nnodes", 1) or 1)))
+        self._group = f"{getattr(vllm_config, 'instance_id', '') or 'engine'}/dp{getattr(pc, 'data_parallel_rank', 0)}"
+        requested = None
+        if hp.num_pages is not None or hp.size_gb is not None:
+            requested = self.cfg.host_pool_bytes(self.page_bytes)
+            if requested < self.page_bytes:  # only size_gb can ask for less than one page (num_pages >= 1)
+                raise ConfigError(
+                    f"bad value {hp.size_gb!r} for 'host_pool.size_gb': {requested} bytes hold no page of "
+                    f"{self.page_bytes} bytes ({len(self.layer_names)} layers x {self.page_size} tokens); give at "
+                    f"least {self.page_bytes / 2**30:.3g} GiB, or host_pool.num_pages")
+        self._size_from = ("num_pages" if hp.num_pages is not None else "size_gb" if hp.size_gb is not None
+                           else "automatic size")
+        self._budget = None
+        if role == KVConnectorRole.WORKER:
+            rank = 0
+            try:
+                from vllm.distributed.parallel_state import get_world_group
+                rank = get_world_group().rank_in_group
+            except Exception:  # no distributed state (single process)
+                pass
+            r = reserve(self._group, rank, self._local_ranks, requested_bytes=requested,
+                        auto_fraction=hp.auto_fraction, auto_max_bytes=int(hp.auto_max_gb * 2**30),
+                        reserve_bytes=int(hp.reserve_gb * 2**30), page_bytes=self.page_bytes)
+            self._budget = r.budget
+            return r.bytes
+        got, self._budget = group_bytes(self._group)
+        if requested is not None:
+            return requested
+        if got is None:  # pragma: no cover - the workers register before vLLM builds the scheduler
+            logger.warning("tierkv: no L2 reservation of this engine's workers found in the host ledger; sizing the "
+                           "index from the configuration (set host_pool.size_gb to be sure both sides agree)")
+            return self.cfg.host_pool_bytes(self.page_bytes)
+        return got
+
+    # =========================================================== class-level hooks
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: tierkv is a best-effort cache, a page it cannot deliver is recomputed."""
+        return False
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> Optional[str]:
+        """None: any KV cache layout; the device pool adapter reads the one vLLM resolved from the strides."""
+        return None  # any layout: the device pool adapter reads the one vLLM resolved
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[dict] = None) -> TierKVStats:
+        """A ``TierKVStats`` over ``data`` (vLLM rebuilds the workers' stats)."""
+        return TierKVStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        """The ``vllm:tierkv_*`` Prometheus series (``TierKVPromMetrics``)."""
+        return TierKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    @_timed_hook
+    def get_kv_connector_stats(self) -> Optional[TierKVStats]:
+        """Counter increases, changed gauges and L3 latency samples since the previous hand-over (both roles; vLLM
+        sums the workers'), see :mod:`tierkv.connector.vllm.metrics`; None in the steps between two hand-overs
+        (:data:`STATS_EVERY_S`): the scheduler side hands over once that time has passed or when it has no request
+        left, a worker when the step's plan says so (``StepPlan.emit_stats``, or no plan bound) and in every step
+        that moved its counters: a plan with loads, saves or jobs, a load that ended (:meth:`get_finished`) or a job
+        report waiting. So an engine that stops stepping as soon as its requests are done (vLLM's offline ``LLM``
+        with the EngineCore in its process) has handed over every step's copies."""
+        if self._sched is not None:
+            now = self._clock()
+            if now < self._stats_due and self._sched.has_requests():
+                return None
+            self._stats_due = now + STATS_EVERY_S
+            snap = self._sched.stats()
+            self._stats.maybe_write(data=dict(snap))   # the stats file, from the same snapshot (once a hand-over)
+            snap.update(scheduler_gauges(snap))
+            lat: dict[str, list] = {}
+            for store in getattr(self, "_exists_stores", ()):  # existence answered in this process
+                for k, v in store.take_latencies().items():
+                    lat.setdefault(k, []).extend(v)
+            tiers = {tier: key for key, tier in REUSE_KEYS.items()}
+            for tier, v in self._sched.lookup_stats.take_samples().items():
+                lat[tiers[tier]] = v
+            return self._deltas.take(snap, lat or None)
+        plan = getattr(self, "_connector_metadata", None)
+        if (isinstance(plan, StepPlan) and not plan.emit_stats and plan.is_empty() and not self._loads_ended
+                and not (self._worker is not None and self._worker.has_reports())):
+            return None
+        snap = self._worker_stats()
+        lat = None
+        l3 = self._worker.l3 if self._worker is not None else None
+        if l3 is not None and isinstance(l3.store, TimedStore):
+            lat = l3.store.take_latencies()
+        return self._deltas.take(snap, lat)
+
+    # =========================================================== scheduler side
+    @_timed_hook
+    def on_new_request(self, request: "Request") -> None:
+        """Register the request (tokens, LoRA name, cache salt) with the scheduler side."""
+        self._track(request)
+
+    def _track(self, request: "Request") -> None:
+        if request.request_id not in self._requests:
+            self._requests[request.request_id] = request
+            lora = lora_key(getattr(request, "lora_request", None))
+            self._sched.add_request(request.request_id, request.all_token_ids, lora=lora,
+                                    cache_salt=getattr(request, "cache_salt", None), controls=self._controls(request))
+
+    def _controls(self, request: "Request") -> Optional[RequestControls]:
+        """The request's tierkv controls (``kv_transfer_params["tierkv"]``, :mod:`tierkv.connector.core.request_params`).
+        Malformed ones (a front-end without the :mod:`tierkv.connector.vllm.params_check` validator let them through)
+        are refused here: the request is served without tierkv (nothing loaded, nothing saved), the refusal is
+        counted (``request_params_refused``) and logged, and its response's ``kv_transfer_params`` carries
+        ``{"tierkv_error": <message naming the field>}``."""
+        try:
+            return parse_controls(getattr(request, "kv_transfer_params", None))
+        except RequestParamsError as e:
+            self._sched.counters.request_params_refused += 1
+            self._param_errors[request.request_id] = str(e)
+            _params_log().warning("params", "tierkv: request %s: %s; served without tierkv", request.request_id, e)
+            return RequestControls(load=False, save=False)
+
+    @_timed_hook
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        """How many tokens beyond vLLM's own prefix-cache hit tierkv can add, from the request's full pages (hashed once
+        per request) matched against the index: ``(n, False)`` for an L2 hit and for an L3 hit whose read is estimated
+        to take at most ``controller.sync_load_max_s`` (loaded before the forward of the step that admits it),
+        ``(n, True)`` for any other L3 hit (an asynchronous load) and for every hit of a model with several KV cache
+        groups, ``(None, False)`` while an L3 existence answer or L2 staging room is pending (vLLM asks
+        again next step), ``(0, False)`` after an error. The index changes only by existence answers (pages found in L3)
+        and, under ``write_back``, by backups of L2 victims started to make room (docs/architecture.md §4)."""
+        try:
+            return self._matched(request, num_computed_tokens)
+        except Exception as e:  # a miss, never an engine crash (docs §8 R41)
+            _hook_error(self._sched.counters, "get_num_new_matched_tokens", e)
+            self._sched.drop_async_hit(request.request_id)
+            return 0, False
+
+    def _matched(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        self._track(request)
+        if getattr(request, "skip_reading_prefix_cache", False):  # vLLM ignores any answer: not counted either
+            self._sched.no_read(request.request_id, num_computed_tokens)
+            return 0, False
+        n = self._sched.lookup(request.request_id, num_computed_tokens)
+        if n is None:
+            return None, False  # an L3 answer or L2 room is pending: vLLM asks again next step
+        # several KV cache groups: every hit is an asynchronous load, because vLLM takes a failed load of such a model
+        # only as a failed request (failed_recving), never as failed block ids
+        return n, bool(n > 0 and (self.hybrid or self._sched.lookup_is_async(request.request_id)))
+
+    @_timed_hook
+    def update_state_after_alloc(self, request: "Request", blocks, num_external_tokens: int) -> None:
+        """L2 hit: lock the matched path and add a load order (L2 slots -> the request's new engine blocks) to the
+        step's plan; L3 hit: give its L3-only pages staging slots and order a prefetch job. Several KV cache groups:
+        the order carries every group's blocks (``blocks.get_block_ids()``). After an error the promised blocks go
+        into the next plan as failed loads (vLLM recomputes them)."""
+        block_ids: list[int] = []
+        is_async = False
+        try:
+            self._track(request)
+            groups = blocks.get_block_ids() if num_external_tokens else ()
+            block_ids = groups[self.ref_group] if num_external_tokens else []
+            is_async = self.hybrid or self._sched.lookup_is_async(request.request_id)
+            if self.hybrid:
+                self._sched.on_alloc(request.request_id, block_ids, num_external_tokens, groups)
+            else:
+                self._sched.on_alloc(request.request_id, block_ids, num_external_tokens)
+        except Exception as e:  # the promised tokens are reported as failed loads: vLLM recomputes them (§8 R41)
+            _hook_error(None, "update_state_after_alloc", e)
+            self._sched.alloc_failed(request.request_id, list(block_ids), num_external_tokens, is_async)
+
+    @_timed_hook(step=True)
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        """Release preempted requests; for each scheduled request order saves of the pages that are full once this step
+        has run and have no L2 copy yet (slots allocated, unlocked L2 copies evicted; the plan's own new pages stay
+        locked until it is handed over) and index them; count the step's prompt tokens; hand the plan
+        (``ConnectorPlan``) over.
+
+        Full means full of verified tokens: under speculative decoding the step's draft tokens
+        (``scheduled_spec_decode_tokens``) do not count, and neither does any token not yet in the request's token
+        list (the scheduler side caps at its length)."""
+        sched = self._sched
+        try:
+            for rid in scheduler_output.preempted_req_ids or ():
+                sched.on_preempted(rid)
+        except Exception as e:
+            _hook_error(sched.counters, "build_connector_meta", e)
+        n_sched = scheduler_output.num_scheduled_tokens
+        state = getattr(scheduler_output, "kv_connector_block_state", None)
+        todo = [(nr.req_id, nr.num_computed_tokens + n_sched.get(nr.req_id, 0), nr.block_ids)
+                for nr in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs
+        todo += [(rid, cached.num_computed_tokens[i] + n_sched.get(rid, 0), None) for i, rid in enumerate(cached.req_ids)]
+        drafts = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
+        for rid, tokens_after, blocks in todo:
+            try:
+                # speculative decoding: the step's draft tokens are verified only after it, so a page they would fill
+                # is saved in a later step, once its tokens are verified (the KV of a rejected draft, written in this
+                # step, never reaches L2, and the page's key is that of the final tokens)
+                self._plan_saves(rid, tokens_after - len(drafts.get(rid, ())), state, blocks)
+            except Exception as e:  # that request's pages are not saved this step; nothing else changes (§8 R41)
+                _hook_error(sched.counters, "build_connector_meta", e)
+        meta = sched.build_plan()  # a ConnectorPlan (plan_type): vLLM's metadata as built, no copy
+        meta.prefill_tokens = sum(self._prompt_tokens(rid, done, after - done) for rid, after, _b in todo
+                                  for done in [after - n_sched.get(rid, 0)])
+        now = self._clock()
+        meta.emit_stats = not todo or now >= self._plan_stats_due  # (STATS_EVERY_S; a step without requests: always)
+        if meta.emit_stats:
+            self._plan_stats_due = now + STATS_EVERY_S
+        self._worker_stats_owed = not meta.emit_stats
+        return meta
+
+    def _prompt_tokens(self, rid: str, computed: int, scheduled: int) -> int:
+        """Of the ``scheduled`` tokens of ``rid`` in a step starting at ``computed``, how many are prompt tokens."""
+        req = self._requests.get(rid)
+        prompt = int(getattr(req, "num_prompt_tokens", 0) or 0) if req is not None else 0
+        return max(0, min(computed + scheduled, prompt) - computed)
+
+    @_timed_hook
+    def update_connector_output(self, connector_output) -> None:
+        """The workers' job reports and timed forwards; ``finished_recving`` (L3 loads ended: those blocks are never
+        delayed again); vLLM's ``invalid_block_ids``: pages computed on a failed load leave the index (docs §8 R31)."""
+        if self._sched is None:
+            return
+        try:
+            self._connector_output(connector_output)
+        except Exception as e:
+            _hook_error(self._sched.counters, "update_connector_output", e)
+
+    def _connector_output(self, connector_output) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if meta is not None:
+            self._sched.on_reports(getattr(meta, "reports", []) or [])
+            self._observe_forwards(getattr(meta, "forwards", []) or [])
+        # requests whose L3 load the workers named as ended: their blocks are never delayed again at finish; the
+        # blocks whose load failed in that step say where each load was cut (the lookup statistics)
+        failed = getattr(connector_output, "failed_recving", None) or ()
+        self._sched.on_finished_recving(getattr(connector_output, "finished_recving", None) or (),
+                                        getattr(connector_output, "invalid_block_ids", None) or (), failed)
+        # blocks whose load failed in that step (every rank's): pages computed on them leave the index (§8 R31)
+        self._sched.on_load_errors(getattr(connector_output, "invalid_block_ids", None) or ())
+        if self.hybrid and failed:  # several groups: failed loads come as requests; their loaded pages leave too
+            self._sched.on_failed_loads(failed)
+        if meta is not None and not self._sched.has_requests():  # idle: the last reports of the drained work
+            self._stats.write_soon()
+
+    def _observe_forwards(self, forwards) -> None:
+        """The engine's prefill time per token, for the controller's "never slower than recomputing" check: forwards
+        the workers timed (bind_connector_metadata -> wait_for_save) in steps that computed at least four pages of prompt
+        tokens; idle time between steps and decode-only steps do not count. Several ranks: the slowest."""
+        if self._estimates is None or not forwards:  # no L3: nothing decides by the estimate
+            return
+        by_step: dict[int, tuple[int, float]] = {}
+        for step, tokens, seconds in forwards:
+            t, s = by_step.get(step, (tokens, 0.0))
+            by_step[step] = (t, max(s, seconds))
+        estimate = None
+        for tokens, seconds in by_step.values():
+            estimate = self._sched.observe_prefill(seconds, tokens)
+        self._estimates.maybe_save(estimate)
+
+    def _plan_saves(self, rid: str, tokens_after: int, state, fallback_blocks) -> None:
+        if not self._sched.needs_saves(rid, tokens_after):  # no new full page (most decode steps): no block table
+            return
+        ids = state.get_block_ids(rid) if state is not None else None
+        if ids is None:
+            if fallback_blocks is not None:
+                ids = fallback_blocks
+            elif self._kv_cache_manager is not None:
+                ids = self._kv_cache_manager.get_block_ids(rid)
+            else:
+                return
+        if self.hybrid:  # every group's table; the full-attention group's for the page count
+            self._sched.schedule_saves(rid, tokens_after, ids[self.ref_group], ids)
+        else:
+            self._sched.schedule_saves(rid, tokens_after, ids[0])
+
+    @_timed_hook
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict]]:
+        """Release the request's lock; ``(True, ...)`` (vLLM keeps the blocks) only while the workers have not named
+        its L3 load as ended, else ``(False, ...)``; the dict (the response's ``kv_transfer_params``) is None, or
+        ``{"tierkv_error": ...}`` when the request's tierkv controls were refused."""
+        return self._request_finished(request)
+
+    def _request_finished(self, request: "Request") -> tuple[bool, Optional[dict]]:
+        """:meth:`request_finished`'s work, untimed (so :meth:`request_finished_all_groups` does not count it twice)."""
+        try:
+            delay = self._sched.on_finished(request.request_id)
+        except Exception as e:  # the blocks go back at once: the workers never copy into a finished request's blocks
+            _hook_error(self._sched.counters, "request_finished", e)
+            delay = False
+        self._requests.pop(request.request_id, None)
+        if not self._sched.has_requests():  # the engine may go idle now, and no later step would write the counters
+            self._stats.write_soon()
+        err = self._param_errors.pop(request.request_id, None)
+        return delay, ({"tierkv_error": err} if err is not None else None)  # the response's kv_transfer_params
+
+    @_timed_hook
+    def request_finished_all_groups(self, request: "Request",
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, Optional[dict]]:
+        """vLLM's ``SupportsHMA`` hook, called instead of :meth:`request_finished` with one block list per KV cache
+        group: the same answer (tierkv's pages were saved when computed, nothing is read from the blocks now)."""
+        return self._request_finished(request)
+
+    @_timed_hook
+    def has_pending_push_work(self) -> bool:
+        """Keeps vLLM's engine stepping (empty steps, no forward) while a backup or prefetch has not reported: its
+        report arrives only with a step's output, and until then it pins L2 pages and slots. Without this an engine
+        that went idle right after a burst kept them pinned until the next request (docs/architecture.md §4). A job
+        out longer than ``controller.shutdown_drain_s`` no longer counts: vLLM's shutdown waits for this too, and a
+        store that stalls must not hold it up. Also one step more when the engine has no request left and the last
+        plan told the workers to hold their counter deltas back (:data:`STATS_EVERY_S`): that step hands them over."""
+        try:
+            return self._sched is not None and (self._sched.pins_pending()
+                                                or (self._worker_stats_owed and not self._sched.has_requests()))
+        except Exception as e:
+            _hook_error(self._sched.counters, "has_pending_push_work", e)
+            return False
+
+    def _tier_events(self, vllm_config):
+        """The :class:`~tierkv.connector.obs.kv_events.TierEvents` feeding :meth:`take_events`, attached to the index,
+        when vLLM publishes KV events (``--kv-events-config`` with ``enable_kv_cache_events``) and L2 holds pages;
+        None otherwise (then the index pays nothing for events)."""
+        ev_cfg = getattr(vllm_config, "kv_events_config", None)
+        if ev_cfg is None or not getattr(ev_cfg, "enable_kv_cache_events", False) or self.num_slots == 0:
+            return None
+        from tierkv.connector.obs.kv_events import TierEvents, page_infos
+        hash_block_size = int(getattr(self.kv_cache_config, "hash_block_size", 0) or self.block_size)
+
+        def resolve(req_id: str, start: int, end: int):
+            return page_infos(self._requests.get(req_id), start, end, self.block_size, hash_block_size,
+                              self.blocks_per_page)
+
+        try:
+            from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
+            kind = get_kv_cache_spec_kind(self.spec).value
+        except Exception:  # a vLLM without the helper: the events go out without it
+            kind = None
+        events = TierEvents(resolve, block_size=self.block_size, spec_kind=kind,
+                            l3_backend=self.cfg.l3.backend if self.use_l3 else None)
+        self._sched.index.events = events
+        return events
+
+    @_timed_hook
+    def take_events(self):
+        """vLLM's ``BlockStored`` / ``BlockRemoved`` events for pages that entered or left L2 (``medium="CPU"``) or
+        L3 (``medium="STORAGE"``, ``ownership="L3:<backend>"``) since the last step (:mod:`tierkv.connector.obs.kv_events`);
+        vLLM publishes them after its own L1 events of the step. Empty when KV events are off."""
+        events = getattr(self, "_events", None)
+        if events is None:
+            return ()
+        records = events.take()
+        try:
+            return events.to_vllm(records)
+        except Exception as e:  # those events are lost (counted as dropped); the engine goes on (§8 R41)
+            _hook_error(self._sched.counters, "take_events", e)
+            events.counters["kv_events_dropped"] += len(records)
+            return ()
+
+    def reset_cache(self) -> Optional[bool]:
+        """Drop every unlocked page from the index and free its L2 slots (vLLM's ``reset_prefix_cache``); None on a
+        worker."""
+        return self._sched.reset() if self._sched is not None else None
+
+    def shutdown(self) -> None:
+        """Both roles: write the final counters; a worker finishes its running loads and gives queued backups
+        ``controller.shutdown_drain_s`` to reach the store."""
+        self._stats.maybe_write(force=True)
+        if self._worker is not None:
+            self._worker.finish_loads()  # a layer-wise load still running (no-op otherwise)
+            self._worker.close(self.cfg.controller.shutdown_drain_s)
+            from tierkv.connector.l3.io import restore_switch_interval
+            restore_switch_interval(getattr(self, "_switch_prev", None), self.cfg.controller.gil_switch_interval_s)
+            self._switch_prev = None
+        for store in getattr(self, "_exists_stores", ()):
+            store.close()
+        self._stats.close()  # the final counters, after the last backups drained
+
+    # =========================================================== worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Build the device pool adapter over vLLM's KV tensors and the host pool (as many slots as the scheduler side),
+        with an L3 store this rank's store and I/O threads (a store that cannot start: a warning, served without L3);
+        warm the kernels up."""
+        from tierkv import kernels
+        from tierkv.connector.l2.device_pool import DevicePool
+        from tierkv.connector.l2.host_pool import HostPool
+        from tierkv.connector.l2.worker import CacheWorker
+        layout = self.kv_cache_config.kv_cache_layout or self._vllm_config.cache_config.kv_cache_layout
+        backend = None
+        try:
+            backend = self._vllm_config.attention_config.backend  # may be None (auto)
+            backend = getattr(backend, "name", backend)
+        except AttributeError:
+            pass
+        caches = {n: kv_caches[n] for n in self.layer_names if n in kv_caches} or kv_caches
+        _kind, isa = device_packing(self._vllm_config, self.spec, self.use_mla)
+        dev = DevicePool.from_vllm(caches, num_blocks=self.num_blocks, block_size=self.block_size,
+                                   kv_cache_layout=layout, backend=backend, use_mla=self.use_mla, isa=isa)
+        for name in self.layer_names[:1]:  # the ISA vLLM's CPU backend gave its layers, where it already did
+            layer = self._vllm_config.compilation_config.static_forward_context.get(name)
+            if isa is not None and getattr(layer, "isa", isa) != isa:
+                raise ConfigError(f"tierkv: vLLM packs KV pages with the {layer.isa!r} ISA but the page namespace "
+                                  f"names {isa!r}")
+        if self.num_slots == 0:
+            logger.warning("tierkv worker: host pool of 0 pages (%s); caching disabled", _SIZE_KEYS[self._size_from])
+            return
+        pin = self.cfg.host_pool.pin_memory == "true" or (self.cfg.host_pool.pin_memory == "auto"
+                                                            and dev.device.type == "cuda")
+        host = HostPool.for_device(dev, self.num_slots * self.blocks_per_page, self.cfg.host_pool.layout,
+                                   pin_memory=pin, prefault=self._size_from != "automatic size")
+        if self.blocks_per_page > 1:  # page slot s = the pool's block rows s*k .. s*k+k-1
+            from tierkv.connector.l2.worker import MultiBlockPages
+            host = MultiBlockPages(host, self.blocks_per_page)
+        if host.kv_layout != self.namespace.kv_layout:
+            raise ConfigError(f"tierkv: pages are laid out as {host.kv_layout!r} in the worker but the page "
+                              f"namespace names {self.namespace.kv_layout!r}")
+        if host.page_bytes != self.page_bytes:
+            raise ConfigError(f"tierkv: page of {host.page_bytes} bytes in the worker but {self.page_bytes} "
+                              "bytes from the KV cache spec")
+        l3, checksums = None, None
+        if self.use_l3:
+            l3, checksums = self._build_l3(host)
+        group_layers = None
+        if self.hybrid:  # each group's layers, as indices into the device pool's layers
+            index = {n: i for i, n in enumerate(dev.layer_names)}
+            group_layers = [[index[n] for n in names] for names in self.group_names]
+        self._worker = CacheWorker(dev, host, verify=self.cfg.verify_checksums,
+                                   layerwise=self.cfg.layerwise_load, l3=l3, checksums=checksums,
+                                   group_layers=group_layers)
+        kernels.warm_up(dev, getattr(host, "block_pool", host))
+        self._stats.start_polling()  # counters moved by the L3 I/O threads between steps reach stats_path too
+        logger.debug("tierkv worker: %r, L2 %s, L3 %s", dev, host, l3.store if l3 is not None else "none")
+
+    def _build_l3(self, host):
+        """This rank's store and I/O threads, or (None, None) with a warning when the store cannot start."""
+        from tierkv.storage_backends.factory import build_backend
+
+        from tierkv.connector.l3.io import L3IO, raise_switch_interval
+        from tierkv.connector.core.page_checksums import SlotChecksums
+        try:
+            from vllm.distributed.parallel_state import (get_pipeline_model_parallel_rank,
+                                                         get_tensor_model_parallel_rank)
+            tp_rank, pp_rank = get_tensor_model_parallel_rank(), get_pipeline_model_parallel_rank()
+        except Exception:  # no distributed state (single process): rank 0
+            tp_rank, pp_rank = 0, 0
+        rank_ns = dataclasses.replace(self.namespace, tp_rank=0 if self.use_mla else tp_rank, pp_rank=pp_rank)
+        digest = rank_ns.digest()
+        try:
+            store = TimedStore(build_backend(self.cfg.l3, digest, self.page_bytes))
+        except Exception as e:  # server down, directory unwritable...: serve without L3, say so once
+            if getattr(e, "stops_startup", False):  # the server answered and refused the config: stop here
+                raise
+            logger.warning("tierkv worker: L3 store '%s' could not start (%s); serving without L3 (jobs are "
+                           "answered 'not done', every prefix beyond L2 is recomputed)", self.cfg.l3.backend, e)
+            return None, None
+        store.store.describe_namespace(dataclasses.asdict(rank_ns))  # for `tierkv store stats`; never matched on
+        c = self.cfg.controller
+        checksums = SlotChecksums(host.num_slots)
+        l3 = L3IO(store, host, digest, checksums, batch_pages=c.batch_pages, max_backup_pages=c.max_backup_pages,
+                  rank=tp_rank + self.tp_size * pp_rank, read_threads=c.read_threads,
+                  backup_writer=not self.use_mla or tp_rank == 0,  # MLA: TP rank 0 writes the one shared record
+                  writer_priority=c.writer_priority)
+        self._switch_prev = raise_switch_interval(c.gil_switch_interval_s)
+        if self._switch_prev is not None:
+            logger.info("tierkv worker: Python's GIL switch interval raised from %g to %g s for the L3 threads "
+                        "(controller.gil_switch_interval_s)", self._switch_prev, c.gil_switch_interval_s)
+        return l3, checksums
+
+    @_timed_hook
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
+        """Requests whose asynchronous (L3) load ended (``finished_recving``), after their leading run of intact pages
+        was copied L2 -> L1 (several KV cache groups: also those whose L2 load ran in this step, every hit of such a
+        model being asynchronous); never ``finished_sending`` (saves end within their step).
+
+        The L3 reads this step handed over before its forward and still running are waited for first, at most
+        :data:`STEP_READ_WAIT_FRACTION` of the time the step has lasted since ``bind_connector_metadata`` (a step without
+        forward, next to nothing): a read that ends within that time is named finished now, and its request is
+        scheduled in the next step instead of the one after (the wait delays every request of the step, once per
+        read; a further step would cost the waiting request a whole forward)."""
+        return self._finished(finished_req_ids)
+
+    def _finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
+        """:meth:`get_finished`'s work, untimed (so :meth:`get_transfer_results` does not count it twice)."""
+        if self._worker is None:
+            return None, None
+        try:
+            bound = getattr(self, "_bound_at", None)
+            self._worker.wait_step_reads(0.0 if bound is None else
+                                         STEP_READ_WAIT_FRACTION * (time.perf_counter() - bound))
+            done = self._worker.poll(finished_req_ids)
+            self._loads_ended = bool(done)
+        except Exception as e:
+            _hook_error(self._worker.counters, "get_finished", e)
+            return None, None
+        return None, (done or None)
+
+    @_timed_hook
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """:meth:`get_finished` as vLLM's transfer results; with several KV cache groups also the requests whose
+        (asynchronous) load failed, as ``failed_recving`` (and ended): vLLM recomputes them."""
+        sending, recving = self._finished(finished_req_ids)
+        failed: set[str] = set()
+        if self._worker is not None and self.hybrid:
+            try:
+                failed = self._worker.take_failed_requests()
+            except Exception as e:
+                _hook_error(self._worker.counters, "get_transfer_results", e)
+        return KVConnectorTransferResults(finished_sending=set(sending or ()),
+                                          finished_recving=set(recving or ()) | failed, failed_recving=failed)
+
+    @_timed_hook
+    def build_connector_worker_meta(self) -> Optional[KVConnectorWorkerMetadata]:
+        """The step's job reports and timed forwards (``TierKVWorkerMeta``), None when there are none."""
+        if self._worker is None:
+            return None
+        try:
+            reports = self._worker.take_reports()
+        except Exception as e:
+            _hook_error(self._worker.counters, "build_connector_worker_meta", e)
+            return None
+        forwards, self._forwards = self._forwards, []
+        return TierKVWorkerMeta(reports, forwards) if reports or forwards else None
+
+    def _worker_stats(self) -> dict:
+        """The worker's counters, with the L3 store's own failure counts (``l3_errors``, ``l3_timeouts``: a ZMQ or
+        Mooncake call abandoned after its ``timeout_s`` is a miss that nothing else counts); {} without a worker."""
+        if self._worker is None:
+            return {}
+        d = self._worker.stats()
+        l3 = self._worker.l3
+        if l3 is not None and isinstance(l3.store, TimedStore):
+            d.update(l3.store.failure_counts())
+        return d
+
+    @_timed_hook
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        """Wait for the plan's synchronous L3 reads (at most their deadlines), then start its L2 -> L1 loads, those
+        reads' leading intact pages included (all at once, or layer by layer with ``layerwise_load``) so they end
+        before the layers read them; vLLM calls it before the forward only in steps with such synchronous loads, after
+        it otherwise."""
+        if self._worker is None:
+            return
+        plan = self._get_connector_metadata()
+        if not isinstance(plan, StepPlan):
+            return
+        try:
+            self._worker.take_plan_failures(plan)
+            verified = self._worker.finish_sync_reads()
+            if plan.loads or verified:
+                self._worker.start_loads(plan, verified)
+        except Exception as e:  # the step's loads are reported failed: vLLM recomputes them (§8 R41)
+            _hook_error(self._worker.counters, "start_load_kv", e)
+            self._worker.fail_loads(plan)
+
+    @_timed_hook(step=True)
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Before every forward (vLLM calls ``start_load_kv`` only after it when the step has no synchronous load):
+        hand the plan's L3 reads to the readers, so they overlap the forward, and start timing the forward."""
+        super().bind_connector_metadata(connector_metadata)
+        plan = connector_metadata
+        if self._worker is None or not isinstance(plan, StepPlan):
+            return
+        self._bound_at = time.perf_counter()
+        if plan.prefill_tokens >= 4 * self.page_size:  # timed until wait_for_save: the forward in between
+            self._fwd = (plan.step, plan.prefill_tokens, time.perf_counter())
+        if plan.jobs:
+            try:
+                self._worker.start_reads(plan)
+            except Exception as e:  # not handed over: wait_for_save hands them over with the backups
+                _hook_error(self._worker.counters, "bind_connector_metadata", e)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Layer by layer: wait until this layer's L2 -> L1 copies are done; a failed copy reports the step's loads as
+        failed blocks. vLLM calls it for every layer of every step: without a load in flight it returns at once,
+        untimed (the hook timer would cost more than the call)."""
+        w = self._worker
+        if w is not None and w.loading:
+            self._wait_for_layer_load(layer_name)
+
+    @_timed_hook
+    def _wait_for_layer_load(self, layer_name: str) -> None:
+        try:
+            self._worker.wait_layer(layer_name)
+        except Exception as e:
+            _hook_error(self._worker.counters, "wait_for_layer_load", e)
+            plan = self._get_connector_metadata()
+            if isinstance(plan, StepPlan):
+                self._worker.fail_loads(plan)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        """Nothing (and untimed: vLLM calls it for every layer of every step): saves run once per step in
+        ``wait_for_save``, after every layer wrote its KV."""
+        return None  # saves run once per step in wait_for_save, after every layer wrote its KV
+
+    @_timed_hook
+    def wait_for_save(self) -> None:
+        """End the forward's timing; finish the step's loads and run its L1 -> L2 saves, complete when the hook returns
+        (none of a request whose load failed, docs §8 R31); then hand the plan's backups to the writer."""
+        if self._worker is None:
+            return
+        plan = self._get_connector_metadata()
+        if not isinstance(plan, StepPlan):
+            return
+        fwd, self._fwd = self._fwd, None
+        if fwd is not None and fwd[0] == plan.step:
+            self._forwards.append((fwd[0], fwd[1], time.perf_counter() - fwd[2]))
+            del self._forwards[:-64]  # bounded if the scheduler side never collects them
+        try:
+            self._worker.end_sync_step(plan)
+            self._worker.finish_loads()
+            self._worker.run_saves(plan)  # every step: it also notes this step's failed loads (§8 R31)
+        except Exception as e:  # those pages are not in L2; a later hit on them recomputes (§8 R41)
+            _hook_error(self._worker.counters, "wait_for_save", e)
+            self._worker.forget_saves(plan.saves)
+        if plan.jobs:
+            todo = self._worker.unsubmitted(plan)
+            try:
+                self._worker.submit_jobs(plan)
+            except Exception as e:  # answered "not done" at once, so the scheduler side never waits for them
+                _hook_error(self._worker.counters, "wait_for_save", e)
+                self._worker.fail_jobs(todo)
+        self._stats.maybe_write()
+
+    def get_kv_connector_kv_cache_events(self):
+        """None (untimed: it does nothing): a worker has no tier events of its own. What a worker learns about L3
+        (a page stored, missing or corrupt) reaches the scheduler side in its job reports, where the index changes
+        and :meth:`take_events` publishes it."""
+        return None
+
+    @_timed_hook
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks whose page failed its checksum, whose copy raised or whose L3 page did not arrive in time; vLLM
+        recomputes them."""
+        if self._worker is None:
+            return set()
+        try:
+            return self._worker.take_failed_blocks()
+        except Exception as e:
+            _hook_error(self._worker.counters, "get_block_ids_with_load_errors", e)
+            return set()
