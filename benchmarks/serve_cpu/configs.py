@@ -229,7 +229,8 @@ def kv_config(name: str, p: dict, cdir: Path, zmq_endpoint: str | None, l3_root:
                       "controller": {"write_policy": WRITE_POLICY.get(name, "write_through"),
                                      **CONTROLLER_KEYS.get(name, {})}})
     elif name == "tierkv_l3_redis":
-        extra.update({"config_file": "l3_zmq.yaml", "l3.backend": "redis", "l3.redis.url": l3_url,
+        extra.update({"config_file": "l3_zmq.yaml", "l3.backend": "redis",
+                      "l3.redis.url": l3_url or "redis://127.0.0.1:6379/0",
                       "l3.redis.timeout_s": 5.0, "host_pool": {"num_pages": p["l3_l2_pages"]},
                       "controller": {"write_policy": "write_through"}})
     elif name in ZMQ_L3_CAPACITY:

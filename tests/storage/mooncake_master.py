@@ -145,7 +145,19 @@ class MooncakeMaster:
 
     def start(self) -> "MooncakeMaster":
         """Start the master and return once it is ready. Raises RuntimeError (with the log tail) if it exits or is
-        not ready within ``ready_timeout_s``."""
+        not ready within ``ready_timeout_s``. A first start whose free ports were taken by another process in the
+        meantime ("Address already in use") tries again on new ports, at most 3 times; a restart keeps its ports."""
+        for attempt in range(3):
+            try:
+                return self._start()
+            except RuntimeError as e:
+                if self.starts > 1 or attempt == 2 or "Address already in use" not in str(e):
+                    raise
+                self.starts -= 1
+                self.rpc_port, self.http_port, self.metrics_port = free_ports(3)
+        raise AssertionError("unreachable")
+
+    def _start(self) -> "MooncakeMaster":
         if self.proc is not None and self.proc.poll() is None:
             raise RuntimeError(f"mooncake_master already running (pid {self.proc.pid})")
         args = [self.binary, "-rpc_port", str(self.rpc_port), "-rpc_address", "127.0.0.1",

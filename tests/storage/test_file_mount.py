@@ -3,7 +3,7 @@ allocator skips recently deleted inodes: creating records gets slow after many d
 import logging
 import os
 
-from tierkv.storage_backends.file.store import store as file_mod
+from tierkv.storage_backends.file import store as file_mod
 from tierkv.storage_backends.file.store import FileStore, mount_of
 
 NS = bytes(range(16))

@@ -262,7 +262,7 @@ def test_native_client_is_never_left_to_the_garbage_collector(mc):
     """A store dropped without close() keeps its native client alive (its destructor would block the collecting
     thread while it retries a dead master); close() releases it."""
     import gc
-    from tierkv.storage_backends.mooncake.store import store as mooncake
+    from tierkv.storage_backends.mooncake import store as mooncake
 
     before = len(mooncake._UNCLOSED)
     s = mc.new_client()
@@ -280,7 +280,7 @@ def test_native_client_is_never_left_to_the_garbage_collector(mc):
 def test_unreachable_master_is_a_clear_error_within_bound():
     rpc, http = free_ports(2)
     t0 = time.monotonic()
-    from tierkv.storage_backends.mooncake.store import store as mooncake
+    from tierkv.storage_backends.mooncake import store as mooncake
 
     before = len(mooncake._UNCLOSED)
     with pytest.raises(ConfigError, match="master_address"):
