@@ -55,11 +55,11 @@ import threading
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
 from tierkv.connector.l3_io import VECTORED_MIN_RUN_BYTES
-from tierkv.connector.page_hash import FORMAT_VERSION, KEY_BYTES, ModelNamespace
+from tierkv.connector.page_hash import FORMAT_VERSION, KEY_BYTES, ModelNamespace, check_salt, resolve_salt
 from tierkv.storage_backends.base import StorageBackend
 from tierkv.storage_backends.common import ConfigError, RateLimitedLog, config_error
 from tierkv.storage_backends.factory import L3_BACKENDS, build_backend, validate_l3
@@ -88,7 +88,8 @@ class SGLangExtraConfig(BaseModel):
     (``None``): one record for ``l3.backend: file``, two otherwise. Part of the namespace: writers and readers of
     one store must agree (a mismatch is a miss). ``kv_cache_dtype``: the ``--kv-cache-dtype`` SGLang serves with;
     required when it is an FP8 format, because SGLang's host pool holds FP8 caches as ``uint8`` and cannot tell
-    e4m3 from e5m2 (part of the namespace).
+    e4m3 from e5m2 (part of the namespace). ``namespace_salt``: the operator's secret in every key (or
+    ``$TIERKV_NAMESPACE_SALT``; docs/tenants.md).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -98,6 +99,12 @@ class SGLangExtraConfig(BaseModel):
     namespace_extra: List[str] = Field(default_factory=list)
     split_kv: Optional[bool] = None
     kv_cache_dtype: Optional[str] = None
+    namespace_salt: Optional[str] = Field(default=None, repr=False)
+
+    @field_validator("namespace_salt")
+    @classmethod
+    def _salt(cls, v: Any) -> Optional[str]:
+        return check_salt(v)
 
 
 def parse_extra_config(extra: Optional[dict]) -> SGLangExtraConfig:
@@ -114,6 +121,10 @@ def parse_extra_config(extra: Optional[dict]) -> SGLangExtraConfig:
         err = config_error(e, "hicache-storage-backend-extra-config", SGLangExtraConfig)
         raise ConfigError(f"{err} (tierkv keys: {', '.join(SGLangExtraConfig.model_fields)}; SGLang keys: "
                           f"{', '.join(SGLANG_KEYS)})") from None
+    try:
+        cfg.namespace_salt = resolve_salt(cfg.namespace_salt)
+    except ValueError as e:
+        raise ConfigError(f"--hicache-storage-backend-extra-config: {e}") from None
     l3 = validate_l3(cfg.l3)
     if l3.backend == "none":
         raise ConfigError("l3.backend 'none' in --hicache-storage-backend-extra-config: the tierkv HiCache backend "
@@ -138,7 +149,7 @@ def records_per_page(pool: Any, split_kv: Optional[bool], backend: str) -> int:
 
 def build_namespace(storage_config: HiCacheStorageConfig, pool: Any, model_id: Optional[str] = None,
                     namespace_extra: Sequence[str] = (), records: int = 1,
-                    kv_cache_dtype: Optional[str] = None) -> ModelNamespace:
+                    kv_cache_dtype: Optional[str] = None, salt: Optional[str] = None) -> ModelNamespace:
     """The tierkv namespace of one SGLang rank's pages (see the module docstring for what it holds). The dtype is
     the host pool's; a ``uint8`` pool (SGLang's storage of every FP8 format) adds ``kv_cache_dtype``.
 
@@ -179,7 +190,7 @@ def build_namespace(storage_config: HiCacheStorageConfig, pool: Any, model_id: O
         head_dim=int(pool.head_dim) if mha else int(getattr(pool, "kv_cache_dim", 0) or 0),
         tp_rank=storage_config.tp_rank, tp_size=storage_config.tp_size,
         pp_rank=storage_config.pp_rank, pp_size=storage_config.pp_size,
-        use_mla=bool(storage_config.is_mla_model), extra=tuple(extra))
+        use_mla=bool(storage_config.is_mla_model), extra=tuple(extra), salt=salt)
 
 
 def byte_runs(part: torch.Tensor) -> list:
@@ -256,7 +267,7 @@ class TierKVHiCacheStorage(HiCacheStorage):
             raise ConfigError(f"split_kv: a page of {type(pool).__name__} ({pool.layout}) has no K/V axis first "
                               f"(shape {tuple(probe.shape)}); set split_kv false")
         ns = build_namespace(self.storage_config, pool, self.cfg.model_id, self.cfg.namespace_extra,
-                             self.parts_per_page, self.cfg.kv_cache_dtype)
+                             self.parts_per_page, self.cfg.kv_cache_dtype, self.cfg.namespace_salt)
         self.page_bytes = probe.numel() * probe.element_size()
         if self.page_bytes % self.parts_per_page:
             raise ConfigError(f"host pool page of {self.page_bytes} bytes does not split into "
