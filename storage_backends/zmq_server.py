@@ -44,8 +44,10 @@ DEFAULT_CAPACITY_BYTES = 1 << 30
 _POLL_MS = 100
 _BATCH_RECV = 64
 #: replies queued for one client before further replies to it are dropped (counted ``replies_dropped``): a client
-#: that does not read its answers holds at most this many (ROUTER high-water mark, messages).
-REPLY_QUEUE = 256
+#: that does not read its answers holds at most this many (ROUTER high-water mark, messages; they share the stored
+#: payload frames, so memory stays bounded). Well above what a pipelining client keeps in flight: libzmq frees room
+#: in a pipe only in batches, so a queue near a client's window drops replies it is about to read.
+REPLY_QUEUE = 1000
 #: seconds a new connection may take to finish the ZMTP handshake before it is closed (``handshakes_failed``).
 HANDSHAKE_S = 5.0
 #: counter of each refused request's code (``auth`` and ``too_large`` are counted where they are detected)
