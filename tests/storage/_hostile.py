@@ -84,3 +84,15 @@ def closed_by_peer(s: socket.socket, timeout_s: float) -> bool:
     except socket.timeout:
         return False
     return False
+
+
+def crash_writer(factory, keys: list, writer_id: int, page_bytes: int, progress, max_rounds: int) -> None:
+    """Write every key round after round (pages tagged as in ``_contract_workers``) until killed; ``progress[id]`` =
+    rounds completed."""
+    from _contract_workers import page as tagged
+
+    store = factory()
+    for r in range(max_rounds):
+        store.batch_set(keys, [np.frombuffer(tagged(writer_id, r, i, page_bytes), dtype=np.uint8)
+                               for i in range(len(keys))])
+        progress[writer_id] = r + 1
