@@ -1,6 +1,7 @@
-"""Request handlers of ``tierkv server`` (:class:`.zmq_server.CacheServer`) that need no per-request speed: the
-shared-memory segments of same-host clients (``shm_attach``/``shm_detach``, protocol v3) and the admin ops ``scan``,
-``verify`` (protocol v2) and the test-only ``t_corrupt``. Mixins: they use the server's ``store``, ``counters``,
+"""Shared-memory and admin request handlers of ``tierkv server`` (mixins of :class:`.zmq_server.CacheServer`).
+
+The shared-memory segments of same-host clients (``shm_attach``/``shm_detach``, protocol v3) and the admin ops
+``scan``, ``verify`` (protocol v2) and the test-only ``t_corrupt``. They use the server's ``store``, ``counters``,
 ``segments``, ``table``, ``_tenant`` (the tenant of the request being handled) and ``_verifies``.
 
 A segment belongs to the tenant that attached it: another tenant can neither name it in a get/set nor detach it.

@@ -1,5 +1,6 @@
-"""The spill tier of ``tierkv server``: records evicted from memory, kept on disk in FileStores (optional,
-``--spill-dir``). Each tenant other than the default one spills under ``<spill dir>/tenants/<name>``
+"""The spill tier of ``tierkv server``: records evicted from memory, kept on disk in FileStores (``--spill-dir``).
+
+Each tenant other than the default one spills under ``<spill dir>/tenants/<name>``
 (:class:`tierkv.storage_backends.zmq_store.PageStore`); the default tenant's records stay at the root, where servers
 without tenants always kept them.
 """

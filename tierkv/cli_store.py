@@ -4,7 +4,8 @@ A store is named by an address (:func:`tierkv.cli_common.parse_target`):
 
 - a directory: a file store (:mod:`tierkv.storage_backends.file`; read directly, one record file per page);
 - ``tcp://HOST:PORT``: a ``tierkv server`` (:mod:`tierkv.storage_backends.zmq_server`), through the admin ops
-  ``scan`` and ``verify`` of wire protocol 2 (:mod:`tierkv.storage_backends.zmq_protocol`);
+  ``scan`` and ``verify`` of wire protocol 2 (:mod:`tierkv.storage_backends.zmq_protocol`); with a tenant's token
+  (docs/tenants.md) only that tenant's pages are listed, cleared and verified, and stats add per-tenant counters;
 - ``mooncake://HOST:PORT``: a Mooncake master's RPC address; totals come from its metrics endpoint
   (``--metrics-port``), since a master cannot list its objects;
 - ``lmcache://HOST:PORT``: an LMCache cache server (``stats`` only): it cannot list its chunks either, so stats show
