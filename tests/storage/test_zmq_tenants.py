@@ -250,3 +250,40 @@ def test_tierkv_store_stats_shows_the_tenants(srv):
     r = tierkv("store", "stats", f"tcp://127.0.0.1:{port}", "--token", TOK["ops"])
     assert r.returncode == 0 and "tenant team-a: 3 pages" in r.stdout and "tenant team-c:" in r.stdout
     assert "(eviction off)" in r.stdout
+
+
+def test_a_shared_memory_segment_belongs_to_the_tenant_that_attached_it(srv):
+    a = ZmqStore(NS, PB, endpoint=srv.endpoint, token=TOK["a"], timeout_s=3.0, shm="on", shm_bytes=4 * PB)
+    srv.clients.append(a)
+    ks = keys_of(2, 11)
+    assert a.batch_set(ks, pages(2, 12)) == [True] * 2 and a.stats()["shm"] == "attached"
+    name = a._seg.name
+    for who in ("b", "ops"):  # naming team-a's segment: neither its slots nor the segment itself are reachable
+        got = srv.call(who, v=P.SHM_PROTOCOL_VERSION, op="get", ns=NS, keys=ks[:1], shm=name, len=PB, offs=[0])
+        assert got["code"] == "shm_unknown", got
+        put = srv.call(who, v=P.SHM_PROTOCOL_VERSION, op="set", ns=NS, keys=ks[:1], shm=name, len=PB, offs=[0],
+                       hdrs=[b"h" * 64])
+        assert put["code"] == "shm_unknown", put
+        assert srv.call(who, v=P.SHM_PROTOCOL_VERSION, op="shm_attach", name=name, size=4 * PB)["code"] == "shm"
+        assert srv.call(who, v=P.SHM_PROTOCOL_VERSION, op="shm_detach", name=name)["detached"] is False
+    dst = [torch.zeros(PB, dtype=torch.uint8) for _ in ks]
+    assert a.batch_get(ks, dst) == [True] * 2 and a.stats()["shm_pages_in"] == 2
+    assert srv.stats()["shm_segments"] == 1
+
+
+def test_each_tenant_spills_to_its_own_directory(tmp_path):
+    spill = tmp_path / "spill"
+    s = Server(tmp_path, tokens_yaml(quota_a=2 * REC), args=("--spill-dir", str(spill)))
+    try:
+        a, b = s.client("a"), s.client("b")
+        ks = keys_of(5, 12)
+        pa = pages(5, 13)
+        assert a.batch_set(ks, pa) == [True] * 5  # 3 of them evicted to team-a's spill directory
+        files = {w: [f for f in (spill / "tenants" / w).rglob("*.page")] for w in ("team-a", "team-b")}
+        assert len(files["team-a"]) == 3 and files["team-b"] == [], files
+        assert b.batch_exists(ks) == 0 and read(b, ks) == [None] * 5
+        assert all(torch.equal(x, y) for x, y in zip(read(a, ks), pa))
+        t = s.stats()["tenants"]["team-a"]
+        assert t["spilled"] >= 3 and t["spill_hits"] >= 3 and t["bytes"] <= 2 * REC
+    finally:
+        s.close()
