@@ -4,7 +4,9 @@ imports nothing from the command line, so the two never import each other.
 
 Exit codes are :mod:`tierkv.cli_common`'s: 0 after SIGTERM/SIGINT, :data:`~tierkv.cli_common.EXIT_USAGE` for a bad
 flag, :data:`~tierkv.cli_common.EXIT_REFUSED` when the server refuses to start (a bind beyond loopback without a
-token, an unreadable or empty ``--token-file``, an address it cannot listen on); each failure is one line on stderr.
+token, an unreadable or empty ``--token-file``, a bad ``--tokens-file`` (the message names the line), an address it
+cannot listen on); each failure is one line on stderr. SIGHUP re-reads ``--tokens-file`` (docs/tenants.md); a bad file
+is logged with its line and the tenants in use stay.
 """
 from __future__ import annotations
 
@@ -52,7 +54,8 @@ def _message_size(text: str) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The server's flags."""
     p.epilog = (f"exit codes: 0 stopped by SIGTERM/SIGINT, 2 bad flag, {EXIT_REFUSED} refused to start (a --host beyond "
-                "loopback without a token, an unreadable or empty --token-file, an address it cannot listen on)")
+                "loopback without a token, an unreadable or empty --token-file, a bad --tokens-file, an address it "
+                "cannot listen on); SIGHUP re-reads --tokens-file")
     p.add_argument("--host", default="127.0.0.1",
                    help="bind address (default 127.0.0.1; give 0.0.0.0 or an interface address explicitly to expose it)")
     p.add_argument("--port", type=int, default=zmq_server.DEFAULT_PORT,
@@ -69,6 +72,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="shared secret every request must carry (default: $TIERKV_SERVER_TOKEN, else none; prefer the "
                         "variable or --token-file: a command line is visible to other users in ps)")
     p.add_argument("--token-file", default=None, help="read the token from this file (first line; overrides --token)")
+    p.add_argument("--tokens-file", default=None,
+                   help="tenants: a YAML file mapping each token to a tenant name and its quota in bytes "
+                        "(docs/tenants.md); each tenant's pages are its own; re-read on SIGHUP. Excludes --token")
+    p.add_argument("--no-evict", action="store_true",
+                   help="a tenant over its quota (or a full server) has its writes refused, not its oldest pages "
+                        "evicted (the default of tokens-file entries without 'evict')")
     p.add_argument("--allow-unauthenticated", action="store_true",
                    help="allow a --host beyond loopback without a token (any client that reaches the port may read, "
                         f"write and clear pages); without it such a server refuses to start (exit {EXIT_REFUSED})")
@@ -99,27 +108,37 @@ def serve(args: argparse.Namespace) -> int:
     """
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    tokens_file = getattr(args, "tokens_file", None)
     token = _token(args)
+    if tokens_file and token:
+        raise CliError(EXIT_REFUSED, "give --tokens-file or a single token (--token, --token-file, "
+                                     "$TIERKV_SERVER_TOKEN), not both")
     if not zmq_server.is_loopback(args.host):
-        if not token and not args.allow_unauthenticated:
+        if not token and not tokens_file and not args.allow_unauthenticated:
             raise CliError(EXIT_REFUSED, f"refusing to listen on {args.host} (beyond this machine) without a token: "
                                          "give --token/--token-file/$TIERKV_SERVER_TOKEN, or --allow-unauthenticated "
                                          "to accept any client")
         log.warning("binding %s: the cache server is reachable beyond this machine%s", args.host,
-                    "" if token else " and accepts any client (--allow-unauthenticated)")
+                    "" if token or tokens_file else " and accepts any client (--allow-unauthenticated)")
     tuned = zmq_server.keep_freed_memory(args.capacity_bytes)
     try:
         srv = zmq_server.CacheServer(host=args.host, port=args.port, capacity_bytes=args.capacity_bytes,
                                      spill_dir=args.spill_dir, spill_capacity_bytes=args.spill_capacity_bytes,
                                      max_message_bytes=args.max_message_bytes, token=token,
-                                     enable_test_ops=args.enable_test_ops)
+                                     enable_test_ops=args.enable_test_ops, tokens_file=tokens_file,
+                                     evict=not getattr(args, "no_evict", False))
+    except zmq_server.TokensFileError as e:
+        raise CliError(EXIT_REFUSED, str(e)) from None
     except zmq_server.zmq.ZMQError as e:  # address in use, unknown host: the operator's input, not a bug
         raise CliError(EXIT_REFUSED, f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
     signal.signal(signal.SIGTERM, srv.stop)
     signal.signal(signal.SIGINT, srv.stop)
+    signal.signal(signal.SIGHUP, srv.hup)
     print(f"tierkv-server ready {srv.endpoint}", flush=True)
     log.info("serving on %s, capacity %d bytes, spill %s, malloc tuned %s, token %s", srv.endpoint,
-             srv.capacity_bytes, args.spill_dir, tuned, "required" if token else "none")
+             srv.capacity_bytes, args.spill_dir, tuned,
+             f"tenants from {tokens_file} ({len(srv.table.tenants)})" if tokens_file
+             else ("required" if token else "none"))
     try:
         srv.serve_forever()
     finally:

@@ -4,7 +4,8 @@ A store is named by an address (:func:`tierkv.cli_common.parse_target`):
 
 - a directory: a file store (:mod:`tierkv.storage_backends.file.store`; read directly, one record file per page);
 - ``tcp://HOST:PORT``: a ``tierkv server`` (:mod:`tierkv.storage_backends.zmq.server`), through the admin ops
-  ``scan`` and ``verify`` of wire protocol 2 (:mod:`tierkv.storage_backends.zmq.protocol`);
+  ``scan`` and ``verify`` of wire protocol 2 (:mod:`tierkv.storage_backends.zmq.protocol`); with a tenant's token
+  (docs/tenants.md) only that tenant's pages are listed, cleared and verified, and stats add per-tenant counters;
 - ``mooncake://HOST:PORT``: a Mooncake master's RPC address; totals come from its metrics endpoint
   (``--metrics-port``), since a master cannot list its objects;
 - ``lmcache://HOST:PORT``: an LMCache cache server (``stats`` only): it cannot list its chunks either, so stats show
@@ -169,7 +170,7 @@ class ZmqAdmin:
                                              "(is 'tierkv server' running there? see --timeout)")
         frames = self.sock.recv_multipart()
         try:
-            r = P.unpack_header(frames[0], max_map_len=64)
+            r = P.unpack_header(frames[0], max_map_len=1024)
         except P.ProtocolError as e:
             raise CliError(EXIT_UNREACHABLE, f"{self.t.text} sent an unreadable reply ({e}); is it a tierkv server?")
         if r.get("ok") is True:
@@ -278,8 +279,9 @@ def _stats_zmq(args) -> dict:
         st = a.call("stats").get("stats", {})
         out = {"store": args._target.text, "kind": "zmq", "pages": int(st.get("keys", 0)),
                "bytes": int(st.get("bytes", 0)), "capacity_bytes": st.get("capacity_bytes"),
-               "server": {k: st.get(k) for k in ("uptime_s", "hits", "misses", "sets", "evictions", "spilled",
-                                                 "auth_failures", "errors", "rss_bytes", "spill")},
+               "server": {k: st.get(k) for k in ("tenant", "uptime_s", "hits", "misses", "sets", "evictions", "spilled",
+                                                 "refused", "auth_failures", "errors", "rss_bytes", "spill")},
+               "tenants": st.get("tenants") if isinstance(st.get("tenants"), dict) else None,
                "age_labels": list(AGE_LABELS), "namespaces": None}
         if not admin:
             out["note"] = "server speaks protocol 1 only: per-namespace stats need a newer tierkv server"
@@ -389,6 +391,12 @@ def _print_stats(d: dict) -> None:
     for k, v in (d.get("server") or {}).items():
         if v is not None:
             print(f"  {k}: {v}")
+    for name, t in sorted((d.get("tenants") or {}).items()):
+        if isinstance(t, dict):
+            print(f"tenant {name}: {t.get('pages')} pages, {human_bytes(int(t.get('bytes') or 0))} of "
+                  f"{human_bytes(int(t.get('quota_bytes') or 0))} quota, hits {t.get('hits')}, misses "
+                  f"{t.get('misses')}, sets {t.get('sets')}, refused {t.get('refused')}, evictions "
+                  f"{t.get('evictions')}" + ("" if t.get("evict", True) else " (eviction off)"))
     for ns in d.get("namespaces") or []:
         pb = ",".join(str(x) for x in ns["payload_bytes"]) or "?"
         vers = ",".join(str(x) for x in ns["versions"]) or "?"

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tierkv.storage_backends.common import ConfigError, unknown_key  # noqa: F401 - re-exported: ConfigError
 from tierkv.storage_backends.factory import L3Config, validate_l3  # noqa: F401 - re-exported
+from tierkv.connector.core.page_hash import check_salt, resolve_salt
 from tierkv.connector.cpu.thread_priority import WRITER_PRIORITIES
 
 #: the names below are defined here only; the host pool, the controller and the config models use them
@@ -87,6 +88,7 @@ class TierKVConfig(_Strict):
 
     page_size: Optional[int] = Field(default=None, gt=0)
     model_id: Optional[str] = None
+    namespace_salt: Optional[str] = Field(default=None, repr=False)
     host_pool: HostPoolConfig = Field(default_factory=HostPoolConfig)
     eviction_policy: Literal["lru", "lfu"] = "lru"
     l3: L3Config = Field(default_factory=L3Config)
@@ -96,6 +98,12 @@ class TierKVConfig(_Strict):
     stats_path: Optional[str] = None
     trace_path: Optional[str] = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("namespace_salt")
+    @classmethod
+    def _salt(cls, v: Any) -> Optional[str]:
+        # the operator's secret that enters every page key (docs/tenants.md); never echoed in an error
+        return check_salt(v)
 
     @field_validator("stats_path")
     @classmethod
@@ -209,6 +217,8 @@ def _format_error(err: ValidationError) -> str:
         elif e["type"] == "literal_error":
             allowed = e.get("ctx", {}).get("expected", "")
             lines.append(f"bad value {_short(e.get('input'))!r} for '{key}': allowed values are {allowed}")
+        elif e["loc"][:1] == ("namespace_salt",):  # a secret: never echoed
+            lines.append(f"bad value for '{key}': {_plain(e['msg'])}")
         else:
             lines.append(f"bad value {_short(e.get('input'))!r} for '{key}': {_plain(e['msg'])}")
     if len(errors) > MAX_ERRORS_SHOWN:
@@ -280,6 +290,10 @@ def load_config(config_file: Optional[str | os.PathLike] = None, overrides: Opti
         cfg = TierKVConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_format_error(e)) from None
+    try:  # $TIERKV_NAMESPACE_SALT (containers) fills namespace_salt; both set and different is refused
+        cfg.namespace_salt = resolve_salt(cfg.namespace_salt)
+    except ValueError as e:
+        raise ConfigError(f"invalid tierkv config: {e}") from None
     # the backend sections of ``l3`` are plain mappings here; their keys are checked by the storage layer
     validate_l3(cfg.l3)
     check_controller_used(cfg)

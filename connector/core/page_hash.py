@@ -92,18 +92,64 @@ class ModelNamespace:
     pp_size: int = 1
     use_mla: bool = False
     extra: tuple = field(default_factory=tuple)
+    #: the operator's ``namespace_salt`` (docs/tenants.md): in :meth:`digest` (so in every page key and L3 key), never
+    #: in ``repr`` or :meth:`describe` (the description is written into shared stores); None = no salt
+    salt: Optional[str] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.page_size <= 0:
             raise ValueError(f"page_size must be > 0 tokens, got {self.page_size}")
 
     def digest(self) -> bytes:
-        """16-byte digest of the namespace (stable across processes, Python versions and machines)."""
+        """16-byte digest of the namespace (stable across processes, Python versions and machines). Without a salt
+        it is what it was before salts existed."""
         d = asdict(self)
+        salt = d.pop("salt")
         if self.use_mla:
             d["tp_rank"] = 0  # one copy of MLA pages serves every rank
         d["format_version"] = FORMAT_VERSION
+        if salt:
+            d["namespace_salt"] = salt
         return _h(_DOMAIN, b"ns", _canonical(d))
+
+    def describe(self) -> dict:
+        """The fields for an operator (``tierkv store stats``): everything but the salt, which is only said to be set
+        (``namespace_salt: "set"``): a description that gave it away would let anyone who reads the store compute
+        this deployment's keys."""
+        d = asdict(self)
+        if d.pop("salt"):
+            d["namespace_salt"] = "set"
+        return d
+
+
+#: environment variable holding the operator's namespace salt (for containers; same meaning as ``namespace_salt``)
+NAMESPACE_SALT_ENV = "TIERKV_NAMESPACE_SALT"
+#: longest namespace salt accepted (characters)
+MAX_SALT_CHARS = 1024
+
+
+def check_salt(v: Any, what: str = "namespace_salt") -> Optional[str]:
+    """A namespace salt: None/absent, or a string of 1..:data:`MAX_SALT_CHARS` printable characters without leading or
+    trailing blanks (a stray newline from a secret file would silently give another salt). Raises ValueError naming
+    ``what`` and what is allowed; the value itself is never quoted."""
+    if v is None:
+        return None
+    if not isinstance(v, str) or not v or len(v) > MAX_SALT_CHARS or v != v.strip() or not v.isprintable():
+        got = f"{len(v)} characters" if isinstance(v, str) else f"a {type(v).__name__}"
+        raise ValueError(f"{what} must be a string of 1-{MAX_SALT_CHARS} printable characters without leading or "
+                         f"trailing blanks, or null for no salt (got {got})")
+    return v
+
+
+def resolve_salt(configured: Optional[str], env: Optional[dict] = None) -> Optional[str]:
+    """The salt in force: ``namespace_salt`` from the config or ``$TIERKV_NAMESPACE_SALT`` (an empty variable is
+    unset). Raises ValueError when both are set and differ (which one the operator meant is unknown) or the variable
+    is not a valid salt."""
+    raw = (os.environ if env is None else env).get(NAMESPACE_SALT_ENV) or None
+    from_env = check_salt(raw, f"${NAMESPACE_SALT_ENV}")
+    if configured and from_env and configured != from_env:
+        raise ValueError(f"namespace_salt and ${NAMESPACE_SALT_ENV} are both set and differ: set one of them")
+    return configured or from_env
 
 
 def adapter_digest(path: str) -> str:

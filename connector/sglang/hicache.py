@@ -24,7 +24,7 @@ from enum import Enum
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
 try:  # the hybrid (v2) interface; an SGLang without it never calls the v2 methods
@@ -32,7 +32,7 @@ try:  # the hybrid (v2) interface; an SGLang without it never calls the v2 metho
 except ImportError:  # pragma: no cover - not the SGLang the tests install
     PoolTransfer = PoolTransferResult = None
 
-from tierkv.connector.core.page_hash import FORMAT_VERSION, ModelNamespace
+from tierkv.connector.core.page_hash import FORMAT_VERSION, ModelNamespace, check_salt, resolve_salt
 from tierkv.connector.sglang.pool_io import IOCounters, PoolIO, byte_runs, is_mha, map_key, region
 from tierkv.storage_backends.common import ConfigError, RateLimitedLog, config_error
 from tierkv.storage_backends.factory import L3_BACKENDS, validate_l3
@@ -60,7 +60,8 @@ class SGLangExtraConfig(BaseModel):
     (``None``): one record for ``l3.backend: file``, two otherwise. Part of the namespace: writers and readers of
     one store must agree (a mismatch is a miss). ``kv_cache_dtype``: the ``--kv-cache-dtype`` SGLang serves with;
     required when it is an FP8 format, because SGLang's host pool holds FP8 caches as ``uint8`` and cannot tell
-    e4m3 from e5m2 (part of the namespace).
+    e4m3 from e5m2 (part of the namespace). ``namespace_salt``: the operator's secret in every key (or
+    ``$TIERKV_NAMESPACE_SALT``; docs/tenants.md).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -70,6 +71,12 @@ class SGLangExtraConfig(BaseModel):
     namespace_extra: List[str] = Field(default_factory=list)
     split_kv: Optional[bool] = None
     kv_cache_dtype: Optional[str] = None
+    namespace_salt: Optional[str] = Field(default=None, repr=False)
+
+    @field_validator("namespace_salt")
+    @classmethod
+    def _salt(cls, v: Any) -> Optional[str]:
+        return check_salt(v)
 
 
 def parse_extra_config(extra: Optional[dict]) -> SGLangExtraConfig:
@@ -86,6 +93,10 @@ def parse_extra_config(extra: Optional[dict]) -> SGLangExtraConfig:
         err = config_error(e, "hicache-storage-backend-extra-config", SGLangExtraConfig)
         raise ConfigError(f"{err} (tierkv keys: {', '.join(SGLangExtraConfig.model_fields)}; SGLang keys: "
                           f"{', '.join(SGLANG_KEYS)})") from None
+    try:
+        cfg.namespace_salt = resolve_salt(cfg.namespace_salt)
+    except ValueError as e:
+        raise ConfigError(f"--hicache-storage-backend-extra-config: {e}") from None
     l3 = validate_l3(cfg.l3)
     if l3.backend == "none":
         raise ConfigError("l3.backend 'none' in --hicache-storage-backend-extra-config: the tierkv HiCache backend "
@@ -107,7 +118,8 @@ def records_per_page(pool: Any, split_kv: Optional[bool], backend: str) -> int:
 
 def build_namespace(storage_config: HiCacheStorageConfig, pool: Any, model_id: Optional[str] = None,
                     namespace_extra: Sequence[str] = (), records: int = 1,
-                    kv_cache_dtype: Optional[str] = None, page_bytes: Optional[int] = None) -> ModelNamespace:
+                    kv_cache_dtype: Optional[str] = None, page_bytes: Optional[int] = None,
+                    salt: Optional[str] = None) -> ModelNamespace:
     """The tierkv namespace of one SGLang rank's pages (see the module docstring for what it holds). The dtype is
     the host pool's; a ``uint8`` pool (SGLang's storage of every FP8 format) adds ``kv_cache_dtype``; ``page_bytes``
     (for pools whose attributes do not fix it) is added when given.
@@ -152,7 +164,7 @@ def build_namespace(storage_config: HiCacheStorageConfig, pool: Any, model_id: O
         head_dim=int(pool.head_dim) if mha else int(getattr(pool, "kv_cache_dim", 0) or 0),
         tp_rank=storage_config.tp_rank, tp_size=storage_config.tp_size,
         pp_rank=storage_config.pp_rank, pp_size=storage_config.pp_size,
-        use_mla=bool(storage_config.is_mla_model), extra=tuple(extra))
+        use_mla=bool(storage_config.is_mla_model), extra=tuple(extra), salt=salt)
 
 
 #: SGLang's pool names and hit policies (its ``PoolName`` / ``PoolHitPolicy`` are str enums equal to these)
@@ -253,7 +265,8 @@ class TierKVHiCacheStorage(HiCacheStorage):
         def namespace(records: int, page_bytes: int) -> ModelNamespace:
             # a pool without get_data_page (only get_page_buffer_meta) says nothing else that fixes its page size
             return build_namespace(self.storage_config, pool, cfg.model_id, cfg.namespace_extra, records,
-                                   cfg.kv_cache_dtype, None if hasattr(pool, "get_data_page") else page_bytes)
+                                   cfg.kv_cache_dtype, None if hasattr(pool, "get_data_page") else page_bytes,
+                                   cfg.namespace_salt)
 
         self.kv = PoolIO(pool, KV, namespace, records_per_page(pool, cfg.split_kv, backend), cfg.l3,
                          self._counters)

@@ -537,7 +537,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             model_id=model_id, page_size=self.page_size, num_layers=len(self.layer_names),
             num_kv_heads=int(getattr(spec, "num_kv_heads", 1)), head_dim=int(getattr(spec, "head_size", 0)),
             tp_rank=0, tp_size=self.tp_size, pp_rank=0, pp_size=int(pc.pipeline_parallel_size),
-            use_mla=self.use_mla,
+            use_mla=self.use_mla, salt=self.cfg.namespace_salt,
             **page_namespace_facts(vllm_config, kv_cache_config, spec, self.use_mla, self.cfg.host_pool.layout))
         if self.local_window:  # sliding-window layers stored another way: never mixed with pages of another scheme
             self.namespace = dataclasses.replace(
@@ -1074,7 +1074,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             logger.warning("tierkv worker: L3 store '%s' could not start (%s); serving without L3 (jobs are "
                            "answered 'not done', every prefix beyond L2 is recomputed)", self.cfg.l3.backend, e)
             return None, None
-        store.store.describe_namespace(dataclasses.asdict(rank_ns))  # for `tierkv store stats`; never matched on
+        store.store.describe_namespace(rank_ns.describe())  # for `tierkv store stats`; never matched on
         c = self.cfg.controller
         checksums = SlotChecksums(host.num_slots)
         l3 = L3IO(store, host, digest, checksums, batch_pages=c.batch_pages, max_backup_pages=c.max_backup_pages,

@@ -108,6 +108,7 @@ class FileStoreConfig(BaseModel):
     quarantine: bool = True
     quarantine_max_files: int = Field(default=1000, ge=0)
     scan_verify: Literal["size", "header"] = "size"
+    background_scan: bool = False
     touch_on_read: bool = True
     touch_flush_s: float = Field(default=5.0, ge=0)
     stale_temp_s: float = Field(default=300.0, ge=0)
@@ -183,6 +184,11 @@ class FileStore(StorageBackend):
         quarantine_max_files: keep at most this many quarantined files; beyond it bad records are deleted.
         scan_verify: start-up check of each file: ``"size"`` (file size only: catches truncated and extended
             records of this namespace) or ``"header"`` (also read and check each 64-byte header).
+        background_scan: run the start-up scan in a thread (``tkv-file-scan``) so the constructor returns at once:
+            reads and existence checks go to the files themselves (and index what they find), writes proceed; the
+            capacity is enforced on the whole directory once the scan ends (:meth:`wait_scan`). Until then a record
+            the scan would quarantine (wrong size) is found only when read (then verified: a miss). The scan of 100k
+            records took 1.3-2.6 s on a warm page cache (benchmarks/README.md, file_scan).
         touch_on_read: refresh a record's mtime on hits so LRU order survives a restart. Hits are stamped with their
             time at once but written to the files lazily (deduplicated: one ``utime`` per page however often it was
             hit), at the first call more than ``touch_flush_s`` seconds after the oldest unwritten hit, once 4096
@@ -260,14 +266,29 @@ class FileStore(StorageBackend):
                         "recently deleted inodes); a journaled filesystem or tmpfs does not have this",
                         self.root, self.filesystem["device"], self.filesystem["mount"])
         self._quarantine_count = self._count_quarantine()
-        self.rescan()
-        if self.cfg.capacity_bytes is not None:
-            self.capacity_bytes = self.cfg.capacity_bytes
+        self._scan_done = threading.Event()
+        if self.cfg.background_scan:
+            self.capacity_bytes = self.cfg.capacity_bytes or self._default_capacity()
+            threading.Thread(target=self._startup_scan, name="tkv-file-scan", daemon=True).start()
         else:
-            self.capacity_bytes = self._default_capacity()
-        if not self.cfg.read_only:
-            with self._lock:
-                self._evict_locked(0)
+            self._startup_scan()
+
+    def _startup_scan(self) -> None:
+        try:
+            self.rescan()
+            if self.cfg.capacity_bytes is not None:
+                self.capacity_bytes = self.cfg.capacity_bytes
+            else:
+                self.capacity_bytes = self._default_capacity()
+            if not self.cfg.read_only:
+                with self._lock:
+                    self._evict_locked(0)
+        finally:
+            self._scan_done.set()
+
+    def wait_scan(self, timeout_s: Optional[float] = None) -> bool:
+        """True once the start-up scan has finished (at once without ``background_scan``)."""
+        return self._scan_done.wait(timeout_s)
 
     # ------------------------------------------------------------------ set-up
     def _check_root(self) -> None:
@@ -356,6 +377,9 @@ class FileStore(StorageBackend):
         entries.sort()
         with self._lock:
             index = OrderedDict((p, s) for _, p, s in entries)
+            for p, size in self._index.items():  # written or found while the walk ran (a background scan)
+                if p not in index and os.path.exists(p):
+                    index[p] = size
             for p in self._writing:  # keep the reservations of writes in flight
                 index[p] = self.record_bytes
             self._index = index

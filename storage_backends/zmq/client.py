@@ -273,7 +273,7 @@ class ZmqStore(StorageBackend):
         self._warn = RateLimitedLog(log)
         self.counters = Counters("requests", "timeouts", "reconnects", "fast_fails", "stale_replies", "bad_replies",
                                  "error_replies", "max_pending", "shm_pages_in", "shm_pages_out", "shm_attaches",
-                                 "shm_fallbacks", "shm_recreated", "presence_answers", "presence_tables")
+                                 "shm_fallbacks", "shm_recreated", "presence_answers", "presence_tables", "set_refused")
         self._chan = RequestChannel(cfg.endpoint, timeout_s=cfg.timeout_s, backoff_s=cfg.reconnect_backoff_s,
                                     max_backoff_s=cfg.max_backoff_s, counters=self.counters, log=log,
                                     what="tierkv zmq server", hwm=10000, max_message_bytes=cfg.max_message_bytes)
@@ -667,9 +667,7 @@ class ZmqStore(StorageBackend):
                 raise P.ProtocolError("bad_reply", "set reply: 'stored' is not one bool per key")
             res[s:e] = st
             self.counters["shm_pages_out"] += sum(st)
-            ev = rh.get("evicted", 0)
-            if type(ev) is int and ev > 0:
-                self.counters["evictions"] += ev
+            self._set_reply_counts(rh)
 
         return self._shm_rounds(len(keys), build, on_reply)
 
@@ -721,9 +719,7 @@ class ZmqStore(StorageBackend):
             if frames or not isinstance(st, list) or len(st) != e - s or not all(isinstance(x, bool) for x in st):
                 raise P.ProtocolError("bad_reply", "set reply: 'stored' is not one bool per key")
             res[s:e] = st
-            ev = rh.get("evicted", 0)
-            if type(ev) is int and ev > 0:
-                self.counters["evictions"] += ev
+            self._set_reply_counts(rh)
 
         self._exchange(msgs, on_reply)
         ok = sum(res)
@@ -731,6 +727,14 @@ class ZmqStore(StorageBackend):
         self.counters["set_failures"] += len(keys) - ok
         self.counters["bytes_written"] += ok * self.page_bytes
         return res
+
+    def _set_reply_counts(self, rh: dict) -> None:
+        """``evicted`` (server evictions this set caused) and ``refused`` (pages the server refused for this
+        tenant's quota with eviction off: already counted as set failures) of a set reply."""
+        for name, counter in (("evicted", "evictions"), ("refused", "set_refused")):
+            v = rh.get(name, 0)
+            if type(v) is int and v > 0:
+                self.counters[counter] += v
 
     def batch_delete(self, keys: Sequence[str]) -> int:
         """Delete ``keys`` on the server; returns how many existed (0 on failure)."""
@@ -770,7 +774,8 @@ class ZmqStore(StorageBackend):
         return out if self._exchange([({"op": "stats", "keys": []}, [])], on_reply)[0] else None
 
     def stats(self) -> dict:
-        """Client counters: requests, hits, misses, sets, set_failures, corrupt (pages failing verification),
+        """Client counters: requests, hits, misses, sets, set_failures (set_refused of them: refused by the server
+        for the tenant's quota), corrupt (pages failing verification),
         errors, timeouts, reconnects, fast_fails (calls skipped during back-off), stale_replies, bad_replies,
         error_replies, bytes_read/bytes_written (payload bytes), evictions (server evictions caused by this client's
         sets), pending (requests awaiting a reply now), max_pending, connected (a socket is open); shared memory:

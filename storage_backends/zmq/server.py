@@ -3,54 +3,39 @@
 Run it as ``tierkv server`` or ``python -m tierkv.cli_server`` (same flags; the command line is
 :mod:`tierkv.cli_server`). It binds a ZMQ ROUTER socket on ``--host`` (127.0.0.1 unless a wider address is
 given explicitly) and ``--port`` (0 = any free port), prints one line ``tierkv-server ready tcp://HOST:PORT``
-on stdout once it is listening, and exits cleanly on SIGTERM/SIGINT.
+on stdout once it is listening, exits cleanly on SIGTERM/SIGINT and re-reads its ``--tokens-file`` on SIGHUP.
 
-Storage: an LRU of records ``(namespace, key) -> (page record header, payload frame)`` bounded by
-``--capacity-bytes``
-(header + payload bytes); received payload frames are kept as they came off the wire and sent back with
-zero-copy sends. Evicted records optionally spill to a :class:`tierkv.storage_backends.file.store.FileStore`
-under ``--spill-dir`` and are read back (and promoted to memory) on a later get. The server never looks
-inside a payload: the client wraps every page with a :mod:`.page_format` header and verifies it on read.
+This module is the protocol side: frames, authentication (a request's token names its tenant,
+:mod:`.tenants`), dispatch, shared-memory segments, ``verify`` sessions and counters of bad traffic. The pages
+live in a :class:`.page_store.PageStore` (one namespace per tenant, quotas, LRU, spill, presence table). The server
+never looks inside a payload: the client wraps every page with a :mod:`.page_format` header and checks it on read.
 
-Safe by default (docs/architecture.md §12): a ``--host`` beyond loopback without a token (``--token``,
-``--token-file``, ``$TIERKV_SERVER_TOKEN``) refuses to start (exit 5) unless ``--allow-unauthenticated`` is given;
-with a token every request (the destructive ``delete``, ``clear``, ``verify`` with ``fix`` included) must carry it;
-error replies and log lines carry ``***`` in its place. The admin ops ``scan`` and ``verify`` (protocol version 2)
-serve ``tierkv store stats|verify``.
-
-Same-host clients may attach a shared-memory segment of their own (``shm_attach``, protocol version 3): their
-get/set requests then name slots of it instead of carrying payload frames, and the server copies pages into and
-out of those slots (docs/architecture.md §5, "Shared-memory data path"). The server maps a segment, never creates
-or removes one: it belongs to the client. It does publish one file of its own there, once a loopback client asks for
-it in a ping and when it runs without a spill directory: the presence table of the keys it holds
-(:mod:`.presence_table`), which same-host clients probe to answer ``exists`` without a round trip; the ping reply
-names it. A server whose clients never ask (the shared-memory path off) keeps nothing in ``/dev/shm``.
-
-Wire format and safety rules: :mod:`.protocol` (msgpack headers under strict limits, raw payload frames,
-an error reply for every request it can attribute, no pickle). Design inspired by LMCache's MP cache server
-(DEALER/ROUTER, request ids) and SGLang HiCache's storage semantics (leading-run exists), with the fixes
-docs/architecture.md §8 R13, R15, R19 call for.
+Safe by default (docs/architecture.md §12, docs/tenants.md): a ``--host`` beyond loopback without a token refuses to
+start unless ``--allow-unauthenticated``; error replies and log lines carry ``***`` in place of any token; a request
+for another tenant's page is a miss. Wire format and its limits: :mod:`.zmq_protocol` (no pickle).
 """
 from __future__ import annotations
 
 import functools
-import hmac
 import itertools
 import logging
 import os
-import struct
 import sys
 import time
 from collections import OrderedDict
 from typing import Any, Optional
 
-import numpy as np
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from tierkv.storage_backends.zmq import protocol as P
 from tierkv.storage_backends.common import Counters
-from tierkv.storage_backends.zmq.presence_table import PRESENCE_NAME_RE, PRESENCE_PREFIX, PresenceTable, fingerprint
-from tierkv.storage_backends.shm_segment import Segment, sweep_dead_files
+from tierkv.storage_backends.zmq.presence_table import PRESENCE_NAME_RE, PRESENCE_PREFIX
+from tierkv.storage_backends.shm_segment import sweep_dead_files
+from tierkv.storage_backends.zmq.server_ops import (  # noqa: F401 - the limits are re-exported
+    MAX_SEGMENTS, MAX_VERIFY_SESSIONS, SEGMENT_IDLE_S, AdminOps, ShmOps)
+from tierkv.storage_backends.zmq.page_store import VERIFY_SLICE_BYTES, PageStore, nbytes  # noqa: F401
+from tierkv.storage_backends.zmq.tenants import Tenant, TenantTable, TokensFileError, load_tokens_file, single_tenant
 
 log = logging.getLogger("tierkv.zmq_server")
 
@@ -58,209 +43,86 @@ DEFAULT_PORT = 5557
 DEFAULT_CAPACITY_BYTES = 1 << 30
 _POLL_MS = 100
 _BATCH_RECV = 64
-#: most client shared-memory segments mapped at once; attaching one more unmaps the least recently used.
-MAX_SEGMENTS = 256
-#: a mapped segment whose file is gone (its client closed or died) and that was unused this long is unmapped when
-#: another client attaches (seconds).
-SEGMENT_IDLE_S = 60.0
-#: payload bytes one ``verify`` step hashes at most (a step stops after the record that crosses it).
-VERIFY_SLICE_BYTES = 64 << 20
-#: ``verify`` sessions kept between steps (one per running ``tierkv store verify``).
-MAX_VERIFY_SESSIONS = 8
+#: replies queued for one client before further replies to it are dropped (counted ``replies_dropped``): a client
+#: that does not read its answers holds at most this many (ROUTER high-water mark, messages; they share the stored
+#: payload frames, so memory stays bounded). Well above what a pipelining client keeps in flight: libzmq frees room
+#: in a pipe only in batches, so a queue near a client's window drops replies it is about to read.
+REPLY_QUEUE = 1000
+#: seconds a new connection may take to finish the ZMTP handshake before it is closed (``handshakes_failed``).
+HANDSHAKE_S = 5.0
+#: counter of each refused request's code (``auth`` and ``too_large`` are counted where they are detected)
+_BAD = {"bad_header": "bad_header", "bad_request": "bad_request", "version": "version_refused",
+        "unknown_op": "unknown_op", "shm_unknown": "shm_unknown"}
+#: counters of bad traffic (see :meth:`CacheServer.stats`)
+BAD_TRAFFIC = ("empty_messages", "bad_header", "bad_request", "version_refused", "unknown_op", "auth_failures",
+               "too_large", "replies_dropped", "handshakes_failed", "shm_refused", "shm_unknown")
+_MON_EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+               | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+_nbytes = nbytes
 
 
-def _nbytes(buf: Any) -> int:
-    if isinstance(buf, zmq.Frame):
-        return len(buf)
-    return memoryview(buf).nbytes
-
-
-class _SpillTier:
-    """Evicted records on disk: one FileStore per (namespace, record length) (a FileStore has a fixed page size).
-
-    A spilled record is ``u16 header length || page header || payload``, stored as one FileStore page of the
-    client's namespace under ``root/<namespace hex>/rec-<length>``; stores found there are reopened at start.
-    FileStore has no per-key delete, so a deleted spilled key is remembered in memory (a tombstone, dropped when
-    the key is stored again) until the next restart or clear of its namespace."""
-
-    def __init__(self, root: str, capacity_bytes: Optional[int] = None):
-        from tierkv.storage_backends.file.store import FileStore  # lazy: spill is optional
-
-        self._cls = FileStore
-        self.root = root
-        self.capacity_bytes = capacity_bytes
-        os.makedirs(root, exist_ok=True)
-        self.stores: dict[tuple[bytes, int], Any] = {}
-        self.tombstones: set[tuple[bytes, str]] = set()
-        for nsdir in sorted(os.listdir(root)):
-            if not P.KEY_RE.match(nsdir):
-                continue
-            for name in sorted(os.listdir(os.path.join(root, nsdir))):
-                if name.startswith("rec-") and name[4:].isdigit():
-                    self._store(bytes.fromhex(nsdir), int(name[4:]))
-
-    def _store(self, ns: bytes, length: int):
-        st = self.stores.get((ns, length))
-        if st is None:
-            kw = {"capacity_bytes": self.capacity_bytes} if self.capacity_bytes else {}
-            st = self._cls(ns, length, root=os.path.join(self.root, ns.hex(), f"rec-{length}"), **kw)
-            self.stores[(ns, length)] = st
-        return st
-
-    def _of(self, ns: bytes):
-        return [(length, st) for (n, length), st in self.stores.items() if n == ns]
-
-    def put(self, ns: bytes, key: str, hdr: bytes, payload: Any) -> bool:
-        if len(hdr) > P.MAX_RECORD_HEADER_BYTES:
-            return False
-        rec = struct.pack("<H", len(hdr)) + hdr + bytes(memoryview(payload))
-        try:
-            ok = bool(self._store(ns, len(rec)).batch_set([key], [rec])[0])
-        except Exception as e:  # a failing disk never takes the server down
-            log.warning("spill of %s failed: %s", key, e)
-            return False
-        if ok:
-            self.tombstones.discard((ns, key))
-        return ok
-
-    def get(self, ns: bytes, key: str) -> Optional[tuple[bytes, bytes]]:
-        if (ns, key) in self.tombstones:
-            return None
-        for length, st in self._of(ns):
-            try:
-                if st.batch_exists([key]) != 1:
-                    continue
-                buf = bytearray(length)
-                if st.batch_get([key], [buf])[0]:
-                    (hl,) = struct.unpack_from("<H", buf)
-                    if 0 < hl <= P.MAX_RECORD_HEADER_BYTES and 2 + hl <= length:
-                        return bytes(buf[2 : 2 + hl]), bytes(buf[2 + hl :])
-            except Exception as e:
-                log.warning("spill read of %s failed: %s", key, e)
-        return None
-
-    def exists(self, ns: bytes, key: str) -> bool:
-        if (ns, key) in self.tombstones:
-            return False
-        for _length, st in self._of(ns):
-            try:
-                if st.batch_exists([key]) == 1:
-                    return True
-            except Exception as e:
-                log.warning("spill lookup of %s failed: %s", key, e)
-        return False
-
-    def delete(self, ns: bytes, key: str) -> bool:
-        if self.exists(ns, key):
-            self.tombstones.add((ns, key))
-            return True
-        return False
-
-    def records(self, ns: Optional[bytes], skip: Any = (), headers_only: bool = False):
-        """Yield ``(ns, key, header, payload, written_at, "spill")`` for every spilled record (of ``ns`` if given),
-        except tombstoned ones and keys in ``skip`` (a mapping of ``(ns, key)`` held in memory). ``headers_only``:
-        ``payload`` is its length in bytes (an int) and only the start of each file is read."""
-        from tierkv.storage_backends.file.store import iter_page_files, read_record_file
-        from tierkv.storage_backends.page_format import HEADER_BYTES
-
-        for (sns, length), st in list(self.stores.items()):
-            if ns is not None and sns != ns:
-                continue
-            try:
-                files = list(iter_page_files(st.root, [sns.hex()]))
-            except OSError:
-                continue
-            for f in files:
-                if (sns, f.key) in self.tombstones or (sns, f.key) in skip:
-                    continue
-                try:
-                    if headers_only:
-                        with open(f.path, "rb", buffering=0) as fh:
-                            rec = fh.read(HEADER_BYTES + 2 + P.MAX_RECORD_HEADER_BYTES)[HEADER_BYTES:]
-                    else:
-                        _outer, rec = read_record_file(f.path)
-                except OSError:
-                    continue
-                hl = struct.unpack_from("<H", rec)[0] if len(rec) >= 2 else 0
-                hdr = rec[2:2 + hl]
-                payload = max(f.size - HEADER_BYTES - 2 - hl, 0) if headers_only else rec[2 + hl:]
-                yield sns, f.key, hdr, payload, f.mtime_ns / 1e9, "spill"
-
-    def clear(self, ns: bytes) -> None:
-        self.tombstones = {t for t in self.tombstones if t[0] != ns}
-        for _length, st in self._of(ns):
-            try:
-                st.clear()
-            except Exception as e:
-                log.warning("spill clear failed: %s", e)
-
-    def close(self) -> None:
-        for st in self.stores.values():
-            try:
-                st.close()
-            except Exception:
-                pass
-
-
-class CacheServer:
-    """The server state and request handlers (single-threaded; one ROUTER socket).
+class CacheServer(ShmOps, AdminOps):
+    """The protocol side of the server (single-threaded; one ROUTER socket); pages are in :attr:`store`.
 
     Args:
         host: bind address (default loopback). ``port``: TCP port, 0 = any free one.
-        capacity_bytes: bound on stored bytes (page header + payload per record), LRU eviction.
-        spill_dir: optional directory for evicted records (a FileStore per record length).
+        capacity_bytes: bound on stored bytes of all tenants (page header + payload per record).
+        spill_dir: optional directory for evicted records (a FileStore per tenant and record length).
         spill_capacity_bytes: capacity of each spill FileStore (None: the FileStore default, a share of free disk).
         max_message_bytes: largest accepted multipart message (bytes); a single larger frame makes ZMQ drop
             the sender's connection (``ZMQ_MAXMSGSIZE``), a larger total gets an error reply.
-        token: optional shared secret every request must carry (compared in constant time).
+        token: optional shared secret every request must carry (one tenant, :data:`.tenants.DEFAULT_TENANT`).
+        tokens_file: a tokens file (:mod:`.tenants`; excludes ``token``), re-read by :meth:`reload_tenants`.
+        evict: False = a tenant over its quota (or a full server) has its writes refused, not its pages evicted
+            (the default of tenants whose entry has no ``evict``).
         enable_test_ops: answer test-only ops (``t_corrupt``) used by the test-suite.
     Raises:
-        ValueError: a non-positive capacity or message bound.
+        ValueError: a non-positive capacity or message bound; :class:`.tenants.TokensFileError`.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, capacity_bytes: int = DEFAULT_CAPACITY_BYTES,
                  spill_dir: Optional[str] = None, max_message_bytes: int = P.DEFAULT_MAX_MESSAGE_BYTES,
                  token: Optional[str] = None, enable_test_ops: bool = False,
-                 spill_capacity_bytes: Optional[int] = None):
+                 spill_capacity_bytes: Optional[int] = None, tokens_file: Optional[str] = None, evict: bool = True):
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
         if max_message_bytes <= 0:
             raise ValueError(f"max_message_bytes must be > 0, got {max_message_bytes}")
         if not 0 <= port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {port}")
+        if token and tokens_file:
+            raise ValueError("give a token or a tokens file, not both")
         self.capacity_bytes = int(capacity_bytes)
         self.max_message_bytes = int(max_message_bytes)
-        self.token = token.encode() if token else None
-        self._token_text = token or None
-        if token:
-            _install_redaction(token)
+        self.tokens_file, self.evict = tokens_file, evict
+        table = load_tokens_file(tokens_file, evict) if tokens_file else single_tenant(token, capacity_bytes, evict)
+        self.table = table
+        self._redact_tokens(table)
+        self.store = PageStore(table, capacity_bytes, spill_dir, spill_capacity_bytes)
+        self.spill = bool(spill_dir)
         self.enable_test_ops = enable_test_ops
-        self.records: "OrderedDict[tuple[bytes, str], tuple[bytes, Any]]" = OrderedDict()
-        self.written: dict[tuple[bytes, str], float] = {}  # time.time() of each in-memory record's last set (scan)
-        self.used_bytes = 0
         self.pending_writes = 0
-        self.counters = Counters("requests", "auth_failures", "too_large", "dropped", "spilled", "spill_hits", "deletes",
-                                 "shm_attached", "shm_refused", "shm_bytes_in", "shm_bytes_out", "presence_tables")
-        #: client segments: name -> [Segment, last use (monotonic seconds)]
+        self.counters = Counters("requests", "dropped", "shm_attached", "shm_bytes_in", "shm_bytes_out",
+                                 "tokens_reloads", "tokens_reload_failures", "connections_accepted",
+                                 "connections_closed", *BAD_TRAFFIC)
+        #: client segments: name -> [Segment, last use (monotonic seconds), tenant name]
         self.segments: "OrderedDict[str, list]" = OrderedDict()
-        self.spill = _SpillTier(spill_dir, spill_capacity_bytes) if spill_dir else None
-        #: the presence table same-host clients probe: made when the first loopback client asks for it (ping with
-        #: ``presence``), never with a spill tier (whose evictions it cannot follow), None while /dev/shm is unusable;
-        #: replaced by a fresh one when full (:meth:`_presence_rebuild`)
-        self.presence: Optional[PresenceTable] = None
-        #: whether the request being handled came from this host (the ping reply names the presence table only then)
+        #: the tenant of the request being handled, and whether it came from this host
+        self._tenant: Tenant = next(iter(table.tenants.values()))
         self._peer_local = False
         #: unfinished ``verify`` sessions: id -> job (see :meth:`_op_verify`)
         self._verifies: "OrderedDict[int, dict]" = OrderedDict()
         self._verify_ids = itertools.count(int.from_bytes(os.urandom(6), "little"))
+        self._handshaken: set = set()  # fds of connections that finished the ZMTP handshake
         self.started = time.time()
         self._stop = False
+        self._reload = False
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
-        self.sock.setsockopt(zmq.SNDHWM, 1000)
-        self.sock.setsockopt(zmq.RCVHWM, 1000)
+        for opt, v in ((zmq.LINGER, 0), (zmq.MAXMSGSIZE, self.max_message_bytes), (zmq.SNDHWM, REPLY_QUEUE),
+                       (zmq.RCVHWM, 1000), (zmq.ROUTER_MANDATORY, 1), (zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))):
+            self.sock.setsockopt(opt, v)
+        self.monitor = self.sock.get_monitor_socket(_MON_EVENTS)
         if host == "localhost":
             host = "127.0.0.1"
         if ":" in host:
@@ -272,82 +134,32 @@ class CacheServer:
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.port = int(self.endpoint.rsplit(":", 1)[1])
 
-    # ----------------------------------------------------------------------------------------- storage
-    def _evict_until(self, need: int) -> None:
-        while self.records and self.used_bytes + need > self.capacity_bytes:
-            (ns, key), (hdr, payload) = self.records.popitem(last=False)
-            self.written.pop((ns, key), None)
-            self.used_bytes -= len(hdr) + _nbytes(payload)
-            self._presence_discard(ns, key)
-            self.counters["evictions"] += 1
-            if self.spill is not None and self.spill.put(ns, key, hdr, payload):
-                self.counters["spilled"] += 1
+    # ----------------------------------------------------------------------------------------- tenants
+    def _redact_tokens(self, table: TenantTable) -> None:
+        self._tokens = sorted(set(getattr(self, "_tokens", [])) | set(table.tokens), key=len, reverse=True)
+        for t in table.tokens:
+            _install_redaction(t)
 
-    def _put(self, ns: bytes, key: str, hdr: bytes, payload: Any, born: Optional[float] = None) -> bool:
-        size = len(hdr) + _nbytes(payload)
-        if size > self.capacity_bytes:
+    def reload_tenants(self) -> bool:
+        """Re-read the tokens file (SIGHUP). On an error the old table stays (logged with the file's line,
+        ``tokens_reload_failures`` += 1). Returns True when the new table is in use."""
+        if not self.tokens_file:
+            log.info("SIGHUP: no --tokens-file to reload")
             return False
-        old = self.records.pop((ns, key), None)
-        if old is not None:
-            self.used_bytes -= len(old[0]) + _nbytes(old[1])
-        self._evict_until(size)
-        if self.spill is not None:
-            self.spill.tombstones.discard((ns, key))
-        self.records[(ns, key)] = (hdr, payload)
-        if old is None:
-            self._presence_add(ns, key)
-        self.written[(ns, key)] = time.time() if born is None else born
-        self.used_bytes += size
-        return True
-
-    def _lookup(self, ns: bytes, key: str) -> Optional[tuple[bytes, Any]]:
-        rec = self.records.get((ns, key))
-        if rec is not None:
-            self.records.move_to_end((ns, key))
-            return rec
-        if self.spill is not None:
-            got = self.spill.get(ns, key)
-            if got is not None:
-                self.counters["spill_hits"] += 1
-                self._put(ns, key, got[0], got[1], born=got[2] if len(got) > 2 else None)
-                return got
-        return None
-
-    def _presence_rebuild(self, extra: tuple = ()) -> None:
-        """Publish a fresh presence table and retire the old one (when a client first asks for one, and when the old
-        one is full of removed entries or too small): the old one's entries plus ``extra`` fingerprints (the key
-        whose ``add`` found it full), or for a first table every in-memory key; the first one also sweeps tables
-        that killed servers left behind. On failure (no /dev/shm, no space) the clients ask over ZMQ, and the next
-        ping that asks for a table tries again."""
-        old, self.presence = self.presence, None
         try:
-            if old is None:
-                sweep_dead_presence()
-            live = (old.entries() if old is not None
-                    else np.fromiter((fingerprint(ns, k) for ns, k in self.records), dtype=np.uint64))
-            self.presence = PresenceTable.create(P.SHM_DIR, np.append(live, np.array(extra, dtype=np.uint64)))
-            self.counters["presence_tables"] += 1
-        except OSError as e:
-            log.info("no presence table in %s (%s): clients ask over ZMQ whether pages exist", P.SHM_DIR, e)
-        if old is not None:
-            old.retire()
-
-    def _presence_add(self, ns: bytes, key: str) -> None:
-        t = self.presence
-        if t is not None:
-            fp = fingerprint(ns, key)
-            if not t.add(fp) or t.full():
-                self._presence_rebuild((fp,))
-
-    def _presence_discard(self, ns: bytes, key: str) -> None:
-        t = self.presence
-        if t is not None:
-            t.discard(fingerprint(ns, key))
-            if t.full():
-                self._presence_rebuild()
-
-    def _present(self, ns: bytes, key: str) -> bool:
-        return (ns, key) in self.records or (self.spill is not None and self.spill.exists(ns, key))
+            table = load_tokens_file(self.tokens_file, self.evict)
+        except TokensFileError as e:
+            self.counters["tokens_reload_failures"] += 1
+            log.error("%s; keeping the %d tenants in use", e, len(self.table.tenants))
+            return False
+        self._redact_tokens(table)
+        self.store.apply(table)
+        self.table = table
+        for sid in [s for s, j in self._verifies.items() if j["tenant"] not in table.tenants]:
+            del self._verifies[sid]
+        self.counters["tokens_reloads"] += 1
+        log.info("tokens file reloaded: %d tenants (%s)", len(table.tenants), ", ".join(sorted(table.tenants)))
+        return True
 
     # ----------------------------------------------------------------------------------------- requests
     def handle(self, frames: list) -> Optional[list]:
@@ -357,6 +169,7 @@ class CacheServer:
         self.counters["requests"] += 1
         if not frames:
             self.counters["dropped"] += 1
+            self.counters["empty_messages"] += 1
             return None
         req_id, op, ver = 0, "", P.PROTOCOL_VERSION
         try:
@@ -377,14 +190,14 @@ class CacheServer:
                                                  f"{', '.join(map(str, P.SUPPORTED_VERSIONS))})")
             ver = v
             op = P.get_str(h, "op")
-            if self.token is not None:
-                tok = h.get("token")
-                if not isinstance(tok, str) or not hmac.compare_digest(tok.encode(), self.token):
-                    self.counters["auth_failures"] += 1
-                    raise P.ProtocolError("auth", "missing or wrong token")
+            tenant = self.table.by_token(h.get("token"))
+            if tenant is None:
+                self.counters["auth_failures"] += 1
+                raise P.ProtocolError("auth", "missing or wrong token")
+            self._tenant = tenant
             fn = self._OPS.get(op)
             if fn is None and self.enable_test_ops and op in P.TEST_OPS:
-                fn = CacheServer._op_t_corrupt
+                fn = AdminOps._op_t_corrupt
             if fn is None:
                 raise P.ProtocolError("unknown_op", f"unknown op {op[:40]!r}; allowed: {', '.join(P.OPS)}")
             if op in P.ADMIN_OPS and ver < P.ADMIN_PROTOCOL_VERSION:
@@ -402,6 +215,8 @@ class CacheServer:
             body, out = fn(self, h, payloads)
         except P.ProtocolError as e:
             self.counters["errors"] += 1
+            if e.code in _BAD:
+                self.counters[_BAD[e.code]] += 1
             log.debug("request %d (%s) refused: %s", req_id, self._redact(op), self._redact(str(e)))
             return [P.error_reply(req_id, self._redact(op), e.code, self._redact(str(e)), v=ver)]
         except Exception as e:  # a bug must not take down the server
@@ -413,71 +228,34 @@ class CacheServer:
         reply.update(body)
         return [P.pack(reply)] + out
 
+    def _redact(self, text: str) -> str:
+        """``text`` with every known token replaced by ``***`` (error replies and log lines never carry one)."""
+        for t in self._tokens:
+            if t in text:
+                text = text.replace(t, "***")
+        return text
+
     def _op_ping(self, h, payloads):
         """Who we are; to a client on this host that asks (``presence: true``) also the name of the presence table
-        (``presence``, a file name in /dev/shm), made now if there is none yet; absent without a table (a spill
-        tier, /dev/shm unusable; older servers never send it)."""
+        (``presence``, a file name in /dev/shm), made now if there is none yet; absent without a table (tenants, a
+        spill tier, /dev/shm unusable; older servers never send it)."""
         body = {"server": "tierkv", "proto": P.PROTOCOL_VERSION, "protos": list(P.SUPPORTED_VERSIONS),
-                "token_required": self.token is not None, "shm": os.path.isdir(P.SHM_DIR)}
-        if h.get("presence") is True and self._peer_local and self.spill is None:
-            if self.presence is None:
-                self._presence_rebuild()
-            if self.presence is not None:
-                body["presence"] = self.presence.name
+                "token_required": not self.table.open, "shm": os.path.isdir(P.SHM_DIR)}
+        st = self.store
+        if h.get("presence") is True and self._peer_local and not st.multi and not self.spill:
+            if st.presence is None:
+                st.presence_rebuild()
+            if st.presence is not None:
+                body["presence"] = st.presence.name
         return body, []
 
-    # ----------------------------------------------------------------------------------------- shared memory
-    def _unmap(self, name: str) -> bool:
-        seg = self.segments.pop(name, None)
-        if seg is None:
-            return False
-        seg[0].close()
-        return True
-
-    def _op_shm_attach(self, h, payloads):
-        """Map the client's segment ``/dev/shm/<name>`` (at least ``size`` bytes) read-write (v3)."""
-        name = P.get_shm_name(h)
-        size = P.get_int(h, "size", 1, P.MAX_SHM_BYTES)
-        self._unmap(name)  # re-attach (the client re-registers after a restart or a failure): map it afresh
-        now = time.monotonic()
-        for n, seg in list(self.segments.items()):  # segments of clients that went away
-            if now - seg[1] > SEGMENT_IDLE_S and not seg[0].exists():
-                self._unmap(n)
-        while len(self.segments) >= MAX_SEGMENTS:
-            self._unmap(next(iter(self.segments)))
-        try:
-            seg = Segment.open(os.path.join(P.SHM_DIR, name), size)
-        except OSError as e:
-            self.counters["shm_refused"] += 1
-            raise P.ProtocolError("shm", f"cannot open segment {name}: {e.strerror}") from None
-        except ValueError:
-            self.counters["shm_refused"] += 1
-            raise P.ProtocolError("shm", f"segment {name} is not a regular file of >= {size} bytes") from None
-        self.segments[name] = [seg, now]
-        self.counters["shm_attached"] += 1
-        return {"attached": True}, []
-
-    def _op_shm_detach(self, h, payloads):
-        """Unmap the client's segment (v3); the client removes the file."""
-        return {"detached": self._unmap(P.get_shm_name(h))}, []
-
-    def _segment(self, h) -> tuple:
-        """``(memoryview of the segment, its size)`` named by ``shm``. Raises :class:`ProtocolError` (``shm_unknown``
-        when this server does not hold it, e.g. after a restart)."""
-        name = P.get_shm_name(h, "shm")
-        seg = self.segments.get(name)
-        if seg is None:
-            raise P.ProtocolError("shm_unknown", f"segment {name} is not attached")
-        seg[1] = time.monotonic()
-        self.segments.move_to_end(name)
-        return seg[0].mv, seg[0].size
-
+    # ----------------------------------------------------------------------------------------- data ops
     def _op_exists(self, h, payloads):
         keys, ns = P.get_keys(h), P.get_ns(h)
         want_all = P.get_bool(h, "all")
         present, lead = [], 0
         for k in keys:
-            p = self._present(ns, k)
+            p = self.store.present(self._tenant, ns, k)
             if not want_all and not p:
                 break
             present.append(p)
@@ -490,21 +268,25 @@ class CacheServer:
             body["present"] = present
         return body, []
 
+    def _count(self, name: str, n: int = 1) -> None:
+        self.counters[name] += n
+        self.store.of(self._tenant).counters[name] += n
+
     def _op_get(self, h, payloads):
         keys, ns = P.get_keys(h), P.get_ns(h)
         if "shm" in h:
             return self._op_get_shm(h, keys, ns)
         hits, hdrs, out = [], [], []
         for k in keys:
-            rec = self._lookup(ns, k)
+            rec = self.store.lookup(self._tenant, ns, k)
             if rec is None:
                 hits.append(False)
-                self.counters["misses"] += 1
+                self._count("misses")
                 continue
             hits.append(True)
             hdrs.append(rec[0])
             out.append(rec[1])
-            self.counters["hits"] += 1
+            self._count("hits")
             self.counters["bytes_read"] += _nbytes(rec[1])
         return {"hits": hits, "hdrs": hdrs}, out
 
@@ -515,22 +297,24 @@ class CacheServer:
         offs = P.get_offsets(h, len(keys), length, size)
         hits, hdrs, bad = [], [], 0
         for k, off in zip(keys, offs):
-            rec = self._lookup(ns, k)
+            rec = self.store.lookup(self._tenant, ns, k)
             pl = None if rec is None else (rec[1].buffer if isinstance(rec[1], zmq.Frame) else memoryview(rec[1]))
             if pl is None or pl.nbytes != length:
                 bad += pl is not None
                 hits.append(False)
-                self.counters["misses"] += 1
+                self._count("misses")
                 continue
             mv[off:off + length] = pl.cast("B") if pl.format != "B" or pl.ndim != 1 else pl
             hits.append(True)
             hdrs.append(rec[0])
-            self.counters["hits"] += 1
+            self._count("hits")
             self.counters["bytes_read"] += length
             self.counters["shm_bytes_out"] += length
         return {"hits": hits, "hdrs": hdrs, "bad": bad}, []
 
     def _op_set(self, h, payloads):
+        """Store each page; ``stored`` is one bool per key, ``refused`` the pages refused for the tenant's quota (or
+        a full server) with eviction off: never acknowledged, so the client counts them as failed sets."""
         keys, ns = P.get_keys(h), P.get_ns(h)
         if "shm" in h:  # payloads come out of the client's segment: one copy each, into a bytes object we keep
             mv, size = self._segment(h)
@@ -543,230 +327,105 @@ class CacheServer:
             raise P.ProtocolError("bad_request", f"set of {len(keys)} keys carries {len(payloads)} payload frames")
         hdrs = P.get_bins(h, "hdrs", len(keys))
         self.pending_writes += 1
-        ev0 = self.counters["evictions"]
+        tp = self.store.of(self._tenant)
+        ev0 = tp.counters["evictions"]
+        refused = 0
         try:
             stored = []
             for k, hdr, frame in zip(keys, hdrs, payloads):
-                ok = self._put(ns, k, hdr, frame)
-                stored.append(ok)
-                self.counters["sets" if ok else "set_failures"] += 1
+                ok = self.store.put(self._tenant, ns, k, hdr, frame)
+                refused += ok is None
+                stored.append(bool(ok))
+                self._count("sets" if ok else "set_failures")
         finally:
             self.pending_writes -= 1
-        return {"stored": stored, "evicted": self.counters["evictions"] - ev0}, []
+        return {"stored": stored, "evicted": tp.counters["evictions"] - ev0, "refused": refused}, []
 
     def _op_delete(self, h, payloads):
-        n, ns = 0, P.get_ns(h)
-        for k in P.get_keys(h):
-            rec = self.records.pop((ns, k), None)
-            self.written.pop((ns, k), None)
-            if rec is not None:
-                self.used_bytes -= len(rec[0]) + _nbytes(rec[1])
-                self._presence_discard(ns, k)
-            spilled = self.spill.delete(ns, k) if self.spill is not None else False
-            n += int(rec is not None or spilled)
-        self.counters["deletes"] += n
+        ns = P.get_ns(h)
+        n = sum(self.store.delete(self._tenant, ns, k) for k in P.get_keys(h))
         return {"deleted": n}, []
 
     def _op_clear(self, h, payloads):
-        ns = P.get_ns(h)
-        mine = [k for k in self.records if k[0] == ns]
-        for k in mine:
-            hdr, payload = self.records.pop(k)
-            self.written.pop(k, None)
-            self.used_bytes -= len(hdr) + _nbytes(payload)
-            self._presence_discard(*k)
-        if self.spill is not None:
-            self.spill.clear(ns)
-        return {"cleared": len(mine)}, []
+        return {"cleared": self.store.clear(self._tenant, P.get_ns(h))}, []
 
     def _op_stats(self, h, payloads):
-        return {"stats": self.stats()}, []
-
-    def _redact(self, text: str) -> str:
-        """``text`` with the token replaced by ``***`` (error replies and log lines never carry it)."""
-        t = self._token_text
-        return text.replace(t, "***") if t and t in text else text
-
-    def _all_records(self, ns: Optional[bytes] = None, headers_only: bool = False):
-        """Yield ``(ns, key, header, payload, written_at, where)`` for every record in memory, then in the spill
-        directory (``where``: ``"memory"`` or ``"spill"``); ``ns``: only that namespace. ``headers_only``: spilled
-        payloads are given as their length (int), not read."""
-        for (rns, key), (hdr, payload) in list(self.records.items()):
-            if ns is None or rns == ns:
-                yield rns, key, hdr, payload, self.written.get((rns, key), self.started), "memory"
-        if self.spill is not None:
-            yield from self.spill.records(ns, skip=self.records, headers_only=headers_only)
-
-    def _op_scan(self, h, payloads):
-        """Per-namespace pages, bytes, payload sizes, page format versions and an age histogram (v2)."""
-        from tierkv.storage_backends import page_format
-
-        now = time.time()
-        per: dict[bytes, dict] = {}
-        for rns, _key, hdr, payload, born, _where in self._all_records(headers_only=True):
-            d = per.get(rns)
-            if d is None:
-                d = per[rns] = {"ns": rns, "pages": 0, "bytes": 0, "payload_bytes": set(), "versions": set(),
-                                "ages": [0] * (len(P.AGE_BUCKETS_S) + 1)}
-            n = payload if isinstance(payload, int) else _nbytes(payload)
-            d["pages"] += 1
-            d["bytes"] += len(hdr) + n
-            d["payload_bytes"].add(n)
-            try:
-                d["versions"].add(page_format.read_header(hdr)["version"])
-            except page_format.PageFormatError:
-                d["versions"].add(-1)
-            d["ages"][_bucket(now - born)] += 1
-        out = []
-        for d in per.values():
-            d["payload_bytes"] = sorted(d["payload_bytes"])[:64]
-            d["versions"] = sorted(d["versions"])
-            out.append(d)
-        return {"namespaces": out, "age_buckets_s": list(P.AGE_BUCKETS_S), "now": now}, []
-
-    def _verify_records(self, ns: Optional[bytes]):
-        """Yield ``(ns, key, header, payload, where)`` for a verify: the in-memory records of a snapshot of the keys
-        taken at the first step (a record dropped or replaced meanwhile is skipped, its replacement being checked in
-        its place), then the spilled records as :meth:`_SpillTier.records` walks them. Between two steps of a session
-        other requests run, so a record moved between memory and the spill directory meanwhile (evicted, or read back
-        by a get) may be checked twice or not at all."""
-        for k in [k for k in self.records if ns is None or k[0] == ns]:
-            rec = self.records.get(k)
-            if rec is not None:
-                yield k[0], k[1], rec[0], rec[1], "memory"
-        if self.spill is not None:
-            for rns, key, hdr, payload, _born, where in self.spill.records(ns, skip=self.records):
-                yield rns, key, hdr, payload, where
-
-    def _verify_step(self, job: dict, limit: Optional[int]) -> bool:
-        """Check up to ``limit`` records (None: all) of ``job`` (its counters are updated in place), or fewer once
-        :data:`VERIFY_SLICE_BYTES` of payload were hashed; with ``job["fix"]`` drop the bad ones. Returns True when
-        the job has no records left."""
-        from tierkv.storage_backends import page_format
-
-        n = hashed = 0
-        for rns, key, hdr, payload, where in job["records"]:
-            job["checked"] += 1
-            n += 1
-            hashed += _nbytes(payload)
-            try:
-                page_format.check_record(hdr, payload.buffer if isinstance(payload, zmq.Frame) else payload,
-                                         key=key, namespace=rns)
-                job["good"] += 1
-            except page_format.NewerFormatError:
-                job["newer"] += 1
-            except page_format.PageFormatError as e:
-                job["bad"] += 1
-                job["reasons"][str(e)] = job["reasons"].get(str(e), 0) + 1
-                if job["fix"]:
-                    cur = self.records.get((rns, key)) if where == "memory" else None
-                    if cur is not None and cur[0] is hdr and cur[1] is payload:  # the record checked, not a newer one
-                        del self.records[(rns, key)]
-                        self._presence_discard(rns, key)
-                        self.written.pop((rns, key), None)
-                        self.used_bytes -= len(hdr) + _nbytes(payload)
-                        job["removed"] += 1
-                    elif where == "spill" and self.spill.delete(rns, key):
-                        job["removed"] += 1
-            if limit is not None and (n >= limit or hashed >= VERIFY_SLICE_BYTES):
-                return False
-        return True
-
-    def _op_verify(self, h, payloads):
-        """Check every record (or those of ``ns``); with ``fix`` drop the bad ones (v2).
-
-        Without ``limit`` the whole store is checked before the reply (what older tools send). With ``limit`` (1 ..
-        :data:`zmq_protocol.MAX_KEYS` records) a request checks at most that many records (and at most
-        :data:`VERIFY_SLICE_BYTES` of payload) and the reply carries ``session`` and ``done``; the next request names
-        the ``session`` to go on, so other clients' requests are answered between the steps of a long verify.
-        Counts in a reply are the session's totals so far. At most :data:`MAX_VERIFY_SESSIONS` sessions are kept (the
-        least recently used one is dropped); naming an unknown one is a ``bad_request``."""
-        limit = P.get_int(h, "limit", 1, P.MAX_KEYS) if "limit" in h else None
-        if "session" in h:
-            sid = P.get_int(h, "session")
-            job = self._verifies.pop(sid, None)
-            if job is None:
-                raise P.ProtocolError("bad_request", f"verify session {sid} is unknown (finished, or dropped after "
-                                                     f"{MAX_VERIFY_SESSIONS} newer ones)")
-        else:
-            sid = next(self._verify_ids) & P.MAX_ID
-            job = {"fix": P.get_bool(h, "fix"), "records": self._verify_records(P.get_ns(h) if "ns" in h else None),
-                   "checked": 0, "good": 0, "bad": 0, "newer": 0, "removed": 0, "reasons": {}}
-        done = self._verify_step(job, limit)
-        if not done:
-            self._verifies[sid] = job
-            while len(self._verifies) > MAX_VERIFY_SESSIONS:
-                self._verifies.popitem(last=False)
-        elif job["removed"]:
-            log.info("verify: dropped %d bad records", job["removed"])
-        body = {k: job[k] for k in ("checked", "good", "bad", "newer", "removed", "reasons")}
-        if limit is not None:
-            body.update(session=sid, done=done)
-        return body, []
-
-    def _op_t_corrupt(self, h, payloads):
-        """Test-only: damage a stored record in place (``how`` in :data:`zmq_protocol.CORRUPT_HOWS`)."""
-        keys, ns = P.get_keys(h), P.get_ns(h)
-        how = P.get_str(h, "how")
-        if how not in P.CORRUPT_HOWS:
-            raise P.ProtocolError("bad_request", f"how={how[:40]!r}: allowed values are {P.CORRUPT_HOWS}")
-        done = 0
-        for k in keys:
-            rec = self.records.get((ns, k))
-            if rec is None:
-                continue
-            hdr, payload = rec
-            data = bytes(memoryview(payload.buffer if isinstance(payload, zmq.Frame) else payload))
-            if how == "truncate":
-                data = data[: len(data) // 2]
-            elif how == "flip":
-                b = bytearray(data)
-                b[len(b) // 2] ^= 0xFF
-                data = bytes(b)
-            else:
-                from tierkv.storage_backends import page_format
-
-                other = bytes(x ^ 0x5A for x in ns)
-                hdr = page_format.encode_header(k, other, data)
-            self.used_bytes -= len(rec[0]) + _nbytes(rec[1])
-            self.records[(ns, k)] = (hdr, data)
-            self.used_bytes += len(hdr) + len(data)
-            done += 1
-        return {"corrupted": done}, []
+        return {"stats": self.stats(self._tenant)}, []
 
     _OPS = {"ping": _op_ping, "exists": _op_exists, "get": _op_get, "set": _op_set, "delete": _op_delete,
-            "clear": _op_clear, "stats": _op_stats, "scan": _op_scan, "verify": _op_verify,
-            "shm_attach": _op_shm_attach, "shm_detach": _op_shm_detach}
+            "clear": _op_clear, "stats": _op_stats, "scan": AdminOps._op_scan,
+            "verify": AdminOps._op_verify, "shm_attach": ShmOps._op_shm_attach, "shm_detach": ShmOps._op_shm_detach}
 
-    def stats(self) -> dict:
-        """Server counters: keys, bytes (stored), capacity_bytes, pending_writes, requests, errors, auth_failures,
-        too_large, hits, misses, sets, set_failures (sets refused), evictions, spilled, spill_hits, bytes_read (served),
-        bytes_written (received), rss_bytes;
-        shared memory: shm_segments (mapped now), shm_attached, shm_refused, shm_bytes_in/out (payload bytes);
-        presence (the presence table's file name, or None), presence_slots, presence_tables (tables published)."""
+    def stats(self, viewer: Optional[Tenant] = None) -> dict:
+        """Counters as ``viewer`` (default: an admin) may see them (:meth:`.page_store.PageStore.stats`): keys,
+        bytes, capacity_bytes, tenants (per tenant: pages, bytes, quota_bytes, evict, hits, misses, sets,
+        set_failures, refused, evictions, deletes, spilled, spill_hits), pending_writes, requests, errors, hits,
+        misses, sets, set_failures, refused, evictions, bytes_read/bytes_written, rss_bytes; bad traffic
+        (:data:`BAD_TRAFFIC`); connections_accepted/closed/open; tokens_reloads(_failures); to an admin also
+        cross_tenant_misses (requests for a page only another tenant holds); shared memory: shm_segments,
+        shm_attached, shm_refused, shm_bytes_in/out; presence (the table's file name, or None), presence_slots,
+        presence_tables. A tenant that is not an admin sees its own hits, misses, sets and set_failures."""
+        viewer = viewer or Tenant("-", self.capacity_bytes, admin=True)
         s: dict = dict(self.counters)
-        s.update(keys=len(self.records), bytes=self.used_bytes, capacity_bytes=self.capacity_bytes,
-                 pending_writes=self.pending_writes, uptime_s=round(time.time() - self.started, 3),
-                 rss_bytes=_rss_bytes(), pid=os.getpid(), spill=bool(self.spill), shm_segments=len(self.segments),
-                 presence=self.presence.name if self.presence else None,
-                 presence_slots=self.presence.slots if self.presence else 0)
+        if viewer.admin:
+            s.update(evictions=sum(tp.counters["evictions"] for tp in self.store.tenants.values()))
+            s.update(self.store.stats(viewer))
+        else:
+            own = self.store.of(viewer).counters
+            s.update({k: own[k] for k in ("hits", "misses", "sets", "set_failures", "evictions")})
+            s.update(self.store.stats(viewer))
+        s.update(pending_writes=self.pending_writes, uptime_s=round(time.time() - self.started, 3),
+                 rss_bytes=_rss_bytes(), pid=os.getpid(), spill=self.spill, shm_segments=len(self.segments),
+                 connections_open=self.counters["connections_accepted"] - self.counters["connections_closed"])
         return s
 
     # ----------------------------------------------------------------------------------------- loop
     def stop(self, *_a) -> None:
         self._stop = True
 
+    def hup(self, *_a) -> None:
+        """SIGHUP: re-read the tokens file at the next turn of the loop (never inside the signal handler)."""
+        self._reload = True
+
+    def _watch(self) -> None:
+        """Count connections from the socket monitor: accepted, closed, closed before the handshake finished."""
+        while True:
+            try:
+                ev = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            kind, fd = ev["event"], ev["value"]
+            if kind == zmq.EVENT_ACCEPTED:
+                self.counters["connections_accepted"] += 1
+            elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._handshaken.add(fd)
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self.counters["connections_closed"] += 1
+                if fd in self._handshaken:
+                    self._handshaken.discard(fd)
+                else:
+                    self.counters["handshakes_failed"] += 1
+
     def serve_forever(self) -> None:
         """Serve until :meth:`stop` (or SIGTERM/SIGINT when installed by :func:`main`)."""
         sock = self.sock
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
         while not self._stop:
+            if self._reload:
+                self._reload = False
+                self.reload_tenants()
             try:
-                if not sock.poll(_POLL_MS, zmq.POLLIN):
-                    continue
+                ready = dict(poller.poll(_POLL_MS))
             except zmq.ZMQError as e:
                 if e.errno == zmq.EINTR:
                     continue
                 raise
+            if self.monitor in ready:
+                self._watch()
+            if sock not in ready:
+                continue
             for _ in range(_BATCH_RECV):
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -782,24 +441,23 @@ class CacheServer:
                     continue
                 try:
                     sock.send_multipart([ident] + reply, zmq.NOBLOCK, copy=False)
-                except zmq.Again:
+                except zmq.ZMQError as e:  # EAGAIN: its reply queue is full (it does not read); EHOSTUNREACH: gone
                     self.counters["dropped"] += 1
-                except zmq.ZMQError as e:
-                    self.counters["dropped"] += 1
-                    log.warning("reply dropped: %s", e)
+                    self.counters["replies_dropped"] += 1
+                    if e.errno not in (zmq.EAGAIN, zmq.EHOSTUNREACH):
+                        log.warning("reply dropped: %s", e)
 
     def close(self) -> None:
         try:
             for name in list(self.segments):
                 self._unmap(name)
-            if self.presence is not None:
-                self.presence.retire()
-                self.presence = None
+            self.store.close()
+            self.sock.disable_monitor()
+            self.monitor.close(0)
             self.sock.close(0)
             self.ctx.term()
         finally:
-            if self.spill is not None:
-                self.spill.close()
+            pass
 
 
 def keep_freed_memory(capacity_bytes: int) -> bool:
@@ -858,13 +516,6 @@ def _local_peer(frame: Any) -> bool:
     except (zmq.ZMQError, ValueError, TypeError):
         return False
     return isinstance(peer, str) and is_loopback(peer)
-
-
-def _bucket(age_s: float) -> int:
-    for i, b in enumerate(P.AGE_BUCKETS_S):
-        if age_s < b:
-            return i
-    return len(P.AGE_BUCKETS_S)
 
 
 class _Redact(logging.Filter):

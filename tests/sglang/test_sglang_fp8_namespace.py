@@ -28,3 +28,23 @@ def test_a_uint8_pool_without_kv_cache_dtype_is_refused_at_attach(tmp_path):
     b = attach(extra_config({"backend": "file", "file": {"root": str(tmp_path)}}, kv_cache_dtype="fp8_e5m2"), pool)
     assert b.namespace.dtype == "uint8/fp8_e5m2"
     b.close()
+
+
+def test_the_operator_salt_enters_the_namespace_and_comes_from_config_or_environment(tmp_path, monkeypatch):
+    from tierkv.connector.core.page_hash import NAMESPACE_SALT_ENV
+    from tierkv.connector.sglang.hicache import parse_extra_config
+
+    pool = mha_pool(dtype=torch.bfloat16)
+    sc = storage_config({}, layout=pool.layout)
+    plain, s1, s2 = (build_namespace(sc, pool, salt=s).digest() for s in (None, "one", "two"))
+    assert len({plain, s1, s2}) == 3 and build_namespace(sc, pool, salt="one").digest() == s1
+    l3 = {"backend": "file", "file": {"root": str(tmp_path)}}
+    monkeypatch.setenv(NAMESPACE_SALT_ENV, "one")
+    assert parse_extra_config({"l3": l3}).namespace_salt == "one"
+    with pytest.raises(ConfigError, match="both set and differ"):
+        parse_extra_config({"l3": l3, "namespace_salt": "two"})
+    b = attach(extra_config(l3), pool)
+    try:
+        assert b._ns_digest == s1
+    finally:
+        b.close()

@@ -156,3 +156,32 @@ def test_scan_verify_header_quarantines_bad_headers(tmp_path):
     s2 = FileStore(ns, PAGE_BYTES, root=root, scan_verify="header")
     assert s2.usage()["pages"] == 2 and s2.stats()["quarantined"] == 1
     assert s2.batch_exists(ks) == 1 and os.listdir(os.path.join(root, "quarantine"))
+
+
+def test_background_scan_serves_while_it_scans_and_indexes_everything(tmp_path):
+    """``background_scan``: the constructor returns before the scan of a directory of 20,000 records ends; reads,
+    existence and writes work meanwhile; afterwards every record (and the new one) is in the index."""
+    import numpy as np
+
+    from tierkv.storage_backends.file.store import FileStore
+
+    pb, n = 256, 20_000
+    ns = bytes(range(16))
+    keys = [f"{i:032x}" for i in range(n + 1)]
+    page = np.frombuffer(np.random.default_rng(3).bytes(pb), dtype=np.uint8)
+    s = FileStore(ns, pb, root=str(tmp_path), capacity_bytes=1 << 30)
+    for i in range(0, n, 2000):
+        assert all(s.batch_set(keys[i:i + 2000], [page] * 2000))
+    s.close()
+    s = FileStore(ns, pb, root=str(tmp_path), capacity_bytes=1 << 30, background_scan=True)
+    try:
+        running = not s.wait_scan(0)
+        buf = np.zeros(pb, dtype=np.uint8)
+        assert s.batch_get([keys[n - 1]], [buf]) == [True] and np.array_equal(buf, page)
+        assert s.batch_exists(keys[:3]) == 3 and s.batch_set([keys[n]], [page]) == [True]
+        assert s.wait_scan(120)
+        st = s.stats()
+        assert running, "the scan of 20,000 records ended before the constructor returned"
+        assert st["scan_files"] >= n and len(s._index) == n + 1 and s._usage == (n + 1) * (pb + 64)
+    finally:
+        s.close()

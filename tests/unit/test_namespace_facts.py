@@ -285,3 +285,14 @@ def test_two_adapters_on_one_server_never_share_pages_and_base_requests_do(tmp_p
     assert e.run(Req("y2", doc + [5], lora=y, tag="y")) == 3 * P
     assert e.run(Req("b2", doc + [6])) == 3 * P
     e.idle_check()
+
+
+# ------------------------------------------------------------------ the operator's namespace salt (docs/tenants.md)
+def test_the_operator_salt_from_config_or_environment_is_in_the_namespace(model, monkeypatch):
+    monkeypatch.delenv(page_hash.NAMESPACE_SALT_ENV, raising=False)
+    plain = _digest(model)
+    one = _conn(model, extra={"namespace_salt": "deployment-one"}).namespace
+    assert one.digest() != plain and _digest(model, extra={"namespace_salt": "deployment-two"}) != one.digest()
+    assert "deployment-one" not in repr(one) and one.describe()["namespace_salt"] == "set"
+    monkeypatch.setenv(page_hash.NAMESPACE_SALT_ENV, "deployment-one")
+    assert _digest(model) == one.digest()   # the container's variable means the same as the config key
