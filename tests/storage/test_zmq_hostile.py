@@ -22,7 +22,7 @@ import zmq
 
 import _fixtures_zmq as FZ
 import _hostile as H
-from tierkv.storage_backends import zmq_protocol as P
+from tierkv.storage_backends.zmq import protocol as P
 from tierkv.storage_backends.zmq.client import ZmqStore
 
 MiB = 1 << 20

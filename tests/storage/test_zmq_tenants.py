@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import _fixtures_zmq as FZ
-from tierkv.storage_backends import zmq_protocol as P
+from tierkv.storage_backends.zmq import protocol as P
 from tierkv.storage_backends.page_format import HEADER_BYTES
 from tierkv.storage_backends.zmq.client import ZmqStore
 from tierkv.storage_backends.zmq.tenants import TokensFileError, load_tokens_file
@@ -226,11 +226,11 @@ def test_server_refuses_to_start_on_a_bad_or_unreadable_tokens_file(tmp_path):
     p = tmp_path / "t.yaml"
     p.write_text(BAD_FILES[0][0])
     for path, message in ((str(p), "line 6: duplicate token"), (str(tmp_path / "absent.yaml"), "cannot read it")):
-        r = subprocess.run([sys.executable, "-m", "tierkv.storage_backends.zmq.server", "--port", "0",
+        r = subprocess.run([sys.executable, "-m", "tierkv.cli_server", "--port", "0",
                             "--tokens-file", path], capture_output=True, text=True, timeout=120)
         lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
         assert r.returncode == 5 and len(lines) == 1 and message in lines[0], r.stderr
-    r = subprocess.run([sys.executable, "-m", "tierkv.storage_backends.zmq.server", "--port", "0", "--tokens-file",
+    r = subprocess.run([sys.executable, "-m", "tierkv.cli_server", "--port", "0", "--tokens-file",
                         str(p), "--token", "x"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 5 and "not both" in r.stderr
 
