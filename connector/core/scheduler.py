@@ -37,7 +37,8 @@ from .page_hash import ModelNamespace, RequestKeys, request_root, warm_up
 from .plan import JobReport, PageOrder, StepPlan, live_blocks
 from .radix_index import RadixIndex, RadixNode
 from .request_params import RequestControls
-from .scheduling.state import LOAD_FAILURE_WINDOW, NoSlots, RequestState, SchedulerCounters, check_page_size
+from .scheduling.failures import LoadFailures, note_save
+from .scheduling.state import NoSlots, RequestState, SchedulerCounters, check_page_size
 from tierkv.connector.l2.slot_allocator import SlotAllocator
 
 logger = logging.getLogger("tierkv.scheduler")
@@ -82,7 +83,6 @@ class CacheScheduler:
         self.plan_type = plan_type  # what build_plan hands over: StepPlan or a subclass (the engine's metadata class)
         self._plan = plan_type()
         self._step = 0
-        self._drops: list[list[bytes]] = []  # paths whose last page must leave the index once nothing there is locked
         # nodes holding pages whose save the plan being built orders: locked until the plan is handed over, so no
         # later save or staging slot of the same plan can evict them and be handed their slot (docs §8 R41)
         self._plan_locks: list[RadixNode] = []
@@ -93,6 +93,7 @@ class CacheScheduler:
         if controller is not None and num_slots > 0:
             self.ctl = Controller(self.index, self.allocator, page_size=page_size, lookup_stats=self.lookup_stats,
                                   **controller)
+        self._failures = LoadFailures(self.index, self.allocator, self.counters, self.ctl, self.blocks_per_page)
 
     # ----------------------------------------------------------------- requests
     def add_request(self, req_id: str, tokens: Sequence[int], lora: Optional[str] = None,
@@ -349,11 +350,7 @@ class CacheScheduler:
                                           groups=[page_blocks(g) for g in groups or ()]))
         self.counters.save_pages += k
         st.num_indexed = full if k == need else end
-        if st.load is not None:
-            if self._step + 1 - st.load[0] > LOAD_FAILURE_WINDOW:
-                st.load, st.saved = None, []
-            else:
-                st.saved.append((start, end))
+        note_save(st, self._step, start, end)
         if self.ctl is not None:
             self.ctl.after_save(keys[:end], start)
 
@@ -436,8 +433,8 @@ class CacheScheduler:
         """The workers' job reports of a step (vLLM: ``update_connector_output``)."""
         if self.ctl is not None and reports:
             self.ctl.on_reports(reports)
-            if self._drops:
-                self._retry_drops()
+            if self._failures.drops:
+                self._failures.retry_drops()
 
     def on_load_errors(self, invalid_block_ids) -> None:
         """Engine blocks whose load failed in a step (vLLM: ``KVConnectorOutput.invalid_block_ids``, the union of
@@ -452,64 +449,19 @@ class CacheScheduler:
         plan tells the workers that its saves are good again (``StepPlan.recomputed``), and ``num_indexed`` goes
         back, so the recomputed pages are saved. Blocks of asynchronous (L3) loads are ignored here: such a request
         computes nothing before its load ended."""
-        bad = set(invalid_block_ids or ())
-        if bad:
-            for st in self.requests.values():
-                if st.load is not None and not bad.isdisjoint(st.load[1]):
-                    self._load_failed(st, bad)
-        if self._drops:
-            self._retry_drops()
+        self._failures.on_load_errors(self.requests, invalid_block_ids, self._plan)
 
     def on_failed_loads(self, req_ids) -> None:
         """Hybrid models (several KV cache groups): requests whose asynchronous load failed (vLLM's
         ``failed_recving``; vLLM recomputes them from their first token, since it cannot take failed block ids of
         several groups). An L2 load's pages from its first loaded page on leave the index, as for a failed block of
         that page (:meth:`on_load_errors`); an L3 prefetch's outcome is the controller's."""
-        for rid in req_ids or ():
-            st = self.requests.get(rid)
-            if st is not None and st.load is not None and st.load[1]:
-                self._load_failed(st, {st.load[1][0]})
-        if self._drops:
-            self._retry_drops()
+        self._failures.on_failed_loads(self.requests, req_ids, self._plan)
 
-    def _load_failed(self, st: RequestState, bad: set[int]) -> None:
-        _step, blocks, first_block = st.load
-        f = (first_block + next(i for i, b in enumerate(blocks) if b in bad)) // self.blocks_per_page
-        # an L2 page that failed its check leaves the index from there; the pages of a synchronous L3 load are
-        # settled by its job's report (those that arrived late are intact in L2), only the request's later saves go
-        drop = f if st.load_l3_end is None else max(f, st.load_l3_end)
-        st.load, saved, st.saved = None, st.saved, []
-        self.counters.load_failed_requests += 1
-        self._plan.recomputed.append(st.req_id)
-        keys = st.keys.extend(st.tokens)
-        if st.lock is not None:
-            self.index.unlock(st.lock)
-            st.lock = None
-        if f > 0:
-            m = self.index.match_prefix(keys[:f], require_l2=False, split=True)
-            if m.last_node is not self.index.root:
-                st.lock = self.index.lock(m.last_node)
-        if self.ctl is not None and saved:  # backups of pages whose save the workers did not make
-            self.ctl.cancel_backups({k for a, b in saved for k in keys[a:b]})
-        for i in [drop] + [a for a, _b in saved if a > drop]:
-            if i < len(keys):
-                self._drops.append(keys[: i + 1])
-        st.num_indexed = min(st.num_indexed, f)
-        logger.info("tierkv: %s: L2 -> L1 load failed from page %d; its pages from there on leave the index and are "
-                    "saved again once recomputed", st.req_id, f)
-
-    def _retry_drops(self) -> None:
-        """Remove the pages queued by :meth:`_load_failed` where nothing holds them locked any more."""
-        left = []
-        for path in self._drops:
-            freed = self.index.remove_from(path, len(path) - 1)
-            if freed is None:
-                left.append(path)
-                continue
-            if freed:
-                self.allocator.free(freed)
-                self.counters.load_failed_dropped_pages += len(freed)
-        self._drops = left
+    @property
+    def _drops(self) -> list[list[bytes]]:
+        """Paths whose last page leaves the index once nothing there is locked (:class:`LoadFailures`)."""
+        return self._failures.drops
 
     def reset(self) -> bool:
         """Drop every unlocked page from the index (``reset_prefix_cache(reset_connector=True)``)."""
