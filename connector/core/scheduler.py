@@ -32,12 +32,13 @@ import logging
 import time
 from typing import Optional, Sequence
 
-from tierkv.connector.l3.controller import Controller, LookupStats, reclaim_l2
+from tierkv.connector.l3.controller import Controller, LookupStats
 from .page_hash import ModelNamespace, RequestKeys, request_root, warm_up
-from .plan import JobReport, PageOrder, StepPlan, live_blocks
+from .plan import JobReport, PageOrder, StepPlan
 from .radix_index import RadixIndex, RadixNode
 from .request_params import RequestControls
-from .scheduling.failures import LoadFailures, note_save
+from .scheduling.failures import LoadFailures
+from .scheduling.saves import SavePlanner
 from .scheduling.state import NoSlots, RequestState, SchedulerCounters, check_page_size
 from tierkv.connector.l2.slot_allocator import SlotAllocator
 
@@ -83,9 +84,6 @@ class CacheScheduler:
         self.plan_type = plan_type  # what build_plan hands over: StepPlan or a subclass (the engine's metadata class)
         self._plan = plan_type()
         self._step = 0
-        # nodes holding pages whose save the plan being built orders: locked until the plan is handed over, so no
-        # later save or staging slot of the same plan can evict them and be handed their slot (docs §8 R41)
-        self._plan_locks: list[RadixNode] = []
         self._l3_since: dict[str, int] = {}  # request -> plans built when its lookup first waited for / hit L3
         #: the lookup trace writer (config ``trace_path``, :class:`tierkv.connector.obs.lookup_trace.LookupTrace`) or None
         self.trace = None
@@ -94,6 +92,8 @@ class CacheScheduler:
             self.ctl = Controller(self.index, self.allocator, page_size=page_size, lookup_stats=self.lookup_stats,
                                   **controller)
         self._failures = LoadFailures(self.index, self.allocator, self.counters, self.ctl, self.blocks_per_page)
+        self._saves = SavePlanner(self.index, self.allocator, self.counters, self.lookup_stats, self.ctl, page_size,
+                                  block_size)
 
     # ----------------------------------------------------------------- requests
     def add_request(self, req_id: str, tokens: Sequence[int], lora: Optional[str] = None,
@@ -290,85 +290,12 @@ class CacheScheduler:
         it is, one that is not indexed ends this step's saves there."""
         if not self.needs_saves(req_id, num_tokens_after_step):
             return
-        st = self.requests[req_id]
-        full = min(num_tokens_after_step, len(st.tokens), len(block_ids) * self.block_size) // self.page_size
-        if st.save_cap is not None:  # the request's controls: only its first pages, or none
-            full = min(full, st.save_cap)
-        if full <= st.num_indexed:
-            return
-        keys = st.keys.extend(st.tokens)[:full]
-        # every indexed page of the path, in whatever tier: a page that already has an L2 copy is never saved again
-        # (its slot belongs to the index; saving into a second slot would be freed as a duplicate while the save
-        # order still names it, and a later order of the same plan could be handed that slot: docs §8 R41)
-        m = self.index.match_prefix(keys, require_l2=False, split=True, touch=True)
-        ctl = self.ctl
-        # a page the request's own running prefetch reads into a staging slot (its synchronous L3 load of this step)
-        # gets its L2 copy from that job's report: not saved a second time
-        missing = [i for i, s in enumerate(m.host_slots)
-                   if s < 0 and (ctl is None or not ctl.fetches_for(req_id, keys[i]))]
-        missing += list(range(m.num_pages, full))
-        if groups:
-            missing, full = self._live_pages(missing, m.num_pages, full, groups)
-        if not missing:
-            st.num_indexed = full
-            return
-        need = len(missing)
-        guard = self.index.lock(m.last_node) if m.last_node is not self.index.root else None
-        try:
-            if self.allocator.num_free < need:
-                before = self.index.evicted_pages
-                if self.ctl is not None:
-                    self.ctl.make_room(need)
-                else:
-                    reclaim_l2(self.index, self.allocator, need)
-                self.counters.evicted_pages += self.index.evicted_pages - before
-            k = min(need, self.allocator.num_free)
-            slots = self.allocator.alloc(k) if k else []
-        finally:
-            if guard is not None:
-                self.index.unlock(guard)
-        if k < need:
-            self.counters.save_skipped_pages += need - k
-        if k == 0:
-            return
-        start, end = missing[0], missing[k - 1] + 1  # pages [start, end) all have an L2 copy once this runs
-        given = [-1] * (end - start)
-        for i, s in zip(missing, slots):
-            given[i - start] = s
-        if self.index.events is not None:  # KV events: the pages entering L2 now (kv_events.py)
-            self.index.events.describe(req_id, keys, start, end)
-        node, dups = self.index.insert(keys[:end], given, start=start)
-        if dups:  # cannot happen: the path was matched just now and nothing on it changed since (it was locked)
-            raise RuntimeError(f"{req_id}: slots {dups} handed out for pages already in L2")
-        self._plan_locks.append(self.index.lock(node))
-        self.lookup_stats.stored_l2(slots)
-        bpp = self.blocks_per_page
+        self._saves.schedule(self.requests[req_id], self._plan, self._step, num_tokens_after_step, block_ids, groups)
 
-        def page_blocks(ids: Sequence[int]) -> list[int]:
-            return [b for i in missing[:k] for b in ids[i * bpp:(i + 1) * bpp]]
-        self._plan.saves.append(PageOrder(req_id, page_blocks(block_ids), slots, [keys[i] for i in missing[:k]], bpp,
-                                          groups=[page_blocks(g) for g in groups or ()]))
-        self.counters.save_pages += k
-        st.num_indexed = full if k == need else end
-        note_save(st, self._step, start, end)
-        if self.ctl is not None:
-            self.ctl.after_save(keys[:end], start)
-
-    def _live_pages(self, missing: list[int], indexed: int, full: int,
-                    groups: Sequence[Sequence[int]]) -> tuple[list[int], int]:
-        """Hybrid models: ``missing`` less the pages that are not live in every group (:func:`live_blocks`), and
-        ``full`` cut at the first such page that is not indexed (``>= indexed``): the index holds prefixes."""
-        k = self.blocks_per_page
-
-        def live(i: int) -> bool:
-            return all(len(live_blocks(g[i * k:(i + 1) * k])) == k for g in groups)
-        out = []
-        for i in missing:
-            if live(i):
-                out.append(i)
-            elif i >= indexed:
-                return out, i
-        return out, full
+    @property
+    def _plan_locks(self) -> list[RadixNode]:
+        """Nodes locked until the plan being built is handed over (:class:`SavePlanner`)."""
+        return self._saves.plan_locks
 
     def on_preempted(self, req_id: str) -> None:
         """The engine freed the request's blocks; it will be looked up again when resumed."""
@@ -421,9 +348,7 @@ class CacheScheduler:
         self._step += 1
         plan, self._plan = self._plan, self.plan_type(step=self._step + 1)
         plan.step = self._step
-        for node in self._plan_locks:  # the plan's saves complete within its step: their pages may go from now on
-            self.index.unlock(node)
-        self._plan_locks = []
+        self._saves.release_plan_locks()  # the plan's saves complete within its step: their pages may go from now on
         if self.ctl is not None:
             self.ctl.keep_free(self.num_slots // 4)
             plan.jobs = self.ctl.take_jobs()
@@ -477,10 +402,7 @@ class CacheScheduler:
         st = self.requests.get(req_id)
         if st is None or self.num_slots == 0:
             return False
-        full = min(num_tokens_after_step, len(st.tokens)) // self.page_size
-        if st.save_cap is not None:
-            full = min(full, st.save_cap)
-        return full > st.num_indexed
+        return self._saves.pages_to_save(st, num_tokens_after_step)
 
     def tracks(self, req_id: str) -> bool:
         """Whether request ``req_id`` is live here (added and not finished)."""
