@@ -38,6 +38,7 @@ from .plan import JobReport, PageOrder, StepPlan
 from .radix_index import RadixIndex, RadixNode
 from .request_params import RequestControls
 from .scheduling.failures import LoadFailures
+from .scheduling.lookup import PrefixLookup
 from .scheduling.saves import SavePlanner
 from .scheduling.state import NoSlots, RequestState, SchedulerCounters, check_page_size
 from tierkv.connector.l2.slot_allocator import SlotAllocator
@@ -92,6 +93,7 @@ class CacheScheduler:
             self.ctl = Controller(self.index, self.allocator, page_size=page_size, lookup_stats=self.lookup_stats,
                                   **controller)
         self._failures = LoadFailures(self.index, self.allocator, self.counters, self.ctl, self.blocks_per_page)
+        self._lookups = PrefixLookup(self.index, self.counters, self.lookup_stats, self.ctl, page_size, num_slots)
         self._saves = SavePlanner(self.index, self.allocator, self.counters, self.lookup_stats, self.ctl, page_size,
                                   block_size)
 
@@ -128,8 +130,8 @@ class CacheScheduler:
         """
         t0 = time.perf_counter()
         try:
-            n = self._lookup(req_id, num_computed_tokens)
             st = self.requests[req_id]
+            n = self._lookups.answer(st, num_computed_tokens)
             if n is None or st.async_hit or st.sync_hit:  # waiting for L3, or an L3 hit: its wait starts now
                 self._l3_since.setdefault(req_id, self._step)
             else:
@@ -141,55 +143,6 @@ class CacheScheduler:
             c.lookups += 1
             c.lookup_seconds += dt
             c.max_lookup_us = max(c.max_lookup_us, 1e6 * dt)
-
-    def _lookup(self, req_id: str, num_computed_tokens: int) -> Optional[int]:
-        st = self.requests[req_id]
-        st.last_num_computed = num_computed_tokens
-        st.async_hit = st.sync_hit = False
-        st.reads = True
-        full = max(0, (len(st.tokens) - 1) // self.page_size)
-        cap_pages = full if st.load_cap is None else min(full, st.load_cap)
-        # pages the request's controls exclude: skipped, whatever the tiers hold
-        st.rest = [("miss", cap_pages), ("skipped", full)]
-        if cap_pages == 0 or self.num_slots == 0:
-            return 0
-        all_keys = st.keys.extend(st.tokens)  # hashes only pages not hashed before: O(1) for a waiting request
-        # the L2 run, resumed from the last lookup's cursor: O(1) when nothing on the path changed (docs §9)
-        l2_run, st.cursor = self.index.match_len(all_keys, cap_pages, require_l2=True, cursor=st.cursor)
-        first = num_computed_tokens // self.page_size
-        if self.ctl is None or l2_run == cap_pages:  # with L3 too: nothing more to find when L2 holds every page
-            return max(0, l2_run * self.page_size - num_computed_tokens)
-        if self.index.events is not None:  # KV events: pages an L3 existence answer may index (kv_events.py)
-            self.index.events.describe(req_id, all_keys, l2_run, cap_pages)
-        ans = self.ctl.lookup(req_id, all_keys[:cap_pages], l2_run, first)
-        if ans is None:
-            return None
-        st.async_hit, st.sync_hit = ans.is_async, ans.sync
-        st.rest = ans.rest + [("skipped", full)]
-        return max(0, ans.pages * self.page_size - num_computed_tokens)
-
-    def _count_lookup(self, st: RequestState, c: int, ext: int) -> None:
-        """The first admission of a request that may read a cache: its prefix tokens into the lookup total, split
-        into L1 (the engine's device hit ``c``), the ``ext`` tokens it takes from us (L2 now, or waiting for the
-        outcome of its L3 load) and, for the pages after those, the reasons the last lookup gave."""
-        ps = self.page_size
-        full = max(0, (len(st.tokens) - 1) // ps)
-        self.counters.lookup_tokens += full * ps
-        c = min(c, full * ps)  # pages of several blocks: vLLM's hit may reach into blocks past the last whole page
-        self.counters.device_hit_tokens += c
-        ls = self.lookup_stats
-        ls.add("l1", c)
-        if ext > 0 and (st.async_hit or st.sync_hit) and self.ctl is not None:
-            self.ctl.expect_outcome(st.req_id, ext)
-        else:
-            ls.add("l2", ext)
-        pos = c + ext  # tokens; with pages of several blocks the L1 hit may end inside a page
-        for reason, end in st.rest:
-            end = min(end, full) * ps
-            if end > pos:
-                ls.add(reason, end - pos)
-                pos = end
-        ls.add("miss", max(0, full * ps - pos))
 
     def lookup_is_async(self, req_id: str) -> bool:
         """Whether the last :meth:`lookup` answer of ``req_id`` needs an L3 read (vLLM: ``load_async=True``)."""
@@ -208,16 +161,7 @@ class CacheScheduler:
         from_l2 = 0 if l3_hit else num_external_tokens  # L3 hits: the controller's counters
         if not st.counted and st.reads:
             st.counted = True
-            if self.trace is None:
-                self._count_lookup(st, c, num_external_tokens)
-            else:  # the lookup trace (trace_path): this lookup's page keys and where its tokens went
-                ls = self.lookup_stats
-                before, waiting = dict(ls.tokens), ls.waiting
-                self._count_lookup(st, c, num_external_tokens)
-                outcome = {k: v - before[k] for k, v in ls.tokens.items()}
-                outcome["l3"] += ls.waiting - waiting
-                self.trace.lookup(st.keys.extend(st.tokens), max(0, (len(st.tokens) - 1) // self.page_size),
-                                  outcome, st.load_cap, st.save_cap)
+            self._lookups.count(st, c, num_external_tokens, self.trace)
         self.counters.l2_hit_tokens += from_l2
         if c >= self.page_size and self.ctl is not None and self.ctl.write_policy == "write_through_selective":
             # a prefix the engine's own cache (L1) served is a hit too: without this, pages vLLM keeps hitting in
