@@ -34,10 +34,11 @@ from typing import Optional, Sequence
 
 from tierkv.connector.l3.controller import Controller, LookupStats
 from .page_hash import ModelNamespace, RequestKeys, request_root, warm_up
-from .plan import JobReport, PageOrder, StepPlan
+from .plan import JobReport, StepPlan
 from .radix_index import RadixIndex, RadixNode
 from .request_params import RequestControls
 from .scheduling.failures import LoadFailures
+from .scheduling.loads import LoadPlanner
 from .scheduling.lookup import PrefixLookup
 from .scheduling.saves import SavePlanner
 from .scheduling.state import NoSlots, RequestState, SchedulerCounters, check_page_size
@@ -94,6 +95,7 @@ class CacheScheduler:
                                   **controller)
         self._failures = LoadFailures(self.index, self.allocator, self.counters, self.ctl, self.blocks_per_page)
         self._lookups = PrefixLookup(self.index, self.counters, self.lookup_stats, self.ctl, page_size, num_slots)
+        self._loads = LoadPlanner(self.index, self.counters, self.lookup_stats, self.ctl, page_size, block_size)
         self._saves = SavePlanner(self.index, self.allocator, self.counters, self.lookup_stats, self.ctl, page_size,
                                   block_size)
 
@@ -156,73 +158,18 @@ class CacheScheduler:
         (hybrid models): the whole table of every KV cache group, ``block_ids`` being a full-attention group's; the
         load then copies each group's live blocks (:func:`tierkv.connector.core.plan.live_blocks`)."""
         st = self.requests[req_id]
-        c = st.last_num_computed
-        l3_hit = (st.async_hit or st.sync_hit) and self.ctl is not None
-        from_l2 = 0 if l3_hit else num_external_tokens  # L3 hits: the controller's counters
         if not st.counted and st.reads:
             st.counted = True
-            self._lookups.count(st, c, num_external_tokens, self.trace)
-        self.counters.l2_hit_tokens += from_l2
-        if c >= self.page_size and self.ctl is not None and self.ctl.write_policy == "write_through_selective":
-            # a prefix the engine's own cache (L1) served is a hit too: without this, pages vLLM keeps hitting in
-            # L1 never reach the threshold and are never backed up
-            dev = st.keys.extend(st.tokens)[: c // self.page_size]
-            self.index.match_prefix(dev, require_l2=False, touch=True)
-            self.ctl.after_hit(dev, len(dev))
-        if num_external_tokens <= 0:
-            return
-        first, last = c // self.page_size, (c + num_external_tokens) // self.page_size
-        k = self.blocks_per_page
-        # the engine's L1 hit ``c`` is whole blocks, not always whole pages: the first page's blocks in L1 stay as
-        # they are and only the blocks after them are loaded
-        b0 = c // self.block_size
-        skip, blocks = b0 - first * k, list(block_ids[b0:last * k])
-        gblocks = [list(g[b0:last * k]) for g in groups or ()]
-        keys = st.keys.extend(st.tokens)[:last]
-        if l3_hit:
-            sync, st.async_hit, st.sync_hit = st.sync_hit, False, False
-            self.ctl.forget_request(req_id)
-            self.ctl.start_prefetch(req_id, keys, first, last, blocks, k, skip, gblocks, sync=sync)
-            self.counters.load_pages += last - first
-            st.num_indexed = 0  # known after the report; schedule_saves matches again
-            if sync:  # loaded before this step's forward, which computes the request's other tokens on it
-                st.load, st.saved, st.load_l3_end = (self._step + 1, blocks, b0), [], last
-                since = self._l3_since.pop(req_id, None)
-                self.counters.note_l3_wait(0 if since is None else self._step - since)
-            return
-        m = self.index.match_prefix(keys, require_l2=True, split=True, touch=True)
-        self.lookup_stats.hit_l2(m.host_slots[first:last])
-        if m.num_pages < last:  # cannot happen: nothing evicts between lookup and alloc in one schedule()
-            raise RuntimeError(f"{req_id}: promised {last} pages from L2 but only {m.num_pages} are there")
-        if st.lock is not None:
-            self.index.unlock(st.lock)
-        st.lock = self.index.lock(m.last_node)
-        self._plan.loads.append(PageOrder(req_id, blocks, m.host_slots[first:last], keys[first:last], k, skip,
-                                          groups=gblocks))
-        self.counters.load_pages += last - first
-        st.num_indexed = last
-        st.load, st.saved, st.load_l3_end = (self._step + 1, blocks, b0), [], None
-        if self.ctl is not None:
-            self.ctl.after_hit(keys, last)
+            self._lookups.count(st, st.last_num_computed, num_external_tokens, self.trace)
+        self._loads.order(st, self._plan, self._step, self._l3_since, block_ids, num_external_tokens, groups)
 
     def alloc_failed(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int, is_async: bool) -> None:
-        """:meth:`on_alloc` raised for a request promised ``num_external_tokens`` (docs §8 R41): the next plan tells
+        """:meth:`on_alloc` raised for a request promised ``num_external_tokens``: the next plan tells
         the workers to report those blocks as failed loads (vLLM recomputes them) and, for an L3 hit, to name the
         request as ended, so the engine never computes on KV that was not loaded, nor waits for a load never
         ordered."""
-        self.counters.hook_errors += 1
-        st = self.requests.get(req_id)
-        c = st.last_num_computed if st is not None else 0
-        if num_external_tokens > 0:
-            last = (c + num_external_tokens) // self.page_size
-            self._plan.failed_blocks.extend(block_ids[c // self.block_size:last * self.blocks_per_page])
-            if is_async:
-                self._plan.failed_requests.append(req_id)
-            if self.ctl is not None:
-                self.ctl.outcome_failed(req_id)
-        if st is not None:
-            st.async_hit = st.sync_hit = False
-            st.num_indexed = 0
+        self._loads.alloc_failed(req_id, self.requests.get(req_id), self._plan, block_ids, num_external_tokens,
+                                 is_async)
 
     def schedule_saves(self, req_id: str, num_tokens_after_step: int, block_ids: Sequence[int],
                        groups: Optional[Sequence[Sequence[int]]] = None) -> None:
