@@ -1,30 +1,17 @@
 """Scheduler side of the cache: prefix matching over L2 and L3, locks, L2 slot allocation, per-step plans.
 
-Engine-free: :class:`tierkv.connector.vllm.connector.TierKVConnector` adapts vLLM's scheduler hooks to the
-methods below, and the tests drive them with a scheduler stub. It never touches tensor data
-(docs/architecture.md §3). With an L3 store configured it owns the scheduler half of the controller
-(:class:`tierkv.connector.l3.controller.Controller`), which decides backups and prefetches.
+Engine-free and tensor-free: :class:`tierkv.connector.vllm.connector.TierKVConnector` maps vLLM's scheduler hooks onto
+:class:`CacheScheduler` (tests drive it with a scheduler stub). With an L3 store it owns the scheduler half of
+:class:`tierkv.connector.l3.controller.Controller` (backups, prefetches). Its parts: :mod:`.scheduling`.
 
-Life of a request (vLLM v1 hook in brackets):
+1. ``lookup`` [``get_num_new_matched_tokens``]: tokens loadable beyond the device hit, None while L3 or room pends.
+2. ``on_alloc`` [``update_state_after_alloc``]: lock the L2 path and order the load, or start an L3 prefetch.
+3. ``schedule_saves``, ``build_plan`` [``build_connector_meta``]: save newly full pages; hand over the step's plan.
+4. ``on_preempted``, ``on_finished`` [``request_finished``]: release the request; keep its blocks while L3 loads.
+5. ``on_reports`` [``update_connector_output``]: job reports free pins and publish pages.
 
-1. :meth:`lookup` [``get_num_new_matched_tokens``]: hash the full pages of the sequence (cached per request),
-   match the radix index, answer how many tokens beyond the engine's own (device) prefix hit can be loaded, or
-   None while an L3 existence answer or L2 room is pending (vLLM asks again next step). Capped so at least one
-   token is left to compute. :meth:`lookup_is_async` says whether the answer needs an L3 read (an asynchronous
-   load in vLLM's sense). No side effect on the index, so it can be called every step.
-2. :meth:`on_alloc` [``update_state_after_alloc``]: the engine gave blocks. L2 hit: lock the matched path
-   (``lock_ref``) and record a load order L2 slots -> L1 blocks for this step. L3 hit: order a prefetch job.
-3. :meth:`schedule_saves` [``build_connector_meta``]: for pages that become full this step (computed, or
-   held in L1 from a device hit) and are not in L2 yet, allocate slots (evicting), insert them into the index,
-   record save orders L1 blocks -> L2 slots, and let the controller order their backups.
-4. :meth:`on_preempted` / :meth:`on_finished` [``build_connector_meta`` preempted ids /
-   ``request_finished``]: release the request's lock. ``on_finished`` answers whether the engine must keep the
-   request's blocks until its prefetch ended (an abort during an L3 load, docs/architecture.md §8 R09).
-5. :meth:`on_reports` [``update_connector_output``]: the workers' job reports; they free pins and publish pages.
-
-The worker executes each plan's loads before the forward and its saves after it, both within the step, so
-a slot or block named by a load or save in step N is free for reuse from step N+1 (no L1 -> L2 save outlives a
-step: docs/architecture.md §8 R08). L3 jobs outlive steps; what they name stays pinned until their report.
+A plan's loads and saves finish within its step, so what they name is free from the next step; L3 jobs outlive
+steps and keep what they name pinned until their report.
 """
 from __future__ import annotations
 
@@ -197,7 +184,7 @@ class CacheScheduler:
         self._release(st)
         st.num_indexed = 0
         # its load record stays: a failure of that load reported later still takes its pages out of the index. The
-        # resumed request computes on an intact prefix, so the workers may save its pages again (docs §8 R31)
+        # resumed request computes on an intact prefix, so the workers may save its pages again
         self._plan.recomputed.append(req_id)
 
     def on_finished(self, req_id: str) -> bool:
@@ -258,7 +245,7 @@ class CacheScheduler:
 
         A request whose last L2 -> L1 load names one of them computed its later pages in that step (and in any plan
         built before this call) on a broken prefix; vLLM rolls it back to its first failed block and recomputes.
-        So (docs/architecture.md §8 R31): its pages from the first failed one on leave the index (those saved since
+        So: its pages from the first failed one on leave the index (those saved since
         the load were never written: the worker refused them) and their slots are freed, at once or, where
         something else holds them locked, as soon as it no longer does; a backup of only those pages is cancelled;
         its lock moves back to the intact prefix, so a page that failed its checksum is not kept pinned; the next
