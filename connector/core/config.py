@@ -54,7 +54,7 @@ class HostPoolConfig(_Strict):
 class ControllerConfig(_Strict):
     """Backup (L1->L2->L3) and prefetch (L3->L2->L1) policies, after SGLang HiCache's ``--hicache-write-policy``
     and ``--hicache-storage-prefetch-policy``; used only when ``l3.backend`` is not ``none``
-    (:mod:`tierkv.connector.l3.controller`, docs/architecture.md §4): with ``none``, values other than the defaults are
+    (:mod:`tierkv.connector.l3.controller`): with ``none``, values other than the defaults are
     a ConfigError (:func:`check_controller_used`). Times in seconds, sizes in pages."""
 
     write_policy: Literal[WRITE_POLICIES] = "write_through"

@@ -1,27 +1,17 @@
 """Page keys: chained, deterministic content hashes of pages, seeded by a namespace.
 
 ``key(page_i) = BLAKE2b-128[salt = key(page_{i-1}), person = encoding tag](tokens of page_i [|| 0x01 || extra key])``
-with ``key(page_-1)`` = the request root, itself a hash of the model namespace, the LoRA adapter and the cache
-salt. So a key names the whole prefix up to its page *and* everything that changes the page's bytes
-(docs/architecture.md §2, §9; the chaining follows SGLang HiCache's page hash and vLLM's block hash, but unlike both
-the model identity, dtype, layout, page size, geometry and parallel rank are inside the key, cf.
-docs/architecture.md §8 R01, R02).
+with ``key(page_-1)`` = the request root, a hash of the model namespace, the LoRA adapter and the cache salt. So a
+key names the whole prefix up to its page and everything that changes the page's bytes (model, dtype, layout, page
+size, geometry, parallel rank). Tokens are little-endian uint32 when every token of the page fits (person tag
+``tierkv/pk2/u32``), else int64 (``tierkv/pk2/i64``), decided per page. BLAKE2b is cryptographic: no tenant can make
+two prefixes collide. The parent key rides in BLAKE2b's salt, so a page of up to 32 tokens is one compression.
 
-The parent key rides in BLAKE2b's 16-byte salt field (XORed into the initial state), so a page of up to 32 tokens is
-one 128-byte compression. Tokens are little-endian uint32 when every token of the page fits (person tag
-``tierkv/pk2/u32``), else little-endian int64 (tag ``tierkv/pk2/i64``): the encoding is decided per page, so a
-key never depends on the other pages hashed in the same call. BLAKE2b is a cryptographic hash: nobody can make two
-tenants' prefixes collide (docs/architecture.md §9 explains the choice).
-
-Speed (docs/architecture.md §9): the pages of a call are hashed by one compiled loop (numba, when it imports) that
-implements standard BLAKE2b; :func:`page_keys_reference` is the same derivation through :mod:`hashlib`, used for
-short calls, pages with extra keys, big-endian machines and when numba is absent, and the tests check both agree.
-
-Keys are pure functions of their inputs: no Python ``hash``, no pickle, no process-dependent seed
-(docs/architecture.md §8 R18). Structured values (namespace fields, extra keys) are encoded as canonical msgpack
-with ``None``, empty tuple and absent kept distinct.
-
-A key is 16 bytes; its text form (``.hex()``, 32 lowercase hex chars) is what L3 stores index by.
+Speed: one compiled loop (numba, when it imports) hashes the pages of a call; :func:`page_keys_reference` is the same
+derivation through :mod:`hashlib` (short calls, extra keys, big-endian hosts, no numba), and the tests check both
+agree. Keys are pure functions of their inputs (no Python ``hash``, pickle or per-process seed); structured values
+are canonical msgpack with ``None``, empty tuple and absent kept distinct. A key is 16 bytes; L3 stores index by
+its ``.hex()`` (32 lowercase hex chars).
 """
 from __future__ import annotations
 
@@ -38,7 +28,7 @@ import msgpack
 KEY_BYTES = 16
 KEY_HEX_LEN = 2 * KEY_BYTES
 #: bumped whenever the byte format of pages or keys changes; part of every namespace.
-FORMAT_VERSION = 2  # 2: BLAKE2b with the parent key as salt, uint32 tokens (docs/architecture.md §9)
+FORMAT_VERSION = 2  # 2: BLAKE2b with the parent key as salt, uint32 tokens
 _DOMAIN = b"tierkv/page-key/v1"
 
 
@@ -371,7 +361,7 @@ class RequestKeys:
 
     ``extend(all_token_ids)`` hashes only the pages that became full since the last call (O(1) when none did: it
     reads only ``len(all_token_ids)``); ``keys`` is the list of 16-byte keys of all full pages so far and
-    ``hashed_pages`` counts the pages this object hashed (each page once: docs/architecture.md §9).
+    ``hashed_pages`` counts the pages this object hashed (each page once).
     """
 
     __slots__ = ("root", "page_size", "keys", "hashed_pages")

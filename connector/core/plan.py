@@ -1,42 +1,17 @@
-"""The plan protocol between the scheduler side and the worker side (docs/architecture.md §4).
+"""The plan protocol between the scheduler side and the worker side.
 
-Two directions, plain data only (lists of ints and bytes: small and cheap to pickle):
+Plain data only (ints and bytes: small and cheap to pickle), in two directions:
 
 - scheduler -> worker: one :class:`StepPlan` per engine step, built by
-  :class:`tierkv.connector.core.scheduler.CacheScheduler` and pickled by the engine to every worker rank (vLLM sends it
-  inside ``SchedulerOutput``). ``loads`` (L2 -> L1) and ``saves`` (L1 -> L2) are finished by the worker within the
-  step. ``recomputed`` names requests whose failed load the scheduler side has
-  handled (docs/architecture.md §8 R31). ``jobs`` are L3 transfers that outlive the step: each has an id, and the slots, blocks and index nodes it
-  names stay pinned on the scheduler side until the job's report arrives.
-- worker -> scheduler: :class:`JobReport` s, one per job and rank, sent back with the step's output (vLLM:
-  ``build_connector_worker_meta`` -> ``update_connector_output``). The scheduler waits for every rank's report of a
-  job and merges them page by page with AND (a page is done only if every rank did it: with tensor parallelism each
-  rank holds its own shard of each page, the "minimum over ranks" rule). A report is the only thing that frees a
-  pinned slot or publishes a fetched page into the index.
+  :class:`tierkv.connector.core.scheduler.CacheScheduler` and pickled to every worker rank (vLLM sends it inside
+  ``SchedulerOutput``). ``loads`` (L2 -> L1) and ``saves`` (L1 -> L2) finish within the step; ``jobs`` (:class:`Job`:
+  backup, prefetch, exists) are L3 transfers that outlive it, and what they name stays pinned until their report.
+- worker -> scheduler: one :class:`JobReport` per job and rank, sent back with the step's output. The ranks' reports
+  of a job merge page by page with AND (:func:`merge_reports`: each rank holds its own shard of each page); a report
+  is the only thing that frees a pinned slot or publishes a fetched page into the index.
 
-Job kinds:
-
-=============  =====================================================================================================
-``backup``     L2 -> L3: store the pages in ``slots`` under ``keys``; ``checksums`` (XXH3-64 taken when the page
-               entered L2) go into the record header, so the payload is not hashed again. ``ok[i]``: page i stored.
-``prefetch``   L3 -> L2 -> L1 for request ``req_id``: pages with ``fetch[i]`` are read from L3 into ``slots[i]``,
-               the others are already in L2 at ``slots[i]``; then the leading run that is intact is copied into
-               ``block_ids``. ``ok[i]``: page i is in L2 (``slots[i]``) with verified bytes. ``deadline_s`` bounds
-               how long the request waits (seconds after the worker starts the job), moved later by
-               ``deadline_credit_s`` for each read page that extends the leading intact run (at most to
-               ``deadline_max_s``); pages that arrive later
-               still land in L2 and are reported, but the request recomputes them. ``sync``: the read feeds the
-               forward of the step that orders it (the worker waits for it before that forward, and copies its
-               leading run with the step's L2 -> L1 loads); otherwise the request waits asynchronously and is
-               named in ``finished_recving`` once its pages are in L1.
-``exists``     L3 existence query of ``keys`` (a prefix run): ``ok`` is the leading run present.
-=============  =====================================================================================================
-
-Hybrid models (several KV cache groups, vLLM's hybrid KV cache manager on, ``SupportsHMA``): a page holds every
-layer of its tokens, whatever group the layer is in; each group has its own engine block table (block ids are
-unique across groups: one block pool). Orders and prefetches then carry ``groups``: one block id list per KV cache
-group, each shaped like ``block_ids`` (which is the list of a full-attention group, whose blocks are never null).
-What is stored and what a hit copies follows one rule, :func:`live_blocks`: the engine's block table decides.
+Hybrid models (several KV cache groups): orders carry ``groups``, one block id list per group shaped like
+``block_ids`` (a full-attention group's); :func:`live_blocks` decides what is stored and what a hit copies.
 """
 from __future__ import annotations
 
@@ -163,8 +138,24 @@ class PageOrder:
 
 @dataclass
 class Job:
-    """One L3 transfer (see the module docstring for the kinds). ``keys`` are 16-byte page keys of the
-    scheduler's namespace; each worker rank maps them to its own L3 keys (the rank is part of the L3 namespace).
+    """One L3 transfer. ``keys`` are 16-byte page keys of the scheduler's namespace; each worker rank maps them to
+    its own L3 keys (the rank is part of the L3 namespace). Kinds:
+
+    =============  =================================================================================================
+    ``backup``     L2 -> L3: store the pages in ``slots`` under ``keys``; ``checksums`` (XXH3-64 taken when the page
+                   entered L2) go into the record header, so the payload is not hashed again. ``ok[i]``: page i stored.
+    ``prefetch``   L3 -> L2 -> L1 for request ``req_id``: pages with ``fetch[i]`` are read from L3 into ``slots[i]``,
+                   the others are already in L2 at ``slots[i]``; then the leading run that is intact is copied into
+                   ``block_ids``. ``ok[i]``: page i is in L2 (``slots[i]``) with verified bytes. ``deadline_s`` bounds
+                   how long the request waits (seconds after the worker starts the job), moved later by
+                   ``deadline_credit_s`` for each read page that extends the leading intact run (at most to
+                   ``deadline_max_s``); pages that arrive later
+                   still land in L2 and are reported, but the request recomputes them. ``sync``: the read feeds the
+                   forward of the step that orders it (the worker waits for it before that forward, and copies its
+                   leading run with the step's L2 -> L1 loads); otherwise the request waits asynchronously and is
+                   named in ``finished_recving`` once its pages are in L1.
+    ``exists``     L3 existence query of ``keys`` (a prefix run): ``ok`` is the leading run present.
+    =============  =================================================================================================
 
     Raises:
         ValueError: unknown ``kind``, or per-page lists whose lengths differ from ``keys``.
@@ -190,7 +181,7 @@ class Job:
     skip_blocks: int = 0
     #: hybrid models: a prefetch's block ids per KV cache group, each shaped like ``block_ids`` (see PageOrder)
     groups: list[list[int]] = field(default_factory=list)
-    #: a prefetch loaded synchronously, before the forward of the step whose plan carries it (see the module docstring)
+    #: a prefetch loaded synchronously, before the forward of the step whose plan carries it (see the kinds)
     sync: bool = False
 
     def __post_init__(self) -> None:
@@ -287,10 +278,10 @@ class StepPlan:
     saves: list[PageOrder] = field(default_factory=list)
     jobs: list[Job] = field(default_factory=list)
     #: requests whose failed load of an earlier step the scheduler side has handled (vLLM rolled them back): the
-    #: worker saves their pages again from this plan on (until then it saves none of them, docs §8 R31)
+    #: worker saves their pages again from this plan on (until then it saves none of them)
     recomputed: list[str] = field(default_factory=list)
-    #: engine blocks of loads the scheduler side promised but could not order (an error caught at a hook, docs §8
-    #: R41): the workers report them as failed loads, so vLLM recomputes them
+    #: engine blocks of loads the scheduler side promised but could not order (an error caught at a hook): the
+    #: workers report them as failed loads, so vLLM recomputes them
     failed_blocks: list[int] = field(default_factory=list)
     #: requests whose asynchronous (L3) load could not be ordered: the workers name them as ended (finished_recving)
     failed_requests: list[str] = field(default_factory=list)

@@ -1,20 +1,16 @@
 """Per-request controls of tierkv, carried in vLLM's ``kv_transfer_params`` under the key ``"tierkv"``.
 
-An OpenAI request to vLLM's server can carry ``"kv_transfer_params": {"tierkv": {...}}`` in its JSON body; vLLM
-hands it to the connector as ``request.kv_transfer_params`` (through ``SamplingParams.extra_args``). Fields (all
-optional; other keys of ``kv_transfer_params`` belong to other connectors and are left alone):
+An OpenAI request to vLLM's server can carry ``"kv_transfer_params": {"tierkv": {...}}``; vLLM hands it to the
+connector as ``request.kv_transfer_params``. Fields, all optional (other keys belong to other connectors):
 
-=====================  ========  ======================================================================================
-``load``               bool      false: tierkv loads nothing for this request (vLLM's own prefix cache, L1, still
-                                 serves it)
-``save``               bool      false: none of this request's pages are saved into L2 (hence none reach L3)
-``load_max_tokens``    int >= 0  load at most the pages that end within the first N tokens
-``save_max_tokens``    int >= 0  save only the pages that end within the first N tokens (the reusable prefix: a
-                                 system prompt or a document, not the private suffix)
-=====================  ========  ======================================================================================
+- ``load`` (bool): false = tierkv loads nothing for it (vLLM's own prefix cache, L1, still serves it);
+- ``save`` (bool): false = none of its pages are saved into L2 (hence none reach L3);
+- ``load_max_tokens`` (int >= 0): load at most the pages that end within the first N tokens;
+- ``save_max_tokens`` (int >= 0): save only the pages that end within the first N tokens (the reusable prefix: a
+  system prompt or a document, not the private suffix).
 
-A wrong type, a negative count or an unknown field is refused with a message naming the field
-(:class:`RequestParamsError`). Engine-free: pydantic only.
+A wrong type, a negative count or an unknown field raises :class:`RequestParamsError` naming the field.
+Engine-free: pydantic only.
 """
 from __future__ import annotations
 

@@ -1,162 +1,37 @@
 """Scheduler side of the cache: prefix matching over L2 and L3, locks, L2 slot allocation, per-step plans.
 
-Engine-free: :class:`tierkv.connector.vllm.connector.TierKVConnector` adapts vLLM's scheduler hooks to the
-methods below, and the tests drive them with a scheduler stub. It never touches tensor data
-(docs/architecture.md §3). With an L3 store configured it owns the scheduler half of the controller
-(:class:`tierkv.connector.l3.controller.Controller`), which decides backups and prefetches.
+Engine-free and tensor-free: :class:`tierkv.connector.vllm.connector.TierKVConnector` maps vLLM's scheduler hooks onto
+:class:`CacheScheduler` (tests drive it with a scheduler stub). With an L3 store it owns the scheduler half of
+:class:`tierkv.connector.l3.controller.Controller` (backups, prefetches). Its parts: :mod:`.scheduling`.
 
-Life of a request (vLLM v1 hook in brackets):
+1. ``lookup`` [``get_num_new_matched_tokens``]: tokens loadable beyond the device hit, None while L3 or room pends.
+2. ``on_alloc`` [``update_state_after_alloc``]: lock the L2 path and order the load, or start an L3 prefetch.
+3. ``schedule_saves``, ``build_plan`` [``build_connector_meta``]: save newly full pages; hand over the step's plan.
+4. ``on_preempted``, ``on_finished`` [``request_finished``]: release the request; keep its blocks while L3 loads.
+5. ``on_reports`` [``update_connector_output``]: job reports free pins and publish pages.
 
-1. :meth:`lookup` [``get_num_new_matched_tokens``]: hash the full pages of the sequence (cached per request),
-   match the radix index, answer how many tokens beyond the engine's own (device) prefix hit can be loaded, or
-   None while an L3 existence answer or L2 room is pending (vLLM asks again next step). Capped so at least one
-   token is left to compute. :meth:`lookup_is_async` says whether the answer needs an L3 read (an asynchronous
-   load in vLLM's sense). No side effect on the index, so it can be called every step.
-2. :meth:`on_alloc` [``update_state_after_alloc``]: the engine gave blocks. L2 hit: lock the matched path
-   (``lock_ref``) and record a load order L2 slots -> L1 blocks for this step. L3 hit: order a prefetch job.
-3. :meth:`schedule_saves` [``build_connector_meta``]: for pages that become full this step (computed, or
-   held in L1 from a device hit) and are not in L2 yet, allocate slots (evicting), insert them into the index,
-   record save orders L1 blocks -> L2 slots, and let the controller order their backups.
-4. :meth:`on_preempted` / :meth:`on_finished` [``build_connector_meta`` preempted ids /
-   ``request_finished``]: release the request's lock. ``on_finished`` answers whether the engine must keep the
-   request's blocks until its prefetch ended (an abort during an L3 load, docs/architecture.md §8 R09).
-5. :meth:`on_reports` [``update_connector_output``]: the workers' job reports; they free pins and publish pages.
-
-The worker executes each plan's loads before the forward and its saves after it, both within the step, so
-a slot or block named by a load or save in step N is free for reuse from step N+1 (no L1 -> L2 save outlives a
-step: docs/architecture.md §8 R08). L3 jobs outlive steps; what they name stays pinned until their report.
+A plan's loads and saves finish within its step, so what they name is free from the next step; L3 jobs outlive
+steps and keep what they name pinned until their report.
 """
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from tierkv.connector.l3.controller import Controller, LookupStats, reclaim_l2
+from tierkv.connector.l3.controller import Controller, LookupStats
 from .page_hash import ModelNamespace, RequestKeys, request_root, warm_up
-from .plan import JobReport, PageOrder, StepPlan, live_blocks
-from .radix_index import MatchCursor, RadixIndex, RadixNode
+from .plan import JobReport, StepPlan
+from .radix_index import RadixIndex, RadixNode
 from .request_params import RequestControls
+from .scheduling.failures import LoadFailures
+from .scheduling.loads import LoadPlanner
+from .scheduling.lookup import PrefixLookup
+from .scheduling.saves import SavePlanner
+from .scheduling.state import NoSlots, RequestState, SchedulerCounters, check_page_size
 from tierkv.connector.l2.slot_allocator import SlotAllocator
 
 logger = logging.getLogger("tierkv.scheduler")
-
-#: steps after its plan during which a load's failure can still be reported (vLLM reports it with that step's output;
-#: with asynchronous scheduling one or two later plans are built first)
-_LOAD_FAILURE_WINDOW = 32
-
-
-@dataclass
-class _RequestState:
-    req_id: str
-    keys: RequestKeys
-    tokens: Sequence[int]                 # live view of all token ids (prompt + output)
-    lock: Optional[RadixNode] = None      # node locked for this request's loads
-    last_num_computed: int = 0            # argument of the last lookup (device prefix hit, tokens)
-    num_indexed: int = 0                  # leading pages known to be in the index with an L2 copy
-    counted: bool = False                 # prompt counted in hit statistics
-    reads: bool = True                    # False: the engine never lets it read a cache (not counted)
-    load_cap: Optional[int] = None        # most pages tierkv may load for it (its kv_transfer_params), None = all
-    save_cap: Optional[int] = None        # most leading pages tierkv may save for it, None = all
-    # why the pages after the last lookup's hit are not a hit: (reason, end page) segments (LookupAnswer.rest)
-    rest: list[tuple[str, int]] = field(default_factory=list)
-    async_hit: bool = False               # the last lookup's answer needs an L3 read (an asynchronous load)
-    sync_hit: bool = False                # ... an L3 read loaded before the forward of the step admitting it
-    cursor: Optional[MatchCursor] = None  # where the last lookup's L2 match ended (resumed in O(1) next step)
-    # the last L2 -> L1 load (plan step, its engine blocks, the request's block index of the first of them) and the
-    # pages [a, b) of each save ordered since, kept until a failure of that load could no longer be reported
-    # (docs/architecture.md §8 R31)
-    load: Optional[tuple[int, list[int], int]] = None
-    saved: list[tuple[int, int]] = field(default_factory=list)
-    # the last load was a synchronous L3 load ending at this page: its pages came from L3, not from a computation, so
-    # a failure of it drops only what the request saved after them (the job's report settles the loaded pages)
-    load_l3_end: Optional[int] = None
-
-
-def check_page_size(page_size, block_size: int) -> int:
-    """Engine blocks per page: ``page_size // block_size``.
-
-    Raises:
-        ValueError: ``page_size`` is not a whole multiple (1, 2, 3...) of ``block_size`` (the message names
-            ``page_size`` and the allowed values).
-    """
-    if (isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < block_size
-            or page_size % block_size):
-        raise ValueError(f"bad value {page_size!r} for 'page_size': a page is k whole engine blocks of {block_size} "
-                         f"tokens; allowed: {block_size}, {2 * block_size}, {4 * block_size}, ... (k x {block_size}, "
-                         "k an integer >= 1), or null for one block")
-    return page_size // block_size
-
-
-class _NoSlots:
-    """The slot allocator of an L2 of zero pages (an automatic size on a host with no room): nothing to hand out.
-    Same interface as :class:`SlotAllocator`."""
-
-    num_slots = num_free = num_used = 0
-
-    def alloc(self, n: int) -> Optional[list[int]]:
-        return [] if n == 0 else None
-
-    def free(self, slots) -> None:
-        slots = list(slots)
-        if slots:
-            raise ValueError(f"free: slot {slots[0]!r} out of range [0, 0)")
-
-    def is_allocated(self, slot: int) -> bool:
-        return False
-
-
-@dataclass
-class SchedulerCounters:
-    """Counters of the scheduler side (tokens unless named otherwise)."""
-
-    requests: int = 0
-    # page-aligned prefix tokens of admitted requests that may read a cache (what could be reused); split by
-    # LookupStats into lookup_<part>_tokens (docs/architecture.md §4)
-    lookup_tokens: int = 0
-    request_params_refused: int = 0  # requests whose kv_transfer_params["tierkv"] was malformed (served without tierkv)
-    device_hit_tokens: int = 0      # of those, already in L1 (engine prefix cache)
-    l2_hit_tokens: int = 0          # of those, loaded from L2
-    load_pages: int = 0
-    save_pages: int = 0
-    save_skipped_pages: int = 0     # pages not saved for lack of L2 space (all locked)
-    evicted_pages: int = 0
-    preemptions: int = 0
-    load_failed_requests: int = 0   # requests whose L2 -> L1 load failed (their pages of that step were dropped)
-    load_failed_dropped_pages: int = 0  # pages those requests had saved or loaded from the failure on, dropped
-    lookups: int = 0                # get_num_new_matched_tokens calls (vLLM repeats them for waiting requests)
-    lookup_seconds: float = 0.0     # time spent in them
-    max_lookup_us: float = 0.0      # the slowest one, microseconds
-    hook_errors: int = 0            # exceptions caught at a vLLM hook (docs §8 R41); each became a miss or failed pages
-    # wall time inside tierkv's scheduler-side vLLM hooks (every call, in the engine core's scheduling loop), the
-    # calls, and the steps (plans built): hook_seconds / hook_steps is what tierkv adds to each step there
-    hook_seconds: float = 0.0
-    hook_calls: int = 0
-    hook_steps: int = 0
-    # L3 hits: engine steps (plans built) from the first lookup that waited for or hit L3 to the step whose output
-    # named the load ended. An L2 hit costs 0 (loaded in the step that schedules it); the least an L3 hit costs is 1
-    # with synchronous scheduling and 2 with vLLM's asynchronous scheduling (its default except on its CPU backend),
-    # whose next plan is built before the output of the step that ended the load is processed
-    # (tests/unit/test_l3_wait_steps_vllm.py)
-    l3_hits: int = 0
-    l3_hit_wait_steps: int = 0      # summed over the hits
-    l3_hit_wait_steps_1: int = 0    # histogram: hits that waited 0-1 steps, 2, 3-4, 5-8, 9 or more
-    l3_hit_wait_steps_2: int = 0
-    l3_hit_wait_steps_3_4: int = 0
-    l3_hit_wait_steps_5_8: int = 0
-    l3_hit_wait_steps_9_plus: int = 0
-
-    def note_l3_wait(self, steps: int) -> None:
-        """One L3 load ended ``steps`` plans after its request first waited for L3 (a histogram bucket each)."""
-        self.l3_hits += 1
-        self.l3_hit_wait_steps += steps
-        name = ("1" if steps <= 1 else "2" if steps == 2 else "3_4" if steps <= 4 else "5_8" if steps <= 8
-                else "9_plus")
-        setattr(self, f"l3_hit_wait_steps_{name}", getattr(self, f"l3_hit_wait_steps_{name}") + 1)
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
 
 
 class CacheScheduler:
@@ -191,17 +66,13 @@ class CacheScheduler:
         self.num_slots = num_slots
         self.index = RadixIndex(eviction_policy)
         warm_up()  # load the compiled page hash now, not in the first request's lookup
-        self.allocator = SlotAllocator(num_slots) if num_slots > 0 else _NoSlots()
+        self.allocator = SlotAllocator(num_slots) if num_slots > 0 else NoSlots()
         self.lookup_stats = LookupStats(num_slots, (controller or {}).get("clock", time.monotonic))
-        self.requests: dict[str, _RequestState] = {}
+        self.requests: dict[str, RequestState] = {}
         self.counters = SchedulerCounters()
         self.plan_type = plan_type  # what build_plan hands over: StepPlan or a subclass (the engine's metadata class)
         self._plan = plan_type()
         self._step = 0
-        self._drops: list[list[bytes]] = []  # paths whose last page must leave the index once nothing there is locked
-        # nodes holding pages whose save the plan being built orders: locked until the plan is handed over, so no
-        # later save or staging slot of the same plan can evict them and be handed their slot (docs §8 R41)
-        self._plan_locks: list[RadixNode] = []
         self._l3_since: dict[str, int] = {}  # request -> plans built when its lookup first waited for / hit L3
         #: the lookup trace writer (config ``trace_path``, :class:`tierkv.connector.obs.lookup_trace.LookupTrace`) or None
         self.trace = None
@@ -209,6 +80,11 @@ class CacheScheduler:
         if controller is not None and num_slots > 0:
             self.ctl = Controller(self.index, self.allocator, page_size=page_size, lookup_stats=self.lookup_stats,
                                   **controller)
+        self._failures = LoadFailures(self.index, self.allocator, self.counters, self.ctl, self.blocks_per_page)
+        self._lookups = PrefixLookup(self.index, self.counters, self.lookup_stats, self.ctl, page_size, num_slots)
+        self._loads = LoadPlanner(self.index, self.counters, self.lookup_stats, self.ctl, page_size, block_size)
+        self._saves = SavePlanner(self.index, self.allocator, self.counters, self.lookup_stats, self.ctl, page_size,
+                                  block_size)
 
     # ----------------------------------------------------------------- requests
     def add_request(self, req_id: str, tokens: Sequence[int], lora: Optional[str] = None,
@@ -218,7 +94,7 @@ class CacheScheduler:
         st = self.requests.get(req_id)
         if st is None:
             root = request_root(self.ns_digest, lora, cache_salt)
-            st = self.requests[req_id] = _RequestState(req_id, RequestKeys(root, self.page_size), tokens)
+            st = self.requests[req_id] = RequestState(req_id, RequestKeys(root, self.page_size), tokens)
             self.counters.requests += 1
             if controls is not None:
                 st.load_cap, st.save_cap = controls.load_pages(self.page_size), controls.save_pages(self.page_size)
@@ -243,8 +119,8 @@ class CacheScheduler:
         """
         t0 = time.perf_counter()
         try:
-            n = self._lookup(req_id, num_computed_tokens)
             st = self.requests[req_id]
+            n = self._lookups.answer(st, num_computed_tokens)
             if n is None or st.async_hit or st.sync_hit:  # waiting for L3, or an L3 hit: its wait starts now
                 self._l3_since.setdefault(req_id, self._step)
             else:
@@ -256,55 +132,6 @@ class CacheScheduler:
             c.lookups += 1
             c.lookup_seconds += dt
             c.max_lookup_us = max(c.max_lookup_us, 1e6 * dt)
-
-    def _lookup(self, req_id: str, num_computed_tokens: int) -> Optional[int]:
-        st = self.requests[req_id]
-        st.last_num_computed = num_computed_tokens
-        st.async_hit = st.sync_hit = False
-        st.reads = True
-        full = max(0, (len(st.tokens) - 1) // self.page_size)
-        cap_pages = full if st.load_cap is None else min(full, st.load_cap)
-        # pages the request's controls exclude: skipped, whatever the tiers hold
-        st.rest = [("miss", cap_pages), ("skipped", full)]
-        if cap_pages == 0 or self.num_slots == 0:
-            return 0
-        all_keys = st.keys.extend(st.tokens)  # hashes only pages not hashed before: O(1) for a waiting request
-        # the L2 run, resumed from the last lookup's cursor: O(1) when nothing on the path changed (docs §9)
-        l2_run, st.cursor = self.index.match_len(all_keys, cap_pages, require_l2=True, cursor=st.cursor)
-        first = num_computed_tokens // self.page_size
-        if self.ctl is None or l2_run == cap_pages:  # with L3 too: nothing more to find when L2 holds every page
-            return max(0, l2_run * self.page_size - num_computed_tokens)
-        if self.index.events is not None:  # KV events: pages an L3 existence answer may index (kv_events.py)
-            self.index.events.describe(req_id, all_keys, l2_run, cap_pages)
-        ans = self.ctl.lookup(req_id, all_keys[:cap_pages], l2_run, first)
-        if ans is None:
-            return None
-        st.async_hit, st.sync_hit = ans.is_async, ans.sync
-        st.rest = ans.rest + [("skipped", full)]
-        return max(0, ans.pages * self.page_size - num_computed_tokens)
-
-    def _count_lookup(self, st: _RequestState, c: int, ext: int) -> None:
-        """The first admission of a request that may read a cache: its prefix tokens into the lookup total, split
-        into L1 (the engine's device hit ``c``), the ``ext`` tokens it takes from us (L2 now, or waiting for the
-        outcome of its L3 load) and, for the pages after those, the reasons the last lookup gave."""
-        ps = self.page_size
-        full = max(0, (len(st.tokens) - 1) // ps)
-        self.counters.lookup_tokens += full * ps
-        c = min(c, full * ps)  # pages of several blocks: vLLM's hit may reach into blocks past the last whole page
-        self.counters.device_hit_tokens += c
-        ls = self.lookup_stats
-        ls.add("l1", c)
-        if ext > 0 and (st.async_hit or st.sync_hit) and self.ctl is not None:
-            self.ctl.expect_outcome(st.req_id, ext)
-        else:
-            ls.add("l2", ext)
-        pos = c + ext  # tokens; with pages of several blocks the L1 hit may end inside a page
-        for reason, end in st.rest:
-            end = min(end, full) * ps
-            if end > pos:
-                ls.add(reason, end - pos)
-                pos = end
-        ls.add("miss", max(0, full * ps - pos))
 
     def lookup_is_async(self, req_id: str) -> bool:
         """Whether the last :meth:`lookup` answer of ``req_id`` needs an L3 read (vLLM: ``load_async=True``)."""
@@ -318,82 +145,18 @@ class CacheScheduler:
         (hybrid models): the whole table of every KV cache group, ``block_ids`` being a full-attention group's; the
         load then copies each group's live blocks (:func:`tierkv.connector.core.plan.live_blocks`)."""
         st = self.requests[req_id]
-        c = st.last_num_computed
-        l3_hit = (st.async_hit or st.sync_hit) and self.ctl is not None
-        from_l2 = 0 if l3_hit else num_external_tokens  # L3 hits: the controller's counters
         if not st.counted and st.reads:
             st.counted = True
-            if self.trace is None:
-                self._count_lookup(st, c, num_external_tokens)
-            else:  # the lookup trace (trace_path): this lookup's page keys and where its tokens went
-                ls = self.lookup_stats
-                before, waiting = dict(ls.tokens), ls.waiting
-                self._count_lookup(st, c, num_external_tokens)
-                outcome = {k: v - before[k] for k, v in ls.tokens.items()}
-                outcome["l3"] += ls.waiting - waiting
-                self.trace.lookup(st.keys.extend(st.tokens), max(0, (len(st.tokens) - 1) // self.page_size),
-                                  outcome, st.load_cap, st.save_cap)
-        self.counters.l2_hit_tokens += from_l2
-        if c >= self.page_size and self.ctl is not None and self.ctl.write_policy == "write_through_selective":
-            # a prefix the engine's own cache (L1) served is a hit too: without this, pages vLLM keeps hitting in
-            # L1 never reach the threshold and are never backed up
-            dev = st.keys.extend(st.tokens)[: c // self.page_size]
-            self.index.match_prefix(dev, require_l2=False, touch=True)
-            self.ctl.after_hit(dev, len(dev))
-        if num_external_tokens <= 0:
-            return
-        first, last = c // self.page_size, (c + num_external_tokens) // self.page_size
-        k = self.blocks_per_page
-        # the engine's L1 hit ``c`` is whole blocks, not always whole pages: the first page's blocks in L1 stay as
-        # they are and only the blocks after them are loaded
-        b0 = c // self.block_size
-        skip, blocks = b0 - first * k, list(block_ids[b0:last * k])
-        gblocks = [list(g[b0:last * k]) for g in groups or ()]
-        keys = st.keys.extend(st.tokens)[:last]
-        if l3_hit:
-            sync, st.async_hit, st.sync_hit = st.sync_hit, False, False
-            self.ctl.forget_request(req_id)
-            self.ctl.start_prefetch(req_id, keys, first, last, blocks, k, skip, gblocks, sync=sync)
-            self.counters.load_pages += last - first
-            st.num_indexed = 0  # known after the report; schedule_saves matches again
-            if sync:  # loaded before this step's forward, which computes the request's other tokens on it
-                st.load, st.saved, st.load_l3_end = (self._step + 1, blocks, b0), [], last
-                since = self._l3_since.pop(req_id, None)
-                self.counters.note_l3_wait(0 if since is None else self._step - since)
-            return
-        m = self.index.match_prefix(keys, require_l2=True, split=True, touch=True)
-        self.lookup_stats.hit_l2(m.host_slots[first:last])
-        if m.num_pages < last:  # cannot happen: nothing evicts between lookup and alloc in one schedule()
-            raise RuntimeError(f"{req_id}: promised {last} pages from L2 but only {m.num_pages} are there")
-        if st.lock is not None:
-            self.index.unlock(st.lock)
-        st.lock = self.index.lock(m.last_node)
-        self._plan.loads.append(PageOrder(req_id, blocks, m.host_slots[first:last], keys[first:last], k, skip,
-                                          groups=gblocks))
-        self.counters.load_pages += last - first
-        st.num_indexed = last
-        st.load, st.saved, st.load_l3_end = (self._step + 1, blocks, b0), [], None
-        if self.ctl is not None:
-            self.ctl.after_hit(keys, last)
+            self._lookups.count(st, st.last_num_computed, num_external_tokens, self.trace)
+        self._loads.order(st, self._plan, self._step, self._l3_since, block_ids, num_external_tokens, groups)
 
     def alloc_failed(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int, is_async: bool) -> None:
-        """:meth:`on_alloc` raised for a request promised ``num_external_tokens`` (docs §8 R41): the next plan tells
+        """:meth:`on_alloc` raised for a request promised ``num_external_tokens``: the next plan tells
         the workers to report those blocks as failed loads (vLLM recomputes them) and, for an L3 hit, to name the
         request as ended, so the engine never computes on KV that was not loaded, nor waits for a load never
         ordered."""
-        self.counters.hook_errors += 1
-        st = self.requests.get(req_id)
-        c = st.last_num_computed if st is not None else 0
-        if num_external_tokens > 0:
-            last = (c + num_external_tokens) // self.page_size
-            self._plan.failed_blocks.extend(block_ids[c // self.block_size:last * self.blocks_per_page])
-            if is_async:
-                self._plan.failed_requests.append(req_id)
-            if self.ctl is not None:
-                self.ctl.outcome_failed(req_id)
-        if st is not None:
-            st.async_hit = st.sync_hit = False
-            st.num_indexed = 0
+        self._loads.alloc_failed(req_id, self.requests.get(req_id), self._plan, block_ids, num_external_tokens,
+                                 is_async)
 
     def schedule_saves(self, req_id: str, num_tokens_after_step: int, block_ids: Sequence[int],
                        groups: Optional[Sequence[Sequence[int]]] = None) -> None:
@@ -405,89 +168,12 @@ class CacheScheduler:
         it is, one that is not indexed ends this step's saves there."""
         if not self.needs_saves(req_id, num_tokens_after_step):
             return
-        st = self.requests[req_id]
-        full = min(num_tokens_after_step, len(st.tokens), len(block_ids) * self.block_size) // self.page_size
-        if st.save_cap is not None:  # the request's controls: only its first pages, or none
-            full = min(full, st.save_cap)
-        if full <= st.num_indexed:
-            return
-        keys = st.keys.extend(st.tokens)[:full]
-        # every indexed page of the path, in whatever tier: a page that already has an L2 copy is never saved again
-        # (its slot belongs to the index; saving into a second slot would be freed as a duplicate while the save
-        # order still names it, and a later order of the same plan could be handed that slot: docs §8 R41)
-        m = self.index.match_prefix(keys, require_l2=False, split=True, touch=True)
-        ctl = self.ctl
-        # a page the request's own running prefetch reads into a staging slot (its synchronous L3 load of this step)
-        # gets its L2 copy from that job's report: not saved a second time
-        missing = [i for i, s in enumerate(m.host_slots)
-                   if s < 0 and (ctl is None or not ctl.fetches_for(req_id, keys[i]))]
-        missing += list(range(m.num_pages, full))
-        if groups:
-            missing, full = self._live_pages(missing, m.num_pages, full, groups)
-        if not missing:
-            st.num_indexed = full
-            return
-        need = len(missing)
-        guard = self.index.lock(m.last_node) if m.last_node is not self.index.root else None
-        try:
-            if self.allocator.num_free < need:
-                before = self.index.evicted_pages
-                if self.ctl is not None:
-                    self.ctl.make_room(need)
-                else:
-                    reclaim_l2(self.index, self.allocator, need)
-                self.counters.evicted_pages += self.index.evicted_pages - before
-            k = min(need, self.allocator.num_free)
-            slots = self.allocator.alloc(k) if k else []
-        finally:
-            if guard is not None:
-                self.index.unlock(guard)
-        if k < need:
-            self.counters.save_skipped_pages += need - k
-        if k == 0:
-            return
-        start, end = missing[0], missing[k - 1] + 1  # pages [start, end) all have an L2 copy once this runs
-        given = [-1] * (end - start)
-        for i, s in zip(missing, slots):
-            given[i - start] = s
-        if self.index.events is not None:  # KV events: the pages entering L2 now (kv_events.py)
-            self.index.events.describe(req_id, keys, start, end)
-        node, dups = self.index.insert(keys[:end], given, start=start)
-        if dups:  # cannot happen: the path was matched just now and nothing on it changed since (it was locked)
-            raise RuntimeError(f"{req_id}: slots {dups} handed out for pages already in L2")
-        self._plan_locks.append(self.index.lock(node))
-        self.lookup_stats.stored_l2(slots)
-        bpp = self.blocks_per_page
+        self._saves.schedule(self.requests[req_id], self._plan, self._step, num_tokens_after_step, block_ids, groups)
 
-        def page_blocks(ids: Sequence[int]) -> list[int]:
-            return [b for i in missing[:k] for b in ids[i * bpp:(i + 1) * bpp]]
-        self._plan.saves.append(PageOrder(req_id, page_blocks(block_ids), slots, [keys[i] for i in missing[:k]], bpp,
-                                          groups=[page_blocks(g) for g in groups or ()]))
-        self.counters.save_pages += k
-        st.num_indexed = full if k == need else end
-        if st.load is not None:
-            if self._step + 1 - st.load[0] > _LOAD_FAILURE_WINDOW:
-                st.load, st.saved = None, []
-            else:
-                st.saved.append((start, end))
-        if self.ctl is not None:
-            self.ctl.after_save(keys[:end], start)
-
-    def _live_pages(self, missing: list[int], indexed: int, full: int,
-                    groups: Sequence[Sequence[int]]) -> tuple[list[int], int]:
-        """Hybrid models: ``missing`` less the pages that are not live in every group (:func:`live_blocks`), and
-        ``full`` cut at the first such page that is not indexed (``>= indexed``): the index holds prefixes."""
-        k = self.blocks_per_page
-
-        def live(i: int) -> bool:
-            return all(len(live_blocks(g[i * k:(i + 1) * k])) == k for g in groups)
-        out = []
-        for i in missing:
-            if live(i):
-                out.append(i)
-            elif i >= indexed:
-                return out, i
-        return out, full
+    @property
+    def _plan_locks(self) -> list[RadixNode]:
+        """Nodes locked until the plan being built is handed over (:class:`SavePlanner`)."""
+        return self._saves.plan_locks
 
     def on_preempted(self, req_id: str) -> None:
         """The engine freed the request's blocks; it will be looked up again when resumed."""
@@ -498,7 +184,7 @@ class CacheScheduler:
         self._release(st)
         st.num_indexed = 0
         # its load record stays: a failure of that load reported later still takes its pages out of the index. The
-        # resumed request computes on an intact prefix, so the workers may save its pages again (docs §8 R31)
+        # resumed request computes on an intact prefix, so the workers may save its pages again
         self._plan.recomputed.append(req_id)
 
     def on_finished(self, req_id: str) -> bool:
@@ -529,7 +215,7 @@ class CacheScheduler:
                 if since is not None:
                     self.counters.note_l3_wait(self._step - since)
 
-    def _release(self, st: _RequestState) -> None:
+    def _release(self, st: RequestState) -> None:
         if st.lock is not None:
             self.index.unlock(st.lock)
             st.lock = None
@@ -540,9 +226,7 @@ class CacheScheduler:
         self._step += 1
         plan, self._plan = self._plan, self.plan_type(step=self._step + 1)
         plan.step = self._step
-        for node in self._plan_locks:  # the plan's saves complete within its step: their pages may go from now on
-            self.index.unlock(node)
-        self._plan_locks = []
+        self._saves.release_plan_locks()  # the plan's saves complete within its step: their pages may go from now on
         if self.ctl is not None:
             self.ctl.keep_free(self.num_slots // 4)
             plan.jobs = self.ctl.take_jobs()
@@ -552,8 +236,8 @@ class CacheScheduler:
         """The workers' job reports of a step (vLLM: ``update_connector_output``)."""
         if self.ctl is not None and reports:
             self.ctl.on_reports(reports)
-            if self._drops:
-                self._retry_drops()
+            if self._failures.drops:
+                self._failures.retry_drops()
 
     def on_load_errors(self, invalid_block_ids) -> None:
         """Engine blocks whose load failed in a step (vLLM: ``KVConnectorOutput.invalid_block_ids``, the union of
@@ -561,71 +245,26 @@ class CacheScheduler:
 
         A request whose last L2 -> L1 load names one of them computed its later pages in that step (and in any plan
         built before this call) on a broken prefix; vLLM rolls it back to its first failed block and recomputes.
-        So (docs/architecture.md §8 R31): its pages from the first failed one on leave the index (those saved since
+        So: its pages from the first failed one on leave the index (those saved since
         the load were never written: the worker refused them) and their slots are freed, at once or, where
         something else holds them locked, as soon as it no longer does; a backup of only those pages is cancelled;
         its lock moves back to the intact prefix, so a page that failed its checksum is not kept pinned; the next
         plan tells the workers that its saves are good again (``StepPlan.recomputed``), and ``num_indexed`` goes
         back, so the recomputed pages are saved. Blocks of asynchronous (L3) loads are ignored here: such a request
         computes nothing before its load ended."""
-        bad = set(invalid_block_ids or ())
-        if bad:
-            for st in self.requests.values():
-                if st.load is not None and not bad.isdisjoint(st.load[1]):
-                    self._load_failed(st, bad)
-        if self._drops:
-            self._retry_drops()
+        self._failures.on_load_errors(self.requests, invalid_block_ids, self._plan)
 
     def on_failed_loads(self, req_ids) -> None:
         """Hybrid models (several KV cache groups): requests whose asynchronous load failed (vLLM's
         ``failed_recving``; vLLM recomputes them from their first token, since it cannot take failed block ids of
         several groups). An L2 load's pages from its first loaded page on leave the index, as for a failed block of
         that page (:meth:`on_load_errors`); an L3 prefetch's outcome is the controller's."""
-        for rid in req_ids or ():
-            st = self.requests.get(rid)
-            if st is not None and st.load is not None and st.load[1]:
-                self._load_failed(st, {st.load[1][0]})
-        if self._drops:
-            self._retry_drops()
+        self._failures.on_failed_loads(self.requests, req_ids, self._plan)
 
-    def _load_failed(self, st: _RequestState, bad: set[int]) -> None:
-        _step, blocks, first_block = st.load
-        f = (first_block + next(i for i, b in enumerate(blocks) if b in bad)) // self.blocks_per_page
-        # an L2 page that failed its check leaves the index from there; the pages of a synchronous L3 load are
-        # settled by its job's report (those that arrived late are intact in L2), only the request's later saves go
-        drop = f if st.load_l3_end is None else max(f, st.load_l3_end)
-        st.load, saved, st.saved = None, st.saved, []
-        self.counters.load_failed_requests += 1
-        self._plan.recomputed.append(st.req_id)
-        keys = st.keys.extend(st.tokens)
-        if st.lock is not None:
-            self.index.unlock(st.lock)
-            st.lock = None
-        if f > 0:
-            m = self.index.match_prefix(keys[:f], require_l2=False, split=True)
-            if m.last_node is not self.index.root:
-                st.lock = self.index.lock(m.last_node)
-        if self.ctl is not None and saved:  # backups of pages whose save the workers did not make
-            self.ctl.cancel_backups({k for a, b in saved for k in keys[a:b]})
-        for i in [drop] + [a for a, _b in saved if a > drop]:
-            if i < len(keys):
-                self._drops.append(keys[: i + 1])
-        st.num_indexed = min(st.num_indexed, f)
-        logger.info("tierkv: %s: L2 -> L1 load failed from page %d; its pages from there on leave the index and are "
-                    "saved again once recomputed", st.req_id, f)
-
-    def _retry_drops(self) -> None:
-        """Remove the pages queued by :meth:`_load_failed` where nothing holds them locked any more."""
-        left = []
-        for path in self._drops:
-            freed = self.index.remove_from(path, len(path) - 1)
-            if freed is None:
-                left.append(path)
-                continue
-            if freed:
-                self.allocator.free(freed)
-                self.counters.load_failed_dropped_pages += len(freed)
-        self._drops = left
+    @property
+    def _drops(self) -> list[list[bytes]]:
+        """Paths whose last page leaves the index once nothing there is locked (:class:`LoadFailures`)."""
+        return self._failures.drops
 
     def reset(self) -> bool:
         """Drop every unlocked page from the index (``reset_prefix_cache(reset_connector=True)``)."""
@@ -641,10 +280,7 @@ class CacheScheduler:
         st = self.requests.get(req_id)
         if st is None or self.num_slots == 0:
             return False
-        full = min(num_tokens_after_step, len(st.tokens)) // self.page_size
-        if st.save_cap is not None:
-            full = min(full, st.save_cap)
-        return full > st.num_indexed
+        return self._saves.pages_to_save(st, num_tokens_after_step)
 
     def tracks(self, req_id: str) -> bool:
         """Whether request ``req_id`` is live here (added and not finished)."""
