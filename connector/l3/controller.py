@@ -6,9 +6,10 @@ The worker half (:mod:`tierkv.connector.l3.io`) moves the bytes; the two talk on
 facade over its seams, each in its own module: the job table (:mod:`~tierkv.connector.l3.jobs`), the backup policy
 (:mod:`~tierkv.connector.l3.backup`), existence (:mod:`~tierkv.connector.l3.existence`), prefetch
 (:mod:`~tierkv.connector.l3.prefetch`), hit estimates (:mod:`~tierkv.connector.l3.hit_estimates`) and lookup
-accounting (:mod:`~tierkv.connector.l3.lookup_stats`). A hit is never slower than recomputing it: a hit estimated
-to load slower than recomputing its tokens is declined, and under ``best_effort`` a request waits for L3 at most a
-small fraction of its recompute time.
+accounting (:mod:`~tierkv.connector.l3.lookup_stats`); every wait for L3 is decided by its
+:class:`~tierkv.connector.l3.load_policy.LoadPolicy`. A hit is never slower than recomputing it: a hit estimated to
+load slower than recomputing its tokens is declined, and under ``best_effort`` a request waits for L3 at most a small
+fraction of its recompute time.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import time
 from collections import OrderedDict
 from typing import Callable, Optional, Sequence
 
-from tierkv.connector.core.config import PREFETCH_POLICIES, WRITE_POLICIES
+from tierkv.connector.core.config import WRITE_POLICIES
 from tierkv.connector.core.plan import Job
 from tierkv.connector.core.radix_index import RadixIndex
 from tierkv.connector.l2.slot_allocator import SlotAllocator
@@ -26,12 +27,13 @@ from tierkv.connector.l3.hit_estimates import HitEstimates, _Ewma
 from tierkv.connector.l3.jobs import ControllerCounters, JobTable, _JobState, logger
 from tierkv.connector.l3.lookup_stats import (HIT_PARTS, MISS_REASONS, REUSE_BUCKETS_S, LookupAnswer, LookupStats,
                                               OutcomeTracking, _Outcome)
-from tierkv.connector.l3.prefetch import (BEST_EFFORT_MIN_WAIT_S, BEST_EFFORT_STALL_FRACTION, SYNC_DEADLINE_FACTOR,
-                                          Prefetch)
+from tierkv.connector.l3.load_policy import (BEST_EFFORT_MIN_WAIT_S, BEST_EFFORT_STALL_FRACTION, SYNC_DEADLINE_FACTOR,
+                                             LoadPolicy)
+from tierkv.connector.l3.prefetch import Prefetch
 
 __all__ = ["BEST_EFFORT_MIN_WAIT_S", "BEST_EFFORT_STALL_FRACTION", "HIT_PARTS", "MISS_REASONS", "REUSE_BUCKETS_S",
-           "SYNC_DEADLINE_FACTOR", "Controller", "ControllerCounters", "LookupAnswer", "LookupStats", "reclaim_l2",
-           "logger", "_Ewma", "_JobState", "_Outcome"]
+           "SYNC_DEADLINE_FACTOR", "Controller", "ControllerCounters", "LoadPolicy", "LookupAnswer", "LookupStats",
+           "reclaim_l2", "logger", "_Ewma", "_JobState", "_Outcome"]
 
 
 class Controller(JobTable, BackupPolicy, Existence, Prefetch, HitEstimates, OutcomeTracking):
@@ -79,15 +81,14 @@ class Controller(JobTable, BackupPolicy, Existence, Prefetch, HitEstimates, Outc
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"bad value {write_policy!r} for 'controller.write_policy': allowed values are "
                              f"{', '.join(WRITE_POLICIES)}")
-        if prefetch_policy not in PREFETCH_POLICIES:
-            raise ValueError(f"bad value {prefetch_policy!r} for 'controller.prefetch_policy': allowed values are "
-                             f"{', '.join(PREFETCH_POLICIES)}")
-        if prefetch_timeout_base_s <= 0:
-            raise ValueError(f"bad value {prefetch_timeout_base_s!r} for 'controller.prefetch_timeout_base_s': "
-                             "must be > 0 seconds")
-        if sync_load_max_s < 0:
-            raise ValueError(f"bad value {sync_load_max_s!r} for 'controller.sync_load_max_s': must be >= 0 seconds "
-                             "(0: every L3 hit is loaded asynchronously)")
+        self.fetch_s_per_page = _Ewma(clock)
+        self.prefill_s_per_token = _Ewma(clock)
+        self.load_policy = LoadPolicy(page_size=page_size, fetch_s_per_page=self.fetch_s_per_page,
+                                      prefill_s_per_token=self.prefill_s_per_token, prefetch_policy=prefetch_policy,
+                                      prefetch_timeout_base_s=prefetch_timeout_base_s,
+                                      prefetch_timeout_per_page_s=prefetch_timeout_per_page_s,
+                                      sync_load_max_s=sync_load_max_s, room_retry_steps=room_retry_steps,
+                                      room_wait_s=room_wait_s, exists_wait_s=exists_wait_s)
         if prefetch_timeout_per_page_s < 0 or exists_wait_s < 0 or negative_ttl_s < 0:
             raise ValueError("prefetch_timeout_per_page_s, exists_wait_s and negative_ttl_s must be >= 0 seconds")
         if world_size < 1:
@@ -98,15 +99,8 @@ class Controller(JobTable, BackupPolicy, Existence, Prefetch, HitEstimates, Outc
         self.world_size = world_size
         self.write_policy = write_policy
         self.threshold = write_through_threshold
-        self.prefetch_policy = prefetch_policy
-        self.timeout_base_s = prefetch_timeout_base_s
-        self.timeout_per_page_s = prefetch_timeout_per_page_s
-        self.exists_wait_s = exists_wait_s
         self.negative_ttl_s = negative_ttl_s
-        self.room_retry_steps = room_retry_steps
-        self.room_wait_s = room_wait_s
         self.probe_interval_s = probe_interval_s
-        self.sync_load_max_s = sync_load_max_s
         self.exists_in_scheduler = exists_in_scheduler
         self.exists_fn = exists_fn if exists_in_scheduler else None
         self.max_index_pages = max_index_pages
@@ -125,8 +119,6 @@ class Controller(JobTable, BackupPolicy, Existence, Prefetch, HitEstimates, Outc
         self._plans = 0                            # plans handed out (take_jobs): one per engine step
         self._released: dict[int, int] = {}        # prefetch job -> _plans when the workers released its request
         self._room_waits: dict[str, tuple[int, float]] = {}  # request -> (lookups waited, clock at the first)
-        self.fetch_s_per_page = _Ewma(clock)
-        self.prefill_s_per_token = _Ewma(clock)
         self.lookup_stats = lookup_stats if lookup_stats is not None else LookupStats(allocator.num_slots, clock)
         self._outcomes: dict[str, _Outcome] = {}  # request -> its counted L3 load, until its outcome is known
 
@@ -173,58 +165,22 @@ class Controller(JobTable, BackupPolicy, Existence, Prefetch, HitEstimates, Outc
             return LookupAnswer(avail, sync=True, rest=rest)
         return LookupAnswer(avail, is_async=True, rest=rest)
 
-    # ------------------------------------------------------------------ how long a load may wait
+    # ------------------------------------------------------------------ how long a load may wait (LoadPolicy)
     def load_sync(self, fetch_pages: int) -> bool:
-        """Whether an L3 hit that reads ``fetch_pages`` pages is loaded synchronously: the worker reads them and
-        copies them into L1 before the forward of the step that admits the request, which then computes its other
-        tokens in that same step, like an L2 hit. True when the store's fetch estimate (seconds per page, measured
-        from the start of each read) puts the read at most ``sync_load_max_s``, and the policy bounds the wait
-        (not ``wait_complete``). The forward of every request of that step waits for the read, at most
-        :meth:`sync_deadline_s`; an asynchronous load instead costs the hit's request one engine step more
-        (docs/architecture.md §4). Without an estimate yet (the first reads of a store) the load is asynchronous."""
-        per_page = self.fetch_s_per_page.value
-        return (self.sync_load_max_s > 0 and self.prefetch_policy != "wait_complete" and per_page is not None
-                and fetch_pages * per_page <= self.sync_load_max_s)
+        """:meth:`LoadPolicy.load_sync`: whether an L3 hit of ``fetch_pages`` pages is loaded synchronously."""
+        return self.load_policy.load_sync(fetch_pages)
 
     def sync_deadline_s(self, fetch_pages: int) -> float:
-        """Deadline (seconds from the start of the read) of a synchronous load of ``fetch_pages`` pages: the policy's
-        deadline, at most :data:`SYNC_DEADLINE_FACTOR` x ``sync_load_max_s``; the credit for pages that arrive
-        (:meth:`deadline_credit_s`) moves it at most to that cap too, since every request of the step waits for it.
-        Pages not read by then are recomputed (reported as failed blocks); they still land in L2."""
-        d = self.deadline_s(fetch_pages)
-        cap = SYNC_DEADLINE_FACTOR * self.sync_load_max_s
-        return cap if d is None else min(d, cap)
+        """:meth:`LoadPolicy.sync_deadline_s`: the deadline of a synchronous load."""
+        return self.load_policy.sync_deadline_s(fetch_pages)
 
     def deadline_credit_s(self) -> float:
-        """Seconds a ``best_effort`` prefetch's deadline moves later for each page read from L3 that extends its
-        leading intact run: the estimated time to recompute one page. The time a request waits is then always paid
-        for by the pages that arrived: released at any moment, it recomputes only the pages not read yet, so a hit
-        costs at most its first wait (:meth:`deadline_s`) plus recomputing, however slow the store, and a read that
-        keeps ahead of recomputing is never cut short. 0.0 (a fixed deadline) under the other policies and until a
-        recompute estimate exists."""
-        per_token = self.prefill_s_per_token.value
-        if self.prefetch_policy != "best_effort" or per_token is None:
-            return 0.0
-        return per_token * self.page_size
+        """:meth:`LoadPolicy.deadline_credit_s`: seconds a deadline moves later per page that arrives."""
+        return self.load_policy.deadline_credit_s()
 
     def deadline_s(self, fetch_pages: int) -> Optional[float]:
-        """Seconds a prefetch of ``fetch_pages`` L3 pages may run before its request is released (from the read's
-        start; None = until it ends, ``wait_complete``). ``best_effort``: at most :data:`BEST_EFFORT_STALL_FRACTION`
-        of the estimated recompute time and 3 x the estimated fetch time, at least :data:`BEST_EFFORT_MIN_WAIT_S`,
-        then moved later by :meth:`deadline_credit_s` per page that arrives; ``timeout``'s deadline, capped the same
-        way, until a recompute estimate exists."""
-        if self.prefetch_policy == "wait_complete":
-            return None
-        base = self.timeout_base_s + self.timeout_per_page_s * fetch_pages
-        per_token = self.prefill_s_per_token.value
-        if self.prefetch_policy != "best_effort" or per_token is None:
-            return base
-        wait = BEST_EFFORT_STALL_FRACTION * per_token * fetch_pages * self.page_size
-        if self.fetch_s_per_page.value is not None:
-            wait = min(wait, 3.0 * self.fetch_s_per_page.value * fetch_pages)
-        else:
-            wait = min(wait, base)
-        return max(wait, BEST_EFFORT_MIN_WAIT_S)
+        """:meth:`LoadPolicy.deadline_s`: seconds a prefetch may run before its request is released."""
+        return self.load_policy.deadline_s(fetch_pages)
 
     def stats(self) -> dict:
         d = self.counters.as_dict()
@@ -235,3 +191,15 @@ class Controller(JobTable, BackupPolicy, Existence, Prefetch, HitEstimates, Outc
                  ctl_prefill_us_per_token=None if self.prefill_s_per_token.value is None
                  else 1e6 * self.prefill_s_per_token.value)
         return d
+
+
+def _policy_setting(name: str) -> property:
+    """A :class:`Controller` attribute that is its :class:`LoadPolicy`'s setting of the same name."""
+    return property(lambda self: getattr(self.load_policy, name),
+                    lambda self, value: setattr(self.load_policy, name, value),
+                    doc=f"The load policy's ``{name}``.")
+
+
+for _name in ("prefetch_policy", "timeout_base_s", "timeout_per_page_s", "sync_load_max_s", "room_retry_steps",
+              "room_wait_s", "exists_wait_s"):
+    setattr(Controller, _name, _policy_setting(_name))

@@ -56,7 +56,7 @@ class Existence:
         jid = self._exists_pending.get(first)
         if jid is not None:
             st = self._jobs.get(jid)
-            if st is not None and self.clock() - st.t0 > self.exists_wait_s:
+            if st is not None and self.load_policy.exists_overdue(self.clock() - st.t0):
                 self.counters.exists_late_answers += 1
                 return 0
             return None

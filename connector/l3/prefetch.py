@@ -14,14 +14,7 @@ from typing import Optional, Sequence
 from tierkv.connector.core.plan import JOB_PREFETCH, Job, JobReport
 from tierkv.connector.core.radix_index import NO_SLOT
 from tierkv.connector.l3.jobs import _JobState
-from tierkv.connector.l3.lookup_stats import _Outcome  # noqa: F401  (the outcome a prefetch resolves)
 
-#: best_effort: the longest wait for L3, as a fraction of the estimated time to recompute the hit's tokens
-BEST_EFFORT_STALL_FRACTION = 0.05
-#: best_effort: the shortest wait for L3 (seconds), whatever the estimates say
-BEST_EFFORT_MIN_WAIT_S = 0.005
-#: a synchronous L3 load's deadline is at most this many times ``sync_load_max_s`` (the forward waits for it)
-SYNC_DEADLINE_FACTOR = 2.0
 
 
 class Prefetch:
@@ -75,9 +68,7 @@ class Prefetch:
         now = self.clock()
         n, t0 = self._room_waits.get(req_id, (0, now))
         n += 1
-        steps, wait_s = self.room_retry_steps, self.room_wait_s
-        if self.prefetch_policy == "best_effort" and self.prefill_s_per_token.value is not None:
-            steps, wait_s = min(steps, 1), min(wait_s, self.deadline_s(fetch_pages))
+        steps, wait_s = self.load_policy.room_wait_limits(fetch_pages)
         if n > steps and now - t0 >= wait_s:
             self._room_waits.pop(req_id, None)
             self.counters.l3_declined_room_pages += fetch_pages
@@ -112,12 +103,13 @@ class Prefetch:
             short = need - len(got)
             if short:
                 self.counters.prefetch_no_room_pages += short
-        credit = self.deadline_credit_s() if need else 0.0
+        credit = self.load_policy.deadline_credit_s() if need else 0.0
         job = Job(self._new_id(), JOB_PREFETCH, path[first:last], slots=slots, block_ids=list(block_ids),
                   fetch=fetch, req_id=req_id,
-                  deadline_s=self.sync_deadline_s(need) if sync else self.deadline_s(need),
+                  deadline_s=(self.load_policy.sync_deadline_s(need) if sync
+                              else self.load_policy.deadline_s(need)),
                   deadline_credit_s=credit,
-                  deadline_max_s=SYNC_DEADLINE_FACTOR * self.sync_load_max_s if sync and credit else None,
+                  deadline_max_s=self.load_policy.deadline_max_s(sync, credit),
                   blocks_per_page=blocks_per_page, skip_blocks=skip_blocks, groups=[list(g) for g in groups],
                   sync=sync)
         for k, f, s in zip(job.keys, fetch, slots):
