@@ -48,10 +48,8 @@ from __future__ import annotations
 
 import math
 import atexit
-import dataclasses
 import functools
 import logging
-import os
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -63,10 +61,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from tierkv.connector.core.config import ConfigError, TierKVConfig, config_from_extra
 from tierkv.connector.l2.host_budget import group_bytes, reserve
 from tierkv.connector.obs.metrics import StatsFile
-from tierkv.connector.core.page_hash import ModelNamespace, lora_identity
 from tierkv.connector.core.plan import JobReport, StepPlan
 from tierkv.connector.core.request_params import RequestControls, RequestParamsError, parse_controls
 from tierkv.connector.obs.store_metrics import TimedStore
+from .geometry import _geometry, engine_geometry  # noqa: F401  (re-exported)
+from .namespace import (device_packing, kv_dtype_name, lora_key, model_namespace,  # noqa: F401  (re-exported)
+                        page_namespace_facts, rank_namespace, rank_namespaces)
 from .metrics import (REUSE_KEYS, SCHEDULER_ONLY, CounterDeltas, TierKVPromMetrics, TierKVStats,
                            scheduler_gauges)
 
@@ -159,198 +159,9 @@ class TierKVWorkerMeta(KVConnectorWorkerMetadata):
                                 self.forwards + list(getattr(other, "forwards", []) or []))
 
 
-#: KV cache spec kinds (vLLM class names, matched along the class's MRO) whose group vLLM keeps only in part, and why
-#: tierkv cannot store their pages: vLLM frees blocks a layer no longer reads and puts its null block in their place
-_PARTIAL_SPECS = {
-    "MambaSpec": "Mamba/SSM layers keep one recurrent state per request, not one KV entry per token, so no page of "
-                 "a prefix holds what a hit needs",
-    "SlidingWindowSpec": "every layer attends within a sliding window, and vLLM frees each request's blocks before "
-                         "the window (its null block takes their place), so those pages can be neither saved nor "
-                         "loaded",
-    "ChunkedLocalAttentionSpec": "every layer attends within local chunks, and vLLM frees each request's blocks "
-                                 "before the current chunk, so those pages can be neither saved nor loaded",
-    "RSWASpec": "every layer keeps a ring of sliding-window blocks, and vLLM frees each request's blocks before the "
-                "window, so those pages can be neither saved nor loaded",
-    "CircularBufferSpec": "every layer keeps a circular buffer of blocks, not one block per page of the prompt",
-}
-
-
-def _spec_kind(spec) -> str:
-    """The vLLM class name a KV cache spec is an instance of, for messages: the first of :data:`_PARTIAL_SPECS`
-    along its MRO, else its own class name."""
-    names = [c.__name__ for c in type(spec).__mro__]
-    return next((n for n in names if n in _PARTIAL_SPECS), names[0])
-
-
-#: KV cache spec kinds a hybrid model's groups (vLLM's hybrid KV cache manager on) may have: full attention, and
-#: sliding window (its blocks before the window are null in vLLM's tables: :func:`tierkv.connector.core.plan.live_blocks`)
-_GROUP_SPECS = ("FullAttentionSpec", "SlidingWindowSpec")
-
-
-def _group_kind(spec) -> str:
-    """``spec``'s class name when it is one of :data:`_GROUP_SPECS` (exactly: subclasses such as vLLM's R-SWA or
-    sliding-window MLA are not verified), else :func:`_spec_kind`."""
-    kind = type(spec).__name__
-    return kind if kind in _GROUP_SPECS else _spec_kind(spec)
-
-
-def _geometry(kv_cache_config, model_type: str = "this model"
-              ) -> tuple[Any, list[str], Optional[int], Optional[list[list[str]]], int]:
-    """``(spec, layer names, window, groups, ref)`` of the model's KV cache groups.
-
-    One group (every plain model, and a hybrid model with vLLM's hybrid KV cache manager off): ``groups`` None,
-    ``ref`` 0, ``window`` (tokens) not None when some layers attend within a sliding window (or local chunks) but
-    vLLM keeps their KV for every token (it then gives them a ``FullAttentionSpec`` carrying the window in the one
-    group): every page holds every layer's KV of its tokens and is stored and loaded like a full-attention page.
-
-    Several groups (a hybrid model, Gemma-2/3 shape, with the hybrid KV cache manager on, which vLLM keeps on for
-    tierkv since it is ``SupportsHMA``): full-attention and sliding-window groups of one block size and one per-layer
-    block size are served: ``groups`` lists each group's layer names, ``layer names`` every layer (ordered as the
-    device pool orders them), ``ref`` the first full-attention group (its blocks are never null), ``window`` the
-    sliding window. Each page still holds every layer; each group's blocks are copied with that group's layers, null
-    blocks never (:func:`tierkv.connector.core.plan.live_blocks`).
-
-    Raises ConfigError naming ``model_type`` (the HF ``model_type``) and why, for: no KV cache group
-    (attention-free model); several groups with a kind other than full attention and sliding window (Mamba/SSM
-    state, local chunks, ...), with no full-attention group, or with different block sizes or per-layer block bytes;
-    one group of a kind vLLM keeps only in part (:data:`_PARTIAL_SPECS`: sliding window or local chunks in every
-    layer, Mamba/SSM state)."""
-    groups = list(getattr(kv_cache_config, "kv_cache_groups", []) or [])
-    if not groups:
-        raise ConfigError(f"tierkv: model type {model_type!r} has no KV cache (attention-free); tierkv has nothing "
-                          "to store: serve it without --kv-transfer-config")
-    if len(groups) != 1:
-        kinds = [_group_kind(g.kv_cache_spec) for g in groups]
-        other = sorted({k for k in kinds if k not in _GROUP_SPECS})
-        if other:
-            why = "; ".join(f"{k}: {_PARTIAL_SPECS[k]}" if k in _PARTIAL_SPECS else f"{k}: not verified with tierkv"
-                            for k in other)
-            raise ConfigError(f"tierkv cannot serve model type {model_type!r}: of its {len(groups)} KV cache groups, "
-                              f"{', '.join(other)} ones are neither full attention nor sliding window ({why}); serve "
-                              "it without tierkv")
-        if "FullAttentionSpec" not in kinds:
-            raise ConfigError(f"tierkv cannot serve model type {model_type!r}: none of its {len(groups)} KV cache "
-                              "groups is full attention (every layer attends within a sliding window, so no page of "
-                              "a long prefix stays in vLLM's cache); serve it without tierkv")
-        specs = [g.kv_cache_spec for g in groups]
-        shapes = {(int(sp.block_size), int(sp.page_size_bytes)) for sp in specs}
-        if len(shapes) != 1:
-            raise ConfigError(f"tierkv cannot serve model type {model_type!r}: its KV cache groups have different "
-                              f"(block size, block bytes per layer) {sorted(shapes)}; tierkv pages need one; serve it "
-                              "without tierkv")
-        ref = kinds.index("FullAttentionSpec")
-        names = [list(g.layer_names) for g in groups]
-        from tierkv.connector.l2.device_pool import _layer_sort_key
-        layers = sorted((n for g in names for n in g), key=_layer_sort_key)
-        window = max((int(getattr(sp, "sliding_window", 0) or 0) for sp in specs), default=0)
-        return specs[ref], layers, (window or None), names, ref
-    spec = groups[0].kv_cache_spec
-    kind = _spec_kind(spec)
-    if kind in _PARTIAL_SPECS:
-        hint = (" (or with --disable-sliding-window, which caps the model length at the window)"
-                if kind in ("SlidingWindowSpec", "RSWASpec") else "")
-        raise ConfigError(f"tierkv cannot serve model type {model_type!r} ({kind}): {_PARTIAL_SPECS[kind]}; serve "
-                          f"it without tierkv{hint}")
-    window = getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None)
-    return spec, list(groups[0].layer_names), (int(window) if window else None), None, 0
-
-
 #: the keys behind each way of sizing the L2 pool (named in messages about its size)
 _SIZE_KEYS = {"num_pages": "host_pool.num_pages", "size_gb": "host_pool.size_gb",
               "automatic size": "host_pool.auto_fraction/auto_max_gb/reserve_gb"}
-
-
-def _dtype_name(dt) -> str:
-    return str(dt).replace("torch.", "")
-
-
-#: ``--kv-cache-dtype`` values whose pages are exactly the bytes of the KV tensors tierkv copies
-_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
-
-
-def kv_dtype_name(cache_dtype: Optional[str], spec_dtype, fp8_fnuz: bool = False) -> str:
-    """The namespace's ``dtype``: the KV element type as stored. ``auto``/``bfloat16``/``float16``: the KV tensors'
-    dtype; FP8: the ``--kv-cache-dtype`` name (vLLM keeps every FP8 cache in ``uint8`` tensors, so the tensor dtype
-    cannot tell e4m3 from e5m2), with ``-fnuz`` on platforms whose FP8 is the fnuz variant (other bytes). Per-tensor
-    k/v scales are not stored with pages: in vLLM 0.32 they are 1.0 or read from the checkpoint, so the model
-    identity fixes them. Raises ConfigError for other cache dtypes (their scales or packing live outside the KV
-    tensors tierkv copies, or have not been verified)."""
-    cd = str(cache_dtype or "auto")
-    if cd not in _KV_CACHE_DTYPES:
-        raise ConfigError(f"--kv-cache-dtype {cd} is not supported by tierkv (its pages were not verified to hold "
-                          f"every byte a hit needs); use one of {', '.join(_KV_CACHE_DTYPES)} or serve without tierkv")
-    if cd.startswith("fp8"):
-        return cd + ("-fnuz" if fp8_fnuz else "")
-    return _dtype_name(spec_dtype)
-
-
-def device_packing(vllm_config, spec, use_mla: bool) -> tuple[str, Optional[str]]:
-    """(device kind, CPU attention ISA or None) of this engine's KV tensors, known
-    without the tensors (the scheduler process has none): the kind from the attention backend and the platform,
-    the ISA from vLLM's own choice (``cpu_attn._get_attn_isa`` over the model dtype, block size, head size and
-    cache dtype, which reads the CPU's AMX/AVX-512 support)."""
-    from vllm.platforms import current_platform
-
-    from tierkv.connector.l2.device_pool import device_kind
-    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
-    backend = getattr(backend, "name", backend)
-    kind = device_kind(backend, "cpu" if current_platform.is_cpu() else "cuda", use_mla)
-    isa = None
-    if kind == "cpu":
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-        isa = _get_attn_isa(vllm_config.model_config.dtype, int(spec.block_size), int(spec.head_size),
-                            vllm_config.cache_config.cache_dtype)
-    return kind, isa
-
-
-_PROCESS_NONCE = os.urandom(8).hex()
-_unhashed_adapters: set = set()
-
-
-def lora_key(lora_request) -> Optional[str]:
-    """The LoRA identity a request's key chain starts from (``None`` without an adapter): the adapter's name and
-    the content digest of its files (:func:`tierkv.connector.core.page_hash.lora_identity`, computed once per adapter in
-    this process), the files found as vLLM's worker finds them (``get_adapter_absolute_path``). When they cannot be
-    read here, the identity is the name plus this process's random nonce, with one warning per adapter: its pages
-    are then reused inside this engine only, never through a store shared with another engine."""
-    if lora_request is None or not getattr(lora_request, "lora_name", None):
-        return None
-    name, path = lora_request.lora_name, getattr(lora_request, "lora_path", None) or ""
-    adapter_id = getattr(lora_request, "lora_int_id", None)
-    if path and not os.path.exists(path):
-        try:
-            from vllm.lora.utils import get_adapter_absolute_path
-            path = get_adapter_absolute_path(path)
-        except Exception:  # not resolvable here: adapter_digest raises OSError below
-            pass
-    try:
-        return lora_identity(name, path, adapter_id)
-    except OSError as e:
-        if (name, path) not in _unhashed_adapters:
-            _unhashed_adapters.add((name, path))
-            logger.warning("tierkv: LoRA adapter %r: its files at %r cannot be read (%s); its pages are reused inside "
-                           "this engine only", name, path, e)
-        return f"{name}@process:{_PROCESS_NONCE}:{adapter_id}"
-
-
-def page_namespace_facts(vllm_config, kv_cache_config, spec, use_mla: bool, host_layout: str) -> dict:
-    """The ``ModelNamespace`` fields, besides model id and geometry, that change a page's bytes: ``dtype``
-    (:func:`kv_dtype_name`), ``kv_layout`` (``"<host layout>/<device packing>"``, equal to the worker's
-    ``HostPool.kv_layout``: :func:`tierkv.connector.l2.device_pool.device_layout_tag` of :func:`device_packing`) and
-    ``extra`` (the model dtype, the weights' quantisation method and the host byte order)."""
-    import sys
-
-    from vllm.platforms import current_platform
-
-    from tierkv.connector.l2.device_pool import device_layout_tag
-    mc, cc = vllm_config.model_config, vllm_config.cache_config
-    kind, isa = device_packing(vllm_config, spec, use_mla)
-    layout = kv_cache_config.kv_cache_layout or cc.kv_cache_layout
-    fnuz = bool(getattr(current_platform, "is_fp8_fnuz", lambda: False)())
-    return dict(dtype=kv_dtype_name(cc.cache_dtype, spec.dtype, fnuz),
-                kv_layout=f"{host_layout}{'-mla' if use_mla else ''}/{device_layout_tag(kind, layout, isa)}",
-                extra=(("model_dtype", _dtype_name(mc.dtype)), ("quantization", mc.quantization or None),
-                       ("byteorder", sys.byteorder)))
 
 
 def route_logs_to_vllm(level: str) -> None:
@@ -479,22 +290,6 @@ def _local_note(local: Optional[tuple[int, int, Optional[int]]], hybrid: bool = 
             "with tierkv, so their KV is kept, stored and loaded for every token like the full-attention layers'")
 
 
-def _local_kv(hybrid: bool) -> str:
-    """The namespace's ``local_attention_kv`` fact of a model with sliding-window layers: ``every_token`` (vLLM's
-    hybrid KV cache manager off: one group, those layers kept in full) or ``per_group`` (on: each group's blocks
-    copied apart, a sliding-window layer's blocks before a hit's window never loaded)."""
-    return "per_group" if hybrid else "every_token"
-
-
-def _local_layer_count(model_config, window: Optional[int]) -> tuple[int, int]:
-    """(layers that attend within a sliding window or local chunks, layers) of the whole model, from the HF config's
-    ``layer_types``; (0, 0) when ``window`` is None or the config has no ``layer_types`` (unknown)."""
-    types = getattr(getattr(model_config, "hf_text_config", None), "layer_types", None) or ()
-    if not window or not types:
-        return 0, 0
-    return sum(1 for t in types if t in ("sliding_attention", "chunked_attention")), len(types)
-
-
 class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
     """tierkv as a vLLM ``KVConnectorBase_V1`` (see the module docstring); ``SupportsHMA``, so vLLM keeps its hybrid
     KV cache manager on and calls :meth:`request_finished_all_groups`."""
@@ -506,43 +301,18 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.cfg: TierKVConfig = config_from_extra(extra)
         route_logs_to_vllm(self.cfg.log_level)
-        cache_config = vllm_config.cache_config
-        self.block_size = int(cache_config.block_size)
-        self.page_size = int(self.cfg.page_size or self.block_size)
-        from tierkv.connector.core.scheduler import check_page_size
-        try:  # a page is k whole engine blocks of the request (k >= 1)
-            self.blocks_per_page = check_page_size(self.page_size, self.block_size)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        if kv_cache_config is None:
-            raise ConfigError("tierkv needs vLLM's kv_cache_config (vLLM >= 0.32)")
-        self.kv_cache_config = kv_cache_config
-        model_type = str(getattr(vllm_config.model_config.hf_config, "model_type", None) or "?")
-        spec, self.layer_names, self.local_window, self.group_names, self.ref_group = _geometry(kv_cache_config,
-                                                                                               model_type)
-        #: several KV cache groups (vLLM's hybrid KV cache manager on): block ids per group, every load asynchronous
-        self.hybrid = self.group_names is not None
-        self.local_layers = _local_layer_count(vllm_config.model_config, self.local_window)
-        self.spec = spec
-        self.num_blocks = int(kv_cache_config.num_blocks)
-        self.use_mla = type(spec).__name__.startswith("MLA") or "MLA" in type(spec).__name__
-        layer_block_bytes = int(spec.page_size_bytes)
-        self.page_bytes = layer_block_bytes * len(self.layer_names) * self.blocks_per_page
+        geo = engine_geometry(vllm_config, kv_cache_config, self.cfg)
+        self.geo, self.kv_cache_config, self.spec = geo, kv_cache_config, geo.spec
+        self.block_size, self.page_size, self.blocks_per_page = geo.block_size, geo.page_size, geo.blocks_per_page
+        self.layer_names, self.local_window, self.group_names = geo.layer_names, geo.local_window, geo.group_names
+        self.ref_group, self.hybrid, self.local_layers = geo.ref_group, geo.hybrid, geo.local_layers
+        self.num_blocks, self.use_mla, self.page_bytes = geo.num_blocks, geo.use_mla, geo.page_bytes
         mc, pc = vllm_config.model_config, vllm_config.parallel_config
         pool_bytes = self._pool_bytes(vllm_config, role)
         self.num_slots = pool_bytes // self.page_bytes
-        model_id = self.cfg.model_id or f"{mc.model}@{getattr(mc, 'revision', None) or ''}"
-        self.tp_size = int(pc.tensor_parallel_size)
-        self.namespace = ModelNamespace(
-            model_id=model_id, page_size=self.page_size, num_layers=len(self.layer_names),
-            num_kv_heads=int(getattr(spec, "num_kv_heads", 1)), head_dim=int(getattr(spec, "head_size", 0)),
-            tp_rank=0, tp_size=self.tp_size, pp_rank=0, pp_size=int(pc.pipeline_parallel_size),
-            use_mla=self.use_mla, salt=self.cfg.namespace_salt,
-            **page_namespace_facts(vllm_config, kv_cache_config, spec, self.use_mla, self.cfg.host_pool.layout))
-        if self.local_window:  # sliding-window layers stored another way: never mixed with pages of another scheme
-            self.namespace = dataclasses.replace(
-                self.namespace, extra=tuple(self.namespace.extra) + (("local_attention_kv", _local_kv(self.hybrid)),))
-        self.world_size = self.tp_size * int(pc.pipeline_parallel_size)
+        self.tp_size = geo.tp_size
+        self.namespace = model_namespace(vllm_config, kv_cache_config, geo, self.cfg)
+        self.world_size = geo.world_size
         self.use_l3 = self.cfg.l3.backend != "none"
         self._sched = None
         self._worker = None
@@ -607,9 +377,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         injected existence faults (the fault wrapper's ``local_exists``)."""
         if self.num_slots == 0 or not self.cfg.controller.exists_in_scheduler:
             return None
-        ranks = sorted({(0 if self.use_mla else t, p) for t in range(self.tp_size)
-                        for p in range(int(pc.pipeline_parallel_size))})
-        digests = [dataclasses.replace(self.namespace, tp_rank=t, pp_rank=p).digest() for t, p in ranks]
+        digests = [ns.digest() for ns in rank_namespaces(self.namespace)]
         built = scheduler_exists(self.cfg.l3, digests, self.page_bytes)
         if built is None:
             return None
@@ -1064,7 +832,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             tp_rank, pp_rank = get_tensor_model_parallel_rank(), get_pipeline_model_parallel_rank()
         except Exception:  # no distributed state (single process): rank 0
             tp_rank, pp_rank = 0, 0
-        rank_ns = dataclasses.replace(self.namespace, tp_rank=0 if self.use_mla else tp_rank, pp_rank=pp_rank)
+        rank_ns = rank_namespace(self.namespace, tp_rank, pp_rank)
         digest = rank_ns.digest()
         try:
             store = TimedStore(build_backend(self.cfg.l3, digest, self.page_bytes))
