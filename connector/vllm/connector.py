@@ -59,7 +59,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorWorkerMetadata, SupportsHMA)
 
 from tierkv.connector.core.config import ConfigError, TierKVConfig, config_from_extra
-from tierkv.connector.l2.host_budget import group_bytes, reserve
 from tierkv.connector.obs.metrics import StatsFile
 from tierkv.connector.core.plan import JobReport, StepPlan
 from tierkv.connector.core.request_params import RequestControls, RequestParamsError, parse_controls
@@ -67,6 +66,8 @@ from tierkv.connector.obs.store_metrics import TimedStore
 from .geometry import _geometry, engine_geometry  # noqa: F401  (re-exported)
 from .namespace import (device_packing, kv_dtype_name, lora_key, model_namespace,  # noqa: F401  (re-exported)
                         page_namespace_facts, rank_namespace, rank_namespaces)
+from .sizing import _SIZE_KEYS, pool_size, startup_line
+from .stores import SCHEDULER_EXISTS_TIMEOUT_S, build_worker_l3, scheduler_exists, scheduler_exists_for  # noqa: F401
 from .metrics import (REUSE_KEYS, SCHEDULER_ONLY, CounterDeltas, TierKVPromMetrics, TierKVStats,
                            scheduler_gauges)
 
@@ -159,10 +160,6 @@ class TierKVWorkerMeta(KVConnectorWorkerMetadata):
                                 self.forwards + list(getattr(other, "forwards", []) or []))
 
 
-#: the keys behind each way of sizing the L2 pool (named in messages about its size)
-_SIZE_KEYS = {"num_pages": "host_pool.num_pages", "size_gb": "host_pool.size_gb",
-              "automatic size": "host_pool.auto_fraction/auto_max_gb/reserve_gb"}
-
 
 def route_logs_to_vllm(level: str) -> None:
     """Send the ``tierkv`` loggers' records to vLLM's handlers (same format and stream as vLLM's own lines).
@@ -179,10 +176,6 @@ def route_logs_to_vllm(level: str) -> None:
         tk.propagate = False
 
 
-#: seconds the scheduler's own copy of a networked store (``local_exists``) waits for an existence answer: a dead or
-#: busy server costs the scheduler's loop at most this once per back-off window, and the workers are asked instead
-SCHEDULER_EXISTS_TIMEOUT_S = 0.05
-
 #: the end of a step waits for the L3 reads it started at most this fraction of the step's length so far: the wait
 #: delays every request of the step, so it is bounded to a quarter of one step, once per read (a read that needs
 #: longer ends in the next step, as without the wait)
@@ -195,99 +188,6 @@ STEP_READ_WAIT_FRACTION = 0.25
 #: and an engine that goes idle in between is kept stepping once more so that the workers hand over theirs
 #: (:meth:`TierKVConnector.has_pending_push_work`).
 STATS_EVERY_S = 0.1
-
-
-def scheduler_exists(l3_cfg, digests: list, page_bytes: int):
-    """``(exists, stores)`` answering "how many leading page keys are in L3 under every one of ``digests``" in the
-    calling (the engine scheduler's) process, or None when the store cannot answer here: it is not ``local_exists``
-    (the file store and a ZMQ server on this machine are) or could not be built (logged at INFO; the workers are
-    asked instead).
-
-    ``exists(keys) -> int | None`` takes connector page keys (bytes); it returns None, so the lookup asks the workers
-    instead of taking a dead or slow server's silence for "absent", when the store counted a failure during the query
-    (``errors``, ``timeouts`` or ``fast_fails`` in its ``stats()``). ``stores`` are the
-    :class:`~tierkv.connector.obs.store_metrics.TimedStore` wrappers (one per digest; the caller closes them). A store with
-    a ``timeout_s`` waits at most :data:`SCHEDULER_EXISTS_TIMEOUT_S` here.
-    """
-    from tierkv.storage_backends.factory import build_backend
-
-    from tierkv.connector.l3.io import l3_key
-    stores: list = []
-    try:
-        for digest in digests:
-            stores.append((digest, TimedStore(build_backend(l3_cfg, digest, page_bytes))))
-            store = stores[-1][1].store
-            if not getattr(store, "local_exists", False):
-                raise LookupError(f"the {getattr(l3_cfg, 'backend', '?')} store answers existence over the network")
-            if hasattr(store, "timeout_s"):
-                store.timeout_s = min(float(store.timeout_s), SCHEDULER_EXISTS_TIMEOUT_S)
-    except Exception as e:  # not local, or could not start here: the workers answer existence
-        logger.info("tierkv: L3 existence is asked through the workers (%s)", e)
-        for _d, store in stores:
-            store.close()
-        return None
-
-    def failures(store) -> int:
-        st = store.stats() or {}
-        return sum(int(st.get(k, 0) or 0) for k in ("errors", "timeouts", "fast_fails"))
-
-    def exists(keys):
-        n = len(keys)
-        for digest, store in stores:
-            before = failures(store)
-            n = min(n, int(store.batch_exists([l3_key(digest, k) for k in keys[:n]])))
-            if failures(store) != before:
-                return None
-            if n == 0:
-                break
-        return n
-    return exists, [s for _d, s in stores]
-
-
-def _l3_target(cfg: TierKVConfig) -> str:
-    from tierkv.storage_backends.factory import l3_target
-
-    l3 = cfg.l3
-    if l3.backend == "none":
-        return "none"
-    faults = " with injected faults" if l3.faults else ""
-    return f"{l3.backend}({l3_target(l3)}){faults}"
-
-
-def startup_line(cfg: TierKVConfig, *, num_slots: int, page_bytes: int, page_size: int, ranks: int, size_from: str,
-                 budget: Optional[int], num_blocks: int, layout: str, namespace_hex: str,
-                 local: Optional[tuple[int, int, Optional[int]]] = None, hybrid: bool = False) -> str:
-    """The one INFO line an engine logs at start-up with tierkv's effective configuration (tiers, sizes, layout,
-    policies, store). ``local`` = (sliding-window layers, layers, window in tokens) of a hybrid model
-    (:func:`_geometry`): the line then says how their KV is kept: in full (``hybrid`` False: vLLM's hybrid KV cache
-    manager off) or per KV cache group (``hybrid`` True)."""
-    def size(n: float) -> str:
-        return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-    bud = f", host budget {size(budget)}" if budget is not None else ""
-    c = cfg.controller
-    l3 = _l3_target(cfg)
-    pol = (f", write_policy={c.write_policy}, prefetch_policy={c.prefetch_policy}" if cfg.l3.backend != "none" else "")
-    return (f"tierkv: L1 {num_blocks} blocks (vLLM) | L2 {num_slots} pages x {page_bytes} B = {size(num_slots * page_bytes)} per "
-            f"worker x {ranks} worker(s) ({size_from}{bud}), layout {layout}, page {page_size} tokens, "
-            f"eviction {cfg.eviction_policy} | L3 {l3}{pol} | verify_checksums={cfg.verify_checksums}, "
-            f"layerwise_load={cfg.layerwise_load}, stats_path={cfg.stats_path}, namespace {namespace_hex}"
-            + _local_note(local, hybrid))
-
-
-def _local_note(local: Optional[tuple[int, int, Optional[int]]], hybrid: bool = False) -> str:
-    """The start-up line's note on sliding-window layers (empty when there are none): kept in full (vLLM's hybrid KV
-    cache manager off) or per KV cache group (on)."""
-    if local is None or not local[2]:
-        return ""
-    n, total, window = local
-    which = f"{n} of {total} layers" if n else "some layers"
-    if hybrid:
-        return (f" | hybrid model: {which} attend a {window}-token sliding window; vLLM's hybrid KV cache manager "
-                "is on: every page is stored with every layer, and a hit loads those layers' blocks inside the "
-                "window only")
-    return (f" | hybrid model: {which} attend a {window}-token sliding window; vLLM's hybrid KV cache manager is off "
-            "with tierkv, so their KV is kept, stored and loaded for every token like the full-attention layers'")
 
 
 class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
@@ -307,8 +207,11 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.layer_names, self.local_window, self.group_names = geo.layer_names, geo.local_window, geo.group_names
         self.ref_group, self.hybrid, self.local_layers = geo.ref_group, geo.hybrid, geo.local_layers
         self.num_blocks, self.use_mla, self.page_bytes = geo.num_blocks, geo.use_mla, geo.page_bytes
-        mc, pc = vllm_config.model_config, vllm_config.parallel_config
-        pool_bytes = self._pool_bytes(vllm_config, role)
+        mc = vllm_config.model_config
+        size = pool_size(self.cfg, vllm_config, geo.page_bytes, len(geo.layer_names), geo.page_size,
+                         worker=role == KVConnectorRole.WORKER)
+        pool_bytes, self._size_from, self._budget = size.bytes, size.size_from, size.budget
+        self._local_ranks, self._group = size.local_ranks, size.group
         self.num_slots = pool_bytes // self.page_bytes
         self.tp_size = geo.tp_size
         self.namespace = model_namespace(vllm_config, kv_cache_config, geo, self.cfg)
@@ -332,8 +235,9 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                                pool_bytes, _SIZE_KEYS[self._size_from], self.page_bytes)
             ctl = None
             if self.use_l3:
-                ctl = dict(self.cfg.controller.scheduler_kwargs(), world_size=self.world_size,
-                           exists_fn=self._scheduler_exists(pc))
+                exists, self._exists_stores = scheduler_exists_for(self.cfg, self.namespace, self.num_slots,
+                                                                   self.page_bytes)
+                ctl = dict(self.cfg.controller.scheduler_kwargs(), world_size=self.world_size, exists_fn=exists)
                 if self.hybrid:  # every hit of several KV cache groups is asynchronous (failed loads name requests)
                     ctl["sync_load_max_s"] = 0.0
                 if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
@@ -370,60 +274,6 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._stats = StatsFile(self.cfg.stats_path, "worker", self._worker_stats, snapshot_thread_safe=True)
         self._deltas = CounterDeltas() if role == KVConnectorRole.SCHEDULER else CounterDeltas(SCHEDULER_ONLY)
         atexit.register(self._stats.close)
-
-    def _scheduler_exists(self, pc):
-        """The scheduler's existence function (:func:`scheduler_exists`) over every rank namespace (MLA ranks share
-        rank 0's), or None (the workers are asked): also with no L2, ``controller.exists_in_scheduler: false`` or
-        injected existence faults (the fault wrapper's ``local_exists``)."""
-        if self.num_slots == 0 or not self.cfg.controller.exists_in_scheduler:
-            return None
-        digests = [ns.digest() for ns in rank_namespaces(self.namespace)]
-        built = scheduler_exists(self.cfg.l3, digests, self.page_bytes)
-        if built is None:
-            return None
-        exists, self._exists_stores = built
-        return exists
-
-    def _pool_bytes(self, vllm_config, role) -> int:
-        """Bytes of this worker's L2 pool, from the host budget (:mod:`tierkv.connector.l2.host_budget`): a worker
-        reserves its share before any page exists (ConfigError on every rank when the engine's pools do not fit);
-        the scheduler process sizes its index like its workers (with an automatic size: from their reservations)."""
-        pc = vllm_config.parallel_config
-        hp = self.cfg.host_pool
-        self._local_ranks = max(1, int(pc.tensor_parallel_size) * int(pc.pipeline_parallel_size)
-                                // max(1, int(getattr(pc, "nnodes", 1) or 1)))
-        self._group = f"{getattr(vllm_config, 'instance_id', '') or 'engine'}/dp{getattr(pc, 'data_parallel_rank', 0)}"
-        requested = None
-        if hp.num_pages is not None or hp.size_gb is not None:
-            requested = self.cfg.host_pool_bytes(self.page_bytes)
-            if requested < self.page_bytes:  # only size_gb can ask for less than one page (num_pages >= 1)
-                raise ConfigError(
-                    f"bad value {hp.size_gb!r} for 'host_pool.size_gb': {requested} bytes hold no page of "
-                    f"{self.page_bytes} bytes ({len(self.layer_names)} layers x {self.page_size} tokens); give at "
-                    f"least {self.page_bytes / 2**30:.3g} GiB, or host_pool.num_pages")
-        self._size_from = ("num_pages" if hp.num_pages is not None else "size_gb" if hp.size_gb is not None
-                           else "automatic size")
-        self._budget = None
-        if role == KVConnectorRole.WORKER:
-            rank = 0
-            try:
-                from vllm.distributed.parallel_state import get_world_group
-                rank = get_world_group().rank_in_group
-            except Exception:  # no distributed state (single process)
-                pass
-            r = reserve(self._group, rank, self._local_ranks, requested_bytes=requested,
-                        auto_fraction=hp.auto_fraction, auto_max_bytes=int(hp.auto_max_gb * 2**30),
-                        reserve_bytes=int(hp.reserve_gb * 2**30), page_bytes=self.page_bytes)
-            self._budget = r.budget
-            return r.bytes
-        got, self._budget = group_bytes(self._group)
-        if requested is not None:
-            return requested
-        if got is None:  # pragma: no cover - the workers register before vLLM builds the scheduler
-            logger.warning("tierkv: no L2 reservation of this engine's workers found in the host ledger; sizing the "
-                           "index from the configuration (set host_pool.size_gb to be sure both sides agree)")
-            return self.cfg.host_pool_bytes(self.page_bytes)
-        return got
 
     # =========================================================== class-level hooks
     @property
@@ -808,7 +658,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                               "bytes from the KV cache spec")
         l3, checksums = None, None
         if self.use_l3:
-            l3, checksums = self._build_l3(host)
+            l3, checksums, self._switch_prev = build_worker_l3(self.cfg, self.namespace, host, self.page_bytes)
         group_layers = None
         if self.hybrid:  # each group's layers, as indices into the device pool's layers
             index = {n: i for i, n in enumerate(dev.layer_names)}
@@ -819,41 +669,6 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         kernels.warm_up(dev, getattr(host, "block_pool", host))
         self._stats.start_polling()  # counters moved by the L3 I/O threads between steps reach stats_path too
         logger.debug("tierkv worker: %r, L2 %s, L3 %s", dev, host, l3.store if l3 is not None else "none")
-
-    def _build_l3(self, host):
-        """This rank's store and I/O threads, or (None, None) with a warning when the store cannot start."""
-        from tierkv.storage_backends.factory import build_backend
-
-        from tierkv.connector.l3.io import L3IO, raise_switch_interval
-        from tierkv.connector.core.page_checksums import SlotChecksums
-        try:
-            from vllm.distributed.parallel_state import (get_pipeline_model_parallel_rank,
-                                                         get_tensor_model_parallel_rank)
-            tp_rank, pp_rank = get_tensor_model_parallel_rank(), get_pipeline_model_parallel_rank()
-        except Exception:  # no distributed state (single process): rank 0
-            tp_rank, pp_rank = 0, 0
-        rank_ns = rank_namespace(self.namespace, tp_rank, pp_rank)
-        digest = rank_ns.digest()
-        try:
-            store = TimedStore(build_backend(self.cfg.l3, digest, self.page_bytes))
-        except Exception as e:  # server down, directory unwritable...: serve without L3, say so once
-            if getattr(e, "stops_startup", False):  # the server answered and refused the config: stop here
-                raise
-            logger.warning("tierkv worker: L3 store '%s' could not start (%s); serving without L3 (jobs are "
-                           "answered 'not done', every prefix beyond L2 is recomputed)", self.cfg.l3.backend, e)
-            return None, None
-        store.store.describe_namespace(rank_ns.describe())  # for `tierkv store stats`; never matched on
-        c = self.cfg.controller
-        checksums = SlotChecksums(host.num_slots)
-        l3 = L3IO(store, host, digest, checksums, batch_pages=c.batch_pages, max_backup_pages=c.max_backup_pages,
-                  rank=tp_rank + self.tp_size * pp_rank, read_threads=c.read_threads,
-                  backup_writer=not self.use_mla or tp_rank == 0,  # MLA: TP rank 0 writes the one shared record
-                  writer_priority=c.writer_priority)
-        self._switch_prev = raise_switch_interval(c.gil_switch_interval_s)
-        if self._switch_prev is not None:
-            logger.info("tierkv worker: Python's GIL switch interval raised from %g to %g s for the L3 threads "
-                        "(controller.gil_switch_interval_s)", self._switch_prev, c.gil_switch_interval_s)
-        return l3, checksums
 
     @_timed_hook
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
