@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import math
 import atexit
-import functools
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Optional
@@ -58,7 +57,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorRole, KVConnectorTransferResults,
                                                                KVConnectorWorkerMetadata, SupportsHMA)
 
-from tierkv.connector.core.config import ConfigError, TierKVConfig, config_from_extra
+from tierkv.connector.core.config import TierKVConfig, config_from_extra
 from tierkv.connector.obs.metrics import StatsFile
 from tierkv.connector.core.plan import JobReport, StepPlan
 from tierkv.connector.core.request_params import RequestControls, RequestParamsError, parse_controls
@@ -66,8 +65,11 @@ from tierkv.connector.obs.store_metrics import TimedStore
 from .geometry import _geometry, engine_geometry  # noqa: F401  (re-exported)
 from .namespace import (device_packing, kv_dtype_name, lora_key, model_namespace,  # noqa: F401  (re-exported)
                         page_namespace_facts, rank_namespace, rank_namespaces)
+from tierkv.connector.l2.step import STEP_READ_WAIT_FRACTION, WorkerStep  # noqa: F401  (re-exported)
+from .pools import build_worker
 from .sizing import _SIZE_KEYS, pool_size, startup_line
 from .stores import SCHEDULER_EXISTS_TIMEOUT_S, build_worker_l3, scheduler_exists, scheduler_exists_for  # noqa: F401
+from .hooks import PARAMS_LOG_EVERY_S, _hook_error, _params_log, _timed_hook  # noqa: F401
 from .metrics import (REUSE_KEYS, SCHEDULER_ONLY, CounterDeltas, TierKVPromMetrics, TierKVStats,
                            scheduler_gauges)
 
@@ -82,66 +84,6 @@ logger = logging.getLogger("tierkv.vllm")
 class ConnectorPlan(StepPlan, KVConnectorMetadata):
     """The per-step metadata vLLM pickles to every worker: a :class:`StepPlan` (the scheduler side builds its plans
     as this class, ``CacheScheduler(plan_type=...)``, so handing one over copies nothing)."""
-
-
-_hook_log = None
-
-
-def _timed_hook(fn=None, *, step: bool = False):
-    """Decorator of a vLLM hook method: adds its wall time (``time.perf_counter``, seconds) and one call to the
-    ``hook_seconds`` / ``hook_calls`` counters of the role this connector plays (scheduler or worker counters;
-    nothing while neither exists), and with ``step=True`` one to ``hook_steps`` (the hook vLLM calls once per
-    step: ``build_connector_meta`` on the scheduler side, ``bind_connector_metadata`` on the worker side). What
-    tierkv adds to an engine step is then ``hook_seconds / hook_steps`` per role, whatever the hook. Wall time
-    only: the thread's CPU clock (``time.thread_time``) is a system call here (about 1 us warm, more right after a
-    forward), two per hook call, and the hooks' own work is a few microseconds."""
-    def wrap(f):
-        @functools.wraps(f)
-        def timed(self, *args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return f(self, *args, **kwargs)
-            finally:
-                t1 = time.perf_counter()
-                owner = self._sched or self._worker
-                if owner is not None:
-                    c = owner.counters
-                    c.hook_seconds += t1 - t0
-                    c.hook_calls += 1
-                    if step:
-                        c.hook_steps += 1
-        return timed
-    return wrap(fn) if fn is not None else wrap
-
-
-def _hook_error(counters, hook: str, err: BaseException) -> None:
-    """An exception caught at a vLLM hook (docs/architecture.md §8 R41): counted and logged (at most one line per hook
-    per 10 s, with the traceback of the first); the caller turns it into a miss or failed pages. Nothing from
-    tierkv ever reaches vLLM's forward or its scheduler loop."""
-    global _hook_log
-    if _hook_log is None:
-        from tierkv.storage_backends.common import RateLimitedLog
-        _hook_log = RateLimitedLog(logger)
-    if counters is not None:
-        counters.hook_errors += 1
-    _hook_log.warning(f"hook:{hook}", "tierkv: %s raised %r; served as a miss / failed pages (vLLM recomputes "
-                      "them)", hook, err)
-    logger.debug("tierkv: %s traceback", hook, exc_info=err)
-
-
-_params_log_obj = None
-
-#: refused request controls are logged at most once per this many seconds (the line counts the ones suppressed)
-PARAMS_LOG_EVERY_S = 10.0
-
-
-def _params_log():
-    """The rate-limited logger of refused request controls (one line per :data:`PARAMS_LOG_EVERY_S`)."""
-    global _params_log_obj
-    if _params_log_obj is None:
-        from tierkv.storage_backends.common import RateLimitedLog
-        _params_log_obj = RateLimitedLog(logger, PARAMS_LOG_EVERY_S)
-    return _params_log_obj
 
 
 class TierKVWorkerMeta(KVConnectorWorkerMetadata):
@@ -175,11 +117,6 @@ def route_logs_to_vllm(level: str) -> None:
             tk.addHandler(h)
         tk.propagate = False
 
-
-#: the end of a step waits for the L3 reads it started at most this fraction of the step's length so far: the wait
-#: delays every request of the step, so it is bounded to a quarter of one step, once per read (a read that needs
-#: longer ends in the next step, as without the wait)
-STEP_READ_WAIT_FRACTION = 0.25
 
 #: seconds between two hand-overs of counter deltas to vLLM's metrics (:meth:`TierKVConnector.get_kv_connector_stats`,
 #: both roles). A hand-over snapshots every counter of the role and diffs it against the previous one; vLLM calls the
@@ -219,15 +156,13 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.use_l3 = self.cfg.l3.backend != "none"
         self._sched = None
         self._worker = None
+        self._step: Optional[WorkerStep] = None  # worker: the step protocol over _worker
         self._requests: dict[str, "Request"] = {}
         self._param_errors: dict[str, str] = {}  # request -> why its kv_transfer_params["tierkv"] was refused
-        self._fwd: Optional[tuple[int, int, float]] = None   # worker: (step, prompt tokens, start) of this forward
-        self._forwards: list[tuple[int, int, float]] = []      # worker: timed forwards not reported yet
         self._clock = time.perf_counter  # seconds; the counter hand-overs' clock (tests replace it)
         self._stats_due = -math.inf         # scheduler: ``_clock`` time of its next counter hand-over (STATS_EVERY_S)
         self._plan_stats_due = -math.inf    # scheduler: same for the workers, ordered through the plan (emit_stats)
         self._worker_stats_owed = False  # scheduler: the last plan told the workers to hold their deltas back
-        self._loads_ended = False        # worker: get_finished named a request whose L3 load ended, this step
         if role == KVConnectorRole.SCHEDULER:
             from tierkv.connector.core.scheduler import CacheScheduler
             if self.num_slots == 0:
@@ -322,8 +257,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                 lat[tiers[tier]] = v
             return self._deltas.take(snap, lat or None)
         plan = getattr(self, "_connector_metadata", None)
-        if (isinstance(plan, StepPlan) and not plan.emit_stats and plan.is_empty() and not self._loads_ended
-                and not (self._worker is not None and self._worker.has_reports())):
+        if (self._step.holds_stats_back(plan) if self._step is not None
+                else isinstance(plan, StepPlan) and not plan.emit_stats and plan.is_empty()):
             return None
         snap = self._worker_stats()
         lat = None
@@ -620,55 +555,11 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         """Build the device pool adapter over vLLM's KV tensors and the host pool (as many slots as the scheduler side),
         with an L3 store this rank's store and I/O threads (a store that cannot start: a warning, served without L3);
         warm the kernels up."""
-        from tierkv import kernels
-        from tierkv.connector.l2.device_pool import DevicePool
-        from tierkv.connector.l2.host_pool import HostPool
-        from tierkv.connector.l2.worker import CacheWorker
-        layout = self.kv_cache_config.kv_cache_layout or self._vllm_config.cache_config.kv_cache_layout
-        backend = None
-        try:
-            backend = self._vllm_config.attention_config.backend  # may be None (auto)
-            backend = getattr(backend, "name", backend)
-        except AttributeError:
-            pass
-        caches = {n: kv_caches[n] for n in self.layer_names if n in kv_caches} or kv_caches
-        _kind, isa = device_packing(self._vllm_config, self.spec, self.use_mla)
-        dev = DevicePool.from_vllm(caches, num_blocks=self.num_blocks, block_size=self.block_size,
-                                   kv_cache_layout=layout, backend=backend, use_mla=self.use_mla, isa=isa)
-        for name in self.layer_names[:1]:  # the ISA vLLM's CPU backend gave its layers, where it already did
-            layer = self._vllm_config.compilation_config.static_forward_context.get(name)
-            if isa is not None and getattr(layer, "isa", isa) != isa:
-                raise ConfigError(f"tierkv: vLLM packs KV pages with the {layer.isa!r} ISA but the page namespace "
-                                  f"names {isa!r}")
-        if self.num_slots == 0:
-            logger.warning("tierkv worker: host pool of 0 pages (%s); caching disabled", _SIZE_KEYS[self._size_from])
-            return
-        pin = self.cfg.host_pool.pin_memory == "true" or (self.cfg.host_pool.pin_memory == "auto"
-                                                            and dev.device.type == "cuda")
-        host = HostPool.for_device(dev, self.num_slots * self.blocks_per_page, self.cfg.host_pool.layout,
-                                   pin_memory=pin, prefault=self._size_from != "automatic size")
-        if self.blocks_per_page > 1:  # page slot s = the pool's block rows s*k .. s*k+k-1
-            from tierkv.connector.l2.worker import MultiBlockPages
-            host = MultiBlockPages(host, self.blocks_per_page)
-        if host.kv_layout != self.namespace.kv_layout:
-            raise ConfigError(f"tierkv: pages are laid out as {host.kv_layout!r} in the worker but the page "
-                              f"namespace names {self.namespace.kv_layout!r}")
-        if host.page_bytes != self.page_bytes:
-            raise ConfigError(f"tierkv: page of {host.page_bytes} bytes in the worker but {self.page_bytes} "
-                              "bytes from the KV cache spec")
-        l3, checksums = None, None
-        if self.use_l3:
-            l3, checksums, self._switch_prev = build_worker_l3(self.cfg, self.namespace, host, self.page_bytes)
-        group_layers = None
-        if self.hybrid:  # each group's layers, as indices into the device pool's layers
-            index = {n: i for i, n in enumerate(dev.layer_names)}
-            group_layers = [[index[n] for n in names] for names in self.group_names]
-        self._worker = CacheWorker(dev, host, verify=self.cfg.verify_checksums,
-                                   layerwise=self.cfg.layerwise_load, l3=l3, checksums=checksums,
-                                   group_layers=group_layers)
-        kernels.warm_up(dev, getattr(host, "block_pool", host))
-        self._stats.start_polling()  # counters moved by the L3 I/O threads between steps reach stats_path too
-        logger.debug("tierkv worker: %r, L2 %s, L3 %s", dev, host, l3.store if l3 is not None else "none")
+        self._worker, self._switch_prev = build_worker(self._vllm_config, self.kv_cache_config, self.cfg, self.geo,
+                                                       self.namespace, self.num_slots, self._size_from, kv_caches)
+        if self._worker is not None:
+            self._step = WorkerStep(self._worker, self.page_size, self.hybrid, _hook_error)
+            self._stats.start_polling()  # counters moved by the L3 I/O threads between steps reach stats_path too
 
     @_timed_hook
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
@@ -677,53 +568,24 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         model being asynchronous); never ``finished_sending`` (saves end within their step).
 
         The L3 reads this step handed over before its forward and still running are waited for first, at most
-        :data:`STEP_READ_WAIT_FRACTION` of the time the step has lasted since ``bind_connector_metadata`` (a step without
-        forward, next to nothing): a read that ends within that time is named finished now, and its request is
-        scheduled in the next step instead of the one after (the wait delays every request of the step, once per
-        read; a further step would cost the waiting request a whole forward)."""
-        return self._finished(finished_req_ids)
-
-    def _finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
-        """:meth:`get_finished`'s work, untimed (so :meth:`get_transfer_results` does not count it twice)."""
-        if self._worker is None:
-            return None, None
-        try:
-            bound = getattr(self, "_bound_at", None)
-            self._worker.wait_step_reads(0.0 if bound is None else
-                                         STEP_READ_WAIT_FRACTION * (time.perf_counter() - bound))
-            done = self._worker.poll(finished_req_ids)
-            self._loads_ended = bool(done)
-        except Exception as e:
-            _hook_error(self._worker.counters, "get_finished", e)
-            return None, None
-        return None, (done or None)
+        ``STEP_READ_WAIT_FRACTION`` of the time the step has lasted since ``bind_connector_metadata``
+        (:class:`tierkv.connector.l2.step.WorkerStep`)."""
+        return None, (self._step.end_step(finished_req_ids)[0] if self._step is not None else None)
 
     @_timed_hook
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """:meth:`get_finished` as vLLM's transfer results; with several KV cache groups also the requests whose
         (asynchronous) load failed, as ``failed_recving`` (and ended): vLLM recomputes them."""
-        sending, recving = self._finished(finished_req_ids)
-        failed: set[str] = set()
-        if self._worker is not None and self.hybrid:
-            try:
-                failed = self._worker.take_failed_requests()
-            except Exception as e:
-                _hook_error(self._worker.counters, "get_transfer_results", e)
-        return KVConnectorTransferResults(finished_sending=set(sending or ()),
-                                          finished_recving=set(recving or ()) | failed, failed_recving=failed)
+        recving, failed = (self._step.end_step(finished_req_ids, with_failed=True) if self._step is not None
+                           else (None, set()))
+        return KVConnectorTransferResults(finished_sending=set(), finished_recving=set(recving or ()) | failed,
+                                          failed_recving=failed)
 
     @_timed_hook
     def build_connector_worker_meta(self) -> Optional[KVConnectorWorkerMetadata]:
         """The step's job reports and timed forwards (``TierKVWorkerMeta``), None when there are none."""
-        if self._worker is None:
-            return None
-        try:
-            reports = self._worker.take_reports()
-        except Exception as e:
-            _hook_error(self._worker.counters, "build_connector_worker_meta", e)
-            return None
-        forwards, self._forwards = self._forwards, []
-        return TierKVWorkerMeta(reports, forwards) if reports or forwards else None
+        result = self._step.take_result() if self._step is not None else None
+        return TierKVWorkerMeta(*result) if result is not None else None
 
     def _worker_stats(self) -> dict:
         """The worker's counters, with the L3 store's own failure counts (``l3_errors``, ``l3_timeouts``: a ZMQ or
@@ -742,36 +604,16 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         reads' leading intact pages included (all at once, or layer by layer with ``layerwise_load``) so they end
         before the layers read them; vLLM calls it before the forward only in steps with such synchronous loads, after
         it otherwise."""
-        if self._worker is None:
-            return
-        plan = self._get_connector_metadata()
-        if not isinstance(plan, StepPlan):
-            return
-        try:
-            self._worker.take_plan_failures(plan)
-            verified = self._worker.finish_sync_reads()
-            if plan.loads or verified:
-                self._worker.start_loads(plan, verified)
-        except Exception as e:  # the step's loads are reported failed: vLLM recomputes them (§8 R41)
-            _hook_error(self._worker.counters, "start_load_kv", e)
-            self._worker.fail_loads(plan)
+        if self._step is not None:
+            self._step.load(self._get_connector_metadata())
 
     @_timed_hook(step=True)
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Before every forward (vLLM calls ``start_load_kv`` only after it when the step has no synchronous load):
         hand the plan's L3 reads to the readers, so they overlap the forward, and start timing the forward."""
         super().bind_connector_metadata(connector_metadata)
-        plan = connector_metadata
-        if self._worker is None or not isinstance(plan, StepPlan):
-            return
-        self._bound_at = time.perf_counter()
-        if plan.prefill_tokens >= 4 * self.page_size:  # timed until wait_for_save: the forward in between
-            self._fwd = (plan.step, plan.prefill_tokens, time.perf_counter())
-        if plan.jobs:
-            try:
-                self._worker.start_reads(plan)
-            except Exception as e:  # not handed over: wait_for_save hands them over with the backups
-                _hook_error(self._worker.counters, "bind_connector_metadata", e)
+        if self._step is not None:
+            self._step.before_forward(connector_metadata)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Layer by layer: wait until this layer's L2 -> L1 copies are done; a failed copy reports the step's loads as
@@ -783,13 +625,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     @_timed_hook
     def _wait_for_layer_load(self, layer_name: str) -> None:
-        try:
-            self._worker.wait_layer(layer_name)
-        except Exception as e:
-            _hook_error(self._worker.counters, "wait_for_layer_load", e)
-            plan = self._get_connector_metadata()
-            if isinstance(plan, StepPlan):
-                self._worker.fail_loads(plan)
+        self._step.layer_ready(layer_name, self._get_connector_metadata)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         """Nothing (and untimed: vLLM calls it for every layer of every step): saves run once per step in
@@ -799,31 +635,13 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
     @_timed_hook
     def wait_for_save(self) -> None:
         """End the forward's timing; finish the step's loads and run its L1 -> L2 saves, complete when the hook returns
-        (none of a request whose load failed, docs §8 R31); then hand the plan's backups to the writer."""
-        if self._worker is None:
+        (none of a request whose load failed); then hand the plan's backups to the writer."""
+        if self._step is None:
             return
         plan = self._get_connector_metadata()
-        if not isinstance(plan, StepPlan):
-            return
-        fwd, self._fwd = self._fwd, None
-        if fwd is not None and fwd[0] == plan.step:
-            self._forwards.append((fwd[0], fwd[1], time.perf_counter() - fwd[2]))
-            del self._forwards[:-64]  # bounded if the scheduler side never collects them
-        try:
-            self._worker.end_sync_step(plan)
-            self._worker.finish_loads()
-            self._worker.run_saves(plan)  # every step: it also notes this step's failed loads (§8 R31)
-        except Exception as e:  # those pages are not in L2; a later hit on them recomputes (§8 R41)
-            _hook_error(self._worker.counters, "wait_for_save", e)
-            self._worker.forget_saves(plan.saves)
-        if plan.jobs:
-            todo = self._worker.unsubmitted(plan)
-            try:
-                self._worker.submit_jobs(plan)
-            except Exception as e:  # answered "not done" at once, so the scheduler side never waits for them
-                _hook_error(self._worker.counters, "wait_for_save", e)
-                self._worker.fail_jobs(todo)
-        self._stats.maybe_write()
+        self._step.after_forward(plan)
+        if isinstance(plan, StepPlan):
+            self._stats.maybe_write()
 
     def get_kv_connector_kv_cache_events(self):
         """None (untimed: it does nothing): a worker has no tier events of its own. What a worker learns about L3
@@ -835,10 +653,4 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose page failed its checksum, whose copy raised or whose L3 page did not arrive in time; vLLM
         recomputes them."""
-        if self._worker is None:
-            return set()
-        try:
-            return self._worker.take_failed_blocks()
-        except Exception as e:
-            _hook_error(self._worker.counters, "get_block_ids_with_load_errors", e)
-            return set()
+        return self._step.failed_blocks() if self._step is not None else set()
