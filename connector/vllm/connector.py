@@ -1,48 +1,16 @@
-"""vLLM v1 KV connector for tierkv: the only module that imports vLLM.
+"""vLLM v1 KV connector for tierkv: the only module that imports vLLM (besides its helpers in this package).
 
-Load it with::
-
-    --kv-transfer-config '{"kv_connector": "TierKVConnector",
-                           "kv_connector_module_path": "tierkv.connector.vllm.connector",
-                           "kv_role": "kv_both",
-                           "kv_connector_extra_config": {"config_file": "default.yaml"}}'
-
-``kv_connector_extra_config`` may name a YAML ``config_file`` and override any key (nested or dotted, see
-:mod:`tierkv.connector.core.config`); empty = shipped defaults. One class serves both vLLM roles (vLLM builds one
-instance in the scheduler process and one per worker; they share nothing but the per-step
-:class:`ConnectorPlan`):
-
-- scheduler role -> :class:`tierkv.connector.core.scheduler.CacheScheduler` (radix index over L2 and L3, locks, slots,
-  and with an L3 store the scheduler half of the controller),
-- worker role -> :class:`tierkv.connector.l2.worker.CacheWorker` (host pool memory, device pool adapter, and with an
-  L3 store the controller's I/O threads, :class:`tierkv.connector.l3.io.L3IO`).
-
-Loads from L2 are synchronous in vLLM's sense (``load_async=False``): they complete before the layers read
-them, inside the same step. Loads that need L3 are asynchronous (``load_async=True``): the request waits in
-``WAITING_FOR_REMOTE_KVS`` while other requests run, and the worker names it in ``finished_recving`` once its pages
-are in L1 (failed pages in ``get_block_ids_with_load_errors``). Saves complete in ``wait_for_save`` of the step that
-computed the pages; L3 jobs go to the I/O threads right after and report back through the worker metadata
-(:class:`TierKVWorkerMeta`: ``build_connector_worker_meta`` -> ``update_connector_output``).
-``request_finished`` delays freeing blocks only for a request aborted while its L3 load runs.
-``requires_kv_delivery`` is False: tierkv is a best-effort cache. Needed with L3, recommended always:
-``"kv_load_failure_policy": "recompute"``, so a page that fails its checksum or arrives too late is recomputed
-rather than failing the request.
-
-With an L3 store the worker builds its store with its own rank's namespace (TP and PP rank; rank 0 for MLA, whose
-pages are the same on every rank: TP rank 0 writes each record once, every rank reads it).
-A store that cannot start (server down, unwritable directory) is a logged
-warning and the worker serves without L3 (its jobs are answered "not done"); a bad ``l3`` key or value stops
-start-up with a ConfigError naming it.
-
-Constraints (checked at start-up, clear errors): ``page_size`` a whole multiple (k >= 1) of the engine block size: a
-page spans k consecutive blocks of a request. KV cache groups (:func:`_geometry`): one group of any attention kind
-vLLM keeps for every token; or, with vLLM's hybrid KV cache manager on (tierkv is ``SupportsHMA``, so vLLM keeps it
-on), several full-attention and sliding-window groups of one block size: each page holds every layer, each group's
-blocks are copied with its own layers and vLLM's null block never (:func:`tierkv.connector.core.plan.live_blocks`), and
-every hit is an asynchronous load (vLLM takes a failed load of such a model only as a failed request). With the
-manager off a hybrid model of sliding-window and full-attention layers is one group of full-attention specs, its
-pages hold every layer for every token. Sliding window in every layer, local chunks beside other layers and Mamba
-state are refused.
+Load it with ``--kv-transfer-config '{"kv_connector": "TierKVConnector", "kv_connector_module_path":
+"tierkv.connector.vllm.connector", "kv_role": "kv_both", "kv_connector_extra_config": {"config_file": ...}}'``
+(the extra config may override any key of :mod:`tierkv.connector.core.config`). One class serves both roles, which
+share nothing but the per-step :class:`ConnectorPlan`: the scheduler role drives
+:class:`tierkv.connector.core.scheduler.CacheScheduler`, the worker role a
+:class:`tierkv.connector.l2.worker.CacheWorker` through :class:`tierkv.connector.l2.step.WorkerStep`.
+L2 loads are synchronous in vLLM's sense; L3 loads asynchronous (the request waits in ``WAITING_FOR_REMOTE_KVS``)
+unless estimated short enough; saves complete in ``wait_for_save``. ``requires_kv_delivery`` is False (a
+best-effort cache); with L3 set ``"kv_load_failure_policy": "recompute"``. Geometry and refused model kinds:
+:mod:`.geometry`; namespace: :mod:`.namespace`; pool size: :mod:`.sizing`; stores: :mod:`.stores`. A store that
+cannot start is a warning (served without L3); a bad configuration is a ConfigError naming the key.
 """
 from __future__ import annotations
 
