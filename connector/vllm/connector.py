@@ -1,57 +1,22 @@
-"""vLLM v1 KV connector for tierkv: the only module that imports vLLM.
+"""vLLM v1 KV connector for tierkv: the only module that imports vLLM (besides its helpers in this package).
 
-Load it with::
-
-    --kv-transfer-config '{"kv_connector": "TierKVConnector",
-                           "kv_connector_module_path": "tierkv.connector.vllm.connector",
-                           "kv_role": "kv_both",
-                           "kv_connector_extra_config": {"config_file": "default.yaml"}}'
-
-``kv_connector_extra_config`` may name a YAML ``config_file`` and override any key (nested or dotted, see
-:mod:`tierkv.connector.core.config`); empty = shipped defaults. One class serves both vLLM roles (vLLM builds one
-instance in the scheduler process and one per worker; they share nothing but the per-step
-:class:`ConnectorPlan`):
-
-- scheduler role -> :class:`tierkv.connector.core.scheduler.CacheScheduler` (radix index over L2 and L3, locks, slots,
-  and with an L3 store the scheduler half of the controller),
-- worker role -> :class:`tierkv.connector.l2.worker.CacheWorker` (host pool memory, device pool adapter, and with an
-  L3 store the controller's I/O threads, :class:`tierkv.connector.l3.io.L3IO`).
-
-Loads from L2 are synchronous in vLLM's sense (``load_async=False``): they complete before the layers read
-them, inside the same step. Loads that need L3 are asynchronous (``load_async=True``): the request waits in
-``WAITING_FOR_REMOTE_KVS`` while other requests run, and the worker names it in ``finished_recving`` once its pages
-are in L1 (failed pages in ``get_block_ids_with_load_errors``). Saves complete in ``wait_for_save`` of the step that
-computed the pages; L3 jobs go to the I/O threads right after and report back through the worker metadata
-(:class:`TierKVWorkerMeta`: ``build_connector_worker_meta`` -> ``update_connector_output``).
-``request_finished`` delays freeing blocks only for a request aborted while its L3 load runs.
-``requires_kv_delivery`` is False: tierkv is a best-effort cache. Needed with L3, recommended always:
-``"kv_load_failure_policy": "recompute"``, so a page that fails its checksum or arrives too late is recomputed
-rather than failing the request.
-
-With an L3 store the worker builds its store with its own rank's namespace (TP and PP rank; rank 0 for MLA, whose
-pages are the same on every rank: TP rank 0 writes each record once, every rank reads it).
-A store that cannot start (server down, unwritable directory) is a logged
-warning and the worker serves without L3 (its jobs are answered "not done"); a bad ``l3`` key or value stops
-start-up with a ConfigError naming it.
-
-Constraints (checked at start-up, clear errors): ``page_size`` a whole multiple (k >= 1) of the engine block size: a
-page spans k consecutive blocks of a request. KV cache groups (:func:`_geometry`): one group of any attention kind
-vLLM keeps for every token; or, with vLLM's hybrid KV cache manager on (tierkv is ``SupportsHMA``, so vLLM keeps it
-on), several full-attention and sliding-window groups of one block size: each page holds every layer, each group's
-blocks are copied with its own layers and vLLM's null block never (:func:`tierkv.connector.core.plan.live_blocks`), and
-every hit is an asynchronous load (vLLM takes a failed load of such a model only as a failed request). With the
-manager off a hybrid model of sliding-window and full-attention layers is one group of full-attention specs, its
-pages hold every layer for every token. Sliding window in every layer, local chunks beside other layers and Mamba
-state are refused.
+Load it with ``--kv-transfer-config '{"kv_connector": "TierKVConnector", "kv_connector_module_path":
+"tierkv.connector.vllm.connector", "kv_role": "kv_both", "kv_connector_extra_config": {"config_file": ...}}'``
+(the extra config may override any key of :mod:`tierkv.connector.core.config`). One class serves both roles, which
+share nothing but the per-step :class:`ConnectorPlan`: the scheduler role drives
+:class:`tierkv.connector.core.scheduler.CacheScheduler`, the worker role a
+:class:`tierkv.connector.l2.worker.CacheWorker` through :class:`tierkv.connector.l2.step.WorkerStep`.
+L2 loads are synchronous in vLLM's sense; L3 loads asynchronous (the request waits in ``WAITING_FOR_REMOTE_KVS``)
+unless estimated short enough; saves complete in ``wait_for_save``. ``requires_kv_delivery`` is False (a
+best-effort cache); with L3 set ``"kv_load_failure_policy": "recompute"``. Geometry and refused model kinds:
+:mod:`.geometry`; namespace: :mod:`.namespace`; pool size: :mod:`.sizing`; stores: :mod:`.stores`. A store that
+cannot start is a warning (served without L3); a bad configuration is a ConfigError naming the key.
 """
 from __future__ import annotations
 
 import math
 import atexit
-import dataclasses
-import functools
 import logging
-import os
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -60,13 +25,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorRole, KVConnectorTransferResults,
                                                                KVConnectorWorkerMetadata, SupportsHMA)
 
-from tierkv.connector.core.config import ConfigError, TierKVConfig, config_from_extra
-from tierkv.connector.l2.host_budget import group_bytes, reserve
+from tierkv.connector.core.config import TierKVConfig, config_from_extra
 from tierkv.connector.obs.metrics import StatsFile
-from tierkv.connector.core.page_hash import ModelNamespace, lora_identity
 from tierkv.connector.core.plan import JobReport, StepPlan
 from tierkv.connector.core.request_params import RequestControls, RequestParamsError, parse_controls
 from tierkv.connector.obs.store_metrics import TimedStore
+from .geometry import _geometry, engine_geometry  # noqa: F401  (re-exported)
+from .namespace import (device_packing, kv_dtype_name, lora_key, model_namespace,  # noqa: F401  (re-exported)
+                        page_namespace_facts, rank_namespace, rank_namespaces)
+from tierkv.connector.l2.step import STEP_READ_WAIT_FRACTION, WorkerStep  # noqa: F401  (re-exported)
+from .pools import build_worker
+from .sizing import _SIZE_KEYS, pool_size, startup_line
+from .stores import SCHEDULER_EXISTS_TIMEOUT_S, build_worker_l3, scheduler_exists, scheduler_exists_for  # noqa: F401
+from .hooks import PARAMS_LOG_EVERY_S, _hook_error, _params_log, _timed_hook  # noqa: F401
 from .metrics import (REUSE_KEYS, SCHEDULER_ONLY, CounterDeltas, TierKVPromMetrics, TierKVStats,
                            scheduler_gauges)
 
@@ -81,66 +52,6 @@ logger = logging.getLogger("tierkv.vllm")
 class ConnectorPlan(StepPlan, KVConnectorMetadata):
     """The per-step metadata vLLM pickles to every worker: a :class:`StepPlan` (the scheduler side builds its plans
     as this class, ``CacheScheduler(plan_type=...)``, so handing one over copies nothing)."""
-
-
-_hook_log = None
-
-
-def _timed_hook(fn=None, *, step: bool = False):
-    """Decorator of a vLLM hook method: adds its wall time (``time.perf_counter``, seconds) and one call to the
-    ``hook_seconds`` / ``hook_calls`` counters of the role this connector plays (scheduler or worker counters;
-    nothing while neither exists), and with ``step=True`` one to ``hook_steps`` (the hook vLLM calls once per
-    step: ``build_connector_meta`` on the scheduler side, ``bind_connector_metadata`` on the worker side). What
-    tierkv adds to an engine step is then ``hook_seconds / hook_steps`` per role, whatever the hook. Wall time
-    only: the thread's CPU clock (``time.thread_time``) is a system call here (about 1 us warm, more right after a
-    forward), two per hook call, and the hooks' own work is a few microseconds."""
-    def wrap(f):
-        @functools.wraps(f)
-        def timed(self, *args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return f(self, *args, **kwargs)
-            finally:
-                t1 = time.perf_counter()
-                owner = self._sched or self._worker
-                if owner is not None:
-                    c = owner.counters
-                    c.hook_seconds += t1 - t0
-                    c.hook_calls += 1
-                    if step:
-                        c.hook_steps += 1
-        return timed
-    return wrap(fn) if fn is not None else wrap
-
-
-def _hook_error(counters, hook: str, err: BaseException) -> None:
-    """An exception caught at a vLLM hook (docs/architecture.md §8 R41): counted and logged (at most one line per hook
-    per 10 s, with the traceback of the first); the caller turns it into a miss or failed pages. Nothing from
-    tierkv ever reaches vLLM's forward or its scheduler loop."""
-    global _hook_log
-    if _hook_log is None:
-        from tierkv.storage_backends.common import RateLimitedLog
-        _hook_log = RateLimitedLog(logger)
-    if counters is not None:
-        counters.hook_errors += 1
-    _hook_log.warning(f"hook:{hook}", "tierkv: %s raised %r; served as a miss / failed pages (vLLM recomputes "
-                      "them)", hook, err)
-    logger.debug("tierkv: %s traceback", hook, exc_info=err)
-
-
-_params_log_obj = None
-
-#: refused request controls are logged at most once per this many seconds (the line counts the ones suppressed)
-PARAMS_LOG_EVERY_S = 10.0
-
-
-def _params_log():
-    """The rate-limited logger of refused request controls (one line per :data:`PARAMS_LOG_EVERY_S`)."""
-    global _params_log_obj
-    if _params_log_obj is None:
-        from tierkv.storage_backends.common import RateLimitedLog
-        _params_log_obj = RateLimitedLog(logger, PARAMS_LOG_EVERY_S)
-    return _params_log_obj
 
 
 class TierKVWorkerMeta(KVConnectorWorkerMetadata):
@@ -159,199 +70,6 @@ class TierKVWorkerMeta(KVConnectorWorkerMetadata):
                                 self.forwards + list(getattr(other, "forwards", []) or []))
 
 
-#: KV cache spec kinds (vLLM class names, matched along the class's MRO) whose group vLLM keeps only in part, and why
-#: tierkv cannot store their pages: vLLM frees blocks a layer no longer reads and puts its null block in their place
-_PARTIAL_SPECS = {
-    "MambaSpec": "Mamba/SSM layers keep one recurrent state per request, not one KV entry per token, so no page of "
-                 "a prefix holds what a hit needs",
-    "SlidingWindowSpec": "every layer attends within a sliding window, and vLLM frees each request's blocks before "
-                         "the window (its null block takes their place), so those pages can be neither saved nor "
-                         "loaded",
-    "ChunkedLocalAttentionSpec": "every layer attends within local chunks, and vLLM frees each request's blocks "
-                                 "before the current chunk, so those pages can be neither saved nor loaded",
-    "RSWASpec": "every layer keeps a ring of sliding-window blocks, and vLLM frees each request's blocks before the "
-                "window, so those pages can be neither saved nor loaded",
-    "CircularBufferSpec": "every layer keeps a circular buffer of blocks, not one block per page of the prompt",
-}
-
-
-def _spec_kind(spec) -> str:
-    """The vLLM class name a KV cache spec is an instance of, for messages: the first of :data:`_PARTIAL_SPECS`
-    along its MRO, else its own class name."""
-    names = [c.__name__ for c in type(spec).__mro__]
-    return next((n for n in names if n in _PARTIAL_SPECS), names[0])
-
-
-#: KV cache spec kinds a hybrid model's groups (vLLM's hybrid KV cache manager on) may have: full attention, and
-#: sliding window (its blocks before the window are null in vLLM's tables: :func:`tierkv.connector.core.plan.live_blocks`)
-_GROUP_SPECS = ("FullAttentionSpec", "SlidingWindowSpec")
-
-
-def _group_kind(spec) -> str:
-    """``spec``'s class name when it is one of :data:`_GROUP_SPECS` (exactly: subclasses such as vLLM's R-SWA or
-    sliding-window MLA are not verified), else :func:`_spec_kind`."""
-    kind = type(spec).__name__
-    return kind if kind in _GROUP_SPECS else _spec_kind(spec)
-
-
-def _geometry(kv_cache_config, model_type: str = "this model"
-              ) -> tuple[Any, list[str], Optional[int], Optional[list[list[str]]], int]:
-    """``(spec, layer names, window, groups, ref)`` of the model's KV cache groups.
-
-    One group (every plain model, and a hybrid model with vLLM's hybrid KV cache manager off): ``groups`` None,
-    ``ref`` 0, ``window`` (tokens) not None when some layers attend within a sliding window (or local chunks) but
-    vLLM keeps their KV for every token (it then gives them a ``FullAttentionSpec`` carrying the window in the one
-    group): every page holds every layer's KV of its tokens and is stored and loaded like a full-attention page.
-
-    Several groups (a hybrid model, Gemma-2/3 shape, with the hybrid KV cache manager on, which vLLM keeps on for
-    tierkv since it is ``SupportsHMA``): full-attention and sliding-window groups of one block size and one per-layer
-    block size are served: ``groups`` lists each group's layer names, ``layer names`` every layer (ordered as the
-    device pool orders them), ``ref`` the first full-attention group (its blocks are never null), ``window`` the
-    sliding window. Each page still holds every layer; each group's blocks are copied with that group's layers, null
-    blocks never (:func:`tierkv.connector.core.plan.live_blocks`).
-
-    Raises ConfigError naming ``model_type`` (the HF ``model_type``) and why, for: no KV cache group
-    (attention-free model); several groups with a kind other than full attention and sliding window (Mamba/SSM
-    state, local chunks, ...), with no full-attention group, or with different block sizes or per-layer block bytes;
-    one group of a kind vLLM keeps only in part (:data:`_PARTIAL_SPECS`: sliding window or local chunks in every
-    layer, Mamba/SSM state)."""
-    groups = list(getattr(kv_cache_config, "kv_cache_groups", []) or [])
-    if not groups:
-        raise ConfigError(f"tierkv: model type {model_type!r} has no KV cache (attention-free); tierkv has nothing "
-                          "to store: serve it without --kv-transfer-config")
-    if len(groups) != 1:
-        kinds = [_group_kind(g.kv_cache_spec) for g in groups]
-        other = sorted({k for k in kinds if k not in _GROUP_SPECS})
-        if other:
-            why = "; ".join(f"{k}: {_PARTIAL_SPECS[k]}" if k in _PARTIAL_SPECS else f"{k}: not verified with tierkv"
-                            for k in other)
-            raise ConfigError(f"tierkv cannot serve model type {model_type!r}: of its {len(groups)} KV cache groups, "
-                              f"{', '.join(other)} ones are neither full attention nor sliding window ({why}); serve "
-                              "it without tierkv")
-        if "FullAttentionSpec" not in kinds:
-            raise ConfigError(f"tierkv cannot serve model type {model_type!r}: none of its {len(groups)} KV cache "
-                              "groups is full attention (every layer attends within a sliding window, so no page of "
-                              "a long prefix stays in vLLM's cache); serve it without tierkv")
-        specs = [g.kv_cache_spec for g in groups]
-        shapes = {(int(sp.block_size), int(sp.page_size_bytes)) for sp in specs}
-        if len(shapes) != 1:
-            raise ConfigError(f"tierkv cannot serve model type {model_type!r}: its KV cache groups have different "
-                              f"(block size, block bytes per layer) {sorted(shapes)}; tierkv pages need one; serve it "
-                              "without tierkv")
-        ref = kinds.index("FullAttentionSpec")
-        names = [list(g.layer_names) for g in groups]
-        from tierkv.connector.l2.device_pool import _layer_sort_key
-        layers = sorted((n for g in names for n in g), key=_layer_sort_key)
-        window = max((int(getattr(sp, "sliding_window", 0) or 0) for sp in specs), default=0)
-        return specs[ref], layers, (window or None), names, ref
-    spec = groups[0].kv_cache_spec
-    kind = _spec_kind(spec)
-    if kind in _PARTIAL_SPECS:
-        hint = (" (or with --disable-sliding-window, which caps the model length at the window)"
-                if kind in ("SlidingWindowSpec", "RSWASpec") else "")
-        raise ConfigError(f"tierkv cannot serve model type {model_type!r} ({kind}): {_PARTIAL_SPECS[kind]}; serve "
-                          f"it without tierkv{hint}")
-    window = getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None)
-    return spec, list(groups[0].layer_names), (int(window) if window else None), None, 0
-
-
-#: the keys behind each way of sizing the L2 pool (named in messages about its size)
-_SIZE_KEYS = {"num_pages": "host_pool.num_pages", "size_gb": "host_pool.size_gb",
-              "automatic size": "host_pool.auto_fraction/auto_max_gb/reserve_gb"}
-
-
-def _dtype_name(dt) -> str:
-    return str(dt).replace("torch.", "")
-
-
-#: ``--kv-cache-dtype`` values whose pages are exactly the bytes of the KV tensors tierkv copies
-_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
-
-
-def kv_dtype_name(cache_dtype: Optional[str], spec_dtype, fp8_fnuz: bool = False) -> str:
-    """The namespace's ``dtype``: the KV element type as stored. ``auto``/``bfloat16``/``float16``: the KV tensors'
-    dtype; FP8: the ``--kv-cache-dtype`` name (vLLM keeps every FP8 cache in ``uint8`` tensors, so the tensor dtype
-    cannot tell e4m3 from e5m2), with ``-fnuz`` on platforms whose FP8 is the fnuz variant (other bytes). Per-tensor
-    k/v scales are not stored with pages: in vLLM 0.32 they are 1.0 or read from the checkpoint, so the model
-    identity fixes them. Raises ConfigError for other cache dtypes (their scales or packing live outside the KV
-    tensors tierkv copies, or have not been verified)."""
-    cd = str(cache_dtype or "auto")
-    if cd not in _KV_CACHE_DTYPES:
-        raise ConfigError(f"--kv-cache-dtype {cd} is not supported by tierkv (its pages were not verified to hold "
-                          f"every byte a hit needs); use one of {', '.join(_KV_CACHE_DTYPES)} or serve without tierkv")
-    if cd.startswith("fp8"):
-        return cd + ("-fnuz" if fp8_fnuz else "")
-    return _dtype_name(spec_dtype)
-
-
-def device_packing(vllm_config, spec, use_mla: bool) -> tuple[str, Optional[str]]:
-    """(device kind, CPU attention ISA or None) of this engine's KV tensors, known
-    without the tensors (the scheduler process has none): the kind from the attention backend and the platform,
-    the ISA from vLLM's own choice (``cpu_attn._get_attn_isa`` over the model dtype, block size, head size and
-    cache dtype, which reads the CPU's AMX/AVX-512 support)."""
-    from vllm.platforms import current_platform
-
-    from tierkv.connector.l2.device_pool import device_kind
-    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
-    backend = getattr(backend, "name", backend)
-    kind = device_kind(backend, "cpu" if current_platform.is_cpu() else "cuda", use_mla)
-    isa = None
-    if kind == "cpu":
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-        isa = _get_attn_isa(vllm_config.model_config.dtype, int(spec.block_size), int(spec.head_size),
-                            vllm_config.cache_config.cache_dtype)
-    return kind, isa
-
-
-_PROCESS_NONCE = os.urandom(8).hex()
-_unhashed_adapters: set = set()
-
-
-def lora_key(lora_request) -> Optional[str]:
-    """The LoRA identity a request's key chain starts from (``None`` without an adapter): the adapter's name and
-    the content digest of its files (:func:`tierkv.connector.core.page_hash.lora_identity`, computed once per adapter in
-    this process), the files found as vLLM's worker finds them (``get_adapter_absolute_path``). When they cannot be
-    read here, the identity is the name plus this process's random nonce, with one warning per adapter: its pages
-    are then reused inside this engine only, never through a store shared with another engine."""
-    if lora_request is None or not getattr(lora_request, "lora_name", None):
-        return None
-    name, path = lora_request.lora_name, getattr(lora_request, "lora_path", None) or ""
-    adapter_id = getattr(lora_request, "lora_int_id", None)
-    if path and not os.path.exists(path):
-        try:
-            from vllm.lora.utils import get_adapter_absolute_path
-            path = get_adapter_absolute_path(path)
-        except Exception:  # not resolvable here: adapter_digest raises OSError below
-            pass
-    try:
-        return lora_identity(name, path, adapter_id)
-    except OSError as e:
-        if (name, path) not in _unhashed_adapters:
-            _unhashed_adapters.add((name, path))
-            logger.warning("tierkv: LoRA adapter %r: its files at %r cannot be read (%s); its pages are reused inside "
-                           "this engine only", name, path, e)
-        return f"{name}@process:{_PROCESS_NONCE}:{adapter_id}"
-
-
-def page_namespace_facts(vllm_config, kv_cache_config, spec, use_mla: bool, host_layout: str) -> dict:
-    """The ``ModelNamespace`` fields, besides model id and geometry, that change a page's bytes: ``dtype``
-    (:func:`kv_dtype_name`), ``kv_layout`` (``"<host layout>/<device packing>"``, equal to the worker's
-    ``HostPool.kv_layout``: :func:`tierkv.connector.l2.device_pool.device_layout_tag` of :func:`device_packing`) and
-    ``extra`` (the model dtype, the weights' quantisation method and the host byte order)."""
-    import sys
-
-    from vllm.platforms import current_platform
-
-    from tierkv.connector.l2.device_pool import device_layout_tag
-    mc, cc = vllm_config.model_config, vllm_config.cache_config
-    kind, isa = device_packing(vllm_config, spec, use_mla)
-    layout = kv_cache_config.kv_cache_layout or cc.kv_cache_layout
-    fnuz = bool(getattr(current_platform, "is_fp8_fnuz", lambda: False)())
-    return dict(dtype=kv_dtype_name(cc.cache_dtype, spec.dtype, fnuz),
-                kv_layout=f"{host_layout}{'-mla' if use_mla else ''}/{device_layout_tag(kind, layout, isa)}",
-                extra=(("model_dtype", _dtype_name(mc.dtype)), ("quantization", mc.quantization or None),
-                       ("byteorder", sys.byteorder)))
-
 
 def route_logs_to_vllm(level: str) -> None:
     """Send the ``tierkv`` loggers' records to vLLM's handlers (same format and stream as vLLM's own lines).
@@ -368,15 +86,6 @@ def route_logs_to_vllm(level: str) -> None:
         tk.propagate = False
 
 
-#: seconds the scheduler's own copy of a networked store (``local_exists``) waits for an existence answer: a dead or
-#: busy server costs the scheduler's loop at most this once per back-off window, and the workers are asked instead
-SCHEDULER_EXISTS_TIMEOUT_S = 0.05
-
-#: the end of a step waits for the L3 reads it started at most this fraction of the step's length so far: the wait
-#: delays every request of the step, so it is bounded to a quarter of one step, once per read (a read that needs
-#: longer ends in the next step, as without the wait)
-STEP_READ_WAIT_FRACTION = 0.25
-
 #: seconds between two hand-overs of counter deltas to vLLM's metrics (:meth:`TierKVConnector.get_kv_connector_stats`,
 #: both roles). A hand-over snapshots every counter of the role and diffs it against the previous one; vLLM calls the
 #: hook every step, its loggers read the result every few seconds. In the steps between, the hook returns None and the
@@ -384,115 +93,6 @@ STEP_READ_WAIT_FRACTION = 0.25
 #: and an engine that goes idle in between is kept stepping once more so that the workers hand over theirs
 #: (:meth:`TierKVConnector.has_pending_push_work`).
 STATS_EVERY_S = 0.1
-
-
-def scheduler_exists(l3_cfg, digests: list, page_bytes: int):
-    """``(exists, stores)`` answering "how many leading page keys are in L3 under every one of ``digests``" in the
-    calling (the engine scheduler's) process, or None when the store cannot answer here: it is not ``local_exists``
-    (the file store and a ZMQ server on this machine are) or could not be built (logged at INFO; the workers are
-    asked instead).
-
-    ``exists(keys) -> int | None`` takes connector page keys (bytes); it returns None, so the lookup asks the workers
-    instead of taking a dead or slow server's silence for "absent", when the store counted a failure during the query
-    (``errors``, ``timeouts`` or ``fast_fails`` in its ``stats()``). ``stores`` are the
-    :class:`~tierkv.connector.obs.store_metrics.TimedStore` wrappers (one per digest; the caller closes them). A store with
-    a ``timeout_s`` waits at most :data:`SCHEDULER_EXISTS_TIMEOUT_S` here.
-    """
-    from tierkv.storage_backends.factory import build_backend
-
-    from tierkv.connector.l3.io import l3_key
-    stores: list = []
-    try:
-        for digest in digests:
-            stores.append((digest, TimedStore(build_backend(l3_cfg, digest, page_bytes))))
-            store = stores[-1][1].store
-            if not getattr(store, "local_exists", False):
-                raise LookupError(f"the {getattr(l3_cfg, 'backend', '?')} store answers existence over the network")
-            if hasattr(store, "timeout_s"):
-                store.timeout_s = min(float(store.timeout_s), SCHEDULER_EXISTS_TIMEOUT_S)
-    except Exception as e:  # not local, or could not start here: the workers answer existence
-        logger.info("tierkv: L3 existence is asked through the workers (%s)", e)
-        for _d, store in stores:
-            store.close()
-        return None
-
-    def failures(store) -> int:
-        st = store.stats() or {}
-        return sum(int(st.get(k, 0) or 0) for k in ("errors", "timeouts", "fast_fails"))
-
-    def exists(keys):
-        n = len(keys)
-        for digest, store in stores:
-            before = failures(store)
-            n = min(n, int(store.batch_exists([l3_key(digest, k) for k in keys[:n]])))
-            if failures(store) != before:
-                return None
-            if n == 0:
-                break
-        return n
-    return exists, [s for _d, s in stores]
-
-
-def _l3_target(cfg: TierKVConfig) -> str:
-    from tierkv.storage_backends.factory import l3_target
-
-    l3 = cfg.l3
-    if l3.backend == "none":
-        return "none"
-    faults = " with injected faults" if l3.faults else ""
-    return f"{l3.backend}({l3_target(l3)}){faults}"
-
-
-def startup_line(cfg: TierKVConfig, *, num_slots: int, page_bytes: int, page_size: int, ranks: int, size_from: str,
-                 budget: Optional[int], num_blocks: int, layout: str, namespace_hex: str,
-                 local: Optional[tuple[int, int, Optional[int]]] = None, hybrid: bool = False) -> str:
-    """The one INFO line an engine logs at start-up with tierkv's effective configuration (tiers, sizes, layout,
-    policies, store). ``local`` = (sliding-window layers, layers, window in tokens) of a hybrid model
-    (:func:`_geometry`): the line then says how their KV is kept: in full (``hybrid`` False: vLLM's hybrid KV cache
-    manager off) or per KV cache group (``hybrid`` True)."""
-    def size(n: float) -> str:
-        return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-    bud = f", host budget {size(budget)}" if budget is not None else ""
-    c = cfg.controller
-    l3 = _l3_target(cfg)
-    pol = (f", write_policy={c.write_policy}, prefetch_policy={c.prefetch_policy}" if cfg.l3.backend != "none" else "")
-    return (f"tierkv: L1 {num_blocks} blocks (vLLM) | L2 {num_slots} pages x {page_bytes} B = {size(num_slots * page_bytes)} per "
-            f"worker x {ranks} worker(s) ({size_from}{bud}), layout {layout}, page {page_size} tokens, "
-            f"eviction {cfg.eviction_policy} | L3 {l3}{pol} | verify_checksums={cfg.verify_checksums}, "
-            f"layerwise_load={cfg.layerwise_load}, stats_path={cfg.stats_path}, namespace {namespace_hex}"
-            + _local_note(local, hybrid))
-
-
-def _local_note(local: Optional[tuple[int, int, Optional[int]]], hybrid: bool = False) -> str:
-    """The start-up line's note on sliding-window layers (empty when there are none): kept in full (vLLM's hybrid KV
-    cache manager off) or per KV cache group (on)."""
-    if local is None or not local[2]:
-        return ""
-    n, total, window = local
-    which = f"{n} of {total} layers" if n else "some layers"
-    if hybrid:
-        return (f" | hybrid model: {which} attend a {window}-token sliding window; vLLM's hybrid KV cache manager "
-                "is on: every page is stored with every layer, and a hit loads those layers' blocks inside the "
-                "window only")
-    return (f" | hybrid model: {which} attend a {window}-token sliding window; vLLM's hybrid KV cache manager is off "
-            "with tierkv, so their KV is kept, stored and loaded for every token like the full-attention layers'")
-
-
-def _local_kv(hybrid: bool) -> str:
-    """The namespace's ``local_attention_kv`` fact of a model with sliding-window layers: ``every_token`` (vLLM's
-    hybrid KV cache manager off: one group, those layers kept in full) or ``per_group`` (on: each group's blocks
-    copied apart, a sliding-window layer's blocks before a hit's window never loaded)."""
-    return "per_group" if hybrid else "every_token"
-
-
-def _local_layer_count(model_config, window: Optional[int]) -> tuple[int, int]:
-    """(layers that attend within a sliding window or local chunks, layers) of the whole model, from the HF config's
-    ``layer_types``; (0, 0) when ``window`` is None or the config has no ``layer_types`` (unknown)."""
-    types = getattr(getattr(model_config, "hf_text_config", None), "layer_types", None) or ()
-    if not window or not types:
-        return 0, 0
-    return sum(1 for t in types if t in ("sliding_attention", "chunked_attention")), len(types)
 
 
 class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
@@ -506,55 +106,31 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.cfg: TierKVConfig = config_from_extra(extra)
         route_logs_to_vllm(self.cfg.log_level)
-        cache_config = vllm_config.cache_config
-        self.block_size = int(cache_config.block_size)
-        self.page_size = int(self.cfg.page_size or self.block_size)
-        from tierkv.connector.core.scheduler import check_page_size
-        try:  # a page is k whole engine blocks of the request (k >= 1)
-            self.blocks_per_page = check_page_size(self.page_size, self.block_size)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        if kv_cache_config is None:
-            raise ConfigError("tierkv needs vLLM's kv_cache_config (vLLM >= 0.32)")
-        self.kv_cache_config = kv_cache_config
-        model_type = str(getattr(vllm_config.model_config.hf_config, "model_type", None) or "?")
-        spec, self.layer_names, self.local_window, self.group_names, self.ref_group = _geometry(kv_cache_config,
-                                                                                               model_type)
-        #: several KV cache groups (vLLM's hybrid KV cache manager on): block ids per group, every load asynchronous
-        self.hybrid = self.group_names is not None
-        self.local_layers = _local_layer_count(vllm_config.model_config, self.local_window)
-        self.spec = spec
-        self.num_blocks = int(kv_cache_config.num_blocks)
-        self.use_mla = type(spec).__name__.startswith("MLA") or "MLA" in type(spec).__name__
-        layer_block_bytes = int(spec.page_size_bytes)
-        self.page_bytes = layer_block_bytes * len(self.layer_names) * self.blocks_per_page
-        mc, pc = vllm_config.model_config, vllm_config.parallel_config
-        pool_bytes = self._pool_bytes(vllm_config, role)
+        geo = engine_geometry(vllm_config, kv_cache_config, self.cfg)
+        self.geo, self.kv_cache_config, self.spec = geo, kv_cache_config, geo.spec
+        self.block_size, self.page_size, self.blocks_per_page = geo.block_size, geo.page_size, geo.blocks_per_page
+        self.layer_names, self.local_window, self.group_names = geo.layer_names, geo.local_window, geo.group_names
+        self.ref_group, self.hybrid, self.local_layers = geo.ref_group, geo.hybrid, geo.local_layers
+        self.num_blocks, self.use_mla, self.page_bytes = geo.num_blocks, geo.use_mla, geo.page_bytes
+        mc = vllm_config.model_config
+        size = pool_size(self.cfg, vllm_config, geo.page_bytes, len(geo.layer_names), geo.page_size,
+                         worker=role == KVConnectorRole.WORKER)
+        pool_bytes, self._size_from, self._budget = size.bytes, size.size_from, size.budget
+        self._local_ranks, self._group = size.local_ranks, size.group
         self.num_slots = pool_bytes // self.page_bytes
-        model_id = self.cfg.model_id or f"{mc.model}@{getattr(mc, 'revision', None) or ''}"
-        self.tp_size = int(pc.tensor_parallel_size)
-        self.namespace = ModelNamespace(
-            model_id=model_id, page_size=self.page_size, num_layers=len(self.layer_names),
-            num_kv_heads=int(getattr(spec, "num_kv_heads", 1)), head_dim=int(getattr(spec, "head_size", 0)),
-            tp_rank=0, tp_size=self.tp_size, pp_rank=0, pp_size=int(pc.pipeline_parallel_size),
-            use_mla=self.use_mla, salt=self.cfg.namespace_salt,
-            **page_namespace_facts(vllm_config, kv_cache_config, spec, self.use_mla, self.cfg.host_pool.layout))
-        if self.local_window:  # sliding-window layers stored another way: never mixed with pages of another scheme
-            self.namespace = dataclasses.replace(
-                self.namespace, extra=tuple(self.namespace.extra) + (("local_attention_kv", _local_kv(self.hybrid)),))
-        self.world_size = self.tp_size * int(pc.pipeline_parallel_size)
+        self.tp_size = geo.tp_size
+        self.namespace = model_namespace(vllm_config, kv_cache_config, geo, self.cfg)
+        self.world_size = geo.world_size
         self.use_l3 = self.cfg.l3.backend != "none"
         self._sched = None
         self._worker = None
+        self._step: Optional[WorkerStep] = None  # worker: the step protocol over _worker
         self._requests: dict[str, "Request"] = {}
         self._param_errors: dict[str, str] = {}  # request -> why its kv_transfer_params["tierkv"] was refused
-        self._fwd: Optional[tuple[int, int, float]] = None   # worker: (step, prompt tokens, start) of this forward
-        self._forwards: list[tuple[int, int, float]] = []      # worker: timed forwards not reported yet
         self._clock = time.perf_counter  # seconds; the counter hand-overs' clock (tests replace it)
         self._stats_due = -math.inf         # scheduler: ``_clock`` time of its next counter hand-over (STATS_EVERY_S)
         self._plan_stats_due = -math.inf    # scheduler: same for the workers, ordered through the plan (emit_stats)
         self._worker_stats_owed = False  # scheduler: the last plan told the workers to hold their deltas back
-        self._loads_ended = False        # worker: get_finished named a request whose L3 load ended, this step
         if role == KVConnectorRole.SCHEDULER:
             from tierkv.connector.core.scheduler import CacheScheduler
             if self.num_slots == 0:
@@ -562,8 +138,9 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                                pool_bytes, _SIZE_KEYS[self._size_from], self.page_bytes)
             ctl = None
             if self.use_l3:
-                ctl = dict(self.cfg.controller.scheduler_kwargs(), world_size=self.world_size,
-                           exists_fn=self._scheduler_exists(pc))
+                exists, self._exists_stores = scheduler_exists_for(self.cfg, self.namespace, self.num_slots,
+                                                                   self.page_bytes)
+                ctl = dict(self.cfg.controller.scheduler_kwargs(), world_size=self.world_size, exists_fn=exists)
                 if self.hybrid:  # every hit of several KV cache groups is asynchronous (failed loads name requests)
                     ctl["sync_load_max_s"] = 0.0
                 if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
@@ -600,62 +177,6 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._stats = StatsFile(self.cfg.stats_path, "worker", self._worker_stats, snapshot_thread_safe=True)
         self._deltas = CounterDeltas() if role == KVConnectorRole.SCHEDULER else CounterDeltas(SCHEDULER_ONLY)
         atexit.register(self._stats.close)
-
-    def _scheduler_exists(self, pc):
-        """The scheduler's existence function (:func:`scheduler_exists`) over every rank namespace (MLA ranks share
-        rank 0's), or None (the workers are asked): also with no L2, ``controller.exists_in_scheduler: false`` or
-        injected existence faults (the fault wrapper's ``local_exists``)."""
-        if self.num_slots == 0 or not self.cfg.controller.exists_in_scheduler:
-            return None
-        ranks = sorted({(0 if self.use_mla else t, p) for t in range(self.tp_size)
-                        for p in range(int(pc.pipeline_parallel_size))})
-        digests = [dataclasses.replace(self.namespace, tp_rank=t, pp_rank=p).digest() for t, p in ranks]
-        built = scheduler_exists(self.cfg.l3, digests, self.page_bytes)
-        if built is None:
-            return None
-        exists, self._exists_stores = built
-        return exists
-
-    def _pool_bytes(self, vllm_config, role) -> int:
-        """Bytes of this worker's L2 pool, from the host budget (:mod:`tierkv.connector.l2.host_budget`): a worker
-        reserves its share before any page exists (ConfigError on every rank when the engine's pools do not fit);
-        the scheduler process sizes its index like its workers (with an automatic size: from their reservations)."""
-        pc = vllm_config.parallel_config
-        hp = self.cfg.host_pool
-        self._local_ranks = max(1, int(pc.tensor_parallel_size) * int(pc.pipeline_parallel_size)
-                                // max(1, int(getattr(pc, "nnodes", 1) or 1)))
-        self._group = f"{getattr(vllm_config, 'instance_id', '') or 'engine'}/dp{getattr(pc, 'data_parallel_rank', 0)}"
-        requested = None
-        if hp.num_pages is not None or hp.size_gb is not None:
-            requested = self.cfg.host_pool_bytes(self.page_bytes)
-            if requested < self.page_bytes:  # only size_gb can ask for less than one page (num_pages >= 1)
-                raise ConfigError(
-                    f"bad value {hp.size_gb!r} for 'host_pool.size_gb': {requested} bytes hold no page of "
-                    f"{self.page_bytes} bytes ({len(self.layer_names)} layers x {self.page_size} tokens); give at "
-                    f"least {self.page_bytes / 2**30:.3g} GiB, or host_pool.num_pages")
-        self._size_from = ("num_pages" if hp.num_pages is not None else "size_gb" if hp.size_gb is not None
-                           else "automatic size")
-        self._budget = None
-        if role == KVConnectorRole.WORKER:
-            rank = 0
-            try:
-                from vllm.distributed.parallel_state import get_world_group
-                rank = get_world_group().rank_in_group
-            except Exception:  # no distributed state (single process)
-                pass
-            r = reserve(self._group, rank, self._local_ranks, requested_bytes=requested,
-                        auto_fraction=hp.auto_fraction, auto_max_bytes=int(hp.auto_max_gb * 2**30),
-                        reserve_bytes=int(hp.reserve_gb * 2**30), page_bytes=self.page_bytes)
-            self._budget = r.budget
-            return r.bytes
-        got, self._budget = group_bytes(self._group)
-        if requested is not None:
-            return requested
-        if got is None:  # pragma: no cover - the workers register before vLLM builds the scheduler
-            logger.warning("tierkv: no L2 reservation of this engine's workers found in the host ledger; sizing the "
-                           "index from the configuration (set host_pool.size_gb to be sure both sides agree)")
-            return self.cfg.host_pool_bytes(self.page_bytes)
-        return got
 
     # =========================================================== class-level hooks
     @property
@@ -704,8 +225,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                 lat[tiers[tier]] = v
             return self._deltas.take(snap, lat or None)
         plan = getattr(self, "_connector_metadata", None)
-        if (isinstance(plan, StepPlan) and not plan.emit_stats and plan.is_empty() and not self._loads_ended
-                and not (self._worker is not None and self._worker.has_reports())):
+        if (self._step.holds_stats_back(plan) if self._step is not None
+                else isinstance(plan, StepPlan) and not plan.emit_stats and plan.is_empty()):
             return None
         snap = self._worker_stats()
         lat = None
@@ -1002,90 +523,11 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         """Build the device pool adapter over vLLM's KV tensors and the host pool (as many slots as the scheduler side),
         with an L3 store this rank's store and I/O threads (a store that cannot start: a warning, served without L3);
         warm the kernels up."""
-        from tierkv import kernels
-        from tierkv.connector.l2.device_pool import DevicePool
-        from tierkv.connector.l2.host_pool import HostPool
-        from tierkv.connector.l2.worker import CacheWorker
-        layout = self.kv_cache_config.kv_cache_layout or self._vllm_config.cache_config.kv_cache_layout
-        backend = None
-        try:
-            backend = self._vllm_config.attention_config.backend  # may be None (auto)
-            backend = getattr(backend, "name", backend)
-        except AttributeError:
-            pass
-        caches = {n: kv_caches[n] for n in self.layer_names if n in kv_caches} or kv_caches
-        _kind, isa = device_packing(self._vllm_config, self.spec, self.use_mla)
-        dev = DevicePool.from_vllm(caches, num_blocks=self.num_blocks, block_size=self.block_size,
-                                   kv_cache_layout=layout, backend=backend, use_mla=self.use_mla, isa=isa)
-        for name in self.layer_names[:1]:  # the ISA vLLM's CPU backend gave its layers, where it already did
-            layer = self._vllm_config.compilation_config.static_forward_context.get(name)
-            if isa is not None and getattr(layer, "isa", isa) != isa:
-                raise ConfigError(f"tierkv: vLLM packs KV pages with the {layer.isa!r} ISA but the page namespace "
-                                  f"names {isa!r}")
-        if self.num_slots == 0:
-            logger.warning("tierkv worker: host pool of 0 pages (%s); caching disabled", _SIZE_KEYS[self._size_from])
-            return
-        pin = self.cfg.host_pool.pin_memory == "true" or (self.cfg.host_pool.pin_memory == "auto"
-                                                            and dev.device.type == "cuda")
-        host = HostPool.for_device(dev, self.num_slots * self.blocks_per_page, self.cfg.host_pool.layout,
-                                   pin_memory=pin, prefault=self._size_from != "automatic size")
-        if self.blocks_per_page > 1:  # page slot s = the pool's block rows s*k .. s*k+k-1
-            from tierkv.connector.l2.worker import MultiBlockPages
-            host = MultiBlockPages(host, self.blocks_per_page)
-        if host.kv_layout != self.namespace.kv_layout:
-            raise ConfigError(f"tierkv: pages are laid out as {host.kv_layout!r} in the worker but the page "
-                              f"namespace names {self.namespace.kv_layout!r}")
-        if host.page_bytes != self.page_bytes:
-            raise ConfigError(f"tierkv: page of {host.page_bytes} bytes in the worker but {self.page_bytes} "
-                              "bytes from the KV cache spec")
-        l3, checksums = None, None
-        if self.use_l3:
-            l3, checksums = self._build_l3(host)
-        group_layers = None
-        if self.hybrid:  # each group's layers, as indices into the device pool's layers
-            index = {n: i for i, n in enumerate(dev.layer_names)}
-            group_layers = [[index[n] for n in names] for names in self.group_names]
-        self._worker = CacheWorker(dev, host, verify=self.cfg.verify_checksums,
-                                   layerwise=self.cfg.layerwise_load, l3=l3, checksums=checksums,
-                                   group_layers=group_layers)
-        kernels.warm_up(dev, getattr(host, "block_pool", host))
-        self._stats.start_polling()  # counters moved by the L3 I/O threads between steps reach stats_path too
-        logger.debug("tierkv worker: %r, L2 %s, L3 %s", dev, host, l3.store if l3 is not None else "none")
-
-    def _build_l3(self, host):
-        """This rank's store and I/O threads, or (None, None) with a warning when the store cannot start."""
-        from tierkv.storage_backends.factory import build_backend
-
-        from tierkv.connector.l3.io import L3IO, raise_switch_interval
-        from tierkv.connector.core.page_checksums import SlotChecksums
-        try:
-            from vllm.distributed.parallel_state import (get_pipeline_model_parallel_rank,
-                                                         get_tensor_model_parallel_rank)
-            tp_rank, pp_rank = get_tensor_model_parallel_rank(), get_pipeline_model_parallel_rank()
-        except Exception:  # no distributed state (single process): rank 0
-            tp_rank, pp_rank = 0, 0
-        rank_ns = dataclasses.replace(self.namespace, tp_rank=0 if self.use_mla else tp_rank, pp_rank=pp_rank)
-        digest = rank_ns.digest()
-        try:
-            store = TimedStore(build_backend(self.cfg.l3, digest, self.page_bytes))
-        except Exception as e:  # server down, directory unwritable...: serve without L3, say so once
-            if getattr(e, "stops_startup", False):  # the server answered and refused the config: stop here
-                raise
-            logger.warning("tierkv worker: L3 store '%s' could not start (%s); serving without L3 (jobs are "
-                           "answered 'not done', every prefix beyond L2 is recomputed)", self.cfg.l3.backend, e)
-            return None, None
-        store.store.describe_namespace(rank_ns.describe())  # for `tierkv store stats`; never matched on
-        c = self.cfg.controller
-        checksums = SlotChecksums(host.num_slots)
-        l3 = L3IO(store, host, digest, checksums, batch_pages=c.batch_pages, max_backup_pages=c.max_backup_pages,
-                  rank=tp_rank + self.tp_size * pp_rank, read_threads=c.read_threads,
-                  backup_writer=not self.use_mla or tp_rank == 0,  # MLA: TP rank 0 writes the one shared record
-                  writer_priority=c.writer_priority)
-        self._switch_prev = raise_switch_interval(c.gil_switch_interval_s)
-        if self._switch_prev is not None:
-            logger.info("tierkv worker: Python's GIL switch interval raised from %g to %g s for the L3 threads "
-                        "(controller.gil_switch_interval_s)", self._switch_prev, c.gil_switch_interval_s)
-        return l3, checksums
+        self._worker, self._switch_prev = build_worker(self._vllm_config, self.kv_cache_config, self.cfg, self.geo,
+                                                       self.namespace, self.num_slots, self._size_from, kv_caches)
+        if self._worker is not None:
+            self._step = WorkerStep(self._worker, self.page_size, self.hybrid, _hook_error)
+            self._stats.start_polling()  # counters moved by the L3 I/O threads between steps reach stats_path too
 
     @_timed_hook
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
@@ -1094,53 +536,24 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         model being asynchronous); never ``finished_sending`` (saves end within their step).
 
         The L3 reads this step handed over before its forward and still running are waited for first, at most
-        :data:`STEP_READ_WAIT_FRACTION` of the time the step has lasted since ``bind_connector_metadata`` (a step without
-        forward, next to nothing): a read that ends within that time is named finished now, and its request is
-        scheduled in the next step instead of the one after (the wait delays every request of the step, once per
-        read; a further step would cost the waiting request a whole forward)."""
-        return self._finished(finished_req_ids)
-
-    def _finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
-        """:meth:`get_finished`'s work, untimed (so :meth:`get_transfer_results` does not count it twice)."""
-        if self._worker is None:
-            return None, None
-        try:
-            bound = getattr(self, "_bound_at", None)
-            self._worker.wait_step_reads(0.0 if bound is None else
-                                         STEP_READ_WAIT_FRACTION * (time.perf_counter() - bound))
-            done = self._worker.poll(finished_req_ids)
-            self._loads_ended = bool(done)
-        except Exception as e:
-            _hook_error(self._worker.counters, "get_finished", e)
-            return None, None
-        return None, (done or None)
+        ``STEP_READ_WAIT_FRACTION`` of the time the step has lasted since ``bind_connector_metadata``
+        (:class:`tierkv.connector.l2.step.WorkerStep`)."""
+        return None, (self._step.end_step(finished_req_ids)[0] if self._step is not None else None)
 
     @_timed_hook
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """:meth:`get_finished` as vLLM's transfer results; with several KV cache groups also the requests whose
         (asynchronous) load failed, as ``failed_recving`` (and ended): vLLM recomputes them."""
-        sending, recving = self._finished(finished_req_ids)
-        failed: set[str] = set()
-        if self._worker is not None and self.hybrid:
-            try:
-                failed = self._worker.take_failed_requests()
-            except Exception as e:
-                _hook_error(self._worker.counters, "get_transfer_results", e)
-        return KVConnectorTransferResults(finished_sending=set(sending or ()),
-                                          finished_recving=set(recving or ()) | failed, failed_recving=failed)
+        recving, failed = (self._step.end_step(finished_req_ids, with_failed=True) if self._step is not None
+                           else (None, set()))
+        return KVConnectorTransferResults(finished_sending=set(), finished_recving=set(recving or ()) | failed,
+                                          failed_recving=failed)
 
     @_timed_hook
     def build_connector_worker_meta(self) -> Optional[KVConnectorWorkerMetadata]:
         """The step's job reports and timed forwards (``TierKVWorkerMeta``), None when there are none."""
-        if self._worker is None:
-            return None
-        try:
-            reports = self._worker.take_reports()
-        except Exception as e:
-            _hook_error(self._worker.counters, "build_connector_worker_meta", e)
-            return None
-        forwards, self._forwards = self._forwards, []
-        return TierKVWorkerMeta(reports, forwards) if reports or forwards else None
+        result = self._step.take_result() if self._step is not None else None
+        return TierKVWorkerMeta(*result) if result is not None else None
 
     def _worker_stats(self) -> dict:
         """The worker's counters, with the L3 store's own failure counts (``l3_errors``, ``l3_timeouts``: a ZMQ or
@@ -1159,36 +572,16 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         reads' leading intact pages included (all at once, or layer by layer with ``layerwise_load``) so they end
         before the layers read them; vLLM calls it before the forward only in steps with such synchronous loads, after
         it otherwise."""
-        if self._worker is None:
-            return
-        plan = self._get_connector_metadata()
-        if not isinstance(plan, StepPlan):
-            return
-        try:
-            self._worker.take_plan_failures(plan)
-            verified = self._worker.finish_sync_reads()
-            if plan.loads or verified:
-                self._worker.start_loads(plan, verified)
-        except Exception as e:  # the step's loads are reported failed: vLLM recomputes them (§8 R41)
-            _hook_error(self._worker.counters, "start_load_kv", e)
-            self._worker.fail_loads(plan)
+        if self._step is not None:
+            self._step.load(self._get_connector_metadata())
 
     @_timed_hook(step=True)
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Before every forward (vLLM calls ``start_load_kv`` only after it when the step has no synchronous load):
         hand the plan's L3 reads to the readers, so they overlap the forward, and start timing the forward."""
         super().bind_connector_metadata(connector_metadata)
-        plan = connector_metadata
-        if self._worker is None or not isinstance(plan, StepPlan):
-            return
-        self._bound_at = time.perf_counter()
-        if plan.prefill_tokens >= 4 * self.page_size:  # timed until wait_for_save: the forward in between
-            self._fwd = (plan.step, plan.prefill_tokens, time.perf_counter())
-        if plan.jobs:
-            try:
-                self._worker.start_reads(plan)
-            except Exception as e:  # not handed over: wait_for_save hands them over with the backups
-                _hook_error(self._worker.counters, "bind_connector_metadata", e)
+        if self._step is not None:
+            self._step.before_forward(connector_metadata)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Layer by layer: wait until this layer's L2 -> L1 copies are done; a failed copy reports the step's loads as
@@ -1200,13 +593,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     @_timed_hook
     def _wait_for_layer_load(self, layer_name: str) -> None:
-        try:
-            self._worker.wait_layer(layer_name)
-        except Exception as e:
-            _hook_error(self._worker.counters, "wait_for_layer_load", e)
-            plan = self._get_connector_metadata()
-            if isinstance(plan, StepPlan):
-                self._worker.fail_loads(plan)
+        self._step.layer_ready(layer_name, self._get_connector_metadata)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         """Nothing (and untimed: vLLM calls it for every layer of every step): saves run once per step in
@@ -1216,31 +603,13 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
     @_timed_hook
     def wait_for_save(self) -> None:
         """End the forward's timing; finish the step's loads and run its L1 -> L2 saves, complete when the hook returns
-        (none of a request whose load failed, docs §8 R31); then hand the plan's backups to the writer."""
-        if self._worker is None:
+        (none of a request whose load failed); then hand the plan's backups to the writer."""
+        if self._step is None:
             return
         plan = self._get_connector_metadata()
-        if not isinstance(plan, StepPlan):
-            return
-        fwd, self._fwd = self._fwd, None
-        if fwd is not None and fwd[0] == plan.step:
-            self._forwards.append((fwd[0], fwd[1], time.perf_counter() - fwd[2]))
-            del self._forwards[:-64]  # bounded if the scheduler side never collects them
-        try:
-            self._worker.end_sync_step(plan)
-            self._worker.finish_loads()
-            self._worker.run_saves(plan)  # every step: it also notes this step's failed loads (§8 R31)
-        except Exception as e:  # those pages are not in L2; a later hit on them recomputes (§8 R41)
-            _hook_error(self._worker.counters, "wait_for_save", e)
-            self._worker.forget_saves(plan.saves)
-        if plan.jobs:
-            todo = self._worker.unsubmitted(plan)
-            try:
-                self._worker.submit_jobs(plan)
-            except Exception as e:  # answered "not done" at once, so the scheduler side never waits for them
-                _hook_error(self._worker.counters, "wait_for_save", e)
-                self._worker.fail_jobs(todo)
-        self._stats.maybe_write()
+        self._step.after_forward(plan)
+        if isinstance(plan, StepPlan):
+            self._stats.maybe_write()
 
     def get_kv_connector_kv_cache_events(self):
         """None (untimed: it does nothing): a worker has no tier events of its own. What a worker learns about L3
@@ -1252,10 +621,4 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose page failed its checksum, whose copy raised or whose L3 page did not arrive in time; vLLM
         recomputes them."""
-        if self._worker is None:
-            return set()
-        try:
-            return self._worker.take_failed_blocks()
-        except Exception as e:
-            _hook_error(self._worker.counters, "get_block_ids_with_load_errors", e)
-            return set()
+        return self._step.failed_blocks() if self._step is not None else set()
