@@ -53,10 +53,10 @@ import time
 import weakref
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import xxhash
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import ValidationError
 
 from tierkv.storage_backends.base import Buffer, PageTokens, StorageBackend
 from tierkv.storage_backends.common import (  # noqa: F401 - parse_bytes, as_byte_view: also imported from here
@@ -77,13 +77,25 @@ from tierkv.storage_backends.page_format import (
     decode_header,
     payload_checksum,
 )
+from tierkv.storage_backends.file.layout import (  # noqa: F401 - the offline tools are also imported from here
+    NAMESPACE_INFO_FILE,
+    PAGE_SUFFIX,
+    QUARANTINE_DIR,
+    TMP_PREFIX,
+    PageFile,
+    _bytes_after,
+    _walk,
+    _write_rest,
+    describe_namespace,
+    iter_page_files,
+    mount_of,
+    pid_alive,
+    quarantine_file,
+    read_record_file,
+)
 
 log = logging.getLogger("tierkv.storage.file")
 
-PAGE_SUFFIX = ".page"
-TMP_PREFIX = ".tmp."
-QUARANTINE_DIR = "quarantine"
-_NS_HEX_LEN = 32
 _WR_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
 _RECYCLE_FLAGS = os.O_WRONLY | os.O_CLOEXEC
 #: evicted record files kept for reuse (``recycle_evicted``), at most this many bytes and this many files per store
@@ -92,41 +104,10 @@ SPARE_MAX_FILES = 64
 # reads skip the access-time update (the store orders by mtime, never atime); dropped if the kernel refuses it
 _RD_FLAGS = os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOATIME", 0)
 _TOUCH_MAX_PENDING = 4096  # pending hit stamps that force a flush (bounds memory and what a crash can lose)
-_HEX = frozenset("0123456789abcdef")
 _NO_JOURNAL_WARNED: set[str] = set()  # mount points of ext4 without a journal already named in this process
 
 
-class FileStoreConfig(BaseModel):
-    """Keys of ``l3.file`` (see ``configs/l3_file.yaml`` for comments). Unknown keys are errors."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    root: str
-    capacity_bytes: Optional[int] = Field(default=None, gt=0)
-    fsync: bool = False
-    read_only: bool = False
-    quarantine: bool = True
-    quarantine_max_files: int = Field(default=1000, ge=0)
-    scan_verify: Literal["size", "header"] = "size"
-    background_scan: bool = False
-    touch_on_read: bool = True
-    touch_flush_s: float = Field(default=5.0, ge=0)
-    stale_temp_s: float = Field(default=300.0, ge=0)
-    enospc_evict_pages: int = Field(default=8, ge=1)
-    recycle_evicted: bool = True
-    default_capacity_fraction: float = Field(default=0.9, gt=0, le=1.0)
-
-    @field_validator("root")
-    @classmethod
-    def _root(cls, v: str) -> str:
-        if not v:
-            raise ValueError("root must name a directory")
-        return os.path.abspath(os.path.expanduser(v))
-
-    @field_validator("capacity_bytes", mode="before")
-    @classmethod
-    def _cap(cls, v: Any) -> Any:
-        return None if v is None else parse_bytes(v)
+from tierkv.storage_backends.file.config import FileStoreConfig  # noqa: E402,F401 - also imported from here
 
 
 _FSYNC_POOL: Optional[ThreadPoolExecutor] = None
@@ -155,16 +136,6 @@ def _apply_touches(touches: dict) -> None:
             pass
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class FileStore(StorageBackend):
     """L3 page store on a local (or shared POSIX) directory.
 
@@ -172,37 +143,9 @@ class FileStore(StorageBackend):
         namespace: 16-byte namespace digest (``ModelNamespace.digest()``), written into and checked against every
             record, and the name of this store's sub-directory.
         page_bytes: bytes of one page payload; every buffer passed in must have exactly this size.
-        root: the store directory (created if missing).
-        capacity_bytes: maximum bytes of page files under ``root`` (records of every namespace, 64-byte headers
-            included), int or a string like ``"20GiB"``. ``None``: ``default_capacity_fraction`` of (bytes already
-            stored + free space of the filesystem) at start.
-        fsync: ``fsync`` each record before the rename and its directory after it (durable across power loss;
-            slower). Default off: a crash can lose recent pages but never leaves a torn one visible.
-        read_only: open an existing store for reads only (sets return ``False``); no root write check, nothing is
-            deleted or quarantined.
-        quarantine: move records that fail verification to ``root/quarantine/`` (``False``: delete them).
-        quarantine_max_files: keep at most this many quarantined files; beyond it bad records are deleted.
-        scan_verify: start-up check of each file: ``"size"`` (file size only: catches truncated and extended
-            records of this namespace) or ``"header"`` (also read and check each 64-byte header).
-        background_scan: run the start-up scan in a thread (``tkv-file-scan``) so the constructor returns at once:
-            reads and existence checks go to the files themselves (and index what they find), writes proceed; the
-            capacity is enforced on the whole directory once the scan ends (:meth:`wait_scan`). Until then a record
-            the scan would quarantine (wrong size) is found only when read (then verified: a miss). The scan of 100k
-            records took 1.3-2.6 s on a warm page cache (benchmarks/README.md, file_scan).
-        touch_on_read: refresh a record's mtime on hits so LRU order survives a restart. Hits are stamped with their
-            time at once but written to the files lazily (deduplicated: one ``utime`` per page however often it was
-            hit), at the first call more than ``touch_flush_s`` seconds after the oldest unwritten hit, once 4096
-            are pending, and at :meth:`rescan`, :meth:`close` and interpreter exit.
-        touch_flush_s: see ``touch_on_read``; ``0`` writes the stamps at the end of every ``batch_get``. A process
-            that is SIGKILLed loses the recency of at most this many seconds of hits (the pages stay; only their
-            place in the LRU order after a restart is older).
-        stale_temp_s: temporary files older than this, or whose writer pid is dead, are removed at start-up.
-        enospc_evict_pages: records to evict when the filesystem reports it is full, before the one retry.
-        recycle_evicted: keep up to 64 evicted record files (at most 64 MiB) under temporary names and overwrite
-            them with the next records instead of unlinking them and creating new files (not with ``fsync`` or
-            ``read_only``). The files under ``root`` then take up to that much more than ``capacity_bytes``;
-            ``close`` and a full filesystem remove them. Counted in ``recycled``.
-        default_capacity_fraction: see ``capacity_bytes``.
+        root, **cfg: the store directory (created if missing) and the other options, the keys of
+            :class:`~tierkv.storage_backends.file.config.FileStoreConfig` (capacity, fsync, read-only, quarantine,
+            start-up scan, recency stamps, temporary files, disk-full eviction, recycling).
 
     Raises:
         ConfigError: bad option values, or ``root`` cannot be created or written (and not ``read_only``).
@@ -367,7 +310,7 @@ class FileStore(StorageBackend):
                 pid = int(parts[3])
             except (IndexError, ValueError):
                 pid = -1
-            dead = pid != mypid and (pid <= 0 or not _pid_alive(pid))
+            dead = pid != mypid and (pid <= 0 or not pid_alive(pid))
             if dead or now - st.st_mtime > self.cfg.stale_temp_s:
                 try:
                     os.unlink(path)
@@ -956,182 +899,3 @@ class FileStore(StorageBackend):
     def __repr__(self) -> str:
         return (f"FileStore(root={self.root!r}, namespace={self.namespace.hex()[:8]}.., page_bytes={self.page_bytes}, "
                 f"capacity_bytes={getattr(self, 'capacity_bytes', None)})")
-
-
-# ---------------------------------------------------------------------- offline tools (tierkv store stats|verify|gc)
-class PageFile:
-    """One record file found by :func:`iter_page_files`: ``ns_hex`` (namespace directory name), ``key`` (hex),
-    ``path``, ``size`` (bytes), ``mtime_ns`` (last write or hit, see ``touch_on_read``)."""
-
-    __slots__ = ("ns_hex", "key", "path", "size", "mtime_ns")
-
-    def __init__(self, ns_hex: str, key: str, path: str, size: int, mtime_ns: int):
-        self.ns_hex, self.key, self.path, self.size, self.mtime_ns = ns_hex, key, path, size, mtime_ns
-
-
-def _bytes_after(bufs: list, done: int) -> list[memoryview]:
-    """The views of what follows the first ``done`` bytes of ``bufs`` (flat byte buffers, in order): the buffers
-    wholly after that point and the tail of the one it falls in."""
-    rest = []
-    for b in bufs:
-        m = memoryview(b)
-        if done >= m.nbytes:
-            done -= m.nbytes
-            continue
-        rest.append(m[done:])
-        done = 0
-    return rest
-
-
-def _write_rest(fd: int, bufs: list, done: int) -> None:
-    """Write what follows the first ``done`` bytes of ``bufs`` (byte buffers, in order) to ``fd``, retrying short
-    writes. Raises OSError as ``os.writev`` does, and EIO when a write makes no progress."""
-    rest = _bytes_after(bufs, done)
-    while rest:
-        n = os.writev(fd, rest)
-        if n <= 0:
-            raise OSError(errno.EIO, "a write made no progress")
-        while rest and n >= rest[0].nbytes:
-            n -= rest[0].nbytes
-            rest.pop(0)
-        if rest and n:
-            rest[0] = rest[0][n:]
-
-
-def mount_of(path: str, mounts: str = "/proc/mounts", jbd2_dir: str = "/proc/fs/jbd2") -> dict[str, Any]:
-    """The filesystem ``path`` is on: the entry of ``mounts`` (``/proc/mounts`` format) with the longest mount point
-    above ``path``, as ``{"device", "mount", "fstype", "options", "journal"}``. ``journal`` is for ext4 only: True
-    when ``jbd2_dir`` has a journal of the device (``<device name>-<inode>``), False when it has none, else None.
-
-    Why it matters to a file store: ext4 without a journal skips every inode deleted in the last 5 s (300 s while
-    its inode-table block is dirty) when it allocates one (``recently_deleted()`` in ``fs/ext4/ialloc.c``, checked
-    only when ``s_journal`` is NULL), so after many records or other files are deleted each file creation scans past
-    them and costs several times more CPU (see ``benchmarks/README.md``, file_at_capacity and no_reuse_cost).
-    Returns ``{}`` when ``mounts`` cannot be read."""
-    path = os.path.realpath(path)
-    best: Optional[list[str]] = None
-    try:
-        with open(mounts) as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) < 4:
-                    continue
-                mnt = fields[1].replace("\\040", " ")
-                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and (
-                        best is None or len(mnt) >= len(best[1])):
-                    best = [fields[0], mnt, fields[2], fields[3]]
-    except OSError:
-        return {}
-    if best is None:
-        return {}
-    dev, mnt, fstype, opts = best
-    journal = None
-    if fstype == "ext4":
-        name = os.path.basename(os.path.realpath(dev)) if dev.startswith("/") else dev
-        try:
-            journal = any(j.rsplit("-", 1)[0] == name for j in os.listdir(jbd2_dir))
-        except OSError:
-            journal = None
-    return {"device": dev, "mount": mnt, "fstype": fstype, "options": opts, "journal": journal}
-
-
-def iter_page_files(root: str, namespaces: Optional[Sequence[str]] = None):
-    """Yield a :class:`PageFile` for every ``root/<ns hex>/<xx>/<key>.page`` (the layout of this module's docstring),
-    optionally only for the namespace directories named in ``namespaces`` (hex). Files that vanish while walked are
-    skipped; temporary and quarantined files are not records and are not yielded. Reads no file content.
-
-    Raises:
-        OSError: ``root`` itself cannot be listed (missing, not a directory, no permission).
-    """
-    for ns_hex, fname, path, st in _walk(root, namespaces):
-        yield PageFile(ns_hex, fname[:32], path, st.st_size, st.st_mtime_ns)
-
-
-def _walk(root: str, namespaces: Optional[Sequence[str]] = None, temps: bool = False):
-    """The directory walk of a store (:meth:`FileStore.rescan`, :func:`iter_page_files`): an iterator of
-    ``(ns_hex, file name, path, stat result)`` for every page file ``root/<ns hex>/<xx>/<key>.page`` (and, with
-    ``temps``, every temporary file ``<xx>/`` holds), namespace and ``<xx>`` directories in name order, optionally only
-    the namespaces named in ``namespaces`` (hex). Entries that vanish while walked are skipped; stats do not follow
-    links.
-
-    Raises:
-        OSError: ``root`` itself cannot be listed (raised here, before any entry is yielded).
-    """
-    top = sorted(os.scandir(root), key=lambda e: e.name)
-    return _walk_entries(top, None if namespaces is None else set(namespaces), temps)
-
-
-def _walk_entries(top: list, want: Optional[set], temps: bool):
-    for nsent in top:
-        name = nsent.name
-        if len(name) != _NS_HEX_LEN or not set(name) <= _HEX or not nsent.is_dir(follow_symlinks=False):
-            continue
-        if want is not None and name not in want:
-            continue
-        try:
-            subs = sorted(os.scandir(nsent.path), key=lambda e: e.name)
-        except OSError:
-            continue
-        for sub in subs:
-            if len(sub.name) != 2 or not sub.is_dir(follow_symlinks=False):
-                continue
-            try:
-                files = list(os.scandir(sub.path))
-            except OSError:
-                continue
-            for f in files:
-                fname = f.name
-                if not ((fname.endswith(PAGE_SUFFIX) and len(fname) == 32 + len(PAGE_SUFFIX))
-                        or (temps and fname.startswith(TMP_PREFIX))):
-                    continue
-                try:
-                    st = f.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                yield name, fname, f.path, st
-
-
-def read_record_file(path: str) -> tuple[bytes, bytes]:
-    """``(header, payload)`` of a record file (header: the first 64 bytes, shorter if the file is). Raises OSError."""
-    with open(path, "rb", buffering=0) as f:
-        data = f.read()
-    return data[:HEADER_BYTES], data[HEADER_BYTES:]
-
-
-def quarantine_file(root: str, path: str, reason: str) -> str:
-    """Move a bad record file to ``root/quarantine/`` (named like the store's own quarantine: namespace, key, pid,
-    time, ``.bad``). Returns the new path. Raises OSError."""
-    qdir = os.path.join(root, QUARANTINE_DIR)
-    os.makedirs(qdir, exist_ok=True)
-    ns_hex = os.path.basename(os.path.dirname(os.path.dirname(path)))
-    dst = os.path.join(qdir, f"{ns_hex}-{os.path.basename(path)}.{os.getpid()}.{time.time_ns()}.bad")
-    os.rename(path, dst)
-    log.info("quarantined %s (%s) as %s", path, reason, dst)
-    return dst
-
-
-NAMESPACE_INFO_FILE = "namespace.json"
-
-
-def describe_namespace(root: str, namespace: bytes, info: dict) -> bool:
-    """Write ``root/<namespace hex>/namespace.json``: what the 16-byte digest stands for (e.g.
-    ``dataclasses.asdict(ModelNamespace)``: model_id, dtype, kv_layout, page_size, ranks), so ``tierkv store stats``
-    can show it; the digest itself cannot be decoded. Written atomically (temp + rename), never read by the store, so a
-    wrong or missing file only changes what the tool prints. Returns False (and logs) when it cannot be written."""
-    import json
-
-    d = os.path.join(root, bytes(namespace).hex())
-    tmp = os.path.join(d, f"{TMP_PREFIX}{NAMESPACE_INFO_FILE}.{os.getpid()}")
-    try:
-        os.makedirs(d, exist_ok=True)
-        with open(tmp, "w") as f:
-            json.dump(info, f, sort_keys=True, default=str)
-        os.rename(tmp, os.path.join(d, NAMESPACE_INFO_FILE))
-        return True
-    except OSError as e:
-        log.warning("cannot write %s in %s: %s", NAMESPACE_INFO_FILE, d, e)
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        return False
