@@ -170,6 +170,21 @@ def _walk_entries(top: list, want: Optional[set], temps: bool):
                 yield name, fname, f.path, st
 
 
+def unlink_records(ns_dir: str) -> None:
+    """Remove every record file under the namespace directory ``ns_dir`` (``<xx>/<key>.page``); never raises."""
+    try:
+        for sub in os.scandir(ns_dir):
+            if len(sub.name) == 2 and sub.is_dir(follow_symlinks=False):
+                for f in os.scandir(sub.path):
+                    if f.name.endswith(PAGE_SUFFIX):
+                        try:
+                            os.unlink(f.path)
+                        except OSError:
+                            pass
+    except OSError:
+        pass
+
+
 def read_record_file(path: str) -> tuple[bytes, bytes]:
     """``(header, payload)`` of a record file (header: the first 64 bytes, shorter if the file is). Raises OSError."""
     with open(path, "rb", buffering=0) as f:
