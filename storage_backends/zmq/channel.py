@@ -1,25 +1,15 @@
-"""The request channel the L3 stores that talk to a ZMQ server share: the tierkv cache server's client
-(:mod:`tierkv.storage_backends.zmq.client`) and the LMCache store (:mod:`tierkv.storage_backends.lmcache.store`).
+"""The request channel shared by the L3 stores that talk to a ZMQ server (the tierkv cache server's client and the
+LMCache store): one DEALER socket and everything around it that does not depend on the server's wire format.
 
-A :class:`RequestChannel` owns one DEALER socket to the server's ROUTER and everything around it that does not depend on
-the server's wire format:
+Socket options (``LINGER`` 0, ``IMMEDIATE``, high-water marks, reconnect 20-500 ms, optional ``MAXMSGSIZE``, IPv6
+for ``tcp://[...]``, optional disconnect monitor); a fork guard (a forked child makes its own context and socket);
+back-off with fast-fail (from the second consecutive failure, calls inside the doubling back-off window fail at
+once, counted ``fast_fails``); the pipelined exchange (:meth:`RequestChannel.exchange`: fresh ids, replies matched by
+id under ``timeout_s`` of silence, stale or undecodable replies counted and dropped); warnings for the first failure
+of a run and one "reachable again" line.
 
-- the socket: ``LINGER`` 0, ``IMMEDIATE`` (nothing is queued while the server is away), send/receive high-water marks,
-  reconnect interval 20-500 ms, an optional largest accepted message (``MAXMSGSIZE``: a peer sending a bigger frame is
-  dropped), IPv6 for a bracketed ``tcp://[...]`` address, and optionally a monitor of disconnections;
-- the fork guard: in a forked child the parent's context and socket are left alone and new ones are made;
-- back-off with fast-fail: the first failure may be a one-off (the next call reconnects at once); from the second
-  consecutive failure on, calls within the back-off window (``backoff_s`` doubling per failure up to
-  ``max_backoff_s``) fail at once, counted ``fast_fails``, instead of each waiting ``timeout_s``;
-- the pipelined exchange (:meth:`RequestChannel.exchange`): every message gets a fresh id, all are sent, replies are
-  matched by id under a deadline of ``timeout_s`` of silence (restarted by every reply); a stale or undecodable reply
-  is counted and discarded, never applied to another request;
-- the log: a warning at the first failure of a run, debug lines for the following ones, and one "reachable again"
-  line when a call succeeds after failures.
-
-Not thread-safe: a store calls it under its own lock. Counters it adds to (the store's :class:`~.common.Counters`):
-requests, timeouts, errors, fast_fails, stale_replies, bad_replies, and reconnects (a new socket after an earlier
-one; with ``monitor`` the store counts reconnects itself from :meth:`RequestChannel.disconnected`).
+Not thread-safe: a store calls it under its own lock. Counters it adds to: requests, timeouts, errors, fast_fails,
+stale_replies, bad_replies, reconnects. Failures raise :class:`ChannelFailed`.
 """
 from __future__ import annotations
 
