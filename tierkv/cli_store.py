@@ -354,7 +354,7 @@ def _stats_mooncake(args) -> dict:
 
 def _stats_lmcache(args) -> dict:
     from tierkv.storage_backends.lmcache.store import server_info
-    from tierkv.storage_backends.zmq_channel import ChannelFailed
+    from tierkv.storage_backends.zmq.channel import ChannelFailed
 
     t = args._target
     host = f"[{t.host}]" if ":" in t.host else t.host

@@ -35,7 +35,7 @@ payload, :mod:`.page_format`) before the payload, checked on every read: a slot 
 Faults: a dead, stopped or restarted server, a rejected request, a vanished shared-memory segment and a server of
 another chunk size all turn into misses / ``False`` with a counter and a rate-limited warning; never an exception,
 never a hang longer than ``timeout_s`` per exchange (socket, back-off and pipelined exchange: the shared
-:mod:`.zmq_channel`; the server's segment is mapped as a :class:`.shm_segment.Segment`). After a failure the socket is replaced, the old worker instance is
+:mod:`.zmq.channel`; the server's segment is mapped as a :class:`.shm_segment.Segment`). After a failure the socket is replaced, the old worker instance is
 unregistered (which frees the slots a lost reply left reserved) and a new one registered; consecutive failures back
 off exponentially. A server restart is noticed from the socket's connection events and answered by registering again.
 
@@ -62,7 +62,7 @@ from tierkv.storage_backends.base import Buffer, PageTokens, StorageBackend
 from tierkv.storage_backends.common import (ConfigError, Counters, RateLimitedLog, check_store_identity,
                                              config_error)
 from tierkv.storage_backends.shm_segment import Segment
-from tierkv.storage_backends.zmq_channel import ChannelFailed, RequestChannel
+from tierkv.storage_backends.zmq.channel import ChannelFailed, RequestChannel
 from tierkv.storage_backends.page_format import (HEADER_BYTES, PageFormatError, check_checksums, copy_verified,
                                                  encode_headers)
 

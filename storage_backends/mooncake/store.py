@@ -1,55 +1,16 @@
-"""L3 backend over the real Mooncake store (``mooncake_master`` + ``mooncake.store.MooncakeDistributedStore``).
+"""L3 backend over the Mooncake store (``mooncake_master`` + ``mooncake.store.MooncakeDistributedStore``), the
+distributed L3 for deployments that outgrow one node.
 
-Mooncake (kvcache-ai) is a distributed object store: a master keeps the key -> replica map and hands out space in
-memory *segments* that clients contribute (``global_segment_size``); data moves client-to-segment through its
-transfer engine (TCP here, RDMA on clusters). This is the L3 for users who outgrow one node (docs/architecture.md §5).
+Page ``key`` of namespace ``ns`` is the object ``<key_prefix>/<ns hex>/<key>`` holding a page record (64-byte header
+|| payload, :mod:`tierkv.storage_backends.page_format`); every read verifies it, so a truncated, corrupted or foreign
+record is a miss, counted ``corrupt`` and removed. Sets of big pages inside a registered host buffer go zero-copy
+(:mod:`.zero_copy`); other sets are staged and upserted; gets land in a staging buffer and are copied out only once
+verified. Every client call runs on a worker thread under ``timeout_s`` (a timeout is a miss / ``False`` / 0) with at
+most ``max_inflight`` outstanding. A writer killed mid-put leaves a key an upsert reclaims; after a master restart
+old objects are misses and clients re-mount by themselves.
 
-Objects. Page ``key`` (32 hex chars) of namespace ``ns`` is the Mooncake object ``<key_prefix>/<ns hex>/<key>``
-holding a :mod:`tierkv.storage_backends.page_format` record: a 64-byte header (magic, version, namespace, key,
-payload length, XXH3-64 of payload and header) followed by the ``page_bytes`` payload. Every read checks all of it,
-so a truncated, corrupted or foreign record (another namespace, another key, e.g. a segment region the master hands
-to another object after a restart, docs/architecture.md §8 R16) is a miss, is counted in ``stats()["corrupt"]`` and is
-removed from the store so the key can be written again.
-
-Data path (``benchmarks/storage.py`` times it against the same calls on bare payloads):
-
-- set, zero-copy: pages of at least ``zero_copy_min_page_bytes`` (1 MiB) lying inside a buffer the caller declared
-  with :meth:`MooncakeStore.register_host_buffer` (the host pool; memory that stays allocated while registered)
-  are stored as two slices each, the 64-byte header
-  from a store-owned header arena and the payload straight from the caller's page, with one
-  ``batch_put_from_multi_buffers`` (the call SGLang HiCache's ``MooncakeStore`` uses for its K/V halves). Mooncake
-  has no multi-buffer *upsert*, and a plain put of an existing key is a silent no-op, so the put is bracketed by two
-  ``batch_is_exist`` calls: keys that existed before (overwrites), and keys the put did not make visible (e.g. one
-  left "processing" by a crashed writer, R15), go through the staged upsert below. The put is split into groups of
-  :data:`PUT_GROUP_BYTES` so the XXH3 of the next group's pages runs while the previous group is transferred (and
-  the first existence check while the first group is checksummed); when the caller passes the pages' checksums
-  (``batch_set(..., checksums=...)``, "checksum once") nothing is hashed here and all the pages go in one put.
-  A put abandoned after a timeout
-  may read a page the caller has reused since; the record then fails its checksum on read: a miss, never data.
-- set, staged (every other page): each page is copied into its slot behind its header in a *store-owned* buffer and
-  the records go out with one ``batch_upsert_from`` (upsert = insert or overwrite, so a set always replaces the
-  page, like the file store's rename);
-- get: the records are fetched with one ``batch_get_into`` into a staging buffer, verified, and only then copied
-  into the destinations (so an unverified byte never reaches a host page, and a late call only ever touches a
-  buffer the store owns and does not reuse until that call has returned).
-
-Time bounds. The Mooncake client blocks (a SIGSTOPped master makes RPCs wait ~30 s, a dead one ~4 s), so every
-call runs on a worker thread and the caller waits at most ``timeout_s``; after that the call counts as a timeout
-(logged, ``stats()["timeouts"]``) and yields misses / ``False`` / 0. At most ``max_inflight`` calls may be
-outstanding (abandoned ones included); beyond that calls fail at once instead of piling up threads.
-
-Writer crashes (docs/architecture.md §8 R15): a client killed between Mooncake's put-start and put-end leaves the key
-"processing" on the master; readers see it absent (a miss), a plain put of it is silently dropped by Mooncake, but an
-upsert claims it (or fails once if the dead writer's segment is gone, after which the master has dropped the
-stale entry and the single retry here succeeds).
-
-Master restarts (R16): objects the old master knew are gone (misses); clients reconnect and re-mount their segments
-by themselves (Mooncake's ping loop), new clients can join. Nothing stale is ever returned as data because of the
-header checks above.
-
-Requires ``mooncake-transfer-engine-non-cuda`` (CPU) or ``mooncake-transfer-engine`` and Debian's ``libibverbs1``.
-``MC_TCP_BIND_ADDRESS`` is set to ``local_hostname`` (if not already set) so the transfer engine listens on
-loopback in single-node setups.
+Requires ``mooncake-transfer-engine-non-cuda`` (CPU) or ``mooncake-transfer-engine`` and ``libibverbs1``.
+``MC_TCP_BIND_ADDRESS`` is set to ``local_hostname`` when unset.
 """
 from __future__ import annotations
 
@@ -63,7 +24,6 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
-import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tierkv.storage_backends.base import Buffer, PageTokens, StorageBackend
@@ -76,7 +36,13 @@ from tierkv.storage_backends.page_format import (
     check_key,
     copy_verified,
     encode_header,
-    encode_headers,
+)
+from tierkv.storage_backends.mooncake.zero_copy import (  # noqa: F401 - also imported from here
+    PUT_GROUP_BYTES,
+    HostBuffers,
+    _BufferPool,
+    _Hold,
+    _Staging,
 )
 
 log = logging.getLogger("tierkv.storage.mooncake")
@@ -87,9 +53,6 @@ MC_BUFFER_TOO_SMALL = -600
 MC_MIN_SEGMENT = 16 << 20  # the client refuses smaller non-zero segments
 MC_UPSERT_CONFLICT = -601  # another client's put/upsert of the same key is in progress
 _NOT_FOUND_CODES = (MC_OBJECT_NOT_FOUND, -703)  # -703: not (yet) ready, e.g. a put in progress
-#: payload bytes per ``batch_put_from_multi_buffers`` of a zero-copy set: the next group's XXH3 runs while the
-#: previous group is on the wire (measured on 2 cores, 64 x 2 MiB pages).
-PUT_GROUP_BYTES = 32 << 20
 #: native clients not (yet) closed cleanly: open ones, a setup that timed out, calls still outstanding at close. A
 #: client leaves this list only when its close() succeeds; the others live until the process exits. The native
 #: destructor of a client whose master is gone blocks while it retries the master (16 s seen in CI), so it is never
@@ -164,90 +127,6 @@ class MooncakeStoreConfig(BaseModel):
         return v
 
 
-class _Staging:
-    """One registered staging buffer of ``nbytes`` (a torch uint8 tensor, kept alive while registered)."""
-
-    __slots__ = ("tensor", "np", "ptr", "nbytes")
-
-    def __init__(self, nbytes: int):
-        self.tensor = torch.zeros(nbytes, dtype=torch.uint8)  # zeros: touch the pages now, not mid-transfer
-        self.np = self.tensor.numpy()
-        self.ptr = self.tensor.data_ptr()
-        self.nbytes = nbytes
-
-
-class _BufferPool:
-    """Store-owned registered buffers of one kind (staging records, or header arenas of the zero-copy path), reused
-    across calls: a free buffer big enough is handed out, a free one too small is replaced by a new one, and at
-    most ``limit`` exist at once. Guarded by the store's ``lock``; ``is_closed`` tells whether buffers given back
-    are to be dropped."""
-
-    def __init__(self, lock: threading.Lock, limit: int, register: Callable[[_Staging], bool],
-                 unregister: Callable[[_Staging], None], is_closed: Callable[[], bool]):
-        self._lock, self._limit = lock, limit
-        self._register, self._unregister, self._is_closed = register, unregister, is_closed
-        self._free: list[_Staging] = []
-        self._count = 0
-
-    def take(self, need_bytes: int, new_bytes: int) -> Optional[_Staging]:
-        """A buffer of at least ``need_bytes``: a free one, else a new one of ``new_bytes`` while fewer than
-        ``limit`` exist. None when ``limit`` are in use or ``register`` returns False; raises what allocation or
-        ``register`` raise (the slot is released either way)."""
-        with self._lock:
-            for i, b in enumerate(self._free):
-                if b.nbytes >= need_bytes:
-                    return self._free.pop(i)
-            small = self._free.pop() if self._free else None  # too small: replaced by a bigger one
-            if small is None:
-                if self._count >= self._limit:
-                    return None
-                self._count += 1
-        if small is not None:
-            self._unregister(small)
-        ok = False
-        try:
-            b = _Staging(new_bytes)
-            ok = self._register(b)
-        finally:
-            if not ok:
-                with self._lock:
-                    self._count -= 1
-        return b if ok else None
-
-    def give(self, b: _Staging) -> None:
-        with self._lock:
-            drop = self._is_closed()
-            if drop:
-                self._count -= 1
-            else:
-                self._free.append(b)
-        if drop:
-            self._unregister(b)
-
-    def drain(self) -> list[_Staging]:
-        """Take every free buffer out (call with the lock held, at close); the caller unregisters them."""
-        free, self._free = self._free, []
-        self._count -= len(free)
-        return free
-
-
-class _Hold:
-    """Shared ownership of a staging buffer by the caller and the worker running the Mooncake call; the buffer
-    goes back to the pool when both have let go (the worker may let go long after a timeout)."""
-
-    __slots__ = ("_n", "_lock", "_release")
-
-    def __init__(self, release: Callable[[], None]):
-        self._n, self._lock, self._release = 2, threading.Lock(), release
-
-    def drop(self) -> None:
-        with self._lock:
-            self._n -= 1
-            last = self._n == 0
-        if last:
-            self._release()
-
-
 def _probe_endpoints(c: MooncakeStoreConfig) -> None:
     """Fail fast (ConfigError) if the master's RPC port or an http:// metadata server does not accept a TCP
     connection within ``setup_timeout_s``: Mooncake's own ``setup`` holds the GIL while it retries for minutes."""
@@ -271,7 +150,7 @@ def _probe_endpoints(c: MooncakeStoreConfig) -> None:
                 time.sleep(0.1)  # retry interval while the master may still be starting
 
 
-class MooncakeStore(StorageBackend):
+class MooncakeStore(HostBuffers, StorageBackend):
     """A :class:`~tierkv.storage_backends.base.StorageBackend` over one ``MooncakeDistributedStore`` client.
 
     Args:
@@ -372,107 +251,6 @@ class MooncakeStore(StorageBackend):
         with self._lock:
             self.counters.add(**inc)
 
-    @staticmethod
-    def _span(buffer: Any) -> tuple[int, int, Any]:
-        """``(address, nbytes, owner)`` of a contiguous CPU buffer. Raises ValueError for anything else."""
-        if isinstance(buffer, torch.Tensor):
-            if not buffer.is_cpu or buffer.layout is not torch.strided or not buffer.is_contiguous():
-                raise ValueError("host buffer must be a contiguous CPU tensor")
-            return buffer.data_ptr(), buffer.nbytes, buffer
-        try:
-            mv = memoryview(buffer)
-        except TypeError:
-            raise ValueError(f"host buffer of type {type(buffer).__name__} is not a buffer") from None
-        if not mv.c_contiguous:
-            raise ValueError("host buffer must be contiguous")
-        arr = np.frombuffer(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv, dtype=np.uint8)
-        return arr.ctypes.data, arr.nbytes, buffer
-
-    def register_host_buffer(self, buffer: Buffer) -> bool:
-        """Let sets read pages inside ``buffer`` (e.g. the whole host pool, a contiguous CPU tensor) directly:
-        zero-copy, no staging copy. ``buffer`` must stay allocated until :meth:`unregister_host_buffer` or
-        :meth:`close`; the store keeps a reference to it meanwhile. With an RDMA-like protocol the region is also
-        registered with Mooncake (``register_buffer``); with tcp any address can be sent from, so only the bounds
-        are recorded. Returns ``False`` (and logs why) if Mooncake refuses the registration.
-
-        Raises:
-            ValueError: not a contiguous CPU buffer, or the store is closed.
-        """
-        ptr, nbytes, owner = self._span(buffer)
-        if nbytes == 0:
-            return False
-        with self._lock:
-            if self._closed:
-                raise ValueError("MooncakeStore is closed")
-            if ptr in self._host:
-                return True
-        if self._register:
-            rc = self._call("register_host_buffer", lambda: self._store.register_buffer(ptr, nbytes))
-            if rc != 0:
-                log.warning("mooncake register_buffer of a %d-byte host buffer returned %s: staged sets", nbytes, rc)
-                return False
-        with self._lock:
-            self._host[ptr] = (ptr, ptr + nbytes, owner)
-        return True
-
-    def unregister_host_buffer(self, buffer: Buffer) -> None:
-        """Forget a buffer given to :meth:`register_host_buffer` (a no-op if it never was). Call it only when no
-        ``batch_set`` of its pages is running (as with Mooncake's own ``unregister_buffer``)."""
-        ptr = self._span(buffer)[0]
-        with self._lock:
-            known = self._host.pop(ptr, None) is not None
-        if known and self._register:
-            try:
-                self._store.unregister_buffer(ptr)
-            except Exception:  # noqa: BLE001 - best effort
-                pass
-
-    def _registered_ptr(self, source: Any, view: memoryview) -> Optional[int]:
-        """Address of ``source`` if its ``page_bytes`` lie inside one registered host buffer (and pages are big
-        enough for the zero-copy path), else None."""
-        if not self._host or self.page_bytes < self.cfg.zero_copy_min_page_bytes:
-            return None
-        if isinstance(source, torch.Tensor):
-            p = source.data_ptr()
-        else:
-            p = np.frombuffer(view, dtype=np.uint8).ctypes.data
-        for start, end, _ in self._host.values():
-            if start <= p and p + self.page_bytes <= end:
-                return p
-        return None
-
-    def _take_headers(self, n: int) -> Optional[_Staging]:
-        """A header arena for ``n`` records (store-owned, registered like staging), or None while ``max_inflight``
-        are in use or registration fails."""
-        return self._headers.take(n * HEADER_BYTES, max(n, self._slots_per_staging) * HEADER_BYTES)
-
-    def _register_headers(self, hb: _Staging) -> bool:
-        return not self._register or self._call(
-            "register_buffer", lambda: self._store.register_buffer(hb.ptr, hb.nbytes)) == 0
-
-    def _take_staging(self, records: int) -> Optional[_Staging]:
-        """A staging buffer for at least ``records`` records (at most ``slots_per_staging``): a free one that is
-        big enough, else a new one (sized to the next power of two) while fewer than ``max_inflight`` exist.
-        ``None`` if none can be had now. Raises if allocation or registration fails."""
-        slots = min(self._slots_per_staging, 1 << max(0, records - 1).bit_length())
-        return self._staging.take(records * self.record_bytes, slots * self.record_bytes)
-
-    def _register_staging(self, st: _Staging) -> bool:
-        if self._register:
-            # RDMA-like transports need registered memory; with tcp any address works (measured: same speed)
-            # and registering would touch the metadata server, so it is skipped.
-            rc = self._call("register_buffer", lambda: self._store.register_buffer(st.ptr, st.nbytes))
-            if rc != 0:
-                raise RuntimeError(f"register_buffer returned {rc}")
-        return True
-
-    def _unregister(self, st: _Staging) -> None:
-        if self._register:
-            try:
-                self._store.unregister_buffer(st.ptr)
-            except Exception:  # noqa: BLE001 - best effort
-                pass
-
     def _call(self, what: str, fn: Callable[[], Any], hold: Optional[_Hold] = None,
               meanwhile: Optional[Callable[[], None]] = None) -> Any:
         """Run ``fn`` on a worker thread and wait at most ``timeout_s``. Returns its result, or ``None`` after a
@@ -519,20 +297,6 @@ class MooncakeStore(StorageBackend):
             self._count(errors=1)
             self._warn.warning("error", "mooncake %s failed: %s: %s", what, type(e).__name__, e)
         return None
-
-    def _staging_hold(self, what: str, n: int, fail_counter: str) -> Optional[tuple[_Staging, _Hold]]:
-        try:
-            st = self._take_staging(n)
-        except Exception as e:  # noqa: BLE001
-            self._count(errors=1, **{fail_counter: n})
-            self._warn.warning("staging", "mooncake: cannot register a staging buffer: %s", e)
-            return None
-        if st is None:
-            self._count(busy=1, **{fail_counter: n})
-            self._warn.warning("busy", "mooncake %s: %d calls still outstanding (master hung?); failing fast",
-                               what, self.cfg.max_inflight)
-            return None
-        return st, _Hold(lambda: self._staging.give(st))
 
     def _check_keys(self, keys: Sequence[str]) -> list[str]:
         """Object names of ``keys``; ``ValueError`` (from :func:`check_key`) for any bad key, before any I/O."""
@@ -664,79 +428,6 @@ class MooncakeStore(StorageBackend):
             if staged:
                 self._set_chunk(keys, names, srcs, sorted(i for i, _ in staged), out, sums)
         return out
-
-    def _set_direct(self, keys, names, srcs, direct: list[tuple[int, int]], out: list[bool],
-                    sums: Optional[list[int]] = None) -> list[int]:
-        """Zero-copy put of ``direct`` = ``[(index, source address)]`` (sources inside registered host buffers).
-        Returns the indices that must go through the staged upsert: keys that existed before (overwrites) and keys
-        the put did not make visible. A timeout or error fails the pages here (no second attempt). ``sums``: the
-        payload checksums of all the batch's sources (by index) when the caller gave them.
-
-        Pipelined: the worker thread checks which keys exist while this thread checksums the first group of
-        pages (:data:`PUT_GROUP_BYTES`), then puts group after group as their headers become ready, while this
-        thread checksums the next group (the Mooncake calls release the GIL); one existence check of all the put
-        keys closes the batch. With ``sums`` the headers take microseconds, so all the pages go in one group."""
-        n, pb = len(direct), self.page_bytes
-        hb = self._take_headers(n)
-        if hb is None:
-            return [i for i, _ in direct]
-        hold = _Hold(lambda: self._headers.give(hb))
-        per = n if sums is not None else max(1, PUT_GROUP_BYTES // pb)
-        groups = [(a, min(n, a + per)) for a in range(0, n, per)]
-        ready = [threading.Event() for _ in groups]
-        abort = [False]
-        sub = [names[i] for i, _ in direct]
-        bufs = [[hb.ptr + j * HEADER_BYTES, p] for j, (_, p) in enumerate(direct)]
-        store, rcfg, wait_s = self._store, self._rcfg, self.timeout_s
-
-        def headers() -> None:  # caller thread: fill the header arena group by group
-            try:
-                hview = hb.np
-                for g, (a, b) in enumerate(groups):
-                    hs = encode_headers([bytes.fromhex(keys[i]) for i, _ in direct[a:b]], self.namespace,
-                                        [srcs[i] for i, _ in direct[a:b]], pb,
-                                        None if sums is None else [sums[i] for i, _ in direct[a:b]])
-                    hview[a * HEADER_BYTES:b * HEADER_BYTES] = np.frombuffer(b"".join(hs), dtype=np.uint8)
-                    ready[g].set()
-            except BaseException:
-                abort[0] = True
-                raise
-            finally:
-                for ev in ready:
-                    ev.set()
-
-        def put() -> list[bool]:  # worker thread
-            done = [False] * n
-            exist = store.batch_is_exist(sub)
-            put_ok: list[int] = []
-            for g, (a, b) in enumerate(groups):
-                if not ready[g].wait(wait_s) or abort[0]:
-                    raise RuntimeError("page headers were not ready")
-                fresh = [j for j in range(a, b) if exist[j] == 0]
-                if fresh:
-                    rc = store.batch_put_from_multi_buffers([sub[j] for j in fresh], [bufs[j] for j in fresh],
-                                                            [[HEADER_BYTES, pb]] * len(fresh), rcfg)
-                    put_ok += [j for j, r in zip(fresh, rc) if r == 0]
-            if put_ok:  # a put of a key another writer holds is dropped silently: only a visible key counts
-                for j, e in zip(put_ok, store.batch_is_exist([sub[j] for j in put_ok])):
-                    done[j] = e == 1
-            return done
-
-        try:
-            res = self._call("batch_set", put, hold, meanwhile=headers)
-        finally:
-            hold.drop()
-        if res is None:
-            self._count(set_failures=n)
-            return []
-        rest = []
-        for (i, _), ok in zip(direct, res):
-            out[i] = ok
-            if not ok:
-                rest.append(i)
-        n_ok = n - len(rest)
-        self._count(sets=n_ok, zero_copy_sets=n_ok, bytes_written=n_ok * pb)
-        return rest
 
     def _set_chunk(self, keys, names, srcs, idx: list[int], out: list[bool], sums: Optional[list[int]] = None) -> None:
         """Staged upsert of the pages ``idx`` (at most one staging buffer's worth); ``sums``: the payload checksums

@@ -7,7 +7,7 @@ XXH3-64 are checked before the payload is copied into the destination, so a miss
 foreign page is a miss, never data.
 
 Fault handling (docs/architecture.md §8 R13; LMCache issue #3565 is the failure this avoids; socket, back-off and
-pipelined exchange are the shared :mod:`.zmq_channel`, the segment a :class:`.shm_segment.Segment`):
+pipelined exchange are the shared :mod:`.zmq.channel`, the segment a :class:`.shm_segment.Segment`):
 
 - every request carries a fresh id (47 bits) and replies are matched by id: a stale, duplicate, undecodable or
   wrongly shaped reply is discarded or turned into a miss, and never applied to another request;
@@ -50,7 +50,7 @@ from tierkv.storage_backends.base import Buffer, PageTokens, StorageBackend
 from tierkv.storage_backends.common import Counters, RateLimitedLog, check_store_identity, config_error
 from tierkv.storage_backends.zmq.presence_table import PRESENCE_NAME_RE, PresenceTable, fingerprint
 from tierkv.storage_backends.shm_segment import Segment, sweep_dead_files
-from tierkv.storage_backends.zmq_channel import ChannelFailed, RequestChannel
+from tierkv.storage_backends.zmq.channel import ChannelFailed, RequestChannel
 from tierkv.storage_backends.page_format import (PageFormatError, check_checksums, copy_into, copy_verified,
                                                  decode_header, encode_headers, verify_payload)
 

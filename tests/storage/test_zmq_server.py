@@ -138,7 +138,7 @@ def test_reply_that_arrived_during_a_pause_is_an_answer_not_a_timeout(srv, monke
     The pause is made by a clock that, on its first reading after the send, waits until the reply is readable
     and then reads 100 s later."""
     import zmq
-    from tierkv.storage_backends import zmq_channel
+    from tierkv.storage_backends.zmq import channel as zmq_channel
 
     c = srv.new_client(timeout_s=0.5)
     ks, src = keys_of(2, salt=33), pages(2, 4096, 33)
