@@ -17,8 +17,9 @@ page bytes. What is a model and not tierkv's code:
 Trace formats (one JSON object per line; blank lines are skipped):
 
 - vLLM's ``timed_trace`` (``benchmarks/make_multiturn_trace.py``, Mooncake's published traces): ``hash_ids`` (ints,
-  one per chunk of ``--page-size`` tokens, the prompt's chunks in order), ``input_length``, ``output_length``
-  (optional). Page i's key chains the ids of chunks 0..i (equal id prefixes give equal keys, as token prefixes do).
+  one per chunk of page-size tokens, the prompt's chunks in order), ``input_length``, ``output_length``
+  (optional). The page size is the chunk size the trace shows (:mod:`tierkv.plan_chunks`); a ``--page-size`` most
+  requests disagree with is refused. Page i's key chains the ids of chunks 0..i (equal id prefixes give equal keys, as token prefixes do).
   Pages of generated tokens (``output_length``) are saved too, as in the engine, under keys of their own request
   (``--no-output-pages``: not modelled).
 - the lookup trace tierkv records when ``trace_path`` is set (:mod:`tierkv.connector.obs.lookup_trace`): a header with the
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from tierkv.cli_common import EXIT_OK, EXIT_USAGE, CliError, fail, progress
+from tierkv.plan_chunks import ChunkFit, agreeing, detect
 
 DEFAULT_PAGE_SIZE = 32
 
@@ -59,6 +61,8 @@ class Trace:
     page_size: int
     requests: list[TraceRequest]
     header: dict = field(default_factory=dict)
+    page_size_from: str = "given"   # "given" (--page-size), "detected", "default", "recorded" (the trace's header)
+    chunks: Optional[ChunkFit] = None  # timed_trace: how well the page size explains input_length vs hash_ids
 
 
 class _Len:
@@ -98,6 +102,9 @@ def _int(v, path: str, lineno: int, name: str, minimum: int = 0) -> int:
     return v
 
 
+_TIMED_ROOT = b"tierkv-plan/timed_trace/root"
+
+
 def _chain(prev: bytes, item: bytes) -> bytes:
     return hashlib.blake2b(item, digest_size=16, key=prev).digest()
 
@@ -118,7 +125,7 @@ def read_trace(path: str, page_size: Optional[int] = None, output_pages: bool = 
     header: dict = {}
     ps = page_size
     reqs: list[TraceRequest] = []
-    root = b"tierkv-plan/timed_trace/root"
+    timed: list[tuple[int, list, int, int]] = []  # (line, hash_ids, input_length, output_length)
     with f:
         for lineno, raw in enumerate(f, 1):
             if not raw.strip():
@@ -144,24 +151,12 @@ def read_trace(path: str, page_size: Optional[int] = None, output_pages: bool = 
                 if kind not in (None, "timed_trace"):
                     raise _bad(path, lineno, "a timed_trace line ('hash_ids') in a tierkv lookup trace")
                 kind = "timed_trace"
-                ps = ps or DEFAULT_PAGE_SIZE
                 ids = rec["hash_ids"]
                 if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in ids):
                     raise _bad(path, lineno, "'hash_ids' must be a list of integers")
                 n_in = _int(rec.get("input_length"), path, lineno, "input_length")
                 n_out = _int(rec.get("output_length", 0), path, lineno, "output_length")
-                full_in = n_in // ps
-                keys: list[bytes] = []
-                prev = root
-                for h in ids[:full_in]:
-                    prev = _chain(prev, str(h).encode())
-                    keys.append(prev)
-                # pages of tokens no other request shares: a cut chunk, pages past the ids, generated tokens
-                computed = n_in + n_out - 1 if (output_pages and n_out > 0) else n_in
-                own = _chain(root, f"request {len(reqs)} line {lineno}".encode())
-                for i in range(len(keys), computed // ps):
-                    keys.append(_chain(own, str(i).encode()))
-                reqs.append(TraceRequest(keys, max(0, (n_in - 1) // ps)))
+                timed.append((lineno, ids, n_in, n_out))
                 continue
             if "keys" in rec:
                 if kind != "tierkv":
@@ -185,9 +180,60 @@ def read_trace(path: str, page_size: Optional[int] = None, output_pages: bool = 
                 reqs.append(TraceRequest(keys, lp, caps[0], caps[1], out))
                 continue
             raise _bad(path, lineno, "neither a timed_trace line ('hash_ids') nor a tierkv lookup record ('keys')")
+    source = "recorded" if kind == "tierkv" else "given" if page_size is not None else "default"
+    fit = None
+    if timed:
+        ps, source, fit = timed_page_size(path, [(n_in, len(ids)) for _l, ids, n_in, _o in timed], page_size)
+        reqs = [timed_request(ids, n_in, n_out, ps, i, lineno, output_pages)
+                for i, (lineno, ids, n_in, n_out) in enumerate(timed)]
     if not reqs:
         raise CliError(EXIT_USAGE, f"{path}: no requests in the trace")
-    return Trace(kind or "timed_trace", ps or DEFAULT_PAGE_SIZE, reqs, header)
+    return Trace(kind or "timed_trace", ps or DEFAULT_PAGE_SIZE, reqs, header, source, fit)
+
+
+def timed_page_size(path: str, records: list, page_size: Optional[int]):
+    """The page size of a timed_trace of ``(input_length, n_ids)`` records: ``page_size`` (``--page-size``) if given
+    and it explains most records, else the chunk size the trace shows (:func:`tierkv.plan_chunks.detect`).
+    Returns ``(size, "given" | "detected" | "default", ChunkFit)``.
+
+    Raises:
+        CliError(EXIT_USAGE): ``--page-size`` given and most records disagree with it, or no size explains most
+            records (the message names ``--page-size`` and the size the trace shows, if any).
+    """
+    fit = detect(records)
+    total = len(records)
+    if page_size is not None:
+        agree = agreeing(records, page_size)
+        if 2 * agree > total:
+            return page_size, "given", fit
+        hint = (f"; the trace's chunks are {fit.size} tokens ({fit.agree} of {total} agree): give --page-size "
+                f"{fit.size} or leave it out" if fit.size and 2 * fit.agree > total else
+                "; no chunk size explains most of them")
+        raise CliError(EXIT_USAGE, f"{path}: --page-size {page_size} disagrees with the trace: {total - agree} of "
+                                   f"{total} requests do not have ceil(input_length / {page_size}) hash ids{hint}")
+    if fit.size and 2 * fit.agree > total:
+        return fit.size, "detected", fit
+    if 2 * agreeing(records, DEFAULT_PAGE_SIZE) > total:
+        return DEFAULT_PAGE_SIZE, "default", fit
+    raise CliError(EXIT_USAGE, f"{path}: cannot tell how many tokens one hash id stands for: no chunk size gives "
+                               "ceil(input_length / size) hash ids for most requests; give --page-size")
+
+
+def timed_request(ids: list, n_in: int, n_out: int, ps: int, i: int, lineno: int, output_pages: bool) -> TraceRequest:
+    """Request ``i`` of a timed_trace (line ``lineno``): page keys chained from its hash ids, then keys of its own
+    for the pages no other request shares (a cut chunk, pages past the ids, generated tokens)."""
+    root = _TIMED_ROOT
+    full_in = n_in // ps
+    keys: list[bytes] = []
+    prev = root
+    for h in ids[:full_in]:
+        prev = _chain(prev, str(h).encode())
+        keys.append(prev)
+    computed = n_in + n_out - 1 if (output_pages and n_out > 0) else n_in
+    own = _chain(root, f"request {i} line {lineno}".encode())
+    for j in range(len(keys), computed // ps):
+        keys.append(_chain(own, str(j).encode()))
+    return TraceRequest(keys, max(0, (n_in - 1) // ps))
 
 
 # --------------------------------------------------------------------------------------------- replay
@@ -337,6 +383,16 @@ def write_chart(rows: list[dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
+def page_size_note(trace: Trace) -> str:
+    """Where the page size came from, for the summary line: `` (detected: N of M requests have ceil(input_length /
+    size) hash ids)``, `` (--page-size)``, `` (the trace's header)`` or, for the fallback, `` (default)``."""
+    c = trace.chunks
+    if trace.page_size_from == "detected" and c is not None:
+        return f" (detected from the trace: {c.agree:,} of {c.total:,} requests have ceil(input_length / size) hash ids)"
+    return {"given": " (--page-size)", "recorded": " (the trace's header)", "default": " (default)"}.get(
+        trace.page_size_from, "")
+
+
 def cmd_plan(args) -> int:
     l2s = parse_sizes(args.l2, "--l2") if args.l2 is not None else None
     l3s = parse_sizes(args.l3, "--l3")
@@ -367,7 +423,8 @@ def cmd_plan(args) -> int:
             for l2 in l2s:
                 rows.append(replay(trace, l2, l3, policy, l1))
                 bar.update(1)
-    desc = (f"{args.trace}: {trace.kind}, {len(trace.requests)} requests, page {trace.page_size} tokens, policy "
+    desc = (f"{args.trace}: {trace.kind}, {len(trace.requests)} requests, page {trace.page_size} tokens"
+            f"{page_size_note(trace)}, policy "
             f"{policy}; replayed one request at a time through tierkv's scheduler side, L3 an LRU written through, "
             + ("no L1 model" if l1 is None else "L1 as recorded" if l1 == "recorded" else
                f"L1 an LRU of {l1} pages"))
@@ -379,7 +436,7 @@ def cmd_plan(args) -> int:
             raise CliError(EXIT_USAGE, f"cannot write chart {args.chart}: {e.strerror or e}") from None
     if args.json:
         print(json.dumps({"trace": args.trace, "format": trace.kind, "requests": len(trace.requests),
-                          "page_size": trace.page_size, "policy": policy, "l1": l1, "recorded": rec or None, "results": rows},
+                          "page_size": trace.page_size, "page_size_from": trace.page_size_from, "policy": policy, "l1": l1, "recorded": rec or None, "results": rows},
                          indent=1))
         return EXIT_OK
     print(desc)
@@ -407,8 +464,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--policy", choices=("lru", "lfu"), default=None,
                    help="L2 eviction policy (default: the recorded trace's, else lru)")
     p.add_argument("--page-size", type=int, default=None,
-                   help=f"tokens per page = per hash id of a timed_trace (default {DEFAULT_PAGE_SIZE}; a recorded "
-                        "trace names its own)")
+                   help="tokens per page = per hash id of a timed_trace (default: detected from the trace, the size "
+                        "for which each request has ceil(input_length / size) hash ids, e.g. 512 for Mooncake's "
+                        "traces; refused when most requests disagree with it; a recorded trace names its own)")
     p.add_argument("--l1", metavar="PAGES|recorded", default=None,
                    help="model vLLM's own prefix cache (L1) as an LRU of PAGES blocks, or take each lookup's L1 hit "
                         "from a recorded trace; default: no L1 model (what L1 would serve counts as L2 or L3 hits)")
