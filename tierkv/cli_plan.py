@@ -319,16 +319,52 @@ def recorded_totals(trace: Trace) -> dict:
 
 
 # --------------------------------------------------------------------------------------------- output
-def parse_sizes(text: str, flag: str) -> list[int]:
-    """``"256,1024,4096"`` -> ``[256, 1024, 4096]`` (pages, each >= 0, duplicates dropped, order kept)."""
+def parse_sizes(text: str, flag: str, page_bytes: Optional[int] = None, record_overhead: int = 0) -> list[int]:
+    """``"256,1024,4096"`` -> ``[256, 1024, 4096]`` (pages, each >= 0, duplicates dropped, order kept). A size with a
+    unit (``8GiB``, ``500GB``, ``1.5TiB``; :func:`tierkv.storage_backends.common.parse_bytes`) is bytes: the pages of
+    ``page_bytes`` (plus ``record_overhead`` bytes each, L3's record header) that fit in it.
+
+    Raises:
+        CliError(EXIT_USAGE): a part that is neither, or bytes without ``page_bytes`` (naming ``flag`` and
+            ``--page-bytes``).
+    """
+    from tierkv.storage_backends.common import parse_bytes
+
     out: list[int] = []
     for part in text.split(","):
         p = part.strip().replace("_", "")
-        if not p.isdigit():
-            raise CliError(EXIT_USAGE, f"{flag} {text!r}: expected page counts separated by commas, e.g. 256,1024")
-        if int(p) not in out:
-            out.append(int(p))
+        if p.isdigit():
+            n = int(p)
+        else:
+            try:
+                b = parse_bytes(p) if p[-1:].isalpha() else None
+            except ValueError:
+                b = None
+            if b is None or b < 0:
+                raise CliError(EXIT_USAGE, f"{flag} {text!r}: expected page counts or byte sizes separated by "
+                                           "commas, e.g. 256,1024 or 8GiB,32GiB")
+            if not page_bytes:
+                raise CliError(EXIT_USAGE, f"{flag} {part.strip()}: a size in bytes needs --page-bytes (bytes of one "
+                                           "page, all layers, as the engine's start-up line 'L2 N pages x B B' shows)")
+            n = b // (page_bytes + record_overhead)
+        if n not in out:
+            out.append(n)
     return out
+
+
+def parse_page_bytes(text: Optional[str]) -> Optional[int]:
+    """``--page-bytes``: an int or a size with a unit (``2MiB``), > 0; None when not given."""
+    from tierkv.storage_backends.common import parse_bytes
+
+    if text is None:
+        return None
+    try:
+        v = parse_bytes(text.strip())
+    except ValueError:
+        v = 0
+    if v <= 0:
+        raise CliError(EXIT_USAGE, f"--page-bytes {text!r}: bytes of one page, a positive int or a size like 2MiB")
+    return v
 
 
 def format_table(rows: list[dict], l1: bool = False) -> str:
@@ -394,8 +430,11 @@ def page_size_note(trace: Trace) -> str:
 
 
 def cmd_plan(args) -> int:
-    l2s = parse_sizes(args.l2, "--l2") if args.l2 is not None else None
-    l3s = parse_sizes(args.l3, "--l3")
+    from tierkv.storage_backends.page_format import HEADER_BYTES
+
+    page_bytes = parse_page_bytes(args.page_bytes)
+    l2s = parse_sizes(args.l2, "--l2", page_bytes) if args.l2 is not None else None
+    l3s = parse_sizes(args.l3, "--l3", page_bytes, HEADER_BYTES)  # L3 stores hold each page as header + payload
     if args.page_size is not None and args.page_size < 1:
         raise CliError(EXIT_USAGE, f"--page-size {args.page_size}: must be >= 1")
     if args.chart and not os.path.isdir(os.path.dirname(os.path.abspath(args.chart))):  # before the replays
@@ -428,6 +467,11 @@ def cmd_plan(args) -> int:
             f"{policy}; replayed one request at a time through tierkv's scheduler side, L3 an LRU written through, "
             + ("no L1 model" if l1 is None else "L1 as recorded" if l1 == "recorded" else
                f"L1 an LRU of {l1} pages"))
+    if page_bytes:
+        desc += (f"\npage {page_bytes:,} bytes: a size in bytes is L2 bytes / page bytes pages, L3 bytes / "
+                 f"(page bytes + {HEADER_BYTES}-byte record header) pages")
+        for r in rows:
+            r.update(l2_bytes=r["l2_pages"] * page_bytes, l3_bytes=r["l3_pages"] * (page_bytes + HEADER_BYTES))
     rec = recorded_totals(trace) if trace.kind == "tierkv" else {}
     if args.chart:
         try:
@@ -436,7 +480,8 @@ def cmd_plan(args) -> int:
             raise CliError(EXIT_USAGE, f"cannot write chart {args.chart}: {e.strerror or e}") from None
     if args.json:
         print(json.dumps({"trace": args.trace, "format": trace.kind, "requests": len(trace.requests),
-                          "page_size": trace.page_size, "page_size_from": trace.page_size_from, "policy": policy, "l1": l1, "recorded": rec or None, "results": rows},
+                          "page_size": trace.page_size, "page_size_from": trace.page_size_from,
+                          "page_bytes": page_bytes, "policy": policy, "l1": l1, "recorded": rec or None, "results": rows},
                          indent=1))
         return EXIT_OK
     print(desc)
@@ -457,10 +502,14 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.epilog = "exit codes: 0 ok, 2 bad input (missing or malformed trace: the line is named, bad sizes)"
     p.add_argument("trace", metavar="TRACE", help="JSONL trace file")
     p.add_argument("--l2", default=None, metavar="SIZES",
-                   help="L2 sizes in pages, comma-separated, e.g. 256,1024,4096 (default: a recorded trace's own L2 "
-                        "size, else 1024)")
+                   help="L2 sizes in pages, comma-separated, e.g. 256,1024,4096, or in bytes with --page-bytes, e.g. "
+                        "4GiB,8GiB (default: a recorded trace's own L2 size, else 1024 pages)")
     p.add_argument("--l3", default="0", metavar="SIZES",
-                   help="L3 sizes in pages, comma-separated (default 0: no L3), e.g. 0,16384")
+                   help="L3 sizes in pages, comma-separated (default 0: no L3), e.g. 0,16384, or in bytes with "
+                        "--page-bytes, e.g. 100GiB (each L3 record is the page plus a 64-byte header)")
+    p.add_argument("--page-bytes", default=None, metavar="BYTES",
+                   help="bytes of one page of the trace's page size, all layers of one rank (vLLM: the engine's "
+                        "start-up line 'L2 N pages x B B' for its page size); needed for sizes in bytes")
     p.add_argument("--policy", choices=("lru", "lfu"), default=None,
                    help="L2 eviction policy (default: the recorded trace's, else lru)")
     p.add_argument("--page-size", type=int, default=None,

@@ -149,3 +149,35 @@ def test_chunk_size_of_whole_chunks_and_of_traces_that_tell_nothing(tmp_path):
     trace.write_text("".join(json.dumps({"input_length": 20 + i, "hash_ids": [i]}) + "\n" for i in range(5)))
     assert (read_trace(str(trace)).page_size, read_trace(str(trace)).page_size_from) == (32, "default")
     assert detect([(6955, 14), (1500, 3), (512, 1), (0, 0)]).size == 512
+
+
+def plan_in_process(capsys, *argv):
+    """``tierkv plan ARGV`` in this process (what the console script runs): (exit code, stdout, stderr)."""
+    import argparse
+
+    from tierkv.cli_plan import add_arguments, run
+    code = run(add_arguments(argparse.ArgumentParser()).parse_args(list(argv)))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_plan_sizes_in_bytes_need_the_page_bytes(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    multiturn(trace)
+    code, out, _ = plan_in_process(capsys, str(trace), "--l2", "8MiB,64", "--l3", "0,1GiB", "--page-bytes", "1MiB",
+                                   "--json")
+    assert code == 0
+    res = json.loads(out)
+    assert res["page_bytes"] == 1 << 20
+    # L2 holds pages of 1 MiB; an L3 record is the page and its 64-byte header
+    assert {(r["l2_pages"], r["l3_pages"]) for r in res["results"]} == {(8, 0), (64, 0), (8, 1023), (64, 1023)}
+    assert all(r["l2_bytes"] == r["l2_pages"] << 20 for r in res["results"])
+    code, out, _ = plan_in_process(capsys, str(trace), "--l2", "8MiB", "--page-bytes", "1048576")
+    assert code == 0 and "page 1,048,576 bytes" in out.splitlines()[1]
+    for argv, flag in ((("--l2", "8GiB"), "--l2"), (("--l3", "0,100GiB"), "--l3"),
+                       (("--l2", "8GiB", "--page-bytes", "lots"), "--page-bytes"),
+                       (("--l2", "8 parsecs", "--page-bytes", "4096"), "--l2")):
+        code, _, err = plan_in_process(capsys, str(trace), *argv)
+        assert code == 2 and flag in err and len(err.strip().splitlines()) == 1, err
+    code, _, err = plan_in_process(capsys, str(trace), "--l3", "100GiB")
+    assert "needs --page-bytes" in err
