@@ -6,10 +6,10 @@ LRU/LFU eviction), with ``num_slots`` = the L2 size, as the fake engine of the t
 look up, allocate (lock the L2 hit), save its full pages (evicting), build the step's plan, finish. No engine, no
 page bytes. What is a model and not tierkv's code:
 
-- L3 is an LRU set of page keys of the given size (what the file store's capacity does; refreshed by L3 reads and
-  writes), written through: every page saved to L2 is in L3 at once (``controller.write_policy: write_through`` with instant backups). A lookup takes
-  the L2 run from the index, then the run of following pages L3 holds; those pages enter L2 as the prefetch would.
-  With an L2 of 0 pages there is no L3 either (tierkv reads L3 through L2).
+- L3 (:mod:`tierkv.plan_l3`): tierkv's own controller (write-through backups, L3 hits loaded through L2 staging
+  slots, a failed read recomputed and backed up again) over an LRU of page keys of the given size, refreshed by L3
+  reads and writes only, as the file store and ``tierkv server`` do; an L2 hit does not refresh a page in L3. With
+  an L2 of 0 pages there is no L3 either (tierkv reads L3 through L2).
 - Requests are replayed one at a time, in file order (no concurrency, timestamps are not used).
 - L1 (vLLM's own prefix cache): none by default, so a page it would serve counts as an L2 (or L3) hit here;
   ``--l1 PAGES`` models it as an LRU of blocks, ``--l1 recorded`` takes each lookup's L1 hit from a recorded trace.
@@ -238,7 +238,8 @@ def timed_request(ids: list, n_in: int, n_out: int, ps: int, i: int, lineno: int
 
 # --------------------------------------------------------------------------------------------- replay
 def replay(trace: Trace, l2_pages: int, l3_pages: int = 0, policy: str = "lru", l1=None) -> dict:
-    """Replay ``trace`` through a :class:`CacheScheduler` of ``l2_pages`` slots and an LRU L3 of ``l3_pages`` pages.
+    """Replay ``trace`` through a :class:`CacheScheduler` of ``l2_pages`` slots and, with ``l3_pages``, its L3
+    controller over an LRU store of that many pages (:mod:`tierkv.plan_l3`).
 
     ``l1``: None (no L1 model), a number of pages (vLLM's prefix cache as an LRU of blocks: a request hits the
     longest run of its first pages held there, and afterwards holds all of its pages, its first ones freed last), or
@@ -251,11 +252,14 @@ def replay(trace: Trace, l2_pages: int, l3_pages: int = 0, policy: str = "lru", 
     from tierkv.connector.core.page_hash import ModelNamespace
     from tierkv.connector.core.scheduler import CacheScheduler
 
+    from tierkv.plan_l3 import LruStore, controller_kwargs, run_jobs
+
     ps = trace.page_size
-    sched = CacheScheduler(ModelNamespace("tierkv-plan", "-", "-", ps, 1, 1, 1), ps, ps, l2_pages, policy)
-    l3: "OrderedDict[bytes, None]" = OrderedDict()
+    store = LruStore(l3_pages) if l3_pages and l2_pages else None  # tierkv reads L3 only through L2: no L2, no L3
+    sched = CacheScheduler(ModelNamespace("tierkv-plan", "-", "-", ps, 1, 1, 1), ps, ps, l2_pages, policy,
+                           controller=None if store is None else controller_kwargs(store))
     l1_lru: "OrderedDict[bytes, None]" = OrderedDict()
-    tot = dict.fromkeys(("lookup_tokens", "l1_tokens", "l2_tokens", "l3_tokens", "miss_tokens"), 0)
+    lookup = 0
     for i, r in enumerate(trace.requests):
         rid = f"r{i}"
         n_keys = len(r.keys)
@@ -271,40 +275,38 @@ def replay(trace: Trace, l2_pages: int, l3_pages: int = 0, policy: str = "lru", 
         elif l1:
             while n1 < r.lookup_pages and r.keys[n1] in l1_lru:
                 n1 += 1
-        ext = sched.lookup(rid, n1 * ps) or 0
-        cap = r.lookup_pages if r.load_cap is None else min(r.lookup_pages, r.load_cap)
-        n2 = ext // ps
-        n3 = 0
-        if l3_pages and l2_pages:  # tierkv reads L3 only through L2 (staging slots): no L2, no L3
-            while n1 + n2 + n3 < cap and r.keys[n1 + n2 + n3] in l3:
-                n3 += 1
-        tot["lookup_tokens"] += r.lookup_pages * ps
-        tot["l1_tokens"] += n1 * ps
-        tot["l2_tokens"] += n2 * ps
-        tot["l3_tokens"] += n3 * ps
-        tot["miss_tokens"] += (r.lookup_pages - n1 - n2 - n3) * ps
+        ext = sched.lookup(rid, n1 * ps)
+        while ext is None:  # an answer pending (an existence query): the engine steps and asks again
+            run_jobs(sched, sched.build_plan(), store)
+            ext = sched.lookup(rid, n1 * ps)
+        lookup += r.lookup_pages * ps
         blocks = list(range(n_keys + 1))
+        reads = store is not None and ext and sched.lookup_is_async(rid)
         sched.on_alloc(rid, blocks, ext)
+        if reads:  # the L3 read (an asynchronous load), then the request goes on
+            bad = run_jobs(sched, sched.build_plan(), store)
+            sched.on_finished_recving({rid}, bad)
+            sched.on_load_errors(bad)
+            sched.on_alloc(rid, blocks, 0)
         tokens.n = max(tokens.n, n_keys * ps)
         sched.schedule_saves(rid, tokens.n, blocks)
         plan = sched.build_plan()
         sched.on_finished(rid)
-        if l3_pages and l2_pages:  # write-through: the pages read from L3 and those saved to L2 now, most recent last
-            for k in r.keys[n1 + n2:n1 + n2 + n3] + [k for o in plan.saves for k in o.keys]:
-                l3[k] = None
-                l3.move_to_end(k)
-            while len(l3) > l3_pages:
-                l3.popitem(last=False)
+        if store is not None:  # the step's backups (write-through), and any a failed read ordered again
+            run_jobs(sched, plan, store)
+            while sched.ctl.pending_jobs():
+                run_jobs(sched, sched.build_plan(), store)
         if l1 and l1 != "recorded":  # vLLM frees a request's blocks last one first: its first pages stay longest
             for k in reversed(r.keys):
                 l1_lru[k] = None
                 l1_lru.move_to_end(k)
             while len(l1_lru) > l1:
                 l1_lru.popitem(last=False)
-    c = sched.counters
+    c, got = sched.counters, sched.lookup_stats.tokens
+    tot = {"lookup_tokens": lookup, "l1_tokens": got["l1"], "l2_tokens": got["l2"], "l3_tokens": got["l3"]}
+    tot["miss_tokens"] = lookup - tot["l1_tokens"] - tot["l2_tokens"] - tot["l3_tokens"]
     tot.update(l2_pages=l2_pages, l3_pages=l3_pages,
-               hit_rate=(tot["l1_tokens"] + tot["l2_tokens"] + tot["l3_tokens"]) / tot["lookup_tokens"]
-               if tot["lookup_tokens"] else 0.0,
+               hit_rate=(tot["l1_tokens"] + tot["l2_tokens"] + tot["l3_tokens"]) / lookup if lookup else 0.0,
                evicted_pages=c.evicted_pages, save_skipped_pages=c.save_skipped_pages)
     return tot
 
@@ -464,7 +466,8 @@ def cmd_plan(args) -> int:
                 bar.update(1)
     desc = (f"{args.trace}: {trace.kind}, {len(trace.requests)} requests, page {trace.page_size} tokens"
             f"{page_size_note(trace)}, policy "
-            f"{policy}; replayed one request at a time through tierkv's scheduler side, L3 an LRU written through, "
+            f"{policy}; replayed one request at a time through tierkv's scheduler side and L3 controller (L3 an LRU written "
+            "through, refreshed by L3 reads and writes, not by L2 hits), "
             + ("no L1 model" if l1 is None else "L1 as recorded" if l1 == "recorded" else
                f"L1 an LRU of {l1} pages"))
     if page_bytes:
