@@ -386,6 +386,7 @@ def write_chart(rows: list[dict], path: str, title: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     l3s = sorted({r["l3_pages"] for r in rows})
     l2s = sorted({r["l2_pages"] for r in rows})
@@ -395,6 +396,12 @@ def write_chart(rows: list[dict], path: str, title: str) -> None:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"L3 {l3} pages")
     if len(l2s) > 1 and min(l2s) > 0 and max(l2s) / min(l2s) >= 10:
         ax.set_xscale("log")
+    # one label per planned size, in plain numbers (a log axis labels every minor tick in powers of ten, which
+    # overlap), turned so that long sizes do not run into each other
+    ax.set_xticks(l2s)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _p: f"{v:,.0f}"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.tick_params(axis="x", labelrotation=45)
     ax.set_xlabel("L2 size (pages)")
     ax.set_ylabel("hit rate (% of lookup tokens)")
     ax.set_ylim(0, 100)
