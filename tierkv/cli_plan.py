@@ -6,10 +6,10 @@ LRU/LFU eviction), with ``num_slots`` = the L2 size, as the fake engine of the t
 look up, allocate (lock the L2 hit), save its full pages (evicting), build the step's plan, finish. No engine, no
 page bytes. What is a model and not tierkv's code:
 
-- L3 is an LRU set of page keys of the given size (what the file store's capacity does; refreshed by L3 reads and
-  writes), written through: every page saved to L2 is in L3 at once (``controller.write_policy: write_through`` with instant backups). A lookup takes
-  the L2 run from the index, then the run of following pages L3 holds; those pages enter L2 as the prefetch would.
-  With an L2 of 0 pages there is no L3 either (tierkv reads L3 through L2).
+- L3 (:mod:`tierkv.plan_l3`): tierkv's own controller (write-through backups, L3 hits loaded through L2 staging
+  slots, a failed read recomputed and backed up again) over an LRU of page keys of the given size, refreshed by L3
+  reads and writes only, as the file store and ``tierkv server`` do; an L2 hit does not refresh a page in L3. With
+  an L2 of 0 pages there is no L3 either (tierkv reads L3 through L2).
 - Requests are replayed one at a time, in file order (no concurrency, timestamps are not used).
 - L1 (vLLM's own prefix cache): none by default, so a page it would serve counts as an L2 (or L3) hit here;
   ``--l1 PAGES`` models it as an LRU of blocks, ``--l1 recorded`` takes each lookup's L1 hit from a recorded trace.
@@ -17,8 +17,9 @@ page bytes. What is a model and not tierkv's code:
 Trace formats (one JSON object per line; blank lines are skipped):
 
 - vLLM's ``timed_trace`` (``benchmarks/make_multiturn_trace.py``, Mooncake's published traces): ``hash_ids`` (ints,
-  one per chunk of ``--page-size`` tokens, the prompt's chunks in order), ``input_length``, ``output_length``
-  (optional). Page i's key chains the ids of chunks 0..i (equal id prefixes give equal keys, as token prefixes do).
+  one per chunk of page-size tokens, the prompt's chunks in order), ``input_length``, ``output_length``
+  (optional). The page size is the chunk size the trace shows (:mod:`tierkv.plan_chunks`); a ``--page-size`` most
+  requests disagree with is refused. Page i's key chains the ids of chunks 0..i (equal id prefixes give equal keys, as token prefixes do).
   Pages of generated tokens (``output_length``) are saved too, as in the engine, under keys of their own request
   (``--no-output-pages``: not modelled).
 - the lookup trace tierkv records when ``trace_path`` is set (:mod:`tierkv.connector.obs.lookup_trace`): a header with the
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from tierkv.cli_common import EXIT_OK, EXIT_USAGE, CliError, fail, progress
+from tierkv.plan_chunks import ChunkFit, agreeing, detect
 
 DEFAULT_PAGE_SIZE = 32
 
@@ -59,6 +61,8 @@ class Trace:
     page_size: int
     requests: list[TraceRequest]
     header: dict = field(default_factory=dict)
+    page_size_from: str = "given"   # "given" (--page-size), "detected", "default", "recorded" (the trace's header)
+    chunks: Optional[ChunkFit] = None  # timed_trace: how well the page size explains input_length vs hash_ids
 
 
 class _Len:
@@ -98,6 +102,9 @@ def _int(v, path: str, lineno: int, name: str, minimum: int = 0) -> int:
     return v
 
 
+_TIMED_ROOT = b"tierkv-plan/timed_trace/root"
+
+
 def _chain(prev: bytes, item: bytes) -> bytes:
     return hashlib.blake2b(item, digest_size=16, key=prev).digest()
 
@@ -118,7 +125,7 @@ def read_trace(path: str, page_size: Optional[int] = None, output_pages: bool = 
     header: dict = {}
     ps = page_size
     reqs: list[TraceRequest] = []
-    root = b"tierkv-plan/timed_trace/root"
+    timed: list[tuple[int, list, int, int]] = []  # (line, hash_ids, input_length, output_length)
     with f:
         for lineno, raw in enumerate(f, 1):
             if not raw.strip():
@@ -144,24 +151,12 @@ def read_trace(path: str, page_size: Optional[int] = None, output_pages: bool = 
                 if kind not in (None, "timed_trace"):
                     raise _bad(path, lineno, "a timed_trace line ('hash_ids') in a tierkv lookup trace")
                 kind = "timed_trace"
-                ps = ps or DEFAULT_PAGE_SIZE
                 ids = rec["hash_ids"]
                 if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in ids):
                     raise _bad(path, lineno, "'hash_ids' must be a list of integers")
                 n_in = _int(rec.get("input_length"), path, lineno, "input_length")
                 n_out = _int(rec.get("output_length", 0), path, lineno, "output_length")
-                full_in = n_in // ps
-                keys: list[bytes] = []
-                prev = root
-                for h in ids[:full_in]:
-                    prev = _chain(prev, str(h).encode())
-                    keys.append(prev)
-                # pages of tokens no other request shares: a cut chunk, pages past the ids, generated tokens
-                computed = n_in + n_out - 1 if (output_pages and n_out > 0) else n_in
-                own = _chain(root, f"request {len(reqs)} line {lineno}".encode())
-                for i in range(len(keys), computed // ps):
-                    keys.append(_chain(own, str(i).encode()))
-                reqs.append(TraceRequest(keys, max(0, (n_in - 1) // ps)))
+                timed.append((lineno, ids, n_in, n_out))
                 continue
             if "keys" in rec:
                 if kind != "tierkv":
@@ -185,14 +180,66 @@ def read_trace(path: str, page_size: Optional[int] = None, output_pages: bool = 
                 reqs.append(TraceRequest(keys, lp, caps[0], caps[1], out))
                 continue
             raise _bad(path, lineno, "neither a timed_trace line ('hash_ids') nor a tierkv lookup record ('keys')")
+    source = "recorded" if kind == "tierkv" else "given" if page_size is not None else "default"
+    fit = None
+    if timed:
+        ps, source, fit = timed_page_size(path, [(n_in, len(ids)) for _l, ids, n_in, _o in timed], page_size)
+        reqs = [timed_request(ids, n_in, n_out, ps, i, lineno, output_pages)
+                for i, (lineno, ids, n_in, n_out) in enumerate(timed)]
     if not reqs:
         raise CliError(EXIT_USAGE, f"{path}: no requests in the trace")
-    return Trace(kind or "timed_trace", ps or DEFAULT_PAGE_SIZE, reqs, header)
+    return Trace(kind or "timed_trace", ps or DEFAULT_PAGE_SIZE, reqs, header, source, fit)
+
+
+def timed_page_size(path: str, records: list, page_size: Optional[int]):
+    """The page size of a timed_trace of ``(input_length, n_ids)`` records: ``page_size`` (``--page-size``) if given
+    and it explains most records, else the chunk size the trace shows (:func:`tierkv.plan_chunks.detect`).
+    Returns ``(size, "given" | "detected" | "default", ChunkFit)``.
+
+    Raises:
+        CliError(EXIT_USAGE): ``--page-size`` given and most records disagree with it, or no size explains most
+            records (the message names ``--page-size`` and the size the trace shows, if any).
+    """
+    fit = detect(records)
+    total = len(records)
+    if page_size is not None:
+        agree = agreeing(records, page_size)
+        if 2 * agree > total:
+            return page_size, "given", fit
+        hint = (f"; the trace's chunks are {fit.size} tokens ({fit.agree} of {total} agree): give --page-size "
+                f"{fit.size} or leave it out" if fit.size and 2 * fit.agree > total else
+                "; no chunk size explains most of them")
+        raise CliError(EXIT_USAGE, f"{path}: --page-size {page_size} disagrees with the trace: {total - agree} of "
+                                   f"{total} requests do not have ceil(input_length / {page_size}) hash ids{hint}")
+    if fit.size and 2 * fit.agree > total:
+        return fit.size, "detected", fit
+    if 2 * agreeing(records, DEFAULT_PAGE_SIZE) > total:
+        return DEFAULT_PAGE_SIZE, "default", fit
+    raise CliError(EXIT_USAGE, f"{path}: cannot tell how many tokens one hash id stands for: no chunk size gives "
+                               "ceil(input_length / size) hash ids for most requests; give --page-size")
+
+
+def timed_request(ids: list, n_in: int, n_out: int, ps: int, i: int, lineno: int, output_pages: bool) -> TraceRequest:
+    """Request ``i`` of a timed_trace (line ``lineno``): page keys chained from its hash ids, then keys of its own
+    for the pages no other request shares (a cut chunk, pages past the ids, generated tokens)."""
+    root = _TIMED_ROOT
+    full_in = n_in // ps
+    keys: list[bytes] = []
+    prev = root
+    for h in ids[:full_in]:
+        prev = _chain(prev, str(h).encode())
+        keys.append(prev)
+    computed = n_in + n_out - 1 if (output_pages and n_out > 0) else n_in
+    own = _chain(root, f"request {i} line {lineno}".encode())
+    for j in range(len(keys), computed // ps):
+        keys.append(_chain(own, str(j).encode()))
+    return TraceRequest(keys, max(0, (n_in - 1) // ps))
 
 
 # --------------------------------------------------------------------------------------------- replay
 def replay(trace: Trace, l2_pages: int, l3_pages: int = 0, policy: str = "lru", l1=None) -> dict:
-    """Replay ``trace`` through a :class:`CacheScheduler` of ``l2_pages`` slots and an LRU L3 of ``l3_pages`` pages.
+    """Replay ``trace`` through a :class:`CacheScheduler` of ``l2_pages`` slots and, with ``l3_pages``, its L3
+    controller over an LRU store of that many pages (:mod:`tierkv.plan_l3`).
 
     ``l1``: None (no L1 model), a number of pages (vLLM's prefix cache as an LRU of blocks: a request hits the
     longest run of its first pages held there, and afterwards holds all of its pages, its first ones freed last), or
@@ -205,11 +252,14 @@ def replay(trace: Trace, l2_pages: int, l3_pages: int = 0, policy: str = "lru", 
     from tierkv.connector.core.page_hash import ModelNamespace
     from tierkv.connector.core.scheduler import CacheScheduler
 
+    from tierkv.plan_l3 import LruStore, controller_kwargs, run_jobs
+
     ps = trace.page_size
-    sched = CacheScheduler(ModelNamespace("tierkv-plan", "-", "-", ps, 1, 1, 1), ps, ps, l2_pages, policy)
-    l3: "OrderedDict[bytes, None]" = OrderedDict()
+    store = LruStore(l3_pages) if l3_pages and l2_pages else None  # tierkv reads L3 only through L2: no L2, no L3
+    sched = CacheScheduler(ModelNamespace("tierkv-plan", "-", "-", ps, 1, 1, 1), ps, ps, l2_pages, policy,
+                           controller=None if store is None else controller_kwargs(store))
     l1_lru: "OrderedDict[bytes, None]" = OrderedDict()
-    tot = dict.fromkeys(("lookup_tokens", "l1_tokens", "l2_tokens", "l3_tokens", "miss_tokens"), 0)
+    lookup = 0
     for i, r in enumerate(trace.requests):
         rid = f"r{i}"
         n_keys = len(r.keys)
@@ -225,40 +275,38 @@ def replay(trace: Trace, l2_pages: int, l3_pages: int = 0, policy: str = "lru", 
         elif l1:
             while n1 < r.lookup_pages and r.keys[n1] in l1_lru:
                 n1 += 1
-        ext = sched.lookup(rid, n1 * ps) or 0
-        cap = r.lookup_pages if r.load_cap is None else min(r.lookup_pages, r.load_cap)
-        n2 = ext // ps
-        n3 = 0
-        if l3_pages and l2_pages:  # tierkv reads L3 only through L2 (staging slots): no L2, no L3
-            while n1 + n2 + n3 < cap and r.keys[n1 + n2 + n3] in l3:
-                n3 += 1
-        tot["lookup_tokens"] += r.lookup_pages * ps
-        tot["l1_tokens"] += n1 * ps
-        tot["l2_tokens"] += n2 * ps
-        tot["l3_tokens"] += n3 * ps
-        tot["miss_tokens"] += (r.lookup_pages - n1 - n2 - n3) * ps
+        ext = sched.lookup(rid, n1 * ps)
+        while ext is None:  # an answer pending (an existence query): the engine steps and asks again
+            run_jobs(sched, sched.build_plan(), store)
+            ext = sched.lookup(rid, n1 * ps)
+        lookup += r.lookup_pages * ps
         blocks = list(range(n_keys + 1))
+        reads = store is not None and ext and sched.lookup_is_async(rid)
         sched.on_alloc(rid, blocks, ext)
+        if reads:  # the L3 read (an asynchronous load), then the request goes on
+            bad = run_jobs(sched, sched.build_plan(), store)
+            sched.on_finished_recving({rid}, bad)
+            sched.on_load_errors(bad)
+            sched.on_alloc(rid, blocks, 0)
         tokens.n = max(tokens.n, n_keys * ps)
         sched.schedule_saves(rid, tokens.n, blocks)
         plan = sched.build_plan()
         sched.on_finished(rid)
-        if l3_pages and l2_pages:  # write-through: the pages read from L3 and those saved to L2 now, most recent last
-            for k in r.keys[n1 + n2:n1 + n2 + n3] + [k for o in plan.saves for k in o.keys]:
-                l3[k] = None
-                l3.move_to_end(k)
-            while len(l3) > l3_pages:
-                l3.popitem(last=False)
+        if store is not None:  # the step's backups (write-through), and any a failed read ordered again
+            run_jobs(sched, plan, store)
+            while sched.ctl.pending_jobs():
+                run_jobs(sched, sched.build_plan(), store)
         if l1 and l1 != "recorded":  # vLLM frees a request's blocks last one first: its first pages stay longest
             for k in reversed(r.keys):
                 l1_lru[k] = None
                 l1_lru.move_to_end(k)
             while len(l1_lru) > l1:
                 l1_lru.popitem(last=False)
-    c = sched.counters
+    c, got = sched.counters, sched.lookup_stats.tokens
+    tot = {"lookup_tokens": lookup, "l1_tokens": got["l1"], "l2_tokens": got["l2"], "l3_tokens": got["l3"]}
+    tot["miss_tokens"] = lookup - tot["l1_tokens"] - tot["l2_tokens"] - tot["l3_tokens"]
     tot.update(l2_pages=l2_pages, l3_pages=l3_pages,
-               hit_rate=(tot["l1_tokens"] + tot["l2_tokens"] + tot["l3_tokens"]) / tot["lookup_tokens"]
-               if tot["lookup_tokens"] else 0.0,
+               hit_rate=(tot["l1_tokens"] + tot["l2_tokens"] + tot["l3_tokens"]) / lookup if lookup else 0.0,
                evicted_pages=c.evicted_pages, save_skipped_pages=c.save_skipped_pages)
     return tot
 
@@ -273,16 +321,52 @@ def recorded_totals(trace: Trace) -> dict:
 
 
 # --------------------------------------------------------------------------------------------- output
-def parse_sizes(text: str, flag: str) -> list[int]:
-    """``"256,1024,4096"`` -> ``[256, 1024, 4096]`` (pages, each >= 0, duplicates dropped, order kept)."""
+def parse_sizes(text: str, flag: str, page_bytes: Optional[int] = None, record_overhead: int = 0) -> list[int]:
+    """``"256,1024,4096"`` -> ``[256, 1024, 4096]`` (pages, each >= 0, duplicates dropped, order kept). A size with a
+    unit (``8GiB``, ``500GB``, ``1.5TiB``; :func:`tierkv.storage_backends.common.parse_bytes`) is bytes: the pages of
+    ``page_bytes`` (plus ``record_overhead`` bytes each, L3's record header) that fit in it.
+
+    Raises:
+        CliError(EXIT_USAGE): a part that is neither, or bytes without ``page_bytes`` (naming ``flag`` and
+            ``--page-bytes``).
+    """
+    from tierkv.storage_backends.common import parse_bytes
+
     out: list[int] = []
     for part in text.split(","):
         p = part.strip().replace("_", "")
-        if not p.isdigit():
-            raise CliError(EXIT_USAGE, f"{flag} {text!r}: expected page counts separated by commas, e.g. 256,1024")
-        if int(p) not in out:
-            out.append(int(p))
+        if p.isdigit():
+            n = int(p)
+        else:
+            try:
+                b = parse_bytes(p) if p[-1:].isalpha() else None
+            except ValueError:
+                b = None
+            if b is None or b < 0:
+                raise CliError(EXIT_USAGE, f"{flag} {text!r}: expected page counts or byte sizes separated by "
+                                           "commas, e.g. 256,1024 or 8GiB,32GiB")
+            if not page_bytes:
+                raise CliError(EXIT_USAGE, f"{flag} {part.strip()}: a size in bytes needs --page-bytes (bytes of one "
+                                           "page, all layers, as the engine's start-up line 'L2 N pages x B B' shows)")
+            n = b // (page_bytes + record_overhead)
+        if n not in out:
+            out.append(n)
     return out
+
+
+def parse_page_bytes(text: Optional[str]) -> Optional[int]:
+    """``--page-bytes``: an int or a size with a unit (``2MiB``), > 0; None when not given."""
+    from tierkv.storage_backends.common import parse_bytes
+
+    if text is None:
+        return None
+    try:
+        v = parse_bytes(text.strip())
+    except ValueError:
+        v = 0
+    if v <= 0:
+        raise CliError(EXIT_USAGE, f"--page-bytes {text!r}: bytes of one page, a positive int or a size like 2MiB")
+    return v
 
 
 def format_table(rows: list[dict], l1: bool = False) -> str:
@@ -302,6 +386,7 @@ def write_chart(rows: list[dict], path: str, title: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     l3s = sorted({r["l3_pages"] for r in rows})
     l2s = sorted({r["l2_pages"] for r in rows})
@@ -311,6 +396,12 @@ def write_chart(rows: list[dict], path: str, title: str) -> None:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"L3 {l3} pages")
     if len(l2s) > 1 and min(l2s) > 0 and max(l2s) / min(l2s) >= 10:
         ax.set_xscale("log")
+    # one label per planned size, in plain numbers (a log axis labels every minor tick in powers of ten, which
+    # overlap), turned so that long sizes do not run into each other
+    ax.set_xticks(l2s)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _p: f"{v:,.0f}"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.tick_params(axis="x", labelrotation=45)
     ax.set_xlabel("L2 size (pages)")
     ax.set_ylabel("hit rate (% of lookup tokens)")
     ax.set_ylim(0, 100)
@@ -337,9 +428,22 @@ def write_chart(rows: list[dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
+def page_size_note(trace: Trace) -> str:
+    """Where the page size came from, for the summary line: `` (detected: N of M requests have ceil(input_length /
+    size) hash ids)``, `` (--page-size)``, `` (the trace's header)`` or, for the fallback, `` (default)``."""
+    c = trace.chunks
+    if trace.page_size_from == "detected" and c is not None:
+        return f" (detected from the trace: {c.agree:,} of {c.total:,} requests have ceil(input_length / size) hash ids)"
+    return {"given": " (--page-size)", "recorded": " (the trace's header)", "default": " (default)"}.get(
+        trace.page_size_from, "")
+
+
 def cmd_plan(args) -> int:
-    l2s = parse_sizes(args.l2, "--l2") if args.l2 is not None else None
-    l3s = parse_sizes(args.l3, "--l3")
+    from tierkv.storage_backends.page_format import HEADER_BYTES
+
+    page_bytes = parse_page_bytes(args.page_bytes)
+    l2s = parse_sizes(args.l2, "--l2", page_bytes) if args.l2 is not None else None
+    l3s = parse_sizes(args.l3, "--l3", page_bytes, HEADER_BYTES)  # L3 stores hold each page as header + payload
     if args.page_size is not None and args.page_size < 1:
         raise CliError(EXIT_USAGE, f"--page-size {args.page_size}: must be >= 1")
     if args.chart and not os.path.isdir(os.path.dirname(os.path.abspath(args.chart))):  # before the replays
@@ -367,10 +471,17 @@ def cmd_plan(args) -> int:
             for l2 in l2s:
                 rows.append(replay(trace, l2, l3, policy, l1))
                 bar.update(1)
-    desc = (f"{args.trace}: {trace.kind}, {len(trace.requests)} requests, page {trace.page_size} tokens, policy "
-            f"{policy}; replayed one request at a time through tierkv's scheduler side, L3 an LRU written through, "
+    desc = (f"{args.trace}: {trace.kind}, {len(trace.requests)} requests, page {trace.page_size} tokens"
+            f"{page_size_note(trace)}, policy "
+            f"{policy}; replayed one request at a time through tierkv's scheduler side and L3 controller (L3 an LRU written "
+            "through, refreshed by L3 reads and writes, not by L2 hits), "
             + ("no L1 model" if l1 is None else "L1 as recorded" if l1 == "recorded" else
                f"L1 an LRU of {l1} pages"))
+    if page_bytes:
+        desc += (f"\npage {page_bytes:,} bytes: a size in bytes is L2 bytes / page bytes pages, L3 bytes / "
+                 f"(page bytes + {HEADER_BYTES}-byte record header) pages")
+        for r in rows:
+            r.update(l2_bytes=r["l2_pages"] * page_bytes, l3_bytes=r["l3_pages"] * (page_bytes + HEADER_BYTES))
     rec = recorded_totals(trace) if trace.kind == "tierkv" else {}
     if args.chart:
         try:
@@ -379,7 +490,8 @@ def cmd_plan(args) -> int:
             raise CliError(EXIT_USAGE, f"cannot write chart {args.chart}: {e.strerror or e}") from None
     if args.json:
         print(json.dumps({"trace": args.trace, "format": trace.kind, "requests": len(trace.requests),
-                          "page_size": trace.page_size, "policy": policy, "l1": l1, "recorded": rec or None, "results": rows},
+                          "page_size": trace.page_size, "page_size_from": trace.page_size_from,
+                          "page_bytes": page_bytes, "policy": policy, "l1": l1, "recorded": rec or None, "results": rows},
                          indent=1))
         return EXIT_OK
     print(desc)
@@ -400,15 +512,20 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.epilog = "exit codes: 0 ok, 2 bad input (missing or malformed trace: the line is named, bad sizes)"
     p.add_argument("trace", metavar="TRACE", help="JSONL trace file")
     p.add_argument("--l2", default=None, metavar="SIZES",
-                   help="L2 sizes in pages, comma-separated, e.g. 256,1024,4096 (default: a recorded trace's own L2 "
-                        "size, else 1024)")
+                   help="L2 sizes in pages, comma-separated, e.g. 256,1024,4096, or in bytes with --page-bytes, e.g. "
+                        "4GiB,8GiB (default: a recorded trace's own L2 size, else 1024 pages)")
     p.add_argument("--l3", default="0", metavar="SIZES",
-                   help="L3 sizes in pages, comma-separated (default 0: no L3), e.g. 0,16384")
+                   help="L3 sizes in pages, comma-separated (default 0: no L3), e.g. 0,16384, or in bytes with "
+                        "--page-bytes, e.g. 100GiB (each L3 record is the page plus a 64-byte header)")
+    p.add_argument("--page-bytes", default=None, metavar="BYTES",
+                   help="bytes of one page of the trace's page size, all layers of one rank (vLLM: the engine's "
+                        "start-up line 'L2 N pages x B B' for its page size); needed for sizes in bytes")
     p.add_argument("--policy", choices=("lru", "lfu"), default=None,
                    help="L2 eviction policy (default: the recorded trace's, else lru)")
     p.add_argument("--page-size", type=int, default=None,
-                   help=f"tokens per page = per hash id of a timed_trace (default {DEFAULT_PAGE_SIZE}; a recorded "
-                        "trace names its own)")
+                   help="tokens per page = per hash id of a timed_trace (default: detected from the trace, the size "
+                        "for which each request has ceil(input_length / size) hash ids, e.g. 512 for Mooncake's "
+                        "traces; refused when most requests disagree with it; a recorded trace names its own)")
     p.add_argument("--l1", metavar="PAGES|recorded", default=None,
                    help="model vLLM's own prefix cache (L1) as an LRU of PAGES blocks, or take each lookup's L1 hit "
                         "from a recorded trace; default: no L1 model (what L1 would serve counts as L2 or L3 hits)")
