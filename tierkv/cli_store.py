@@ -9,7 +9,10 @@ A store is named by an address (:func:`tierkv.cli_common.parse_target`):
 - ``mooncake://HOST:PORT``: a Mooncake master's RPC address; totals come from its metrics endpoint
   (``--metrics-port``), since a master cannot list its objects;
 - ``lmcache://HOST:PORT``: an LMCache cache server (``stats`` only): it cannot list its chunks either, so stats show
-  what it tells (:func:`tierkv.storage_backends.lmcache.store.server_info`: chunk size, L1 capacity, resident bytes).
+  what it tells (:func:`tierkv.storage_backends.lmcache.store.server_info`: chunk size, L1 capacity, resident bytes);
+- ``redis://HOST:PORT/DB``, ``rediss://...`` or ``unix:///path``: a standalone Redis / Valkey server (``stats`` and
+  ``clear``): pages are the keys ``<--key-prefix>:<namespace hex>:<page key>`` of
+  :mod:`tierkv.storage_backends.redis.store` found by SCAN, ages their OBJECT IDLETIME, totals from INFO and DBSIZE.
 
 Namespaces are the 16-byte digests in every page header (:meth:`tierkv.connector.core.page_hash.ModelNamespace.digest`);
 where a file store has a ``<namespace>/namespace.json`` describing it (model, dtype, layout...; written by
@@ -131,6 +134,28 @@ def _lmcache_target(text: str) -> Optional[Target]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise CliError(EXIT_USAGE, f"bad address {text!r}: expected lmcache://HOST:PORT")
     return Target("lmcache", host=host.strip("[]"), port=int(port), text=text)
+
+
+def _redis_target(text: str) -> Optional[Target]:
+    """``redis://``, ``rediss://`` or ``unix://`` addresses as a Target of kind ``redis`` (``path`` holds the URL);
+    None for any other address. Raises CliError(2) for a URL the redis store would refuse (credentials in it,
+    no host, a database that is not a number...)."""
+    from tierkv.storage_backends.redis.config import URL_SCHEMES
+
+    if text.split("://", 1)[0] not in URL_SCHEMES or "://" not in text:
+        return None
+    from pydantic import ValidationError
+
+    from tierkv.storage_backends.redis.config import RedisStoreConfig
+
+    try:
+        RedisStoreConfig(url=text)
+    except ValidationError as e:
+        why = e.errors()[0].get("msg", str(e)).removeprefix("Value error, ")
+        raise CliError(EXIT_USAGE, f"bad address {text!r}: {why} (expected redis://HOST:PORT/DB, rediss://HOST:PORT/DB "
+                                   "or unix:///path; the password goes in --password or $TIERKV_REDIS_PASSWORD)"
+                       ) from None
+    return Target("redis", path=text, text=text)
 
 
 # ----------------------------------------------------------------------------------------------- ZMQ admin client
@@ -375,6 +400,165 @@ def _stats_lmcache(args) -> dict:
                     "L1 pool; shm_resident_bytes = pool bytes ever written (a high-water mark, this host only)"}
 
 
+#: keys of one pipelined round trip of ``store stats`` / ``store clear`` on a redis server
+REDIS_BATCH = 512
+
+
+def _redis_client(args):
+    """A redis-py client on the target (one connection, ``--timeout`` per call) after a PING. Raises CliError: 3 for
+    a server that does not answer, 5 for one that refuses the password (naming --password)."""
+    import redis
+
+    from tierkv.storage_backends.redis.config import RedisStoreConfig
+    from tierkv.storage_backends.redis.connect import standalone_client
+
+    t = args._target
+    cfg = RedisStoreConfig(url=t.path, username=args.username, password=args.password or None,
+                           timeout_s=args.timeout, pool_size=1)
+    c = standalone_client(cfg)
+    try:
+        c.ping()
+    except (redis.AuthenticationError, redis.AuthenticationWrongNumberOfArgsError) as e:
+        c.close()
+        raise CliError(EXIT_REFUSED, f"{t.text} refused the password ({e}): give --password or set "
+                                     "$TIERKV_REDIS_PASSWORD (and --username for an ACL user)") from None
+    except redis.ResponseError as e:
+        c.close()
+        if "NOAUTH" in str(e) or "WRONGPASS" in str(e):
+            raise CliError(EXIT_REFUSED, f"{t.text} needs a password ({e}): give --password or set "
+                                         "$TIERKV_REDIS_PASSWORD") from None
+        raise CliError(EXIT_REFUSED, f"{t.text} refused PING: {e}") from None
+    except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+        c.close()
+        raise CliError(EXIT_UNREACHABLE, f"cannot reach the redis server at {t.text}: {e} (is it running there? "
+                                         "see --timeout)") from None
+    return c
+
+
+def _redis_call(t: Target, fn, *a):
+    """``fn(*a)`` with a redis fault turned into CliError(3)."""
+    import redis
+
+    try:
+        return fn(*a)
+    except redis.RedisError as e:
+        raise CliError(EXIT_UNREACHABLE, f"redis server at {t.text} failed during the walk: {e}") from None
+
+
+def _check_key_prefix(prefix: str) -> None:
+    from tierkv.storage_backends.redis.config import _PREFIX_RE
+
+    if not _PREFIX_RE.match(prefix):
+        raise CliError(EXIT_USAGE, f"invalid --key-prefix {prefix!r}: 1-64 characters of A-Z a-z 0-9 _ . - "
+                                   "(as l3.redis.key_prefix)")
+
+
+def _redis_keys(c, t: Target, prefix: str) -> list:
+    return _redis_call(t, lambda: list(c.scan_iter(match=_redis_glob(prefix) + ":*", count=1000)))
+
+
+def _redis_glob(text: str) -> str:
+    return "".join("\\" + ch if ch in "*?[]\\" else ch for ch in text)
+
+
+def _stats_redis(args) -> dict:
+    import re
+
+    from tierkv.storage_backends.page_format import HEADER_BYTES, PageFormatError, read_header
+
+    t = args._target
+    _check_key_prefix(args.key_prefix)
+    c = _redis_client(args)
+    try:
+        info = _redis_call(t, c.info)
+        dbsize = int(_redis_call(t, c.dbsize))
+        names = _redis_keys(c, t, args.key_prefix)
+        per: dict[str, dict] = {}
+        bad_headers = foreign = 0
+        newer: dict[int, int] = {}
+        with progress(len(names), "reading headers", args.quiet) as bar:
+            for s in range(0, len(names), REDIS_BATCH):
+                chunk = names[s:s + REDIS_BATCH]
+                pipe = c.pipeline(transaction=False)
+                for n in chunk:
+                    pipe.getrange(n, 0, HEADER_BYTES - 1)
+                    pipe.strlen(n)
+                    pipe.object("idletime", n)
+                res = _redis_call(t, pipe.execute, False)
+                bar.update(len(chunk))
+                for i, n in enumerate(chunk):
+                    hdr, size, idle = res[3 * i:3 * i + 3]
+                    parts = n.decode(errors="replace").split(":")
+                    if len(parts) != 3 or not re.fullmatch(r"[0-9a-f]{32}", parts[1]):
+                        foreign += 1  # under the prefix but not named as a page
+                        continue
+                    if isinstance(hdr, Exception) and "WRONGTYPE" not in str(hdr) or hdr in (b"", None):
+                        continue  # gone meanwhile (evicted, expired) or unreadable now
+                    d = per.get(parts[1])
+                    if d is None:
+                        d = per[parts[1]] = {"namespace": parts[1], "pages": 0, "bytes": 0, "payload_bytes": set(),
+                                             "versions": set(), "bad_headers": 0, "ages": [0] * len(AGE_LABELS)}
+                    d["pages"] += 1
+                    d["bytes"] += size if isinstance(size, int) else 0
+                    if isinstance(idle, int):
+                        d["ages"][_age_bucket(idle)] += 1
+                    try:
+                        if isinstance(hdr, Exception):
+                            raise PageFormatError(str(hdr))
+                        h = read_header(hdr)
+                    except PageFormatError:
+                        d["bad_headers"] += 1
+                        bad_headers += 1
+                        continue
+                    d["versions"].add(h["version"])
+                    d["payload_bytes"].add(h["length"])
+                    if h["version"] > _page_version():
+                        newer[h["version"]] = newer.get(h["version"], 0) + 1
+    finally:
+        c.close()
+    if newer:
+        raise _newer_error(t.text, sum(newer.values()), max(newer))
+    for d in per.values():
+        d["payload_bytes"] = sorted(d["payload_bytes"])
+        d["versions"] = sorted(d["versions"])
+        d["describe"] = None
+    note = None
+    if str(info.get("cluster_enabled", 0)) == "1":
+        note = "a cluster node: only the keys of this node are listed (run stats on every master)"
+    elif not str(info.get("maxmemory_policy", "")).startswith("allkeys") and int(info.get("maxmemory", 0) or 0):
+        note = (f"maxmemory_policy {info.get('maxmemory_policy')}: a full server refuses writes (counted 'refused' by "
+                "the engines) instead of evicting pages")
+    return {"store": t.text, "kind": "redis", "pages": sum(d["pages"] for d in per.values()),
+            "bytes": sum(d["bytes"] for d in per.values()), "bad_headers": bad_headers,
+            "capacity_bytes": int(info.get("maxmemory", 0) or 0) or None,
+            "server": {"version": info.get("redis_version"), "key_prefix": args.key_prefix, "dbsize": dbsize,
+                       "other_keys": dbsize - len(names), "foreign_keys": foreign,
+                       "used_memory": info.get("used_memory"), "maxmemory_policy": info.get("maxmemory_policy"),
+                       "evicted_keys": info.get("evicted_keys"), "expired_keys": info.get("expired_keys"),
+                       "keyspace_hits": info.get("keyspace_hits"), "keyspace_misses": info.get("keyspace_misses"),
+                       "connected_clients": info.get("connected_clients"), "uptime_s": info.get("uptime_in_seconds")},
+            "age_labels": list(AGE_LABELS), "namespaces": sorted(per.values(), key=lambda d: -d["bytes"]),
+            **({"note": note} if note else {})}
+
+
+def _clear_redis(args) -> int:
+    t = args._target
+    _check_key_prefix(args.key_prefix)
+    c = _redis_client(args)
+    try:
+        if args.all_namespaces:
+            names = _redis_keys(c, t, args.key_prefix)
+        else:
+            names = [n for ns in args.namespace for n in _redis_keys(c, t, f"{args.key_prefix}:{ns}")]
+        n = 0
+        for s in range(0, len(names), REDIS_BATCH):
+            n += int(_redis_call(t, c.unlink, *names[s:s + REDIS_BATCH]))
+    finally:
+        c.close()
+    print(f"{t.text}: removed {n} pages")
+    return EXIT_OK
+
+
 def _print_stats(d: dict) -> None:
     if d["pages"] is None:
         head = f"{d['store']} ({d['kind']}): pages and bytes not listed"
@@ -411,7 +595,7 @@ def _print_stats(d: dict) -> None:
 
 def cmd_stats(args) -> int:
     d = {"file": _stats_file, "zmq": _stats_zmq, "mooncake": _stats_mooncake,
-         "lmcache": _stats_lmcache}[args._target.kind](args)
+         "lmcache": _stats_lmcache, "redis": _stats_redis}[args._target.kind](args)
     if args.json:
         print(json.dumps(d, indent=1, default=list))
     else:
@@ -518,6 +702,9 @@ def cmd_verify(args) -> int:
     if kind == "lmcache":
         raise CliError(EXIT_REFUSED, "an LMCache server cannot list its chunks, so its pages cannot be walked; "
                                      "tierkv verifies every LMCache page on read (counter 'corrupt')")
+    if kind == "redis":
+        raise CliError(EXIT_REFUSED, "'store verify' does not walk a redis server; tierkv verifies every redis page "
+                                     "on read (counter 'corrupt'); 'store stats' counts pages with a bad header")
     if kind == "mooncake":
         raise CliError(EXIT_REFUSED, "a Mooncake master cannot list its objects, so its pages cannot be walked; "
                                      "tierkv verifies every Mooncake page on read (counter 'corrupt') and removes "
@@ -606,6 +793,8 @@ def cmd_clear(args) -> int:
             a.close()
         print(f"{t.text}: cleared {len(namespaces)} namespace(s), {n} pages in memory (spilled pages dropped too)")
         return EXIT_OK
+    if t.kind == "redis":
+        return _clear_redis(args)
     return _clear_mooncake(args)
 
 
@@ -647,11 +836,14 @@ def _common(p: argparse.ArgumentParser, target_help: str) -> None:
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for a server's answer (default 10)")
     p.add_argument("--metrics-port", type=int, default=DEFAULT_MOONCAKE_METRICS_PORT,
                    help=f"Mooncake master metrics port (default {DEFAULT_MOONCAKE_METRICS_PORT})")
+    p.add_argument("--password", default=os.environ.get("TIERKV_REDIS_PASSWORD"),
+                   help="AUTH password of a redis server (default: $TIERKV_REDIS_PASSWORD)")
+    p.add_argument("--username", default=None, help="ACL user of a redis server (default: the default user)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
 
 
 _ADDR = ("a file store directory, tcp://HOST:PORT (tierkv server), mooncake://HOST:PORT (Mooncake master RPC "
-         "address) or, for stats, lmcache://HOST:PORT (LMCache server)")
+         "address), redis://HOST:PORT/DB (redis server) or, for stats, lmcache://HOST:PORT (LMCache server)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -664,6 +856,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                                    "(time since each page was last written or read) of a store.")
     _common(s, _ADDR)
     s.add_argument("--json", action="store_true", help="print JSON instead of text")
+    s.add_argument("--key-prefix", default="tierkv", help="key prefix of a redis store (l3.redis.key_prefix)")
     s.set_defaults(_store_run=cmd_stats)
     v = sub.add_parser("verify", help="read every record and check its checksums",
                        description="Read every record, check header and payload checksums, namespace, key and "
@@ -691,7 +884,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     c.add_argument("--all-namespaces", action="store_true", help="remove every tierkv page")
     c.add_argument("--metadata-server", default=None,
                    help="Mooncake metadata server URL (default http://HOST:8080/metadata)")
-    c.add_argument("--key-prefix", default="tierkv", help="Mooncake key prefix (l3.mooncake.key_prefix)")
+    c.add_argument("--key-prefix", default="tierkv", help="key prefix of a Mooncake or redis store "
+                   "(l3.mooncake.key_prefix, l3.redis.key_prefix)")
     c.set_defaults(_store_run=cmd_clear)
     return p
 
@@ -699,7 +893,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     prog = f"tierkv store {args.store_command}"
     try:
-        args._target = _lmcache_target(args.target) or parse_target(args.target)
+        args._target = _lmcache_target(args.target) or _redis_target(args.target) or parse_target(args.target)
         return args._store_run(args)
     except CliError as e:
         return fail(prog, e)

@@ -317,3 +317,82 @@ def test_a_loopback_port_nothing_listens_on_answers_at_once_with_the_default_tim
         assert len(err.splitlines()) == 1, err
         assert f"cannot reach {what} at 127.0.0.1:" in err and "is it running there" in err, err
         assert took < 1.0, (scheme, took)   # was the whole 10 s of --timeout
+
+
+# ----------------------------------------------------------------------------------------------- redis server
+def test_redis_server_stats_count_pages_namespaces_ages_and_server_counters(tmp_path, capsys, monkeypatch):
+    """A real redis-server (tests/storage/_redis_servers.py) written by RedisStore: 3 pages of NS_A, 2 of NS_B, one
+    key of another application, one key under the prefix that is not a page; stats list exactly the pages, clear
+    removes one namespace."""
+    from _redis_servers import RedisServer
+
+    from tierkv.storage_backends.redis import RedisStore
+
+    monkeypatch.delenv("TIERKV_REDIS_PASSWORD", raising=False)
+    srv = RedisServer(str(tmp_path / "redis"), args=("--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"))
+    try:
+        a, b = RedisStore(NS_A, PB_A, url=srv.url), RedisStore(NS_B, PB_B, url=srv.url)
+        assert a.batch_set([key(i) for i in range(3)], [page(i, PB_A) for i in range(3)]) == [True] * 3
+        assert b.batch_set([key(i) for i in range(2)], [page(i, PB_B) for i in range(2)]) == [True] * 2
+        a.close(), b.close()
+        c = srv.client()
+        c.set("someone-else:key", b"x")
+        c.set(f"tierkv:{NS_A.hex()}:{key(9)}", b"not a page")   # a page name holding no tierkv header
+        c.close()
+
+        rc, d = run_json(capsys, "store", "stats", srv.url)
+        assert rc == EXIT_OK, capsys.readouterr().err
+        assert d["kind"] == "redis" and d["pages"] == 6 and d["bad_headers"] == 1
+        assert d["bytes"] == 3 * (64 + PB_A) + 2 * (64 + PB_B) + len(b"not a page")
+        assert d["capacity_bytes"] == 64 << 20
+        sv = d["server"]
+        assert (sv["dbsize"], sv["other_keys"], sv["foreign_keys"], sv["maxmemory_policy"]) == (7, 1, 0, "allkeys-lru")
+        assert sv["evicted_keys"] == 0 and sv["used_memory"] > 0
+        by_ns = {n["namespace"]: n for n in d["namespaces"]}
+        a_ns, b_ns = by_ns[NS_A.hex()], by_ns[NS_B.hex()]
+        assert (a_ns["pages"], a_ns["payload_bytes"], a_ns["versions"], a_ns["bad_headers"]) == (4, [PB_A], [1], 1)
+        assert (b_ns["pages"], b_ns["payload_bytes"]) == (2, [PB_B])
+        assert sum(b_ns["ages"]) == 2 and b_ns["ages"][0] == 2   # OBJECT IDLETIME: just written
+        assert main(["store", "stats", srv.url, "-q"]) == EXIT_OK   # text form
+        text = capsys.readouterr().out
+        assert "(redis): 6 pages" in text and f"namespace {NS_B.hex()}: 2 pages" in text and "dbsize: 7" in text
+
+        # another key prefix: nothing of tierkv's
+        rc, d = run_json(capsys, "store", "stats", srv.url, "--key-prefix", "other")
+        assert rc == EXIT_OK and d["pages"] == 0 and d["server"]["other_keys"] == 7
+
+        assert main(["store", "clear", srv.url, "--namespace", NS_A.hex(), "-q"]) == EXIT_OK
+        assert "removed 4 pages" in capsys.readouterr().out
+        rc, d = run_json(capsys, "store", "stats", srv.url)
+        assert d["pages"] == 2 and [n["namespace"] for n in d["namespaces"]] == [NS_B.hex()]
+        r = tierkv("store", "verify", srv.url)
+        assert r.returncode == EXIT_REFUSED and "verifies every redis page on read" in one_line_error(r)
+    finally:
+        srv.close()
+
+
+def test_redis_bad_input_names_the_flag(tmp_path, capsys, monkeypatch):
+    """A password-protected server without --password (5), a wrong key prefix or URL (2), a port nothing listens
+    on (3): one line naming the flag or the address."""
+    from _redis_servers import RedisServer, free_port
+
+    monkeypatch.delenv("TIERKV_REDIS_PASSWORD", raising=False)
+    srv = RedisServer(str(tmp_path / "redis"), password="s3cret")
+    try:
+        r = tierkv("store", "stats", srv.url, env={"TIERKV_REDIS_PASSWORD": ""})
+        assert r.returncode == EXIT_REFUSED and "--password" in one_line_error(r)
+        r = tierkv("store", "stats", srv.url, "--password", "wrong")
+        assert r.returncode == EXIT_REFUSED and "--password" in one_line_error(r)
+        assert "s3cret" not in r.stderr and "wrong" not in r.stderr.split("--password")[0]
+        r, d = tierkv("store", "stats", srv.url, "--json", "-q", json_out=True, env={"TIERKV_REDIS_PASSWORD": "s3cret"})
+        assert r.returncode == EXIT_OK and d["pages"] == 0, r.stderr
+        r = tierkv("store", "stats", srv.url, "--password", "s3cret", "--key-prefix", "a:b")
+        assert r.returncode == EXIT_USAGE and "--key-prefix" in one_line_error(r)
+    finally:
+        srv.close()
+    r = tierkv("store", "stats", "redis://:pw@127.0.0.1:6379/0")
+    assert r.returncode == EXIT_USAGE and "--password" in one_line_error(r)
+    r = tierkv("store", "stats", "redis://127.0.0.1:6379/x")
+    assert r.returncode == EXIT_USAGE and "redis://HOST:PORT/DB" in one_line_error(r)
+    assert main(["store", "stats", f"redis://127.0.0.1:{free_port()}/0", "--timeout", "1"]) == EXIT_UNREACHABLE
+    assert "cannot reach the redis server" in capsys.readouterr().err
