@@ -25,8 +25,8 @@ def _proc_status(pid: int) -> dict:
             "rss_anon_kib": kib("RssAnon"), "rss_file_kib": kib("RssFile"), "rss_shmem_kib": kib("RssShmem")}
 
 
-def process_tree(root: int) -> list[int]:
-    """``root`` and its descendants (by the parent PID in /proc/<pid>/stat), root first."""
+def parent_pids() -> dict[int, int]:
+    """``{pid: parent pid}`` of every process now in ``/proc`` (one that ends while being read is left out)."""
     parent: dict[int, int] = {}
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
@@ -34,13 +34,24 @@ def process_tree(root: int) -> list[int]:
                 parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
             except (OSError, ValueError, IndexError):
                 continue
-    out, todo = [root], [root]
+    return parent
+
+
+def tree_of(root: int, parent: dict[int, int]) -> list[int]:
+    """``root`` and its descendants under the ``{pid: parent pid}`` map ``parent``, root first, each once."""
+    out, todo, seen = [root], [root], {root}
     while todo:
         p = todo.pop()
-        kids = sorted(c for c, pp in parent.items() if pp == p)
+        kids = sorted(c for c, pp in parent.items() if pp == p and c not in seen)
+        seen.update(kids)
         out += kids
         todo += kids
     return out
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and its descendants (by the parent PID in /proc/<pid>/stat), root first."""
+    return tree_of(root, parent_pids())
 
 
 _TICK = os.sysconf("SC_CLK_TCK")

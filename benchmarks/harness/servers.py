@@ -30,6 +30,7 @@ import uuid
 from pathlib import Path
 
 from benchmarks.harness import REPO
+from benchmarks.harness.procs import parent_pids, tree_of
 from benchmarks.harness.stats import parse_metrics
 
 
@@ -58,6 +59,37 @@ def _session_members(sid: int) -> list[int]:
         if int(f[3]) == sid and f[0] != "Z":  # field 6 of stat: session id
             out.append(int(d.name))
     return out
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not exited (a zombie, exited but not reaped yet, counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def sigkill_tree(proc: subprocess.Popen, timeout_s: float = 30.0) -> dict:
+    """SIGKILL, by PID, ``proc`` (started here in its own session), every descendant of it and every other member
+    of its session, as a crash would: no signal handler, no shutdown path runs. The tree is read before the first
+    signal (so children are still found under their parent) and again until none is left alive (bounded by
+    ``timeout_s``; RuntimeError names the survivors). ``proc`` is reaped. Returns ``{"killed": [pids], "s": secs}``."""
+    t0, killed = time.monotonic(), []
+    while True:
+        pids = [p for p in dict.fromkeys(tree_of(proc.pid, parent_pids()) + _session_members(proc.pid)) if _alive(p)]
+        if not pids:
+            break
+        if time.monotonic() - t0 > timeout_s:
+            raise RuntimeError(f"processes {pids} still alive {timeout_s:.0f} s after SIGKILL")
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            if pid not in killed:
+                killed.append(pid)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=0.2)  # reaps the root; the others are reaped by their new parent
+    proc.wait(timeout=timeout_s)
+    return {"killed": killed, "s": round(time.monotonic() - t0, 3)}
 
 
 def stop_pid(proc: subprocess.Popen, term_wait_s: float) -> dict:
@@ -186,15 +218,16 @@ class RedisServer:
 
 class ZmqServer:
     """``tierkv server`` (the ZMQ L3) on 127.0.0.1, a free port read from its ready line (``port`` to reuse one), in
-    its own session; its stderr goes to ``log_path`` (None: discarded). ``.endpoint``, ``.proc``; :meth:`stop`."""
+    its own session; its stderr goes to ``log_path`` (None: discarded); ``extra_args``: more flags of ``tierkv server``
+    (e.g. ``--spill-dir``). ``.endpoint``, ``.proc``; :meth:`stop`."""
 
     def __init__(self, log_path: Path | None = None, pythonpath: str = "", capacity: str | int = "4GiB",
-                 ready_timeout_s: float = 60.0, port: int = 0):
+                 ready_timeout_s: float = 60.0, port: int = 0, extra_args: tuple[str, ...] = ()):
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in [pythonpath, env.get("PYTHONPATH")] if p)
         self._log = open(log_path, "ab") if log_path else open(os.devnull, "wb")
         self.cmd = [sys.executable, "-m", "tierkv.cli", "server", "--host", "127.0.0.1", "--port", str(port),
-                    "--capacity-bytes", str(capacity)]
+                    "--capacity-bytes", str(capacity), *extra_args]
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=self._log, env=env,
                                      cwd=str(log_path.parent) if log_path else None, stdin=subprocess.DEVNULL, start_new_session=True)
         sel = selectors.DefaultSelector()
