@@ -17,6 +17,7 @@ from typing import Sequence
 
 from tierkv import kernels
 from tierkv.connector.core.plan import JOB_BACKUP, JOB_PREFETCH, JobReport, PageOrder, StepPlan
+from tierkv.connector.l3.load_policy import LoadPolicy
 
 logger = logging.getLogger("tierkv.worker")
 
@@ -67,8 +68,8 @@ class L3Jobs:
         if not jobs:
             return []
         t0 = time.perf_counter()
-        longest = max((j.deadline_max_s or j.deadline_s or 0.0) for j in jobs)  # the credit moves it at most there
-        self.l3.wait_reads([j.job_id for j in jobs], 2.0 * longest + 0.001)  # queued, then read: each bounded
+        wait_s = LoadPolicy.sync_reads_wait_s([j.deadline_max_s or j.deadline_s or 0.0 for j in jobs])
+        self.l3.wait_reads([j.job_id for j in jobs], wait_s)
         self.counters.sync_wait_seconds += time.perf_counter() - t0
         out = self._end_sync(jobs, copy=True)
         self._sync_jobs = []  # kept until here: if this raised, end_sync_step fails what was not released

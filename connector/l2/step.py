@@ -17,13 +17,9 @@ import time
 from typing import Callable, Optional
 
 from tierkv.connector.core.plan import JobReport, StepPlan
+from tierkv.connector.l3.load_policy import STEP_READ_WAIT_FRACTION, LoadPolicy  # noqa: F401  (re-exported)
 
 from .worker import CacheWorker
-
-#: the end of a step waits for the L3 reads it started at most this fraction of the step's length so far: the wait
-#: delays every request of the step, so it is bounded to a quarter of one step, once per read (a read that needs
-#: longer ends in the next step, as without the wait)
-STEP_READ_WAIT_FRACTION = 0.25
 
 #: a step is timed (its prefill time per token) when it computes at least this many pages of prompt tokens
 TIMED_STEP_PAGES = 4
@@ -109,13 +105,12 @@ class WorkerStep:
     def end_step(self, finished_req_ids: set[str], with_failed: bool = False
                  ) -> tuple[Optional[set[str]], set[str]]:
         """``(finished_recving or None, failed_recving)``: the requests whose asynchronous load ended, after waiting
-        for this step's reads at most :data:`STEP_READ_WAIT_FRACTION` of the time since :meth:`before_forward`;
+        for this step's reads at most :meth:`LoadPolicy.step_read_wait_s` (a fraction of the time since :meth:`before_forward`);
         with ``with_failed`` and several KV cache groups also those whose load failed (else the set is empty)."""
         w = self.worker
         done: Optional[set[str]] = None
         try:
-            bound = self.bound_at
-            w.wait_step_reads(0.0 if bound is None else STEP_READ_WAIT_FRACTION * (time.perf_counter() - bound))
+            w.wait_step_reads(LoadPolicy.step_read_wait_s(self.bound_at, time.perf_counter()))
             got = w.poll(finished_req_ids)
             self.loads_ended = bool(got)
             done = got or None

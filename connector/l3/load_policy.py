@@ -30,6 +30,9 @@ SYNC_DEADLINE_FACTOR = 2.0
 #: the end of a step waits for the L3 reads it started at most this fraction of the step's length so far (since the
 #: worker bound the step's plan): the wait delays every request of the step, so it is bounded to a quarter of one step
 STEP_READ_WAIT_FRACTION = 0.25
+#: worker side: the forward waits for a step's synchronous reads at most this many times the longest of their
+#: deadlines (a read may queue behind another read for up to its own deadline, then run for up to its deadline)
+SYNC_READ_QUEUE_FACTOR = 2.0
 
 
 class LoadPolicy:
@@ -149,6 +152,13 @@ class LoadPolicy:
     def exists_overdue(self, waited_s: float) -> bool:
         """Whether a request that waited ``waited_s`` for an existence answer stops waiting (``exists_wait_s``)."""
         return waited_s > self.exists_wait_s
+
+    @staticmethod
+    def sync_reads_wait_s(deadlines_s: list[float]) -> float:
+        """Worker side: seconds the forward waits for a step's synchronous reads, whose latest deadlines (seconds
+        from each read's start) are ``deadlines_s``: :data:`SYNC_READ_QUEUE_FACTOR` x the longest, plus 1 ms.
+        Reads not done by then are failed blocks, recomputed."""
+        return SYNC_READ_QUEUE_FACTOR * max(deadlines_s, default=0.0) + 0.001
 
     @staticmethod
     def step_read_wait_s(bound_at: Optional[float], now: float) -> float:

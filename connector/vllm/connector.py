@@ -34,6 +34,7 @@ from .geometry import _geometry, engine_geometry  # noqa: F401  (re-exported)
 from .namespace import (device_packing, kv_dtype_name, lora_key, model_namespace,  # noqa: F401  (re-exported)
                         page_namespace_facts, rank_namespace, rank_namespaces)
 from tierkv.connector.l2.step import STEP_READ_WAIT_FRACTION, WorkerStep  # noqa: F401  (re-exported)
+from tierkv.connector.l3.load_policy import LoadPolicy
 from .pools import build_worker
 from .sizing import _SIZE_KEYS, pool_size, startup_line
 from .stores import SCHEDULER_EXISTS_TIMEOUT_S, build_worker_l3, scheduler_exists, scheduler_exists_for  # noqa: F401
@@ -141,8 +142,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                 exists, self._exists_stores = scheduler_exists_for(self.cfg, self.namespace, self.num_slots,
                                                                    self.page_bytes)
                 ctl = dict(self.cfg.controller.scheduler_kwargs(), world_size=self.world_size, exists_fn=exists)
-                if self.hybrid:  # every hit of several KV cache groups is asynchronous (failed loads name requests)
-                    ctl["sync_load_max_s"] = 0.0
+                LoadPolicy.hybrid_override(ctl, self.hybrid)
                 if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
                     logger.warning("tierkv: with an L3 store set \"kv_load_failure_policy\": \"recompute\" in "
                                    "--kv-transfer-config; with \"fail\" a page that arrives late or corrupt from L3 "
@@ -536,8 +536,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         model being asynchronous); never ``finished_sending`` (saves end within their step).
 
         The L3 reads this step handed over before its forward and still running are waited for first, at most
-        ``STEP_READ_WAIT_FRACTION`` of the time the step has lasted since ``bind_connector_metadata``
-        (:class:`tierkv.connector.l2.step.WorkerStep`)."""
+        the wait :meth:`tierkv.connector.l3.load_policy.LoadPolicy.step_read_wait_s` allows since
+        ``bind_connector_metadata`` (:class:`tierkv.connector.l2.step.WorkerStep`)."""
         return None, (self._step.end_step(finished_req_ids)[0] if self._step is not None else None)
 
     @_timed_hook

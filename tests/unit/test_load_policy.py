@@ -95,3 +95,9 @@ def test_the_table_of_waits_in_the_docs_is_current(tmp_path):
     assert load_policy.main(["--doc", str(stale), "--check"]) == 1
     assert load_policy.main(["--doc", str(stale), "--write"]) == 0
     assert stale.read_text(encoding="utf-8") == text
+
+
+def test_sync_reads_wait_is_the_queue_factor_times_the_longest_deadline():
+    from tierkv.connector.l3.load_policy import SYNC_READ_QUEUE_FACTOR
+    assert LoadPolicy.sync_reads_wait_s([0.01, 0.04, 0.02]) == pytest.approx(SYNC_READ_QUEUE_FACTOR * 0.04 + 0.001)
+    assert LoadPolicy.sync_reads_wait_s([]) == pytest.approx(0.001)
