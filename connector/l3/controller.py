@@ -119,6 +119,8 @@ class Controller(JobTable, BackupPolicy, Existence, Prefetch, HitEstimates, Outc
         self._plans = 0                            # plans handed out (take_jobs): one per engine step
         self._released: dict[int, int] = {}        # prefetch job -> _plans when the workers released its request
         self._room_waits: dict[str, tuple[int, float]] = {}  # request -> (lookups waited, clock at the first)
+        self._probe_req: Optional[str] = None       # the request whose hit went ahead as a probe, until its job
+        self._probe_jobs: set[int] = set()          # prefetch jobs of probes: their sample replaces the estimate
         self.lookup_stats = lookup_stats if lookup_stats is not None else LookupStats(allocator.num_slots, clock)
         self._outcomes: dict[str, _Outcome] = {}  # request -> its counted L3 load, until its outcome is known
 
@@ -152,9 +154,12 @@ class Controller(JobTable, BackupPolicy, Existence, Prefetch, HitEstimates, Outc
         if avail <= lo:
             return LookupAnswer(l2_run, rest=rest)
         fetch = sum(1 for s in m.host_slots[lo:avail] if s < 0)
+        probes = self.counters.l3_probe_hits
         if not self.worth_loading(fetch):
             self.counters.l3_declined_slow_pages += fetch
             return LookupAnswer(l2_run, rest=[("declined_slow", avail)] + rest)
+        if self.counters.l3_probe_hits != probes:
+            self._probe_req = req_id
         room = self.wait_for_room(req_id, fetch)
         if room is None:
             self.counters.lookups_deferred += 1

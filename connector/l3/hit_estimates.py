@@ -4,7 +4,8 @@ Running estimates (EWMA) of the seconds per fetched page (from prefetch reports,
 not from a rank's first, cold reads, which also time the store client's set-up) and of the engine's prefill seconds
 per token (forward time of steps that computed prompt tokens). An L3 hit whose estimated load time exceeds the
 recompute time of its tokens is declined (``l3_declined_slow_pages``); no estimate yet = no decline. A stale fetch
-estimate (older than ``probe_interval_s``) lets the next hit go ahead as a probe. A read still running after its
+estimate (older than ``probe_interval_s``) lets the next hit go ahead as a probe, whose read's time replaces it (blended
+in, one slow read would keep declining hits for several probe intervals). A read still running after its
 request was released bounds the store's seconds per page from below (:meth:`HitEstimates.overdue_s_per_page`).
 """
 from __future__ import annotations

@@ -116,6 +116,9 @@ class Prefetch:
             if f and s != NO_SLOT:
                 self._fetching[k] = job.job_id
         self._req_prefetch[req_id] = job.job_id
+        if self._probe_req == req_id:
+            self._probe_jobs.add(job.job_id)
+            self._probe_req = None
         if not sync:  # a synchronous load's request side ends within its step: vLLM never delays its free
             self._recv_open.add(req_id)
         else:  # ... so its read, if it goes on past that step (its blocks failed at the deadline), is overdue
@@ -144,7 +147,11 @@ class Prefetch:
         lead = r.leading  # only the leading run of intact pages is published; the rest is released
         ok_idx = [i for i in fetched if i < lead]
         bad_idx = [i for i in fetched if i >= lead]
+        probe = job.job_id in self._probe_jobs
+        self._probe_jobs.discard(job.job_id)
         if ok_idx and r.seconds > 0 and not r.cold:  # a cold read times the client's set-up, not the store
+            if probe:  # a probe measures the store afresh: blended into the stale estimate it could not lift it
+                self.fetch_s_per_page.value = None
             self.fetch_s_per_page.add(r.seconds / len(ok_idx))
         self.counters.prefetch_loaded_pages += len(ok_idx)
         # pages a rank never read (its request was released first) are not failures of the store
