@@ -2,7 +2,7 @@
 one line with exit code 2 (tierkv/cli_plan.py, tierkv/cli_common.py)."""
 import json
 
-from _cli_helpers import one_line_error, tierkv
+from tests.helpers.cli import one_line_error, tierkv
 
 
 def multiturn(path, conversations=6, turns=3, first=4, more=2):

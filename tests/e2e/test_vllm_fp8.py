@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _engine import EngineRunError, in_parallel, run_job, stats_by_role, tierkv_kv_config
+from tests.helpers.engine import EngineRunError, in_parallel, run_job, stats_by_role, tierkv_kv_config
 
 P = 32
 L1_BLOCKS = 24

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from _engine import REPO_ROOT, run_job, stats_by_role, tierkv_kv_config
+from tests.helpers.engine import REPO_ROOT, run_job, stats_by_role, tierkv_kv_config
 
 P = 32                      # tokens per page = engine block
 DOC_PAGES = 5               # > 2 sliding windows of 64 tokens

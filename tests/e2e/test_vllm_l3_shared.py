@@ -13,8 +13,8 @@ import random
 
 import pytest
 
-from _engine import in_parallel, run_job, stats_by_role, tierkv_kv_config
-from _servers import mooncake_l3, mooncake_store, zmq_l3, zmq_server
+from tests.helpers.engine import in_parallel, run_job, stats_by_role, tierkv_kv_config
+from tests.helpers.servers import mooncake_l3, mooncake_store, zmq_l3, zmq_server
 
 P = 32
 MAX_LEN = 512

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import _sgl  # noqa: F401  (tests/sglang: shims + SGLang imports)
-from _sgl import attach, extra_config, fill_pages, keys, mha_pool, mla_pool, page_bytes_of, storage_config
+from tests.helpers import sgl as _sgl  # noqa: F401  (shims + SGLang imports)
+from tests.helpers.sgl import attach, extra_config, fill_pages, keys, mha_pool, mla_pool, page_bytes_of, storage_config
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 from tierkv.connector.core import page_hash

@@ -2,7 +2,7 @@
 server (a real server subprocess) and Mooncake store (a real ``mooncake_master``), each attached to SGLang's own
 MHA host pool through SGLang's ``StorageBackendFactory`` (``dynamic``) and driven with the calls SGLang's
 controller makes (``batch_exists``, ``batch_get_v1``/``batch_set_v1`` over host indices, ``batch_get``/``batch_set``
-over flat pages, and the hybrid controller's v2 calls over side pools). Servers come from the storage tests' fixtures (tests/storage/_fixtures_*.py)."""
+over flat pages, and the hybrid controller's v2 calls over side pools). Servers come from the storage tests' fixtures (tests/helpers/fixtures_*.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-import _sgl  # noqa: F401  (tests/sglang: shims + SGLang imports, tests/storage on sys.path)
-from _sgl import (attach, build_namespace_for, extra_config, fill_pages, fill_slots, keys, mamba_pool, mha_pool,
+from tests.helpers import sgl as _sgl  # noqa: F401  (shims + SGLang imports)
+from tests.helpers.sgl import (attach, build_namespace_for, extra_config, fill_pages, fill_slots, keys, mamba_pool, mha_pool,
                   page_bytes_of, slot_bytes)
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 
@@ -48,7 +48,7 @@ def rig(kind: str, tmp_path, **opts):
     pool = mha_pool()
     ns = build_namespace_for(pool, records=2)
     part_bytes = pool.get_data_page(0).numel() * pool.get_data_page(0).element_size() // 2
-    mod = importlib.import_module(f"_fixtures_{kind}")
+    mod = importlib.import_module(f"tests.helpers.fixtures_{kind}")
     with mod.make_backend(tmp_path, part_bytes, ns.digest(), timeout_s=TIMEOUT_S, **opts) as h:
         b = attach(xc(h), pool)
         assert b.part_bytes == part_bytes and b.namespace == ns

@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from _sgl import attach, extra_config, mha_pool, storage_config
+from tests.helpers.sgl import attach, extra_config, mha_pool, storage_config
 from tierkv.connector.core.config import ConfigError
 from tierkv.connector.sglang.hicache import build_namespace
 

@@ -9,8 +9,8 @@ import logging
 import pytest
 import torch
 
-import _sgl  # noqa: F401  (tests/sglang: shims + SGLang imports)
-from _sgl import attach, extra_config, keys, mha_pool
+from tests.helpers import sgl as _sgl  # noqa: F401  (shims + SGLang imports)
+from tests.helpers.sgl import attach, extra_config, keys, mha_pool
 
 
 @pytest.fixture

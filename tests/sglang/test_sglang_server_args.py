@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import _sgl  # noqa: F401
-from _sgl import fill_pages, keys, mha_pool, page_bytes_of, storage_config
+from tests.helpers import sgl as _sgl  # noqa: F401
+from tests.helpers.sgl import fill_pages, keys, mha_pool, page_bytes_of, storage_config
 from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.server_args import ServerArgs
@@ -81,7 +81,7 @@ def test_launch_line_parses_and_factory_builds_tierkv(case, tmp_path):
         extra["l3"]["file"]["root"] = str(tmp_path / "l3")
         round_trip(args, extra)
     elif case == "zmq":
-        import _fixtures_zmq
+        from tests.helpers import fixtures_zmq as _fixtures_zmq
 
         proc, endpoint = _fixtures_zmq.start_server(0, test_ops=False)
         try:

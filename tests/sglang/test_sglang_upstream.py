@@ -26,8 +26,8 @@ from types import SimpleNamespace
 
 import pytest
 
-import _sgl  # noqa: F401  (tests/sglang: shims + SGLang imports)
-from _sgl import StorageBackendFactory, extra_config
+from tests.helpers import sgl as _sgl  # noqa: F401  (shims + SGLang imports)
+from tests.helpers.sgl import StorageBackendFactory, extra_config
 
 MOONCAKE_TEST = "sglang.srt.mem_cache.storage.mooncake_store.test_mooncake_store"
 AIBRIX_TEST = "sglang.srt.mem_cache.storage.aibrix_kvcache.unit_test"

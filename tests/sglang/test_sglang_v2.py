@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import _sgl  # noqa: F401  (tests/sglang: shims + SGLang imports)
-from _sgl import (attach, extra_config, fill_pages, fill_slots, hybrid_controller, keys, mamba_pool, mha_pool,
+from tests.helpers import sgl as _sgl  # noqa: F401  (shims + SGLang imports)
+from tests.helpers.sgl import (attach, extra_config, fill_pages, fill_slots, hybrid_controller, keys, mamba_pool, mha_pool,
                   mla_pool, page_bytes_of, slot_bytes)
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer, count_pool_hits
 from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import PrefetchOperation, StorageOperation

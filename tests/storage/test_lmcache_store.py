@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-import _fixtures_lmcache as F
+from tests.helpers import fixtures_lmcache as F
 from tierkv.storage_backends.base import PageTokens
 from tierkv.storage_backends.common import ConfigError
 from tierkv.storage_backends.factory import build_backend, validate_l3

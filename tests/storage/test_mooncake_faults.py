@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from _fixtures_mooncake import make_backend
-from mooncake_master import free_ports
+from tests.helpers.fixtures_mooncake import make_backend
+from tests.helpers.mooncake_master import free_ports
 
 from tierkv.connector.core.config import ConfigError, load_config
 from tierkv.storage_backends.factory import build_backend

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from _fixtures_mooncake import make_backend
+from tests.helpers.fixtures_mooncake import make_backend
 
 from tierkv.storage_backends.file.store import FileStore
 from tierkv.storage_backends.page_format import HEADER_BYTES, encode_record

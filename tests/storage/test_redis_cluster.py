@@ -8,9 +8,9 @@ import time
 import torch
 from redis.cluster import ClusterNode, RedisCluster
 
-import _fixtures_redis_cluster as F
-from _redis_servers import RedisClusterServers
-from test_redis_store import count_round_trips, empties, keys, pages
+from tests.helpers import fixtures_redis_cluster as F
+from tests.helpers.redis_servers import RedisClusterServers
+from tests.storage.test_redis_store import count_round_trips, empties, keys, pages
 from tierkv.storage_backends.redis import RedisStore
 
 NS = bytes(range(16))
@@ -103,7 +103,7 @@ def test_a_killed_master_is_misses_then_its_replica_serves(tmp_path):
 def test_unreachable_seeds_at_start_up_warn_once_and_give_misses(caplog):
     import logging
 
-    from _redis_servers import free_port
+    from tests.helpers.redis_servers import free_port
 
     nodes = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
     with caplog.at_level(logging.WARNING, logger="tierkv.redis"):

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-import _fixtures_redis as F
-from _redis_servers import RedisServer, free_port
+from tests.helpers import fixtures_redis as F
+from tests.helpers.redis_servers import RedisServer, free_port
 from tierkv.storage_backends.common import ConfigError
 from tierkv.storage_backends.factory import build_backend, validate_l3
 from tierkv.storage_backends.page_format import HEADER_BYTES, encode_header

@@ -17,7 +17,7 @@ import pytest
 import torch
 import zmq
 
-import _fixtures_zmq as FZ
+from tests.helpers import fixtures_zmq as FZ
 from tierkv.storage_backends.zmq import protocol as P
 from tierkv.storage_backends.page_format import encode_header
 from tierkv.storage_backends.zmq.client import ZmqStore

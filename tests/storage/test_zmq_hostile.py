@@ -20,8 +20,8 @@ import pytest
 import torch
 import zmq
 
-import _fixtures_zmq as FZ
-import _hostile as H
+from tests.helpers import fixtures_zmq as FZ
+from tests.helpers import hostile as H
 from tierkv.storage_backends.zmq import protocol as P
 from tierkv.storage_backends.zmq.client import ZmqStore
 

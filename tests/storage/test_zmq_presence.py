@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-import _fixtures_zmq as FZ
+from tests.helpers import fixtures_zmq as FZ
 from tierkv.storage_backends.zmq import presence_table as PT
 from tierkv.storage_backends.zmq.presence_table import PresenceTable
 from tierkv.storage_backends.zmq.server import sweep_dead_presence

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-import _fixtures_zmq as FZ
+from tests.helpers import fixtures_zmq as FZ
 from tierkv.storage_backends.zmq import protocol as P
 from tierkv import cli_server
 from tierkv.storage_backends.zmq.client import ZmqStore

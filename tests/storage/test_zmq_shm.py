@@ -1,7 +1,7 @@
 """The ZMQ store's shared-memory data path (docs/architecture.md §5, "Shared-memory data path"), against a real
 ``tierkv server`` process: exact round trips through the client's ``/dev/shm`` segment, re-attach after a server
 restart, a removed segment, a timed-out call, the token, refused slot offsets and names, fallback to frames,
-threads of one client. The contract suite also runs with the path on (``_fixtures_zmq_shm.py``)."""
+threads of one client. The contract suite also runs with the path on (``tests/helpers/fixtures_zmq_shm.py``)."""
 from __future__ import annotations
 
 import os
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-import _fixtures_zmq as FZ
+from tests.helpers import fixtures_zmq as FZ
 from tierkv.storage_backends.zmq import client as zmq_client
 from tierkv.storage_backends.zmq import protocol as P
 from tierkv.storage_backends.common import ConfigError

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from fake_engine import P, FakeEngine, Req
+from tests.helpers.fake_engine import P, FakeEngine, Req
 from tierkv.connector.l3.controller import Controller
 from tierkv.connector.l3.io import l3_key
 from tierkv.connector.core.radix_index import RadixIndex

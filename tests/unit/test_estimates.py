@@ -33,7 +33,7 @@ def test_a_damaged_or_implausible_file_is_no_estimate(tmp_path, text):
 
 
 def test_a_restarted_scheduler_starts_from_its_predecessors_estimate(tmp_path, monkeypatch):
-    from vllm_parts import SCHEDULER, connector, write_model
+    from tests.helpers.vllm_parts import SCHEDULER, connector, write_model
     monkeypatch.setenv("TIERKV_LEDGER_DIR", str(tmp_path / "ledger"))
     monkeypatch.setenv("TIERKV_ESTIMATES_DIR", str(tmp_path / "est"))
     (tmp_path / "ledger").mkdir()

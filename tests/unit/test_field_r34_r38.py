@@ -20,24 +20,19 @@ hangs until the test releases it, one key failing on one rank).
 """
 from __future__ import annotations
 
-import os
 import random
-import sys
 import time
 
 import pytest
 import torch
 
-import fake_engine
-from fake_engine import P, FakeEngine, Req, inject_copy_fault
+from tests.helpers import fake_engine
+from tests.helpers.fake_engine import P, FakeEngine, Req, inject_copy_fault
 from tierkv.connector.l3.io import l3_key
 from tierkv.connector.core.page_hash import page_keys, request_root
 from tierkv.storage_backends.faulty import FaultyBackend
 from tierkv.storage_backends.file.store import FileStore
 
-STORAGE_TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "storage")
-if STORAGE_TESTS not in sys.path:
-    sys.path.insert(0, STORAGE_TESTS)
 
 
 # ---------------------------------------------------------------- helpers
@@ -528,7 +523,7 @@ def test_r36_a_read_held_by_a_stopped_zmq_server_keeps_its_staging_slots_until_i
     """R36 with a real ``tierkv server``: the server is SIGSTOPped while a prefetch's first batch is on the wire, the
     request is aborted and other requests churn L2; after SIGCONT the reply arrives and is written into the job's own
     staging slots only, which go back to the allocator with the job's report."""
-    from _fixtures_zmq import make_backend
+    from tests.helpers.fixtures_zmq import make_backend
     doc = toks(1, 8 * P)
     page_bytes = fake_engine.LAYERS * fake_engine.HEADS * P * 2 * fake_engine.HEAD_DIM * 2
     (tmp_path / "zmq").mkdir()
@@ -707,7 +702,7 @@ def test_r37_a_prefetch_never_hands_its_request_an_l2_anchor_page_whose_save_was
 
 def _fixture(kind):
     import importlib
-    return importlib.import_module(f"_fixtures_{kind}")
+    return importlib.import_module(f"tests.helpers.fixtures_{kind}")
 
 
 @pytest.mark.parametrize("kind", ["file", "zmq"])

@@ -17,7 +17,7 @@ from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
 
 from tierkv.connector.vllm.connector import TierKVConnector
-from vllm_parts import BLOCK, HEAD_DIM, KV_HEADS, SCHEDULER, WORKER, TierkvLoggerState, vllm_config
+from tests.helpers.vllm_parts import BLOCK, HEAD_DIM, KV_HEADS, SCHEDULER, WORKER, TierkvLoggerState, vllm_config
 
 WINDOW = 64
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(4)]

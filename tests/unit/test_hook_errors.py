@@ -11,7 +11,7 @@ import torch
 from tierkv import kernels
 from tierkv.connector.core.plan import PageOrder
 from tierkv.connector.vllm.connector import ConnectorPlan
-from vllm_parts import SCHEDULER, TierkvLoggerState, connector, run_step, worker_connector, write_model
+from tests.helpers.vllm_parts import SCHEDULER, TierkvLoggerState, connector, run_step, worker_connector, write_model
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttention
 
 from tierkv.connector.core.config import ConfigError
 from tierkv.connector.vllm.connector import TierKVConnector
-from vllm_parts import BLOCK, HEAD_DIM, KV_HEADS, SCHEDULER, WORKER, TierkvLoggerState, vllm_config
+from tests.helpers.vllm_parts import BLOCK, HEAD_DIM, KV_HEADS, SCHEDULER, WORKER, TierkvLoggerState, vllm_config
 
 WINDOW = 64
 NUM_LAYERS = 4

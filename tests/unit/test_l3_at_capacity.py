@@ -3,7 +3,7 @@ default), overwrite their files; what is still in L3 after a restart is loaded b
 recomputed (fake engine, real L3 I/O threads, real file store)."""
 from __future__ import annotations
 
-from fake_engine import P, FakeEngine, Req
+from tests.helpers.fake_engine import P, FakeEngine, Req
 from tierkv.storage_backends.file.store import FileStore
 from tierkv.storage_backends.page_format import HEADER_BYTES
 

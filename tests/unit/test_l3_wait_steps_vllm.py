@@ -30,7 +30,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from tierkv.connector.core.plan import JOB_PREFETCH
-from vllm_parts import BLOCK, LAYER_NAMES, kv_cache_config, worker_connector, write_model
+from tests.helpers.vllm_parts import BLOCK, LAYER_NAMES, kv_cache_config, worker_connector, write_model
 
 P = BLOCK          # a page is one block
 DOC_PAGES = 8
@@ -268,8 +268,8 @@ def test_the_end_of_step_wait_for_a_read_ends_at_the_reads_deadline(tmp_path, mo
     """A stalled read (fault: ``batch_get`` held) with a deadline (policy ``timeout``, 0.05 s) is waited for at most
     until that deadline, however long the step lasted: the step is not held for a read its request stops waiting for.
     Then the request is released at its deadline (its blocks reported failed, recomputed) and nothing stays pinned."""
-    from fake_engine import FakeEngine, Req
-    from test_controller import file_store, write_to_l3
+    from tests.helpers.fake_engine import FakeEngine, Req
+    from tests.unit.test_controller import file_store, write_to_l3
     from tierkv.storage_backends.file.store import FileStore
     doc = list(range(7, 7 + DOC_PAGES * P))
     write_to_l3(tmp_path, doc)

@@ -20,7 +20,7 @@ from tierkv.connector.core.plan import PageOrder, StepPlan
 from tierkv.connector.l2.worker import CacheWorker
 from tierkv.storage_backends.common import RateLimitedLog
 
-from fake_engine import REAL_LOAD_PAGES, inject_copy_fault
+from tests.helpers.fake_engine import REAL_LOAD_PAGES, inject_copy_fault
 
 LAYERS, BLOCKS, SLOTS, P, H, D = 4, 12, 10, 32, 2, 8
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")

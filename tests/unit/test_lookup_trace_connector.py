@@ -8,7 +8,7 @@ import pytest
 
 from tierkv.cli_plan import read_trace
 from tierkv.connector.core.page_hash import page_keys, request_root
-from vllm_parts import BLOCK, SCHEDULER, TierkvLoggerState, connector, write_model
+from tests.helpers.vllm_parts import BLOCK, SCHEDULER, TierkvLoggerState, connector, write_model
 
 
 @pytest.fixture

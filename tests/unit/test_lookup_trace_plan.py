@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from fake_engine import P, FakeEngine, Req
+from tests.helpers.fake_engine import P, FakeEngine, Req
 from tierkv.cli_common import CliError
 from tierkv.cli_plan import read_trace, recorded_totals, replay
 from tierkv.connector.core.config import ConfigError, load_config

@@ -18,13 +18,13 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 
 import vllm.v1.attention.backends.cpu_attn  # noqa: F401  loads vLLM's kernels for this CPU before _amx patches
 import tierkv.connector.core.page_hash as page_hash
-from fake_engine import P, FakeEngine, Req
+from tests.helpers.fake_engine import P, FakeEngine, Req
 from tierkv.connector.core.config import ConfigError
 from tierkv.connector.l2.device_pool import DevicePool, device_layout_tag
 from tierkv.connector.core.page_hash import adapter_digest, lora_identity, request_root
 from tierkv.connector.vllm.connector import TierKVConnector, kv_dtype_name, lora_key
 from tierkv.storage_backends.file.store import FileStore
-from vllm_parts import BLOCK, HEAD_DIM, KV_HEADS, LAYER_NAMES, SCHEDULER, WORKER, TierkvLoggerState, write_model
+from tests.helpers.vllm_parts import BLOCK, HEAD_DIM, KV_HEADS, LAYER_NAMES, SCHEDULER, WORKER, TierkvLoggerState, write_model
 
 
 @pytest.fixture

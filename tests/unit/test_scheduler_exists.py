@@ -3,13 +3,9 @@ machine: answered in one short round trip, over every rank's namespace, and "can
 asked) instead of "absent" when the server is silent."""
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "storage"))
-
-from _fixtures_zmq import make_backend  # noqa: E402
+from tests.helpers.fixtures_zmq import make_backend  # noqa: E402
 
 from tierkv.connector.core.config import L3Config  # noqa: E402
 from tierkv.connector.l3.io import l3_key  # noqa: E402

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from fake_engine import LAYERS, P, FakeEngine, Req, inject_copy_fault
+from tests.helpers.fake_engine import LAYERS, P, FakeEngine, Req, inject_copy_fault
 from tierkv.connector.core.page_hash import page_keys, request_root
 
 

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 
 from tierkv.connector.core.page_hash import RequestKeys
-from vllm_parts import BLOCK as P
-from vllm_parts import SCHEDULER, TierkvLoggerState, connector, write_model
+from tests.helpers.vllm_parts import BLOCK as P
+from tests.helpers.vllm_parts import SCHEDULER, TierkvLoggerState, connector, write_model
 
 
 @pytest.fixture

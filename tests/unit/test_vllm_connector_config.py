@@ -6,12 +6,12 @@ import sys
 import pytest
 import torch
 
-from fake_engine import inject_copy_fault
+from tests.helpers.fake_engine import inject_copy_fault
 from tierkv.connector.core.config import ConfigError, ControllerConfig
 from tierkv.connector.core.page_hash import page_keys, request_root
 from tierkv.connector.core.plan import PageOrder
 from tierkv.connector.vllm.connector import ConnectorPlan
-from vllm_parts import (BLOCK, NUM_LAYERS, SCHEDULER, WORKER, TierkvLoggerState, connector, run_step,
+from tests.helpers.vllm_parts import (BLOCK, NUM_LAYERS, SCHEDULER, WORKER, TierkvLoggerState, connector, run_step,
                         vllm_config, worker_connector, write_model)
 
 PAGE_BYTES = NUM_LAYERS * 2 * BLOCK * 2 * 8 * 2   # layers x H x N x 2D x bf16

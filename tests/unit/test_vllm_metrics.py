@@ -297,7 +297,7 @@ def test_counter_deltas_go_to_vllm_once_per_interval_and_none_is_lost(tmp_path, 
 
     from tierkv.connector.core.plan import JobReport, PageOrder
     from tierkv.connector.vllm.connector import STATS_EVERY_S, ConnectorPlan
-    from vllm_parts import BLOCK, SCHEDULER, connector, worker_connector, write_model
+    from tests.helpers.vllm_parts import BLOCK, SCHEDULER, connector, worker_connector, write_model
     monkeypatch.setenv("TIERKV_LEDGER_DIR", str(tmp_path))
     model = write_model(tmp_path / "model")
     s = connector(model, SCHEDULER, {"host_pool.num_pages": 8})
@@ -378,7 +378,7 @@ def test_a_hook_that_calls_another_counts_its_time_once(tmp_path, monkeypatch):
     and each such call counted as two in ``hook_calls``."""
     from types import SimpleNamespace
 
-    from vllm_parts import SCHEDULER, connector, worker_connector, write_model
+    from tests.helpers.vllm_parts import SCHEDULER, connector, worker_connector, write_model
     monkeypatch.setenv("TIERKV_LEDGER_DIR", str(tmp_path))
     model = write_model(tmp_path / "model")
     w, _l1 = worker_connector(model, {"host_pool.num_pages": 8})

@@ -16,7 +16,7 @@ import itertools
 import os
 from typing import Any, Optional
 
-from _redis_servers import RedisServer  # tests/storage is on sys.path wherever these fixtures are imported
+from tests.helpers.redis_servers import RedisServer
 from tierkv.storage_backends.page_format import HEADER_BYTES, encode_header
 from tierkv.storage_backends.redis import RedisStore, RedisStoreConfig
 

@@ -89,7 +89,7 @@ def closed_by_peer(s: socket.socket, timeout_s: float) -> bool:
 def crash_writer(factory, keys: list, writer_id: int, page_bytes: int, progress, max_rounds: int) -> None:
     """Write every key round after round (pages tagged as in ``_contract_workers``) until killed; ``progress[id]`` =
     rounds completed."""
-    from _contract_workers import page as tagged
+    from tests.helpers.contract_workers import page as tagged
 
     store = factory()
     for r in range(max_rounds):

@@ -19,8 +19,8 @@ from typing import Any, Optional
 
 from redis.cluster import ClusterNode, RedisCluster
 
-from _fixtures_redis import CLIENT_KEYS, corrupt_value
-from _redis_servers import RedisClusterServers
+from tests.helpers.fixtures_redis import CLIENT_KEYS, corrupt_value
+from tests.helpers.redis_servers import RedisClusterServers
 from tierkv.storage_backends.redis import RedisStore
 
 NAME = "redis_cluster"

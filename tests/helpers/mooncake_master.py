@@ -9,8 +9,8 @@ period), also at interpreter exit.
 Note: this Mooncake build (0.3.13.post1) logs "HTTP metadata server started on 127.0.0.1:<port>" but listens on
 0.0.0.0 for that port; the RPC and metrics ports honour ``-rpc_address``/``-metrics_host``.
 
-Usable from any test or script: ``from mooncake_master import MooncakeMaster`` with ``tests/storage`` on
-``sys.path`` (the storage conftest's directory is), or load this file by path.
+Usable from any test or script: ``from tests.helpers.mooncake_master import MooncakeMaster`` (the repository root
+on ``sys.path``), or load this file by path.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import tempfile
 import time
 from typing import Optional, Sequence
 
-from sigstop import sigstop  # tests/storage is on sys.path
+from tests.helpers.sigstop import sigstop
 
 _LIVE: dict[int, subprocess.Popen] = {}
 

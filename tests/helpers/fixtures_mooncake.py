@@ -12,12 +12,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import sys
 import time
 from typing import Any, Callable, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from mooncake_master import MooncakeMaster  # noqa: E402
+from tests.helpers.mooncake_master import MooncakeMaster  # noqa: E402
 
 from tierkv.storage_backends.mooncake.store import MooncakeStore  # noqa: E402
 from tierkv.storage_backends.page_format import HEADER_BYTES, encode_header  # noqa: E402

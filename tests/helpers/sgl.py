@@ -8,15 +8,8 @@ server-argument modules reach model configs that import torchvision, which has n
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-for p in (ROOT / "benchmarks" / "peers", ROOT / "tests" / "storage"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-
-import sglang_cpu_shims  # noqa: E402,F401  (before the first sglang.srt import that reaches model configs)
+from benchmarks.peers import sglang_cpu_shims  # noqa: E402,F401  (before the first sglang.srt import that reaches model configs)
 import torch  # noqa: E402
 from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402

@@ -32,7 +32,7 @@ from typing import Any, Optional
 import msgpack
 import zmq
 
-from sigstop import sigstop  # tests/storage is on sys.path wherever these fixtures are imported
+from tests.helpers.sigstop import sigstop
 from tierkv.storage_backends.lmcache.store import OPS, LMCacheStore
 
 NAME = "lmcache"

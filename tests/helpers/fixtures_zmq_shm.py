@@ -1,6 +1,6 @@
 """Contract-suite fixture: the ZMQ cache server with the client's shared-memory data path on (``shm="on"``).
 
-The same server subprocess as ``_fixtures_zmq.py``; every client made here moves pages through its own
+The same server subprocess as ``fixtures_zmq.py``; every client made here moves pages through its own
 ``/dev/shm`` segment (a small one, ``SHM_BYTES``, so batches of the suite also take several rounds), and the
 handle checks on close that pages really went that way (in this process; the clients of the multi-process case
 each make and attach a segment of their own).
@@ -8,20 +8,12 @@ each make and attach a segment of their own).
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any
 
 
 def _base():
-    name = "_fixtures_zmq"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
+    from tests.helpers import fixtures_zmq
+    return fixtures_zmq
 
 
 NAME = "zmq_shm"

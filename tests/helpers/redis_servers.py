@@ -84,7 +84,7 @@ class RedisServer:
         stop(self.proc)
 
     def sigstop(self) -> None:
-        from sigstop import sigstop  # tests/storage is on sys.path
+        from tests.helpers.sigstop import sigstop
 
         sigstop(self.proc.pid)
 

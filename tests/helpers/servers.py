@@ -1,7 +1,7 @@
 """Real L3 servers for end-to-end tests: a tierkv ZMQ cache server and a ``mooncake_master`` on loopback.
 
-Nothing is copied from the storage tests: their helpers are imported from ``tests/storage`` (put on ``sys.path``
-here) and wrapped so that an e2e test gets what an engine's ``l3`` config needs:
+Nothing is copied from the storage tests: their helpers (``tests.helpers.fixtures_zmq`` and
+``fixtures_mooncake``) are wrapped so that an e2e test gets what an engine's ``l3`` config needs:
 
 - :func:`zmq_server` -> a :class:`_fixtures_zmq.ZmqHandle`: a server subprocess on a free loopback port (read from
   its ready line), ``.endpoint``, ``.pid``, ``.kill9()`` (SIGKILL by PID), ``.start()`` (an empty server on the same
@@ -16,16 +16,11 @@ here) and wrapped so that an e2e test gets what an engine's ``l3`` config needs:
 from __future__ import annotations
 
 import contextlib
-import sys
 from pathlib import Path
 from typing import Iterator, Optional
 
-STORAGE_TESTS = Path(__file__).resolve().parents[1] / "storage"
-if str(STORAGE_TESTS) not in sys.path:
-    sys.path.insert(0, str(STORAGE_TESTS))
-
-import _fixtures_zmq  # noqa: E402  (tests/storage)
-from mooncake_master import free_ports  # noqa: E402  (tests/storage)
+from tests.helpers import fixtures_zmq as _fixtures_zmq  # noqa: E402  (tests/storage)
+from tests.helpers.mooncake_master import free_ports  # noqa: E402  (tests/storage)
 
 #: namespace and page size of the test process's own client (only used for server_stats / segment holding)
 _NS = bytes(range(100, 116))
@@ -56,7 +51,7 @@ def zmq_l3(endpoint: str, *, timeout_s: float = 1.0, reconnect_backoff_s: float 
 def mooncake_store(tmp_path, segment_bytes: int = 64 << 20) -> Iterator["object"]:
     """A ``mooncake_master`` on free loopback ports and a client of the test process holding ``segment_bytes`` of
     store memory; both gone when the block ends (master stopped by PID)."""
-    import _fixtures_mooncake  # noqa: PLC0415 - imports the Mooncake wheel; only tests that need it pay for it
+    from tests.helpers import fixtures_mooncake as _fixtures_mooncake  # noqa: PLC0415 - imports the Mooncake wheel; only tests that need it pay for it
 
     Path(tmp_path).mkdir(parents=True, exist_ok=True)
     with _fixtures_mooncake.make_backend(tmp_path, _PAGE, _NS, global_segment_size=segment_bytes) as h:

@@ -21,7 +21,7 @@ from typing import Any, Optional
 import msgpack
 import zmq
 
-from sigstop import sigstop  # tests/storage is on sys.path wherever these fixtures are imported
+from tests.helpers.sigstop import sigstop
 from tierkv.storage_backends.zmq import protocol as P
 from tierkv.storage_backends.page_format import HEADER_BYTES
 from tierkv.storage_backends.zmq.client import ZmqStore
