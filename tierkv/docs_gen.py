@@ -12,7 +12,7 @@ Each part sits between two markers, ``<!-- BEGIN generated: NAME ... -->`` and `
 
 Modules and hooks are read with :mod:`ast` (nothing is imported: no torch, no vLLM); the backend list imports the
 factory. ``python -m tierkv.docs_gen --write`` rewrites the parts in place, ``--check`` exits 1 when they differ, and
-``tests/unit/test_docs_gen.py`` fails when the document and the code disagree.
+``tests/cli/test_docs_gen.py`` fails when the document and the code disagree.
 """
 from __future__ import annotations
 

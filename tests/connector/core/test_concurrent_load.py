@@ -10,7 +10,7 @@ from tests.helpers.fake_engine import P, FakeEngine, Req
 from tierkv.connector.core.page_hash import ModelNamespace, page_keys, request_root
 from tierkv.connector.core.radix_index import NO_SLOT
 from tierkv.connector.core.scheduler import CacheScheduler
-from tests.unit.test_controller import keys_of
+from tests.connector.l3.test_controller import keys_of
 
 
 def toks(a, n):
@@ -61,7 +61,7 @@ def test_pages_already_in_l2_behind_l3_only_pages_are_not_saved_again_and_no_slo
 
 # ---------------------------------------------------------------- blocks of a request released at its deadline
 def _l3_engine_with_doc(tmp_path, doc, **kw):
-    from tests.unit.test_controller import file_store, write_to_l3
+    from tests.connector.l3.test_controller import file_store, write_to_l3
     write_to_l3(tmp_path, doc)
     return FakeEngine(store=file_store(tmp_path), **kw)
 
@@ -71,7 +71,7 @@ def test_a_request_released_at_its_deadline_that_finishes_while_its_read_hangs_g
     ran and finished while its L3 read still hung. Before the fix ``request_finished`` asked vLLM to delay the free
     (the I/O side was still running) but the worker never names a request twice, so vLLM never freed its blocks
     (the real engine's KV usage stayed at 77 % at idle)."""
-    from tests.unit.test_controller import _hanging_l3_load
+    from tests.connector.l3.test_controller import _hanging_l3_load
     now = [0.0]
     e, faulty, req = _hanging_l3_load(tmp_path, toks(40, 4 * P), clock=lambda: now[0],
                                       controller={"prefetch_policy": "timeout", "prefetch_timeout_base_s": 0.5,
@@ -103,7 +103,7 @@ def test_pages_never_read_because_their_request_was_released_count_as_cancelled_
     """The serve benchmark's unexplained "failed" L3 reads (32 pages with a healthy ZMQ server): pages a prefetch
     never read, because its request was released at its deadline first, were counted as failed reads of the store
     (worker and scheduler side)."""
-    from tests.unit.test_controller import _hanging_l3_load
+    from tests.connector.l3.test_controller import _hanging_l3_load
     now = [0.0]
     e, faulty, req = _hanging_l3_load(tmp_path, toks(40, 4 * P), clock=lambda: now[0], batch_pages=1,
                                       controller={"prefetch_policy": "timeout", "prefetch_timeout_base_s": 0.5,
@@ -223,7 +223,7 @@ def test_reads_of_four_requests_are_in_flight_at_once(tmp_path):
     and the last ones ran out of time. The file store's default is four readers: four reads that each block in the
     store are all in flight together, and all complete."""
     import threading
-    from tests.unit.test_controller import file_store
+    from tests.connector.l3.test_controller import file_store
     docs = [toks(1000 * (i + 1), 2 * P) for i in range(4)]
     e0 = FakeEngine(store=file_store(tmp_path))
     for i, d in enumerate(docs):
@@ -253,7 +253,7 @@ def test_a_prefetch_deadline_counts_from_the_start_of_its_read(tmp_path):
     (deadline 0.5 s, so until 0.9 s). At t = 0.7 s, B's first batch arrived and its second is still being read: B is
     not released as late (before the fix it was, at 0.5 s after submission)."""
     import threading
-    from tests.unit.test_controller import file_store
+    from tests.connector.l3.test_controller import file_store
     now = [0.0]
     a, b = toks(1000, 2 * P), toks(5000, 8 * P)
     e0 = FakeEngine(store=file_store(tmp_path))
@@ -316,7 +316,7 @@ def test_a_read_that_outlives_its_request_makes_later_hits_recompute_at_once(tmp
     after its request was released bounds the store's time per page from below (its time so far / its pages), and
     once that exceeds recomputing a page, hits are declined as slow at their first lookup, without a probe. A read
     counts from the step after its release on: one that ended within that step reports with its output."""
-    from tests.unit.test_controller import _hanging_l3_load
+    from tests.connector.l3.test_controller import _hanging_l3_load
     now = [0.0]
     e, faulty, _req = _hanging_l3_load(tmp_path, toks(40, 4 * P), clock=lambda: now[0],
                                        controller={"prefetch_policy": "timeout", "prefetch_timeout_base_s": 0.5,
@@ -417,7 +417,7 @@ def test_an_l3_hit_whose_read_ends_within_the_forward_costs_one_step(tmp_path):
     named finished at the end of the step that ordered it: one step more than an L2 hit. Before, reads were handed
     over after the forward and the load ended a step later. The steps each L3 hit waited are counted
     (``l3_hit_wait_steps`` and its histogram)."""
-    from tests.unit.test_controller import file_store, write_to_l3
+    from tests.connector.l3.test_controller import file_store, write_to_l3
     doc = toks(7, 4 * P)
     write_to_l3(tmp_path, doc)
     e = FakeEngine(store=file_store(tmp_path), reads_end_in_forward=True)
@@ -439,7 +439,7 @@ def test_existence_answered_in_the_scheduler_makes_a_restart_hit_cost_one_step_a
     the lookup: a restarted engine's L3 hit is ordered in the step of its first lookup (one step in all, like a hit
     the index already knew), and a prompt L3 does not hold is not deferred at all (before, every new prompt waited
     for a worker round trip: the tax on misses)."""
-    from tests.unit.test_controller import file_store, write_to_l3
+    from tests.connector.l3.test_controller import file_store, write_to_l3
     doc = toks(7, 4 * P)
     write_to_l3(tmp_path, doc)
     e = FakeEngine(store=file_store(tmp_path), reads_end_in_forward=True, scheduler_exists=True)
@@ -459,8 +459,8 @@ def _sync_engine(tmp_path, doc, faulty=None):
     """An engine restarted over a file L3 holding ``doc`` (and L2 empty), whose fetch estimate exists: two L3 hits
     were read asynchronously (without an estimate; the first read of a process is cold, it times the store client's
     set-up and does not count), L2 and the index being reset after each."""
-    from tests.unit.test_controller import write_to_l3
-    from tests.unit.test_field_r34_r38 import file_store
+    from tests.connector.l3.test_controller import write_to_l3
+    from tests.connector.l3.test_field_r34_r38 import file_store
     write_to_l3(tmp_path, doc)
     e = FakeEngine(store=file_store(tmp_path, faulty), scheduler_exists=True, sync_loads=True)
     for k in range(2):
@@ -520,7 +520,7 @@ def test_a_synchronous_l3_load_on_a_stalled_store_waits_a_bounded_time_then_reco
     hit is reported failed: vLLM rolls the request back and recomputes it, with the right bytes; the request's saves
     of that step, computed on the broken prefix, are not made (docs §8 R31), and they are made once it is
     recomputed. The read's staging slots stay pinned until the hung read ends; then nothing is left reserved."""
-    from tests.unit.test_field_r34_r38 import assert_nothing_reserved, l3io
+    from tests.connector.l3.test_field_r34_r38 import assert_nothing_reserved, l3io
     doc = toks(7, 4 * P)
     e = _sync_engine(tmp_path, doc, faulty={0: {}})
     store = l3io(e).store
@@ -555,7 +555,7 @@ def test_a_synchronous_read_that_outlives_its_step_makes_later_hits_recompute_at
     estimate kept ordering synchronous loads, each holding the forward of its step up to the sync deadline while
     the store stalled. Now a synchronous job still without a report after the output of the step that follows its
     own counts as an overdue read (``overdue_s_per_page``), and the next hit is recomputed at its first lookup."""
-    from tests.unit.test_field_r34_r38 import l3io
+    from tests.connector.l3.test_field_r34_r38 import l3io
     doc = toks(7, 4 * P)
     e = _sync_engine(tmp_path, doc, faulty={0: {}})
     ctl, store = e.sched.ctl, l3io(e).store
@@ -733,7 +733,7 @@ def _credit_run(tmp_path, credit_s, max_s=None, batch_pages=16):
     store call moves the clock to 0.15 s (past the first deadline) and returns its pages; the second blocks until
     the test opens it. Returns (store call sizes, finished at t = 0.5, finished at t = 0.95 with its result)."""
     import threading
-    from tests.unit.test_controller import file_store
+    from tests.connector.l3.test_controller import file_store
     from tierkv.connector.l3.io import L3IO
     from tierkv.connector.core.plan import JOB_PREFETCH, Job
     now = [0.0]
@@ -823,7 +823,7 @@ def test_best_effort_credit_is_the_estimated_recompute_time_of_one_page():
 def test_a_credited_prefetch_with_nothing_to_read_makes_no_store_call(tmp_path):
     """A prefetch whose pages are all in L2 already reads nothing: no ``batch_get`` with zero keys (a round trip
     to a networked store for nothing), with or without the deadline credit."""
-    from tests.unit.test_controller import file_store
+    from tests.connector.l3.test_controller import file_store
     from tierkv.connector.core.plan import JOB_PREFETCH, Job
     e = FakeEngine(store=file_store(tmp_path))
     l3 = e.worker.l3

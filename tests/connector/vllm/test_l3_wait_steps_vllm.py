@@ -269,7 +269,7 @@ def test_the_end_of_step_wait_for_a_read_ends_at_the_reads_deadline(tmp_path, mo
     until that deadline, however long the step lasted: the step is not held for a read its request stops waiting for.
     Then the request is released at its deadline (its blocks reported failed, recomputed) and nothing stays pinned."""
     from tests.helpers.fake_engine import FakeEngine, Req
-    from tests.unit.test_controller import file_store, write_to_l3
+    from tests.connector.l3.test_controller import file_store, write_to_l3
     from tierkv.storage_backends.file.store import FileStore
     doc = list(range(7, 7 + DOC_PAGES * P))
     write_to_l3(tmp_path, doc)

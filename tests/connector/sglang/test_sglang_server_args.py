@@ -19,7 +19,7 @@ from sglang.srt.server_args import ServerArgs
 
 from tierkv.connector.sglang.hicache import TierKVHiCacheStorage, parse_extra_config
 
-SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "sglang_hicache_tierkv.sh"
+SCRIPT = Path(__file__).resolve().parents[3] / "examples" / "sglang_hicache_tierkv.sh"
 
 
 def launch_lines() -> dict[str, list[str]]:

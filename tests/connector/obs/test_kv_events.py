@@ -7,7 +7,7 @@ import msgspec
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
 from tests.helpers.fake_engine import P, FakeEngine, Req
-from tests.unit.test_controller import file_store, toks
+from tests.connector.l3.test_controller import file_store, toks
 from tierkv.connector.obs.kv_events import L2, L3, PageInfo, TierEvents
 
 

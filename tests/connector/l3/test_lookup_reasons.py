@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.helpers.fake_engine import P, FakeEngine, Req
-from tests.unit.test_controller import _hanging_l3_load, file_store, pump, write_to_l3
+from tests.connector.l3.test_controller import _hanging_l3_load, file_store, pump, write_to_l3
 from tierkv.connector.l3.controller import HIT_PARTS, MISS_REASONS
 from tierkv.connector.core.request_params import RequestControls, RequestParamsError, parse_controls
 from tierkv.storage_backends.faulty import FaultyBackend
@@ -301,7 +301,7 @@ def test_outcomes_and_reuse_distances_reach_prometheus():
 def test_pages_never_read_because_the_request_was_released_first_are_late(cancelled, reason):
     """A prefetch whose request was released at its deadline before its reads were sent reports those pages as not
     done and ``cancelled``: they count as late, not as failed reads (the first unserved page decides)."""
-    from tests.unit.test_concurrent_load import _controller, _keys
+    from tests.connector.core.test_concurrent_load import _controller, _keys
     from tierkv.connector.core.plan import JobReport
     _index, _alloc, ctl = _controller(8)
     keys = _keys(11, 4)
@@ -320,7 +320,7 @@ def test_a_load_failed_as_a_whole_request_serves_nothing(ok, cancelled, reason):
     never block ids), and vLLM recomputes it from its first token. None of its tokens count as served from L3;
     all go to the reason of its first page to read that did not arrive intact (``late`` when every page read
     arrived, the request having been released first)."""
-    from tests.unit.test_concurrent_load import _controller, _keys
+    from tests.connector.core.test_concurrent_load import _controller, _keys
     from tierkv.connector.core.plan import JobReport
     _index, _alloc, ctl = _controller(8)
     keys = _keys(12, 4)

@@ -9,7 +9,7 @@ under write_through, so a poisoned page would show up in the index, in L2, in L3
 import pytest
 
 from tests.helpers.fake_engine import P, FakeEngine, Req, inject_copy_fault
-from tests.unit.test_controller import file_store, keys_of
+from tests.connector.l3.test_controller import file_store, keys_of
 from tierkv.connector.l3.io import l3_key
 
 

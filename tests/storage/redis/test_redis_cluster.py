@@ -10,7 +10,7 @@ from redis.cluster import ClusterNode, RedisCluster
 
 from tests.helpers import fixtures_redis_cluster as F
 from tests.helpers.redis_servers import RedisClusterServers
-from tests.storage.test_redis_store import count_round_trips, empties, keys, pages
+from tests.storage.redis.test_redis_store import count_round_trips, empties, keys, pages
 from tierkv.storage_backends.redis import RedisStore
 
 NS = bytes(range(16))

@@ -13,7 +13,7 @@ SGLang's ``dynamic`` factory (file store). The wheel's runnable ones:
 
 Not runnable: ``simm/test_simm.py`` imports ``python.sglang...`` (a source-tree path), ``eic/test_unit.py`` needs an
 EIC server, ``tensorcast_store`` tests exercise Tensorcast internals; the wheel ships no v2 test of a backend (the
-v2 form is covered by tests/sglang/test_sglang_v2.py through SGLang's hybrid controller).
+v2 form is covered by tests/connector/sglang/test_sglang_v2.py through SGLang's hybrid controller).
 """
 from __future__ import annotations
 
