@@ -460,7 +460,7 @@ def _sync_engine(tmp_path, doc, faulty=None):
     were read asynchronously (without an estimate; the first read of a process is cold, it times the store client's
     set-up and does not count), L2 and the index being reset after each."""
     from tests.connector.l3.test_controller import write_to_l3
-    from tests.connector.l3.test_field_r34_r38 import file_store
+    from tests.helpers.l3_scenarios import file_store
     write_to_l3(tmp_path, doc)
     e = FakeEngine(store=file_store(tmp_path, faulty), scheduler_exists=True, sync_loads=True)
     for k in range(2):
@@ -520,7 +520,7 @@ def test_a_synchronous_l3_load_on_a_stalled_store_waits_a_bounded_time_then_reco
     hit is reported failed: vLLM rolls the request back and recomputes it, with the right bytes; the request's saves
     of that step, computed on the broken prefix, are not made (docs §8 R31), and they are made once it is
     recomputed. The read's staging slots stay pinned until the hung read ends; then nothing is left reserved."""
-    from tests.connector.l3.test_field_r34_r38 import assert_nothing_reserved, l3io
+    from tests.helpers.l3_scenarios import assert_nothing_reserved, l3io
     doc = toks(7, 4 * P)
     e = _sync_engine(tmp_path, doc, faulty={0: {}})
     store = l3io(e).store
@@ -555,7 +555,7 @@ def test_a_synchronous_read_that_outlives_its_step_makes_later_hits_recompute_at
     estimate kept ordering synchronous loads, each holding the forward of its step up to the sync deadline while
     the store stalled. Now a synchronous job still without a report after the output of the step that follows its
     own counts as an overdue read (``overdue_s_per_page``), and the next hit is recomputed at its first lookup."""
-    from tests.connector.l3.test_field_r34_r38 import l3io
+    from tests.helpers.l3_scenarios import l3io
     doc = toks(7, 4 * P)
     e = _sync_engine(tmp_path, doc, faulty={0: {}})
     ctl, store = e.sched.ctl, l3io(e).store
