@@ -11,7 +11,7 @@ Workloads (token ids, greedy, one request at a time so batch composition never d
 - ``chat``: multi-turn chats (a 1,024-token opening message, then turns); each turn's prompt is the previous
   prompt plus the model's answer plus a new 40-120-token user message; chats interleaved turn by turn.
 
-Configurations, each in its own engine subprocess (``tests/e2e/_engine.py``) with the same
+Configurations, each in its own engine subprocess (``tests/helpers/engine.py``) with the same
 ``VLLM_CPU_NUM_OF_RESERVED_CPU`` (so thread counts and bf16 rounding are equal):
 
 - ``no_connector``: L1 = 200 blocks of 32 tokens (too small for the 8 documents), no connector;
@@ -157,7 +157,7 @@ class L3Servers:
     """The L3 side of one configuration: a file directory, a fresh ``tierkv server`` (ZMQ) or a fresh
     ``mooncake_master`` plus a client of this process holding the store's memory segment (the engine's own client
     contributes none, so the pages outlive an engine), started before the engine and stopped after it, by PID
-    (``tests/e2e/_servers.py``)."""
+    (``tests/helpers/servers.py``)."""
 
     def __init__(self, work: Path):
         self.work = work

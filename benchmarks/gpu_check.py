@@ -26,7 +26,7 @@ in one JSON file, and summed up on stdout:
   allocations rounded up to a power of two), each in a fresh process, from ``/proc/self/status`` (VmRSS, VmLck,
   VmPin) and ``torch.cuda.host_memory_stats()``; next to it the same bytes pinned with ``cudaHostRegister``.
   Target: taken <= requested + 5 %.
-* ``round_trip``: the fake engine of ``tests/unit/fake_engine.py`` with its L1 on the device (FlashAttention NHD),
+* ``round_trip``: the fake engine of ``tests/helpers/fake_engine.py`` with its L1 on the device (FlashAttention NHD),
   a pinned L2 and a file L3 under a temp dir, ``write_through``: one engine computes pages, saves them to L2 and
   backs them up; a second engine (empty L1 and L2) on the same directory prefetches them from L3 and loads them;
   every loaded page is compared with the bytes first computed. The file store needs pydantic: when it is not
@@ -530,7 +530,7 @@ def round_trip(torch, device, quick: bool, pydantic_from: str) -> dict[str, Any]
         return {"status": "skipped", "passed": None, "reason": NEEDS_PYDANTIC, "pydantic": pydantic_from}
     from benchmarks.harness import load_file
 
-    fake_engine = load_file("tierkv_fake_engine", ROOT / "tests" / "unit" / "fake_engine.py")
+    fake_engine = load_file("tierkv_fake_engine", ROOT / "tests" / "helpers" / "fake_engine.py")
     from tierkv.connector.l2.device_pool import DevicePool
     from tierkv.connector.l2.host_pool import HostPool
     from tierkv.storage_backends.file.store import FileStore
@@ -619,7 +619,7 @@ def round_trip(torch, device, quick: bool, pydantic_from: str) -> dict[str, Any]
 
 # ---------------------------------------------------------------------------------------------- code identity
 #: folders whose .py/.yaml files make up the code a run measured (blob hashes recorded in the result)
-CODE_DIRS = ("connector", "kernels", "storage_backends", "tierkv", "configs", "benchmarks", "tests/unit")
+CODE_DIRS = ("connector", "kernels", "storage_backends", "tierkv", "configs", "benchmarks", "tests/helpers")
 
 
 def _git_blob_sha(data: bytes) -> str:

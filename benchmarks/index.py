@@ -21,7 +21,7 @@ and the first prompt's existence query is timed; the index is not rebuilt from L
 
 Targets: tree inserts/s and matches/s >= 2x SGLang at every page size; hashing >= 2M pages/s at page size 16;
 eviction time proportional to pages evicted; <= 200 bytes of index memory per page; a 128k-token lookup at page
-size 32 < 2 ms including hashing; the repeated lookup O(1) (tests/unit/test_index_scale.py counts it).
+size 32 < 2 ms including hashing; the repeated lookup O(1) (tests/connector/core/test_index_scale.py counts it).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 the TTFT of recomputing the same prompts, in the real engine (issue "Serving under concurrent load", deliver 3:
 "an L3 hit's TTFT is never above 1.1x the TTFT of recomputing it").
 
-One engine subprocess per phase (``tests/e2e/_engine.py``, vLLM's CPU backend, the ``demo`` preset of
+One engine subprocess per phase (``tests/helpers/engine.py``, vLLM's CPU backend, the ``demo`` preset of
 ``examples/make_tiny_model.py`` unless ``--preset``), prompts sent one at a time, 1 output token (TTFT = latency):
 
 1. ``write``: tierkv with a file L3 (``write_through``) computes ``docs`` documents of ``doc_tokens`` tokens, each
@@ -283,7 +283,7 @@ def render_section(data: dict) -> str:
     body = f"""## {SECTION}
 
 `benchmarks/l3_hit_ttft.py` (issue 19, deliver 3): is an L3 hit ever slower than recomputing it? One engine per
-phase (`tests/e2e/_engine.py`, vLLM's CPU backend, `{p['preset']}` preset, L1 {p['l1_blocks']} blocks, L2
+phase (`tests/helpers/engine.py`, vLLM's CPU backend, `{p['preset']}` preset, L1 {p['l1_blocks']} blocks, L2
 {p['l2_pages']} pages, `best_effort`), prompts one at a time, 1 output token: {p['docs']} documents of
 {p['doc_tokens']} tokens + {p['question_tokens']}-token questions written to a file L3, then asked with new
 questions by a fresh engine whose store answers at once (healthy), takes {PACED_FRACTION:.0%} of a page's recompute

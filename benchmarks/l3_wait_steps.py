@@ -3,7 +3,7 @@
 its load ended; an L2 hit waits 0, an L3 hit at least 1 with vLLM's CPU backend, which schedules synchronously) and the
 worker's ``read_waits`` / ``read_wait_timeouts`` (steps whose ``get_finished`` found a read it started still running).
 
-One engine subprocess per phase (``tests/e2e/_engine.py``, vLLM's CPU backend, the ``test`` preset of
+One engine subprocess per phase (``tests/helpers/engine.py``, vLLM's CPU backend, the ``test`` preset of
 ``examples/make_tiny_model.py`` unless ``--preset``), all phases on one file L3 (``write_through``):
 
 1. ``write``: ``docs`` documents of ``doc_pages`` pages, each with a question, computed and backed up to L3.

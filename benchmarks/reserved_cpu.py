@@ -2,7 +2,7 @@
 
 vLLM's CPU backend keeps one core per worker away from its OpenMP compute threads for the scheduler, and one more
 per worker whenever a KV connector is configured. This benchmark measures what that costs a decode-heavy workload
-and what setting the variable gives back. Configurations (each its own engine process, ``tests/e2e/_engine.py``),
+and what setting the variable gives back. Configurations (each its own engine process, ``tests/helpers/engine.py``),
 run in interleaved order ``--repeats`` times:
 
 - ``no_connector``: vLLM without a connector, variable unset (vLLM's own reservation);

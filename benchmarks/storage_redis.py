@@ -50,7 +50,7 @@ OPS = ("set", "exists", "get")
 
 def bench(pb: int, batch: int, reps: int, rig) -> dict:
     from benchmarks.harness.servers import ZmqServer
-    from tests.storage._redis_servers import RedisClusterServers, RedisServer
+    from tests.helpers.redis_servers import RedisClusterServers, RedisServer
     from tierkv.storage_backends.mooncake.store import MooncakeStore
     from tierkv.storage_backends.redis import RedisStore
     from tierkv.storage_backends.zmq.client import ZmqStore

@@ -62,9 +62,9 @@ MC_OPTS: dict = json.loads(os.environ.get("TIERKV_BENCH_MC_OPTS", "{}"))  # extr
 
 
 def sgl_helpers():
-    """``tests/sglang/_sgl.py`` as a module: SGLang's host pools and the tierkv adapter built as its tests build
+    """``tests/helpers/sgl.py`` as a module: SGLang's host pools and the tierkv adapter built as its tests build
     them (it imports ``benchmarks/peers/sglang_cpu_shims.py`` first)."""
-    return load_file("tierkv_sgl_helpers", REPO / "tests" / "sglang" / "_sgl.py")
+    return load_file("tierkv_sgl_helpers", REPO / "tests" / "helpers" / "sgl.py")
 
 
 def _geometry(pb: int) -> dict:

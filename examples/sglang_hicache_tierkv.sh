@@ -8,7 +8,7 @@
 # tierkv `l3` section (the same keys as in a tierkv YAML config, configs/l3_*.yaml). "interface_v1": 1 selects the
 # zero-copy path (pages read into / written from SGLang's host pool directly); 0 the copy path. Both store the
 # same records. Every TP rank opens its own client; pages of another model, dtype, layout, page size or TP rank
-# never match. tests/sglang/test_sglang_server_args.py parses each launch line below with SGLang's own parser.
+# never match. tests/connector/sglang/test_sglang_server_args.py parses each launch line below with SGLang's own parser.
 set -euo pipefail
 backend=${1:?usage: $0 file|zmq|mooncake|lmcache}
 MODEL=${MODEL:-Qwen/Qwen3-8B}

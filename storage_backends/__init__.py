@@ -1,4 +1,4 @@
-"""L3 storage backends (docs/architecture.md §5): one interface (:class:`StorageBackend`), the file store (:class:`FileStore`),
+"""L3 storage backends: one interface (:class:`StorageBackend`), the file store (:class:`FileStore`),
 the fault-injection wrapper (:class:`FaultyBackend`) and :func:`build_backend` (from the ``l3`` config section).
 
 The other stores are imported lazily, so their dependencies are only needed by who uses them: every store class of

@@ -1,4 +1,4 @@
-"""The L3 storage interface (docs/architecture.md §5).
+"""The L3 storage interface.
 
 Semantics follow SGLang HiCache's ``HiCacheStorage`` so the same classes plug into SGLang:
 

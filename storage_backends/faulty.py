@@ -1,7 +1,7 @@
 """Fault injection around any L3 store, for tests of the layers above (controller, connector).
 
 After SGLang HiCache's ``HiCacheStorageFailureInjector`` (random delay and failure probability from environment
-variables), with what the fault tests (docs/architecture.md §8) need on top: a seeded, reproducible choice of which keys fail; fixed
+variables), with what the fault tests need on top: a seeded, reproducible choice of which keys fail; fixed
 failing keys ("fail the read of page 3"); a *hang* that blocks a call until the test releases it (so timeout paths
 are tested with events, not sleeps); counters of what was injected.
 

@@ -15,7 +15,7 @@ A stored page is ``header || payload``. The header (little-endian, :data:`HEADER
 
 A reader checks every field against what it expects (namespace, key, length) and the checksums, so a
 truncated, corrupted, foreign (other namespace, other key: e.g. a Mooncake region handed to another key after a
-master restart, docs/architecture.md §8 R16) or planted (e.g. a pickle stream, R19) record is a miss, never data.
+master restart) or planted (e.g. a pickle stream) record is a miss, never data.
 Nothing here ever unpickles or constructs objects from stored bytes.
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ Subcommands (argparse sub-parsers; each module that owns a command provides ``ad
 - ``tierkv store stats|verify|gc|clear``: :mod:`tierkv.cli_store`; ``tierkv config check|docs``:
   :mod:`tierkv.cli_config`; ``tierkv bench e2e|transfer|storage``: :mod:`tierkv.cli_bench`; ``tierkv plan TRACE
   --l2 SIZES --l3 SIZES``: :mod:`tierkv.cli_plan`. Exit codes and the
-  one-line error rule: :mod:`tierkv.cli_common` (docs/architecture.md §12).
+  one-line error rule: :mod:`tierkv.cli_common`.
 
 To add a command, append a ``(name, module, help)`` entry to :data:`COMMANDS`.
 """

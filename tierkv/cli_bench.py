@@ -1,4 +1,4 @@
-"""``tierkv bench e2e|transfer|storage [ARGS...]``: run a benchmark of ``benchmarks/`` (docs/architecture.md §12).
+"""``tierkv bench e2e|transfer|storage [ARGS...]``: run a benchmark of ``benchmarks/``.
 
 Each name maps to one module of the ``benchmarks`` package (:data:`BENCHMARKS`), run as
 ``python -m benchmarks.<module>`` with this interpreter from the repository root, the remaining arguments passed

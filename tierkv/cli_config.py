@@ -1,4 +1,4 @@
-"""``tierkv config check|docs``: validate a configuration and document every key (docs/architecture.md §12).
+"""``tierkv config check|docs``: validate a configuration and document every key.
 
 The key list is generated from the schema, never written by hand:
 

@@ -1,31 +1,16 @@
-"""``tierkv plan TRACE --l2 SIZES --l3 SIZES``: size L2 and L3 by replaying a request trace (docs/architecture.md §6).
+"""``tierkv plan TRACE --l2 SIZES --l3 SIZES``: size L2 and L3 by replaying a request trace.
 
-Each request of the trace goes through tierkv's own scheduler side, :class:`tierkv.connector.core.scheduler.CacheScheduler`
-(its :class:`~tierkv.connector.core.radix_index.RadixIndex`, :class:`~tierkv.connector.l2.slot_allocator.SlotAllocator` and
-LRU/LFU eviction), with ``num_slots`` = the L2 size, as the fake engine of the tests drives it: add the request,
-look up, allocate (lock the L2 hit), save its full pages (evicting), build the step's plan, finish. No engine, no
-page bytes. What is a model and not tierkv's code:
+Each request goes through tierkv's own scheduler side (:class:`tierkv.connector.core.scheduler.CacheScheduler`: its
+radix index, slot allocator and LRU/LFU eviction, ``num_slots`` = the L2 size) as the test fake engine drives it: add,
+look up, allocate, save full pages, plan, finish; no engine, no page bytes. Modelled, not tierkv's code: L3
+(:mod:`tierkv.plan_l3`: the engine's controller over an LRU of page keys refreshed by L3 reads and writes only; no L2,
+no L3); one request at a time in file order; L1 none by default (``--l1 PAGES``: an LRU of blocks, ``--l1 recorded``:
+each lookup's recorded L1 hit).
 
-- L3 (:mod:`tierkv.plan_l3`): tierkv's own controller (write-through backups, L3 hits loaded through L2 staging
-  slots, a failed read recomputed and backed up again) over an LRU of page keys of the given size, refreshed by L3
-  reads and writes only, as the file store and ``tierkv server`` do; an L2 hit does not refresh a page in L3. With
-  an L2 of 0 pages there is no L3 either (tierkv reads L3 through L2).
-- Requests are replayed one at a time, in file order (no concurrency, timestamps are not used).
-- L1 (vLLM's own prefix cache): none by default, so a page it would serve counts as an L2 (or L3) hit here;
-  ``--l1 PAGES`` models it as an LRU of blocks, ``--l1 recorded`` takes each lookup's L1 hit from a recorded trace.
-
-Trace formats (one JSON object per line; blank lines are skipped):
-
-- vLLM's ``timed_trace`` (``benchmarks/make_multiturn_trace.py``, Mooncake's published traces): ``hash_ids`` (ints,
-  one per chunk of page-size tokens, the prompt's chunks in order), ``input_length``, ``output_length``
-  (optional). The page size is the chunk size the trace shows (:mod:`tierkv.plan_chunks`); a ``--page-size`` most
-  requests disagree with is refused. Page i's key chains the ids of chunks 0..i (equal id prefixes give equal keys, as token prefixes do).
-  Pages of generated tokens (``output_length``) are saved too, as in the engine, under keys of their own request
-  (``--no-output-pages``: not modelled).
-- the lookup trace tierkv records when ``trace_path`` is set (:mod:`tierkv.connector.obs.lookup_trace`): a header with the
-  page size, then per lookup the hex page keys, how many the lookup offered and the outcome the engine saw.
-
-A malformed line is one error naming the file and line number (exit 2, :mod:`tierkv.cli_common`).
+Traces (JSON lines): vLLM's ``timed_trace`` (``hash_ids`` one per chunk, ``input_length``, ``output_length``; the page
+size is the chunk size the trace shows, :mod:`tierkv.plan_chunks`; page i's key chains ids 0..i; output pages saved
+unless ``--no-output-pages``), or tierkv's lookup trace (``trace_path``, :mod:`tierkv.connector.obs.lookup_trace`).
+A malformed line is one error naming the file and line (exit 2, :mod:`tierkv.cli_common`).
 """
 from __future__ import annotations
 

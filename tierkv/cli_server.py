@@ -1,5 +1,5 @@
 """``tierkv server``: run the L3 ZMQ cache server (:class:`tierkv.storage_backends.zmq.server.CacheServer`) from the
-command line (docs/architecture.md §12). ``python -m tierkv.cli_server`` takes the same flags. The server module
+command line. ``python -m tierkv.cli_server`` takes the same flags. The server module
 imports nothing from the command line, so the two never import each other.
 
 Exit codes are :mod:`tierkv.cli_common`'s: 0 after SIGTERM/SIGINT, :data:`~tierkv.cli_common.EXIT_USAGE` for a bad

@@ -1,23 +1,12 @@
-"""``tierkv store stats|verify|gc|clear``: look after an L3 store without an engine (docs/architecture.md §12).
+"""``tierkv store stats|verify|gc|clear ADDRESS``: look after an L3 store without an engine.
 
-A store is named by an address (:func:`tierkv.cli_common.parse_target`):
-
-- a directory: a file store (:mod:`tierkv.storage_backends.file.store`; read directly, one record file per page);
-- ``tcp://HOST:PORT``: a ``tierkv server`` (:mod:`tierkv.storage_backends.zmq.server`), through the admin ops
-  ``scan`` and ``verify`` of wire protocol 2 (:mod:`tierkv.storage_backends.zmq.protocol`); with a tenant's token
-  (docs/tenants.md) only that tenant's pages are listed, cleared and verified, and stats add per-tenant counters;
-- ``mooncake://HOST:PORT``: a Mooncake master's RPC address; totals come from its metrics endpoint
-  (``--metrics-port``), since a master cannot list its objects;
-- ``lmcache://HOST:PORT``: an LMCache cache server (``stats`` only): it cannot list its chunks either, so stats show
-  what it tells (:func:`tierkv.storage_backends.lmcache.store.server_info`: chunk size, L1 capacity, resident bytes);
-- ``redis://HOST:PORT/DB``, ``rediss://...`` or ``unix:///path``: a standalone Redis / Valkey server (``stats`` and
-  ``clear``): pages are the keys ``<--key-prefix>:<namespace hex>:<page key>`` of
-  :mod:`tierkv.storage_backends.redis.store` found by SCAN, ages their OBJECT IDLETIME, totals from INFO and DBSIZE.
-
-Namespaces are the 16-byte digests in every page header (:meth:`tierkv.connector.core.page_hash.ModelNamespace.digest`);
-where a file store has a ``<namespace>/namespace.json`` describing it (model, dtype, layout...; written by
-:func:`tierkv.storage_backends.file.store.describe_namespace`), stats show it.
-Exit codes: :mod:`tierkv.cli_common`.
+Addresses (:func:`tierkv.cli_common.parse_target`): a directory (a file store, read directly); ``tcp://HOST:PORT``
+(``tierkv server``, through protocol 2's ``scan`` and ``verify``; a tenant's token sees only its own pages, and
+stats add per-tenant counters); ``mooncake://HOST:PORT`` (a master: totals from ``--metrics-port``, it cannot list
+objects); ``lmcache://HOST:PORT`` (``stats`` only: what the server tells); ``redis://HOST:PORT/DB``, ``rediss://`` or
+``unix:///path`` (standalone Redis / Valkey, ``stats`` and ``clear``: the keys ``<--key-prefix>:<namespace>:<page>``
+found by SCAN, ages from OBJECT IDLETIME). Namespaces are the 16-byte digests in page headers; a file store's
+``<namespace>/namespace.json`` (model, dtype, layout) is shown with them. Exit codes: :mod:`tierkv.cli_common`.
 """
 from __future__ import annotations
 

@@ -2,17 +2,17 @@
 
 Each part sits between two markers, ``<!-- BEGIN generated: NAME ... -->`` and ``<!-- END generated: NAME -->``:
 
-- ``layout`` (§7): every module of ``connector/``, ``storage_backends/``, ``kernels/`` and ``tierkv/`` with the
+- ``layout`` (section "Layout"): every module of ``connector/``, ``storage_backends/``, ``kernels/`` and ``tierkv/`` with the
   summary of its module docstring (its first paragraph);
-- ``l3-backends`` (§5): the values of ``l3.backend`` in ``storage_backends/factory.py`` with the module and class
+- ``l3-backends`` (section "L3 stores"): the values of ``l3.backend`` in ``storage_backends/factory.py`` with the module and class
   of each store and the summary of the class docstring;
-- ``vllm-hooks`` (§3): the methods of vLLM's ``KVConnectorBase_V1`` that ``TierKVConnector``
+- ``vllm-hooks`` (section "Two roles in vLLM"): the methods of vLLM's ``KVConnectorBase_V1`` that ``TierKVConnector``
   (``connector/vllm/connector.py``) implements, grouped as vLLM's base class groups them (scheduler side, worker
   side), each with the summary of its docstring.
 
 Modules and hooks are read with :mod:`ast` (nothing is imported: no torch, no vLLM); the backend list imports the
 factory. ``python -m tierkv.docs_gen --write`` rewrites the parts in place, ``--check`` exits 1 when they differ, and
-``tests/unit/test_docs_gen.py`` fails when the document and the code disagree.
+``tests/cli/test_docs_gen.py`` fails when the document and the code disagree.
 """
 from __future__ import annotations
 
@@ -59,8 +59,8 @@ def source_root() -> Path:
     return _package_dir("tierkv").parent
 
 
-#: a docstring's pointer into the old numbered sections of the architecture document ("docs/architecture.md §4",
-#: "docs §8 R31"), left out of the generated parts: the document they sit in has no numbered sections
+#: a docstring's pointer into the old numbered sections of the architecture document ("docs/architecture.md §N",
+#: "docs §N Rnn"), left out of the generated parts: the document they sit in has no numbered sections
 _SECTION_CITE = re.compile(r",?\s*docs(?:/architecture\.md)?,?\s*§\s*\d+(?:\s*R\d+)?(?:,\s*R\d+)*")
 
 

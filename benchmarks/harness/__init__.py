@@ -49,5 +49,5 @@ def make_tiny_model():
 
 
 def e2e_engine():
-    """``tests/e2e/_engine.py`` as a module: the in-process vLLM engine runner the e2e tests use."""
-    return load_file("tierkv_e2e_engine", REPO / "tests" / "e2e" / "_engine.py")
+    """``tests/helpers/engine.py`` as a module: the in-process vLLM engine runner the e2e tests use."""
+    return load_file("tierkv_e2e_engine", REPO / "tests" / "helpers" / "engine.py")

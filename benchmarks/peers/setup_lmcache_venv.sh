@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the LMCache 0.5.6 peer venv: the real LMCache multiprocess cache server that tierkv's `lmcache` L3 store
-# (storage_backends/lmcache/store.py) talks to. Tests (tests/storage/_fixtures_lmcache.py) and benchmarks/storage.py start
+# (storage_backends/lmcache/store.py) talks to. Tests (tests/helpers/fixtures_lmcache.py) and benchmarks/storage.py start
 # the server from this venv; tierkv's own venv never imports lmcache (the store speaks the wire protocol itself).
 #
 #   bash benchmarks/peers/setup_lmcache_venv.sh [VENV_DIR]      (default: benchmarks/peers/.lmcache-venv)

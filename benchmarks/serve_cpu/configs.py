@@ -93,7 +93,7 @@ DTYPES = ("bfloat16", "float32")
 SERVER_DTYPE = ["bfloat16"]
 
 
-#: Environment of every vLLM server (as tests/e2e/_engine.py DEFAULT_ENV).
+#: Environment of every vLLM server (as tests/helpers/engine.py DEFAULT_ENV).
 SERVER_ENV = {
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",   # same compute threads with and without a connector
     "VLLM_CPU_KVCACHE_SPACE": "1",         # GiB; --num-gpu-blocks-override sets the real L1 size

@@ -4,9 +4,9 @@ The twelve rounds are written out with the message schedule (RFC 7693 SIGMA) as 
 message words stay in registers; ``_SIGMA`` is kept for the tests and for reading.
 
 Used by :func:`tierkv.connector.core.page_hash.page_keys`; it must return exactly what :mod:`hashlib` returns for
-``blake2b(message, digest_size=16, salt=previous key, person=tag)`` (tests/unit/test_page_hash.py checks it on
+``blake2b(message, digest_size=16, salt=previous key, person=tag)`` (tests/connector/core/test_page_hash.py checks it on
 random inputs at several page sizes). One call hashes every page of a request, so the per-page cost is the
-compression itself (docs/architecture.md §9). Import fails with ImportError when numba is missing.
+compression itself. Import fails with ImportError when numba is missing.
 """
 from __future__ import annotations
 

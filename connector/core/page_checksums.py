@@ -1,4 +1,4 @@
-"""XXH3-64 of the page in each L2 slot, kept by the worker side ("checksum once", docs/architecture.md §4).
+"""XXH3-64 of the page in each L2 slot, kept by the worker side ("checksum once").
 
 A page's checksum is taken once, when it enters L2 (after the L1 -> L2 save, or when a prefetched page arrived
 intact from L3), and travels from there: into the L3 record header on backup (the store does not hash the

@@ -196,9 +196,9 @@ class RadixIndex(RadixTree):
 
     def remove_from(self, keys: Sequence[bytes], i: int) -> Optional[list[int]]:
         """Drop page ``keys[i]`` of the path ``keys`` (from the root), every page after it on its node and the whole
-        subtree below (pages computed on a broken prefix, or a page that failed its load: docs/architecture.md §8
-        R31). Returns the released L2 slots (``[]`` when the page is not indexed), or None, changing nothing, when
-        something there is locked (the caller tries again later)."""
+        subtree below (pages computed on a broken prefix, or a page that failed its load). Returns the released L2
+        slots (``[]`` when the page is not indexed), or None, changing nothing, when something there is locked (the
+        caller tries again later)."""
         if not 0 <= i < len(keys):
             raise ValueError(f"remove_from: page {i} outside the path of {len(keys)} pages")
         at = None
@@ -363,7 +363,7 @@ class RadixIndex(RadixTree):
             heapq.heappush(self._l3_heap, (node.last_access, stamp, node.id, node))
 
     def _compact_heap(self) -> None:
-        # drop stale entries so the heap stays O(nodes) over long runs (no slow leak, docs/architecture.md §8 R21)
+        # drop stale entries so the heap stays O(nodes) over long runs (no slow leak)
         self._heap = [e for e in self._heap if e[3]._heap_stamp == e[1] and self._l2_evictable(e[3])]
         heapq.heapify(self._heap)
 

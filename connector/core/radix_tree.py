@@ -77,7 +77,7 @@ class MatchResult:
 class MatchCursor:
     """Where the last :meth:`RadixIndex.match_len` of one request ended: the node holding its last matched page, the
     matched length (pages), and the generations that make it still valid. The scheduler keeps one per waiting request
-    so that vLLM's per-step repeat of the lookup costs O(1) (docs/architecture.md §9)."""
+    so that vLLM's per-step repeat of the lookup costs O(1)."""
 
     __slots__ = ("node", "pages", "gen", "epoch", "require_l2")
 

@@ -1,5 +1,5 @@
 """Scheduling class of the L3 writer thread: it takes the CPU only where the engine leaves some, until its backlog
-grows (``controller.writer_priority``, docs/architecture.md §4).
+grows (``controller.writer_priority``).
 
 On an engine whose compute threads keep every core busy (vLLM's CPU backend runs one OpenMP thread per core), a
 backup written on one of those cores stops that thread, and every other thread of the forward then waits for it at

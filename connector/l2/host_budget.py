@@ -1,4 +1,4 @@
-"""One L2 memory budget per host, shared by every co-located worker (docs/architecture.md §13).
+"""One L2 memory budget per host, shared by every co-located worker.
 
 Each tensor-parallel / pipeline-parallel worker of an engine owns its own L2 host pool, so a host that runs four
 ranks holds four pools, and several engines may share a host. Before a worker allocates a single page it takes its

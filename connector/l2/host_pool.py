@@ -1,7 +1,7 @@
 """L2: tierkv's host pool (DRAM, pinned on CUDA machines); its slot allocator is in :mod:`.slot_allocator`.
 
 The pool is one flat ``uint8`` buffer of ``num_slots`` pages; a page holds one engine (manager) block of every
-layer. Three layouts, after SGLang HiCache's host pools (docs/architecture.md §2), selected by the config key
+layer. Three layouts, after SGLang HiCache's host pools, selected by the config key
 ``host_pool.layout``:
 
 =====================  ==================================================  =====================================

@@ -62,8 +62,8 @@ class L3Jobs:
         until their deadlines (counted from when a reader starts each), then end their request side. Returns the
         leading run of intact, verified pages of each, for :meth:`start_loads` to copy L2 -> L1 with the step's other
         loads; every block after that run is reported failed (:meth:`take_failed_blocks`: vLLM recomputes from there,
-        and the request's saves of this step are not made, docs §8 R31). Pages that arrive later still reach L2 and
-        are reported by the job."""
+        and the request's saves of this step are not made: their KV follows a failed load). Pages that arrive later
+        still reach L2 and are reported by the job."""
         jobs = self._sync_jobs
         if not jobs:
             return []
@@ -79,8 +79,8 @@ class L3Jobs:
         """After the forward, before the step's saves (vLLM's ``wait_for_save``): the plan's synchronous prefetches
         whose request side :meth:`finish_sync_reads` did not end (it was not called before the forward, or raised),
         and those never handed to the readers (:meth:`start_reads` raised), reached no L1 block in time: every
-        block of theirs is reported failed and their request's saves of this step are not made (docs §8 R31). The
-        ones never handed over are answered at once and not handed over later."""
+        block of theirs is reported failed and their request's saves of this step are not made (their KV follows a
+        failed load). The ones never handed over are answered at once and not handed over later."""
         jobs, self._sync_jobs = self._sync_jobs, []
         if jobs:
             self._end_sync(jobs, copy=False)
@@ -147,7 +147,7 @@ class L3Jobs:
             if j.kind == JOB_PREFETCH:
                 self._track_load(j.req_id, j.block_ids, j.groups)
         skip = {}
-        if self._unwritten:  # a page whose save was not made is never sent to L3 (docs §8 R31)
+        if self._unwritten:  # a page whose save was not made is never sent to L3 (its KV followed a failed load)
             for job in plan.jobs:
                 if job.kind == JOB_BACKUP:
                     idx = {i for i, (s, k) in enumerate(zip(job.slots, job.keys)) if self._unwritten.get(s) == k}
@@ -169,7 +169,8 @@ class L3Jobs:
         oks, pages = [], 0
         for order in res.orders:
             # the pages that were already in L2 pass the same checks as a synchronous load's: a slot whose save was
-            # not made (R31, R41) or that fails its checksum is never copied; the request recomputes from there
+            # not made (computed after a failed load) or that fails its checksum is never copied; the request
+            # recomputes from there
             good = self._verified_prefix(order)
             oks.append(order.head(good))
             pages += good

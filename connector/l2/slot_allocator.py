@@ -1,7 +1,7 @@
 """Free-slot allocator of the L2 host pool (scheduler side).
 
 Pure Python and no torch: the scheduler process, which decides which slot holds which page, never imports the
-tensor code (docs/architecture.md §3). The worker side owns the memory (:class:`tierkv.connector.l2.host_pool.HostPool`);
+tensor code. The worker side owns the memory (:class:`tierkv.connector.l2.host_pool.HostPool`);
 both sides agree on ``num_slots``.
 """
 from __future__ import annotations

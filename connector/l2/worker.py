@@ -51,8 +51,8 @@ class WorkerCounters:
     max_save_ms: float = 0.0        # the slowest step's save, milliseconds
     max_load_ms: float = 0.0        # the slowest step's L2 -> L1 load, milliseconds
     unsaved_pages: int = 0          # saves not made: their request's load failed (computed on a broken prefix)
-    save_failed_pages: int = 0      # saves whose L1 -> L2 copy raised (never loaded nor backed up; docs §8 R41)
-    hook_errors: int = 0            # exceptions caught at a vLLM hook (docs §8 R41): each became failed pages
+    save_failed_pages: int = 0      # saves whose L1 -> L2 copy raised (never loaded nor backed up)
+    hook_errors: int = 0            # exceptions caught at a vLLM hook: each became failed pages
     # wall time inside tierkv's worker-side vLLM hooks (every call, on the model runner's thread), the calls, and
     # the steps (plans bound): hook_seconds / hook_steps is what tierkv adds to each step's forward there
     hook_seconds: float = 0.0
@@ -192,14 +192,14 @@ class CacheWorker(L3Jobs):
         self._orphan_finished: set[str] = set()
         self._failed_blocks: set[int] = set()
         self._pending = None  # LayerwiseLoad in flight
-        # docs §8 R31: requests whose load failed and whose rollback the scheduler side has not confirmed yet (a plan
+        # requests whose load failed and whose rollback the scheduler side has not confirmed yet (a plan
         # built before it knew may still order their saves), and slots whose ordered save was not made (slot -> key)
         self._suspect: set[str] = set()
         self._unwritten: dict[int, bytes] = {}
         self._read_started: set[int] = set()  # jobs of the current plan handed to the readers by start_reads
         self._step_reads: list[int] = []      # prefetches of the current plan handed over by start_reads
         self._sync_jobs: list = []            # synchronous prefetches of the current plan handed over by start_reads
-        self._sync_orders: list[PageOrder] = []  # ... as loads of the step (every page), for the R31 check
+        self._sync_orders: list[PageOrder] = []  # ... as loads of the step (every page), for the failed-load check
         self._sync_served: dict[int, int] = {}   # synchronous prefetch -> leading pages copied into L1 (its report)
         self.group_layers = [list(g) for g in group_layers] if group_layers else None
         for g in self.group_layers or ():
@@ -359,7 +359,7 @@ class CacheWorker(L3Jobs):
         self.counters.load_bytes += nbytes
 
     def _verified_prefix(self, order: PageOrder) -> int:
-        if self._unwritten and order.keys:  # a page whose save was not made is never loaded (docs §8 R31)
+        if self._unwritten and order.keys:  # a page whose save was not made is never loaded
             for i, (slot, key) in enumerate(zip(order.slots, order.keys)):
                 if self._unwritten.get(slot) == key:
                     _rate_limited.warning("unwritten", "tierkv: L2 page %s in slot %d was never written (its "
@@ -387,7 +387,7 @@ class CacheWorker(L3Jobs):
         A request whose load failed in this step (any block of its load order), or in an earlier step whose rollback
         the plan does not confirm yet (``plan.recomputed``), has its pages computed on a broken prefix: none of its
         saves is made. Their slots are remembered as not written, so no later load or backup reads them
-        (docs/architecture.md §8 R31)."""
+       ."""
         for rid in plan.recomputed:
             self._suspect.discard(rid)
         self.finish_loads()
@@ -419,7 +419,7 @@ class CacheWorker(L3Jobs):
                 copies = self._copies(saves)
                 nbytes = self._copy_bytes(copies)
                 self._copy_all(kernels.save_pages, copies)
-            except Exception as e:  # never into vLLM's forward (docs §8 R41): the pages are simply not in L2
+            except Exception as e:  # never into vLLM's forward: the pages are simply not in L2
                 self.counters.save_failed_pages += len(blocks)
                 _rate_limited.warning("save", "tierkv: L1 -> L2 save of %d pages failed (%r); they are never "
                                       "loaded nor backed up, a later hit recomputes them", len(blocks), e)
@@ -438,7 +438,7 @@ class CacheWorker(L3Jobs):
 
     def forget_saves(self, saves: Sequence[PageOrder]) -> None:
         """The slots of ``saves`` were not written (the copy failed or was never made): they are never loaded nor
-        backed up under those keys (a load of one is reported failed, so vLLM recomputes it; docs §8 R31, R41)."""
+        backed up under those keys (a load of one is reported failed, so vLLM recomputes it)."""
         for o in saves:
             for slot, key in zip(o.slots, o.keys):
                 self._unwritten[slot] = key
@@ -456,8 +456,8 @@ class CacheWorker(L3Jobs):
                 self._failed_reqs.add(o.req_id)
 
     def take_plan_failures(self, plan: StepPlan) -> None:
-        """Loads the scheduler side promised but could not order (``plan.failed_blocks``, ``plan.failed_requests``,
-        docs §8 R41): their blocks are reported failed and their asynchronous requests named as ended."""
+        """Loads the scheduler side promised but could not order (``plan.failed_blocks``, ``plan.failed_requests``):
+        their blocks are reported failed and their asynchronous requests named as ended."""
         if plan.failed_blocks:
             self._failed_blocks.update(plan.failed_blocks)
             self.counters.failed_load_blocks += len(plan.failed_blocks)

@@ -96,13 +96,13 @@ class BackupPolicy:
         v = st.victim
         if v is not None and v.parent is not None and v.lock_ref == 0 and any(s != NO_SLOT for s in v.host_slots):
             # write_back: the eviction that started this backup goes on now; pages whose backup failed are
-            # dropped with it, never marked as stored (R07)
+            # dropped with it, never marked as stored
             self.counters.write_back_dropped_pages += sum(1 for f in v.in_l3 if not f)
             self.allocator.free(self.index.drop_l2(v))
 
     def cancel_backups(self, keys: set[bytes]) -> None:
         """The pages ``keys`` are leaving the index because they were computed on a broken prefix (their saves were
-        not made; docs/architecture.md §8 R31). A backup job whose pages are all among them is cancelled now: its
+        not made: their KV followed a failed load). A backup job whose pages are all among them is cancelled now: its
         lock is released and its report, when it comes (every page "not done": the worker does not send a page whose
         save was not made), changes nothing. A job that also holds other pages keeps running; those pages leave the
         index once it ended."""

@@ -1,7 +1,7 @@
 """The recompute estimate outlives the engine process: a restarted engine starts with its predecessor's prefill time
 per token instead of none.
 
-The controller decides whether an L3 hit is worth waiting for from two running estimates (docs/architecture.md §4,
+The controller decides whether an L3 hit is worth waiting for from two running estimates (docs/architecture.md,
 "Declining slow hits"): fetch time per page and prefill time per prompt token, the latter from forwards that
 computed at least four pages of prompt tokens. An engine restarted over a warm L3 serves its documents from L3 and
 computes only short suffixes, so it may never time such a forward: without a prefill estimate every L3 hit is taken

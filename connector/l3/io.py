@@ -1,4 +1,4 @@
-"""Worker half of the backup/prefetch controller: the L3 store client and its I/O threads (docs/architecture.md §4).
+"""Worker half of the backup/prefetch controller: the L3 store client and its I/O threads.
 
 Design after SGLang HiCache's cache controller (a backup queue and a prefetch queue served by I/O threads off the
 engine's critical path), driven here by the jobs of :mod:`tierkv.connector.core.plan` instead of a shared tree:
@@ -16,7 +16,7 @@ engine's critical path), driven here by the jobs of :mod:`tierkv.connector.core.
   only its own pages; later batches still run (a page is reported done only if the store acknowledged it).
 - Once a job ended, its :class:`~tierkv.connector.core.plan.JobReport` waits in :meth:`take_reports` for the next step's
   worker metadata. Data moves whether or not the engine steps again: a page handed to the writer reaches L3 in
-  bounded time even on an idle engine (docs/architecture.md §8 R30).
+  bounded time even on an idle engine.
 - A prefetch also has a request side, served on the engine thread by :meth:`poll` (vLLM's ``get_finished``): when
   all its pages arrived, or its deadline passed, the leading run of intact pages is handed back for the L2 -> L1
   copy, the rest of the request's blocks are reported as load errors (vLLM recomputes them), and the request is
@@ -281,7 +281,7 @@ class L3IO:
         """Queue the step's jobs (call after the step's L1 -> L2 saves). Never blocks on the store.
 
         ``skip``: job id -> indices of backup pages that must not be sent (their slot was not written:
-        docs/architecture.md §8 R31); they are reported not done, and a backup with nothing left to send is reported
+        pages computed on a failed load are never kept); they are reported not done, and a backup with nothing left to send is reported
         at once."""
         skip = skip or {}
         for job in jobs:
@@ -434,7 +434,7 @@ class L3IO:
         """Stop the threads. Queued backups get up to ``drain_s`` seconds to reach the store; then batches not yet
         started are dropped, a batch in a store call finishes (bounded by the store's own timeout), and the count
         of pages not confirmed stored is logged and returned. Nothing is half-written: a store writes a record
-        whole or not at all (docs/architecture.md §8 R30). Reads are not waited for (no request will use them):
+        whole or not at all. Reads are not waited for (no request will use them):
         their batches not started are skipped, and a reader blocked in a store call is left to end on its own
         (the threads are daemons), so a store whose reads stall does not hold up shutdown."""
         with self._lock:

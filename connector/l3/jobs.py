@@ -44,7 +44,7 @@ class ControllerCounters:
     l3_probe_hits: int = 0              # hits taken although estimated slow, to refresh a stale fetch estimate
     l3_declined_room_pages: int = 0     # hits declined after waiting for L2 room
     index_l3_evicted_pages: int = 0     # L3-only pages dropped from the index to bound it
-    backup_cancelled_pages: int = 0     # backups cancelled: their pages were computed on a failed load (R31)
+    backup_cancelled_pages: int = 0     # backups cancelled: their pages were computed on a failed load
 
     def as_dict(self) -> dict:
         """Every counter under its stats key, ``ctl_<field>`` (one snapshot a step: the keys are made once)."""

@@ -32,7 +32,7 @@ class LookupAnswer:
     rest: list[tuple[str, int]] = field(default_factory=list)
 
 
-#: why a lookup token did not become a hit, each a counter ``lookup_<reason>_tokens`` (docs/architecture.md §4):
+#: why a lookup token did not become a hit, each a counter ``lookup_<reason>_tokens``:
 #: ``miss`` in no tier (or known absent), ``declined_slow`` in L3 but loading was estimated slower than recomputing,
 #: ``no_room`` no L2 staging slot for it, ``late`` its L3 read (or the existence answer) came after the deadline,
 #: ``failed`` its read failed, was corrupt or its copy did not pass the checks, ``skipped`` the request's own

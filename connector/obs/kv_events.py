@@ -2,7 +2,7 @@
 
 Routers that send a request to the engine holding its prefix learn what each engine holds from vLLM's KV events
 (``--kv-events-config``). vLLM publishes its own L1 blocks (``medium="GPU"``); this module adds tierkv's tiers, so a
-prefix kept in L2 or L3 stays visible after it left L1 (docs/architecture.md §4, "KV events").
+prefix kept in L2 or L3 stays visible after it left L1 ("KV events" in docs/architecture.md).
 
 What is published (decided after vLLM 0.32's own offloading tiers, ``v1/kv_offload``):
 

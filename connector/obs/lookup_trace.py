@@ -1,4 +1,4 @@
-"""Lookup trace (config key ``trace_path``): one JSON line per counted lookup, for ``tierkv plan`` (docs/architecture.md §6).
+"""Lookup trace (config key ``trace_path``): one JSON line per counted lookup, for ``tierkv plan``.
 
 The scheduler side (:class:`tierkv.connector.core.scheduler.CacheScheduler`) hands :meth:`LookupTrace.lookup` each request
 that may read a cache at its first admission, the moment its lookup is counted. The file holds:

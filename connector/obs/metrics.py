@@ -4,7 +4,7 @@
 file atomically (temporary name + rename) whenever its counters changed, at most every ``min_interval_s``
 seconds, and once more at shutdown.
 
-The file never lags the counters by more than about ``min_interval_s`` (docs/architecture.md §13; the scheduler
+The file never lags the counters by more than about ``min_interval_s`` (docs/architecture.md; the scheduler
 side hands a snapshot over only with its counter hand-overs to vLLM, about every ``STATS_EVERY_S`` of
 :mod:`tierkv.connector.vllm.connector`, and at once when it goes idle): a change seen
 by :meth:`StatsFile.maybe_write` inside the interval is not dropped but written by a background flusher thread when
@@ -95,7 +95,7 @@ class StatsFile:
     def write_soon(self) -> None:
         """Have the flusher write the current counters at once, whatever the interval. For the moments after which no
         step may come to write them: the engine just went idle, and vLLM's API server may stop it without running any
-        shutdown hook (docs/architecture.md §13). The snapshot is taken here (the caller's counters may not be safe
+        shutdown hook. The snapshot is taken here (the caller's counters may not be safe
         to read from another thread); the JSON and the file system are the flusher's, so the hook that went idle (at
         concurrency 1 the end of every request) does not wait for them."""
         if self.path is None:

@@ -1,4 +1,4 @@
-"""Latency and failure counts of an L3 store as the connector sees them, for ``/metrics`` (docs/architecture.md §13).
+"""Latency and failure counts of an L3 store as the connector sees them, for ``/metrics``.
 
 :class:`TimedStore` wraps the rank's store (any :class:`tierkv.storage_backends.base.StorageBackend`) without
 changing what it does: each ``batch_get`` / ``batch_set`` / ``batch_exists`` is timed (wall seconds, including

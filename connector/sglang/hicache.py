@@ -1,4 +1,4 @@
-"""tierkv's L3 stores as an SGLang HiCache storage backend (docs/architecture.md §10, docs/sglang.md).
+"""tierkv's L3 stores as an SGLang HiCache storage backend (docs/sglang.md).
 
 SGLang (0.5.23) loads it with ``--hicache-storage-backend dynamic`` and ``--hicache-storage-backend-extra-config
 '{"backend_name": "tierkv", "module_path": "tierkv.connector.sglang.hicache", "class_name": "TierKVHiCacheStorage",

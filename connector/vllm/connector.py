@@ -270,10 +270,10 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         ``(n, True)`` for any other L3 hit (an asynchronous load) and for every hit of a model with several KV cache
         groups, ``(None, False)`` while an L3 existence answer or L2 staging room is pending (vLLM asks
         again next step), ``(0, False)`` after an error. The index changes only by existence answers (pages found in L3)
-        and, under ``write_back``, by backups of L2 victims started to make room (docs/architecture.md §4)."""
+        and, under ``write_back``, by backups of L2 victims started to make room."""
         try:
             return self._matched(request, num_computed_tokens)
-        except Exception as e:  # a miss, never an engine crash (docs §8 R41)
+        except Exception as e:  # a miss, never an engine crash
             _hook_error(self._sched.counters, "get_num_new_matched_tokens", e)
             self._sched.drop_async_hit(request.request_id)
             return 0, False
@@ -307,7 +307,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self._sched.on_alloc(request.request_id, block_ids, num_external_tokens, groups)
             else:
                 self._sched.on_alloc(request.request_id, block_ids, num_external_tokens)
-        except Exception as e:  # the promised tokens are reported as failed loads: vLLM recomputes them (§8 R41)
+        except Exception as e:  # the promised tokens are reported as failed loads: vLLM recomputes them
             _hook_error(None, "update_state_after_alloc", e)
             self._sched.alloc_failed(request.request_id, list(block_ids), num_external_tokens, is_async)
 
@@ -340,7 +340,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                 # is saved in a later step, once its tokens are verified (the KV of a rejected draft, written in this
                 # step, never reaches L2, and the page's key is that of the final tokens)
                 self._plan_saves(rid, tokens_after - len(drafts.get(rid, ())), state, blocks)
-            except Exception as e:  # that request's pages are not saved this step; nothing else changes (§8 R41)
+            except Exception as e:  # that request's pages are not saved this step; nothing else changes
                 _hook_error(sched.counters, "build_connector_meta", e)
         meta = sched.build_plan()  # a ConnectorPlan (plan_type): vLLM's metadata as built, no copy
         meta.prefill_tokens = sum(self._prompt_tokens(rid, done, after - done) for rid, after, _b in todo
@@ -361,7 +361,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
     @_timed_hook
     def update_connector_output(self, connector_output) -> None:
         """The workers' job reports and timed forwards; ``finished_recving`` (L3 loads ended: those blocks are never
-        delayed again); vLLM's ``invalid_block_ids``: pages computed on a failed load leave the index (docs §8 R31)."""
+        delayed again); vLLM's ``invalid_block_ids``: pages computed on a failed load leave the index."""
         if self._sched is None:
             return
         try:
@@ -379,7 +379,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         failed = getattr(connector_output, "failed_recving", None) or ()
         self._sched.on_finished_recving(getattr(connector_output, "finished_recving", None) or (),
                                         getattr(connector_output, "invalid_block_ids", None) or (), failed)
-        # blocks whose load failed in that step (every rank's): pages computed on them leave the index (§8 R31)
+        # blocks whose load failed in that step (every rank's): pages computed on them leave the index
         self._sched.on_load_errors(getattr(connector_output, "invalid_block_ids", None) or ())
         if self.hybrid and failed:  # several groups: failed loads come as requests; their loaded pages leave too
             self._sched.on_failed_loads(failed)
@@ -448,7 +448,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
     def has_pending_push_work(self) -> bool:
         """Keeps vLLM's engine stepping (empty steps, no forward) while a backup or prefetch has not reported: its
         report arrives only with a step's output, and until then it pins L2 pages and slots. Without this an engine
-        that went idle right after a burst kept them pinned until the next request (docs/architecture.md §4). A job
+        that went idle right after a burst kept them pinned until the next request. A job
         out longer than ``controller.shutdown_drain_s`` no longer counts: vLLM's shutdown waits for this too, and a
         store that stalls must not hold it up. Also one step more when the engine has no request left and the last
         plan told the workers to hold their counter deltas back (:data:`STATS_EVERY_S`): that step hands them over."""
@@ -494,7 +494,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         records = events.take()
         try:
             return events.to_vllm(records)
-        except Exception as e:  # those events are lost (counted as dropped); the engine goes on (§8 R41)
+        except Exception as e:  # those events are lost (counted as dropped); the engine goes on
             _hook_error(self._sched.counters, "take_events", e)
             events.counters["kv_events_dropped"] += len(records)
             return ()

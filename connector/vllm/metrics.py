@@ -3,7 +3,7 @@
 Each step, both connector roles hand vLLM a :class:`TierKVStats`: the *increase* of their counters since the
 previous step, the current value of the gauges that changed, and the L3 call latencies observed since then. vLLM
 sums the workers' stats, ships them to the front-end, logs them with the other periodic stats, and feeds
-:class:`TierKVPromMetrics`, which exposes on the server's ``/metrics`` (docs/architecture.md §13):
+:class:`TierKVPromMetrics`, which exposes on the server's ``/metrics``:
 
 - one Prometheus counter per key of :data:`COUNTERS` as ``vllm:tierkv_<key>_total`` (tokens, pages, bytes,
   seconds as the key says);

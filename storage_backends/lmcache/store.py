@@ -2,7 +2,7 @@
 
 Many vLLM deployments already run an LMCache cache server; this store lets tierkv use one as its L3 without importing
 LMCache: the client speaks the server's wire protocol itself (pyzmq + msgpack, our own reading of the protocol,
-docs/architecture.md §11) and moves page bytes only through the server's shared-memory segment in ``/dev/shm``
+docs/architecture.md) and moves page bytes only through the server's shared-memory segment in ``/dev/shm``
 (never LMCache's pickle path, which would make the server unpickle bytes from the network).
 
 Protocol, as used here: one ZMQ DEALER socket to the server's ROUTER; a request is the frames

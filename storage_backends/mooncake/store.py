@@ -314,7 +314,7 @@ class MooncakeStore(HostBuffers, StorageBackend):
         """Number of leading ``keys`` whose objects exist; 0 on timeout/error.
 
         Mooncake grants a read lease on every object an existence query finds, and leased objects are not evicted
-        (docs/architecture.md §8 R38). Only the leading run can ever be read, so the keys are asked in chunks of
+       . Only the leading run can ever be read, so the keys are asked in chunks of
         1, 2, 4, ... and the query stops at the first absent key: objects after a hole are never leased by it. A full
         hit of n keys costs about log2(n) + 1 ``batch_is_exist`` RPCs; a call that times out or fails ends the query
         with 0 (each call is bounded by ``timeout_s``, and no later chunk is asked)."""
@@ -460,7 +460,7 @@ class MooncakeStore(HostBuffers, StorageBackend):
                 other = [] if plain_retry_done else [j for j, r in enumerate(res) if r not in (0, MC_UPSERT_CONFLICT)]
                 # Another client's upsert of the same key is in flight (-601): retry with backoff until it is done.
                 # Any other failure gets one retry: a key left "processing" by a crashed writer whose segment is
-                # gone fails its first upsert, the master then drops that entry and the retry claims it (R15).
+                # gone fails its first upsert, the master then drops that entry and the retry claims it.
                 again = conflict + other
                 if not again or (not other and time.monotonic() + pause > deadline):
                     return res

@@ -6,7 +6,7 @@ the caller's buffer (e.g. a host-pool page, a ``torch.uint8`` tensor); on read t
 XXH3-64 are checked before the payload is copied into the destination, so a missing, corrupt, truncated or
 foreign page is a miss, never data.
 
-Fault handling (docs/architecture.md §8 R13; LMCache issue #3565 is the failure this avoids; socket, back-off and
+Fault handling (a dead server times out; LMCache issue #3565 is the failure this avoids; socket, back-off and
 pipelined exchange are the shared :mod:`.zmq.channel`, the segment a :class:`.shm_segment.Segment`):
 
 - every request carries a fresh id (47 bits) and replies are matched by id: a stale, duplicate, undecodable or
@@ -20,7 +20,7 @@ pipelined exchange are the shared :mod:`.zmq.channel`, the segment a :class:`.sh
   ``reconnect_backoff_s`` (from the second consecutive failure) up to ``max_backoff_s``; during a back-off
   window calls fail at once (counted ``fast_fails``) instead of each waiting ``timeout_s``.
 
-Shared-memory data path (``shm``: ``auto`` | ``on`` | ``off``, docs/architecture.md §5): on the same host the
+Shared-memory data path (``shm``: ``auto`` | ``on`` | ``off``): on the same host the
 client creates a ``/dev/shm`` segment of its own (``shm_bytes``), attaches it to the server (``shm_attach``,
 protocol version 3, with the token when one is set) and then names slots of it in get/set requests instead of
 sending payload frames; control messages still travel over ZMQ. Pages are checked exactly as on the frame path.

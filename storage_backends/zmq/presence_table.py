@@ -4,7 +4,7 @@
 The question is asked by the engine's scheduler before every new request, in its own loop; over ZMQ the answer waits
 for the single-threaded server to finish whatever message it is copying (a backup batch of dozens of pages) and for
 a CPU, which the engine itself keeps busy. A table in ``/dev/shm`` that the server keeps current and the client
-probes takes neither (issue 19, "existence answered without a round trip where the store allows it").
+probes takes neither (existence is answered without a round trip where the store allows it).
 
 A table is a file ``/dev/shm/tierkv-presence-<pid><hex>``: a header of :data:`HEADER_WORDS` little-endian uint64
 words (magic, format, slot count, state, writer pid, live entries, used slots) and then ``slots`` uint64 slots (a

@@ -23,8 +23,7 @@ Request ``[header, payload_0, payload_1, ...]``
     - ``shm_attach`` (v3; no ``ns``): ``"name": str, "size": int`` - map the client's shared-memory segment
       ``/dev/shm/<name>`` (name: :data:`SHM_PREFIX` + hex, :data:`SHM_NAME_RE`; at least ``size`` bytes, a regular
       file) read-write; reply ``{"attached": True}``. ``shm_detach`` (v3): ``"name"`` - unmap it.
-    - ``get`` and ``set`` with ``"shm": <segment name>`` (v3; the shared-memory data path, docs/architecture.md
-      §5): ``"len": int`` (payload bytes of each page) and ``"offs": [int per key]`` (byte offset of each page's
+    - ``get`` and ``set`` with ``"shm": <segment name>`` (v3; the shared-memory data path): ``"len": int`` (payload bytes of each page) and ``"offs": [int per key]`` (byte offset of each page's
       slot in the segment, ``off + len <= size``). A ``set`` then carries no payload frames: the server copies
       each slot out of the segment (plus ``"hdrs"`` as above). A ``get`` copies each hit into its slot and replies
       ``{"hits", "hdrs", "bad"}`` without payload frames (a stored payload of another length is a miss, counted in
@@ -58,7 +57,7 @@ Reply ``[header, payload_0, ...]``
 A request the server cannot parse gets an error reply (``id`` 0 when the id itself is unreadable) or is
 dropped; the server keeps serving other clients.
 
-Safety (docs/architecture.md §8 R19): nothing is ever unpickled; headers are decoded with msgpack under strict
+Safety: nothing is ever unpickled; headers are decoded with msgpack under strict
 limits (header frame size, string/bin/array/map lengths, the C decoder's bounded nesting, no extension types);
 payloads are raw bytes that the server stores and returns without interpreting them. Pages are checked by
 the *client* (page header + XXH3) on every read.

@@ -10,7 +10,7 @@ This module is the protocol side: frames, authentication (a request's token name
 live in a :class:`.page_store.PageStore` (one namespace per tenant, quotas, LRU, spill, presence table). The server
 never looks inside a payload: the client wraps every page with a :mod:`.page_format` header and checks it on read.
 
-Safe by default (docs/architecture.md §12, docs/tenants.md): a ``--host`` beyond loopback without a token refuses to
+Safe by default (docs/architecture.md, docs/tenants.md): a ``--host`` beyond loopback without a token refuses to
 start unless ``--allow-unauthenticated``; error replies and log lines carry ``***`` in place of any token; a request
 for another tenant's page is a miss. Wire format and its limits: :mod:`.zmq_protocol` (no pickle).
 """

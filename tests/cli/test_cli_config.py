@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from _cli_helpers import one_line_error, tierkv
+from tests.helpers.cli import one_line_error, tierkv
 from tierkv.cli import COMMANDS, main
 from tierkv.cli_common import EXIT_FOUND, EXIT_OK, EXIT_USAGE
 from tierkv.cli_config import config_keys, markdown_table, readme_section

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from _cli_helpers import one_line_error, tierkv
+from tests.helpers.cli import one_line_error, tierkv
 from tierkv.cli_common import CliError
 from tierkv.cli_plan import read_trace, replay
 from tierkv.plan_chunks import detect

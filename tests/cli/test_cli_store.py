@@ -11,7 +11,7 @@ import time
 import pytest
 import xxhash
 
-from _cli_helpers import NS_A, NS_B, key, one_line_error, page, tierkv
+from tests.helpers.cli import NS_A, NS_B, key, one_line_error, page, tierkv
 from tierkv.cli import main
 from tierkv.cli_common import EXIT_FOUND, EXIT_NEWER, EXIT_OK, EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_USAGE
 from tierkv.storage_backends.file.store import FileStore
@@ -166,7 +166,7 @@ def test_bad_input_is_one_line_and_a_documented_exit_code(tmp_path, store):
 
 # ----------------------------------------------------------------------------------------------- tierkv server
 def test_server_stats_verify_fix_and_clear_over_the_wire(tmp_path, capsys, fresh_env):
-    from _fixtures_zmq import ZmqHandle
+    from tests.helpers.fixtures_zmq import ZmqHandle
 
     h = ZmqHandle(tmp_path, PB_A, NS_A, token="tok-123")
     try:
@@ -202,7 +202,7 @@ def test_server_stats_verify_fix_and_clear_over_the_wire(tmp_path, capsys, fresh
 
 
 def test_server_stats_and_verify_include_spilled_pages(tmp_path, capsys, fresh_env):
-    from _fixtures_zmq import ZmqHandle
+    from tests.helpers.fixtures_zmq import ZmqHandle
 
     h = ZmqHandle(tmp_path, PB_A, NS_A, capacity_pages=2, spill_dir=str(tmp_path / "spill"))
     try:
@@ -219,7 +219,7 @@ def test_server_stats_and_verify_include_spilled_pages(tmp_path, capsys, fresh_e
 def test_server_verify_runs_in_steps_and_other_clients_are_answered_in_between(tmp_path, fresh_env):
     """A verify of 30 records (20 in memory, 10 spilled) in steps of 7: after the first step, with 7 of 30 checked,
     another client's exists and get are answered; then the verify goes on to all 30 and drops the corrupt one."""
-    from _fixtures_zmq import ZmqHandle
+    from tests.helpers.fixtures_zmq import ZmqHandle
 
     from tierkv.cli_common import parse_target
     from tierkv.cli_store import ZmqAdmin, verify_server
@@ -257,7 +257,7 @@ def test_lmcache_server_stats_say_what_the_server_can_tell(tmp_path, capsys):
     segment's size) and the pool bytes ever written (the segment's resident blocks: at least the 8 slots of 64 + 4096
     bytes just set), pages unknown; verify and clear are refused (exit 5), a bad address is exit 2, a port where no
     server listens exit 3."""
-    from _fixtures_lmcache import make_backend
+    from tests.helpers.fixtures_lmcache import make_backend
 
     with make_backend(tmp_path, PB_A, NS_A) as h:
         addr = f"lmcache://127.0.0.1:{h.port}"
@@ -285,7 +285,7 @@ def test_lmcache_server_stats_say_what_the_server_can_tell(tmp_path, capsys):
 
 # ----------------------------------------------------------------------------------------------- Mooncake master
 def test_mooncake_master_stats_and_clear(tmp_path, capsys):
-    from mooncake_master import MooncakeMaster
+    from tests.helpers.mooncake_master import MooncakeMaster
 
     from tierkv.storage_backends.mooncake.store import MooncakeStore
 

@@ -9,7 +9,7 @@ import sys
 import msgpack
 import pytest
 
-from _cli_helpers import NS_A, key, page
+from tests.helpers.cli import NS_A, key, page
 from tierkv.storage_backends.zmq import protocol as P
 from tierkv import cli_server
 from tierkv.storage_backends.zmq import server as zmq_server
@@ -74,7 +74,7 @@ def test_token_file_is_read_and_an_empty_one_refused(tmp_path, monkeypatch, fres
 @pytest.fixture
 def srv(tmp_path, fresh_env):
     """A real server process with a token, debug logging into a file, a store client and 3 pages of NS_A."""
-    from _fixtures_zmq import ZmqHandle
+    from tests.helpers.fixtures_zmq import ZmqHandle
 
     h = ZmqHandle(tmp_path, 4096, NS_A, token=TOKEN, server_args=("--log-level", "debug"))
     assert all(h.backend.batch_set([key(i) for i in range(3)], [page(i, 4096) for i in range(3)]))
@@ -83,7 +83,7 @@ def srv(tmp_path, fresh_env):
 
 
 def _req(h, **fields) -> dict:
-    from _fixtures_zmq import decode_reply, raw_request
+    from tests.helpers.fixtures_zmq import decode_reply, raw_request
 
     hdr = {"v": P.PROTOCOL_VERSION, "id": 7, **fields}
     rep = raw_request(h.endpoint, hdr)

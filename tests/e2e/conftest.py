@@ -1,4 +1,4 @@
-"""Fixtures for end-to-end tests that start real vLLM engines (see ``_engine.py`` for the runner).
+"""Fixtures for end-to-end tests that start real vLLM engines (see ``tests/helpers/engine.py`` for the runner).
 
 - ``tiny_model`` (session): directory of the ``test`` preset of ``examples/make_tiny_model.py`` (Llama
   architecture, random seeded weights, local tokenizer), built once; default ``<repo>/models/test``
@@ -15,17 +15,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-
-import _engine  # noqa: E402  (needs HERE on sys.path)
+from tests.helpers import engine as _engine
 
 _engine.ENGINE_CORE_IN_PROCESS = True
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from _engine import EngineRunError, in_parallel, run_workload, tierkv_kv_config
+from tests.helpers.engine import EngineRunError, in_parallel, run_workload, tierkv_kv_config
 
 BAD = {"layout": {"host_pool": {"layout": "rows"}}, "budget": {"host_pool": {"size_gb": 100000}}}
 

@@ -33,7 +33,7 @@ Reference: the same workloads on vLLM without a connector and with an L1 that ke
 Determinism, and what is compared exactly. A greedy token is bit-exact between two runs only when both computed the
 same KV the same way: the pages tierkv supplies are copies of the bits vLLM computed for the same tokens, but bf16
 rounding also depends on batch composition. In sequential mode (one request at a time) batch composition is the same
-in both runs (``_engine.py``), so ``fill``, ``touch``, ``push`` and ``verify`` outputs must equal the reference's,
+in both runs (``tests/helpers/engine.py``), so ``fill``, ``touch``, ``push`` and ``verify`` outputs must equal the reference's,
 and ``verify`` reuses only pages computed in ``fill`` (loaded from L2 here, from L1 there). The ``concurrent``
 batch is composed differently in the two runs by design (the A requests wait for L3 with tierkv, not without it),
 so only what does not depend on rounding is asserted there: every request answered in full, and the prefix tokens
@@ -49,7 +49,7 @@ from pathlib import Path
 
 import pytest
 
-from _engine import REPO_ROOT, run_job, stats_by_role, tierkv_kv_config
+from tests.helpers.engine import REPO_ROOT, run_job, stats_by_role, tierkv_kv_config
 
 P = 32
 MAX_LEN = 512

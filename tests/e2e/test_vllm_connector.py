@@ -25,7 +25,7 @@ import random
 
 import pytest
 
-from _engine import REPO_ROOT, in_parallel, run_workload, stats_by_role, tierkv_kv_config
+from tests.helpers.engine import REPO_ROOT, in_parallel, run_workload, stats_by_role, tierkv_kv_config
 
 P = 32
 MAX_LEN = 512

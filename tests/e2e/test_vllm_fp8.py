@@ -17,7 +17,7 @@ load (checked through L2 and L3 here; no scale is stored, so none can be lost).
 vLLM's CPU attention takes an FP8 KV cache only on a CPU with AVX-512 or AMX; an AVX2-only CPU (one of the machines
 this suite runs on) refuses it at start-up. There the tests above cannot run, and the module checks instead what a
 user of such a machine sees: the engine with tierkv stops with vLLM's reason, not a tierkv error in its place. FP8
-pages are still checked on every machine by ``tests/unit/test_namespace_facts.py`` (namespaces, page bytes and
+pages are still checked on every machine by ``tests/connector/core/test_namespace_facts.py`` (namespaces, page bytes and
 bit-exact copies of uint8 KV tensors, with vLLM made to see an AVX-512 CPU).
 """
 import random
@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _engine import EngineRunError, in_parallel, run_job, stats_by_role, tierkv_kv_config
+from tests.helpers.engine import EngineRunError, in_parallel, run_job, stats_by_role, tierkv_kv_config
 
 P = 32
 L1_BLOCKS = 24

@@ -9,7 +9,7 @@ full-attention layers, only the window's pages of the sliding-window layers. The
 served once, then again reusing them from the engine's own L1 (the reference); with L1 dropped they come from L2, and
 with L2 flushed too from the file L3. Outputs from L2 and from L3 equal the reference bit for bit (greedy), every
 document token comes from tierkv, no load fails, and the bytes loaded are those of the window rule. The manager-off
-case (one group, every layer kept for every token) is covered in ``tests/unit/test_hybrid_geometry.py``.
+case (one group, every layer kept for every token) is covered in ``tests/connector/vllm/test_hybrid_geometry.py``.
 """
 import importlib.util
 import json
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from _engine import REPO_ROOT, run_job, stats_by_role, tierkv_kv_config
+from tests.helpers.engine import REPO_ROOT, run_job, stats_by_role, tierkv_kv_config
 
 P = 32                      # tokens per page = engine block
 DOC_PAGES = 5               # > 2 sliding windows of 64 tokens

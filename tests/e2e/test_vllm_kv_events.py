@@ -25,8 +25,8 @@ import requests
 import zmq
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
-from _engine import DEFAULT_ENV, TIERKV_CONNECTOR, TIERKV_MODULE
-from _servers import unused_loopback_ports
+from tests.helpers.engine import DEFAULT_ENV, TIERKV_CONNECTOR, TIERKV_MODULE
+from tests.helpers.servers import unused_loopback_ports
 
 P = 32
 STARTUP_S = 600

@@ -21,7 +21,7 @@ import random
 
 import pytest
 
-from _engine import in_parallel, run_job, stats_by_role, tierkv_kv_config
+from tests.helpers.engine import in_parallel, run_job, stats_by_role, tierkv_kv_config
 
 P = 32
 MAX_LEN = 512

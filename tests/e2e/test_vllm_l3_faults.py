@@ -28,9 +28,9 @@ from pathlib import Path
 
 import pytest
 
-from _engine import (in_parallel, read_stats, release_barrier, run_job, stats_by_role, tierkv_kv_config,
+from tests.helpers.engine import (in_parallel, read_stats, release_barrier, run_job, stats_by_role, tierkv_kv_config,
                      wait_for_file)
-from _servers import mooncake_l3, unused_loopback_ports, zmq_l3, zmq_server
+from tests.helpers.servers import mooncake_l3, unused_loopback_ports, zmq_l3, zmq_server
 
 P = 32
 MAX_LEN = 512

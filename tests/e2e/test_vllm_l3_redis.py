@@ -11,10 +11,9 @@ server answered and refused: waiting would not help).
 """
 import pytest
 
-import _servers  # noqa: F401  (puts tests/storage on sys.path)
-from _engine import EngineRunError, in_parallel, run_job, stats_by_role
-from _redis_servers import RedisClusterServers, RedisServer, free_port
-from test_vllm_l3_shared import ARGS, MAX_TOKENS, STORE_TIMEOUT_S, _check_pair, _config, _engine, _rounds
+from tests.helpers.engine import EngineRunError, in_parallel, run_job, stats_by_role
+from tests.helpers.redis_servers import RedisClusterServers, RedisServer, free_port
+from tests.e2e.test_vllm_l3_shared import ARGS, MAX_TOKENS, STORE_TIMEOUT_S, _check_pair, _config, _engine, _rounds
 
 
 def _redis_l3(**section):

@@ -13,8 +13,8 @@ import random
 
 import pytest
 
-from _engine import in_parallel, run_job, stats_by_role, tierkv_kv_config
-from _servers import mooncake_l3, mooncake_store, zmq_l3, zmq_server
+from tests.helpers.engine import in_parallel, run_job, stats_by_role, tierkv_kv_config
+from tests.helpers.servers import mooncake_l3, mooncake_store, zmq_l3, zmq_server
 
 P = 32
 MAX_LEN = 512
@@ -55,7 +55,7 @@ def _config(l3):
     140 ms a page for the first read), which would make the existence answer late (``exists_wait_s``) or the fetch
     estimate decline later hits as slower than recomputing; a probe interval of 1 us lets every such hit go ahead.
     The stores' own timeouts are generous for the same reason (``STORE_TIMEOUT_S``). Those timing decisions have
-    their own tests (test_vllm_l3_faults.py, tests/unit)."""
+    their own tests (test_vllm_l3_faults.py, tests/connector)."""
     return tierkv_kv_config({"host_pool": {"num_pages": 12}, "verify_checksums": True, "l3": l3,
                              "controller": {"write_policy": "write_through", "prefetch_policy": "wait_complete",
                                             "exists_wait_s": 60.0, "probe_interval_s": 1e-6}},

@@ -27,8 +27,8 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from _engine import DEFAULT_ENV, REPO_ROOT, TIERKV_CONNECTOR, TIERKV_MODULE
-from _servers import unused_loopback_ports
+from tests.helpers.engine import DEFAULT_ENV, REPO_ROOT, TIERKV_CONNECTOR, TIERKV_MODULE
+from tests.helpers.servers import unused_loopback_ports
 
 P = 32
 DOC_PAGES = 5

@@ -11,7 +11,7 @@ by name (``attention_backend``), so the test runs the same backend on every host
 With no L1 prefix reuse there is no "same engine reusing the prefix from L1" to compare with: the reference is the
 same engine recomputing the same prompts under a fresh ``cache_salt`` each (a salted page key never hits, so the
 whole prompt is computed), i.e. the prompt without any cache. Outputs are compared in sequential mode (one request
-at a time, see ``_engine.py``).
+at a time, see ``tests/helpers/engine.py``).
 
 The engine (tierkv: L2 of ``L2_PAGES`` pages, write_through to a file store, ``wait_complete`` prefetches,
 checksums on) runs, in order:
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from _engine import REPO_ROOT, run_job, stats_by_role, tierkv_kv_config
+from tests.helpers.engine import REPO_ROOT, run_job, stats_by_role, tierkv_kv_config
 
 MLA_BACKEND = "CPU_MLA"  # named, else an AMX host gets AMX_MLA (block sizes multiple of 32, prefix caching on)
 P = 16                # vLLM's CPU MLA block size (forced), tierkv's page

@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from _engine import run_job, stats_by_role, tierkv_kv_config
+from tests.helpers.engine import run_job, stats_by_role, tierkv_kv_config
 
 BLOCK, PAGE = 32, 64
 FULL = 4 * PAGE              # the full pages of each prompt

@@ -11,7 +11,7 @@ deepest pages first, so the shared document pages, ancestors of the decoded tail
 """
 import random
 
-from _engine import run_job, stats_by_role, tierkv_kv_config
+from tests.helpers.engine import run_job, stats_by_role, tierkv_kv_config
 
 P = 32
 L2_PAGES = 40

@@ -11,7 +11,7 @@ the keys of the final tokens, so none is stored and never served (vLLM #52735).
 """
 import pytest
 
-from _engine import run_job, stats_by_role, tierkv_kv_config
+from tests.helpers.engine import run_job, stats_by_role, tierkv_kv_config
 
 P = 32
 PROMPT_LEN = 72

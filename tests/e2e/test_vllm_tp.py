@@ -25,7 +25,7 @@ Engines (two at a time, in threads: ``ref`` with ``tier``, then the two restarts
   job and the scheduler takes the page-wise AND of the reports.
 
 Outputs are compared in sequential mode only (one request at a time, so bf16 rounding depends on nothing but the
-computation itself, see ``_engine.py``), and each compared request finds exactly the same prefix pages, computed by
+computation itself, see ``tests/helpers/engine.py``), and each compared request finds exactly the same prefix pages, computed by
 the same requests, as in ``ref``: bit-identical KV, so identical greedy tokens.
 """
 import dataclasses
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pytest
 
-from _engine import in_parallel, run_job, stats_by_role, tierkv_kv_config
+from tests.helpers.engine import in_parallel, run_job, stats_by_role, tierkv_kv_config
 
 P = 32
 MAX_LEN = 256

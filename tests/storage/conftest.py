@@ -1,6 +1,6 @@
 """Fixtures of the L3 storage tests; the contract suite runs once per backend.
 
-Backend fixture convention (``tests/storage/_fixtures_<name>.py``, name in file / zmq / mooncake):
+Backend fixture convention (``tests/helpers/fixtures_<name>.py``, name in file / zmq / mooncake):
 
     @contextlib.contextmanager
     def make_backend(tmp_path, page_bytes: int, namespace: bytes, **opts) -> Iterator[handle]
@@ -33,34 +33,23 @@ A fixture module that is absent generates no parameter; one that fails to import
 from __future__ import annotations
 
 import contextlib
-import importlib.util
+import importlib
 import itertools
-import sys
 from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-KINDS = [k for k in ("file", "zmq", "zmq_shm", "mooncake", "lmcache", "redis", "redis_cluster") if (HERE / f"_fixtures_{k}.py").exists()]
+HELPERS = Path(__file__).resolve().parents[1] / "helpers"
+KINDS = [k for k in ("file", "zmq", "zmq_shm", "mooncake", "lmcache", "redis", "redis_cluster")
+         if (HELPERS / f"fixtures_{k}.py").exists()]
 
 NS_A = bytes(range(16))
 NS_B = bytes(range(16, 32))
 
 
 def load_fixture_module(kind: str):
-    """Import ``_fixtures_<kind>.py`` (by path, once) and return it."""
-    name = f"_fixtures_{kind}"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    try:
-        spec.loader.exec_module(mod)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return mod
+    """Import ``tests.helpers.fixtures_<kind>`` and return it."""
+    return importlib.import_module(f"tests.helpers.fixtures_{kind}")
 
 
 @pytest.fixture(params=KINDS)
@@ -75,7 +64,7 @@ def make_store(backend_kind, tmp_path):
     try:
         mod = load_fixture_module(backend_kind)
     except Exception as e:  # noqa: BLE001 - reported as a test failure, not a collection error
-        pytest.fail(f"cannot import tests/storage/_fixtures_{backend_kind}.py: {type(e).__name__}: {e}")
+        pytest.fail(f"cannot import tests/helpers/fixtures_{backend_kind}.py: {type(e).__name__}: {e}")
     counter = itertools.count()
     with contextlib.ExitStack() as stack:
         def make(page_bytes: int = 4096, namespace: bytes = NS_A, **opts):

@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-import _contract_workers as W
+from tests.helpers import contract_workers as W
 
 from pathlib import Path
 
-_HERE = Path(__file__).resolve().parent
-_KINDS = [k for k in ("file", "zmq", "zmq_shm", "mooncake", "lmcache", "redis", "redis_cluster") if (_HERE / f"_fixtures_{k}.py").exists()]
+_HELPERS = Path(__file__).resolve().parents[1] / "helpers"
+_KINDS = [k for k in ("file", "zmq", "zmq_shm", "mooncake", "lmcache", "redis", "redis_cluster")
+          if (_HELPERS / f"fixtures_{k}.py").exists()]
 # Parametrisations restricted per store (the only ones; every other test runs on every store of conftest.KINDS):
 # - the exact LRU eviction test: Mooncake and LMCache evict by their own policies (watermark, LMCache's), not an exact
 #   LRU of a given number of pages, so there is nothing exact to assert for them;

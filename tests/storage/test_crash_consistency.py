@@ -12,10 +12,10 @@ import time
 import pytest
 import torch
 
-import _fixtures_file as FF
-import _fixtures_zmq as FZ
-import _hostile as H
-from _contract_workers import check
+from tests.helpers import fixtures_file as FF
+from tests.helpers import fixtures_zmq as FZ
+from tests.helpers import hostile as H
+from tests.helpers.contract_workers import check
 
 PB = 64 << 10
 NS = bytes(range(80, 96))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import _fixtures_zmq as FZ
+from tests.helpers import fixtures_zmq as FZ
 from tierkv.connector.core.config import ConfigError, load_config
 from tierkv.connector.l3.io import l3_key
 from tierkv.connector.core.page_hash import NAMESPACE_SALT_ENV, ModelNamespace, page_keys, request_root

@@ -21,8 +21,8 @@ def _rand16() -> bytes:
 # objects, LMCache chunks): changing any of them (field order, byte order, sizes, checksum function, magic) makes
 # stored data unreadable and must be a deliberate decision that bumps page_format.VERSION (the record's version
 # field, offset 4), and then these constants. See the header table in storage_backends/page_format.py.
-GOLDEN_NS = bytes.fromhex("bcb5938b46a2e6356a9a5226012ea5de")   # tests/unit/test_page_hash.py GOLDEN_NS
-GOLDEN_KEY = "6ce9b292b484b2540201e8629d95e3ad"                   # tests/unit/test_page_hash.py GOLDEN_KEYS[0]
+GOLDEN_NS = bytes.fromhex("bcb5938b46a2e6356a9a5226012ea5de")   # tests/connector/core/test_page_hash.py GOLDEN_NS
+GOLDEN_KEY = "6ce9b292b484b2540201e8629d95e3ad"                   # tests/connector/core/test_page_hash.py GOLDEN_KEYS[0]
 GOLDEN_PAYLOAD = bytes(range(48))
 GOLDEN_PAYLOAD_XXH3 = 0x57433C648F7D24C9  # XXH3-64 of GOLDEN_PAYLOAD
 GOLDEN_HEADER = bytes.fromhex(

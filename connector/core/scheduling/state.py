@@ -107,7 +107,7 @@ class SchedulerCounters:
     # named the load ended. An L2 hit costs 0 (loaded in the step that schedules it); the least an L3 hit costs is 1
     # with synchronous scheduling and 2 with vLLM's asynchronous scheduling (its default except on its CPU backend),
     # whose next plan is built before the output of the step that ended the load is processed
-    # (tests/unit/test_l3_wait_steps_vllm.py)
+    # (tests/connector/vllm/test_l3_wait_steps_vllm.py)
     l3_hits: int = 0
     l3_hit_wait_steps: int = 0      # summed over the hits
     l3_hit_wait_steps_1: int = 0    # histogram: hits that waited 0-1 steps, 2, 3-4, 5-8, 9 or more
