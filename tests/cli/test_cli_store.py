@@ -324,7 +324,7 @@ def test_redis_server_stats_count_pages_namespaces_ages_and_server_counters(tmp_
     """A real redis-server (tests/storage/_redis_servers.py) written by RedisStore: 3 pages of NS_A, 2 of NS_B, one
     key of another application, one key under the prefix that is not a page; stats list exactly the pages, clear
     removes one namespace."""
-    from _redis_servers import RedisServer
+    from tests.helpers.redis_servers import RedisServer
 
     from tierkv.storage_backends.redis import RedisStore
 
@@ -374,7 +374,7 @@ def test_redis_server_stats_count_pages_namespaces_ages_and_server_counters(tmp_
 def test_redis_bad_input_names_the_flag(tmp_path, capsys, monkeypatch):
     """A password-protected server without --password (5), a wrong key prefix or URL (2), a port nothing listens
     on (3): one line naming the flag or the address."""
-    from _redis_servers import RedisServer, free_port
+    from tests.helpers.redis_servers import RedisServer, free_port
 
     monkeypatch.delenv("TIERKV_REDIS_PASSWORD", raising=False)
     srv = RedisServer(str(tmp_path / "redis"), password="s3cret")
