@@ -109,7 +109,7 @@ def _r35_replay_all(e, docs, tag):
 
 
 @pytest.mark.parametrize("point", R35_POINTS)
-def test_r35_every_terminal_path_releases_every_reservation(tmp_path, monkeypatch, point):
+def test_every_terminal_path_releases_every_reservation(tmp_path, monkeypatch, point):
     """R35 (an abort from a side queue leaks the prefetch budget). tierkv's reservations are index locks, staging
     slots, pending jobs, the controller's request state (request-side-open set, room waits, existence waits, fetches
     in flight) and the scheduler's per-request state. A request ended at ``point`` (normal finish, abort before its
@@ -124,7 +124,7 @@ def test_r35_every_terminal_path_releases_every_reservation(tmp_path, monkeypatc
     e.close()
 
 
-def test_r35_seeded_rounds_of_random_end_points_leave_no_reservation(tmp_path, monkeypatch):
+def test_seeded_rounds_of_random_end_points_leave_no_reservation(tmp_path, monkeypatch):
     """R35, step 4: rounds in which every prompt ends at a random point (seeded); after each round nothing is
     reserved, every replay gets its whole hit, and the free + indexed slot count is the pool size."""
     rng = random.Random(35)

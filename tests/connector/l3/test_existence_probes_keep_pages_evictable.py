@@ -21,7 +21,7 @@ def _fixture(kind):
 
 
 @pytest.mark.parametrize("kind", ["file", "zmq"])
-def test_r38_probes_do_not_refresh_recency_and_a_full_store_still_takes_every_write(tmp_path, kind):
+def test_probes_do_not_refresh_recency_and_a_full_store_still_takes_every_write(tmp_path, kind):
     """R38 (existence probes pin objects, so eviction finds nothing). The rule for the file store and the ZMQ
     server: an existence query changes nothing (no lease, no recency); a read makes a page most recently used. A store
     of 16 pages at capacity whose every page is probed over and over (with absent keys mixed in) but only pages 0-1
@@ -110,7 +110,7 @@ def _mooncake_probe_run(tmp_path, first_absent: bool):
     return exists_jobs, left, ok, tried
 
 
-def test_r38_mooncake_pages_probed_but_not_read_stay_evictable(tmp_path):
+def test_mooncake_pages_probed_but_not_read_stay_evictable(tmp_path):
     """R38 with a real Mooncake master. Mooncake's ``batch_is_exist`` (tierkv's ``MooncakeStore.batch_exists``)
     grants a read lease on every object it finds, and eviction skips leased objects. tierkv asks L3 about a page
     only while its index does not know it: a found page is indexed (L3-only) and never probed again, however many
@@ -123,7 +123,7 @@ def test_r38_mooncake_pages_probed_but_not_read_stay_evictable(tmp_path):
     assert ok > 0
 
 
-def test_r38_mooncake_pages_after_an_absent_page_are_not_kept_leased_by_repeated_probes(tmp_path):
+def test_mooncake_pages_after_an_absent_page_are_not_kept_leased_by_repeated_probes(tmp_path):
     """R38: page 0 of each prompt is missing, pages 1-119 present; existence probes repeated every negative_ttl_s must
     not keep the unreadable pages from eviction. Before the fix one query asked every page of the rest of the prompt
     and Mooncake leased every page it found, although none after the hole can ever be read."""

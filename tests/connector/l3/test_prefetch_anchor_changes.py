@@ -25,7 +25,7 @@ def _corrupt_l2_page(e, slot):
 
 
 @pytest.mark.parametrize("touch", R37_TOUCHES)
-def test_r37_a_prefetch_completing_after_its_path_changed_attaches_nothing_under_an_invalid_anchor(
+def test_a_prefetch_completing_after_its_path_changed_attaches_nothing_under_an_invalid_anchor(
         tmp_path, monkeypatch, touch):
     """R37 (prefetch completion grafts pages under an anchor whose state changed during the I/O). tierkv's anchor is
     the prefetch's index path (locked from the order to the report, so nothing on it can be evicted, reset or dropped
@@ -119,7 +119,7 @@ def test_r37_a_prefetch_completing_after_its_path_changed_attaches_nothing_under
 
 
 # ================================================================ R38: existence probes and eviction
-def test_r37_a_prefetch_never_hands_its_request_an_l2_anchor_page_whose_save_was_not_made(tmp_path, monkeypatch):
+def test_a_prefetch_never_hands_its_request_an_l2_anchor_page_whose_save_was_not_made(tmp_path, monkeypatch):
     """R37: the save of X's pages 0-1 raised (R41): slots unwritten, the index still lists them in L2. A later L3 hit
     of those 2 L2 pages + 6 L3 pages must not copy the unwritten slots into its blocks: recomputed from page 0. Before
     the fix a prefetch copied its leading L2 pages without the checks a synchronous load makes."""

@@ -65,7 +65,7 @@ def _r36_after_release(e, writes, job, handed, others, tag):
 
 
 @pytest.mark.parametrize("end", ["abort", "deadline"])
-def test_r36_staging_slots_go_back_only_after_the_io_thread_stopped_writing_them(tmp_path, end):
+def test_staging_slots_go_back_only_after_the_io_thread_stopped_writing_them(tmp_path, end):
     """R36 (an abort frees host slots while the storage I/O thread still reads into them). A prefetch of 8 pages
     (batches of 2) whose first batch is inside the store is aborted (or released at its deadline, request computed
     and finished); meanwhile other requests allocate, evict and free L2 slots. tierkv keeps the job's staging slots
@@ -105,7 +105,7 @@ def test_r36_staging_slots_go_back_only_after_the_io_thread_stopped_writing_them
     e.close()
 
 
-def test_r36_a_read_held_by_a_stopped_zmq_server_keeps_its_staging_slots_until_it_returns(tmp_path):
+def test_a_read_held_by_a_stopped_zmq_server_keeps_its_staging_slots_until_it_returns(tmp_path):
     """R36 with a real ``tierkv server``: the server is SIGSTOPped while a prefetch's first batch is on the wire, the
     request is aborted and other requests churn L2; after SIGCONT the reply arrives and is written into the job's own
     staging slots only, which go back to the allocator with the job's report."""

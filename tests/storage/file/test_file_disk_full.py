@@ -80,7 +80,7 @@ def assert_clean(root: str) -> None:
         assert name.endswith(".page") and os.path.getsize(f) == REC, f"partial page file {f}"
 
 
-def test_r20_capacity_enforced_by_lru_eviction(tmp_path, monkeypatch):
+def test_capacity_enforced_by_lru_eviction(tmp_path, monkeypatch):
     mnt = tmp_path / "mnt"
     with small_fs(mnt, 8, monkeypatch):
         root = str(mnt / "l3")
@@ -109,7 +109,7 @@ def test_r20_capacity_enforced_by_lru_eviction(tmp_path, monkeypatch):
         assert_clean(root)
 
 
-def test_r20_filesystem_fills_before_capacity(tmp_path, monkeypatch):
+def test_filesystem_fills_before_capacity(tmp_path, monkeypatch):
     mnt = tmp_path / "mnt"
     with small_fs(mnt, 8, monkeypatch) as kind:
         root = str(mnt / "l3")

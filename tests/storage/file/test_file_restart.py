@@ -47,7 +47,7 @@ def page_files(root: str) -> list[str]:
     return out
 
 
-def test_r17_restart_rebuilds_index_drops_torn_files(tmp_path):
+def test_restart_rebuilds_index_drops_torn_files(tmp_path):
     root = str(tmp_path / "l3")
     cap = 32 * REC
     keys = [prompt_keys(NS, j) for j in range(5)]

@@ -38,7 +38,7 @@ class _Canary:
 
 
 @pytest.mark.parametrize("padded", [True, False])
-def test_r19_planted_pickle_page_is_a_miss(tmp_path, padded):
+def test_planted_pickle_page_is_a_miss(tmp_path, padded):
     root = str(tmp_path / "l3")
     s = FileStore(NS, PAGE, root=root)
     canary = tmp_path / "canary"
