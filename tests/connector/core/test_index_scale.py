@@ -1,4 +1,4 @@
-"""The index at scale (docs/architecture.md §9): work counted, not timed.
+"""The index at scale (docs/architecture.md, "The structures"): work counted, not timed.
 
 - a waiting request's repeated lookup costs O(1) index work and hashes nothing after the first, while other
   requests insert and evict around it, and its answer still follows every change of its own path;

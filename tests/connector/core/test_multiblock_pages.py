@@ -1,4 +1,4 @@
-"""Pages of several engine blocks (``page_size`` = k x block size, issue 20 item 4), engine-free.
+"""Pages of several engine blocks (``page_size`` = k x block size), engine-free.
 
 A stub of vLLM's scheduler drives the real :class:`CacheScheduler` and :class:`CacheWorker` over a real fake-L1
 (:class:`DevicePool` over CPU tensors in vLLM's CPU-backend shape) and a real L2 (:class:`HostPool` of block rows

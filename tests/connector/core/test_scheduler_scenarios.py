@@ -1,6 +1,6 @@
 """Connector core end to end without an engine: scheduler side + worker side on real L1/L2 tensors.
 
-Faults R01, R08, R09, R12, R21 (docs/architecture.md §8) as they apply to L1/L2.
+Namespace isolation, keys shorter than a page, preemption, aborts and a seeded soak, as they apply to L1/L2.
 """
 import random
 

@@ -2,7 +2,7 @@
 real L1/L2 tensors and a real file store (the fault wrapper only where a fault must be produced on demand).
 
 Every loaded page is checked byte for byte against the fingerprint of the tokens that produced it
-(``fake_engine.fingerprint``); faults named Rnn are described in docs/architecture.md §8.
+(``fake_engine.fingerprint``); the invariants are listed in docs/architecture.md, "The fault model".
 """
 import random
 import threading
@@ -145,7 +145,7 @@ def test_write_back_with_failing_store_never_marks_a_page_stored(tmp_path):
     e.close()
 
 
-# ---------------------------------------------------------------- L2 eviction keeps L3 pages (R27)
+# ---------------------------------------------------------------- L2 eviction keeps L3 pages
 def test_small_l2_under_write_through_reclaims_committed_copies(tmp_path):
     e = FakeEngine(num_slots=8, store=file_store(tmp_path), controller={"write_policy": "write_through"})
     prompts = [toks(1000 * k, 4 * P) for k in range(1, 7)]
@@ -399,7 +399,7 @@ def test_the_first_l3_reads_of_a_process_do_not_set_the_fetch_estimate(tmp_path)
     assert merge_reports(r).cold and not merge_reports(r[:1]).cold  # one cold rank makes the job's time cold
 
 
-# ---------------------------------------------------------------- R30, R21
+# ---------------------------------------------------------------- backups, shutdown, long runs
 def test_backups_reach_l3_without_further_engine_calls(tmp_path):
     doc = toks(11, 16 * P)
     e = FakeEngine(store=file_store(tmp_path))

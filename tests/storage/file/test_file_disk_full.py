@@ -1,4 +1,5 @@
-"""File store on a full disk (docs/architecture.md §8 R20) and on a directory it cannot write.
+"""File store on a full disk (capacity by LRU eviction, a filesystem that fills first) and on a directory it cannot
+write.
 
 The small filesystem is a real 8 MiB tmpfs (the tests run as root). Where mounting is not permitted
 (``EPERM`` in an unprivileged container), the fixture falls back to an emulated 8 MiB quota: ``os.writev`` and

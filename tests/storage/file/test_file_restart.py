@@ -1,5 +1,5 @@
-"""File store across restarts: docs/architecture.md §8 R17 with its exact counts, LRU order that survives a restart,
-start-up header verification."""
+"""File store across restarts: index rebuilt and torn files dropped, with exact counts, LRU order that survives a
+restart, start-up header verification."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,4 +1,4 @@
-"""File store specifics: planted pickle (R19), index rebuild rate, paths stay under the root, zero-copy reads,
+"""File store specifics: planted pickle, index rebuild rate, paths stay under the root, zero-copy reads,
 thread safety, clear, quarantine bound."""
 from __future__ import annotations
 

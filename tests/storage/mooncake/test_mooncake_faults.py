@@ -1,5 +1,5 @@
-"""Mooncake backend against a real ``mooncake_master``: docs/architecture.md §8 R15 (writer killed mid-put) and R16 (master
-restart while data holders stay up), a hung (SIGSTOPped) or dead master, and bad configuration."""
+"""Mooncake backend against a real ``mooncake_master``: a writer killed mid-put, a master restart while data holders
+stay up, a hung (SIGSTOPped) or dead master, and bad configuration."""
 from __future__ import annotations
 
 import os
@@ -45,7 +45,7 @@ def mc(tmp_path):
         yield h
 
 
-# --------------------------------------------------------------------------------------------------- R16
+# --------------------------------------------------------------------------------------------------- master restart
 
 
 def test_master_restart_old_keys_miss_new_keys_exact_never_foreign(mc):
@@ -94,7 +94,7 @@ def test_record_of_another_key_is_a_miss(mc):
     assert a.batch_get([k2], dst[1:]) == [True] and torch.equal(dst[1], p2)
 
 
-# --------------------------------------------------------------------------------------------------- R15
+# ------------------------------------------------------------------------------------------------ writer killed mid-put
 
 _WRITER = textwrap.dedent("""
     import os, sys, time

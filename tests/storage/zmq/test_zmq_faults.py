@@ -1,5 +1,5 @@
-"""ZMQ L3 faults: docs/architecture.md §8 R13 (server killed/restarted/stopped; half, stale and malformed replies) and R15
-(a writer killed in the middle of a put), against the real server or a hand-written fake one."""
+"""ZMQ L3 faults: a server killed, restarted or stopped; half, stale and malformed replies; a writer killed in the
+middle of a put; against the real server or a hand-written fake one."""
 from __future__ import annotations
 
 import json
@@ -24,7 +24,7 @@ from tierkv.storage_backends.zmq.client import ZmqStore
 
 KiB, MiB = 1 << 10, 1 << 20
 NS = bytes(range(50, 66))
-T = 0.5          # client timeout in these tests (seconds), as in docs/architecture.md §8 R13
+T = 0.5          # client timeout in these tests (seconds)
 MARGIN = 0.75    # allowed lateness on a busy 2-core machine (seconds)
 
 
@@ -51,7 +51,7 @@ def timed(fn: Callable, *a):
     return r, time.monotonic() - t0
 
 
-# ----------------------------------------------------------------------------------------------- R13, real server
+# ------------------------------------------------------------------------------------------ dead or stopped real server
 def test_kill9_then_restart_on_same_port(tmp_path):
     with FZ.make_backend(tmp_path, 4096, NS, timeout_s=T) as h:
         c = h.backend
@@ -118,7 +118,7 @@ def test_sigstop_calls_time_out_and_pending_stays_bounded(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(dst, src))
 
 
-# ----------------------------------------------------------------------------------------------- R13, fake server
+# ---------------------------------------------------------------------- half, stale and malformed replies (fake server)
 class FakeServer:
     """A ROUTER on loopback answering each request with ``behave(n, ident, header, frames, sock)``."""
 
@@ -333,7 +333,7 @@ def test_oversized_reply_frame_is_dropped(fake):
         c.close()
 
 
-# ----------------------------------------------------------------------------------------------- R15
+# ----------------------------------------------------------------------------------------------- writer killed mid-put
 def _recv_exact(s: socket.socket, n: int) -> bytes:
     b = b""
     while len(b) < n:
@@ -522,13 +522,14 @@ def test_writer_process_sigkilled_mid_put(tmp_path):
         assert st["pending_writes"] == 0 and st["errors"] == 0
         assert b.stats()["corrupt"] == 0
         by_when = {w: [k["visible_before_kill"] for k in kills if k["when"] == w] for w in ("now", "random")}
-        print(f"R15: stored before the kill {sum(visible)}/{n} (now {sum(by_when['now'])}/{len(by_when['now'])}, "
+        print(f"writer killed mid-put: stored before the kill {sum(visible)}/{n} "
+              f"(now {sum(by_when['now'])}/{len(by_when['now'])}, "
               f"random {sum(by_when['random'])}/{len(by_when['random'])}); present after {present}; server {st}")
 
 
 def test_corrupt_pages_are_logged_rate_limited(tmp_path, caplog):
     """Pages that fail verification are counted one by one but logged at most once per kind and period (a whole
-    batch of bad pages is one warning line, docs/architecture.md §13)."""
+    batch of bad pages is one warning line, docs/architecture.md, "Configuration and observability")."""
     import logging
 
     with FZ.make_backend(tmp_path, 4096, NS, timeout_s=5.0) as h:

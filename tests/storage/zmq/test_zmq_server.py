@@ -1,5 +1,5 @@
-"""ZMQ cache server: entry points, loopback default, token, message bounds, several clients, spill, and the R19
-fuzz scenario (untrusted bytes on the socket never build objects, never crash or bloat the server)."""
+"""ZMQ cache server: entry points, loopback default, token, message bounds, several clients, spill, and fuzzing
+(untrusted bytes on the socket never build objects, never crash or bloat the server)."""
 from __future__ import annotations
 
 import os
@@ -326,7 +326,7 @@ def test_spill_to_file_store(tmp_path):
         assert c.batch_exists(ks[1:]) == 0
 
 
-# ----------------------------------------------------------------------------------------------- R19 fuzz
+# ----------------------------------------------------------------------------------------------- fuzz
 class _Canary:
     def __init__(self, path: str):
         self.path = path
