@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.fake_engine import P, FakeEngine, Req
-from tierkv.connector.core.page_hash import ModelNamespace, page_keys, request_root
+from tests.helpers.namespace import make_namespace
+from tierkv.connector.core.page_hash import page_keys, request_root
 from tierkv.connector.core.radix_index import NO_SLOT
 from tierkv.connector.core.scheduler import CacheScheduler
 from tests.connector.l3.test_controller import keys_of
@@ -15,10 +16,6 @@ from tests.connector.l3.test_controller import keys_of
 
 def toks(a, n):
     return list(range(a, a + n))
-
-
-def _ns() -> ModelNamespace:
-    return ModelNamespace("m", "bfloat16", "layer_first/LBHNC", P, 2, 2, 8)
 
 
 # ---------------------------------------------------------------- one slot, one save per plan
@@ -29,7 +26,7 @@ def test_pages_already_in_l2_behind_l3_only_pages_are_not_saved_again_and_no_slo
     every page after the L2 run, freed the slots of pages already in L2 as duplicates but still ordered saves into
     them, so a second save of the same plan was handed one of those slots: the worker's kernel refused the step
     ("slot 50 given twice") and vLLM's worker died."""
-    s = CacheScheduler(_ns(), P, P, num_slots=16, controller={})
+    s = CacheScheduler(make_namespace(page_size=P), P, P, num_slots=16, controller={})
     doc = toks(1000, 6 * P)
     prompt = doc + toks(5000, P + 1)                                           # 7 full pages + 1 token
     keys = page_keys(request_root(s.ns_digest), prompt, P)
@@ -395,7 +392,7 @@ def test_pages_saved_in_a_plan_are_not_evicted_for_a_later_save_of_the_same_plan
     """Another way to one slot in two saves of a plan: under L2 pressure, a later request's save evicted the pages
     that an earlier save of the same plan had just been given (they were unlocked and not written yet) and was handed
     their slot. The plan's own pages are now locked until it is handed over: the later save is skipped instead."""
-    s = CacheScheduler(_ns(), P, P, num_slots=4, controller={"write_policy": "write_through_selective"}
+    s = CacheScheduler(make_namespace(page_size=P), P, P, num_slots=4, controller={"write_policy": "write_through_selective"}
                        if with_l3 else None)
     s.add_request("x", toks(1, 4 * P + 1))
     s.add_request("y", toks(90000, 2 * P + 1))
@@ -615,7 +612,7 @@ def test_the_connector_answers_existence_in_the_scheduler_only_for_a_local_store
 def test_write_through_selective_counts_hits_the_engine_served_from_l1():
     """Only L2 hits counted towards the threshold, so a prefix vLLM's own prefix cache kept serving from L1
     was never backed up (nothing reached L3 on the docs workload). Hits of any tier count now."""
-    s = CacheScheduler(_ns(), P, P, num_slots=16, controller={"write_policy": "write_through_selective",
+    s = CacheScheduler(make_namespace(page_size=P), P, P, num_slots=16, controller={"write_policy": "write_through_selective",
                                                               "write_through_threshold": 2})
     doc = toks(1, 4 * P)
     s.add_request("a", doc + [1])
@@ -708,7 +705,7 @@ def test_the_engine_keeps_stepping_while_a_backup_or_prefetch_has_not_reported(t
 def test_a_step_that_fills_no_new_page_needs_no_save_planning():
     """``needs_saves`` (the connector asks it before fetching a request's block table every step): true exactly when
     the step fills a page beyond those already indexed, within the prompt and the request's save cap."""
-    s = CacheScheduler(_ns(), P, P, num_slots=16, controller={})
+    s = CacheScheduler(make_namespace(page_size=P), P, P, num_slots=16, controller={})
     prompt = toks(1000, 3 * P + 5)
     s.add_request("a", prompt)
     assert not s.needs_saves("nobody", 3 * P)
@@ -722,7 +719,7 @@ def test_a_step_that_fills_no_new_page_needs_no_save_planning():
     s.schedule_saves("a", 3 * P + 5, list(range(100, 104)))
     s.build_plan()
     assert not s.needs_saves("a", 9 * P)                  # every full page of the prompt indexed
-    empty = CacheScheduler(_ns(), P, P, num_slots=0, controller={})
+    empty = CacheScheduler(make_namespace(page_size=P), P, P, num_slots=0, controller={})
     empty.add_request("b", prompt)
     assert not empty.needs_saves("b", 3 * P)              # no L2: nothing is ever saved
 

@@ -12,6 +12,7 @@ import signal
 import torch
 
 from tests.helpers.fixtures_file import crash_during_write
+from tests.helpers.namespace import make_namespace
 from tierkv.connector.core.page_hash import ModelNamespace, key_hex, page_keys, request_root
 from tierkv.storage_backends.file.store import FileStore
 from tierkv.storage_backends.page_format import HEADER_BYTES
@@ -19,8 +20,7 @@ from tierkv.storage_backends.page_format import HEADER_BYTES
 _RK = random.Random(0x4e57)  # fixed: the same keys in every run (a failure reproduces)
 
 P = 4
-NS = ModelNamespace(model_id="tiny-llama", dtype="bfloat16", kv_layout="layer_first", page_size=P, num_layers=2,
-                    num_kv_heads=2, head_dim=8)
+NS = make_namespace(model_id="tiny-llama", kv_layout="layer_first", page_size=P)
 PAGE_BYTES = 2 * NS.num_layers * P * NS.num_kv_heads * NS.head_dim * 2  # K and V, bf16: 512 bytes
 REC = HEADER_BYTES + PAGE_BYTES
 
