@@ -1,4 +1,4 @@
-"""docs/architecture.md's generated parts (§3 vLLM hooks, §5 L3 backends, §7 layout) match the code
+"""docs/architecture.md's generated parts (vLLM hooks, L3 backends, layout) match the code
 (``tierkv/docs_gen.py``)."""
 import pytest
 

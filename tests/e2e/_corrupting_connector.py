@@ -1,6 +1,6 @@
 """Test-only connector: tierkv's :class:`TierKVConnector` that corrupts chosen L2 pages right after they were saved.
 
-DRAM bit rot (docs/architecture.md §8) cannot be produced on demand in a real engine, so this subclass makes it:
+DRAM bit rot cannot be produced on demand in a real engine, so this subclass makes it:
 after ``wait_for_save`` (the step's L1 -> L2 saves are complete and, with ``verify_checksums``, their checksums
 recorded), it inverts every bit of the page's bytes in the host pool (``HostPool.page_views``: one run per layer for
 ``layer_first``, K and V for the semantic layouts; bf16 values become huge or NaN, so a page loaded anyway changes

@@ -6,7 +6,7 @@ tierkv's own stats do not name, so that a test can prove that its workload reach
   answered an asynchronous load); ``test_prefetch_device_hit_tokens`` sums those device hits.
 - ``test_l3_gap_saves``: saves of a request whose path, at the moment ``build_connector_meta`` plans them, has a
   page without an L2 copy (L3 only) before a page with one: the state in which the scheduler before dc0dd69 handed
-  one L2 slot to two saves of the same plan (docs/architecture.md §8 R41). It is read from the radix index
+  one L2 slot to two saves of the same plan. It is read from the radix index
   (side-effect free: no split, no LRU touch) before tierkv plans the step.
 
 The counters are added to the scheduler's stats file (``stats_path``), with ``test_scheduler_file``: the file of the

@@ -1,6 +1,6 @@
 """The real vLLM engine serving concurrent requests that share prefixes through tierkv with a small L2 and a file L3,
 in the state that killed the engine before dc0dd69 ("ValueError: slots: slot N given twice" from
-``kernels.save_pages`` in ``wait_for_save``; docs/architecture.md §8 R41).
+``kernels.save_pages`` in ``wait_for_save``).
 
 That state: a prefix whose first pages vLLM still holds in L1 (a device prefix hit) while tierkv's L2 evicted them
 (L3 only), and whose later pages an L3 prefetch for that request just put back into L2. The request's next save then

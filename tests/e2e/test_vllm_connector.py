@@ -6,12 +6,12 @@ an L1 too small to keep them (``MAX_LEN // P + 2`` blocks), the repeated prefixe
 outputs must be identical and every counter must move by exactly what the workload implies.
 (Full recomputation is not the bitwise reference in general: bf16 recompute can change a last token.)
 
-The tierkv runs cover the configurations the engine can be given (``TIER_CONFIGS``): the shipped defaults (empty
-extra config: ``layer_first``, ``verify_checksums: false``, loads all layers at once), the semantic host layouts
+The tierkv runs cover the configurations the engine can be given (``TIER_CONFIGS``): the shipped defaults (empty extra
+config: ``layer_first``, ``verify_checksums: false``, loads all layers at once), the semantic host layouts
 ``page_first`` (with layer-wise loading, ``connector/l2/layer_loader.py``) and ``page_first_direct`` (the numba
-transposes of docs/architecture.md §2), and - in :func:`corrupt` - ``layer_first`` with checksums where one L2 page
-is corrupted after its save (``_corrupting_connector.py``), so the path "corrupt L2 page -> failed blocks -> vLLM
-recomputes -> same outputs" runs in the engine.
+transposes of docs/architecture.md, "The structures"), and - in :func:`corrupt` - ``layer_first`` with checksums where
+one L2 page is corrupted after its save (``_corrupting_connector.py``), so the path "corrupt L2 page -> failed blocks ->
+vLLM recomputes -> same outputs" runs in the engine.
 
 Exact expectations are derived from the prompts and the reference outputs (:func:`_expected`): which pages a
 request can reuse (a full page of its prompt, not its last token, that an earlier request of the same tenant
@@ -135,7 +135,7 @@ def _startup_line(res) -> str:
 
 
 #: counters both roles keep for the same pages: one engine's count is the scheduler's (the workers' copies must not be
-#: added, docs/architecture.md §13)
+#: added, docs/architecture.md, "Configuration and observability")
 PAGE_COUNTERS = ("load_pages", "save_pages")
 
 

@@ -1,5 +1,5 @@
-"""FP8 KV cache in the real engine (issue 20 item 2): vLLM's CPU backend with ``--kv-cache-dtype fp8_e4m3`` and
-``fp8_e5m2``, tierkv with an L2 and a file L3 shared by the engines of the module (three engine processes).
+"""FP8 KV cache in the real engine: vLLM's CPU backend with ``--kv-cache-dtype fp8_e4m3`` and ``fp8_e5m2``, tierkv with
+an L2 and a file L3 shared by the engines of the module (three engine processes).
 
 - An e4m3 engine serves documents A once, then a second round reusing them from its own L1 (the reference). It
   flushes L1 and L2 (its L2 holds fewer pages than the flush), so the second round's documents come from the file

@@ -1,6 +1,6 @@
-"""A hybrid model in the real engine (issue 20 item 3): Gemma-3 shape (``gemma`` preset of
-``examples/make_tiny_model.py``: 4 layers alternating a 64-token sliding window and full attention), served by
-vLLM's CPU backend with tierkv, an L2 and a file L3; one engine process.
+"""A hybrid model in the real engine: Gemma-3 shape (``gemma`` preset of ``examples/make_tiny_model.py``: 4 layers
+alternating a 64-token sliding window and full attention), served by vLLM's CPU backend with tierkv, an L2 and a file
+L3; one engine process.
 
 tierkv is ``SupportsHMA``, so vLLM keeps its hybrid KV cache manager on: a sliding-window and a full-attention KV cache
 group, each with its own block table (the sliding-window one holds vLLM's null block before the window). tierkv stores

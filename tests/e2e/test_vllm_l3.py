@@ -12,10 +12,10 @@ admits them (``controller.sync_load_max_s``).
 A second pair of engines runs the same rounds into a file store of 16 records, smaller than round 1's 26 pages: the
 store evicts and overwrites the evicted files (``l3.file.recycle_evicted``), and what it kept is loaded bit-exact.
 
-On a CPU with AMX tiles engine 2 is also the restart path of the second crash in the issue "Serving under
-concurrent load": its first forward is an L3 hit, and vLLM's AMX attention kernel dies of SIGILL unless the process
-asked for AMX tile permission first (``connector/cpu/cpu_features.py``). The namespace test checks which packing the
-engines ran, so a run on such a host says it covered that path.
+On a CPU with AMX tiles engine 2 is also the restart path of a crash seen under concurrent load: its first forward is an
+L3 hit, and vLLM's AMX attention kernel dies of SIGILL unless the process asked for AMX tile permission first
+(``connector/cpu/cpu_features.py``). The namespace test checks which packing the engines ran, so a run on such a host
+says it covered that path.
 """
 import random
 

@@ -243,8 +243,9 @@ def test_stats_files_hold_the_final_counters_after_a_graceful_stop(server, scrap
         return (got.get("worker", {}).get("l3_prefetch_pages") == DOC_PAGES
                 and got.get("scheduler", {}).get("l2_hit_tokens") == DOC_PAGES * P)
 
-    # the files lag the counters by at most the write interval (docs/architecture.md §13): wait for that bound
-    # (polled, 10 s deadline), so the stop below tests what survives the stop, not a kill inside the interval
+    # the files lag the counters by at most the write interval (docs/architecture.md, "Configuration and
+    # observability"): wait for that bound (polled, 10 s deadline), so the stop below tests what survives the stop,
+    # not a kill inside the interval
     deadline = time.monotonic() + 10.0
     while not files_hold_totals() and time.monotonic() < deadline:
         time.sleep(0.05)

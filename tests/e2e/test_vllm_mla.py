@@ -1,8 +1,8 @@
-"""MLA end to end (issue 20 item 1): the ``mla`` preset of ``examples/make_tiny_model.py`` (DeepSeek-V2 shape, a
-576-value latent per token and layer) served by vLLM 0.32's CPU MLA backend (``CPU_MLA``) with tierkv, an L2 and a
-file L3, in one engine with ``tensor_parallel_size=2`` (one OpenMP thread per rank). Each rank's worker is a whole MLA
-worker (its own L1, L2 and store object), so the engine proves the single-rank path (L2 and L3 hits) and the TP rule
-(one record per page) at once; one engine keeps the suite's time (a TP=1 engine alone costs as much again).
+"""MLA end to end: the ``mla`` preset of ``examples/make_tiny_model.py`` (DeepSeek-V2 shape, a 576-value latent per
+token and layer) served by vLLM 0.32's CPU MLA backend (``CPU_MLA``) with tierkv, an L2 and a file L3, in one engine
+with ``tensor_parallel_size=2`` (one OpenMP thread per rank). Each rank's worker is a whole MLA worker (its own L1, L2
+and store object), so the engine proves the single-rank path (L2 and L3 hits) and the TP rule (one record per page) at
+once; one engine keeps the suite's time (a TP=1 engine alone costs as much again).
 
 What vLLM's CPU backend does with an MLA model (``vllm/platforms/cpu.py``): on a CPU with AMX tiles it picks
 ``AMX_MLA`` (block sizes multiple of 32, prefix caching on), elsewhere ``CPU_MLA``. The engine here asks for ``CPU_MLA``

@@ -1,5 +1,5 @@
-"""Pages of several blocks in the real engine (issue 20 item 4): ``page_size: 64`` over vLLM's block size 32, one
-engine process with an L2 of 12 pages and a file L3 (write_through).
+"""Pages of several blocks in the real engine: ``page_size: 64`` over vLLM's block size 32, one engine process with an
+L2 of 12 pages and a file L3 (write_through).
 
 Round ``a`` computes two prompts of 4 pages and a tail shorter than a page; ``a_l1`` sends them again (vLLM reuses
 every full block from its own L1: the reference). After ``reset_prefix_cache`` a short prompt ``y`` (the first 3

@@ -1,12 +1,12 @@
 """Real engine under pressure: a batch that makes vLLM preempt, an L2 far smaller than the working set
 (eviction), and layer-by-layer loading that really loads. Nothing may leak, hang or load a wrong byte.
 
-Workload: 4 documents of 5-7 pages, each asked twice in one batch of 8 (96 generated tokens each) with an L1 of
-20 blocks: vLLM runs a few requests at a time and preempts some; the second copy of each document finds its pages
-in L2 (tierkv's ``load_pages``, loaded layer by layer). Then each document is asked once more, one request at a
-time: L1 has long dropped them, so every full page of each prompt comes from L2. L2 holds 40 pages, fewer than the
-distinct full pages the batch computes (documents plus decoded tails, 48 here; asserted > 40): L2 evicts, the
-deepest pages first, so the shared document pages, ancestors of the decoded tails, stay (docs/architecture.md §2).
+Workload: 4 documents of 5-7 pages, each asked twice in one batch of 8 (96 generated tokens each) with an L1 of 20
+blocks: vLLM runs a few requests at a time and preempts some; the second copy of each document finds its pages in L2
+(tierkv's ``load_pages``, loaded layer by layer). Then each document is asked once more, one request at a time: L1 has
+long dropped them, so every full page of each prompt comes from L2. L2 holds 40 pages, fewer than the distinct full
+pages the batch computes (documents plus decoded tails, 48 here; asserted > 40): L2 evicts, the deepest pages first, so
+the shared document pages, ancestors of the decoded tails, stay (docs/architecture.md, "The structures").
 (With 14 pages, as before, eviction also took the document pages and nothing was ever loaded.)
 """
 import random

@@ -1,6 +1,6 @@
-"""Speculative decoding in the real engine (issue 20 item 5): vLLM's CPU backend with n-gram speculative decoding
-(``speculative_config={"method": "ngram", ...}``; vLLM turns async scheduling off for it) and tierkv with an L2,
-one engine process.
+"""Speculative decoding in the real engine: vLLM's CPU backend with n-gram speculative decoding
+(``speculative_config={"method": "ngram", ...}``; vLLM turns async scheduling off for it) and tierkv with an L2, one
+engine process.
 
 Round 1 sends prompts that repeat a short pattern (so n-gram drafts are proposed and some accepted) and decodes
 enough tokens to fill pages while decoding. Round 2 extends each round-1 prompt by its own output and a short tail:

@@ -1,6 +1,6 @@
 """The real vLLM engine with tensor parallelism (``tensor_parallel_size=2`` on vLLM's CPU backend, one OpenMP thread
-per rank: ``VLLM_CPU_OMP_THREADS_BIND="0|1"``) and tierkv with a file L3 (docs/architecture.md §4 "Two halves and one
-protocol", §8 R25).
+per rank: ``VLLM_CPU_OMP_THREADS_BIND="0|1"``) and tierkv with a file L3 (docs/architecture.md, "The controller's
+protocol").
 
 The ``test`` preset model has 2 KV heads, so each rank holds one; each rank's L2 holds its own heads' bytes and each
 rank writes its L3 records under its own namespace (``root/<rank namespace hex>/<key[:2]>/<key>.page``).
@@ -17,7 +17,7 @@ Engines (two at a time, in threads: ``ref`` with ``tier``, then the two restarts
   once when vLLM admitted it in two steps); ``l2``: D0, D1 and all of D2 with new questions: every document
   page ``fill`` computed is loaded from L2 (D2's last 2 pages are computed and saved).
 - two restarts (empty L1 and L2), each on its own copy of ``tier``'s store directory from which D2's page 3 was
-  deleted in rank 1's namespace only (R25: a page one rank lacks), running ``restart``: D0, D1, D2 with new
+  deleted in rank 1's namespace only (a page one rank lacks), running ``restart``: D0, D1, D2 with new
   questions. L3 holds D0 and D1 on both ranks and D2's pages 0-2 on both, page 3 on rank 0 only: the L3 hit must
   stop at page 3 and both ranks recompute it (and D2's page 4, after the gap). ``sched``: existence answered in
   the scheduler's process (``controller.exists_in_scheduler``, the default: one file-store object per rank
@@ -118,7 +118,7 @@ def runs(tiny_model, tmp_path_factory):
                              num_gpu_blocks_override=L1_BLOCKS, workdir=tmp_path_factory.mktemp("tier"), **common))
     after_tier = _namespaces(root)
 
-    # R25: rank 1 loses D2's page 3 (in each restart's own copy of the store); rank 0 keeps it
+    # a page one rank lacks: rank 1 loses D2's page 3 (in each restart's own copy of the store); rank 0 keeps it
     roots, lost = {}, {}
     for mode in ("sched", "workers"):
         roots[mode] = tmp_path_factory.mktemp(f"l3-{mode}") / "store"

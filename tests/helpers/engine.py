@@ -11,7 +11,7 @@ Determinism: greedy sampling (temperature 0, ``ignore_eos``), ``skip_tokenizer_i
 ids), ``enable_prefix_caching=True``, ``block_size=32``, ``enforce_eager=True`` and, by default,
 ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` so that a run with a connector uses the same OpenMP thread count as a run
 without one (vLLM's CPU backend reserves a core for any connector otherwise, which changes bf16 reduction
-order; see docs/architecture.md §3). In ``sequential`` mode prompts are sent
+order; see docs/architecture.md, "Two roles in vLLM"). In ``sequential`` mode prompts are sent
 one at a time, so batch composition - and with it bf16 rounding - is the same in every configuration.
 
 Public API (parent side, nothing here imports vLLM)::

@@ -1,4 +1,4 @@
-"""A scheduler stub and a fake L1 for engine-free tests of the connector core (field-scenario harness).
+"""A scheduler stub and a fake L1 for engine-free tests of the connector core.
 
 L1 is a real CPU tensor per layer in vLLM's CPU-backend shape ``[num_blocks, H, N, 2D]`` (bf16) wrapped by
 the real :class:`DevicePool`; L2 is the real :class:`HostPool`; the scheduler side is the real
@@ -13,7 +13,7 @@ its first failed block and computed again from there by the next :meth:`FakeEngi
 A computed page's bytes depend on what its prefix holds in L1: on the right prefix they are the page's fingerprint,
 on a broken one (a failed load) they differ, as attention over wrong keys and values would make them.
 
-Fingerprint fill (docs/architecture.md §8): the right bytes of page ``i`` of layer ``l`` are a pure function of
+Fingerprint fill: the right bytes of page ``i`` of layer ``l`` are a pure function of
 (namespace tag, token prefix up to the end of page ``i``, ``l``), so any page read back from any tier can be
 checked byte for byte.
 """

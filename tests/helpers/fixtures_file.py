@@ -105,7 +105,7 @@ __all__ = ["make_backend", "FileHandle"]
 
 def crash_during_write(root: str, namespace: bytes, page_bytes: int, capacity_bytes: int,
                        keys: list, payloads: list, last_key: str, started) -> None:
-    """Spawned child for docs/architecture.md §8 R17: store ``keys`` through a FileStore, then start writing ``last_key``
+    """Spawned child for the torn-file restart test: store ``keys`` through a FileStore, then start writing ``last_key``
     through the store's own write path, stop after half the payload (signalling ``started``) and wait to be
     SIGKILLed, leaving a real torn temporary file behind."""
     import threading

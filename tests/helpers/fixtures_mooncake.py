@@ -34,7 +34,7 @@ class MooncakeHandle:
 
     name = NAME
     supports_stop = True
-    persistent = False       # a master restart forgets every object (R16: old keys become misses)
+    persistent = False       # a master restart forgets every object (old keys become misses)
     capacity_pages = None    # Mooncake evicts by its own watermark policy, not an exact LRU
 
     def __init__(self, tmp_path, page_bytes: int, namespace: bytes, master_args: tuple = (), **opts: Any):

@@ -78,7 +78,7 @@ def l2_run(e, keys):
 
 
 def assert_nothing_reserved(e):
-    """R35's invariant: at idle every reservation is back. Index invariants, slots (indexed + free == pool), no
+    """Every reservation is released: at idle every one is back. Index invariants, slots (indexed + free == pool), no
     lock, no job, no staging slot, no request state on either side of the controller."""
     e.idle_check()
     s, c = e.sched, e.sched.ctl

@@ -1,4 +1,5 @@
-"""L3 store contract (docs/architecture.md §5, SGLang HiCacheStorage semantics), run against every backend in conftest.KINDS."""
+"""L3 store contract (docs/architecture.md, "L3 stores"; SGLang HiCacheStorage semantics), run against every backend in
+conftest.KINDS."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -22,7 +23,7 @@ _KINDS = [k for k in ("file", "zmq", "zmq_shm", "mooncake", "lmcache", "redis", 
 # Stores where a read concurrent with an overwrite of the key may be a miss (never wrong data), and where of two
 # clients overwriting one key at the same moment one may be refused (its set returns False; Mooncake logs
 # "Failed to finalize upsert ... ILLEGAL_CLIENT"): Mooncake writes by upsert, which replaces the object
-# (docs/architecture.md §5). The other stores switch from one whole page to the next and accept every set.
+# (docs/architecture.md, "L3 stores"). The other stores switch from one whole page to the next and accept every set.
 MISS_WHILE_OVERWRITTEN = ("mooncake",)
 EXACT_LRU = [k for k in _KINDS if k in ("file", "zmq", "zmq_shm")]
 STOPPABLE = [k for k in _KINDS if k in ("zmq", "zmq_shm", "mooncake", "lmcache", "redis", "redis_cluster")]
@@ -189,7 +190,7 @@ def test_wrong_buffer_sizes_raise_value_error(make_store):
 
 
 def test_namespace_isolation(make_store):
-    """R01/R02 at the L3 level: the same key text under another namespace is another page."""
+    """Namespace isolation at the L3 level: the same key text under another namespace is another page."""
     h = make_store()
     a = h.backend
     other = h.new_client(namespace=NS_B)
@@ -233,7 +234,7 @@ def test_restart_keeps_or_drops_pages_never_wrong(make_store):
 @pytest.mark.parametrize("backend_kind", STOPPABLE, indirect=True)
 def test_stopped_server_calls_time_out_then_service_resumes(make_store):
     """A hung server (SIGSTOP): every call returns misses/False within the configured per-call bound, and the
-    same client serves again after SIGCONT (docs/architecture.md §8 R13's SIGSTOP variant)."""
+    same client serves again after SIGCONT."""
     timeout_s = 1.0
     h = make_store(timeout_s=timeout_s)
     assert h.supports_stop

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from tests.helpers import fixtures_zmq as FZ
+from tests.helpers.namespace import make_namespace
 from tierkv.connector.core.config import ConfigError, load_config
 from tierkv.connector.l3.io import l3_key
-from tierkv.connector.core.page_hash import NAMESPACE_SALT_ENV, ModelNamespace, page_keys, request_root
+from tierkv.connector.core.page_hash import NAMESPACE_SALT_ENV, page_keys, request_root
 from tierkv.storage_backends.file.store import FileStore
 
 PB = 4096
@@ -19,8 +20,7 @@ TOKENS = list(range(1, 65))
 def deployment(salt):
     """(namespace digest, the L3 keys of TOKENS) of a deployment of one model with ``salt`` (vLLM's request
     cache_salt unset)."""
-    ns = ModelNamespace(model_id="m", dtype="bfloat16", kv_layout="layer_first/LBHNC", page_size=16, num_layers=2,
-                        num_kv_heads=2, head_dim=32, salt=salt)
+    ns = make_namespace(page_size=16, head_dim=32, salt=salt)
     d = ns.digest()
     return d, [l3_key(d, k) for k in page_keys(request_root(d), TOKENS, 16)]
 
@@ -66,9 +66,9 @@ def test_server_shares_pages_only_under_the_same_salt(tmp_path):
 
 
 def test_no_salt_keeps_the_digest_and_the_salt_is_never_shown():
-    plain = ModelNamespace("m", "bfloat16", "x", 16, 2, 2, 32)
-    salted = ModelNamespace("m", "bfloat16", "x", 16, 2, 2, 32, salt="s3cr3t-value")
-    assert ModelNamespace("m", "bfloat16", "x", 16, 2, 2, 32, salt=None).digest() == plain.digest()
+    plain = make_namespace()
+    salted = make_namespace(salt="s3cr3t-value")
+    assert make_namespace(salt=None).digest() == plain.digest()
     assert salted.digest() != plain.digest()
     assert "s3cr3t" not in repr(salted) and "s3cr3t" not in str(salted.describe())
     assert salted.describe()["namespace_salt"] == "set" and "namespace_salt" not in plain.describe()

@@ -1,13 +1,14 @@
-"""The controller under concurrent load (issue "Serving under concurrent load"; docs/architecture.md §8 R41 and
-R34-R38): several requests in flight at once, some hitting L1, L2, L3 or nothing, on the real scheduler and worker
-halves, real L1/L2 tensors and a real file store (the fault wrapper only where a fault must be made on demand).
-Each test fails on the code before its fix (named in its docstring)."""
+"""The controller under concurrent load (docs/architecture.md, "The fault model"): several requests in flight at once,
+some hitting L1, L2, L3 or nothing, on the real scheduler and worker halves, real L1/L2 tensors and a real file store
+(the fault wrapper only where a fault must be made on demand). Each test fails on the code before its fix (named in its
+docstring)."""
 from __future__ import annotations
 
 import pytest
 
 from tests.helpers.fake_engine import P, FakeEngine, Req
-from tierkv.connector.core.page_hash import ModelNamespace, page_keys, request_root
+from tests.helpers.namespace import make_namespace
+from tierkv.connector.core.page_hash import page_keys, request_root
 from tierkv.connector.core.radix_index import NO_SLOT
 from tierkv.connector.core.scheduler import CacheScheduler
 from tests.connector.l3.test_controller import keys_of
@@ -15,10 +16,6 @@ from tests.connector.l3.test_controller import keys_of
 
 def toks(a, n):
     return list(range(a, a + n))
-
-
-def _ns() -> ModelNamespace:
-    return ModelNamespace("m", "bfloat16", "layer_first/LBHNC", P, 2, 2, 8)
 
 
 # ---------------------------------------------------------------- one slot, one save per plan
@@ -29,7 +26,7 @@ def test_pages_already_in_l2_behind_l3_only_pages_are_not_saved_again_and_no_slo
     every page after the L2 run, freed the slots of pages already in L2 as duplicates but still ordered saves into
     them, so a second save of the same plan was handed one of those slots: the worker's kernel refused the step
     ("slot 50 given twice") and vLLM's worker died."""
-    s = CacheScheduler(_ns(), P, P, num_slots=16, controller={})
+    s = CacheScheduler(make_namespace(page_size=P), P, P, num_slots=16, controller={})
     doc = toks(1000, 6 * P)
     prompt = doc + toks(5000, P + 1)                                           # 7 full pages + 1 token
     keys = page_keys(request_root(s.ns_digest), prompt, P)
@@ -67,7 +64,7 @@ def _l3_engine_with_doc(tmp_path, doc, **kw):
 
 
 def test_a_request_released_at_its_deadline_that_finishes_while_its_read_hangs_gets_its_blocks_freed(tmp_path):
-    """Class 1 of the issue: the worker named the request as finished-receiving at its deadline; the request then
+    """The worker named the request as finished-receiving at its deadline; the request then
     ran and finished while its L3 read still hung. Before the fix ``request_finished`` asked vLLM to delay the free
     (the I/O side was still running) but the worker never names a request twice, so vLLM never freed its blocks
     (the real engine's KV usage stayed at 77 % at idle)."""
@@ -134,7 +131,7 @@ def _keys(seed, n):
 
 
 def test_a_running_prefetch_hides_no_evictable_l2_page_from_the_room_check():
-    """Class 2 of the issue: an L2 of 40 slots holding 16 committed, unlocked pages; while a 16-page prefetch runs
+    """An L2 of 40 slots holding 16 committed, unlocked pages; while a 16-page prefetch runs
     (its path locked, 16 staging slots taken), a second 16-page hit can have 8 free + 16 evictable slots. Before the
     fix the room check subtracted every locked page, including the L3-only pages the running prefetch locks, and
     deferred then declined the hit."""
@@ -219,7 +216,7 @@ def _prefetch_job(jid, rid, keys, slots, blocks, deadline_s=None):
 
 
 def test_reads_of_four_requests_are_in_flight_at_once(tmp_path):
-    """Class 3 of the issue: one reader thread served every L3 read, so four distinct hits queued behind each other
+    """One reader thread served every L3 read, so four distinct hits queued behind each other
     and the last ones ran out of time. The file store's default is four readers: four reads that each block in the
     store are all in flight together, and all complete."""
     import threading
@@ -248,7 +245,7 @@ def test_reads_of_four_requests_are_in_flight_at_once(tmp_path):
 
 
 def test_a_prefetch_deadline_counts_from_the_start_of_its_read(tmp_path):
-    """Class 3: the deadline ran from submission, so a read that waited behind another one lost its time in the
+    """The deadline ran from submission, so a read that waited behind another one lost its time in the
     queue. With one reader: A's read blocks; B waits in the queue; A ends at t = 0.4 s and B's read starts then
     (deadline 0.5 s, so until 0.9 s). At t = 0.7 s, B's first batch arrived and its second is still being read: B is
     not released as late (before the fix it was, at 0.5 s after submission)."""
@@ -293,7 +290,7 @@ def test_a_prefetch_deadline_counts_from_the_start_of_its_read(tmp_path):
 
 # ---------------------------------------------------------------- estimates that recover
 def test_a_stale_slow_estimate_lets_one_probe_through_and_a_fast_read_restores_hits():
-    """Class 4: after one slow fetch every later hit was declined, so no read ever refreshed the estimate (ten hits
+    """After one slow fetch every later hit was declined, so no read ever refreshed the estimate (ten hits
     on a healthy store declined, estimate frozen). Now, once the estimate is older than ``probe_interval_s``, one hit
     goes ahead as a probe; its (fast) read brings the estimate down and hits are taken again."""
     now = [0.0]
@@ -345,7 +342,7 @@ def test_a_read_that_outlives_its_request_makes_later_hits_recompute_at_once(tmp
 
 
 def test_best_effort_waits_at_most_a_twentieth_of_the_recompute_time():
-    """Class 4: best_effort waited as long as recomputing would take, then recomputed: a stalled store cost about
+    """The best_effort policy waited as long as recomputing would take, then recomputed: a stalled store cost about
     twice the recompute. The wait is now at most 5 % of the estimated recompute time (and at most three times the
     estimated fetch time), so a stall costs at most 1.05x recomputing."""
     from tierkv.connector.l3.controller import BEST_EFFORT_MIN_WAIT_S
@@ -359,7 +356,7 @@ def test_best_effort_waits_at_most_a_twentieth_of_the_recompute_time():
 
 
 def test_the_recompute_estimate_comes_from_timed_forwards_of_prefill_steps(tmp_path, monkeypatch):
-    """Class 4: the prefill estimate was the wall time between two plan builds, idle time and decode steps
+    """The prefill estimate was the wall time between two plan builds, idle time and decode steps
     included. The workers now time the forward (bind_connector_metadata -> wait_for_save: vLLM calls start_load_kv
     *after* the forward in steps without a synchronous load) of steps with at least four pages of prompt tokens;
     the scheduler side takes the slowest rank's time per step."""
@@ -395,7 +392,7 @@ def test_pages_saved_in_a_plan_are_not_evicted_for_a_later_save_of_the_same_plan
     """Another way to one slot in two saves of a plan: under L2 pressure, a later request's save evicted the pages
     that an earlier save of the same plan had just been given (they were unlocked and not written yet) and was handed
     their slot. The plan's own pages are now locked until it is handed over: the later save is skipped instead."""
-    s = CacheScheduler(_ns(), P, P, num_slots=4, controller={"write_policy": "write_through_selective"}
+    s = CacheScheduler(make_namespace(page_size=P), P, P, num_slots=4, controller={"write_policy": "write_through_selective"}
                        if with_l3 else None)
     s.add_request("x", toks(1, 4 * P + 1))
     s.add_request("y", toks(90000, 2 * P + 1))
@@ -518,7 +515,7 @@ def test_a_synchronous_l3_load_on_a_stalled_store_waits_a_bounded_time_then_reco
     """Item 3 under a synchronous load: the store hangs once the hit was ordered. The forward waits at most the
     load's deadline (``SYNC_DEADLINE_FACTOR`` x ``sync_load_max_s``, queueing included), then every block of the
     hit is reported failed: vLLM rolls the request back and recomputes it, with the right bytes; the request's saves
-    of that step, computed on the broken prefix, are not made (docs §8 R31), and they are made once it is
+    of that step, computed on the broken prefix, are not made, and they are made once it is
     recomputed. The read's staging slots stay pinned until the hung read ends; then nothing is left reserved."""
     from tests.helpers.l3_scenarios import assert_nothing_reserved, l3io
     doc = toks(7, 4 * P)
@@ -613,9 +610,9 @@ def test_the_connector_answers_existence_in_the_scheduler_only_for_a_local_store
 
 # ---------------------------------------------------------------- write policies
 def test_write_through_selective_counts_hits_the_engine_served_from_l1():
-    """Class 6: only L2 hits counted towards the threshold, so a prefix vLLM's own prefix cache kept serving from L1
+    """Only L2 hits counted towards the threshold, so a prefix vLLM's own prefix cache kept serving from L1
     was never backed up (nothing reached L3 on the docs workload). Hits of any tier count now."""
-    s = CacheScheduler(_ns(), P, P, num_slots=16, controller={"write_policy": "write_through_selective",
+    s = CacheScheduler(make_namespace(page_size=P), P, P, num_slots=16, controller={"write_policy": "write_through_selective",
                                                               "write_through_threshold": 2})
     doc = toks(1, 4 * P)
     s.add_request("a", doc + [1])
@@ -631,7 +628,7 @@ def test_write_through_selective_counts_hits_the_engine_served_from_l1():
 
 
 def test_write_back_waits_for_acknowledged_slots_instead_of_fetching_without_them():
-    """Class 5: under write_back an L2 page L3 does not hold frees its slot only after its backup is acknowledged,
+    """Under write_back an L2 page L3 does not hold frees its slot only after its backup is acknowledged,
     but the room check counted it as free at once: the prefetch then found no staging slot for those pages and they
     were recomputed (42 of 1,024 pages in the benchmark). Now the lookup starts those backups and waits until the
     slots are really free; then every page gets a staging slot."""
@@ -708,7 +705,7 @@ def test_the_engine_keeps_stepping_while_a_backup_or_prefetch_has_not_reported(t
 def test_a_step_that_fills_no_new_page_needs_no_save_planning():
     """``needs_saves`` (the connector asks it before fetching a request's block table every step): true exactly when
     the step fills a page beyond those already indexed, within the prompt and the request's save cap."""
-    s = CacheScheduler(_ns(), P, P, num_slots=16, controller={})
+    s = CacheScheduler(make_namespace(page_size=P), P, P, num_slots=16, controller={})
     prompt = toks(1000, 3 * P + 5)
     s.add_request("a", prompt)
     assert not s.needs_saves("nobody", 3 * P)
@@ -722,7 +719,7 @@ def test_a_step_that_fills_no_new_page_needs_no_save_planning():
     s.schedule_saves("a", 3 * P + 5, list(range(100, 104)))
     s.build_plan()
     assert not s.needs_saves("a", 9 * P)                  # every full page of the prompt indexed
-    empty = CacheScheduler(_ns(), P, P, num_slots=0, controller={})
+    empty = CacheScheduler(make_namespace(page_size=P), P, P, num_slots=0, controller={})
     empty.add_request("b", prompt)
     assert not empty.needs_saves("b", 3 * P)              # no L2: nothing is ever saved
 

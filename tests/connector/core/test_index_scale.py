@@ -1,4 +1,4 @@
-"""The index at scale (docs/architecture.md §9): work counted, not timed.
+"""The index at scale (docs/architecture.md, "The structures"): work counted, not timed.
 
 - a waiting request's repeated lookup costs O(1) index work and hashes nothing after the first, while other
   requests insert and evict around it, and its answer still follows every change of its own path;
@@ -8,13 +8,13 @@
 """
 import random
 
-from tierkv.connector.core.page_hash import ModelNamespace, page_keys, request_root
+from tests.helpers.namespace import make_namespace
+from tierkv.connector.core.page_hash import page_keys, request_root
 from tierkv.connector.core.radix_index import NO_SLOT, RadixIndex
 from tierkv.connector.core.scheduler import CacheScheduler
 
 P = 4
-NS = ModelNamespace(model_id="m", dtype="float16", kv_layout="layer_first/LBHNC", page_size=P, num_layers=2,
-                    num_kv_heads=1, head_dim=8)
+NS = make_namespace(dtype="float16", page_size=P, num_kv_heads=1)
 
 
 def _store(s: CacheScheduler, rid: str, tokens: list[int]) -> None:

@@ -1,4 +1,4 @@
-"""Pages of several engine blocks (``page_size`` = k x block size, issue 20 item 4), engine-free.
+"""Pages of several engine blocks (``page_size`` = k x block size), engine-free.
 
 A stub of vLLM's scheduler drives the real :class:`CacheScheduler` and :class:`CacheWorker` over a real fake-L1
 (:class:`DevicePool` over CPU tensors in vLLM's CPU-backend shape) and a real L2 (:class:`HostPool` of block rows
@@ -13,11 +13,12 @@ import hashlib
 import pytest
 import torch
 
+from tests.helpers.namespace import make_namespace
 from tierkv.connector.l2.device_pool import DevicePool
 from tierkv.connector.l2.host_pool import HostPool
 from tierkv.connector.l3.io import L3IO, l3_key
 from tierkv.connector.core.page_checksums import SlotChecksums
-from tierkv.connector.core.page_hash import ModelNamespace, page_keys, request_root
+from tierkv.connector.core.page_hash import page_keys, request_root
 from tierkv.connector.core.plan import PageOrder, block_slots
 from tierkv.connector.core.scheduler import CacheScheduler, check_page_size
 from tierkv.connector.l2.worker import CacheWorker, MultiBlockPages
@@ -46,7 +47,8 @@ class Engine:
                                    backend="CPU_ATTN")
         rows = HostPool.for_device(dev, num_slots * k, layout)
         self.host = MultiBlockPages(rows, k) if k > 1 else rows
-        self.ns = ModelNamespace("mb-model", "bfloat16", f"{layout}/LBHNC", self.ps, LAYERS, HEADS, HEAD_DIM)
+        self.ns = make_namespace(model_id="mb-model", kv_layout=f"{layout}/LBHNC", page_size=self.ps, num_layers=LAYERS,
+                                 num_kv_heads=HEADS, head_dim=HEAD_DIM)
         checksums = SlotChecksums(num_slots)
         l3, ctl = None, None
         if store_root is not None:
@@ -164,7 +166,7 @@ def test_page_size_must_be_whole_blocks_and_the_error_names_the_key_and_allowed_
         with pytest.raises(ValueError) as e:
             check_page_size(bad, 32)
         assert "'page_size'" in str(e.value) and "allowed: 32, 64, 128" in str(e.value)
-    ns = ModelNamespace("m", "bfloat16", "layer_first/LBHNC", 48, LAYERS, HEADS, HEAD_DIM)
+    ns = make_namespace(page_size=48, num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM)
     with pytest.raises(ValueError, match="'page_size'"):
         CacheScheduler(ns, 48, 32, 4)
 

@@ -1,6 +1,6 @@
-"""Every fact that changes a page's bytes is in the page namespace (issue 20 items 7, 2, 6; docs/architecture.md §8
-R01, R02): the device's packing (CPU ISA, CPU vs GPU layouts), the KV cache dtype (bf16, FP8 e4m3, FP8 e5m2), the
-model dtype and weight quantisation, and a LoRA adapter's identity (name and content digest of its files).
+"""Every fact that changes a page's bytes is in the page namespace, so tenants and configurations never share pages: the
+device's packing (CPU ISA, CPU vs GPU layouts), the KV cache dtype (bf16, FP8 e4m3, FP8 e5m2), the model dtype and
+weight quantisation, and a LoRA adapter's identity (name and content digest of its files).
 
 Each pair of engines that differ in one fact gets different namespace digests (so neither reads the other's pages
 from a shared store), and equal facts give equal digests (so engines that can share, do). Namespaces are built by
@@ -255,7 +255,7 @@ def _serve(root, req):
 
 
 def test_a_changed_adapter_under_the_same_name_never_loads_old_pages(tmp_path, monkeypatch):
-    """vLLM #44250 / the issue's field report: a new engine serving adapter "x" with new weights loaded pages written
+    """vLLM #44250: a new engine serving adapter "x" with new weights loaded pages written
     under the old weights. Fingerprints depend on the tag (the weights), so a wrong hit fails the page check."""
     v1, v2 = _adapter(tmp_path / "v1", b"old weights"), _adapter(tmp_path / "v2", b"new weights")
     doc = list(range(100, 100 + 4 * P))

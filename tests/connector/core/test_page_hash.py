@@ -1,4 +1,4 @@
-"""Page keys: deterministic across processes, pinned, and sensitive to every namespace field (R02, R18)."""
+"""Page keys: deterministic across processes, pinned, and sensitive to every namespace field."""
 import dataclasses
 import json
 import os
@@ -17,11 +17,11 @@ from tierkv.connector.core.page_hash import (KEY_HEX_LEN, ModelNamespace, Reques
 
 NS = ModelNamespace(model_id="tiny-llama", dtype="bfloat16", kv_layout="layer_first/LBHNC", page_size=16,
                     num_layers=4, num_kv_heads=2, head_dim=32, tp_rank=0, tp_size=2)
-T = list(range(1, 65))  # R18: T = [1..64], P = 16
+T = list(range(1, 65))  # T = [1..64], P = 16
 
 # Golden values: computed once and pinned. Any change of the key derivation breaks stored L3 data and must
 # bump page_hash.FORMAT_VERSION.
-# FORMAT_VERSION 2 (BLAKE2b with the parent key as salt, uint32 tokens; docs/architecture.md §9).
+# FORMAT_VERSION 2 (BLAKE2b with the parent key as salt, uint32 tokens; docs/architecture.md, "The structures").
 GOLDEN_NS = "bcb5938b46a2e6356a9a5226012ea5de"
 GOLDEN_KEYS = ["6ce9b292b484b2540201e8629d95e3ad", "9a3bb33bfcf309eaff2f0973bf73304a",
                "c558dbdb02a590dad985912eb457897a", "3025916a515e2e3043fcce3d9aff5631"]

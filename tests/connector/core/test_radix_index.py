@@ -15,7 +15,7 @@ def keys_of(tokens):
     return page_keys(ROOT, tokens, P)
 
 
-def test_match_empty_and_short_keys_r12():
+def test_match_empty_and_short_keys():
     idx = RadixIndex()
     assert idx.match_prefix([]).num_pages == 0
     assert keys_of([5]) == []  # shorter than a page: no key at all

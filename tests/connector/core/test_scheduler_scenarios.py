@@ -1,6 +1,6 @@
 """Connector core end to end without an engine: scheduler side + worker side on real L1/L2 tensors.
 
-Faults R01, R08, R09, R12, R21 (docs/architecture.md §8) as they apply to L1/L2.
+Namespace isolation, keys shorter than a page, preemption, aborts and a seeded soak, as they apply to L1/L2.
 """
 import random
 
@@ -25,7 +25,7 @@ def test_repeat_prefix_is_loaded_from_l2_bit_exact():
     e.idle_check()
 
 
-def test_r12_keys_shorter_than_a_page():
+def test_keys_shorter_than_a_page():
     e = FakeEngine()
     for i, n in enumerate([0, 1, P - 1]):
         assert e.run(Req(f"s{i}", toks(5, n))) == 0
@@ -40,7 +40,7 @@ def test_r12_keys_shorter_than_a_page():
 
 
 @pytest.mark.parametrize("field", ["salt", "lora"])
-def test_r01_namespaces_never_share_pages(field):
+def test_namespaces_never_share_pages(field):
     e = FakeEngine()
     T = toks(11, 4 * P) + [1]
     kw = lambda v: {field: v, "tag": f"{field}:{v}"}
@@ -52,7 +52,7 @@ def test_r01_namespaces_never_share_pages(field):
     e.idle_check()
 
 
-def test_r08_preempted_request_readmitted_after_its_saves():
+def test_preempted_request_readmitted_after_its_saves():
     e = FakeEngine()
     r = Req("R", toks(1, 3 * P) + [9])
     e.admit(r)
@@ -67,7 +67,7 @@ def test_r08_preempted_request_readmitted_after_its_saves():
     e.idle_check()
 
 
-def test_r09_abort_between_match_and_load_leaks_nothing():
+def test_abort_between_match_and_load_leaks_nothing():
     e = FakeEngine(num_blocks=32, num_slots=16)
     T = toks(1, 4 * P)
     e.run(Req("seed", T + [1]))
@@ -146,7 +146,7 @@ def test_corrupted_l2_page_is_never_loaded():
     assert e.page_ok(r, 0)
 
 
-def test_r21_soak_random_ops_returns_to_baseline():
+def test_soak_random_ops_returns_to_baseline():
     rng = random.Random(7)
     e = FakeEngine(num_blocks=200, num_slots=64)
     prefixes = [toks(10000 * (i + 1), rng.randint(1, 4) * P) for i in range(20)]

@@ -2,7 +2,7 @@
 real L1/L2 tensors and a real file store (the fault wrapper only where a fault must be produced on demand).
 
 Every loaded page is checked byte for byte against the fingerprint of the tokens that produced it
-(``fake_engine.fingerprint``); faults named Rnn are described in docs/architecture.md §8.
+(``fake_engine.fingerprint``); the invariants are listed in docs/architecture.md, "The fault model".
 """
 import random
 import threading
@@ -127,7 +127,7 @@ def test_write_back_stores_only_on_eviction_and_frees_the_slot_after_the_ack(tmp
     e.close()
 
 
-def test_r07_write_back_with_failing_store_never_marks_a_page_stored(tmp_path):
+def test_write_back_with_failing_store_never_marks_a_page_stored(tmp_path):
     e = FakeEngine(num_slots=8, store=file_store(tmp_path, fail_set=1.0),
                    controller={"write_policy": "write_back"})
     a, b = toks(1000, 4 * P), toks(2000, 8 * P)
@@ -145,8 +145,8 @@ def test_r07_write_back_with_failing_store_never_marks_a_page_stored(tmp_path):
     e.close()
 
 
-# ---------------------------------------------------------------- L2 eviction keeps L3 pages (R27)
-def test_r27_small_l2_under_write_through_reclaims_committed_copies(tmp_path):
+# ---------------------------------------------------------------- L2 eviction keeps L3 pages
+def test_small_l2_under_write_through_reclaims_committed_copies(tmp_path):
     e = FakeEngine(num_slots=8, store=file_store(tmp_path), controller={"write_policy": "write_through"})
     prompts = [toks(1000 * k, 4 * P) for k in range(1, 7)]
     for k, pr in enumerate(prompts):
@@ -189,7 +189,7 @@ def test_faulty_store_30_percent_keeps_serving_correct_bytes(tmp_path, sync_load
     e.close()
 
 
-def test_r24_a_failed_batch_does_not_stop_later_batches_and_is_stored_on_a_later_sighting(tmp_path):
+def test_a_failed_batch_does_not_stop_later_batches_and_is_stored_on_a_later_sighting(tmp_path):
     doc = toks(1, 10 * P)
     e = FakeEngine(num_slots=32, store=file_store(tmp_path), batch_pages=2,
                    controller={"write_policy": "write_through"})
@@ -262,7 +262,7 @@ def test_hanging_store_releases_the_request_at_its_deadline(tmp_path):
     e.close()
 
 
-def test_r09_abort_during_l3_load_delays_the_free_and_leaks_nothing(tmp_path):
+def test_abort_during_l3_load_delays_the_free_and_leaks_nothing(tmp_path):
     e, faulty, req = _hanging_l3_load(tmp_path, toks(60, 4 * P))
     free_before = len(e.free_blocks)
     e.finish(req)                                   # abort while the read hangs
@@ -282,7 +282,7 @@ def test_r09_abort_during_l3_load_delays_the_free_and_leaks_nothing(tmp_path):
 
 
 # ---------------------------------------------------------------- sharing, TP, dedup, negative cache
-def test_r25_tp_ranks_report_the_minimum_and_no_rank_uses_a_page_another_lacks(tmp_path):
+def test_tp_ranks_report_the_minimum_and_no_rank_uses_a_page_another_lacks(tmp_path):
     doc = toks(1, 8 * P)
     e = FakeEngine(store=file_store(tmp_path), tp_size=2)
     e.run_l3(Req("a", doc + [1]))
@@ -399,8 +399,8 @@ def test_the_first_l3_reads_of_a_process_do_not_set_the_fetch_estimate(tmp_path)
     assert merge_reports(r).cold and not merge_reports(r[:1]).cold  # one cold rank makes the job's time cold
 
 
-# ---------------------------------------------------------------- R30, R21
-def test_r30_backups_reach_l3_without_further_engine_calls(tmp_path):
+# ---------------------------------------------------------------- backups, shutdown, long runs
+def test_backups_reach_l3_without_further_engine_calls(tmp_path):
     doc = toks(11, 16 * P)
     e = FakeEngine(store=file_store(tmp_path))
     e.run_l3(Req("a", doc + [1]))                   # the step that saved the pages also handed over the backup
@@ -413,7 +413,7 @@ def test_r30_backups_reach_l3_without_further_engine_calls(tmp_path):
     e.close()
 
 
-def test_r21_seeded_long_run_returns_to_baseline(tmp_path):
+def test_seeded_long_run_returns_to_baseline(tmp_path):
     rng = random.Random(21)
     threads0 = threading.active_count()
     e = FakeEngine(num_blocks=128, num_slots=16, store=file_store(tmp_path, fail_get=0.05, fail_set=0.05, seed=1),
@@ -453,7 +453,7 @@ def _manual_step(e, req, computed_after):
 
 
 @pytest.mark.parametrize("n_out, stored_pages", [(17, 3), (20, 3), (16, 2)])
-def test_r23_the_page_completed_in_the_last_step_is_stored_and_no_later_one(tmp_path, n_out, stored_pages):
+def test_the_page_completed_in_the_last_step_is_stored_and_no_later_one(tmp_path, n_out, stored_pages):
     prompt = toks(1, 80)                    # 2.5 pages
     e = FakeEngine(store=file_store(tmp_path))
     req = Req("r", list(prompt))
@@ -482,7 +482,7 @@ def test_r23_the_page_completed_in_the_last_step_is_stored_and_no_later_one(tmp_
     e2.close()
 
 
-def test_r30_shutdown_drains_or_drops_whole_pages_and_says_how_many(tmp_path, caplog):
+def test_shutdown_drains_or_drops_whole_pages_and_says_how_many(tmp_path, caplog):
     doc = toks(300, 8 * P)
     e = FakeEngine(store=file_store(tmp_path), batch_pages=2)
     faulty = FaultyBackend(e.worker.l3.store, hang_set=True)

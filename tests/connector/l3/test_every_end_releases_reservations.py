@@ -12,12 +12,12 @@ from tests.helpers.fake_engine import P, FakeEngine, Req, inject_copy_fault
 
 from tests.helpers.l3_scenarios import (assert_nothing_reserved, complete_async_load, file_store, l3io, pump, start_async_load, toks, write_to_l3)
 
-# ================================================================ R35: every reservation released on every path
-R35_POINTS = ("finished", "before_lookup", "waiting_for_existence", "waiting_for_room", "during_prefetch",
+# ================================================================ every reservation released on every path
+END_POINTS = ("finished", "before_lookup", "waiting_for_existence", "waiting_for_room", "during_prefetch",
               "after_load_before_running", "preempted", "load_failure", "deadline_then_finish")
 
 
-def _r35_engine(tmp_path, n_docs=8):
+def _end_engine(tmp_path, n_docs=8):
     now = [0.0]
     docs = [toks(10_000 * (i + 1), 4 * P) for i in range(n_docs)]
     write_to_l3(tmp_path, docs)
@@ -27,7 +27,7 @@ def _r35_engine(tmp_path, n_docs=8):
     return e, docs, now
 
 
-def _r35_end_at(e, req, point, now, monkeypatch):
+def _end_at(e, req, point, now, monkeypatch):
     """Drive ``req`` (a prompt of 4 pages held by L3) to ``point`` and end it there (abort, preemption, failure or
     normal finish), as vLLM would, then let every job end."""
     faulty = l3io(e).store
@@ -99,7 +99,7 @@ def _r35_end_at(e, req, point, now, monkeypatch):
     e.settle()
 
 
-def _r35_replay_all(e, docs, tag):
+def _replay_all(e, docs, tag):
     declined = e.sched.ctl.counters.l3_declined_room_pages
     for i, d in enumerate(docs):
         assert e.run_l3(Req(f"{tag}-{i}", d + [5, i])) == 4 * P, f"replay of doc {i} lost its hit"
@@ -108,34 +108,34 @@ def _r35_replay_all(e, docs, tag):
     assert_nothing_reserved(e)
 
 
-@pytest.mark.parametrize("point", R35_POINTS)
-def test_r35_every_terminal_path_releases_every_reservation(tmp_path, monkeypatch, point):
-    """R35 (an abort from a side queue leaks the prefetch budget). tierkv's reservations are index locks, staging
+@pytest.mark.parametrize("point", END_POINTS)
+def test_every_terminal_path_releases_every_reservation(tmp_path, monkeypatch, point):
+    """An abort from a side queue must not leak the prefetch budget. tierkv's reservations are index locks, staging
     slots, pending jobs, the controller's request state (request-side-open set, room waits, existence waits, fetches
     in flight) and the scheduler's per-request state. A request ended at ``point`` (normal finish, abort before its
     lookup, while its existence answer is pending, while it waits for L2 room, during its L3 read, after its load
     ended but before it ran, while preempted, after a failed L2 -> L1 load, after its deadline released it while the
     read still hung) leaves none of them behind once its jobs ended, and every prompt replayed afterwards gets its
     whole hit without a room decline."""
-    e, docs, now = _r35_engine(tmp_path, n_docs=4)
-    _r35_end_at(e, Req("x", docs[0] + [2]), point, now, monkeypatch)
+    e, docs, now = _end_engine(tmp_path, n_docs=4)
+    _end_at(e, Req("x", docs[0] + [2]), point, now, monkeypatch)
     assert_nothing_reserved(e)
-    _r35_replay_all(e, docs, "replay")
+    _replay_all(e, docs, "replay")
     e.close()
 
 
-def test_r35_seeded_rounds_of_random_end_points_leave_no_reservation(tmp_path, monkeypatch):
-    """R35, step 4: rounds in which every prompt ends at a random point (seeded); after each round nothing is
+def test_seeded_rounds_of_random_end_points_leave_no_reservation(tmp_path, monkeypatch):
+    """Rounds in which every prompt ends at a random point (seeded); after each round nothing is
     reserved, every replay gets its whole hit, and the free + indexed slot count is the pool size."""
     rng = random.Random(35)
-    e, docs, now = _r35_engine(tmp_path, n_docs=8)
-    points = [p for p in R35_POINTS if p not in ("waiting_for_room", "load_failure")]
+    e, docs, now = _end_engine(tmp_path, n_docs=8)
+    points = [p for p in END_POINTS if p not in ("waiting_for_room", "load_failure")]
     for rnd in range(4):
         e.sched.reset()                                                    # every prompt comes from L3 again
         for i, d in enumerate(docs):
-            _r35_end_at(e, Req(f"r{rnd}-{i}", d + [rnd, i]), rng.choice(points), now, monkeypatch)
+            _end_at(e, Req(f"r{rnd}-{i}", d + [rnd, i]), rng.choice(points), now, monkeypatch)
         assert_nothing_reserved(e)
-        _r35_replay_all(e, docs, f"replay{rnd}")
+        _replay_all(e, docs, f"replay{rnd}")
     e.close()
 
 

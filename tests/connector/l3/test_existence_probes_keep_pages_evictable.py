@@ -21,8 +21,8 @@ def _fixture(kind):
 
 
 @pytest.mark.parametrize("kind", ["file", "zmq"])
-def test_r38_probes_do_not_refresh_recency_and_a_full_store_still_takes_every_write(tmp_path, kind):
-    """R38 (existence probes pin objects, so eviction finds nothing). The rule for the file store and the ZMQ
+def test_probes_do_not_refresh_recency_and_a_full_store_still_takes_every_write(tmp_path, kind):
+    """Existence probes must not pin objects, or eviction finds nothing. The rule for the file store and the ZMQ
     server: an existence query changes nothing (no lease, no recency); a read makes a page most recently used. A store
     of 16 pages at capacity whose every page is probed over and over (with absent keys mixed in) but only pages 0-1
     are read takes all 8 new writes, and its victims are exactly the 8 least recently *read or written* pages (2-9),
@@ -100,7 +100,7 @@ def _mooncake_probe_run(tmp_path, first_absent: bool):
         while time.monotonic() - t0 < 3 * MC_LEASE_MS / 1000 or ok < 256:   # 256 accepted: four times the segment
             assert time.monotonic() - t0 < 30, f"only {ok} of {tried} writes accepted"
             traffic()
-            res = [writer.upsert(f"r38-writer/{rng.bytes(16).hex()}", big) == 0 for _ in range(4)]
+            res = [writer.upsert(f"probe-writer/{rng.bytes(16).hex()}", big) == 0 for _ in range(4)]
             ok, tried = ok + sum(res), tried + len(res)
         assert l3io(e).counters.prefetch_jobs == 0         # nothing was read
         assert first_absent or ctl.counters.l3_declined_slow_pages > 0
@@ -110,8 +110,8 @@ def _mooncake_probe_run(tmp_path, first_absent: bool):
     return exists_jobs, left, ok, tried
 
 
-def test_r38_mooncake_pages_probed_but_not_read_stay_evictable(tmp_path):
-    """R38 with a real Mooncake master. Mooncake's ``batch_is_exist`` (tierkv's ``MooncakeStore.batch_exists``)
+def test_mooncake_pages_probed_but_not_read_stay_evictable(tmp_path):
+    """The same with a real Mooncake master. Mooncake's ``batch_is_exist`` (tierkv's ``MooncakeStore.batch_exists``)
     grants a read lease on every object it finds, and eviction skips leased objects. tierkv asks L3 about a page
     only while its index does not know it: a found page is indexed (L3-only) and never probed again, however many
     requests look it up. So pages probed once and then not read (every hit declined) lose their lease after
@@ -123,8 +123,8 @@ def test_r38_mooncake_pages_probed_but_not_read_stay_evictable(tmp_path):
     assert ok > 0
 
 
-def test_r38_mooncake_pages_after_an_absent_page_are_not_kept_leased_by_repeated_probes(tmp_path):
-    """R38: page 0 of each prompt is missing, pages 1-119 present; existence probes repeated every negative_ttl_s must
+def test_mooncake_pages_after_an_absent_page_are_not_kept_leased_by_repeated_probes(tmp_path):
+    """Page 0 of each prompt is missing, pages 1-119 present; existence probes repeated every negative_ttl_s must
     not keep the unreadable pages from eviction. Before the fix one query asked every page of the rest of the prompt
     and Mooncake leased every page it found, although none after the hole can ever be read."""
     exists_jobs, left, ok, tried = _mooncake_probe_run(tmp_path, first_absent=True)

@@ -1,4 +1,4 @@
-"""A failed L2 -> L1 load never lets pages computed on the broken prefix into L2 or L3 (docs/architecture.md §8 R31).
+"""A failed L2 -> L1 load never lets pages computed on the broken prefix into L2 or L3.
 
 In the step whose synchronous load fails (a page that fails its checksum, or a copy that raises, all layers at once
 or layer by layer), the engine's forward still computes the request's later pages on top of the broken prefix; vLLM

@@ -1,6 +1,6 @@
-"""Issue 21 items 2 and 3 on the fake engine with real scheduler/worker halves and a real file store: every counted
-lookup token is served from a tier or has a reason (the parts sum to the lookup total), reuse distances per tier, and
-the per-request controls of ``kv_transfer_params["tierkv"]``."""
+"""Lookup accounting and per-request controls on the fake engine with real scheduler/worker halves and a real file
+store: every counted lookup token is served from a tier or has a reason (the parts sum to the lookup total), reuse
+distances per tier, and the per-request controls of ``kv_transfer_params["tierkv"]``."""
 from types import SimpleNamespace
 
 import pytest

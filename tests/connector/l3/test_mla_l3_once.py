@@ -1,6 +1,6 @@
-"""MLA pages under tensor parallelism are stored once in L3 (issue 20 item 1): every TP rank holds the same latent
-page, every rank uses TP rank 0's namespace (so the same L3 key), only the writer rank (``backup_writer``) sends it,
-and every rank reads the one record.
+"""MLA pages under tensor parallelism are stored once in L3: every TP rank holds the same latent page, every rank uses
+TP rank 0's namespace (so the same L3 key), only the writer rank (``backup_writer``) sends it, and every rank reads the
+one record.
 
 Real parts: the MLA device pool over vLLM's CPU MLA tensor shape ``[num_blocks, block_size, 576]`` (bf16), the MLA
 host pool, a real :class:`~tierkv.storage_backends.file.store.FileStore` per rank over one shared directory, and
@@ -102,7 +102,7 @@ def test_only_the_writer_rank_sends_a_page_and_every_rank_reads_it(tmp_path):
 
 
 def test_a_page_the_other_rank_did_not_save_is_reported_not_done(tmp_path):
-    """The non-writer reports a page whose slot it never saved (R31 skip) as not done, like the writer would: the
+    """The non-writer reports a page whose slot it never saved (a skipped save) as not done, like the writer would: the
     controller's minimum over ranks then keeps that page out of the index's L3 copies."""
     ranks = [_rank(0, tmp_path, writer=True), _rank(1, tmp_path, writer=False)]
     l3s = [r[3] for r in ranks]

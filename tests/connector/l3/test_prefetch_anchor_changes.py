@@ -12,9 +12,9 @@ from tests.helpers.fake_engine import P, FakeEngine, Req, inject_copy_fault
 
 from tests.helpers.l3_scenarios import (assert_nothing_reserved, complete_async_load, drain_backups, file_store, keys_of, l2_run, l3_keys, l3io, start_async_load, toks, wait_ios, write_to_l3)
 
-# ================================================================ R37: the path changes while a prefetch reads
-R37_TOUCHES = ("l2_eviction", "reset_cache", "other_request_saves", "r31_drop_after_copy_fault",
-               "r31_drop_after_checksum_failure")
+# ================================================================ the path changes while a prefetch reads
+TOUCHES = ("l2_eviction", "reset_cache", "other_request_saves", "drop_after_copy_fault",
+               "drop_after_checksum_failure")
 
 
 def _corrupt_l2_page(e, slot):
@@ -24,24 +24,24 @@ def _corrupt_l2_page(e, slot):
     e.host.write_page(slot, page)
 
 
-@pytest.mark.parametrize("touch", R37_TOUCHES)
-def test_r37_a_prefetch_completing_after_its_path_changed_attaches_nothing_under_an_invalid_anchor(
+@pytest.mark.parametrize("touch", TOUCHES)
+def test_a_prefetch_completing_after_its_path_changed_attaches_nothing_under_an_invalid_anchor(
         tmp_path, monkeypatch, touch):
-    """R37 (prefetch completion grafts pages under an anchor whose state changed during the I/O). tierkv's anchor is
+    """Prefetch completion must not graft pages under an anchor whose state changed during the I/O. tierkv's anchor is
     the prefetch's index path (locked from the order to the report, so nothing on it can be evicted, reset or dropped
     meanwhile) and, when the hit starts in L2, the L2 copies of its leading pages, which the request loads at
     completion. While the read of prompt X hangs: other requests evict L2 around the path; reset_cache drops every
-    unlocked page; another request (device hit) saves X's pages into L2 itself; a request loading X's first pages
-    from L2 fails (a copy fault) so R31 must drop them, deferred while the path is locked. After completion the
-    invariants hold at every step, the prefetched pages are not left under a dropped anchor, the request gets only
-    pages with the right bytes and X is a whole hit again afterwards."""
+    unlocked page; another request (device hit) saves X's pages into L2 itself; a request loading X's first pages from
+    L2 fails (a copy fault) so they must be dropped (pages computed on a broken prefix), deferred while the path is
+    locked. After completion the invariants hold at every step, the prefetched pages are not left under a dropped
+    anchor, the request gets only pages with the right bytes and X is a whole hit again afterwards."""
     doc = toks(1, 8 * P)
     write_to_l3(tmp_path, [doc])
     e = FakeEngine(num_slots=24, num_blocks=96, store=file_store(tmp_path, {0: {}}), scheduler_exists=True,
                    controller={"prefetch_policy": "wait_complete"})
     keys = keys_of(e, doc)
     faulty = l3io(e).store
-    anchored = touch.startswith("r31") or touch == "l2_eviction"
+    anchored = touch.startswith("drop_after") or touch == "l2_eviction"
     if anchored:                                           # pages 0-1 in L2 first: the prefetch builds on them
         assert e.run_l3(Req("w", doc[:2 * P] + [1])) == 2 * P
         e.settle()
@@ -54,7 +54,7 @@ def test_r37_a_prefetch_completing_after_its_path_changed_attaches_nothing_under
     job = next(iter(l3io(e)._prefetches.values())).job
     assert job.fetch == [not anchored or i >= 2 for i in range(8)]
     e.sched.check_invariants()
-    first_invalid = None                                   # first page R31 must drop
+    first_invalid = None                                   # first page that must be dropped
     if touch == "l2_eviction":
         for k in range(5):                                 # 20 pages through 16 free slots
             drain_backups(e)
@@ -82,7 +82,7 @@ def test_r37_a_prefetch_completing_after_its_path_changed_attaches_nothing_under
         assert l2_run(e, keys) == 8                        # X's pages have L2 copies before the read ended
     else:
         c = Req("c", doc[:2 * P] + [5])                    # loads pages 0-1 from L2, synchronously
-        if touch == "r31_drop_after_copy_fault":
+        if touch == "drop_after_copy_fault":
             inject_copy_fault(monkeypatch, layer=1)
             first_invalid = 0                              # a failed copy fails the whole load
         else:
@@ -108,7 +108,7 @@ def test_r37_a_prefetch_completing_after_its_path_changed_attaches_nothing_under
     else:
         assert m.num_pages == 8 and l2_run(e, keys) == 8   # published
     assert e.sched.allocator.num_free + len(e.sched.index.all_slots()) == e.sched.num_slots
-    want = 8 * P if first_invalid is None or touch == "r31_drop_after_copy_fault" else first_invalid * P
+    want = 8 * P if first_invalid is None or touch == "drop_after_copy_fault" else first_invalid * P
     assert complete_async_load(e, a, ext) == want          # checks the bytes of every page it got
     e.settle()
     assert_nothing_reserved(e)
@@ -118,9 +118,9 @@ def test_r37_a_prefetch_completing_after_its_path_changed_attaches_nothing_under
     e.close()
 
 
-# ================================================================ R38: existence probes and eviction
-def test_r37_a_prefetch_never_hands_its_request_an_l2_anchor_page_whose_save_was_not_made(tmp_path, monkeypatch):
-    """R37: the save of X's pages 0-1 raised (R41): slots unwritten, the index still lists them in L2. A later L3 hit
+# ================================================================ a prefetch and unmade saves
+def test_a_prefetch_never_hands_its_request_an_l2_anchor_page_whose_save_was_not_made(tmp_path, monkeypatch):
+    """The save of X's pages 0-1 raised inside a hook: slots unwritten, the index still lists them in L2. A later L3 hit
     of those 2 L2 pages + 6 L3 pages must not copy the unwritten slots into its blocks: recomputed from page 0. Before
     the fix a prefetch copied its leading L2 pages without the checks a synchronous load makes."""
     doc = toks(1, 8 * P)

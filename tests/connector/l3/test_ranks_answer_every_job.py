@@ -10,9 +10,9 @@ from tests.helpers.fake_engine import P, FakeEngine, Req
 
 from tests.helpers.l3_scenarios import (assert_nothing_reserved, complete_async_load, file_store, keys_of, l2_run, l3_keys, l3io, start_async_load, toks, vllm_finished_aggregation, write_to_l3)
 
-# ================================================================ R34: ranks that disagree
-def test_r34_ranks_whose_stores_differ_each_answer_every_job_once_and_the_hit_is_the_page_wise_and(tmp_path):
-    """R34 (TP ranks issue a different number/size of collectives). tierkv has no collective: one scheduler half
+# ================================================================ ranks that disagree
+def test_ranks_whose_stores_differ_each_answer_every_job_once_and_the_hit_is_the_page_wise_and(tmp_path):
+    """TP ranks must not issue a different number/size of collectives. tierkv has no collective: one scheduler half
     decides, every worker rank answers every job with exactly one report, whatever its store did, and the scheduler
     merges the reports page by page (AND). Rank 1's store lacks pages 5-7 of prompt A, fails the read of page 3 of
     prompt B and reads 20 ms slower than rank 0: both ranks answer both existence queries and both prefetches once,
@@ -44,8 +44,8 @@ def test_r34_ranks_whose_stores_differ_each_answer_every_job_once_and_the_hit_is
     e.close()
 
 
-def test_r34_a_job_acts_only_once_every_rank_reported_and_a_hung_rank_blocks_nothing_else(tmp_path):
-    """R34: the scheduler must not act on one rank's view. Rank 1's read hangs (policy wait_complete) while rank 0
+def test_a_job_acts_only_once_every_rank_reported_and_a_hung_rank_blocks_nothing_else(tmp_path):
+    """The scheduler must not act on one rank's view. Rank 1's read hangs (policy wait_complete) while rank 0
     read every page and reported: nothing is published, the staging slots stay pinned, the request is not named
     finished (vLLM waits for every rank), a second request for the same pages waits for this read instead of
     starting another, and an unrelated request is served from L2 meanwhile (no deadlock). Once rank 1 reports, the
@@ -87,8 +87,8 @@ def test_r34_a_job_acts_only_once_every_rank_reported_and_a_hung_rank_blocks_not
     e.close()
 
 
-def test_r34_an_existence_answer_that_hangs_on_one_rank_delays_no_request_and_arrives_anded(tmp_path):
-    """R34: rank 0 answers an existence query at once, rank 1's answer hangs. The lookup keeps waiting on rank 0's
+def test_an_existence_answer_that_hangs_on_one_rank_delays_no_request_and_arrives_anded(tmp_path):
+    """Rank 0 answers an existence query at once, rank 1's answer hangs. The lookup keeps waiting on rank 0's
     answer alone (nothing is indexed from one rank), gives up after ``exists_wait_s`` (the request goes on without
     L3: no hang), and the late merged answer indexes the minimum over ranks (rank 1 holds 4 of 6 pages), which the
     next request loads."""

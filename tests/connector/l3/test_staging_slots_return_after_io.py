@@ -13,7 +13,7 @@ from tests.helpers.fake_engine import P, FakeEngine, Req
 
 from tests.helpers.l3_scenarios import (assert_nothing_reserved, complete_async_load, drain_backups, file_store, keys_of, l2_run, l3io, start_async_load, toks, wait_ios, write_to_l3)
 
-# ================================================================ R36: staging slots and the I/O thread
+# ================================================================ staging slots and the I/O thread
 def _record_io_writes(e, rank=0):
     """Wrap the rank's L2 ``write_page`` (what a reader calls for each fetched page): at each write note the slot and
     whether it is, right then, a staging slot of a prefetch that has not reported (allocated, held by a running job,
@@ -31,7 +31,7 @@ def _record_io_writes(e, rank=0):
     return log
 
 
-def _r36_churn(e, staged, tag):
+def _churn(e, staged, tag):
     """Other requests need L2 while the aborted read is still in the store: 5 new prompts of 4 pages (more than the
     free slots, so unlocked pages are evicted and slots freed and reused). The staging slots stay pinned and are
     never given to another page. (The engines answer existence in the scheduler, so a new prompt is a miss at once
@@ -48,7 +48,7 @@ def _r36_churn(e, staged, tag):
     return others
 
 
-def _r36_after_release(e, writes, job, handed, others, tag):
+def _after_release(e, writes, job, handed, others, tag):
     assert writes, "the read in the store never wrote its pages"
     assert all(owned for _s, owned in writes), f"a late write landed in a slot its job no longer owned: {writes}"
     assert [s for s, _o in writes] == handed[:2]        # the batch in the store ended; later batches were skipped
@@ -65,8 +65,8 @@ def _r36_after_release(e, writes, job, handed, others, tag):
 
 
 @pytest.mark.parametrize("end", ["abort", "deadline"])
-def test_r36_staging_slots_go_back_only_after_the_io_thread_stopped_writing_them(tmp_path, end):
-    """R36 (an abort frees host slots while the storage I/O thread still reads into them). A prefetch of 8 pages
+def test_staging_slots_go_back_only_after_the_io_thread_stopped_writing_them(tmp_path, end):
+    """An abort must not free host slots while the storage I/O thread still reads into them. A prefetch of 8 pages
     (batches of 2) whose first batch is inside the store is aborted (or released at its deadline, request computed
     and finished); meanwhile other requests allocate, evict and free L2 slots. tierkv keeps the job's staging slots
     allocated and out of every other owner's hands until the reader finished with them (its report): the late write
@@ -97,18 +97,18 @@ def test_r36_staging_slots_go_back_only_after_the_io_thread_stopped_writing_them
     else:
         now[0] += 1.0
         assert complete_async_load(e, req, ext) == 0     # released: every page recomputed, then finished
-    others = _r36_churn(e, staged, "o")
+    others = _churn(e, staged, "o")
     assert not writes
     faulty.release()
     wait_ios(e)
-    _r36_after_release(e, writes, job, handed, others, "o")
+    _after_release(e, writes, job, handed, others, "o")
     e.close()
 
 
-def test_r36_a_read_held_by_a_stopped_zmq_server_keeps_its_staging_slots_until_it_returns(tmp_path):
-    """R36 with a real ``tierkv server``: the server is SIGSTOPped while a prefetch's first batch is on the wire, the
-    request is aborted and other requests churn L2; after SIGCONT the reply arrives and is written into the job's own
-    staging slots only, which go back to the allocator with the job's report."""
+def test_a_read_held_by_a_stopped_zmq_server_keeps_its_staging_slots_until_it_returns(tmp_path):
+    """The same with a real ``tierkv server``: the server is SIGSTOPped while a prefetch's first batch is on the wire,
+    the request is aborted and other requests churn L2; after SIGCONT the reply arrives and is written into the job's
+    own staging slots only, which go back to the allocator with the job's report."""
     from tests.helpers.fixtures_zmq import make_backend
     doc = toks(1, 8 * P)
     page_bytes = fake_engine.LAYERS * fake_engine.HEADS * P * 2 * fake_engine.HEAD_DIM * 2
@@ -140,12 +140,12 @@ def test_r36_a_read_held_by_a_stopped_zmq_server_keeps_its_staging_slots_until_i
             e.finish(req)
             e.step(compute=False)
             assert "b" not in e.delayed
-            others = _r36_churn(e, staged, "z")
+            others = _churn(e, staged, "z")
             assert not writes
         finally:
             h.cont()
         wait_ios(e)
-        _r36_after_release(e, writes, job, handed, others, "z")
+        _after_release(e, writes, job, handed, others, "z")
         assert l3io(e).store.stats()["timeouts"] == 0     # the reply came in time: the late write really happened
         e.close()
 

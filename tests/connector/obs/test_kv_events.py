@@ -1,6 +1,6 @@
 """KV events for tierkv's tiers (connector/obs/kv_events.py) on the fake engine: which pages are announced as stored in
 and removed from L2 and L3, with the block hashes the resolver gives (vLLM's, in the connector), and their shape
-as vLLM events (docs/architecture.md §4, "KV events")."""
+as vLLM events (docs/architecture.md, "KV events")."""
 import hashlib
 
 import msgspec

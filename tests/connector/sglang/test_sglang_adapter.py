@@ -1,6 +1,6 @@
 """The tierkv SGLang HiCache backend (connector/sglang/hicache.py) on the file store, driven through SGLang's own
-factory and host pool (docs/architecture.md §10): layouts, copy vs zero-copy path, namespace isolation, bad input,
-stats / clear / close."""
+factory and host pool (docs/sglang.md): layouts, copy vs zero-copy path, namespace isolation, bad input, stats / clear /
+close."""
 from __future__ import annotations
 
 import pytest

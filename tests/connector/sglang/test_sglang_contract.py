@@ -1,4 +1,4 @@
-"""The L3 contract cases through SGLang's interface (docs/architecture.md §10): tierkv's file store, ZMQ cache
+"""The L3 contract cases through SGLang's interface (docs/sglang.md): tierkv's file store, ZMQ cache
 server (a real server subprocess) and Mooncake store (a real ``mooncake_master``), each attached to SGLang's own
 MHA host pool through SGLang's ``StorageBackendFactory`` (``dynamic``) and driven with the calls SGLang's
 controller makes (``batch_exists``, ``batch_get_v1``/``batch_set_v1`` over host indices, ``batch_get``/``batch_set``

@@ -1,6 +1,6 @@
-"""SGLang's host pool holds every FP8 KV cache as ``uint8`` (issue 20 item 2): the adapter's namespace then names the
-``kv_cache_dtype`` of the extra config, so e4m3 and e5m2 pages never share keys, and refuses a uint8 pool without it
-(one line naming the key) instead of mixing the formats."""
+"""SGLang's host pool holds every FP8 KV cache as ``uint8``: the adapter's namespace then names the ``kv_cache_dtype``
+of the extra config, so e4m3 and e5m2 pages never share keys, and refuses a uint8 pool without it (one line naming the
+key) instead of mixing the formats."""
 import pytest
 import torch
 

@@ -1,7 +1,7 @@
-"""Hybrid models with vLLM's hybrid KV cache manager on (``SupportsHMA``, issue 20 item 3): pages through the
-connector's scheduler and worker hooks, with vLLM's own KV cache specs and groups (``get_kv_cache_groups``) of a
-Gemma-3 shape (4 layers alternating a 64-token sliding window and full attention: one sliding-window and one
-full-attention group) and KV tensors shared by one layer of each group, as vLLM allocates them.
+"""Hybrid models with vLLM's hybrid KV cache manager on (``SupportsHMA``): pages through the connector's scheduler and
+worker hooks, with vLLM's own KV cache specs and groups (``get_kv_cache_groups``) of a Gemma-3 shape (4 layers
+alternating a 64-token sliding window and full attention: one sliding-window and one full-attention group) and KV
+tensors shared by one layer of each group, as vLLM allocates them.
 
 Block ids are per group (one block pool, so never the same id in two groups); a sliding-window group's table holds
 vLLM's null block (0) before the window. The rule (:func:`tierkv.connector.core.plan.live_blocks`): a page is stored with

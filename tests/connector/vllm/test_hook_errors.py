@@ -1,7 +1,6 @@
-"""Field scenario R41 (docs/architecture.md §8): an error inside a tierkv hook never reaches vLLM's forward nor its
-scheduler loop; it becomes a miss or failed pages (vLLM recomputes them), a counter and one log line. Built
-in-process from vLLM's own config objects (``vllm_parts``), one injected fault per hook: a real copy or a real
-store cannot be made to raise on demand."""
+"""An error inside a tierkv hook never reaches vLLM's forward nor its scheduler loop; it becomes a miss or failed pages
+(vLLM recomputes them), a counter and one log line. Built in-process from vLLM's own config objects (``vllm_parts``),
+one injected fault per hook: a real copy or a real store cannot be made to raise on demand."""
 import logging
 from types import SimpleNamespace
 

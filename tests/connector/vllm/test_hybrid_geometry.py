@@ -1,5 +1,5 @@
-"""Hybrid and sliding-window models at the connector's start-up (issue 20 item 3), from vLLM's own KV cache specs:
-the groups are what vLLM's ``get_kv_cache_groups`` makes of per-layer specs, with its hybrid KV cache manager off
+"""Hybrid and sliding-window models at the connector's start-up, from vLLM's own KV cache specs: the groups are what
+vLLM's ``get_kv_cache_groups`` makes of per-layer specs, with its hybrid KV cache manager off
 (``--disable-hybrid-kv-cache-manager``) or on.
 
 - Sliding-window + full-attention layers (Gemma-2/3 shape), manager off: one group of full-attention specs over every

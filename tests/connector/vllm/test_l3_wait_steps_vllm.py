@@ -1,4 +1,4 @@
-"""Issue 19 item 4: how many engine steps an L3 hit waits, counted with vLLM's own scheduler.
+"""How many engine steps an L3 hit waits, counted with vLLM's own scheduler.
 
 vLLM 0.32's ``Scheduler`` (synchronous scheduling) or ``AsyncScheduler`` (``async_scheduling``, vLLM's default) runs
 in-process with tierkv's scheduler-role connector, which vLLM builds itself (vLLM's CPU backend turns asynchronous

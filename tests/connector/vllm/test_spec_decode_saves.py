@@ -1,7 +1,7 @@
-"""Speculative decoding on the scheduler side of the real connector (issue 20 item 5): a step's draft tokens
-(vLLM's ``scheduled_spec_decode_tokens``) are scheduled and their KV written, but verified only after the step; a page
-is saved only once every token in it is verified, under the key of the final tokens, so a repeated prompt loads every
-page stored (vLLM #52735: pages stored under speculative decoding that no lookup ever matched).
+"""Speculative decoding on the scheduler side of the real connector: a step's draft tokens (vLLM's
+``scheduled_spec_decode_tokens``) are scheduled and their KV written, but verified only after the step; a page is saved
+only once every token in it is verified, under the key of the final tokens, so a repeated prompt loads every page stored
+(vLLM #52735: pages stored under speculative decoding that no lookup ever matched).
 
 The engine side is a stub in vLLM's shapes: ``all_token_ids`` is a live list holding verified tokens only (vLLM keeps
 drafts in ``spec_token_ids``), and after a step with drafts the request's ``num_computed_tokens`` drops by the

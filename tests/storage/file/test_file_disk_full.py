@@ -1,4 +1,5 @@
-"""File store on a full disk (docs/architecture.md §8 R20) and on a directory it cannot write.
+"""File store on a full disk (capacity by LRU eviction, a filesystem that fills first) and on a directory it cannot
+write.
 
 The small filesystem is a real 8 MiB tmpfs (the tests run as root). Where mounting is not permitted
 (``EPERM`` in an unprivileged container), the fixture falls back to an emulated 8 MiB quota: ``os.writev`` and
@@ -80,7 +81,7 @@ def assert_clean(root: str) -> None:
         assert name.endswith(".page") and os.path.getsize(f) == REC, f"partial page file {f}"
 
 
-def test_r20_capacity_enforced_by_lru_eviction(tmp_path, monkeypatch):
+def test_capacity_enforced_by_lru_eviction(tmp_path, monkeypatch):
     mnt = tmp_path / "mnt"
     with small_fs(mnt, 8, monkeypatch):
         root = str(mnt / "l3")
@@ -109,7 +110,7 @@ def test_r20_capacity_enforced_by_lru_eviction(tmp_path, monkeypatch):
         assert_clean(root)
 
 
-def test_r20_filesystem_fills_before_capacity(tmp_path, monkeypatch):
+def test_filesystem_fills_before_capacity(tmp_path, monkeypatch):
     mnt = tmp_path / "mnt"
     with small_fs(mnt, 8, monkeypatch) as kind:
         root = str(mnt / "l3")

@@ -1,5 +1,5 @@
-"""File store across restarts: docs/architecture.md §8 R17 with its exact counts, LRU order that survives a restart,
-start-up header verification."""
+"""File store across restarts: index rebuilt and torn files dropped, with exact counts, LRU order that survives a
+restart, start-up header verification."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,6 +12,7 @@ import signal
 import torch
 
 from tests.helpers.fixtures_file import crash_during_write
+from tests.helpers.namespace import make_namespace
 from tierkv.connector.core.page_hash import ModelNamespace, key_hex, page_keys, request_root
 from tierkv.storage_backends.file.store import FileStore
 from tierkv.storage_backends.page_format import HEADER_BYTES
@@ -19,8 +20,7 @@ from tierkv.storage_backends.page_format import HEADER_BYTES
 _RK = random.Random(0x4e57)  # fixed: the same keys in every run (a failure reproduces)
 
 P = 4
-NS = ModelNamespace(model_id="tiny-llama", dtype="bfloat16", kv_layout="layer_first", page_size=P, num_layers=2,
-                    num_kv_heads=2, head_dim=8)
+NS = make_namespace(model_id="tiny-llama", kv_layout="layer_first", page_size=P)
 PAGE_BYTES = 2 * NS.num_layers * P * NS.num_kv_heads * NS.head_dim * 2  # K and V, bf16: 512 bytes
 REC = HEADER_BYTES + PAGE_BYTES
 
@@ -47,7 +47,7 @@ def page_files(root: str) -> list[str]:
     return out
 
 
-def test_r17_restart_rebuilds_index_drops_torn_files(tmp_path):
+def test_restart_rebuilds_index_drops_torn_files(tmp_path):
     root = str(tmp_path / "l3")
     cap = 32 * REC
     keys = [prompt_keys(NS, j) for j in range(5)]

@@ -1,4 +1,4 @@
-"""File store specifics: planted pickle (R19), index rebuild rate, paths stay under the root, zero-copy reads,
+"""File store specifics: planted pickle, index rebuild rate, paths stay under the root, zero-copy reads,
 thread safety, clear, quarantine bound."""
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class _Canary:
 
 
 @pytest.mark.parametrize("padded", [True, False])
-def test_r19_planted_pickle_page_is_a_miss(tmp_path, padded):
+def test_planted_pickle_page_is_a_miss(tmp_path, padded):
     root = str(tmp_path / "l3")
     s = FileStore(NS, PAGE, root=root)
     canary = tmp_path / "canary"

@@ -1,5 +1,5 @@
-"""Mooncake backend against a real ``mooncake_master``: docs/architecture.md §8 R15 (writer killed mid-put) and R16 (master
-restart while data holders stay up), a hung (SIGSTOPped) or dead master, and bad configuration."""
+"""Mooncake backend against a real ``mooncake_master``: a writer killed mid-put, a master restart while data holders
+stay up, a hung (SIGSTOPped) or dead master, and bad configuration."""
 from __future__ import annotations
 
 import os
@@ -45,10 +45,10 @@ def mc(tmp_path):
         yield h
 
 
-# --------------------------------------------------------------------------------------------------- R16
+# --------------------------------------------------------------------------------------------------- master restart
 
 
-def test_r16_master_restart_old_keys_miss_new_keys_exact_never_foreign(mc):
+def test_master_restart_old_keys_miss_new_keys_exact_never_foreign(mc):
     """A stores K1-K8; only the master restarts; B stores K9-K16; C joins; A, B, C read all 16 keys."""
     a = mc.backend                       # holds the segment: the data holder that stays up
     b = mc.new_client()                  # an instance that exists across the restart
@@ -75,7 +75,7 @@ def test_r16_master_restart_old_keys_miss_new_keys_exact_never_foreign(mc):
     assert a.batch_exists(ks[:8]) == 0
 
 
-def test_r16_record_of_another_key_is_a_miss(mc):
+def test_record_of_another_key_is_a_miss(mc):
     """A region holding another key's record (what a restarted master handing out old space would produce) is a
     miss, counted as corrupt and removed; the key can then be stored again."""
     a = mc.backend
@@ -94,7 +94,7 @@ def test_r16_record_of_another_key_is_a_miss(mc):
     assert a.batch_get([k2], dst[1:]) == [True] and torch.equal(dst[1], p2)
 
 
-# --------------------------------------------------------------------------------------------------- R15
+# ------------------------------------------------------------------------------------------------ writer killed mid-put
 
 _WRITER = textwrap.dedent("""
     import os, sys, time
@@ -146,7 +146,7 @@ def _run_writer_and_kill(h, keys, mode: str, seg: int) -> None:
 
 
 @pytest.mark.parametrize("mode,seg", [("session", 0), ("session", 16 << 20), ("loop", 0)])
-def test_r15_writer_killed_mid_put(tmp_path, mode, seg):
+def test_writer_killed_mid_put(tmp_path, mode, seg):
     """Writers SIGKILLed in the middle of puts (three times, 8 keys each). B then sees each key absent (or, for
     keys the writer completed, the writer's valid page), its reads are misses within the timeout, its put of new
     bytes succeeds within two client TTLs and reads back exactly."""

@@ -100,8 +100,8 @@ def test_overwrite_of_zero_copy_pages_replaces_them(zc):
 
 
 def test_key_left_processing_by_another_writer_is_claimed(zc):
-    """R15 on the zero-copy path: another client started a put of the key and never finished it. The zero-copy
-    put is dropped by Mooncake (reported 0); the store sees the key still absent and upserts it."""
+    """A writer killed mid-put, on the zero-copy path: another client started a put of the key and never finished it.
+    The zero-copy put is dropped by Mooncake (reported 0); the store sees the key still absent and upserts it."""
     b = zc.backend
     other = zc.new_client()
     ks = keys_of(2, salt=4)

@@ -1,5 +1,5 @@
-"""ZMQ L3 faults: docs/architecture.md §8 R13 (server killed/restarted/stopped; half, stale and malformed replies) and R15
-(a writer killed in the middle of a put), against the real server or a hand-written fake one."""
+"""ZMQ L3 faults: a server killed, restarted or stopped; half, stale and malformed replies; a writer killed in the
+middle of a put; against the real server or a hand-written fake one."""
 from __future__ import annotations
 
 import json
@@ -24,7 +24,7 @@ from tierkv.storage_backends.zmq.client import ZmqStore
 
 KiB, MiB = 1 << 10, 1 << 20
 NS = bytes(range(50, 66))
-T = 0.5          # client timeout in these tests (seconds), as in docs/architecture.md §8 R13
+T = 0.5          # client timeout in these tests (seconds)
 MARGIN = 0.75    # allowed lateness on a busy 2-core machine (seconds)
 
 
@@ -51,8 +51,8 @@ def timed(fn: Callable, *a):
     return r, time.monotonic() - t0
 
 
-# ----------------------------------------------------------------------------------------------- R13, real server
-def test_r13_kill9_then_restart_on_same_port(tmp_path):
+# ------------------------------------------------------------------------------------------ dead or stopped real server
+def test_kill9_then_restart_on_same_port(tmp_path):
     with FZ.make_backend(tmp_path, 4096, NS, timeout_s=T) as h:
         c = h.backend
         ks, src = keys_of(4, 1), pages(4, 4096, 1)
@@ -85,7 +85,7 @@ def test_r13_kill9_then_restart_on_same_port(tmp_path):
         assert c.stats()["reconnects"] >= 1
 
 
-def test_r13_sigstop_calls_time_out_and_pending_stays_bounded(tmp_path):
+def test_sigstop_calls_time_out_and_pending_stays_bounded(tmp_path):
     with FZ.make_backend(tmp_path, 4096, NS, timeout_s=T) as h:
         c = h.backend
         ks, src = keys_of(4, 4), pages(4, 4096, 4)
@@ -118,7 +118,7 @@ def test_r13_sigstop_calls_time_out_and_pending_stays_bounded(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(dst, src))
 
 
-# ----------------------------------------------------------------------------------------------- R13, fake server
+# ---------------------------------------------------------------------- half, stale and malformed replies (fake server)
 class FakeServer:
     """A ROUTER on loopback answering each request with ``behave(n, ident, header, frames, sock)``."""
 
@@ -174,7 +174,7 @@ def fake():
         f.close()
 
 
-def test_r13_stale_reply_for_an_older_request_is_never_applied(fake):
+def test_stale_reply_for_an_older_request_is_never_applied(fake):
     """Request 1 is left unanswered (the client times out); request 2 for the *same key* is answered first with
     request 1's id and an old but valid page, then with its own id and the new page: the client returns the new
     page. With only the stale reply, request 3 is a miss and its destination is untouched."""
@@ -208,7 +208,7 @@ def test_r13_stale_reply_for_an_older_request_is_never_applied(fake):
         c.close()
 
 
-def test_r13_half_reply_then_server_gone_then_back(fake):
+def test_half_reply_then_server_gone_then_back(fake):
     """The server sends the first frame of a reply and closes: ZMQ never delivers the partial message, the call is a
     miss within the timeout; a server back on the same port is used again without recreating the client."""
     k, p = keys_of(1, 7), pages(1, 4096, 7)[0].numpy()
@@ -272,7 +272,7 @@ BAD_GET_REPLIES = {
 
 
 @pytest.mark.parametrize("name", list(BAD_GET_REPLIES))
-def test_r13_r19_malformed_get_replies_are_misses(fake, name):
+def test_malformed_get_replies_are_misses(fake, name):
     """A fake server answers a get of two keys with a malformed reply: both are misses, destinations untouched,
     nothing raised, within the timeout; the next (good) reply on the same client is applied."""
     k, ps, hd = _one_page(8)
@@ -298,7 +298,7 @@ def test_r13_r19_malformed_get_replies_are_misses(fake, name):
 
 
 @pytest.mark.parametrize("body", [dict(lead=3), dict(lead="2"), dict(lead=-1), dict(present=[True]), dict(lead=True)])
-def test_r19_malformed_exists_replies_are_zero(fake, body):
+def test_malformed_exists_replies_are_zero(fake, body):
     f = fake(lambda n, ident, h, frames, sock: sock.send_multipart([ident, rep(h, **body)]))
     c = ZmqStore(NS, 4096, endpoint=f.endpoint, timeout_s=T)
     try:
@@ -309,7 +309,7 @@ def test_r19_malformed_exists_replies_are_zero(fake, body):
 
 
 @pytest.mark.parametrize("body", [dict(stored=[True]), dict(stored="yes"), dict(stored=[1, 1]), dict()])
-def test_r19_malformed_set_replies_are_failures(fake, body):
+def test_malformed_set_replies_are_failures(fake, body):
     f = fake(lambda n, ident, h, frames, sock: sock.send_multipart([ident, rep(h, **body)]))
     c = ZmqStore(NS, 4096, endpoint=f.endpoint, timeout_s=T)
     try:
@@ -319,7 +319,7 @@ def test_r19_malformed_set_replies_are_failures(fake, body):
         c.close()
 
 
-def test_r19_oversized_reply_frame_is_dropped(fake):
+def test_oversized_reply_frame_is_dropped(fake):
     """A reply frame over the client's max_message_bytes makes ZMQ drop the connection: a miss, not a 100 MiB read."""
     k, ps, hd = _one_page(11)
     f = fake(lambda n, ident, h, frames, sock: sock.send_multipart([ident, rep(h, hits=[True, True], hdrs=hd),
@@ -333,7 +333,7 @@ def test_r19_oversized_reply_frame_is_dropped(fake):
         c.close()
 
 
-# ----------------------------------------------------------------------------------------------- R15
+# ----------------------------------------------------------------------------------------------- writer killed mid-put
 def _recv_exact(s: socket.socket, n: int) -> bytes:
     b = b""
     while len(b) < n:
@@ -380,7 +380,7 @@ def abort(s: socket.socket) -> None:
     s.close()
 
 
-def test_r15_writer_dies_mid_put_raw_zmtp(tmp_path):
+def test_writer_dies_mid_put_raw_zmtp(tmp_path):
     """200 writers each send a set's header frame and part of its 1 MiB payload frame, then vanish (RST). The key is
     never visible; B's exists/get of it are immediate misses; B's put of it then reads back B's bytes; the server has
     no pending write and its memory does not grow. A frame declaring ~4 GiB is refused without allocating it."""
@@ -478,7 +478,7 @@ print(json.dumps(out), flush=True)
 """
 
 
-def test_r15_writer_process_sigkilled_mid_put(tmp_path):
+def test_writer_process_sigkilled_mid_put(tmp_path):
     """Writer processes are SIGKILLed while sending a 16 MiB set: at once after they start sending, at a random
     moment, or after the server stored the page. Before each kill (the writer frozen by SIGSTOP) the test records
     whether the server already holds the page: some did and some did not, so kills really hit puts in flight. Then
@@ -522,13 +522,14 @@ def test_r15_writer_process_sigkilled_mid_put(tmp_path):
         assert st["pending_writes"] == 0 and st["errors"] == 0
         assert b.stats()["corrupt"] == 0
         by_when = {w: [k["visible_before_kill"] for k in kills if k["when"] == w] for w in ("now", "random")}
-        print(f"R15: stored before the kill {sum(visible)}/{n} (now {sum(by_when['now'])}/{len(by_when['now'])}, "
+        print(f"writer killed mid-put: stored before the kill {sum(visible)}/{n} "
+              f"(now {sum(by_when['now'])}/{len(by_when['now'])}, "
               f"random {sum(by_when['random'])}/{len(by_when['random'])}); present after {present}; server {st}")
 
 
 def test_corrupt_pages_are_logged_rate_limited(tmp_path, caplog):
     """Pages that fail verification are counted one by one but logged at most once per kind and period (a whole
-    batch of bad pages is one warning line, docs/architecture.md §13)."""
+    batch of bad pages is one warning line, docs/architecture.md, "Configuration and observability")."""
     import logging
 
     with FZ.make_backend(tmp_path, 4096, NS, timeout_s=5.0) as h:

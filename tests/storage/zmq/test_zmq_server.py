@@ -1,5 +1,5 @@
-"""ZMQ cache server: entry points, loopback default, token, message bounds, several clients, spill, and the R19
-fuzz scenario (untrusted bytes on the socket never build objects, never crash or bloat the server)."""
+"""ZMQ cache server: entry points, loopback default, token, message bounds, several clients, spill, and fuzzing
+(untrusted bytes on the socket never build objects, never crash or bloat the server)."""
 from __future__ import annotations
 
 import os
@@ -326,7 +326,7 @@ def test_spill_to_file_store(tmp_path):
         assert c.batch_exists(ks[1:]) == 0
 
 
-# ----------------------------------------------------------------------------------------------- R19 fuzz
+# ----------------------------------------------------------------------------------------------- fuzz
 class _Canary:
     def __init__(self, path: str):
         self.path = path
@@ -335,7 +335,7 @@ class _Canary:
         return (os.system, (f"touch {self.path}",))
 
 
-def test_r19_hostile_frames_get_error_replies_and_service_continues(srv, tmp_path):
+def test_hostile_frames_get_error_replies_and_service_continues(srv, tmp_path):
     canary = tmp_path / "canary"
     evil = pickle.dumps(_Canary(str(canary)))
     ep = srv.endpoint
@@ -401,7 +401,7 @@ def test_r19_hostile_frames_get_error_replies_and_service_continues(srv, tmp_pat
     assert FZ.rss_bytes(srv.pid) - rss0 < 32 * MiB
 
 
-def test_r19_random_and_truncated_msgpack_fuzz(srv, tmp_path):
+def test_random_and_truncated_msgpack_fuzz(srv, tmp_path):
     """Random frames, truncated/mutated valid headers and random frame counts for a bounded time: the server
     answers or drops each, keeps serving, and its memory stays within a small bound."""
     import zmq

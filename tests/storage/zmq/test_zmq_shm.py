@@ -1,4 +1,4 @@
-"""The ZMQ store's shared-memory data path (docs/architecture.md §5, "Shared-memory data path"), against a real
+"""The ZMQ store's shared-memory data path (docs/architecture.md, "L3 stores"), against a real
 ``tierkv server`` process: exact round trips through the client's ``/dev/shm`` segment, re-attach after a server
 restart, a removed segment, a timed-out call, the token, refused slot offsets and names, fallback to frames,
 threads of one client. The contract suite also runs with the path on (``tests/helpers/fixtures_zmq_shm.py``)."""
