@@ -1,26 +1,11 @@
 """tierkv counters in vLLM's metrics pipeline (``KVConnectorStats`` and Prometheus), engine edge.
 
 Each step, both connector roles hand vLLM a :class:`TierKVStats`: the *increase* of their counters since the
-previous step, the current value of the gauges that changed, and the L3 call latencies observed since then. vLLM
-sums the workers' stats, ships them to the front-end, logs them with the other periodic stats, and feeds
-:class:`TierKVPromMetrics`, which exposes on the server's ``/metrics``:
-
-- one Prometheus counter per key of :data:`COUNTERS` as ``vllm:tierkv_<key>_total`` (tokens, pages, bytes,
-  seconds as the key says);
-- ``vllm:tierkv_hit_tokens_total{tier="L2"|"L3"}``: prompt tokens served from each tier instead of recomputed;
-- ``vllm:tierkv_l3_errors_total`` / ``vllm:tierkv_l3_timeouts_total``: store calls that failed / timed out
-  (included in :data:`COUNTERS`);
-- gauges (:data:`GAUGES`): L2 occupancy and capacity (pages), pages waiting for a backup or a prefetch;
-- ``vllm:tierkv_l3_op_seconds{op="get"|"set"|"exists"}``: histogram of the wall time of each batched store call;
-- ``vllm:tierkv_lookup_outcome_tokens_total{outcome=...}``: every counted lookup token by where it was served
-  (``l1``, ``l2``, ``l3``) or why it was not (:data:`LOOKUP_OUTCOMES`); with the gauge
-  ``vllm:tierkv_lookup_waiting_tokens`` (L3 loads whose outcome is not known yet) they sum to
-  ``vllm:tierkv_lookup_tokens_total``;
-- ``vllm:tierkv_reuse_distance_seconds{tier="L2"|"L3"}``: histogram of the seconds between a page's store in a tier
-  and a hit on it there (one sample per page hit): what L2 and L3 must hold to keep today's hits.
-
-Counters fed by the L3 I/O threads reach ``/metrics`` with the next engine step: an idle engine reports nothing new.
-Modelled on how vLLM's own offloading and NIXL connectors report their transfers.
+previous hand-over, the current value of the gauges that changed, and the L3 call latencies observed since then.
+vLLM sums the workers' stats, logs them and feeds :class:`TierKVPromMetrics`, which exposes on ``/metrics`` one
+counter per key of :data:`COUNTERS` (``vllm:tierkv_<key>_total``), the gauges of :data:`GAUGES`, hit tokens per tier,
+lookup tokens per outcome (:data:`LOOKUP_OUTCOMES`) and histograms of L3 call seconds and reuse distances. Units are
+as each key says (tokens, pages, bytes, seconds). The full list of series: ``docs/developer-guide.md``.
 """
 from __future__ import annotations
 

@@ -365,10 +365,10 @@ def test_the_recompute_estimate_comes_from_timed_forwards_of_prefill_steps(tmp_p
     from tests.helpers.vllm_parts import worker_connector, connector, SCHEDULER, write_model
     monkeypatch.setenv("TIERKV_LEDGER_DIR", str(tmp_path))
     model = write_model(tmp_path / "model")
-    import tierkv.connector.vllm.connector as vc
+    import time
     w, _l1 = worker_connector(model, {"host_pool.num_pages": 8})
     now = [100.0]
-    monkeypatch.setattr(vc.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
     for step, tokens in ((1, 4 * P), (2, 4 * P - 1), (3, 0)):    # only the first has enough prompt tokens
         w.bind_connector_metadata(ConnectorPlan(step=step, prefill_tokens=tokens))
         now[0] += 0.25                                          # the forward

@@ -42,7 +42,7 @@ def test_a_restarted_scheduler_starts_from_its_predecessors_estimate(tmp_path, m
     cfg = {"host_pool.num_pages": 8, "l3.backend": "file", "l3.file.root": str(tmp_path / "l3")}
     first = connector(model, SCHEDULER, cfg)
     assert first._sched.ctl.prefill_s_per_token.value is None
-    first._observe_forwards([(3, 256, 0.0512)])          # one timed prefill step: 200 us per prompt token
+    first._side.observe_forwards([(3, 256, 0.0512)])          # one timed prefill step: 200 us per prompt token
     first.shutdown()
     saved = json.loads(next((tmp_path / "est").glob("tierkv-estimates-*.json")).read_text())
     assert saved["prefill_s_per_token"] == pytest.approx(2e-4)

@@ -302,7 +302,7 @@ def test_counter_deltas_go_to_vllm_once_per_interval_and_none_is_lost(tmp_path, 
     model = write_model(tmp_path / "model")
     s = connector(model, SCHEDULER, {"host_pool.num_pages": 8})
     now = [100.0]
-    s._clock = lambda: now[0]
+    s._side.clock = lambda: now[0]
 
     def req(rid, base):
         return SimpleNamespace(request_id=rid, all_token_ids=list(range(base, base + 2 * BLOCK + 1)),
