@@ -1,19 +1,13 @@
 """Page transfer kernels between L1 (the engine's KV blocks, :class:`~tierkv.connector.l2.device_pool.DevicePool`)
 and L2 (the host pool, :class:`~tierkv.connector.l2.host_pool.HostPool`).
 
-One dispatch API:
-
 * :func:`save_pages` (L1 -> L2, "backup"): block ``block_ids[i]`` of every selected layer -> slot ``slots[i]``.
 * :func:`load_pages` (L2 -> L1, "load_back"): slot ``slots[i]`` -> block ``block_ids[i]``.
 
-``layers`` selects a subset of layer indices (None = all). The implementation is picked by the device of the
-KV tensors: on CPU :mod:`tierkv.kernels.numba_impl` (one compiled pass per part, register transposes for the CPU
-backend's transposed K, non-temporal stores) when numba is installed, else :mod:`tierkv.kernels.torch_impl` (slice
-``copy_`` of merged runs / ``index_select`` gathers, never an ``index_copy_`` scatter);
-:mod:`tierkv.kernels.triton_impl` on CUDA (one Triton gather/scatter launch per part and step on a side stream,
-reading/writing pinned host memory directly). ``impl="numba"|"torch"|"triton"`` forces one (the Triton kernels
-also run on CPU tensors under ``TRITON_INTERPRET=1``, which is how CI tests them); env ``TIERKV_CPU_KERNELS=torch``
-makes torch the CPU default.
+``layers`` selects a subset of layer indices (None = all). The implementation follows the device of the KV tensors:
+on CPU :mod:`tierkv.kernels.numba_impl` when numba is installed, else :mod:`tierkv.kernels.torch_impl`; on CUDA
+:mod:`tierkv.kernels.triton_impl`. ``impl="numba"|"torch"|"triton"`` forces one; env ``TIERKV_CPU_KERNELS=torch``
+makes torch the CPU default. How each implementation moves bytes: docs/developer-guide.md.
 
 Every argument is checked before any byte moves; a bad one raises ValueError naming it: ids out of range,
 lengths that differ, a slot or block given twice, unknown layers, or an L1/L2 pair whose layers, dtype, heads,

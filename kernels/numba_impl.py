@@ -1,34 +1,17 @@
 """CPU transfer kernels compiled with numba: one pass per page, every byte straight into its final position.
 
-A move (any device layout, host layout and direction) is a list of (block, slot) pairs and a per-page **unit
-table** built once per (device pool, host pool, layer subset) and cached: for every unit its source and destination
-byte offset inside a page and its kind. Units of all parts (K, V or the MLA latent) of a page are in one table, so
-a page is read once even where K and V interleave in device memory (FlashAttention NHD/HND). Unit kinds:
+A move (any device layout, host layout and direction) is a list of (block, slot) pairs and a per-page unit table,
+built once per (device pool, host pool, layer subset) and cached: each unit's source and destination byte offset in
+a page and its kind. Units of all parts (K, V or MLA latent) share one table, so a page is read once. Unit kinds:
+**row** (mode 0: contiguous on both sides, adjacent rows merged), **register transpose** (modes 1 and 3, 2-byte
+dtypes: the CPU backend's K ``[D, N]`` <-> token-major ``[N, D]``, 16x16 elements or whole 64-byte cache lines) and
+**tile transpose** (mode 2: an element loop for other sizes).
 
-* **row** (mode 0): contiguous bytes on both sides (V rows, NHD/HND K and V rows, MLA latents, ``layer_first``
-  blocks); rows that continue each other on both sides are merged.
-* **register transposes** (modes 1 and 3, 2-byte dtypes): vLLM's CPU backend stores K transposed, ``[D, N]`` per
-  (block, head), while the host layouts hold it token-major ``[N, D]``. A unit transposes 16 source rows of 16
-  elements (mode 1) or 32 of them into 16 destination rows of 64 bytes, whole cache lines (mode 3), with LLVM
-  vector shuffles: three rounds of in-lane unpacks of 16-, 32- and 64-bit pieces and a 128-bit lane merge, the
-  classic SSE/AVX2 register transpose (``vpunpck*``, ``vperm2i128``).
-* **tile transpose** (mode 2): an element loop, for other element sizes or dims that are not multiples of 16.
-
-Memory behaviour (each choice was measured: benchmarks/README.md, "Measurements behind code choices"):
-
-* Units run in **source order** and pairs in source order, so reads stream front to back.
-* Row stores of whole aligned 32-byte pieces are **non-temporal** (``vmovntdq``: a line goes to memory without
-  first being read into cache). torch's ``copy_`` uses ordinary stores, so every destination line is read before
-  it is written, which is why a strided gather can match or beat ``copy_`` here. Transposes store non-temporally
-  only when their 16 destination rows are at most :data:`NT_TRANSPOSE_MAX_STRIDE` bytes apart.
-* A ``fence`` ends every call, so the bytes are visible to other threads when it returns.
-* The intrinsics take raw addresses, not arrays: numba reference-counts arrays passed into helper functions, and
-  that costs an atomic pair per 128-byte row.
-
-Single-threaded (no ``prange``): the engine's threads are left alone (vLLM's CPU worker refuses
-``torch.set_num_threads``), and :mod:`tierkv.kernels.torch_impl` with ``TIERKV_COPY_THREADS=1`` is the comparison.
-The kernel compiles lazily on first use (~2 s) and is cached on disk (``cache=True``, ~0.5 s to load). Without
-numba, :func:`available` is False and :mod:`tierkv.kernels` uses the torch implementation.
+Units and pairs run in source order; row stores of whole aligned 32-byte pieces are non-temporal, transposes only
+when their destination rows are at most :data:`NT_TRANSPOSE_MAX_STRIDE` bytes apart; a fence ends every call, so
+the bytes are visible to other threads when it returns. Single-threaded. Compiled lazily on first use (~2 s) and
+cached on disk (~0.5 s to load). Without numba :func:`available` is False and :mod:`tierkv.kernels` uses the torch
+implementation. Why each choice: docs/developer-guide.md.
 """
 from __future__ import annotations
 

@@ -1,21 +1,18 @@
 """CUDA transfer kernels in Triton (also run on CPU tensors under ``TRITON_INTERPRET=1``, which is how CI tests them).
 
 One generic kernel, ``_page_copy_kernel``, copies a batch of *items*: item ``i`` is a small strided tensor (up to 5
-dims) starting at element ``src_base[i]`` of the source and ``dst_base[i]`` of the destination, both described by
-their own strides. A step's whole transfer is one launch per part (opaque bytes; or K, V; or MLA latent) over all
-its (block, slot) pairs and, when the engine's layers share one allocation (vLLM), all layers at once — "batched
-per step" as in SGLang HiCache's transfer kernels, but written for vLLM's block views:
+dims) starting at element ``src_base[i]`` of the source and ``dst_base[i]`` of the destination, each side with its
+own strides. A step's transfer is one launch per part over all its (block, slot) pairs and, when the layers share
+one allocation, all layers at once:
 
 * ``layer_first`` (opaque): item = ``[L, block_bytes / w]`` words of width ``w`` (8, 4, 2 or 1 bytes, the widest
   that divides every size and offset), device stride per layer = the layer stride, host stride = ``S * block_bytes``.
 * semantic layouts: item = ``[L, r, n, H, D]`` elements; device strides decode the backend packing
   (:meth:`~tierkv.connector.l2.device_pool.DevicePool.semantic_view`), host strides are the pool's.
 
-On CUDA the host pool must be pinned (page-locked memory is mapped into the device's address space, so the kernel
-reads and writes it directly over PCIe, no staging copy). The copies run on a per-device side stream that first
-waits for the current stream (the forward may still be writing KV); with ``sync=True`` (default) the call returns
-after the copy finished, with ``sync=False`` it returns the ``torch.cuda.Event`` recorded after it. A pageable host
-pool on CUDA falls back to the torch implementation with a one-time warning.
+On CUDA the host pool must be pinned (a pageable one falls back to the torch implementation, warned once). Copies
+run on a per-device side stream that first waits for the current stream; ``sync=True`` (default) returns after the
+copy, ``sync=False`` returns the ``torch.cuda.Event`` recorded after it. Why: docs/developer-guide.md.
 """
 from __future__ import annotations
 

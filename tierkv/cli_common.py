@@ -1,22 +1,13 @@
 """Shared pieces of the ``tierkv`` subcommands: exit codes, the one-line error, store addresses, progress bars.
 
-Exit codes (the same for every subcommand; :data:`EXIT_CODES` is the table of docs/user-guide.md):
+Exit codes, the same for every subcommand (:data:`EXIT_CODES` holds their meanings: the table of
+docs/user-guide.md): 0 success; 1 something found (``store verify``: bad records; ``config check``: an invalid
+file; ``bench``: the benchmark script failed); 2 bad input; 3 the store is unreachable; 4 a newer format or
+protocol than this tierkv; 5 refused (token, an operation the store kind cannot do, ``tierkv server`` refusing to
+start); 70 internal error (``TIERKV_DEBUG=1`` shows the traceback); 130 interrupted.
 
-==== ==========================================================================================================
-0    success (``store verify``: every record is good)
-1    ``store verify`` found bad records (counted; removed or quarantined with ``--fix``); ``config check``:
-     the file is invalid; ``bench``: the benchmark script failed
-2    bad input: unknown flag or value, missing path, not a store, a config file that cannot be read
-3    the store is unreachable: a ``tierkv server`` or Mooncake master that does not answer
-4    the store (or server) was written by / speaks a newer format or protocol version than this tierkv
-5    refused: wrong or missing ``--token``, an operation the store kind cannot do (e.g. verify a Mooncake store),
-     or ``tierkv server`` refusing to start (a bind beyond loopback without a token, an unreadable or empty
-     ``--token-file``, an address it cannot listen on)
-70   internal error (a bug: one line still; ``TIERKV_DEBUG=1`` shows the traceback)
-130  interrupted (Ctrl-C)
-==== ==========================================================================================================
-
-Every failure prints exactly one line ``tierkv <command>: error: <what>`` on stderr, never a traceback.
+Every failure prints exactly one line ``tierkv <command>: error: <what>`` on stderr, never a traceback: a
+subcommand raises :class:`CliError` with one of these codes and :func:`fail` prints it.
 """
 from __future__ import annotations
 

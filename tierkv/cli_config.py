@@ -2,18 +2,16 @@
 
 The key list is generated from the schema, never written by hand:
 
-- names, types and defaults: the pydantic models :class:`tierkv.connector.core.config.TierKVConfig` (with
-  :class:`~tierkv.connector.core.config.HostPoolConfig`, :class:`~tierkv.connector.core.config.ControllerConfig`,
-  :class:`tierkv.storage_backends.factory.L3Config`) and the models of the backend sections
-  (:class:`~tierkv.storage_backends.file.store.FileStoreConfig`, :class:`~tierkv.storage_backends.mooncake.store.MooncakeStoreConfig`,
-  :class:`~tierkv.storage_backends.zmq.client.ZmqStoreConfig`, :class:`~tierkv.storage_backends.faulty.FaultsConfig`);
-- meanings: a field's pydantic ``description`` where it has one, else the comment next to (or above) the key in the
-  shipped commented configs (``configs/default.yaml``, ``configs/l3_<backend>.yaml``), else the ``Args:`` entry of the
+- names, types and defaults: the pydantic models :class:`tierkv.connector.core.config.TierKVConfig` (with its
+  sections and :class:`tierkv.storage_backends.factory.L3Config`) and the models of the backend sections;
+- meanings: a field's pydantic ``description``, else the comment next to (or above) the key in the shipped
+  commented configs (``configs/default.yaml``, ``configs/l3_<backend>.yaml``), else the ``Args:`` entry of the
   class that takes the key (``FaultyBackend`` for ``l3.faults``).
 
 docs/user-guide.md holds the same table between the markers :data:`BEGIN` and :data:`END` (and the exit codes of
 :data:`tierkv.cli_common.EXIT_CODES` between theirs); ``tierkv config docs --markdown`` prints it, ``--update-readme
-FILE`` rewrites both parts, and ``tests/cli/test_cli_config.py`` fails when they drift.
+FILE`` rewrites both parts, and ``tests/cli/test_cli_config.py`` fails when they drift. The models read:
+docs/developer-guide.md.
 """
 from __future__ import annotations
 

@@ -1,45 +1,17 @@
 """L1 adapter: the engine's paged KV tensors, seen as blocks of bytes and as K/V (or latent) token views.
 
-vLLM 0.32 hands a connector one tensor per attention layer in ``register_kv_caches``; every one is a view of a
-single shared allocation (vLLM 0.32, ``vllm/v1/kv_cache_interface.py``). :class:`DevicePool` turns
-them into two families of *views* (no copies) that the transfer kernels in :mod:`tierkv.kernels` use:
+:class:`DevicePool` takes the per-layer KV tensors the engine registers (views of one allocation) and builds views,
+never copies, for :mod:`tierkv.kernels`:
 
-* **block bytes**: ``uint8 [num_blocks, block_bytes]`` per layer; row ``b`` is every byte of manager block ``b``
-  of that layer, whatever the backend does inside it (the recipe of vLLM's own offloading connectors). Needs a
-  block of one layer to be one dense byte run, true for the layouts ``LBNHC``/``NHD``, ``LBHNC``/``HND``,
-  ``BLNHC`` and ``BLHNC``; ``BHLNC`` and ``LHBNC`` are refused.
-* **semantic views**: ``k``/``v`` ``[num_blocks, r, n, H, D]`` (``r`` kernel blocks of ``n`` tokens per
-  manager block, ``H`` KV heads, ``D`` head dim, token-major) or, for MLA, ``latent`` ``[num_blocks, r, n, 1, C]``.
-  They decode the backend's packing with strides only:
+* block bytes: ``uint8 [num_blocks, block_bytes]`` per layer, row ``b`` = every byte of manager block ``b``;
+  layouts ``LBNHC``/``NHD``, ``LBHNC``/``HND``, ``BLNHC``, ``BLHNC`` (``BHLNC``, ``LHBNC`` are refused);
+* semantic views: ``k``/``v`` ``[num_blocks, r, n, H, D]`` (``r`` kernel blocks of ``n`` tokens per manager block,
+  ``H`` KV heads, ``D`` head dim), MLA ``latent`` ``[num_blocks, r, n, 1, C]``, decoded with strides only;
+* all-layer views with a leading ``L`` dim, when every layer sits in one storage at a constant layer stride.
 
-  ====================  =============================================================  ==============================
-  device kind            logical tensor vLLM registers                                  where K / V are
-  ====================  =============================================================  ==============================
-  ``cpu``                ``[B, H, N, 2D]`` contiguous (CPU_ATTN, layout ``LBHNC``)      per (block, head) page of
-                                                                                        ``N*2D`` elements: K stored
-                                                                                        transposed ``[D, N]``, then V
-                                                                                        ``[N, D]`` (ISAs vec/vec16)
-  ``flash``              ``[B, H, N, 2D]`` view, physically ``[B, N, H, 2D]`` (NHD) or  first ``D`` of the last dim = K,
-                         ``[B, H, N, 2D]`` (HND) — FlashAttention, FlashInfer, Triton   next ``D`` = V; the physical
-                                                                                        order is read from the strides
-  ``mla``                ``[B, 1, N, C]`` or squeezed ``[B, N, C]``                     one latent vector per token
-  ====================  =============================================================  ==============================
-
-When all layers are views of one storage at a constant layer stride (what vLLM does), the adapter also builds
-*all-layer* views with a leading ``L`` dimension, so one ``copy_`` moves a block run in every layer at once.
-
-Kernel blocks: when the backend's kernel block is smaller than the manager block, vLLM registers
-``num_blocks * r`` rows; manager block ``b`` is rows ``b*r .. b*r+r-1`` (they must be adjacent in memory).
-
-CPU ISA caveat: vLLM's CPU backend picks an attention ISA per engine (``amx`` on CPUs with AMX tiles for bf16
-models and blocks of a multiple of 32 tokens, else ``vec``, ``vec16``, ``neon``, ...; vLLM's ``_get_attn_isa``) and
-packs a page's bytes differently under ``amx``. The ``cpu`` decode is a bijection of a page's elements either way,
-so every round trip stays bit-exact; but the page *bytes* (opaque ``layer_first`` rows) and the meaning of semantic
-host layouts differ, so :attr:`DevicePool.layout_tag`, built by :func:`device_layout_tag`, names the device kind,
-the exact ISA the engine uses and the layout (e.g. ``"cpu-amx/LBHNC"``, ``"cpu-vec/LBHNC"``, ``"flash/LBNHC"``).
-It is part of the page-key namespace (``ModelNamespace.kv_layout``, via ``HostPool.kv_layout``); the vLLM
-connector computes the same tag in the scheduler process, which has no tensors, with :func:`device_kind` and
-:func:`device_layout_tag`.
+:attr:`DevicePool.layout_tag` (:func:`device_layout_tag`, e.g. ``"cpu-amx/LBHNC"``, ``"flash/LBNHC"``) names the
+device kind, the CPU attention ISA and the layout; it is part of the page-key namespace. Tensors this adapter cannot
+read raise ValueError. Packing per device kind and the ISA caveat: docs/developer-guide.md.
 """
 from __future__ import annotations
 

@@ -1,26 +1,18 @@
 """One L2 memory budget per host, shared by every co-located worker.
 
-Each tensor-parallel / pipeline-parallel worker of an engine owns its own L2 host pool, so a host that runs four
-ranks holds four pools, and several engines may share a host. Before a worker allocates a single page it takes its
-share from one **ledger per host**: a small JSON file under ``/dev/shm`` (``/tmp`` without it; ``$TIERKV_LEDGER_DIR``
-overrides), updated under an exclusive ``flock``, listing the live reservations ``{pid, start time, group, rank,
-bytes}``. Entries of processes that are gone (PID absent or reused: the start time differs) are dropped on every
-visit.
+Before a worker allocates its L2 pool it takes its share from one ledger per host: a JSON file under ``/dev/shm``
+(``/tmp`` without it; ``$TIERKV_LEDGER_DIR`` overrides), changed under an exclusive ``flock``, listing the live
+reservations ``{pid, start, group, rank, bytes}``; entries of dead processes are dropped on every visit.
 
-Budget: when the ledger holds no live entry, the visitor measures ``min(MemAvailable, cgroup limit - cgroup usage
-+ inactive file cache) - reserve`` (``host_pool.reserve_gb``) and writes it into the ledger; every later worker uses
-that number, so the answer does not depend on the order the workers start in nor on pages already touched by the
-first ones (PyTorch allocates lazily: a pool that does not fit fails only when its pages fill, minutes later).
+- Budget (bytes): measured by the first visitor of an empty ledger as ``min(MemAvailable, cgroup room) -
+  host_pool.reserve_gb`` and reused by every later worker, so it does not depend on start order.
+- An engine (``group``, ``local_ranks`` ranks on this host) asks ``bytes_per_rank * local_ranks``, which must fit in
+  the budget less other groups' reservations: every rank decides the same, so all start or all stop with a
+  :class:`~tierkv.storage_backends.common.ConfigError` naming ``host_pool.size_gb``, the total and the budget.
+- No size configured: ``auto_fraction`` of the budget (at most what other groups left), split among the ranks and
+  capped at ``auto_max_gb`` per rank.
 
-Decision for one engine (``group``: the ranks of one engine on this host, ``local_ranks`` of them): the engine's
-total is ``bytes_per_rank * local_ranks``; it must fit in ``budget - reservations of other groups``. Every rank
-computes the same total against the same other groups, so **either every rank starts or every rank stops** with a
-:class:`~tierkv.storage_backends.common.ConfigError` naming ``host_pool.size_gb``, the total requested and the
-budget. With no size configured the engine's share is ``auto_fraction`` of the budget (at most what other groups
-left), divided among its ranks and capped at ``auto_max_gb`` per rank.
-
-After vLLM's ``kv_cache_memory`` checks and SGLang's ``--hicache-ratio`` / ``--hicache-size`` host-pool sizing, which
-check one pool at a time; this ledger is the per-host part neither has.
+Why a ledger: docs/developer-guide.md.
 """
 from __future__ import annotations
 

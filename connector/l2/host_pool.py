@@ -1,32 +1,17 @@
 """L2: tierkv's host pool (DRAM, pinned on CUDA machines); its slot allocator is in :mod:`.slot_allocator`.
 
-The pool is one flat ``uint8`` buffer of ``num_slots`` pages; a page holds one engine (manager) block of every
-layer. Three layouts, after SGLang HiCache's host pools, selected by the config key
-``host_pool.layout``:
+One flat ``uint8`` buffer of ``num_slots`` (``S``) pages; a page holds one manager block of every layer. The config
+key ``host_pool.layout`` picks how the buffer is seen (and the runs of one page, in ``read_page`` order):
 
-=====================  ==================================================  =====================================
-layout                 tensor over the buffer                              runs of one page (``read_page`` order)
-=====================  ==================================================  =====================================
-``layer_first``        ``uint8 [L, num_slots, block_bytes]``               ``L`` runs, one per layer
-``page_first``         ``[2, num_slots*p, L, H, D]`` (MLA ``[S*p, L, 1, C]``)  2 runs, K then V (MLA: 1 run)
-``page_first_direct``  ``[2, num_slots, L, p, H, D]`` (MLA ``[S, L, p, 1, C]``)  2 runs, K then V (MLA: 1 run)
-=====================  ==================================================  =====================================
+- ``layer_first``: ``uint8 [L, S, block_bytes]``, device blocks' bytes as the backend packs them; ``L`` runs.
+- ``page_first``: ``[2, S*p, L, H, D]`` (MLA ``[S*p, L, 1, C]``); 2 runs, K then V (MLA: 1 run).
+- ``page_first_direct``: ``[2, S, L, p, H, D]`` (MLA ``[S, L, p, 1, C]``); 2 runs, K then V (MLA: 1 run).
 
-(``L`` layers, ``p`` tokens per page, ``H`` KV heads, ``D`` head dim, ``C`` MLA latent width, ``S`` slots.)
-
-**Decision: ``layer_first`` is opaque bytes.** Each (layer, slot) row holds the device block's bytes exactly as
-the attention backend packs them (the recipe of vLLM's own offloading connectors), for every device layout; it is
-the layout with the fastest per-layer transfers (one dense run per layer and block, runs of consecutive blocks
-merge into one ``copy_``) and it never needs to know the backend's packing (vLLM's CPU backend packs K transposed,
-and its AMX ISA packs differently again). For MLA and for NHD backends it coincides with SGLang's semantic
-``[L, S*p, 1, C]`` / token-major order. ``page_first`` and ``page_first_direct`` are **semantic**: K and V
-(or the MLA latent) of each token are decoded from the device packing (see :mod:`tierkv.connector.l2.device_pool`) and
-stored token-major in the design's shapes, so a page is 1-2 contiguous runs, ready for L3.
-
-Page bytes (what :meth:`HostPool.read_page` returns and L3 stores) are the page's runs concatenated in the order of
-the table. They depend on the host layout and, for ``layer_first``, the device layout, so
-:attr:`HostPool.kv_layout` (``"<host layout>/<device layout tag>"``) must be put into
-``ModelNamespace.kv_layout``: pages of different layouts then never share a key.
+``L`` layers, ``p`` tokens per page, ``H`` KV heads, ``D`` head dim, ``C`` MLA latent width. The ``page_first``
+layouts are semantic: K and V (or the latent) decoded from the device packing, stored token-major. Page bytes
+(:meth:`HostPool.read_page`, what L3 stores) are a page's runs concatenated; they depend on the host layout and, for
+``layer_first``, the device layout, so :attr:`HostPool.kv_layout` (``"<host layout>/<device layout tag>"``) must go
+into ``ModelNamespace.kv_layout``. Why ``layer_first`` is opaque bytes: docs/developer-guide.md.
 """
 from __future__ import annotations
 

@@ -1,39 +1,17 @@
 """KV events for tierkv's tiers: vLLM's ``BlockStored`` / ``BlockRemoved`` for pages entering and leaving L2 and L3.
 
-Routers that send a request to the engine holding its prefix learn what each engine holds from vLLM's KV events
-(``--kv-events-config``). vLLM publishes its own L1 blocks (``medium="GPU"``); this module adds tierkv's tiers, so a
-prefix kept in L2 or L3 stays visible after it left L1 ("KV events" in docs/architecture.md).
+vLLM publishes its own L1 blocks (``medium="GPU"``); this module adds tierkv's tiers, so a router still sees a
+prefix after it left L1. Fields, as vLLM's own offloading tiers set them:
 
-What is published (decided after vLLM 0.32's own offloading tiers, ``v1/kv_offload``):
+- L2: ``medium="CPU"``, ``locality="LOCAL"``, ``ownership=None``;
+- L3: ``medium="STORAGE"``, ``ownership="L3:<backend>"``, ``locality="LOCAL"`` for the file store, else ``"REMOTE"``;
+- block hashes, parent hash, token ids, ``block_size``, LoRA and ``extra_keys`` are vLLM's own for the same tokens (a
+  page of k blocks is announced as its k blocks), ``group_idx`` 0; consecutive pages make one ``BlockStored``.
 
-- L2 (host pool): ``medium="CPU"``, ``locality="LOCAL"``, ``ownership=None``, as vLLM's CPU offloading tier.
-- L3: ``medium="STORAGE"``, as vLLM's secondary tiers (``fs``, ``obj``), and ``ownership="L3:<backend>"`` (e.g.
-  ``"L3:file"``, ``"L3:zmq"``), the field vLLM documents as "secondary offloading tier identifier"; ``locality`` is
-  ``"LOCAL"`` for the file store and ``"REMOTE"`` for the networked stores (zmq, mooncake, lmcache), which other
-  engines may read too.
-- Block hashes are vLLM's own (``request.block_hashes``, converted as vLLM converts its L1 ones), not tierkv's page
-  keys: an L2 or L3 event names the same hashes, parent hash and token ids as vLLM's L1 event for the same tokens; a
-  tierkv page of k vLLM blocks (``page_size`` = k x the block size) is announced as its k blocks. ``block_size``, ``lora_id``, ``lora_name`` and ``extra_keys`` (LoRA name,
-  cache salt on the first block, multimodal identifiers) are filled as vLLM fills them; ``group_idx`` is 0 (tierkv
-  serves one KV cache group) and ``kv_cache_spec_kind`` that group's kind. A run of consecutive pages of one prefix
-  is one ``BlockStored``.
-- Stored: a page gets an L2 copy (saved L1 -> L2, or fetched L3 -> L2), or L3 acknowledged it (backup confirmed, or
-  an existence answer found it: what a restarted engine announces for pages an earlier run left in L3).
-  Removed: its L2 copy went (eviction, ``reset_cache``, a page dropped after a failed load), or the store told us it
-  lost the L3 copy (a read found it missing or corrupt). A page the index merely forgets while the store still holds
-  it (L3-only pages beyond the index bound, ``reset_cache``) is not announced as removed from L3: it is still there.
-  ``reset_cache`` publishes a ``BlockRemoved`` per L2 page rather than ``AllBlocksCleared``: that event has no medium,
-  and vLLM publishes the connector's events after its own of the same step, so it would also erase L1 blocks vLLM
-  announced after its own reset.
-
-The index reports only real changes (a page gains or loses a copy), so a page is announced once per tier until it
-leaves it, and a removal is published only for a tier it was announced in (per-page tier bits): the stream is exact
-for a consumer that applies it in order. A page the index forgot and finds again in L3 is announced again. Events
-are buffered between engine steps in a bounded list: past ``max_buffered`` page events of one step the rest is
-dropped and counted (``kv_events_dropped``); the engine never waits for a subscriber. Only built when vLLM's KV
-events are enabled.
-
-Engine-free except :func:`page_infos` and :meth:`TierEvents.to_vllm`, which import vLLM when called.
+A page is announced once per tier until it leaves it, and removed only from a tier it was announced in: the stream
+is exact when applied in order. Between engine steps at most ``max_buffered`` page events wait; the rest is dropped
+and counted (``kv_events_dropped``). Engine-free except :func:`page_infos` and :meth:`TierEvents.to_vllm` (they
+import vLLM). When a page counts as stored or removed, and why: docs/developer-guide.md.
 """
 from __future__ import annotations
 

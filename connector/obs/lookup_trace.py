@@ -1,24 +1,17 @@
 """Lookup trace (config key ``trace_path``): one JSON line per counted lookup, for ``tierkv plan``.
 
-The scheduler side (:class:`tierkv.connector.core.scheduler.CacheScheduler`) hands :meth:`LookupTrace.lookup` each request
-that may read a cache at its first admission, the moment its lookup is counted. The file holds:
+:class:`tierkv.connector.core.scheduler.CacheScheduler` hands :meth:`LookupTrace.lookup` each request that may read
+a cache, once, when its lookup is counted at first admission. The file holds:
 
 - a header line ``{"tierkv_lookup_trace": 1, "page_size": P, "l2_pages": N, "eviction_policy": "lru"}``;
 - per lookup ``{"t": seconds since the header, "keys": [hex page keys], "lookup_pages": n, "outcome": {...}}``:
-  ``keys`` are the keys of every full page the request holds at admission (its prompt: the pages it saves),
-  ``lookup_pages`` how many of them the lookup offered (all but the last token), ``outcome`` the tokens of that
-  lookup per part (``l1``, ``l2``, ``l3`` = sent to an L3 load, and the miss reasons of
-  :data:`tierkv.connector.l3.controller.MISS_REASONS`), nonzero parts only; ``load_cap`` / ``save_cap`` (pages) when
-  the request's controls limit them.
+  ``keys`` every full page of the request at admission, ``lookup_pages`` how many of them the lookup offered,
+  ``outcome`` the nonzero tokens per part (``l1``, ``l2``, ``l3``, the miss reasons ``MISS_REASONS`` of
+  :mod:`tierkv.connector.l3.controller`), and ``load_cap`` / ``save_cap`` (pages) when the controls limit them.
 
-No token ids are written (a key is a one-way hash), so a trace can be shared. Pages of generated tokens, and requests
-that never read a cache (vLLM's ``prompt_logprobs``), are not in it.
-
-The writer never fails the engine: lines are buffered (at most :data:`FLUSH_LINES`: written when that many wait, at
-the first lookup :data:`FLUSH_S` seconds after the last write, when the scheduler side has no request left, and at
-exit); an ``OSError`` is counted
-(``trace_errors``) and logged once, and from then on no line is written: the lost ones are counted
-(``trace_dropped_lines``). ``trace_lines`` counts the lines written.
+No token ids are written (keys are one-way hashes). Lines are buffered (:data:`FLUSH_LINES`, :data:`FLUSH_S`) and
+the writer never fails the engine: an ``OSError`` is counted (``trace_errors``) and logged once, later lines are only
+counted (``trace_dropped_lines``); ``trace_lines`` counts the lines written. Details: docs/developer-guide.md.
 """
 from __future__ import annotations
 

@@ -1,19 +1,13 @@
 """Counters export: a JSON file per process (``stats_path``), for tests, benchmarks, the demo and operators.
 
-``stats_path`` may contain ``{role}`` (``scheduler``/``worker``) and ``{pid}``; each process writes its own
-file atomically (temporary name + rename) whenever its counters changed, at most every ``min_interval_s``
-seconds, and once more at shutdown.
-
-The file never lags the counters by more than about ``min_interval_s`` (docs/architecture.md; the scheduler
-side hands a snapshot over only with its counter hand-overs to vLLM, about every ``STATS_EVERY_S`` of
-:mod:`tierkv.connector.vllm.connector`, and at once when it goes idle): a change seen
-by :meth:`StatsFile.maybe_write` inside the interval is not dropped but written by a background flusher thread when
-the interval ends, even if the engine never steps again. Only the flusher writes for :meth:`StatsFile.maybe_write`
-and :meth:`StatsFile.write_soon` (the engine's hooks call them, and a write on their thread would lengthen the
-step); ``force`` and :meth:`StatsFile.close` write on the caller's thread. That matters because vLLM's API server stops its engine
-process with a zero timeout (the connector's ``shutdown`` and ``atexit`` may never run), and because an idle engine
-does not step. With ``snapshot_thread_safe`` (worker side: counters only) the flusher also takes snapshots itself,
-so counters moved by I/O threads between steps reach the file too.
+``stats_path`` may contain ``{role}`` (``scheduler``/``worker``) and ``{pid}``; each process writes its own file
+atomically (temporary name + rename) whenever its counters changed, at most every ``min_interval_s`` seconds, and
+once more at shutdown. The file never lags the counters by more than about ``min_interval_s``: a change seen by
+:meth:`StatsFile.maybe_write` inside the interval is written by a background flusher thread when the interval ends,
+even if the engine never steps again. :meth:`StatsFile.maybe_write` and :meth:`StatsFile.write_soon` (called from
+the engine's hooks) leave the write to the flusher; ``force`` and :meth:`StatsFile.close` write on the caller's
+thread. With ``snapshot_thread_safe`` (worker side) the flusher also takes snapshots itself. Why a flusher thread:
+docs/developer-guide.md.
 """
 from __future__ import annotations
 

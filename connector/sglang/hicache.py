@@ -1,19 +1,17 @@
 """tierkv's L3 stores as an SGLang HiCache storage backend (docs/sglang.md).
 
-SGLang (0.5.23) loads it with ``--hicache-storage-backend dynamic`` and ``--hicache-storage-backend-extra-config
-'{"backend_name": "tierkv", "module_path": "tierkv.connector.sglang.hicache", "class_name": "TierKVHiCacheStorage",
-"interface_v1": 1, "l3": {...}}'`` (``l3``: a tierkv ``l3`` section, built by :func:`~tierkv.storage_backends.factory.
-build_backend`). Calls served: ``batch_exists``; copy path ``batch_get``/``batch_set`` (flat pages); zero-copy path
-``batch_get_v1``/``batch_set_v1`` (host indices); the hybrid (v2) path ``register_mem_host_pool_v2`` +
-``batch_exists_v2``/``batch_get_v2``/``batch_set_v2`` (one :class:`PoolTransfer` per side pool: SWA, Mamba, indexer,
-...); the pointer form of ``get``/``set`` (``target_location`` = address, ``target_sizes`` = bytes, inside the host
-pool). Each pool is a :class:`~tierkv.connector.sglang.pool_io.PoolIO` with its own store (a store holds one record
-size) and namespace: the anchor's (model, dtype, layout, page size, heads, TP/PP/CP/DCP shard, records per page,
-``FORMAT_VERSION``) plus the side pool's name and geometry; a side pool is TP-rank specific unless the model is MLA
-and the pool is neither Mamba state nor MHA. SGLang's 64-hex key maps to ``BLAKE2b-128(domain, namespace, key,
-part)``, so another rank, dtype, layout, pool or format version is a miss, never data. The only tierkv module that
-imports ``sglang``. Faults: store errors are misses / False, never raised on SGLang's I/O threads; bad configuration
-raises :class:`~tierkv.storage_backends.common.ConfigError` at attach (SGLang reports it and rolls back).
+SGLang (0.5.23) loads it with ``--hicache-storage-backend dynamic`` and an extra config ``{"backend_name": "tierkv",
+"module_path": "tierkv.connector.sglang.hicache", "class_name": "TierKVHiCacheStorage", "interface_v1": 1, "l3":
+{...}}`` (``l3``: a tierkv ``l3`` section for :func:`~tierkv.storage_backends.factory.build_backend`). Served:
+``batch_exists``, ``batch_get``/``batch_set`` (flat pages), ``batch_get_v1``/``batch_set_v1`` (host indices), the
+hybrid path ``register_mem_host_pool_v2`` + ``batch_*_v2`` (one :class:`PoolTransfer` per side pool), and the
+pointer form of ``get``/``set``. Each pool is a :class:`~tierkv.connector.sglang.pool_io.PoolIO` with its own
+store and namespace; SGLang's key maps to ``BLAKE2b-128(domain, namespace, key, part)``, so another rank, dtype,
+layout, pool or format version is a miss, never data. The only tierkv module that imports ``sglang``.
+
+Faults: store errors are misses / False, never raised on SGLang's I/O threads; bad configuration raises
+:class:`~tierkv.storage_backends.common.ConfigError` at attach (SGLang reports it and rolls back). What a namespace
+holds: docs/developer-guide.md.
 """
 from __future__ import annotations
 

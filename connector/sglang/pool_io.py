@@ -2,16 +2,14 @@
 
 A :class:`PoolIO` owns a store built for the pool's namespace and record size (a store holds one record size), maps
 SGLang's page keys to tierkv keys (:func:`map_key`) and moves pages between the pool and the store in one of three
-ways, picked at attach from what the pool offers (every SGLang ``HostKVCache`` has the first two methods):
+modes, picked at attach from what the pool offers:
 
 - ``view``: ``get_data_page(i, flat=False)`` is a view into the pool's buffer (MHA/MLA KV pools, SWA pools): records
   are read and written in place (one region, or its byte runs) or through one staging page each;
-- ``flat``: ``get_data_page`` returns a copy (Mamba state pools, which concatenate conv and temporal state): pages go
-  out as ``get_data_page(i, flat=True)`` and come back through ``set_from_flat_data_page`` (SGLang's file backend does
-  the same for every pool);
-- ``meta``: no ``get_data_page``, only ``get_page_buffer_meta`` (pointer, size) entries into a contiguous
-  ``kv_buffer`` (what SGLang's Mooncake backend reads): each entry is one record, read and written in place; a
-  pointer outside ``kv_buffer`` is refused (ValueError: a pool bug), never dereferenced.
+- ``flat``: ``get_data_page`` returns a copy (Mamba state pools): pages go out as ``get_data_page(i, flat=True)``
+  and come back through ``set_from_flat_data_page``;
+- ``meta``: only ``get_page_buffer_meta`` (pointer, size) entries into a contiguous ``kv_buffer``: each entry is one
+  record, read and written in place; a pointer outside ``kv_buffer`` raises ValueError, never dereferenced.
 
 A page is present only if all its records are. Store errors become misses / False, counted in :class:`IOCounters`.
 """
