@@ -55,11 +55,10 @@ import uuid
 from collections import OrderedDict
 from typing import Any, Optional, Sequence
 
-import msgpack
-
 from tierkv.storage_backends.base import Buffer, PageTokens, StorageBackend
 from tierkv.storage_backends.common import ConfigError, Counters, RateLimitedLog, check_store_identity
 from tierkv.storage_backends.lmcache.config import LMCacheStoreConfig, check_options
+from tierkv.storage_backends.lmcache.wire import OPS, lm_calls as _lm_calls
 from tierkv.storage_backends.shm_segment import Segment
 from tierkv.storage_backends.zmq.channel import ChannelFailed, RequestChannel
 from tierkv.storage_backends.page_format import (HEADER_BYTES, PageFormatError, check_checksums, copy_verified,
@@ -67,11 +66,6 @@ from tierkv.storage_backends.page_format import (HEADER_BYTES, PageFormatError, 
 
 log = logging.getLogger("tierkv.lmcache")
 
-#: LMCache's operation ids (its small legacy integers); newer operations go by name
-OPS = {"lookup": 8, "wait_prefetch_status": 10, "free_lookup_locks": 12, "end_session": 13,
-       "register_kv_cache_engine_driven_context": 14, "unregister_kv_cache_engine_driven_context": 15,
-       "prepare_store": 16, "commit_store": 17, "prepare_retrieve": 18, "commit_retrieve": 19,
-       "get_chunk_size": 21, "ping": 22, "clear": 20, "noop": 24}
 #: ``cache_salt`` of pages named by their tierkv key only (no tokens): a key space apart from token-named pages
 KEY_SALT = "tierkv-key"
 #: the largest token id LMCache's hasher accepts (it packs ids as big-endian uint32)
@@ -80,31 +74,6 @@ MAX_TOKEN = 2**32 - 1
 REFRESH_S = 30.0
 #: how many keys found corrupt are remembered (a set cannot replace them: it reports False for them)
 BAD_KEYS_KEPT = 4096
-
-
-def _lm_calls(chan: RequestChannel, calls: Sequence[tuple], forget: Sequence[tuple] = ()) -> list:
-    """Send ``calls`` (``(op, *args)``) pipelined through ``chan`` in LMCache's framing and return their results in
-    order; ``forget`` is sent after them without waiting for replies (their late replies are dropped). Raises
-    :class:`ChannelFailed` when a reply does not arrive within the channel's ``timeout_s`` of silence (the clock
-    restarts at every reply) or the socket fails."""
-    results: list = [None] * len(calls)
-    pack = msgpack.packb
-
-    def encode(call, uid):
-        return [pack(uid), pack(OPS.get(call[0], call[0]))] + [pack(a, use_bin_type=True) for a in call[1:]]
-
-    def decode(frames):
-        return (msgpack.unpackb(frames[0].bytes),
-                msgpack.unpackb(frames[2].bytes, raw=False) if len(frames) > 2 else None)
-
-    def on_reply(i, result, frames):
-        results[i] = result
-
-    def describe(idx):
-        return f"to {', '.join(sorted({calls[i][0] for i in idx}))}; LMCache does not answer a request it rejects"
-
-    chan.exchange(calls, encode, decode, on_reply, forget, describe)
-    return results
 
 
 def server_info(endpoint: str, timeout_s: float = 2.0, shm_dir: str = "/dev/shm") -> dict:
