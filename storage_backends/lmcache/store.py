@@ -48,15 +48,14 @@ import logging
 import math
 import os
 import random
-import struct
 import threading
 import time
-import uuid
 from collections import OrderedDict
 from typing import Any, Optional, Sequence
 
 from tierkv.storage_backends.base import Buffer, PageTokens, StorageBackend
 from tierkv.storage_backends.common import ConfigError, Counters, RateLimitedLog, check_store_identity
+from tierkv.storage_backends.lmcache.chunk_keys import KEY_SALT, MAX_TOKEN, KeyRange, page_ranges, range_key  # noqa: F401
 from tierkv.storage_backends.lmcache.config import LMCacheStoreConfig, check_options
 from tierkv.storage_backends.lmcache.server_info import server_info
 from tierkv.storage_backends.lmcache.wire import OPS, lm_calls as _lm_calls
@@ -67,24 +66,10 @@ from tierkv.storage_backends.page_format import (HEADER_BYTES, PageFormatError, 
 
 log = logging.getLogger("tierkv.lmcache")
 
-#: ``cache_salt`` of pages named by their tierkv key only (no tokens): a key space apart from token-named pages
-KEY_SALT = "tierkv-key"
-#: the largest token id LMCache's hasher accepts (it packs ids as big-endian uint32)
-MAX_TOKEN = 2**32 - 1
 #: a registered instance that has been quiet this long re-registers first (LMCache reaps silent workers)
 REFRESH_S = 30.0
 #: how many keys found corrupt are remembered (a set cannot replace them: it reports False for them)
 BAD_KEYS_KEPT = 4096
-
-
-class _Group:
-    """Consecutive pages sent as one LMCache key range: ``idx`` (positions in the batch), the token ids, the range."""
-
-    __slots__ = ("idx", "tokens", "start", "end", "salt", "rid")
-
-    def __init__(self, idx: list, tokens: list, start: int, end: int, salt: str):
-        self.idx, self.tokens, self.start, self.end, self.salt = idx, tokens, start, end, salt
-        self.rid = ""
 
 
 class LMCacheStore(StorageBackend):
@@ -247,49 +232,12 @@ class LMCacheStore(StorageBackend):
         self._chan.ok()
 
     # ------------------------------------------------------------------------------------------- keys
-    def _key(self, g: _Group, worker: Optional[int]) -> dict:
-        return {"model_name": self.lm_model, "world_size": self.cfg.world_size, "worker_id": worker,
-                "token_ids": g.tokens, "start": g.start, "end": g.end, "request_id": g.rid, "cache_salt": g.salt,
-                "request_configs": None, "num_kv_readers": 1}
+    def _key(self, g: KeyRange, worker: Optional[int]) -> dict:
+        return range_key(g, self.lm_model, self.cfg.world_size, worker)
 
     def _groups(self, keys: Sequence[str], tokens: Optional[Sequence[PageTokens]]) -> list:
-        """Split a batch into LMCache key ranges (see the module docstring). Raises ValueError for bad tokens."""
-        C = self.page_tokens
-        groups: list = []
-        if tokens is None:
-            for i, k in enumerate(keys):
-                words = list(struct.unpack(">4I", bytes.fromhex(k)))
-                groups.append(_Group([i], (words * (C // 4 + 1))[:C], 0, C, KEY_SALT))
-        else:
-            if len(tokens) != len(keys):
-                raise ValueError(f"tokens: {len(tokens)} entries for {len(keys)} keys")
-            prev: Optional[_Group] = None
-            prev_len = 0
-            for i, pt in enumerate(tokens):
-                if not isinstance(pt, PageTokens):
-                    raise ValueError(f"tokens[{i}] must be a PageTokens(prefix, root), got {type(pt).__name__}")
-                prefix = [int(t) for t in pt.prefix]
-                n = len(prefix)
-                if n == 0 or n % C:
-                    raise ValueError(f"tokens[{i}].prefix has {n} token ids; a page's prefix is a positive multiple "
-                                     f"of page_tokens={C}")
-                if min(prefix) < 0 or max(prefix) > MAX_TOKEN:
-                    raise ValueError(f"tokens[{i}].prefix holds a token id outside 0..{MAX_TOKEN}")
-                root = pt.root
-                if not isinstance(root, (bytes, bytearray)) or len(root) != 16:
-                    raise ValueError(f"tokens[{i}].root must be 16 bytes (the request root), got {root!r:.40}")
-                salt = bytes(root).hex()
-                if (prev is not None and prev.salt == salt and n == prev_len + C
-                        and prefix[:prev_len] == prev.tokens):
-                    prev.idx.append(i)
-                    prev.tokens, prev.end = prefix, n
-                else:
-                    prev = _Group([i], prefix, n - C, n, salt)
-                    groups.append(prev)
-                prev_len = n
-        for g in groups:
-            g.rid = f"tierkv-{uuid.uuid4().hex}"
-        return groups
+        """:func:`page_ranges` of this store's ``page_tokens``. Raises ValueError for bad tokens."""
+        return page_ranges(keys, tokens, self.page_tokens)
 
     # ------------------------------------------------------------------------------------------- lookups
     def _lookup(self, groups: list) -> list:
@@ -368,7 +316,7 @@ class LMCacheStore(StorageBackend):
         hit = [(g, n) for g, n in zip(groups, counts) if n > 0]
         ranges = []
         for g, n in hit:
-            r = _Group(g.idx[:n], g.tokens, g.start, g.start + n * C, g.salt)
+            r = KeyRange(g.idx[:n], g.tokens, g.start, g.start + n * C, g.salt)
             r.rid = g.rid
             ranges.append(r)
         replies = self._calls([("prepare_retrieve", self._key(r, self.cfg.worker_id), self._instance)
