@@ -1,46 +1,17 @@
 """L3 store on an LMCache multiprocess cache server (``python -m lmcache.v1.multiprocess.server``, LMCache >= 0.5.6).
 
-Many vLLM deployments already run an LMCache cache server; this store lets tierkv use one as its L3 without importing
-LMCache: the client speaks the server's wire protocol itself (pyzmq + msgpack, our own reading of the protocol,
-docs/architecture.md) and moves page bytes only through the server's shared-memory segment in ``/dev/shm``
-(never LMCache's pickle path, which would make the server unpickle bytes from the network).
+tierkv uses a server many vLLM deployments already run, without importing LMCache: the client speaks its wire
+protocol itself (:mod:`.wire`) and moves page bytes only through the server's shared-memory segment in ``/dev/shm``,
+never LMCache's pickle path. A set reserves chunk slots (``prepare_store``), writes them and publishes them
+(``commit_store``); a get is ``lookup``, ``wait_prefetch_status``, ``prepare_retrieve`` (read-locked slots) and
+``commit_retrieve``; each operation runs in its own server session. Pages are named as chunks by :mod:`.chunk_keys`;
+registration, refresh and recovery are :mod:`.session`'s, the options :mod:`.config`'s.
 
-Protocol, as used here: one ZMQ DEALER socket to the server's ROUTER; a request is the frames
-``[msgpack(request uid), msgpack(operation), msgpack(arg) ...]``, a reply ``[uid, op]`` or ``[uid, op, msgpack(result)]``
-(replies may come out of order; they are matched by uid). A request the server rejects (a handler that raises) gets
-**no reply at all**, so every exchange is bounded by ``timeout_s``. The store registers itself as an "engine-driven"
-(non-GPU) worker instance, reserves chunk slots with ``prepare_store``, writes them in the shared-memory segment and
-publishes them with ``commit_store``; a read is ``lookup`` (which also prefetches into the server's L1),
-``wait_prefetch_status`` (the number of leading chunks present), ``prepare_retrieve`` (slot offsets, read-locked) and
-``commit_retrieve`` (unlock). Every operation runs in its own server session (a fresh ``request_id``) that is ended
-afterwards.
-
-Keys. LMCache keys are token ids: the server cuts them into chunks of its ``--chunk-size`` and hashes them as a rolling
-prefix hash, so one tierkv page must be exactly one LMCache chunk (``page_tokens`` = the server's chunk size, checked
-when the store first reaches the server). Two ways of naming a page:
-
-- with tokens (:class:`~tierkv.storage_backends.base.PageTokens` per page, the optional ``tokens`` argument of every
-  store): the page's whole prefix is sent, so the server's chunk hash is the one LMCache itself gives that prefix;
-  consecutive pages of one prefix travel as one range (one request for the whole batch);
-- without tokens (the plain key interface, e.g. SGLang's HiCache adapter): the page's 16-byte tierkv key, which already
-  names its prefix and namespace, is sent as the first four token ids of a one-chunk sequence (``cache_salt``
-  ``tierkv-key``, a key space of its own).
-
-Namespace mapping (so a foreign page never matches): LMCache's ``model_name`` is ``<model_name>-tierkv-<namespace
-hex>`` (the namespace digest covers model, dtype, KV layout, page size, TP/PP rank), ``world_size``/``worker_id`` are
-the configured ones, and ``cache_salt`` is the request root (LoRA adapter and vLLM cache salt, from
-:class:`PageTokens.root`). Each chunk slot holds tierkv's 64-byte page header (namespace, key, length, XXH3-64 of the
-payload, :mod:`.page_format`) before the payload, checked on every read: a slot that does not verify is a miss.
-
-Faults: a dead, stopped or restarted server, a rejected request, a vanished shared-memory segment and a server of
-another chunk size all turn into misses / ``False`` with a counter and a rate-limited warning; never an exception,
-never a hang longer than ``timeout_s`` per exchange (socket, back-off and pipelined exchange: the shared
-:mod:`.zmq.channel`; the server's segment is mapped as a :class:`.shm_segment.Segment`). After a failure the socket is replaced, the old worker instance is
-unregistered (which frees the slots a lost reply left reserved) and a new one registered; consecutive failures back
-off exponentially. A server restart is noticed from the socket's connection events and answered by registering again.
-
-Limits (LMCache's, not ours): a chunk already stored is not replaced by a later set (the set still reports ``True``:
-the page is present); LMCache evicts by its own L1 policy (``--eviction-policy``), not by tierkv's LRU.
+LMCache's ``model_name`` is ``<model_name>-tierkv-<namespace hex>``; each chunk slot holds tierkv's 64-byte page
+header (:mod:`.page_format`) before the payload, checked on every read: a slot that does not verify is a miss.
+Faults (a dead, stopped or restarted server, a rejected request, a vanished segment) become misses / ``False`` with a
+counter and a rate-limited warning, never an exception or a hang longer than ``timeout_s`` per exchange. LMCache
+keeps the first copy of a chunk (a later set still reports ``True``) and evicts by its own policy, not tierkv's LRU.
 """
 from __future__ import annotations
 
