@@ -38,7 +38,6 @@ DOC_ALLOW: dict[str, int] = {
     "kernels/__init__.py": 20,
     "kernels/numba_impl.py": 31,
     "kernels/triton_impl.py": 18,
-    "storage_backends/page_format.py": 19,
     "storage_backends/zmq/client.py": 35,
     "storage_backends/zmq/presence_table.py": 22,
     "storage_backends/zmq/protocol.py": 63,
