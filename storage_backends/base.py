@@ -1,32 +1,17 @@
-"""The L3 storage interface.
+"""The L3 storage interface, following SGLang HiCache's ``HiCacheStorage`` so the same classes plug into SGLang.
 
-Semantics follow SGLang HiCache's ``HiCacheStorage`` so the same classes plug into SGLang:
+- keys: page keys in text form (:data:`tierkv.connector.core.page_hash.KEY_HEX_LEN` lowercase hex chars); a key names
+  the prefix and the namespace, and every stored page also carries the namespace digest in a header readers check;
+- ``batch_exists(keys)``: the number of *leading* keys present (a prefix is only usable up to its first hole);
+- ``batch_get(keys, destinations)``: fills each writable ``page_bytes`` buffer; one bool per key; a missing, corrupt,
+  truncated or foreign page is ``False`` (a miss), never data;
+- ``batch_set(keys, sources, checksums=None)``: one bool per key; a failed set never leaves a visible partial page;
+  ``checksums``: each payload's XXH3-64 (:func:`.page_format.payload_checksum`), written into the header as given;
+- ``tokens=`` (optional, every store): one :class:`PageTokens` per key, used by stores keyed by token ids (``lmcache``).
 
-- keys are page keys in text form (:data:`tierkv.connector.core.page_hash.KEY_HEX_LEN` lowercase hex chars);
-  the key already names the prefix and the namespace, and every stored page additionally carries the
-  namespace digest in a header that readers check;
-- ``batch_exists(keys)`` returns the number of *leading* keys present (a prefix is only usable up to its first
-  hole);
-- ``batch_get(keys, destinations)`` fills each destination buffer (a writable contiguous ``torch.uint8`` tensor
-  or memoryview of exactly ``page_bytes`` bytes, e.g. one host-pool page) and returns one bool per key;
-  a missing, corrupt, truncated or foreign page is ``False`` (a miss), never data;
-- ``batch_set(keys, sources, checksums=None)`` stores each source buffer (``page_bytes`` bytes) and returns one
-  bool per key; a failed set never leaves a visible partial page. ``checksums`` ("checksum once"): the XXH3-64 of
-  each source's payload (``xxhash.xxh3_64_intdigest`` of its ``page_bytes`` bytes,
-  :func:`tierkv.storage_backends.page_format.payload_checksum`), e.g. taken when the page entered the L2 host pool;
-  the store writes it into the record header as given and does not hash the payload again. A wrong value (a caller
-  bug, or a page that changed after it was hashed) is not detected at set time: the record fails verification when
-  read back, so it is a miss, never data.
-
-Token ids (optional, every store): ``batch_exists``, ``batch_get`` and ``batch_set`` take a keyword ``tokens``: ``None``
-(the default) or one :class:`PageTokens` per key, the token ids that produced the page. Stores whose keys already name
-the prefix (file, zmq, mooncake) declare it and ignore it; a store keyed by token ids (``lmcache``: LMCache's server
-hashes token chunks itself) uses it to name pages the way that server does. Every store declares the parameter, so
-callers may always pass it.
-
-No method raises for a per-key failure or a dead/slow medium: errors become ``False``/0, are counted in
-``stats()`` and logged; ``ValueError`` is raised only for caller bugs (bad key text, wrong buffer size, a
-``checksums`` sequence of the wrong length or holding something other than 64-bit unsigned ints), before any I/O.
+No method raises for a per-key failure or a dead/slow medium: errors become ``False``/0, are counted in ``stats()`` and
+logged; ``ValueError`` is raised only for caller bugs (bad key text, wrong buffer size, a ``checksums`` sequence of the
+wrong length or holding something other than 64-bit unsigned ints), before any I/O.
 """
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""Self-describing page records shared by every L3 backend.
-
-A stored page is ``header || payload``. The header (little-endian, :data:`HEADER_BYTES` = 64 bytes):
+"""Self-describing page records of every L3 backend: ``header || payload``; the header (little-endian, 64 bytes):
 
 | offset | size | field |
 |---|---|---|
@@ -13,10 +11,8 @@ A stored page is ``header || payload``. The header (little-endian, :data:`HEADER
 | 48 | 8 | XXH3-64 of the payload (:func:`payload_checksum`; given by the caller or computed at set time) |
 | 56 | 8 | XXH3-64 of bytes 0..56 (header checksum) |
 
-A reader checks every field against what it expects (namespace, key, length) and the checksums, so a
-truncated, corrupted, foreign (other namespace, other key: e.g. a Mooncake region handed to another key after a
-master restart) or planted (e.g. a pickle stream) record is a miss, never data.
-Nothing here ever unpickles or constructs objects from stored bytes.
+A reader checks every field against what it expects (namespace, key, length) and both checksums: a truncated,
+corrupted, foreign or planted record is a miss, never data. Nothing here unpickles or builds objects from stored bytes.
 """
 from __future__ import annotations
 

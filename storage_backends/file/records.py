@@ -2,8 +2,8 @@
 file, header and payload in one ``writev``, mtime set to its LRU stamp, optional ``fsync``, then ``rename``), finish
 a short read, and quarantine or delete a record that failed verification.
 
-A write reports out of space as ``False`` (the caller evicts and retries) and any other failure as ``None`` (counted,
-logged); it never leaves its temporary file behind. Nothing here raises for run-time I/O errors.
+A write reports out of space as ``False`` (:func:`write_or_evict` then evicts and retries once) and any other failure
+as ``None`` (counted, logged); it never leaves its temporary file behind. Nothing here raises for run-time I/O errors.
 """
 from __future__ import annotations
 
@@ -91,6 +91,30 @@ def write_record(store: "FileStore", key: str, kraw: bytes, path: str, mv: Any, 
             store.counters["errors"] += 1
         store._warn.warning("write", "file store %s: cannot store page %s: %s", store.root, key, e)
         return None
+
+
+def write_or_evict(store: "FileStore", key: str, kraw: bytes, path: str, mv: Any, stamp: int,
+                   psum: Optional[int] = None) -> Optional[bool]:
+    """:func:`write_record`; when the filesystem is full below the store's capacity: drop the spare files, force out
+    ``enospc_evict_pages`` least recently used records (never ``path``) and try once more. Returns True (stored) or
+    None (not stored: nothing left to evict, still full, or another error; counted, logged)."""
+    ok = write_record(store, key, kraw, path, mv, stamp, psum=psum)
+    if ok is False:  # out of space below our capacity: spares and a forced eviction free it, one retry
+        ev, lock = store._ev, store._lock
+        ev.drop_spares()
+        with lock:
+            store.counters["enospc"] += 1
+            forced = ev.evict_locked(count=store.cfg.enospc_evict_pages, keep=path, free=True)
+            store.counters["forced_evictions"] += forced
+        if forced:
+            ok = write_record(store, key, kraw, path, mv, stamp, last_try=True, psum=psum)
+        else:
+            ok = None
+            with lock:
+                store.counters["errors"] += 1
+            store._warn.warning("enospc", "file store %s: filesystem full and nothing left to evict; "
+                                "page %s not stored", store.root, key)
+    return ok
 
 
 def read_rest(fd: int, hdr: bytearray, mv: Any, got: int, record_bytes: int) -> int:

@@ -387,23 +387,7 @@ class FileStore(StorageBackend):
         def write(item: tuple) -> Optional[bool]:
             i, k, p, stamp = item
             try:
-                ok = records.write_record(self, k, kraws[i], p, views[i], stamp, psum=None if sums is None else sums[i])
-                if ok is False:  # out of space below our capacity: spares and a forced eviction free it, one retry
-                    ev.drop_spares()
-                    with lock:
-                        self.counters["enospc"] += 1
-                        forced = ev.evict_locked(count=self.cfg.enospc_evict_pages, keep=p, free=True)
-                        self.counters["forced_evictions"] += forced
-                    if forced:
-                        ok = records.write_record(self, k, kraws[i], p, views[i], stamp, last_try=True,
-                                             psum=None if sums is None else sums[i])
-                    else:
-                        ok = None
-                        with lock:
-                            self.counters["errors"] += 1
-                        self._warn.warning("enospc", "file store %s: filesystem full and nothing left to evict; "
-                                           "page %s not stored", self.root, k)
-                return ok
+                return records.write_or_evict(self, k, kraws[i], p, views[i], stamp, None if sums is None else sums[i])
             finally:
                 ev.release(p)
 

@@ -1,66 +1,33 @@
 """L3 store on an LMCache multiprocess cache server (``python -m lmcache.v1.multiprocess.server``, LMCache >= 0.5.6).
 
-Many vLLM deployments already run an LMCache cache server; this store lets tierkv use one as its L3 without importing
-LMCache: the client speaks the server's wire protocol itself (pyzmq + msgpack, our own reading of the protocol,
-docs/architecture.md) and moves page bytes only through the server's shared-memory segment in ``/dev/shm``
-(never LMCache's pickle path, which would make the server unpickle bytes from the network).
+tierkv uses a server many vLLM deployments already run, without importing LMCache: the client speaks its wire
+protocol itself (:mod:`.wire`) and moves page bytes only through the server's shared-memory segment in ``/dev/shm``,
+never LMCache's pickle path. A set reserves chunk slots (``prepare_store``), writes them and publishes them
+(``commit_store``); a get is ``lookup``, ``wait_prefetch_status``, ``prepare_retrieve`` (read-locked slots) and
+``commit_retrieve``; each operation runs in its own server session. Pages are named as chunks by :mod:`.chunk_keys`;
+registration, refresh and recovery are :mod:`.session`'s, the options :mod:`.config`'s.
 
-Protocol, as used here: one ZMQ DEALER socket to the server's ROUTER; a request is the frames
-``[msgpack(request uid), msgpack(operation), msgpack(arg) ...]``, a reply ``[uid, op]`` or ``[uid, op, msgpack(result)]``
-(replies may come out of order; they are matched by uid). A request the server rejects (a handler that raises) gets
-**no reply at all**, so every exchange is bounded by ``timeout_s``. The store registers itself as an "engine-driven"
-(non-GPU) worker instance, reserves chunk slots with ``prepare_store``, writes them in the shared-memory segment and
-publishes them with ``commit_store``; a read is ``lookup`` (which also prefetches into the server's L1),
-``wait_prefetch_status`` (the number of leading chunks present), ``prepare_retrieve`` (slot offsets, read-locked) and
-``commit_retrieve`` (unlock). Every operation runs in its own server session (a fresh ``request_id``) that is ended
-afterwards.
-
-Keys. LMCache keys are token ids: the server cuts them into chunks of its ``--chunk-size`` and hashes them as a rolling
-prefix hash, so one tierkv page must be exactly one LMCache chunk (``page_tokens`` = the server's chunk size, checked
-when the store first reaches the server). Two ways of naming a page:
-
-- with tokens (:class:`~tierkv.storage_backends.base.PageTokens` per page, the optional ``tokens`` argument of every
-  store): the page's whole prefix is sent, so the server's chunk hash is the one LMCache itself gives that prefix;
-  consecutive pages of one prefix travel as one range (one request for the whole batch);
-- without tokens (the plain key interface, e.g. SGLang's HiCache adapter): the page's 16-byte tierkv key, which already
-  names its prefix and namespace, is sent as the first four token ids of a one-chunk sequence (``cache_salt``
-  ``tierkv-key``, a key space of its own).
-
-Namespace mapping (so a foreign page never matches): LMCache's ``model_name`` is ``<model_name>-tierkv-<namespace
-hex>`` (the namespace digest covers model, dtype, KV layout, page size, TP/PP rank), ``world_size``/``worker_id`` are
-the configured ones, and ``cache_salt`` is the request root (LoRA adapter and vLLM cache salt, from
-:class:`PageTokens.root`). Each chunk slot holds tierkv's 64-byte page header (namespace, key, length, XXH3-64 of the
-payload, :mod:`.page_format`) before the payload, checked on every read: a slot that does not verify is a miss.
-
-Faults: a dead, stopped or restarted server, a rejected request, a vanished shared-memory segment and a server of
-another chunk size all turn into misses / ``False`` with a counter and a rate-limited warning; never an exception,
-never a hang longer than ``timeout_s`` per exchange (socket, back-off and pipelined exchange: the shared
-:mod:`.zmq.channel`; the server's segment is mapped as a :class:`.shm_segment.Segment`). After a failure the socket is replaced, the old worker instance is
-unregistered (which frees the slots a lost reply left reserved) and a new one registered; consecutive failures back
-off exponentially. A server restart is noticed from the socket's connection events and answered by registering again.
-
-Limits (LMCache's, not ours): a chunk already stored is not replaced by a later set (the set still reports ``True``:
-the page is present); LMCache evicts by its own L1 policy (``--eviction-policy``), not by tierkv's LRU.
+LMCache's ``model_name`` is ``<model_name>-tierkv-<namespace hex>``; each chunk slot holds tierkv's 64-byte page
+header (:mod:`.page_format`) before the payload, checked on every read: a slot that does not verify is a miss.
+Faults (a dead, stopped or restarted server, a rejected request, a vanished segment) become misses / ``False`` with a
+counter and a rate-limited warning, never an exception or a hang longer than ``timeout_s`` per exchange. LMCache
+keeps the first copy of a chunk (a later set still reports ``True``) and evicts by its own policy, not tierkv's LRU.
 """
 from __future__ import annotations
 
 import logging
 import math
-import os
-import random
-import struct
 import threading
-import time
-import uuid
 from collections import OrderedDict
 from typing import Any, Optional, Sequence
 
-import msgpack
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
-
 from tierkv.storage_backends.base import Buffer, PageTokens, StorageBackend
-from tierkv.storage_backends.common import (ConfigError, Counters, RateLimitedLog, check_store_identity,
-                                             config_error)
+from tierkv.storage_backends.common import ConfigError, Counters, RateLimitedLog, check_store_identity
+from tierkv.storage_backends.lmcache.chunk_keys import KEY_SALT, MAX_TOKEN, KeyRange, page_ranges, range_key  # noqa: F401
+from tierkv.storage_backends.lmcache.config import LMCacheStoreConfig, check_options
+from tierkv.storage_backends.lmcache.server_info import server_info
+from tierkv.storage_backends.lmcache.session import REFRESH_S, ServerSession  # noqa: F401
+from tierkv.storage_backends.lmcache.wire import OPS, lm_calls as _lm_calls  # noqa: F401
 from tierkv.storage_backends.shm_segment import Segment
 from tierkv.storage_backends.zmq.channel import ChannelFailed, RequestChannel
 from tierkv.storage_backends.page_format import (HEADER_BYTES, PageFormatError, check_checksums, copy_verified,
@@ -68,176 +35,11 @@ from tierkv.storage_backends.page_format import (HEADER_BYTES, PageFormatError, 
 
 log = logging.getLogger("tierkv.lmcache")
 
-#: LMCache's operation ids (its small legacy integers); newer operations go by name
-OPS = {"lookup": 8, "wait_prefetch_status": 10, "free_lookup_locks": 12, "end_session": 13,
-       "register_kv_cache_engine_driven_context": 14, "unregister_kv_cache_engine_driven_context": 15,
-       "prepare_store": 16, "commit_store": 17, "prepare_retrieve": 18, "commit_retrieve": 19,
-       "get_chunk_size": 21, "ping": 22, "clear": 20, "noop": 24}
-#: ``cache_salt`` of pages named by their tierkv key only (no tokens): a key space apart from token-named pages
-KEY_SALT = "tierkv-key"
-#: the largest token id LMCache's hasher accepts (it packs ids as big-endian uint32)
-MAX_TOKEN = 2**32 - 1
-#: a registered instance that has been quiet this long re-registers first (LMCache reaps silent workers)
-REFRESH_S = 30.0
 #: how many keys found corrupt are remembered (a set cannot replace them: it reports False for them)
 BAD_KEYS_KEPT = 4096
-_FORBIDDEN = set("@/\\\0")
 
 
-class LMCacheStoreConfig(BaseModel):
-    """The ``l3.lmcache`` section (keyword arguments of :class:`LMCacheStore`)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    endpoint: str = "tcp://127.0.0.1:5555"
-    #: tokens per tierkv page; must equal the server's ``--chunk-size``
-    page_tokens: int = Field(gt=0)
-    #: label put in front of the namespace in LMCache's ``model_name``
-    model_name: str = "tierkv"
-    world_size: int = Field(default=1, ge=1)
-    worker_id: int = Field(default=0, ge=0)
-    timeout_s: float = Field(default=2.0, gt=0)
-    reconnect_backoff_s: float = Field(default=0.05, ge=0)
-    max_backoff_s: float = Field(default=1.0, ge=0)
-    #: where the server's shared-memory segment is mapped from
-    shm_dir: str = "/dev/shm"
-
-    @field_validator("endpoint")
-    @classmethod
-    def _endpoint(cls, v: str) -> str:
-        if not v.startswith(("tcp://", "ipc://")):
-            raise ValueError("must look like 'tcp://HOST:PORT' or 'ipc://PATH'")
-        return v
-
-    @field_validator("page_tokens")
-    @classmethod
-    def _page_tokens(cls, v: int) -> int:
-        if v < 4:
-            raise ValueError("must be >= 4 (a page named by its key alone needs four token ids)")
-        return v
-
-    @field_validator("model_name")
-    @classmethod
-    def _model(cls, v: str) -> str:
-        if not v or len(v) > 64 or _FORBIDDEN & set(v):
-            raise ValueError("must be 1-64 characters without '@', '/', '\\' or NUL")
-        return v
-
-    @field_validator("timeout_s", "reconnect_backoff_s", "max_backoff_s")
-    @classmethod
-    def _finite(cls, v: float) -> float:
-        if not math.isfinite(v):
-            raise ValueError("must be a finite number of seconds")
-        return v
-
-    @field_validator("max_backoff_s")
-    @classmethod
-    def _max_backoff(cls, v: float, info: ValidationInfo) -> float:
-        first = info.data.get("reconnect_backoff_s")
-        if first is not None and v < first:
-            raise ValueError(f"must be >= reconnect_backoff_s ({first})")
-        return v
-
-    @field_validator("worker_id")
-    @classmethod
-    def _worker(cls, v: int, info: ValidationInfo) -> int:
-        n = info.data.get("world_size")
-        if n is not None and v >= n:
-            raise ValueError(f"must be < l3.lmcache.world_size ({n})")
-        return v
-
-
-def check_options(cfg: dict) -> LMCacheStoreConfig:
-    """Validate the ``l3.lmcache`` section without connecting.
-
-    Raises:
-        ConfigError: naming ``l3.lmcache.<key>`` and what is allowed.
-    """
-    try:
-        return LMCacheStoreConfig.model_validate(cfg)
-    except ValidationError as e:
-        raise config_error(e, "l3.lmcache", LMCacheStoreConfig) from None
-
-
-def _lm_calls(chan: RequestChannel, calls: Sequence[tuple], forget: Sequence[tuple] = ()) -> list:
-    """Send ``calls`` (``(op, *args)``) pipelined through ``chan`` in LMCache's framing and return their results in
-    order; ``forget`` is sent after them without waiting for replies (their late replies are dropped). Raises
-    :class:`ChannelFailed` when a reply does not arrive within the channel's ``timeout_s`` of silence (the clock
-    restarts at every reply) or the socket fails."""
-    results: list = [None] * len(calls)
-    pack = msgpack.packb
-
-    def encode(call, uid):
-        return [pack(uid), pack(OPS.get(call[0], call[0]))] + [pack(a, use_bin_type=True) for a in call[1:]]
-
-    def decode(frames):
-        return (msgpack.unpackb(frames[0].bytes),
-                msgpack.unpackb(frames[2].bytes, raw=False) if len(frames) > 2 else None)
-
-    def on_reply(i, result, frames):
-        results[i] = result
-
-    def describe(idx):
-        return f"to {', '.join(sorted({calls[i][0] for i in idx}))}; LMCache does not answer a request it rejects"
-
-    chan.exchange(calls, encode, decode, on_reply, forget, describe)
-    return results
-
-
-def server_info(endpoint: str, timeout_s: float = 2.0, shm_dir: str = "/dev/shm") -> dict:
-    """What an LMCache server (0.5.6) tells a client that names no keys, for ``tierkv store stats``.
-
-    Such a server cannot list what it holds: its ZMQ protocol has no listing op (a lookup needs the token ids), and its
-    HTTP ``/cache/objects`` lists L2 adapters only, not the shared-memory L1 that tierkv uses. So pages, bytes,
-    namespaces and ages are unknown; what is known: ``chunk_size`` (tokens per chunk = tierkv's ``page_tokens``),
-    ``experimental`` (its enabled experimental transfers, a list of str), ``shm_name`` and ``pool_bytes`` (its L1
-    segment and that segment's size: L1 capacity in bytes, from registering a probe instance of model
-    ``tierkv-stats-probe``, unregistered at once), and, when the segment is visible under ``shm_dir`` (same host),
-    ``shm_resident_bytes``: bytes of the segment backed by memory (pages ever written: a high-water mark of L1 use,
-    not what is held now), else None.
-
-    Raises:
-        ChannelFailed: the server does not answer within ``timeout_s``.
-        ValueError: it answers like no LMCache server (e.g. a chunk size that is not an int).
-    """
-    counters = Counters("requests", "timeouts", "reconnects", "fast_fails", "stale_replies", "bad_replies")
-    chan = RequestChannel(endpoint, timeout_s=timeout_s, backoff_s=0.0, max_backoff_s=0.0, counters=counters, log=log,
-                          what="LMCache server", hwm=1000)
-    try:
-        chunk, experimental = _lm_calls(chan, [("get_chunk_size",), ("get_experimental",)])
-        if type(chunk) is not int or chunk <= 0:
-            raise ValueError(f"{endpoint} answered get_chunk_size with {chunk!r:.60}: not an LMCache server")
-        instance = random.getrandbits(62)
-        reg = _lm_calls(chan, [("register_kv_cache_engine_driven_context", {
-            "instance_id": instance, "model_name": "tierkv-stats-probe", "world_size": 1, "block_size": chunk,
-            "num_layers": 1, "hidden_dim_size": 1, "dtype_str": "uint8", "use_mla": False,
-            "num_physical_slots": chunk})])[0]
-        _lm_calls(chan, [("unregister_kv_cache_engine_driven_context", instance)])
-    finally:
-        chan.close()
-    shm_name = reg.get("shm_name") if isinstance(reg, dict) else None
-    pool = reg.get("pool_size") if isinstance(reg, dict) else None
-    resident = None
-    if isinstance(shm_name, str) and shm_name and "/" not in shm_name:
-        try:
-            resident = os.stat(os.path.join(shm_dir, shm_name)).st_blocks * 512
-        except OSError:
-            pass
-    return {"chunk_size": chunk, "experimental": [x for x in experimental or [] if isinstance(x, str)],
-            "shm_name": shm_name, "pool_bytes": pool if type(pool) is int else None, "shm_resident_bytes": resident}
-
-
-class _Group:
-    """Consecutive pages sent as one LMCache key range: ``idx`` (positions in the batch), the token ids, the range."""
-
-    __slots__ = ("idx", "tokens", "start", "end", "salt", "rid")
-
-    def __init__(self, idx: list, tokens: list, start: int, end: int, salt: str):
-        self.idx, self.tokens, self.start, self.end, self.salt = idx, tokens, start, end, salt
-        self.rid = ""
-
-
-class LMCacheStore(StorageBackend):
+class LMCacheStore(ServerSession, StorageBackend):
     """L3 store on an LMCache multiprocess cache server, data through its ``/dev/shm`` segment.
 
     Args:
@@ -300,146 +102,13 @@ class LMCacheStore(StorageBackend):
             self.close()
             raise ConfigError(msg)
 
-    # ------------------------------------------------------------------------------------------- wire
-    def _forked(self) -> None:
-        """In a forked child: the parent's mapping and registration are not this process's."""
-        self._seg = self._shm_view = None  # the parent's mapping stays with the parent's object
-        self._instance = None
-
-    def _failed(self, why: str) -> None:
-        self._chan.failed(why)
-        self._registered_at = -math.inf  # register (a fresh instance) before the next data call
-
-    def _calls(self, calls: Sequence[tuple], forget: Sequence[tuple] = ()) -> list:
-        """:func:`_lm_calls` on this store's channel. Raises :class:`ChannelFailed`."""
-        return _lm_calls(self._chan, calls, forget)
-
-    # ------------------------------------------------------------------------------------------- session
-    def _unmap_shm(self) -> None:
-        if self._seg is not None:
-            self._seg.close()
-            self._seg = None
-        self._shm_view = None
-
-    def _register(self) -> None:
-        old, self._instance = self._instance, random.getrandbits(62)
-        calls = []
-        if old is not None:  # frees the slots a lost reply may have left reserved for the old instance
-            calls.append(("unregister_kv_cache_engine_driven_context", old))
-        calls.append(("register_kv_cache_engine_driven_context", {
-            "instance_id": self._instance, "model_name": self.lm_model, "world_size": self.cfg.world_size,
-            "block_size": self.page_tokens, "num_layers": 1, "hidden_dim_size": self._hidden, "dtype_str": "uint8",
-            "use_mla": False, "num_physical_slots": self.page_tokens}))
-        reg = self._calls(calls)[-1]
-        self.counters["registrations"] += 1
-        if not isinstance(reg, dict) or not reg.get("shm_name") or not isinstance(reg.get("pool_size"), int):
-            self._refused = (f"LMCache server {self.endpoint} offers no shared-memory segment (got {reg!r:.120}); "
-                             "start it with --shm-name (tierkv never uses LMCache's pickle transfer)")
-            return
-        if self._seg is None or reg["shm_name"] != self._seg.name or not self._seg.intact():
-            self._unmap_shm()
-            try:
-                # LMCache's pool is large: mapped without faulting it in (pages are touched as slots are used)
-                self._seg = Segment.open(os.path.join(self.cfg.shm_dir, reg["shm_name"]), reg["pool_size"],
-                                         populate=False)
-                self._shm_view = self._seg.mv
-            except (OSError, ValueError) as e:
-                self.counters["shm_lost"] += 1
-                self._registered_at = -math.inf
-                raise ChannelFailed(f"cannot map the server's shared memory {reg['shm_name']!r}: {e}") from None
-        self._registered_at = time.monotonic()
-
-    def _ensure_ready(self) -> None:
-        """Connect, check the chunk size once, register when needed. Raises :class:`ChannelFailed`."""
-        self._chan.socket()
-        if self._chan.disconnected():
-            self._registered_at = -math.inf
-            self.counters["reconnects"] += 1
-        if not self._checked:
-            size = self._calls([("get_chunk_size",)])[0]
-            if size != self.page_tokens:
-                self._refused = (f"invalid tierkv config: LMCache server {self.endpoint} has chunk size {size!r} "
-                                 f"but 'l3.lmcache.page_tokens' is {self.page_tokens}: one tierkv page must be one "
-                                 f"LMCache chunk (set l3.lmcache.page_tokens and tierkv's page size to {size!r}, or "
-                                 f"start the server with --chunk-size {self.page_tokens})")
-                return
-            self._checked = True
-        if self._seg is not None and not self._seg.intact():
-            self.counters["shm_lost"] += 1
-            self._warn.warning("shm", "LMCache shared memory %s disappeared or was replaced; registering again",
-                               self._seg.path)
-            self._unmap_shm()
-            self._registered_at = -math.inf
-        if time.monotonic() - self._registered_at > REFRESH_S:
-            self._register()
-
-    def _begin(self, n_calls: int) -> bool:
-        """Under the lock: may this call talk to the server? Counts the reason when not."""
-        if self._closed or self._refused:
-            if self._refused:
-                self.counters["refused"] += n_calls
-                self._warn.warning("refused", "LMCache store disabled: %s", self._refused)
-            else:
-                self.counters["errors"] += n_calls
-            return False
-        if self._chan.backing_off(n_calls):
-            return False
-        try:
-            self._ensure_ready()
-        except ChannelFailed as e:
-            self._failed(str(e))
-            return False
-        if self._refused:
-            return self._begin(n_calls)
-        return True
-
-    def _ok(self) -> None:
-        self._chan.ok()
-
     # ------------------------------------------------------------------------------------------- keys
-    def _key(self, g: _Group, worker: Optional[int]) -> dict:
-        return {"model_name": self.lm_model, "world_size": self.cfg.world_size, "worker_id": worker,
-                "token_ids": g.tokens, "start": g.start, "end": g.end, "request_id": g.rid, "cache_salt": g.salt,
-                "request_configs": None, "num_kv_readers": 1}
+    def _key(self, g: KeyRange, worker: Optional[int]) -> dict:
+        return range_key(g, self.lm_model, self.cfg.world_size, worker)
 
     def _groups(self, keys: Sequence[str], tokens: Optional[Sequence[PageTokens]]) -> list:
-        """Split a batch into LMCache key ranges (see the module docstring). Raises ValueError for bad tokens."""
-        C = self.page_tokens
-        groups: list = []
-        if tokens is None:
-            for i, k in enumerate(keys):
-                words = list(struct.unpack(">4I", bytes.fromhex(k)))
-                groups.append(_Group([i], (words * (C // 4 + 1))[:C], 0, C, KEY_SALT))
-        else:
-            if len(tokens) != len(keys):
-                raise ValueError(f"tokens: {len(tokens)} entries for {len(keys)} keys")
-            prev: Optional[_Group] = None
-            prev_len = 0
-            for i, pt in enumerate(tokens):
-                if not isinstance(pt, PageTokens):
-                    raise ValueError(f"tokens[{i}] must be a PageTokens(prefix, root), got {type(pt).__name__}")
-                prefix = [int(t) for t in pt.prefix]
-                n = len(prefix)
-                if n == 0 or n % C:
-                    raise ValueError(f"tokens[{i}].prefix has {n} token ids; a page's prefix is a positive multiple "
-                                     f"of page_tokens={C}")
-                if min(prefix) < 0 or max(prefix) > MAX_TOKEN:
-                    raise ValueError(f"tokens[{i}].prefix holds a token id outside 0..{MAX_TOKEN}")
-                root = pt.root
-                if not isinstance(root, (bytes, bytearray)) or len(root) != 16:
-                    raise ValueError(f"tokens[{i}].root must be 16 bytes (the request root), got {root!r:.40}")
-                salt = bytes(root).hex()
-                if (prev is not None and prev.salt == salt and n == prev_len + C
-                        and prefix[:prev_len] == prev.tokens):
-                    prev.idx.append(i)
-                    prev.tokens, prev.end = prefix, n
-                else:
-                    prev = _Group([i], prefix, n - C, n, salt)
-                    groups.append(prev)
-                prev_len = n
-        for g in groups:
-            g.rid = f"tierkv-{uuid.uuid4().hex}"
-        return groups
+        """:func:`page_ranges` of this store's ``page_tokens``. Raises ValueError for bad tokens."""
+        return page_ranges(keys, tokens, self.page_tokens)
 
     # ------------------------------------------------------------------------------------------- lookups
     def _lookup(self, groups: list) -> list:
@@ -518,7 +187,7 @@ class LMCacheStore(StorageBackend):
         hit = [(g, n) for g, n in zip(groups, counts) if n > 0]
         ranges = []
         for g, n in hit:
-            r = _Group(g.idx[:n], g.tokens, g.start, g.start + n * C, g.salt)
+            r = KeyRange(g.idx[:n], g.tokens, g.start, g.start + n * C, g.salt)
             r.rid = g.rid
             ranges.append(r)
         replies = self._calls([("prepare_retrieve", self._key(r, self.cfg.worker_id), self._instance)
