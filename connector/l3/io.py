@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -52,8 +51,14 @@ from tierkv.connector.core.page_checksums import SlotChecksums
 from tierkv.connector.core.plan import JOB_BACKUP, JOB_PREFETCH, Job, JobReport, PageOrder
 from tierkv.connector.obs.thread_names import name_this_thread
 from tierkv.connector.cpu.thread_priority import WRITER_PRIORITIES, BackgroundPriority, can_return_from_idle
+from tierkv.connector.l3.switch_interval import raise_switch_interval, restore_switch_interval
 
 logger = logging.getLogger("tierkv.l3")
+
+#: what this module exports (some names now live in modules beside it and are re-exported here)
+__all__ = ["CREDIT_FIRST_BATCH", "L3Counters", "L3IO", "NoL3", "PollResult", "VECTORED_MIN_RUN_BYTES",
+           "WRITER_IDLE_BACKLOG_FRACTION", "default_read_threads", "l3_key", "raise_switch_interval",
+           "restore_switch_interval"]
 
 #: pages in the first store call of a prefetch whose deadline earns credit (``Job.deadline_credit_s``): a whole
 #: ``batch_pages`` batch arrives at once, and one slower than the first deadline would be cut before it earned any
@@ -143,32 +148,6 @@ class PollResult:
     orders: list[PageOrder] = field(default_factory=list)
     finished: set[str] = field(default_factory=set)
     failed_blocks: set[int] = field(default_factory=set)
-
-
-def raise_switch_interval(min_s: float) -> Optional[float]:
-    """Raise this process's GIL switch interval (``sys.setswitchinterval``) to at least ``min_s`` seconds. Returns
-    the previous interval when it was raised, None when ``min_s`` is 0 or the interval is already that long.
-
-    Why: a Python thread that has waited the switch interval for the GIL makes the holder drop it. The L3 threads
-    release and take the GIL around every syscall (several per page), so at the interpreter's 5 ms they keep
-    forcing the engine's thread, which holds the GIL between its kernels, to hand it over, and where the forward
-    keeps every core busy each hand-over also waits for the L3 thread to get a CPU (benchmarks/README.md,
-    no_reuse_cost). A longer interval leaves them the GIL the engine's thread releases on its own (around every
-    torch kernel). Process-wide: it applies to every thread of the process."""
-    if min_s <= 0:
-        return None
-    prev = sys.getswitchinterval()
-    if prev >= min_s:
-        return None
-    sys.setswitchinterval(min_s)
-    return prev
-
-
-def restore_switch_interval(prev: Optional[float], set_s: float) -> None:
-    """Undo :func:`raise_switch_interval` (``prev`` its result, ``set_s`` the value it set) unless something else
-    has changed the interval since."""
-    if prev is not None and abs(sys.getswitchinterval() - set_s) < 1e-9:
-        sys.setswitchinterval(prev)
 
 
 class L3IO:
