@@ -38,11 +38,9 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
-import xxhash
 
 from tierkv.storage_backends.common import RateLimitedLog
 from tierkv.storage_backends.page_format import payload_checksum
@@ -51,6 +49,7 @@ from tierkv.connector.core.page_checksums import SlotChecksums
 from tierkv.connector.core.plan import JOB_BACKUP, JOB_PREFETCH, Job, JobReport, PageOrder
 from tierkv.connector.obs.thread_names import name_this_thread
 from tierkv.connector.cpu.thread_priority import WRITER_PRIORITIES, BackgroundPriority, can_return_from_idle
+from tierkv.connector.l3.io_types import L3Counters, PollResult, _Prefetch, default_read_threads, l3_key
 from tierkv.connector.l3.switch_interval import raise_switch_interval, restore_switch_interval
 
 logger = logging.getLogger("tierkv.l3")
@@ -76,78 +75,6 @@ VECTORED_MIN_RUN_BYTES = 32 << 10
 #: ``max_backup_pages``) wait for backup, each locking its slot, so that saves keep finding free slots under sustained
 #: load; it returns to SCHED_IDLE at half that
 WRITER_IDLE_BACKLOG_FRACTION = 0.5
-
-
-def l3_key(rank_namespace: bytes, key: bytes) -> str:
-    """Text key (32 lowercase hex chars) of page ``key`` (16 bytes) in the L3 store, for the rank whose namespace
-    digest is ``rank_namespace`` (16 bytes)."""
-    return xxhash.xxh3_128_hexdigest(rank_namespace + key)
-
-
-def default_read_threads(store) -> int:
-    """The ``default_read_threads`` of the store under any wrappers (``.inner``: fault injector, ``.store``: timing)."""
-    seen = 0
-    while seen < 8:
-        inner = getattr(store, "inner", None) or getattr(store, "store", None)
-        if inner is None or inner is store:
-            break
-        store, seen = inner, seen + 1
-    return int(getattr(store, "default_read_threads", 2))
-
-
-@dataclass
-class L3Counters:
-    backup_jobs: int = 0
-    backup_pages: int = 0
-    backup_failed_pages: int = 0
-    backup_dropped_pages: int = 0
-    backup_skipped_pages: int = 0      # not sent: the slot's save was not made (its request's load failed)
-    backup_other_rank_pages: int = 0   # not sent, reported done: another rank writes the one shared record (MLA)
-    backup_bytes: int = 0
-    backup_seconds: float = 0.0
-    prefetch_jobs: int = 0
-    prefetch_pages: int = 0
-    prefetch_failed_pages: int = 0     # read and missing, corrupt or failed (not the cancelled ones)
-    prefetch_cancelled_pages: int = 0  # never read: their request was released (deadline) or aborted first
-    prefetch_late_pages: int = 0       # arrived after the request's deadline, or never fetched because of it
-    prefetch_bytes: int = 0
-    prefetch_seconds: float = 0.0
-    prefetch_deadline_misses: int = 0  # requests released at their deadline with pages still missing
-    exists_jobs: int = 0
-    exists_seconds: float = 0.0
-    store_errors: int = 0
-
-    def as_dict(self) -> dict:
-        return {f"l3_{k}": v for k, v in self.__dict__.items()}
-
-
-@dataclass
-class _Prefetch:
-    job: Job
-    start: float                            # perf_counter seconds
-    deadline: Optional[float]               # ``clock`` seconds, None = until the I/O ends
-    ok: list[bool]
-    read_t0: Optional[float] = None         # ``clock`` seconds when a reader started it (None: still queued)
-    io_done: bool = False
-    cancel: bool = False
-    cancelled: int = 0                      # pages not read because ``cancel`` came first
-    request_done: bool = False
-    aborted: bool = False
-    bytes: int = 0
-    end: float = 0.0
-    cold: bool = False                      # started before this process's first prefetch read ended
-
-
-@dataclass
-class PollResult:
-    """What :meth:`L3IO.poll` hands to the engine thread: per request whose load ended, the L2 -> L1 copies to make
-    now (``orders``: the leading run of intact pages, ``slots[i]`` -> ``block_ids[i]`` with the page keys, which the
-    worker checks like a synchronous load's before copying), requests whose load ended, and block ids whose load
-    failed (to recompute)."""
-
-    orders: list[PageOrder] = field(default_factory=list)
-    finished: set[str] = field(default_factory=set)
-    failed_blocks: set[int] = field(default_factory=set)
 
 
 class L3IO:
