@@ -1,36 +1,16 @@
 """Worker half of the backup/prefetch controller: the L3 store client and its I/O threads.
 
-Design after SGLang HiCache's cache controller (a backup queue and a prefetch queue served by I/O threads off the
-engine's critical path), driven here by the jobs of :mod:`tierkv.connector.core.plan` instead of a shared tree:
+:class:`L3IO` takes each step's jobs (:mod:`tierkv.connector.core.plan`) after the step's L1 -> L2 saves: backups go
+to one writer thread, prefetches and existence queries to ``read_threads`` reader threads
+(:mod:`tierkv.connector.l3.io_runners`), so a slow backup never delays a load. A prefetch's deadline counts from the
+moment a reader starts it. :meth:`L3IO.poll` (engine thread) ends a request once its pages arrived or its deadline
+passed: the leading run of intact pages is copied to L1, the request's other blocks are load errors (vLLM recomputes
+them). A job's :class:`~tierkv.connector.core.plan.JobReport` waits in :meth:`L3IO.take_reports` for the next
+step's worker metadata; it is sent once no thread touches the job's slots.
 
-- :meth:`L3IO.submit` takes the step's jobs (after the step's L1 -> L2 saves, so a backup may read a slot saved in
-  the same step). Backups go to the writer thread, prefetches and existence queries to a pool of ``read_threads``
-  reader threads (each with its own staging pages): a slow backup never delays a load, and several requests' reads
-  are in flight at once, so one slow read does not hold the others back.
-- A prefetch's deadline counts from the moment a reader starts it, so queueing behind other reads does not eat
-  it. While it waits in the queue a request waits at most its deadline again; then it is released as late. Each
-  page read that extends the leading run of intact pages moves the deadline later by the job's
-  ``deadline_credit_s`` (at most to ``deadline_max_s`` after the read's start); such a job reads a short first batch
-  (:data:`CREDIT_FIRST_BATCH` pages) so that the credit starts before its first deadline.
-- The threads move bytes between L2 slots and the store in batches of ``batch_pages`` pages. A failed batch fails
-  only its own pages; later batches still run (a page is reported done only if the store acknowledged it).
-- Once a job ended, its :class:`~tierkv.connector.core.plan.JobReport` waits in :meth:`take_reports` for the next step's
-  worker metadata. Data moves whether or not the engine steps again: a page handed to the writer reaches L3 in
-  bounded time even on an idle engine.
-- A prefetch also has a request side, served on the engine thread by :meth:`poll` (vLLM's ``get_finished``): when
-  all its pages arrived, or its deadline passed, the leading run of intact pages is handed back for the L2 -> L1
-  copy, the rest of the request's blocks are reported as load errors (vLLM recomputes them), and the request is
-  reported finished. Batches not yet started are then skipped; the job's report (which frees its slots on the
-  scheduler side) is sent only when no thread touches its slots any more.
-- L3 keys are per rank: ``xxh3_128(rank namespace || page key)``, so two tensor-parallel ranks never share a record
-  and each record header names the rank's namespace. MLA pages are the same bytes on every rank, so every rank
-  uses TP rank 0's namespace (one record per page, read by every rank) and only a ``backup_writer`` writes it.
-- Checksums: a backup passes the XXH3-64 recorded when the page entered L2 (:class:`SlotChecksums`) to
-  ``batch_set(..., checksums=...)``; the store writes it into the header and never hashes the payload again.
-
-Errors from the store never reach the engine: they are counted, logged at most once per ``log_every_s`` burst,
-and turn into pages not done. The amount of queued backup work is bounded (``max_backup_pages``); a backup that
-does not fit is reported failed at once (counted in ``backup_dropped_pages``).
+Store errors never reach the engine: counted, logged, pages not done. Queued backup work is bounded
+(``max_backup_pages``); a backup that does not fit is reported failed at once. The design in full:
+docs/developer-guide.md, section "connector/l3/io.py".
 """
 from __future__ import annotations
 
