@@ -28,7 +28,6 @@ DOC_ALLOW: dict[str, int] = {
     "connector/l2/device_pool.py": 42,
     "connector/l2/host_budget.py": 23,
     "connector/l2/host_pool.py": 29,
-    "connector/l3/estimates.py": 17,
     "connector/obs/kv_events.py": 36,
     "connector/obs/lookup_trace.py": 21,
     "connector/obs/metrics.py": 16,
