@@ -1,14 +1,10 @@
 """The recompute estimate outlives the engine process: a restarted engine starts with its predecessor's prefill time
 per token instead of none.
 
-The controller decides whether an L3 hit is worth waiting for from two running estimates (docs/architecture.md,
-"Declining slow hits"): fetch time per page and prefill time per prompt token, the latter from forwards that
-computed at least four pages of prompt tokens. An engine restarted over a warm L3 serves its documents from L3 and
-computes only short suffixes, so it may never time such a forward: without a prefill estimate every L3 hit is taken
-and waited for up to ``prefetch_timeout_base_s`` + ``prefetch_timeout_per_page_s`` per page, however slow the store.
-So the scheduler writes its prefill estimate to a small JSON file per host and page namespace, and a new scheduler
-of the same namespace on the same host starts from it (the namespace names the model, dtype, layout, device packing
-and TP rank: another model or CPU never reads it).
+An engine restarted over a warm L3 may never time a prefill (it computes only short suffixes) and, without an
+estimate, would take and wait for every L3 hit however slow the store. So the scheduler writes its prefill estimate
+to a small JSON file per host and page namespace, and a new scheduler of the same namespace on the same host starts
+from it. Why in full: docs/developer-guide.md, section "connector/l3/estimates.py".
 
 File: ``<dir>/tierkv-estimates-<hostname>-<namespace hex>.json`` = ``{"prefill_s_per_token": float,
 "written_at": unix seconds}``; ``dir`` is ``$TIERKV_ESTIMATES_DIR``, else the host-budget ledger's directory

@@ -1,64 +1,43 @@
 """Worker half of the backup/prefetch controller: the L3 store client and its I/O threads.
 
-Design after SGLang HiCache's cache controller (a backup queue and a prefetch queue served by I/O threads off the
-engine's critical path), driven here by the jobs of :mod:`tierkv.connector.core.plan` instead of a shared tree:
+:class:`L3IO` takes each step's jobs (:mod:`tierkv.connector.core.plan`) after the step's L1 -> L2 saves: backups go
+to one writer thread, prefetches and existence queries to ``read_threads`` reader threads
+(:mod:`tierkv.connector.l3.io_runners`), so a slow backup never delays a load. A prefetch's deadline counts from the
+moment a reader starts it. :meth:`L3IO.poll` (engine thread) ends a request once its pages arrived or its deadline
+passed: the leading run of intact pages is copied to L1, the request's other blocks are load errors (vLLM recomputes
+them). A job's :class:`~tierkv.connector.core.plan.JobReport` waits in :meth:`L3IO.take_reports` for the next
+step's worker metadata; it is sent once no thread touches the job's slots.
 
-- :meth:`L3IO.submit` takes the step's jobs (after the step's L1 -> L2 saves, so a backup may read a slot saved in
-  the same step). Backups go to the writer thread, prefetches and existence queries to a pool of ``read_threads``
-  reader threads (each with its own staging pages): a slow backup never delays a load, and several requests' reads
-  are in flight at once, so one slow read does not hold the others back.
-- A prefetch's deadline counts from the moment a reader starts it, so queueing behind other reads does not eat
-  it. While it waits in the queue a request waits at most its deadline again; then it is released as late. Each
-  page read that extends the leading run of intact pages moves the deadline later by the job's
-  ``deadline_credit_s`` (at most to ``deadline_max_s`` after the read's start); such a job reads a short first batch
-  (:data:`CREDIT_FIRST_BATCH` pages) so that the credit starts before its first deadline.
-- The threads move bytes between L2 slots and the store in batches of ``batch_pages`` pages. A failed batch fails
-  only its own pages; later batches still run (a page is reported done only if the store acknowledged it).
-- Once a job ended, its :class:`~tierkv.connector.core.plan.JobReport` waits in :meth:`take_reports` for the next step's
-  worker metadata. Data moves whether or not the engine steps again: a page handed to the writer reaches L3 in
-  bounded time even on an idle engine.
-- A prefetch also has a request side, served on the engine thread by :meth:`poll` (vLLM's ``get_finished``): when
-  all its pages arrived, or its deadline passed, the leading run of intact pages is handed back for the L2 -> L1
-  copy, the rest of the request's blocks are reported as load errors (vLLM recomputes them), and the request is
-  reported finished. Batches not yet started are then skipped; the job's report (which frees its slots on the
-  scheduler side) is sent only when no thread touches its slots any more.
-- L3 keys are per rank: ``xxh3_128(rank namespace || page key)``, so two tensor-parallel ranks never share a record
-  and each record header names the rank's namespace. MLA pages are the same bytes on every rank, so every rank
-  uses TP rank 0's namespace (one record per page, read by every rank) and only a ``backup_writer`` writes it.
-- Checksums: a backup passes the XXH3-64 recorded when the page entered L2 (:class:`SlotChecksums`) to
-  ``batch_set(..., checksums=...)``; the store writes it into the header and never hashes the payload again.
-
-Errors from the store never reach the engine: they are counted, logged at most once per ``log_every_s`` burst,
-and turn into pages not done. The amount of queued backup work is bounded (``max_backup_pages``); a backup that
-does not fit is reported failed at once (counted in ``backup_dropped_pages``).
+Store errors never reach the engine: counted, logged, pages not done. Queued backup work is bounded
+(``max_backup_pages``); a backup that does not fit is reported failed at once. The design in full:
+docs/developer-guide.md, section "connector/l3/io.py".
 """
 from __future__ import annotations
 
 import logging
 import queue
-import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
-import xxhash
 
 from tierkv.storage_backends.common import RateLimitedLog
-from tierkv.storage_backends.page_format import payload_checksum
 
 from tierkv.connector.core.page_checksums import SlotChecksums
 from tierkv.connector.core.plan import JOB_BACKUP, JOB_PREFETCH, Job, JobReport, PageOrder
-from tierkv.connector.obs.thread_names import name_this_thread
 from tierkv.connector.cpu.thread_priority import WRITER_PRIORITIES, BackgroundPriority, can_return_from_idle
+from tierkv.connector.l3.io_types import L3Counters, PollResult, _Prefetch, default_read_threads, l3_key
+from tierkv.connector.l3.io_runners import CREDIT_FIRST_BATCH, L3JobRunners
+from tierkv.connector.l3.no_l3 import NoL3
+from tierkv.connector.l3.switch_interval import raise_switch_interval, restore_switch_interval
 
 logger = logging.getLogger("tierkv.l3")
 
-#: pages in the first store call of a prefetch whose deadline earns credit (``Job.deadline_credit_s``): a whole
-#: ``batch_pages`` batch arrives at once, and one slower than the first deadline would be cut before it earned any
-CREDIT_FIRST_BATCH = 4
-
+#: what this module exports (some names now live in modules beside it and are re-exported here)
+__all__ = ["CREDIT_FIRST_BATCH", "L3Counters", "L3IO", "NoL3", "PollResult", "VECTORED_MIN_RUN_BYTES",
+           "WRITER_IDLE_BACKLOG_FRACTION", "default_read_threads", "l3_key", "raise_switch_interval",
+           "restore_switch_interval"]
 
 #: shortest mean run (bytes) of an L2 page that the writer hands to a store with ``vectored_sources`` as runs; a page
 #: of shorter runs is staged into one contiguous copy first: each run handed over costs a fixed 1-3 us of Python
@@ -73,105 +52,7 @@ VECTORED_MIN_RUN_BYTES = 32 << 10
 WRITER_IDLE_BACKLOG_FRACTION = 0.5
 
 
-def l3_key(rank_namespace: bytes, key: bytes) -> str:
-    """Text key (32 lowercase hex chars) of page ``key`` (16 bytes) in the L3 store, for the rank whose namespace
-    digest is ``rank_namespace`` (16 bytes)."""
-    return xxhash.xxh3_128_hexdigest(rank_namespace + key)
-
-
-def default_read_threads(store) -> int:
-    """The ``default_read_threads`` of the store under any wrappers (``.inner``: fault injector, ``.store``: timing)."""
-    seen = 0
-    while seen < 8:
-        inner = getattr(store, "inner", None) or getattr(store, "store", None)
-        if inner is None or inner is store:
-            break
-        store, seen = inner, seen + 1
-    return int(getattr(store, "default_read_threads", 2))
-
-
-@dataclass
-class L3Counters:
-    backup_jobs: int = 0
-    backup_pages: int = 0
-    backup_failed_pages: int = 0
-    backup_dropped_pages: int = 0
-    backup_skipped_pages: int = 0      # not sent: the slot's save was not made (its request's load failed)
-    backup_other_rank_pages: int = 0   # not sent, reported done: another rank writes the one shared record (MLA)
-    backup_bytes: int = 0
-    backup_seconds: float = 0.0
-    prefetch_jobs: int = 0
-    prefetch_pages: int = 0
-    prefetch_failed_pages: int = 0     # read and missing, corrupt or failed (not the cancelled ones)
-    prefetch_cancelled_pages: int = 0  # never read: their request was released (deadline) or aborted first
-    prefetch_late_pages: int = 0       # arrived after the request's deadline, or never fetched because of it
-    prefetch_bytes: int = 0
-    prefetch_seconds: float = 0.0
-    prefetch_deadline_misses: int = 0  # requests released at their deadline with pages still missing
-    exists_jobs: int = 0
-    exists_seconds: float = 0.0
-    store_errors: int = 0
-
-    def as_dict(self) -> dict:
-        return {f"l3_{k}": v for k, v in self.__dict__.items()}
-
-
-@dataclass
-class _Prefetch:
-    job: Job
-    start: float                            # perf_counter seconds
-    deadline: Optional[float]               # ``clock`` seconds, None = until the I/O ends
-    ok: list[bool]
-    read_t0: Optional[float] = None         # ``clock`` seconds when a reader started it (None: still queued)
-    io_done: bool = False
-    cancel: bool = False
-    cancelled: int = 0                      # pages not read because ``cancel`` came first
-    request_done: bool = False
-    aborted: bool = False
-    bytes: int = 0
-    end: float = 0.0
-    cold: bool = False                      # started before this process's first prefetch read ended
-
-
-@dataclass
-class PollResult:
-    """What :meth:`L3IO.poll` hands to the engine thread: per request whose load ended, the L2 -> L1 copies to make
-    now (``orders``: the leading run of intact pages, ``slots[i]`` -> ``block_ids[i]`` with the page keys, which the
-    worker checks like a synchronous load's before copying), requests whose load ended, and block ids whose load
-    failed (to recompute)."""
-
-    orders: list[PageOrder] = field(default_factory=list)
-    finished: set[str] = field(default_factory=set)
-    failed_blocks: set[int] = field(default_factory=set)
-
-
-def raise_switch_interval(min_s: float) -> Optional[float]:
-    """Raise this process's GIL switch interval (``sys.setswitchinterval``) to at least ``min_s`` seconds. Returns
-    the previous interval when it was raised, None when ``min_s`` is 0 or the interval is already that long.
-
-    Why: a Python thread that has waited the switch interval for the GIL makes the holder drop it. The L3 threads
-    release and take the GIL around every syscall (several per page), so at the interpreter's 5 ms they keep
-    forcing the engine's thread, which holds the GIL between its kernels, to hand it over, and where the forward
-    keeps every core busy each hand-over also waits for the L3 thread to get a CPU (benchmarks/README.md,
-    no_reuse_cost). A longer interval leaves them the GIL the engine's thread releases on its own (around every
-    torch kernel). Process-wide: it applies to every thread of the process."""
-    if min_s <= 0:
-        return None
-    prev = sys.getswitchinterval()
-    if prev >= min_s:
-        return None
-    sys.setswitchinterval(min_s)
-    return prev
-
-
-def restore_switch_interval(prev: Optional[float], set_s: float) -> None:
-    """Undo :func:`raise_switch_interval` (``prev`` its result, ``set_s`` the value it set) unless something else
-    has changed the interval since."""
-    if prev is not None and abs(sys.getswitchinterval() - set_s) < 1e-9:
-        sys.setswitchinterval(prev)
-
-
-class L3IO:
+class L3IO(L3JobRunners):
     """Moves pages between the L2 host pool and an L3 store on background threads, as ordered by jobs.
 
     Args:
@@ -471,266 +352,3 @@ class L3IO:
         d["l3_writer_idle_class"] = int(self._writer_prio.enabled)
         d["l3_writer_raised"] = self._writer_prio.raised
         return d
-
-    # ------------------------------------------------------------------ I/O threads
-    def _serve(self, q: "queue.Queue[Optional[Job]]", stage: torch.Tensor,
-               prio: Optional[BackgroundPriority] = None) -> None:
-        name_this_thread()
-        while True:
-            job = q.get()
-            if job is None:
-                return
-            if prio is not None:  # the writer: its scheduling class from the pages waiting for it, this job's included
-                prio.update(self._queued_backup_pages)
-            try:
-                if job.kind == JOB_BACKUP:
-                    self._run_backup(job)
-                elif job.kind == JOB_PREFETCH:
-                    self._run_prefetch(job, stage)
-                else:
-                    self._run_exists(job)
-            except Exception as e:  # a bug or a store that raised: the job fails, the thread lives on
-                self.counters.store_errors += 1
-                self._log.warning("job_error", "tierkv L3: %s job %d failed: %r", job.kind, job.job_id, e)
-                if job.kind == JOB_PREFETCH:
-                    with self._lock:
-                        p = self._prefetches.get(job.job_id)
-                        if p is not None:
-                            p.io_done = True
-                            p.end = time.perf_counter()
-                            self._finish_prefetches_locked()
-                elif job.kind == JOB_BACKUP:
-                    self._end_backup(job, [False] * job.num_pages, 0, 0.0)
-                else:
-                    self._report(JobReport(job.job_id, job.kind, [False] * job.num_pages))
-            finally:
-                with self._idle:
-                    self._busy -= 1
-                    self._idle.notify_all()
-
-    def _keys(self, keys: Sequence[bytes]) -> list[str]:
-        return [l3_key(self.rank_namespace, k) for k in keys]
-
-    def _staging(self, n: int) -> torch.Tensor:
-        return torch.empty((n, self.host.page_bytes), dtype=torch.uint8)
-
-    def _run_exists(self, job: Job) -> None:
-        t0 = time.perf_counter()
-        n = 0
-        try:
-            n = int(self.store.batch_exists(self._keys(job.keys)))
-        except Exception as e:
-            self.counters.store_errors += 1
-            self._log.warning("exists", "tierkv L3: existence query of %d pages failed: %r", job.num_pages, e)
-        dt = time.perf_counter() - t0
-        self.counters.exists_jobs += 1
-        self.counters.exists_seconds += dt
-        self._report(JobReport(job.job_id, job.kind, [i < n for i in range(job.num_pages)], seconds=dt))
-
-    def _run_backup(self, job: Job) -> None:
-        t0 = time.perf_counter()
-        ok = [False] * job.num_pages
-        nbytes = 0
-        pb = self.host.page_bytes
-        with self._lock:
-            skip = self._skip.pop(job.job_id, set())
-        send = [i for i in range(job.num_pages) if i not in skip]
-        for s in range(0, len(send), self.batch_pages):
-            if self._closed:  # shut down: the batches not started are dropped (close() counted them)
-                break
-            e = min(len(send), s + self.batch_pages)
-            srcs, sums = [], []
-            for i in send[s:e]:
-                slot, key = job.slots[i], job.keys[i]
-                if self._vectored:
-                    src = self.host.page_runs(slot)
-                elif self._direct:
-                    src = self.host.read_page(slot)
-                else:
-                    src = self.host.read_page(slot, out=self._wstage[len(srcs)])
-                c = self.checksums.get(slot, key)
-                if c is None:  # not recorded (verify_checksums off: saves do not hash): hash it now, once
-                    c = self.host.page_checksum(slot)
-                srcs.append(src)
-                sums.append(c)
-            try:
-                res = self.store.batch_set(self._keys([job.keys[i] for i in send[s:e]]), srcs, checksums=sums)
-            except Exception as ex:
-                res = [False] * (e - s)
-                self.counters.store_errors += 1
-                self._log.warning("backup", "tierkv L3: backup of %d pages failed: %r", e - s, ex)
-            for i, r in zip(send[s:e], res):
-                if r:
-                    ok[i] = True
-                    nbytes += pb
-            if not all(res):
-                self._log.warning("backup_pages", "tierkv L3: %d of %d pages not stored by %r",
-                                  sum(1 for r in res if not r),
-                                  e - s, self.store)
-        self._end_backup(job, ok, nbytes, time.perf_counter() - t0)
-
-    def _end_backup(self, job: Job, ok: list[bool], nbytes: int, dt: float) -> None:
-        c = self.counters
-        c.backup_jobs += 1
-        c.backup_pages += sum(ok)
-        c.backup_failed_pages += len(ok) - sum(ok)
-        c.backup_bytes += nbytes
-        c.backup_seconds += dt
-        with self._lock:
-            self._queued_backup_pages -= job.num_pages
-        self._report(JobReport(job.job_id, job.kind, ok, seconds=dt, bytes=nbytes))
-
-    def _run_prefetch(self, job: Job, stage: torch.Tensor) -> None:
-        with self._lock:
-            p = self._prefetches[job.job_id]
-            if not p.request_done:
-                # the deadline runs from here: time spent queued behind other reads does not count against it
-                p.start = time.perf_counter()
-                p.cold = not self._warm
-                p.read_t0 = self.clock()
-                if job.deadline_s is not None:
-                    p.deadline = p.read_t0 + job.deadline_s
-        todo = [i for i, (f, s) in enumerate(zip(job.fetch, job.slots)) if f and s >= 0]
-        first = min(CREDIT_FIRST_BATCH, self.batch_pages) if job.deadline_credit_s > 0 else self.batch_pages
-        bounds = [0] + list(range(first, len(todo), self.batch_pages)) if todo else []  # no empty store call
-        for b, e in zip(bounds, bounds[1:] + [len(todo)]):
-            with self._lock:
-                if p.cancel:
-                    p.cancelled = len(todo) - b
-                    break
-            idx = todo[b:e]
-            if self._vectored_read:  # straight into the slots' runs (a failed page leaves its slot unused)
-                dsts = [self.host.page_runs(job.slots[i]) for i in idx]
-            else:
-                dsts = [stage[j] for j in range(len(idx))]
-            sums = [None] * len(idx) if self._store_sums else None
-            try:
-                keys = self._keys([job.keys[i] for i in idx])
-                res = (self.store.batch_get(keys, dsts, checksums=sums) if sums is not None
-                       else self.store.batch_get(keys, dsts))
-            except Exception as ex:
-                res = [False] * len(idx)
-                self.counters.store_errors += 1
-                self._log.warning("prefetch", "tierkv L3: read of %d pages failed: %r", len(idx), ex)
-            got = []
-            for j, (i, r) in enumerate(zip(idx, res)):
-                if not r:
-                    continue
-                slot = job.slots[i]
-                if not self._vectored_read:
-                    self.host.write_page(slot, dsts[j])
-                c = sums[j] if sums is not None else None
-                if c is None:  # the store did not say what it verified: hash what arrived
-                    c = payload_checksum(dsts[j] if self._vectored_read else dsts[j].numpy())
-                self.checksums.record(slot, job.keys[i], c)
-                got.append(i)
-            if len(got) < len(idx):
-                self._log.warning("prefetch_pages", "tierkv L3: %d of %d pages missing or corrupt in %r",
-                                  len(idx) - len(got),
-                                  len(idx), self.store)
-            with self._lock:
-                for i in got:
-                    p.ok[i] = True
-                p.bytes += len(got) * self.host.page_bytes
-                self._credit_locked(p)
-        with self._lock:
-            p.io_done = True
-            p.end = time.perf_counter()
-            self._warm = True
-            self._finish_prefetches_locked()
-
-    @staticmethod
-    def _credit_locked(p: _Prefetch) -> None:
-        """Move the deadline of prefetch ``p`` to its read's start + ``deadline_s`` + ``deadline_credit_s`` for each
-        read page in the leading intact run (never earlier, at most ``deadline_max_s`` after the start)."""
-        job = p.job
-        if job.deadline_credit_s <= 0 or p.deadline is None or p.read_t0 is None or p.request_done:
-            return
-        lead = next((i for i, v in enumerate(p.ok) if not v), len(p.ok))
-        read = sum(1 for f in job.fetch[:lead] if f)
-        d = job.deadline_s + job.deadline_credit_s * read
-        if job.deadline_max_s is not None:
-            d = min(d, job.deadline_max_s)
-        p.deadline = max(p.deadline, p.read_t0 + d)
-
-    def _finish_prefetches_locked(self) -> None:
-        # a prefetch is reported once both its request side and its I/O ended (no thread touches its slots)
-        for jid in [j for j, p in self._prefetches.items() if p.io_done and p.request_done]:
-            p = self._prefetches.pop(jid)
-            fetched = sum(1 for f, v in zip(p.job.fetch, p.ok) if f and v)
-            c = self.counters
-            c.prefetch_jobs += 1
-            c.prefetch_pages += fetched
-            c.prefetch_failed_pages += sum(1 for f, v in zip(p.job.fetch, p.ok) if f and not v) - p.cancelled
-            c.prefetch_cancelled_pages += p.cancelled
-            c.prefetch_bytes += p.bytes
-            c.prefetch_seconds += max(0.0, p.end - p.start)
-            self._reports.append(JobReport(jid, JOB_PREFETCH, list(p.ok), rank=self.rank,
-                                           seconds=max(0.0, p.end - p.start), bytes=p.bytes,
-                                           cancelled=p.cancelled, cold=p.cold))
-
-    def _report(self, r: JobReport) -> None:
-        r.rank = self.rank
-        with self._lock:
-            self._reports.append(r)
-
-
-class NoL3:
-    """The worker's L3 when no store is configured or the store could not start: the same interface as
-    :class:`L3IO`, answering every job at once with no page done. A backup or existence query reports no page
-    stored or found; a prefetch's request is named ended at the next :meth:`poll` with all its blocks failed, so
-    vLLM recomputes them (the scheduler side never waits for a store that is not there)."""
-
-    store = None
-
-    def __init__(self) -> None:
-        self._reports: list[JobReport] = []
-        self._ended = PollResult()
-        self._sync: dict[int, Job] = {}
-
-    def submit(self, jobs: Sequence[Job], skip: Optional[dict[int, set[int]]] = None) -> None:
-        for job in jobs:
-            self._reports.append(JobReport(job.job_id, job.kind, [False] * job.num_pages))
-            if job.kind == JOB_PREFETCH and job.sync:
-                self._sync[job.job_id] = job
-            elif job.kind == JOB_PREFETCH and job.req_id is not None:
-                self._ended.finished.add(job.req_id)
-                self._ended.failed_blocks.update(job.block_ids)
-
-    def release(self, job_ids: Sequence[int]) -> list[tuple[int, PageOrder, list[int]]]:
-        out = []
-        for jid in job_ids:
-            job = self._sync.pop(jid, None)
-            if job is not None:
-                order = job.page_order()
-                out.append((jid, order.head(0), order.blocks_from(0)))
-        return out
-
-    def poll(self, finished_req_ids: Sequence[str] = ()) -> PollResult:
-        out, self._ended = self._ended, PollResult()
-        return out
-
-    def has_prefetches(self) -> bool:
-        return bool(self._ended.finished or self._ended.failed_blocks)
-
-    def wait_reads(self, job_ids: Sequence[int], timeout_s: float) -> tuple[bool, bool]:
-        return False, True
-
-    def take_reports(self) -> list[JobReport]:
-        out, self._reports = self._reports, []
-        return out
-
-    def has_reports(self) -> bool:
-        return bool(self._reports)
-
-    def pending(self) -> int:
-        return 0
-
-    def wait_idle(self, timeout: Optional[float] = 30.0) -> bool:
-        return True
-
-    def close(self, drain_s: float = 10.0) -> int:
-        return 0
-
-    def stats(self) -> dict:
-        return {}
