@@ -51,7 +51,8 @@ from tierkv.storage_backends.zmq.client_config import (  # noqa: F401 - also imp
     shm_mode)
 from tierkv.storage_backends.zmq.presence_table import PRESENCE_NAME_RE, PresenceTable, fingerprint
 from tierkv.storage_backends.shm_segment import Segment, sweep_dead_files
-from tierkv.storage_backends.zmq.channel import ChannelFailed, RequestChannel
+from tierkv.storage_backends.zmq.channel import RequestChannel
+from tierkv.storage_backends.zmq.exchange import exchange
 from tierkv.storage_backends.page_format import (PageFormatError, check_checksums, copy_into, copy_verified,
                                                  decode_header, encode_headers, verify_payload)
 
@@ -175,65 +176,8 @@ class ZmqStore(StorageBackend):
 
     def _exchange(self, msgs: list, on_reply: Callable[[int, dict, list], None],
                   errors: Optional[dict] = None) -> list:
-        """Send ``msgs`` (``(header dict, payload buffers)``, or a callable returning one, called just before its
-        message is sent) through the request channel, pipelined, and hand each matched, well-formed,
-        ``ok`` reply to ``on_reply(index, header, frames)``. Returns one bool per message (answered ok).
-        A header may carry its own ``v`` (default :data:`zmq_protocol.PROTOCOL_VERSION`); ``errors`` (a dict), when
-        given, receives ``index -> code`` of every error reply. Never raises for network faults."""
-        done = [False] * len(msgs)
-        if not msgs:
-            return done
-        with self._lock:
-            if self._closed:
-                self.counters["errors"] += len(msgs)
-                return done
-            if self._chan.backing_off(len(msgs)):
-                return done
-            sent: dict[int, tuple] = {}
-
-            def encode(m, rid):
-                h, payloads = m() if callable(m) else m  # built lazily: overlaps the previous send
-                h = dict(h, id=rid)
-                h.setdefault("v", P.PROTOCOL_VERSION)
-                if self.token is not None:
-                    h["token"] = self.token
-                sent[rid] = (h["op"], h["v"])
-                return [P.pack(h)] + list(payloads)
-
-            def decode(frames):
-                rh = P.unpack_header(frames[0].buffer, max_map_len=256)
-                return rh.get("id"), rh
-
-            def apply(i, rh, frames):
-                op, ver = sent[rh["id"]]
-                if rh.get("v") != ver or rh.get("op") != op or not isinstance(rh.get("ok"), bool):
-                    self.counters["bad_replies"] += 1
-                    return
-                if not rh["ok"]:
-                    self.counters["error_replies"] += 1
-                    err = rh.get("err")
-                    if errors is not None:
-                        errors[i] = rh.get("code")
-                        if rh.get("code") in ("shm_unknown", "shm", "version"):
-                            return  # the shared-memory path handles these (re-attach or fall back)
-                    self._warn.warning("refused", "tierkv zmq server refused %s: %s: %s", op, P.brief(rh.get("code")),
-                                       err[:200] if isinstance(err, str) else P.brief(err))
-                    return
-                try:
-                    on_reply(i, rh, frames[1:])
-                except (P.ProtocolError, TypeError, ValueError, KeyError, IndexError) as e:
-                    self.counters["bad_replies"] += 1
-                    self._warn.warning("malformed", "malformed %s reply from %s discarded: %s", op, self.endpoint, e)
-                    return
-                done[i] = True
-
-            try:
-                self._chan.exchange(msgs, encode, decode, apply)
-            except ChannelFailed as e:
-                self._chan.failed(str(e))
-                return done
-            self._chan.ok()
-            return done
+        """:func:`.exchange.exchange` of ``msgs`` on this store: one bool per message (answered ok)."""
+        return exchange(self, msgs, on_reply, errors)
 
     # ----------------------------------------------------------------------------------------- shared memory
     def _drop_segment(self) -> None:
