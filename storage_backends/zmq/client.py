@@ -50,11 +50,12 @@ from tierkv.storage_backends.zmq.client_config import (  # noqa: F401 - also imp
     _MSG_SLACK, _PER_KEY_OVERHEAD, OPTION_DEFAULTS, SHM_MODES, ZmqStoreConfig, check_options, is_local_endpoint,
     shm_mode)
 from tierkv.storage_backends.zmq.presence_table import PRESENCE_NAME_RE, PresenceTable, fingerprint
-from tierkv.storage_backends.shm_segment import Segment, sweep_dead_files
+from tierkv.storage_backends.shm_segment import Segment
 from tierkv.storage_backends.zmq.channel import RequestChannel
 from tierkv.storage_backends.zmq.exchange import exchange
-from tierkv.storage_backends.page_format import (PageFormatError, check_checksums, copy_into, copy_verified,
-                                                 decode_header, encode_headers, verify_payload)
+from tierkv.storage_backends.zmq import shm_path
+from tierkv.storage_backends.zmq.shm_path import SHM_MESSAGE_BYTES, _Segment, sweep_dead_segments  # noqa: F401
+from tierkv.storage_backends.page_format import PageFormatError, check_checksums, copy_verified, encode_headers
 
 log = logging.getLogger("tierkv.zmq_client")
 
@@ -69,32 +70,6 @@ PIPELINE_BYTES = 8 << 20
 #: payload bytes of the first ``set`` message of a pipelined batch: nothing is on the wire while its pages are
 #: checksummed, so it is kept small (the following messages are checksummed while the previous one is sent).
 FIRST_MESSAGE_BYTES = 1 << 20
-
-
-#: payload bytes per message on the shared-memory path: the server copies one message's slots while the client
-#: fills (set) or verifies (get) the next one's.
-SHM_MESSAGE_BYTES = 4 << 20
-
-
-def sweep_dead_segments(shm_dir: str = P.SHM_DIR) -> int:
-    """Remove this user's segment files whose creating process is gone (a client killed by SIGKILL never runs its
-    finalizer). The creator's pid is the first 8 hex digits after :data:`zmq_protocol.SHM_PREFIX`. Removing a file
-    never breaks a live pair (both keep their mappings; a client whose file is gone makes a new one when it must
-    attach again), so a pid seen from another pid namespace costs at most one new segment. Returns files removed
-    (:func:`~.shm_segment.sweep_dead_files`)."""
-    return sweep_dead_files(shm_dir, P.SHM_NAME_RE, len(P.SHM_PREFIX))
-
-
-def _Segment(size: int) -> Segment:
-    """A new segment of this client (:class:`~.shm_segment.Segment`, ``size`` bytes) named
-    :data:`zmq_protocol.SHM_PREFIX` + pid (8 hex digits) + 16 random hex digits; its file is removed by its ``close``,
-    when it is collected or at interpreter exit, only by the creating process (a forked child makes its own), and by
-    :func:`sweep_dead_segments` when that process died without.
-
-    Raises:
-        OSError: the segment cannot be created or mapped (no /dev/shm, no space).
-    """
-    return Segment.create(P.SHM_DIR, f"{P.SHM_PREFIX}{os.getpid() & 0xFFFFFFFF:08x}{os.urandom(8).hex()}", size)
 
 
 class ZmqStore(StorageBackend):
@@ -178,92 +153,6 @@ class ZmqStore(StorageBackend):
                   errors: Optional[dict] = None) -> list:
         """:func:`.exchange.exchange` of ``msgs`` on this store: one bool per message (answered ok)."""
         return exchange(self, msgs, on_reply, errors)
-
-    # ----------------------------------------------------------------------------------------- shared memory
-    def _drop_segment(self) -> None:
-        if self._seg is not None:
-            if self._seg.pid == os.getpid():
-                self._seg.close()
-            self._seg = None
-        self._seg_attached = False
-
-    def _shm_off(self, why: str) -> None:
-        self.counters["shm_fallbacks"] += 1
-        self._shm_on = False
-        self._drop_segment()
-        log.warning("tierkv zmq server %s: shared-memory path not used (%s); pages travel as ZMQ frames",
-                    self.endpoint, why)
-
-    def _shm_ready(self) -> Optional[Segment]:
-        """The attached segment, creating and attaching it when needed; None = use frames for this call (or for
-        good, after :meth:`_shm_off`). Called with ``self._lock`` held."""
-        if not self._shm_on or self._closed:
-            return None
-        if self._seg is not None and self._seg.pid != os.getpid():  # forked: the parent's slots are not ours
-            self._seg, self._seg_attached = None, False
-        for attempt in range(2):
-            if self._seg is not None and not self._seg_attached and not self._seg.exists():
-                log.warning("shared-memory segment %s of %s was removed; creating a new one", self._seg.name,
-                            self.endpoint)
-                self.counters["shm_recreated"] += 1
-                self._drop_segment()
-            if self._seg is None:
-                try:
-                    sweep_dead_segments()
-                    self._seg = _Segment(self.shm_bytes)
-                except OSError as e:
-                    self._shm_off(f"cannot create a {self.shm_bytes}-byte segment in {P.SHM_DIR}: {e}")
-                    return None
-            if self._seg_attached:
-                return self._seg
-            errs: dict = {}
-            ok = self._exchange([({"op": "shm_attach", "v": P.SHM_PROTOCOL_VERSION, "name": self._seg.name,
-                                   "size": self._seg.size, "keys": []}, [])], lambda i, rh, fr: None, errs)[0]
-            if ok:
-                self._seg_attached = True
-                self.counters["shm_attaches"] += 1
-                return self._seg
-            code = errs.get(0)
-            if code is None:  # no answer: this call fails anyway; try again on the next one
-                return None
-            if code == "shm" and attempt == 0 and not self._seg.exists():
-                continue  # removed between the check and the server's open: make a new one
-            self._shm_off(f"server refused shm_attach ({code})")
-            return None
-        return None
-
-    def _shm_rounds(self, n: int, build: Callable, on_reply: Callable) -> bool:
-        """Run a shared-memory get or set of ``n`` pages: rounds of as many pages as the segment holds, each
-        round split into messages of :data:`SHM_MESSAGE_BYTES` with their own slots. ``build(seg, s, e, slot0)``
-        returns a message; ``on_reply(seg, s, e, slot0, rh, frames)`` applies a reply. Returns False when the
-        segment could not be used (the caller then sends the whole batch as frames). Called with ``self._lock`` held."""
-        seg = self._shm_ready()
-        if seg is None:
-            return False
-        pb = self.page_bytes
-        per_round = min(P.MAX_KEYS, seg.size // pb)
-        per_msg = max(1, min(per_round, SHM_MESSAGE_BYTES // pb))
-        for rs in range(0, n, per_round):
-            chunks = [(s, min(n, rs + per_round, s + per_msg)) for s in range(rs, min(n, rs + per_round), per_msg)]
-            for attempt in range(2):
-                seg = self._seg if attempt == 0 else self._shm_ready()
-                if seg is None:
-                    return False  # the caller moves the whole batch as frames (or fails it as they do)
-                errs: dict = {}
-                ff = self.counters["fast_fails"]
-                done = self._exchange(
-                    [lambda s=s, e=e, sg=seg: build(sg, s, e, rs) for s, e in chunks],
-                    lambda ci, rh, fr, sg=seg: on_reply(sg, *chunks[ci], rs, rh, fr), errs)
-                if all(done):
-                    break
-                if any(code == "shm_unknown" for code in errs.values()):  # the server restarted: attach again
-                    self._seg_attached = False
-                    continue
-                if len(errs) < done.count(False) and self.counters["fast_fails"] == ff:
-                    # timed out: the server may still copy into these slots later, so never reuse them
-                    self._drop_segment()
-                break
-        return True
 
     # ----------------------------------------------------------------------------------------- interface
     def _chunks(self, n: int, per: int) -> list:
@@ -369,7 +258,7 @@ class ZmqStore(StorageBackend):
         res = [False] * len(keys)
         if self._shm_on:
             with self._lock:
-                if self._get_shm(keys, dsts, res, sums):
+                if shm_path.get_shm(self, keys, dsts, res, sums):
                     nh = sum(res)
                     self.counters["hits"] += nh
                     self.counters["misses"] += len(keys) - nh
@@ -409,82 +298,6 @@ class ZmqStore(StorageBackend):
         self.counters["misses"] += len(keys) - nh
         return res
 
-    def _get_shm(self, keys: Sequence[str], dsts: list, res: list, sums: list) -> bool:
-        pb = self.page_bytes
-
-        def build(seg, s, e, slot0):
-            return {"op": "get", "v": P.SHM_PROTOCOL_VERSION, "ns": self.namespace, "keys": list(keys[s:e]),
-                    "shm": seg.name, "len": pb, "offs": [(i - slot0) * pb for i in range(s, e)]}, []
-
-        def on_reply(seg, s, e, slot0, rh, frames):
-            hits, hdrs = rh.get("hits"), rh.get("hdrs")
-            if frames or not isinstance(hits, list) or len(hits) != e - s or not all(isinstance(x, bool) for x in hits):
-                raise P.ProtocolError("bad_reply", "get reply: 'hits' is not one bool per key")
-            if not isinstance(hdrs, list) or len(hdrs) != sum(hits):
-                raise P.ProtocolError("bad_reply", "get reply: not one header per hit")
-            bad = rh.get("bad", 0)
-            if type(bad) is int and bad > 0:  # records of the wrong length: corrupt, so misses
-                self.counters["corrupt"] += bad
-                self._warn.warning("corrupt", "%d page(s) from %s have a stored payload of the wrong length: misses",
-                                   bad, self.endpoint)
-            j = 0
-            for off, hit in enumerate(hits):
-                if not hit:
-                    continue
-                idx, hdr = s + off, hdrs[j]
-                j += 1
-                o = (idx - slot0) * pb
-                try:
-                    if not isinstance(hdr, bytes):
-                        raise PageFormatError("header is not bin")
-                    psum = decode_header(hdr, keys[idx], self.namespace, pb)
-                    # copy first, then check the copy: the slot is memory another process can write, the
-                    # destination is not (a page that fails leaves garbage there, as with the file store)
-                    copy_into(dsts[idx], seg.mv[o:o + pb])
-                    verify_payload(dsts[idx], psum)
-                    sums[idx] = psum
-                except PageFormatError as err:
-                    self.counters["corrupt"] += 1
-                    self._warn.warning("corrupt", "page %s from %s is not valid (%s): miss", keys[idx], self.endpoint,
-                                       err)
-                    continue
-                res[idx] = True
-                self.counters["bytes_read"] += pb
-                self.counters["shm_pages_in"] += 1
-
-        return self._shm_rounds(len(keys), build, on_reply)
-
-    def _set_shm(self, keys: Sequence[str], kraw: list, srcs: list, sums: Optional[list], res: list) -> bool:
-        pb = self.page_bytes
-
-        def build(seg, s, e, slot0):
-            slots = []
-            for i in range(s, e):
-                o = (i - slot0) * pb
-                slot = seg.mv[o:o + pb]
-                src = srcs[i]
-                if isinstance(src, list):  # a page given as runs: each copied to its place in the slot
-                    at = 0
-                    for run in src:
-                        slot[at:at + run.nbytes] = run
-                        at += run.nbytes
-                else:
-                    slot[:] = src
-                slots.append(slot)
-            # checksums of what the server will copy (the slots), unless the caller gave them
-            hdrs = encode_headers(kraw[s:e], self.namespace, slots, pb, None if sums is None else sums[s:e])
-            return {"op": "set", "v": P.SHM_PROTOCOL_VERSION, "ns": self.namespace, "keys": list(keys[s:e]),
-                    "hdrs": hdrs, "shm": seg.name, "len": pb, "offs": [(i - slot0) * pb for i in range(s, e)]}, []
-
-        def on_reply(seg, s, e, slot0, rh, frames):
-            st = rh.get("stored")
-            if frames or not isinstance(st, list) or len(st) != e - s or not all(isinstance(x, bool) for x in st):
-                raise P.ProtocolError("bad_reply", "set reply: 'stored' is not one bool per key")
-            res[s:e] = st
-            self.counters["shm_pages_out"] += sum(st)
-            self._set_reply_counts(rh)
-
-        return self._shm_rounds(len(keys), build, on_reply)
 
     def batch_set(self, keys: Sequence[str], sources: Sequence[Buffer],
                   checksums: Optional[Sequence[int]] = None,
@@ -506,7 +319,7 @@ class ZmqStore(StorageBackend):
         res = [False] * n
         if self._shm_on:
             with self._lock:
-                if self._set_shm(keys, kraw, srcs, sums, res):
+                if shm_path.set_shm(self, keys, kraw, srcs, sums, res):
                     ok = sum(res)
                     self.counters["sets"] += ok
                     self.counters["set_failures"] += n - ok
@@ -622,6 +435,6 @@ class ZmqStore(StorageBackend):
                                       "keys": []}, [])], lambda i, rh, fr: None, {})
                 finally:
                     self.timeout_s = t
-            self._drop_segment()
+            shm_path.drop_segment(self)
             self._closed = True
             self._chan.close()
