@@ -38,9 +38,7 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
-import time
 from typing import Any, Callable, Optional, Sequence
 
 from tierkv.storage_backends.zmq import protocol as P
@@ -49,7 +47,9 @@ from tierkv.storage_backends.common import Counters, RateLimitedLog, check_store
 from tierkv.storage_backends.zmq.client_config import (  # noqa: F401 - also imported from here
     _MSG_SLACK, _PER_KEY_OVERHEAD, OPTION_DEFAULTS, SHM_MODES, ZmqStoreConfig, check_options, is_local_endpoint,
     shm_mode)
-from tierkv.storage_backends.zmq.presence_table import PRESENCE_NAME_RE, PresenceTable, fingerprint
+from tierkv.storage_backends.zmq import presence_probe
+from tierkv.storage_backends.zmq.presence_probe import PRESENCE_RETRY_S  # noqa: F401 - also imported from here
+from tierkv.storage_backends.zmq.presence_table import PresenceTable
 from tierkv.storage_backends.shm_segment import Segment
 from tierkv.storage_backends.zmq.channel import RequestChannel
 from tierkv.storage_backends.zmq.exchange import exchange
@@ -59,8 +59,6 @@ from tierkv.storage_backends.page_format import PageFormatError, check_checksums
 
 log = logging.getLogger("tierkv.zmq_client")
 
-#: seconds between two pings asking a server that named no presence table (or one this client could not map) again
-PRESENCE_RETRY_S = 5.0
 #: payload bytes per ``set`` message when a batch is pipelined: the pages of the next message are checksummed
 #: while ZMQ's I/O thread already transmits the previous one (measured on 2 cores, 64 x 256 KiB and 64 x 2 MiB).
 #: A set given its checksums is not pipelined: its messages are only bounded by ``max_message_bytes`` (interleaved
@@ -165,61 +163,11 @@ class ZmqStore(StorageBackend):
         the scheduler's copy of the store caps ``timeout_s``)."""
         return is_local_endpoint(self.endpoint)
 
-    def _presence_lead(self, keys: Sequence[str]) -> Optional[int]:
-        """Leading ``keys`` present according to the server's presence table, or None (no table here: the caller
-        asks over ZMQ). A retired table, or one whose server is gone, is dropped and the server asked (one ping)
-        for its current one; a server without one (older, remote, a spill tier) is asked again at most every
-        :data:`PRESENCE_RETRY_S` seconds."""
-        with self._presence_lock:
-            t = self._presence
-            if t is None and (not self._presence_on or time.monotonic() < self._presence_due):
-                return None
-            fps = [fingerprint(self.namespace, k) for k in keys]
-            n = None if t is None else t.lead(fps)
-            if t is not None and n is None:
-                self._presence = None
-                t.close()
-                self._presence_due = -math.inf
-            if n is None:
-                t = self._presence = self._map_presence()
-                n = None if t is None else t.lead(fps)
-            if n is not None:
-                self.counters["presence_answers"] += 1
-            return n
-
-    def _map_presence(self) -> Optional[PresenceTable]:
-        """Ask the server for its presence table (a ping) and map it; None when it names none or it cannot be
-        mapped (not asked again for :data:`PRESENCE_RETRY_S`), or no answer came (asked again on the next call: the
-        channel's back-off spaces the tries). Called with ``_presence_lock`` held."""
-        if not self._presence_on or time.monotonic() < self._presence_due:
-            return None
-        got: dict = {}
-
-        def on_reply(i, rh, frames):
-            name = rh.get("presence")
-            if isinstance(name, str) and PRESENCE_NAME_RE.match(name):
-                got["name"] = name
-
-        if not self._exchange([({"op": "ping", "keys": [], "presence": True}, [])], on_reply)[0]:
-            return None
-        if "name" not in got:
-            self._presence_due = time.monotonic() + PRESENCE_RETRY_S
-            return None
-        try:
-            t = PresenceTable.open(os.path.join(P.SHM_DIR, got["name"]))
-        except (OSError, ValueError) as e:
-            self._presence_due = time.monotonic() + PRESENCE_RETRY_S
-            log.info("zmq store %s: cannot map the server's presence table (%s); existence is asked over ZMQ",
-                     self.endpoint, e)
-            return None
-        self.counters["presence_tables"] += 1
-        return t
-
     def batch_exists(self, keys: Sequence[str], tokens: Optional[Sequence[PageTokens]] = None) -> int:
         """Number of leading ``keys`` present on the server (0 on any failure). On the server's host the answer
         comes from its presence table (:mod:`.presence_table`) without a round trip, when it publishes one."""
         self._keys(keys)
-        n = self._presence_lead(keys)
+        n = presence_probe.lead(self, keys)
         if n is not None:
             return n
         lead = 0
