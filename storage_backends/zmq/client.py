@@ -1,38 +1,16 @@
 """Client of the tierkv ZMQ cache server (:mod:`.server`): an L3 :class:`StorageBackend`.
 
-One DEALER socket per store, guarded by a lock (thread-safe). Every page travels as a 64-byte
-:mod:`.page_format` header (inside the msgpack request header) plus one raw payload frame sent zero-copy from
-the caller's buffer (e.g. a host-pool page, a ``torch.uint8`` tensor); on read the header and the payload's
-XXH3-64 are checked before the payload is copied into the destination, so a missing, corrupt, truncated or
-foreign page is a miss, never data.
+:class:`ZmqStore` is thread-safe (one request channel per store, under a lock). Every page travels as a 64-byte
+:mod:`.page_format` header plus its payload: a raw frame sent zero-copy from the caller's buffer, or a slot of a
+shared-memory segment on the server's host (:mod:`.shm_path`, ``l3.zmq.shm``). A page read is checked (header and
+payload XXH3-64) before it counts as a hit, so a missing, corrupt, truncated or foreign page is a miss, never data.
 
-Fault handling (a dead server times out; LMCache issue #3565 is the failure this avoids; socket, back-off and
-pipelined exchange are the shared :mod:`.zmq.channel`, the segment a :class:`.shm_segment.Segment`):
-
-- every request carries a fresh id (47 bits) and replies are matched by id: a stale, duplicate, undecodable or
-  wrongly shaped reply is discarded or turned into a miss, and never applied to another request;
-- every exchange is bounded by ``timeout_s`` of silence (the clock restarts when a reply arrives, so a large
-  batch split into several messages is not cut short while the server makes progress); with
-  ``ZMQ_IMMEDIATE`` nothing is queued while the server is down, so a dead or stopped (SIGSTOP) server
-  yields misses/``False`` after ``timeout_s``, never an exception or a hang;
-- after a timeout the socket (and everything queued on it) is discarded; the next call opens a new one,
-  i.e. reconnects without recreating the store. Consecutive failures back off exponentially from
-  ``reconnect_backoff_s`` (from the second consecutive failure) up to ``max_backoff_s``; during a back-off
-  window calls fail at once (counted ``fast_fails``) instead of each waiting ``timeout_s``.
-
-Shared-memory data path (``shm``: ``auto`` | ``on`` | ``off``): on the same host the
-client creates a ``/dev/shm`` segment of its own (``shm_bytes``), attaches it to the server (``shm_attach``,
-protocol version 3, with the token when one is set) and then names slots of it in get/set requests instead of
-sending payload frames; control messages still travel over ZMQ. Pages are checked exactly as on the frame path.
-A server that does not offer it (an older one), cannot open the segment, or a segment that cannot be created
-makes the client fall back to payload frames (a warning, counted ``shm_fallbacks``); a restarted server is
-re-attached (``shm_attaches``); a segment whose file was removed is recreated at the next attach
-(``shm_recreated``); after a timed-out call the segment is replaced, so a late server write can never land in
-a slot of a later call. The segment is removed by :meth:`ZmqStore.close`, by the garbage collector or at exit.
-
-Batches larger than ``max_message_bytes`` (or :data:`zmq_protocol.MAX_KEYS` keys) are split into several
-messages that are pipelined on the socket. A set hashes each payload for its header unless the caller passes the
-checksums (``batch_set(..., checksums=...)``, "checksum once").
+A dead, stopped or unreachable server makes calls return misses/``False`` after ``timeout_s`` of silence, never
+raise or hang; the socket is then replaced and consecutive failures back off (:mod:`.channel`, :mod:`.exchange`).
+Batches over ``max_message_bytes`` or :data:`.protocol.MAX_KEYS` keys are split into pipelined messages; a set
+hashes each payload unless given its checksums. On the server's host, existence is answered from its presence
+table (:mod:`.presence_probe`) when it publishes one. Options: :mod:`.client_config`. Faults and the
+shared-memory path in detail: docs/developer-guide.md, section "storage_backends/zmq/client.py".
 """
 from __future__ import annotations
 
