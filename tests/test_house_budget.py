@@ -43,7 +43,6 @@ DOC_ALLOW: dict[str, int] = {
     "storage_backends/lmcache/store.py": 43,
     "storage_backends/page_format.py": 19,
     "storage_backends/zmq/presence_table.py": 22,
-    "storage_backends/zmq/protocol.py": 63,
     "tierkv/cli_common.py": 19,
     "tierkv/cli_config.py": 16,
 }
