@@ -42,7 +42,6 @@ DOC_ALLOW: dict[str, int] = {
     "storage_backends/base.py": 29,
     "storage_backends/lmcache/store.py": 43,
     "storage_backends/page_format.py": 19,
-    "storage_backends/zmq/presence_table.py": 22,
     "tierkv/cli_common.py": 19,
     "tierkv/cli_config.py": 16,
 }
