@@ -21,7 +21,6 @@ CLASS_ALLOW: dict[str, int] = {
     "connector/l3/io.py::L3IO": 502,
     "storage_backends/file/store.py::FileStore": 407,
     "storage_backends/lmcache/store.py::LMCacheStore": 437,
-    "storage_backends/zmq/client.py::ZmqStore": 585,
 }
 #: "path" -> docstring lines today
 DOC_ALLOW: dict[str, int] = {
@@ -41,9 +40,6 @@ DOC_ALLOW: dict[str, int] = {
     "storage_backends/base.py": 29,
     "storage_backends/lmcache/store.py": 43,
     "storage_backends/page_format.py": 19,
-    "storage_backends/zmq/client.py": 35,
-    "storage_backends/zmq/presence_table.py": 22,
-    "storage_backends/zmq/protocol.py": 63,
     "tierkv/cli_common.py": 19,
     "tierkv/cli_config.py": 16,
 }

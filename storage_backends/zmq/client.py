@@ -1,67 +1,42 @@
 """Client of the tierkv ZMQ cache server (:mod:`.server`): an L3 :class:`StorageBackend`.
 
-One DEALER socket per store, guarded by a lock (thread-safe). Every page travels as a 64-byte
-:mod:`.page_format` header (inside the msgpack request header) plus one raw payload frame sent zero-copy from
-the caller's buffer (e.g. a host-pool page, a ``torch.uint8`` tensor); on read the header and the payload's
-XXH3-64 are checked before the payload is copied into the destination, so a missing, corrupt, truncated or
-foreign page is a miss, never data.
+:class:`ZmqStore` is thread-safe (one request channel per store, under a lock). Every page travels as a 64-byte
+:mod:`.page_format` header plus its payload: a raw frame sent zero-copy from the caller's buffer, or a slot of a
+shared-memory segment on the server's host (:mod:`.shm_path`, ``l3.zmq.shm``). A page read is checked (header and
+payload XXH3-64) before it counts as a hit, so a missing, corrupt, truncated or foreign page is a miss, never data.
 
-Fault handling (a dead server times out; LMCache issue #3565 is the failure this avoids; socket, back-off and
-pipelined exchange are the shared :mod:`.zmq.channel`, the segment a :class:`.shm_segment.Segment`):
-
-- every request carries a fresh id (47 bits) and replies are matched by id: a stale, duplicate, undecodable or
-  wrongly shaped reply is discarded or turned into a miss, and never applied to another request;
-- every exchange is bounded by ``timeout_s`` of silence (the clock restarts when a reply arrives, so a large
-  batch split into several messages is not cut short while the server makes progress); with
-  ``ZMQ_IMMEDIATE`` nothing is queued while the server is down, so a dead or stopped (SIGSTOP) server
-  yields misses/``False`` after ``timeout_s``, never an exception or a hang;
-- after a timeout the socket (and everything queued on it) is discarded; the next call opens a new one,
-  i.e. reconnects without recreating the store. Consecutive failures back off exponentially from
-  ``reconnect_backoff_s`` (from the second consecutive failure) up to ``max_backoff_s``; during a back-off
-  window calls fail at once (counted ``fast_fails``) instead of each waiting ``timeout_s``.
-
-Shared-memory data path (``shm``: ``auto`` | ``on`` | ``off``): on the same host the
-client creates a ``/dev/shm`` segment of its own (``shm_bytes``), attaches it to the server (``shm_attach``,
-protocol version 3, with the token when one is set) and then names slots of it in get/set requests instead of
-sending payload frames; control messages still travel over ZMQ. Pages are checked exactly as on the frame path.
-A server that does not offer it (an older one), cannot open the segment, or a segment that cannot be created
-makes the client fall back to payload frames (a warning, counted ``shm_fallbacks``); a restarted server is
-re-attached (``shm_attaches``); a segment whose file was removed is recreated at the next attach
-(``shm_recreated``); after a timed-out call the segment is replaced, so a late server write can never land in
-a slot of a later call. The segment is removed by :meth:`ZmqStore.close`, by the garbage collector or at exit.
-
-Batches larger than ``max_message_bytes`` (or :data:`zmq_protocol.MAX_KEYS` keys) are split into several
-messages that are pipelined on the socket. A set hashes each payload for its header unless the caller passes the
-checksums (``batch_set(..., checksums=...)``, "checksum once").
+A dead, stopped or unreachable server makes calls return misses/``False`` after ``timeout_s`` of silence, never
+raise or hang; the socket is then replaced and consecutive failures back off (:mod:`.channel`, :mod:`.exchange`).
+Batches over ``max_message_bytes`` or :data:`.protocol.MAX_KEYS` keys are split into pipelined messages; a set
+hashes each payload unless given its checksums. On the server's host, existence is answered from its presence
+table (:mod:`.presence_probe`) when it publishes one. Options: :mod:`.client_config`. Faults and the
+shared-memory path in detail: docs/developer-guide.md, section "storage_backends/zmq/client.py".
 """
 from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
-import time
 from typing import Any, Callable, Optional, Sequence
-
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from tierkv.storage_backends.zmq import protocol as P
 from tierkv.storage_backends.base import Buffer, PageTokens, StorageBackend
-from tierkv.storage_backends.common import Counters, RateLimitedLog, check_store_identity, config_error
-from tierkv.storage_backends.zmq.presence_table import PRESENCE_NAME_RE, PresenceTable, fingerprint
-from tierkv.storage_backends.shm_segment import Segment, sweep_dead_files
-from tierkv.storage_backends.zmq.channel import ChannelFailed, RequestChannel
-from tierkv.storage_backends.page_format import (PageFormatError, check_checksums, copy_into, copy_verified,
-                                                 decode_header, encode_headers, verify_payload)
+from tierkv.storage_backends.common import Counters, RateLimitedLog, check_store_identity
+from tierkv.storage_backends.zmq.client_config import (  # noqa: F401 - also imported from here
+    _MSG_SLACK, _PER_KEY_OVERHEAD, OPTION_DEFAULTS, SHM_MODES, ZmqStoreConfig, check_options, is_local_endpoint,
+    shm_mode)
+from tierkv.storage_backends.zmq import presence_probe
+from tierkv.storage_backends.zmq.presence_probe import PRESENCE_RETRY_S  # noqa: F401 - also imported from here
+from tierkv.storage_backends.zmq.presence_table import PresenceTable
+from tierkv.storage_backends.shm_segment import Segment
+from tierkv.storage_backends.zmq.channel import RequestChannel
+from tierkv.storage_backends.zmq.exchange import exchange
+from tierkv.storage_backends.zmq import shm_path
+from tierkv.storage_backends.zmq.shm_path import SHM_MESSAGE_BYTES, _Segment, sweep_dead_segments  # noqa: F401
+from tierkv.storage_backends.page_format import PageFormatError, check_checksums, copy_verified, encode_headers
 
 log = logging.getLogger("tierkv.zmq_client")
 
-#: bytes kept free in each message for the msgpack header (per-key costs are added on top).
-_MSG_SLACK = 64 << 10
-#: per-key allowance for the key text, the page header and frame overhead in one message.
-_PER_KEY_OVERHEAD = 256
-#: seconds between two pings asking a server that named no presence table (or one this client could not map) again
-PRESENCE_RETRY_S = 5.0
 #: payload bytes per ``set`` message when a batch is pipelined: the pages of the next message are checksummed
 #: while ZMQ's I/O thread already transmits the previous one (measured on 2 cores, 64 x 256 KiB and 64 x 2 MiB).
 #: A set given its checksums is not pipelined: its messages are only bounded by ``max_message_bytes`` (interleaved
@@ -71,158 +46,6 @@ PIPELINE_BYTES = 8 << 20
 #: payload bytes of the first ``set`` message of a pipelined batch: nothing is on the wire while its pages are
 #: checksummed, so it is kept small (the following messages are checksummed while the previous one is sent).
 FIRST_MESSAGE_BYTES = 1 << 20
-
-
-#: allowed values of ``l3.zmq.shm`` (YAML's ``on``/``off`` arrive as booleans and are accepted as such)
-SHM_MODES = ("auto", "on", "off")
-#: payload bytes per message on the shared-memory path: the server copies one message's slots while the client
-#: fills (set) or verifies (get) the next one's.
-SHM_MESSAGE_BYTES = 4 << 20
-
-
-def shm_mode(v: Any) -> str:
-    """``l3.zmq.shm`` as one of :data:`SHM_MODES` (``True``/``False``, as YAML reads ``on``/``off``, map to them)."""
-    if v is True:
-        return "on"
-    if v is False:
-        return "off"
-    return v
-
-
-def is_local_endpoint(endpoint: str) -> bool:
-    """True for ``ipc://`` and for ``tcp://`` on a loopback address (127.0.0.0/8, ::1, localhost)."""
-    if endpoint.startswith("ipc://"):
-        return True
-    host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
-    import ipaddress
-
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _seconds(v: Any, positive: bool) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (positive and v == 0):
-        raise ValueError(f"must be a finite number of seconds {'> 0' if positive else '>= 0'}")
-    return float(v)
-
-
-class ZmqStoreConfig(BaseModel):
-    """The ``l3.zmq`` section (the keyword arguments of :class:`ZmqStore`). Validated with the page size, when known,
-    in the validation context (``context={"page_bytes": n}``): ``shm_bytes`` and ``max_message_bytes`` must then
-    hold one page."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    endpoint: str = "tcp://127.0.0.1:5557"
-    timeout_s: float = 1.0
-    token: Optional[str] = Field(default=None, repr=False)  # a secret: error messages and ``config check`` hide it
-    max_message_bytes: int = P.DEFAULT_MAX_MESSAGE_BYTES
-    reconnect_backoff_s: float = 0.05
-    max_backoff_s: float = 1.0
-    shm: str = "off"
-    shm_bytes: int = 64 << 20
-
-    @field_validator("endpoint", mode="before")
-    @classmethod
-    def _endpoint(cls, v: Any) -> str:
-        if not isinstance(v, str) or not v.startswith(("tcp://", "ipc://")):
-            raise ValueError("must look like 'tcp://HOST:PORT' or 'ipc://PATH'")
-        return v
-
-    @field_validator("timeout_s", mode="before")
-    @classmethod
-    def _timeout(cls, v: Any) -> float:
-        return _seconds(v, positive=True)
-
-    @field_validator("reconnect_backoff_s", mode="before")
-    @classmethod
-    def _backoff(cls, v: Any) -> float:
-        return _seconds(v, positive=False)
-
-    @field_validator("max_backoff_s", mode="before")
-    @classmethod
-    def _max_backoff(cls, v: Any, info: ValidationInfo) -> float:
-        v = _seconds(v, positive=False)
-        first = info.data.get("reconnect_backoff_s")
-        if first is not None and v < first:
-            raise ValueError(f"must be >= reconnect_backoff_s ({first})")
-        return v
-
-    @field_validator("token", mode="before")
-    @classmethod
-    def _token(cls, v: Any) -> Optional[str]:
-        if v is not None and (not isinstance(v, str) or not v):
-            raise ValueError("must be a non-empty string or null")
-        return v
-
-    @field_validator("shm", mode="before")
-    @classmethod
-    def _shm(cls, v: Any) -> str:
-        v = shm_mode(v)
-        if v not in SHM_MODES:
-            raise ValueError(f"allowed values are {', '.join(SHM_MODES)}")
-        return v
-
-    @field_validator("shm_bytes", mode="before")
-    @classmethod
-    def _shm_bytes(cls, v: Any, info: ValidationInfo) -> int:
-        page_bytes = (info.context or {}).get("page_bytes")
-        if type(v) is not int or not (page_bytes or 1) <= v <= P.MAX_SHM_BYTES:
-            raise ValueError(f"must be an int of bytes in [{page_bytes or 1} (one page), {P.MAX_SHM_BYTES}]")
-        return v
-
-    @field_validator("max_message_bytes", mode="before")
-    @classmethod
-    def _max_message(cls, v: Any, info: ValidationInfo) -> int:
-        page_bytes = (info.context or {}).get("page_bytes")
-        need = (page_bytes or 1) + _PER_KEY_OVERHEAD + _MSG_SLACK
-        if type(v) is not int or v < need:
-            held = f"one page of page_bytes={page_bytes}" if page_bytes else "one page plus 64 KiB"
-            raise ValueError(f"must be an int >= {need} to hold {held}")
-        return v
-
-
-#: the keys of ``l3.zmq`` and their defaults
-OPTION_DEFAULTS: dict[str, Any] = {k: f.default for k, f in ZmqStoreConfig.model_fields.items()}
-
-
-def check_options(cfg: dict, page_bytes: Optional[int] = None) -> ZmqStoreConfig:
-    """Validate the ``l3.zmq`` section without connecting (the connector checks it at start-up, before any
-    backend exists). ``page_bytes`` (bytes of one page), when known, also checks that ``max_message_bytes``
-    and ``shm_bytes`` hold one page.
-
-    Raises:
-        ConfigError: an unknown key (the allowed ones are listed) or a bad value, naming ``l3.zmq.<key>``.
-    """
-    try:
-        return ZmqStoreConfig.model_validate(cfg, context={"page_bytes": page_bytes})
-    except ValidationError as e:
-        raise config_error(e, "l3.zmq", ZmqStoreConfig) from None
-
-
-def sweep_dead_segments(shm_dir: str = P.SHM_DIR) -> int:
-    """Remove this user's segment files whose creating process is gone (a client killed by SIGKILL never runs its
-    finalizer). The creator's pid is the first 8 hex digits after :data:`zmq_protocol.SHM_PREFIX`. Removing a file
-    never breaks a live pair (both keep their mappings; a client whose file is gone makes a new one when it must
-    attach again), so a pid seen from another pid namespace costs at most one new segment. Returns files removed
-    (:func:`~.shm_segment.sweep_dead_files`)."""
-    return sweep_dead_files(shm_dir, P.SHM_NAME_RE, len(P.SHM_PREFIX))
-
-
-def _Segment(size: int) -> Segment:
-    """A new segment of this client (:class:`~.shm_segment.Segment`, ``size`` bytes) named
-    :data:`zmq_protocol.SHM_PREFIX` + pid (8 hex digits) + 16 random hex digits; its file is removed by its ``close``,
-    when it is collected or at interpreter exit, only by the creating process (a forked child makes its own), and by
-    :func:`sweep_dead_segments` when that process died without.
-
-    Raises:
-        OSError: the segment cannot be created or mapped (no /dev/shm, no space).
-    """
-    return Segment.create(P.SHM_DIR, f"{P.SHM_PREFIX}{os.getpid() & 0xFFFFFFFF:08x}{os.urandom(8).hex()}", size)
 
 
 class ZmqStore(StorageBackend):
@@ -304,151 +127,8 @@ class ZmqStore(StorageBackend):
 
     def _exchange(self, msgs: list, on_reply: Callable[[int, dict, list], None],
                   errors: Optional[dict] = None) -> list:
-        """Send ``msgs`` (``(header dict, payload buffers)``, or a callable returning one, called just before its
-        message is sent) through the request channel, pipelined, and hand each matched, well-formed,
-        ``ok`` reply to ``on_reply(index, header, frames)``. Returns one bool per message (answered ok).
-        A header may carry its own ``v`` (default :data:`zmq_protocol.PROTOCOL_VERSION`); ``errors`` (a dict), when
-        given, receives ``index -> code`` of every error reply. Never raises for network faults."""
-        done = [False] * len(msgs)
-        if not msgs:
-            return done
-        with self._lock:
-            if self._closed:
-                self.counters["errors"] += len(msgs)
-                return done
-            if self._chan.backing_off(len(msgs)):
-                return done
-            sent: dict[int, tuple] = {}
-
-            def encode(m, rid):
-                h, payloads = m() if callable(m) else m  # built lazily: overlaps the previous send
-                h = dict(h, id=rid)
-                h.setdefault("v", P.PROTOCOL_VERSION)
-                if self.token is not None:
-                    h["token"] = self.token
-                sent[rid] = (h["op"], h["v"])
-                return [P.pack(h)] + list(payloads)
-
-            def decode(frames):
-                rh = P.unpack_header(frames[0].buffer, max_map_len=256)
-                return rh.get("id"), rh
-
-            def apply(i, rh, frames):
-                op, ver = sent[rh["id"]]
-                if rh.get("v") != ver or rh.get("op") != op or not isinstance(rh.get("ok"), bool):
-                    self.counters["bad_replies"] += 1
-                    return
-                if not rh["ok"]:
-                    self.counters["error_replies"] += 1
-                    err = rh.get("err")
-                    if errors is not None:
-                        errors[i] = rh.get("code")
-                        if rh.get("code") in ("shm_unknown", "shm", "version"):
-                            return  # the shared-memory path handles these (re-attach or fall back)
-                    self._warn.warning("refused", "tierkv zmq server refused %s: %s: %s", op, P.brief(rh.get("code")),
-                                       err[:200] if isinstance(err, str) else P.brief(err))
-                    return
-                try:
-                    on_reply(i, rh, frames[1:])
-                except (P.ProtocolError, TypeError, ValueError, KeyError, IndexError) as e:
-                    self.counters["bad_replies"] += 1
-                    self._warn.warning("malformed", "malformed %s reply from %s discarded: %s", op, self.endpoint, e)
-                    return
-                done[i] = True
-
-            try:
-                self._chan.exchange(msgs, encode, decode, apply)
-            except ChannelFailed as e:
-                self._chan.failed(str(e))
-                return done
-            self._chan.ok()
-            return done
-
-    # ----------------------------------------------------------------------------------------- shared memory
-    def _drop_segment(self) -> None:
-        if self._seg is not None:
-            if self._seg.pid == os.getpid():
-                self._seg.close()
-            self._seg = None
-        self._seg_attached = False
-
-    def _shm_off(self, why: str) -> None:
-        self.counters["shm_fallbacks"] += 1
-        self._shm_on = False
-        self._drop_segment()
-        log.warning("tierkv zmq server %s: shared-memory path not used (%s); pages travel as ZMQ frames",
-                    self.endpoint, why)
-
-    def _shm_ready(self) -> Optional[Segment]:
-        """The attached segment, creating and attaching it when needed; None = use frames for this call (or for
-        good, after :meth:`_shm_off`). Called with ``self._lock`` held."""
-        if not self._shm_on or self._closed:
-            return None
-        if self._seg is not None and self._seg.pid != os.getpid():  # forked: the parent's slots are not ours
-            self._seg, self._seg_attached = None, False
-        for attempt in range(2):
-            if self._seg is not None and not self._seg_attached and not self._seg.exists():
-                log.warning("shared-memory segment %s of %s was removed; creating a new one", self._seg.name,
-                            self.endpoint)
-                self.counters["shm_recreated"] += 1
-                self._drop_segment()
-            if self._seg is None:
-                try:
-                    sweep_dead_segments()
-                    self._seg = _Segment(self.shm_bytes)
-                except OSError as e:
-                    self._shm_off(f"cannot create a {self.shm_bytes}-byte segment in {P.SHM_DIR}: {e}")
-                    return None
-            if self._seg_attached:
-                return self._seg
-            errs: dict = {}
-            ok = self._exchange([({"op": "shm_attach", "v": P.SHM_PROTOCOL_VERSION, "name": self._seg.name,
-                                   "size": self._seg.size, "keys": []}, [])], lambda i, rh, fr: None, errs)[0]
-            if ok:
-                self._seg_attached = True
-                self.counters["shm_attaches"] += 1
-                return self._seg
-            code = errs.get(0)
-            if code is None:  # no answer: this call fails anyway; try again on the next one
-                return None
-            if code == "shm" and attempt == 0 and not self._seg.exists():
-                continue  # removed between the check and the server's open: make a new one
-            self._shm_off(f"server refused shm_attach ({code})")
-            return None
-        return None
-
-    def _shm_rounds(self, n: int, build: Callable, on_reply: Callable) -> bool:
-        """Run a shared-memory get or set of ``n`` pages: rounds of as many pages as the segment holds, each
-        round split into messages of :data:`SHM_MESSAGE_BYTES` with their own slots. ``build(seg, s, e, slot0)``
-        returns a message; ``on_reply(seg, s, e, slot0, rh, frames)`` applies a reply. Returns False when the
-        segment could not be used (the caller then sends the whole batch as frames). Called with ``self._lock`` held."""
-        seg = self._shm_ready()
-        if seg is None:
-            return False
-        pb = self.page_bytes
-        per_round = min(P.MAX_KEYS, seg.size // pb)
-        per_msg = max(1, min(per_round, SHM_MESSAGE_BYTES // pb))
-        for rs in range(0, n, per_round):
-            chunks = [(s, min(n, rs + per_round, s + per_msg)) for s in range(rs, min(n, rs + per_round), per_msg)]
-            for attempt in range(2):
-                seg = self._seg if attempt == 0 else self._shm_ready()
-                if seg is None:
-                    return False  # the caller moves the whole batch as frames (or fails it as they do)
-                errs: dict = {}
-                ff = self.counters["fast_fails"]
-                done = self._exchange(
-                    [lambda s=s, e=e, sg=seg: build(sg, s, e, rs) for s, e in chunks],
-                    lambda ci, rh, fr, sg=seg: on_reply(sg, *chunks[ci], rs, rh, fr), errs)
-                if all(done):
-                    break
-                if any(code == "shm_unknown" for code in errs.values()):  # the server restarted: attach again
-                    self._seg_attached = False
-                    continue
-                if len(errs) < done.count(False) and self.counters["fast_fails"] == ff:
-                    # timed out: the server may still copy into these slots later, so never reuse them
-                    self._drop_segment()
-                break
-        return True
+        """:func:`.exchange.exchange` of ``msgs`` on this store: one bool per message (answered ok)."""
+        return exchange(self, msgs, on_reply, errors)
 
     # ----------------------------------------------------------------------------------------- interface
     def _chunks(self, n: int, per: int) -> list:
@@ -461,61 +141,11 @@ class ZmqStore(StorageBackend):
         the scheduler's copy of the store caps ``timeout_s``)."""
         return is_local_endpoint(self.endpoint)
 
-    def _presence_lead(self, keys: Sequence[str]) -> Optional[int]:
-        """Leading ``keys`` present according to the server's presence table, or None (no table here: the caller
-        asks over ZMQ). A retired table, or one whose server is gone, is dropped and the server asked (one ping)
-        for its current one; a server without one (older, remote, a spill tier) is asked again at most every
-        :data:`PRESENCE_RETRY_S` seconds."""
-        with self._presence_lock:
-            t = self._presence
-            if t is None and (not self._presence_on or time.monotonic() < self._presence_due):
-                return None
-            fps = [fingerprint(self.namespace, k) for k in keys]
-            n = None if t is None else t.lead(fps)
-            if t is not None and n is None:
-                self._presence = None
-                t.close()
-                self._presence_due = -math.inf
-            if n is None:
-                t = self._presence = self._map_presence()
-                n = None if t is None else t.lead(fps)
-            if n is not None:
-                self.counters["presence_answers"] += 1
-            return n
-
-    def _map_presence(self) -> Optional[PresenceTable]:
-        """Ask the server for its presence table (a ping) and map it; None when it names none or it cannot be
-        mapped (not asked again for :data:`PRESENCE_RETRY_S`), or no answer came (asked again on the next call: the
-        channel's back-off spaces the tries). Called with ``_presence_lock`` held."""
-        if not self._presence_on or time.monotonic() < self._presence_due:
-            return None
-        got: dict = {}
-
-        def on_reply(i, rh, frames):
-            name = rh.get("presence")
-            if isinstance(name, str) and PRESENCE_NAME_RE.match(name):
-                got["name"] = name
-
-        if not self._exchange([({"op": "ping", "keys": [], "presence": True}, [])], on_reply)[0]:
-            return None
-        if "name" not in got:
-            self._presence_due = time.monotonic() + PRESENCE_RETRY_S
-            return None
-        try:
-            t = PresenceTable.open(os.path.join(P.SHM_DIR, got["name"]))
-        except (OSError, ValueError) as e:
-            self._presence_due = time.monotonic() + PRESENCE_RETRY_S
-            log.info("zmq store %s: cannot map the server's presence table (%s); existence is asked over ZMQ",
-                     self.endpoint, e)
-            return None
-        self.counters["presence_tables"] += 1
-        return t
-
     def batch_exists(self, keys: Sequence[str], tokens: Optional[Sequence[PageTokens]] = None) -> int:
         """Number of leading ``keys`` present on the server (0 on any failure). On the server's host the answer
         comes from its presence table (:mod:`.presence_table`) without a round trip, when it publishes one."""
         self._keys(keys)
-        n = self._presence_lead(keys)
+        n = presence_probe.lead(self, keys)
         if n is not None:
             return n
         lead = 0
@@ -554,7 +184,7 @@ class ZmqStore(StorageBackend):
         res = [False] * len(keys)
         if self._shm_on:
             with self._lock:
-                if self._get_shm(keys, dsts, res, sums):
+                if shm_path.get_shm(self, keys, dsts, res, sums):
                     nh = sum(res)
                     self.counters["hits"] += nh
                     self.counters["misses"] += len(keys) - nh
@@ -594,82 +224,6 @@ class ZmqStore(StorageBackend):
         self.counters["misses"] += len(keys) - nh
         return res
 
-    def _get_shm(self, keys: Sequence[str], dsts: list, res: list, sums: list) -> bool:
-        pb = self.page_bytes
-
-        def build(seg, s, e, slot0):
-            return {"op": "get", "v": P.SHM_PROTOCOL_VERSION, "ns": self.namespace, "keys": list(keys[s:e]),
-                    "shm": seg.name, "len": pb, "offs": [(i - slot0) * pb for i in range(s, e)]}, []
-
-        def on_reply(seg, s, e, slot0, rh, frames):
-            hits, hdrs = rh.get("hits"), rh.get("hdrs")
-            if frames or not isinstance(hits, list) or len(hits) != e - s or not all(isinstance(x, bool) for x in hits):
-                raise P.ProtocolError("bad_reply", "get reply: 'hits' is not one bool per key")
-            if not isinstance(hdrs, list) or len(hdrs) != sum(hits):
-                raise P.ProtocolError("bad_reply", "get reply: not one header per hit")
-            bad = rh.get("bad", 0)
-            if type(bad) is int and bad > 0:  # records of the wrong length: corrupt, so misses
-                self.counters["corrupt"] += bad
-                self._warn.warning("corrupt", "%d page(s) from %s have a stored payload of the wrong length: misses",
-                                   bad, self.endpoint)
-            j = 0
-            for off, hit in enumerate(hits):
-                if not hit:
-                    continue
-                idx, hdr = s + off, hdrs[j]
-                j += 1
-                o = (idx - slot0) * pb
-                try:
-                    if not isinstance(hdr, bytes):
-                        raise PageFormatError("header is not bin")
-                    psum = decode_header(hdr, keys[idx], self.namespace, pb)
-                    # copy first, then check the copy: the slot is memory another process can write, the
-                    # destination is not (a page that fails leaves garbage there, as with the file store)
-                    copy_into(dsts[idx], seg.mv[o:o + pb])
-                    verify_payload(dsts[idx], psum)
-                    sums[idx] = psum
-                except PageFormatError as err:
-                    self.counters["corrupt"] += 1
-                    self._warn.warning("corrupt", "page %s from %s is not valid (%s): miss", keys[idx], self.endpoint,
-                                       err)
-                    continue
-                res[idx] = True
-                self.counters["bytes_read"] += pb
-                self.counters["shm_pages_in"] += 1
-
-        return self._shm_rounds(len(keys), build, on_reply)
-
-    def _set_shm(self, keys: Sequence[str], kraw: list, srcs: list, sums: Optional[list], res: list) -> bool:
-        pb = self.page_bytes
-
-        def build(seg, s, e, slot0):
-            slots = []
-            for i in range(s, e):
-                o = (i - slot0) * pb
-                slot = seg.mv[o:o + pb]
-                src = srcs[i]
-                if isinstance(src, list):  # a page given as runs: each copied to its place in the slot
-                    at = 0
-                    for run in src:
-                        slot[at:at + run.nbytes] = run
-                        at += run.nbytes
-                else:
-                    slot[:] = src
-                slots.append(slot)
-            # checksums of what the server will copy (the slots), unless the caller gave them
-            hdrs = encode_headers(kraw[s:e], self.namespace, slots, pb, None if sums is None else sums[s:e])
-            return {"op": "set", "v": P.SHM_PROTOCOL_VERSION, "ns": self.namespace, "keys": list(keys[s:e]),
-                    "hdrs": hdrs, "shm": seg.name, "len": pb, "offs": [(i - slot0) * pb for i in range(s, e)]}, []
-
-        def on_reply(seg, s, e, slot0, rh, frames):
-            st = rh.get("stored")
-            if frames or not isinstance(st, list) or len(st) != e - s or not all(isinstance(x, bool) for x in st):
-                raise P.ProtocolError("bad_reply", "set reply: 'stored' is not one bool per key")
-            res[s:e] = st
-            self.counters["shm_pages_out"] += sum(st)
-            self._set_reply_counts(rh)
-
-        return self._shm_rounds(len(keys), build, on_reply)
 
     def batch_set(self, keys: Sequence[str], sources: Sequence[Buffer],
                   checksums: Optional[Sequence[int]] = None,
@@ -691,7 +245,7 @@ class ZmqStore(StorageBackend):
         res = [False] * n
         if self._shm_on:
             with self._lock:
-                if self._set_shm(keys, kraw, srcs, sums, res):
+                if shm_path.set_shm(self, keys, kraw, srcs, sums, res):
                     ok = sum(res)
                     self.counters["sets"] += ok
                     self.counters["set_failures"] += n - ok
@@ -807,6 +361,6 @@ class ZmqStore(StorageBackend):
                                       "keys": []}, [])], lambda i, rh, fr: None, {})
                 finally:
                     self.timeout_s = t
-            self._drop_segment()
+            shm_path.drop_segment(self)
             self._closed = True
             self._chan.close()

@@ -1,25 +1,15 @@
 """Which keys a tierkv cache server holds, published in shared memory so that a client on the same host answers
 "how many leading pages are stored?" without a round trip (:meth:`.client.ZmqStore.batch_exists`).
 
-The question is asked by the engine's scheduler before every new request, in its own loop; over ZMQ the answer waits
-for the single-threaded server to finish whatever message it is copying (a backup batch of dozens of pages) and for
-a CPU, which the engine itself keeps busy. A table in ``/dev/shm`` that the server keeps current and the client
-probes takes neither (existence is answered without a round trip where the store allows it).
-
 A table is a file ``/dev/shm/tierkv-presence-<pid><hex>``: a header of :data:`HEADER_WORDS` little-endian uint64
 words (magic, format, slot count, state, writer pid, live entries, used slots) and then ``slots`` uint64 slots (a
 power of two), an open-addressing set of 64-bit key fingerprints with linear probing (:func:`fingerprint`: XXH3-64 of
 namespace + key; slot value 0 is empty, 1 a removed entry). One process writes (the server: :meth:`create`,
-:meth:`add`, :meth:`discard`); any number read (:meth:`open`, mapped read-only, so a reader cannot change it).
-
-Readers take no lock: every slot is written with one aligned 8-byte store, and a live table never turns a non-empty
-slot back to empty, so a probe that stops at an empty slot never skips an entry that was there when it started; an
-entry added or removed during a probe is seen or not, as a round trip racing the same write would be. When removed
-entries pile up or the live ones outgrow it (more than 3/4 of the slots used), the writer builds a fresh table under
-a new name and *retires* the old one (state 1, file removed); a reader of a retired table, or of one whose writer is
-gone, gets None and asks the server again (the ping reply names the current table). A fingerprint collision or an
-answer already outdated by the next eviction makes a "present" that the load then misses, as a raced round trip
-does: a miss, never wrong data (every record is still verified when read).
+:meth:`add`, :meth:`discard`); any number read (:meth:`open`, mapped read-only), without a lock. A table too full or
+with too many removed entries is rebuilt under a new name and the old one retired; a reader of a retired table, or
+of one whose writer is gone, gets None and asks the server again. A wrong "present" (a fingerprint collision, a
+racing eviction) is a miss when loaded, never wrong data. Why a table beats a round trip and why reads need no
+lock: docs/developer-guide.md, section "storage_backends/zmq/presence_table.py".
 """
 from __future__ import annotations
 

@@ -1,66 +1,15 @@
 """Wire format shared by the tierkv ZMQ cache server (:mod:`.server`) and its client (:mod:`.client`).
 
-Transport: a client **DEALER** socket talks to the server's **ROUTER** socket over TCP (loopback by default).
-Every message is one ZMQ multipart message, which ZMQ delivers whole or not at all (so a writer killed
-mid-send leaves nothing behind and a reader never sees half a reply).
+A client DEALER socket talks to the server's ROUTER socket; every request and reply is one ZMQ multipart message
+``[header, payload_0, ...]`` (delivered whole or not at all) whose header is a msgpack map: ``v``, ``id``, ``op``,
+``keys``, ``ns``, ``token`` and op-specific fields; a reply adds ``ok`` and, when not ok, ``err`` and ``code``.
+The ops, their fields, the versions and the shared-memory data path are specified in docs/developer-guide.md,
+section "storage_backends/zmq/protocol.py: wire protocol".
 
-Request ``[header, payload_0, payload_1, ...]``
-    ``header`` is a msgpack map::
-
-        {"v": PROTOCOL_VERSION, "id": <uint64 request id>, "op": <str>, "keys": [<32 hex chars>, ...],
-         "ns": <bin, 16-byte namespace digest>, "token": <str, optional>, ...op-specific fields}
-
-    Pages are stored per namespace: the same key under two namespaces names two pages (the namespace
-    digest is also inside every page header, which the client checks). ``ns`` is required by ``exists``,
-    ``get``, ``set``, ``delete``, ``clear`` (which drops that namespace only) and ``t_corrupt``.
-
-    op-specific fields:
-
-    - ``exists``: ``"all": bool`` (optional) - also return one bool per key instead of stopping at the first miss;
-    - ``set``: ``"hdrs": [bin, ...]`` - one page record header (:mod:`.page_format`, 64 bytes) per key; then
-      exactly one raw payload frame per key follows the header frame;
-    - ``t_corrupt`` (test builds only, ``--enable-test-ops``): ``"how": "truncate" | "flip" | "foreign_namespace"``.
-    - ``shm_attach`` (v3; no ``ns``): ``"name": str, "size": int`` - map the client's shared-memory segment
-      ``/dev/shm/<name>`` (name: :data:`SHM_PREFIX` + hex, :data:`SHM_NAME_RE`; at least ``size`` bytes, a regular
-      file) read-write; reply ``{"attached": True}``. ``shm_detach`` (v3): ``"name"`` - unmap it.
-    - ``get`` and ``set`` with ``"shm": <segment name>`` (v3; the shared-memory data path): ``"len": int`` (payload bytes of each page) and ``"offs": [int per key]`` (byte offset of each page's
-      slot in the segment, ``off + len <= size``). A ``set`` then carries no payload frames: the server copies
-      each slot out of the segment (plus ``"hdrs"`` as above). A ``get`` copies each hit into its slot and replies
-      ``{"hits", "hdrs", "bad"}`` without payload frames (a stored payload of another length is a miss, counted in
-      ``bad``). A segment the server does not hold (it restarted) is refused with ``code`` ``shm_unknown``; the
-      client re-attaches.
-
-Reply ``[header, payload_0, ...]``
-    ``{"v", "id", "op", "ok": bool, "err": str (when not ok), "code": str (when not ok), ...}``
-
-    - ``ping``: ``{"server": "tierkv", "proto": PROTOCOL_VERSION, "protos": [supported versions], "shm": bool
-      (the server offers the shared-memory path), "presence": str (to a loopback client whose ping carried
-      ``"presence": true``, when the server has one or could make it: the file name in /dev/shm of its presence
-      table, :mod:`.presence_table`)}``;
-    - ``exists``: ``{"lead": int, "present": [bool] (with "all")}``;
-    - ``get``: ``{"hits": [bool per key], "hdrs": [bin per hit]}`` then one payload frame per hit, in key order;
-    - ``set``: ``{"stored": [bool per key], "evicted": int (records evicted from memory to make room)}``;
-    - ``delete``: ``{"deleted": int}``; ``clear``: ``{"cleared": int}``;
-    - ``stats``: ``{"stats": {str: int | float | str}}``;
-    - ``scan`` (v2; no ``ns``): ``{"namespaces": [{"ns": bin, "pages": int, "bytes": int, "payload_bytes": [int],
-      "versions": [int], "ages": [int per bucket]}], "age_buckets_s": [...], "now": float}`` over every record held
-      in memory and in the spill directory (bytes = record header + payload; age = seconds since the record was
-      last written, bucketed by :data:`AGE_BUCKETS_S`);
-    - ``verify`` (v2; ``"fix": bool``, optional ``ns``): checks each record's page header (checksum, magic, version,
-      namespace, key, length) and payload XXH3-64 against its stored header; ``{"checked", "good", "bad", "newer",
-      "removed": int, "reasons": {str: int}}``. With ``fix`` the bad records are dropped (records of a newer page
-      format version are counted as ``newer`` and never dropped). With ``"limit": int`` (1..:data:`MAX_KEYS`) a
-      request checks at most that many records and the reply adds ``"session": int, "done": bool``; a request with
-      ``"session"`` (and ``limit``) goes on where the last one stopped, the counts being the session's totals, so the
-      server answers other requests between the steps (``tierkv store verify`` sends 256 records per request).
-
-A request the server cannot parse gets an error reply (``id`` 0 when the id itself is unreadable) or is
-dropped; the server keeps serving other clients.
-
-Safety: nothing is ever unpickled; headers are decoded with msgpack under strict
-limits (header frame size, string/bin/array/map lengths, the C decoder's bounded nesting, no extension types);
-payloads are raw bytes that the server stores and returns without interpreting them. Pages are checked by
-the *client* (page header + XXH3) on every read.
+This module holds the protocol's constants (versions, ops, limits), :func:`pack`, :func:`unpack_header` (msgpack
+under strict limits: nothing is unpickled, no extension types) and the field readers the server checks requests
+with; they raise :class:`ProtocolError`, whose ``code`` goes back in the error reply. Payloads are raw bytes that
+the server never interprets; the client verifies every page it reads.
 """
 from __future__ import annotations
 

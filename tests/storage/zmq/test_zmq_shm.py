@@ -14,6 +14,7 @@ import torch
 from tests.helpers import fixtures_zmq as FZ
 from tierkv.storage_backends.zmq import client as zmq_client
 from tierkv.storage_backends.zmq import protocol as P
+from tierkv.storage_backends.zmq import shm_path
 from tierkv.storage_backends.common import ConfigError
 from tierkv.storage_backends.shm_segment import Segment
 from tierkv.storage_backends.zmq.client import ZmqStore, check_options
@@ -165,7 +166,7 @@ def test_unusable_segment_falls_back_to_frames(tmp_path, monkeypatch, caplog):
     def no_shm(size):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(zmq_client, "_Segment", no_shm)  # a full /dev/shm cannot be produced on demand
+    monkeypatch.setattr(shm_path, "_Segment", no_shm)  # a full /dev/shm cannot be produced on demand
     with FZ.make_backend(tmp_path, PB, NS, shm="on") as h:
         c = h.backend
         ks, src = keys_of(3), pages(3, 6)
