@@ -1,6 +1,6 @@
 """``controller.writer_priority: idle``: the L3 writer thread runs in Linux's SCHED_IDLE class while its backlog is
 short, in the normal class from above ``high`` pages down to ``low`` (connector/cpu/thread_priority.py,
-connector/l3/io_runners.py ``_serve``); where the process could not leave SCHED_IDLE again it keeps the normal class. Real file store; the
+connector/l3/io/runners.py ``_serve``); where the process could not leave SCHED_IDLE again it keeps the normal class. Real file store; the
 store's ``batch_set`` records the calling thread's class and the first call waits for the test to queue more."""
 
 from __future__ import annotations

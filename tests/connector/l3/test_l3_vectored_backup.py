@@ -2,7 +2,7 @@
 takes runs (``StorageBackend.vectored_sources``: the file and ZMQ stores) as those runs, with no staging copy, and
 stages it into one contiguous page for a store that does not, and for any store when its runs are short
 (``VECTORED_MIN_RUN_BYTES``); either way the record is the page's bytes and its
-checksum, so it reads back bit for bit (connector/l3/io_runners.py ``_run_backup``). The readers the same way back: a
+checksum, so it reads back bit for bit (connector/l3/io/runners.py ``_run_backup``). The readers the same way back: a
 store that reads into runs (``vectored_destinations``) gets the slot's runs, and the slot's checksum is the one the store
 verified (``verified_checksums``) or the readers' hash (``_run_prefetch``)."""
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from tierkv.connector.core.plan import JOB_PREFETCH, Job, JobReport, PageOrder
-from tierkv.connector.l3.io_types import PollResult
+from tierkv.connector.l3.io.types import PollResult
 
 
 class NoL3:

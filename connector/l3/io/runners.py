@@ -18,7 +18,7 @@ from tierkv.storage_backends.page_format import payload_checksum
 from tierkv.connector.core.plan import JOB_BACKUP, JOB_PREFETCH, Job, JobReport
 from tierkv.connector.obs.thread_names import name_this_thread
 from tierkv.connector.cpu.thread_priority import BackgroundPriority
-from tierkv.connector.l3.io_types import _Prefetch, l3_key
+from tierkv.connector.l3.io.types import _Prefetch, l3_key
 
 #: pages in the first store call of a prefetch whose deadline earns credit (``Job.deadline_credit_s``): a whole
 #: ``batch_pages`` batch arrives at once, and one slower than the first deadline would be cut before it earned any

@@ -2,7 +2,7 @@
 
 :class:`L3IO` takes each step's jobs (:mod:`tierkv.connector.core.plan`) after the step's L1 -> L2 saves: backups go
 to one writer thread, prefetches and existence queries to ``read_threads`` reader threads
-(:mod:`tierkv.connector.l3.io_runners`), so a slow backup never delays a load. A prefetch's deadline counts from the
+(:mod:`tierkv.connector.l3.io.runners`), so a slow backup never delays a load. A prefetch's deadline counts from the
 moment a reader starts it. :meth:`L3IO.poll` (engine thread) ends a request once its pages arrived or its deadline
 passed: the leading run of intact pages is copied to L1, the request's other blocks are load errors (vLLM recomputes
 them). A job's :class:`~tierkv.connector.core.plan.JobReport` waits in :meth:`L3IO.take_reports` for the next
@@ -10,7 +10,7 @@ step's worker metadata; it is sent once no thread touches the job's slots.
 
 Store errors never reach the engine: counted, logged, pages not done. Queued backup work is bounded
 (``max_backup_pages``); a backup that does not fit is reported failed at once. The design in full:
-docs/developer-guide.md, section "connector/l3/io.py".
+docs/developer-guide.md, section "connector/l3/io".
 """
 from __future__ import annotations
 
@@ -27,10 +27,10 @@ from tierkv.storage_backends.common import RateLimitedLog
 from tierkv.connector.core.page_checksums import SlotChecksums
 from tierkv.connector.core.plan import JOB_BACKUP, JOB_PREFETCH, Job, JobReport, PageOrder
 from tierkv.connector.cpu.thread_priority import WRITER_PRIORITIES, BackgroundPriority, can_return_from_idle
-from tierkv.connector.l3.io_types import L3Counters, PollResult, _Prefetch, default_read_threads, l3_key
-from tierkv.connector.l3.io_runners import CREDIT_FIRST_BATCH, L3JobRunners
-from tierkv.connector.l3.no_l3 import NoL3
-from tierkv.connector.l3.switch_interval import raise_switch_interval, restore_switch_interval
+from tierkv.connector.l3.io.types import L3Counters, PollResult, _Prefetch, default_read_threads, l3_key
+from tierkv.connector.l3.io.runners import CREDIT_FIRST_BATCH, L3JobRunners
+from tierkv.connector.l3.io.no_l3 import NoL3
+from tierkv.connector.l3.io.switch_interval import raise_switch_interval, restore_switch_interval
 
 logger = logging.getLogger("tierkv.l3")
 
