@@ -32,10 +32,10 @@ from tierkv.storage_backends.zmq import protocol as P
 from tierkv.storage_backends.common import Counters
 from tierkv.storage_backends.zmq.presence_table import PRESENCE_NAME_RE, PRESENCE_PREFIX
 from tierkv.storage_backends.shm_segment import sweep_dead_files
-from tierkv.storage_backends.zmq.server_ops import (  # noqa: F401 - the limits are re-exported
+from tierkv.storage_backends.zmq.server.ops import (  # noqa: F401 - the limits are re-exported
     MAX_SEGMENTS, MAX_VERIFY_SESSIONS, SEGMENT_IDLE_S, AdminOps, ShmOps)
-from tierkv.storage_backends.zmq.page_store import VERIFY_SLICE_BYTES, PageStore, nbytes  # noqa: F401
-from tierkv.storage_backends.zmq.tenants import Tenant, TenantTable, TokensFileError, load_tokens_file, single_tenant
+from tierkv.storage_backends.zmq.server.page_store import VERIFY_SLICE_BYTES, PageStore, nbytes  # noqa: F401
+from tierkv.storage_backends.zmq.server.tenants import Tenant, TenantTable, TokensFileError, load_tokens_file, single_tenant
 
 log = logging.getLogger("tierkv.zmq_server")
 

@@ -18,7 +18,7 @@ import zmq
 
 from tierkv.storage_backends.zmq import protocol as P
 from tierkv.storage_backends.shm_segment import Segment
-from tierkv.storage_backends.zmq.page_store import VERIFY_SLICE_BYTES, nbytes
+from tierkv.storage_backends.zmq.server.page_store import VERIFY_SLICE_BYTES, nbytes
 
 log = logging.getLogger("tierkv.zmq_server")
 

@@ -25,8 +25,8 @@ from tierkv.storage_backends.zmq import protocol as P
 from tierkv.storage_backends.common import Counters
 from tierkv.storage_backends.zmq.presence_table import PRESENCE_NAME_RE, PRESENCE_PREFIX, PresenceTable, fingerprint
 from tierkv.storage_backends.shm_segment import sweep_dead_files
-from tierkv.storage_backends.zmq.spill import SpillTier
-from tierkv.storage_backends.zmq.tenants import DEFAULT_TENANT, Tenant, TenantTable
+from tierkv.storage_backends.zmq.server.spill import SpillTier
+from tierkv.storage_backends.zmq.server.tenants import DEFAULT_TENANT, Tenant, TenantTable
 
 log = logging.getLogger("tierkv.zmq_server")
 

@@ -1,7 +1,7 @@
 """The spill tier of ``tierkv server``: records evicted from memory, kept on disk in FileStores (``--spill-dir``).
 
 Each tenant other than the default one spills under ``<spill dir>/tenants/<name>``
-(:class:`tierkv.storage_backends.zmq.page_store.PageStore`); the default tenant's records stay at the root, where servers
+(:class:`tierkv.storage_backends.zmq.server.page_store.PageStore`); the default tenant's records stay at the root, where servers
 without tenants always kept them.
 """
 from __future__ import annotations

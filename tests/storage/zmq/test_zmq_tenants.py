@@ -18,7 +18,7 @@ from tests.helpers import fixtures_zmq as FZ
 from tierkv.storage_backends.zmq import protocol as P
 from tierkv.storage_backends.page_format import HEADER_BYTES
 from tierkv.storage_backends.zmq.client import ZmqStore
-from tierkv.storage_backends.zmq.tenants import TokensFileError, load_tokens_file
+from tierkv.storage_backends.zmq.server.tenants import TokensFileError, load_tokens_file
 
 PB = 4096
 REC = PB + HEADER_BYTES
