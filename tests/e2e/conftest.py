@@ -3,8 +3,8 @@
 - ``tiny_model`` (session): directory of the ``test`` preset of ``examples/make_tiny_model.py`` (Llama
   architecture, random seeded weights, local tokenizer), built once; default ``<repo>/models/test``
   (git-ignored), or ``$TIERKV_TEST_MODEL_DIR``.
-- ``engine``: the ``_engine`` helper module (``run_workload``, ``run_job``, ``tierkv_kv_config``,
-  ``example_kv_config``, ``stats_by_role``); test files may also ``import _engine`` directly.
+- ``engine``: the ``tests.helpers.engine`` module (``run_workload``, ``run_job``, ``tierkv_kv_config``,
+  ``example_kv_config``, ``stats_by_role``).
 - ``engine_workdir``: a fresh directory for one engine run (job, log, connector stats files).
 
 Every engine of the suite runs its EngineCore inside the engine subprocess and its model worker in a process of its

@@ -1,6 +1,7 @@
 """Fixtures of the L3 storage tests; the contract suite runs once per backend.
 
-Backend fixture convention (``tests/helpers/fixtures_<name>.py``, name in file / zmq / mooncake):
+Backend fixture convention (``tests/helpers/fixtures_<name>.py``, name in ``KINDS``: file, zmq, zmq_shm, mooncake,
+lmcache, redis, redis_cluster):
 
     @contextlib.contextmanager
     def make_backend(tmp_path, page_bytes: int, namespace: bytes, **opts) -> Iterator[handle]
@@ -10,7 +11,7 @@ that keeps that many pages of ``page_bytes`` before evicting) and ``timeout_s`` 
 client); a fixture ignores options it does not know. On exit the fixture stops every process and closes every
 client it made. The yielded handle ``h`` has:
 
-- ``h.name``: ``"file"`` / ``"zmq"`` / ``"mooncake"``;
+- ``h.name``: the name in ``KINDS``;
 - ``h.backend``: the :class:`~tierkv.storage_backends.base.StorageBackend` under test (may be a new object after
   ``h.restart()``);
 - ``h.new_client(namespace=None)``: another client on the same store (``namespace`` default: the same one);
