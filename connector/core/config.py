@@ -22,6 +22,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tierkv.storage_backends.common import ConfigError, unknown_key  # noqa: F401 - re-exported: ConfigError
+from tierkv.storage_backends.eviction import POLICIES as EVICTION_POLICIES
 from tierkv.storage_backends.factory import L3Config, validate_l3  # noqa: F401 - re-exported
 from tierkv.connector.core.page_hash import check_salt, resolve_salt
 from tierkv.connector.cpu.thread_priority import WRITER_PRIORITIES
@@ -90,7 +91,7 @@ class TierKVConfig(_Strict):
     model_id: Optional[str] = None
     namespace_salt: Optional[str] = Field(default=None, repr=False)
     host_pool: HostPoolConfig = Field(default_factory=HostPoolConfig)
-    eviction_policy: Literal["lru", "lfu"] = "lru"
+    eviction_policy: Literal[EVICTION_POLICIES] = "lru"
     l3: L3Config = Field(default_factory=L3Config)
     controller: ControllerConfig = Field(default_factory=ControllerConfig)
     layerwise_load: bool = False

@@ -3,8 +3,9 @@
 The tree (nodes, matching, insertion, splits) is :class:`~tierkv.connector.core.radix_tree.RadixTree`; this module
 adds the tier bookkeeping. Every indexed page has a copy: an L2 slot, L3 (``in_l3``, set only once the store
 acknowledged the page) or both. ``lock_ref`` counts in-flight users of a node and every ancestor; locked pages are
-never evicted. L2 eviction takes unlocked nodes holding L2 pages while none of their children does, in LRU (or LFU)
-order from a lazily validated heap, O(log nodes) per victim: a page L3 holds stays indexed as L3-only, and from the
+never evicted. L2 eviction takes unlocked nodes holding L2 pages while none of their children does (the candidates),
+in the order of the eviction policy (lru, lfu, slru or s3fifo: :mod:`tierkv.connector.core.node_eviction`, lazily
+validated heaps), O(log nodes) per victim: a page L3 holds stays indexed as L3-only, and from the
 first page without an L3 copy on the node and its subtree leave the index. L3-only leaves leave through
 :meth:`RadixIndex.evict_l3_only` when the index grows past a bound. The index owns no memory: :meth:`evict` and
 :meth:`drop_l2` return the slots they dropped for the caller to free (each exactly once); a write_back controller
@@ -16,6 +17,7 @@ import heapq
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from tierkv.connector.core.node_eviction import make_node_policy
 from tierkv.connector.core.radix_tree import _L2, _L3, NO_SLOT, MatchCursor, MatchResult, RadixNode, RadixTree
 
 __all__ = ["NO_SLOT", "IndexStats", "MatchCursor", "MatchResult", "RadixIndex", "RadixNode", "RadixTree"]
@@ -36,23 +38,22 @@ class IndexStats:
 
 
 class RadixIndex(RadixTree):
-    """Page-aligned radix prefix index with lock_ref protection and LRU/LFU eviction of unlocked leaves.
+    """Page-aligned radix prefix index with lock_ref protection and policy-ordered eviction of unlocked leaves.
 
     Args:
-        eviction_policy: ``"lru"`` (least recently matched/inserted leaf first) or ``"lfu"`` (fewest hits,
-            then least recent).
+        eviction_policy: ``"lru"`` (least recently matched/inserted leaf first), ``"lfu"`` (fewest hits, then least
+            recent), ``"slru"`` or ``"s3fifo"`` (:mod:`tierkv.connector.core.node_eviction`).
+        protected_fraction, small_fraction: slru's protected share and s3fifo's small share of the L2 pages.
     Accounting (pages): ``total_pages``, ``l2_pages`` (pages with a host slot), ``l3_pages`` (pages L3
     acknowledged), ``locked_pages`` (pages of nodes with ``lock_ref > 0``); :meth:`check_invariants` recounts
     them. ``match_steps`` counts the work of matching (nodes entered plus binary-search probes), for tests that
     count work instead of timing it.
     """
 
-    def __init__(self, eviction_policy: str = "lru"):
-        if eviction_policy not in ("lru", "lfu"):
-            raise ValueError(f"eviction_policy must be 'lru' or 'lfu', got {eviction_policy!r}")
+    def __init__(self, eviction_policy: str = "lru", *, protected_fraction: float = 0.8, small_fraction: float = 0.1):
         super().__init__()
+        self._ev = make_node_policy(self, eviction_policy, protected_fraction, small_fraction)  # L2 victims
         self.policy = eviction_policy
-        self._heap: list[tuple] = []     # L2 victims
         self._l3_heap: list[tuple] = []  # L3-only leaves
         self.l2_pages = 0
         self.l3_pages = 0
@@ -107,13 +108,7 @@ class RadixIndex(RadixTree):
         holding any. The node leaves the heap; the caller either calls :meth:`drop_l2` on it now, or locks it
         (e.g. while a write_back backup runs) and drops it later. A node popped and left alone is pushed again the
         next time it is touched, unlocked or loses its last L2 child."""
-        while self._heap:
-            _prio, stamp, _nid, node = heapq.heappop(self._heap)
-            if stamp != node._heap_stamp or not self._l2_evictable(node):
-                continue
-            node._heap_stamp = -1
-            return node
-        return None
+        return self._ev.pop()
 
     def drop_l2(self, node: RadixNode) -> list[int]:
         """Drop the L2 copy of ``node``'s pages. Pages before the first page without an L3 copy stay indexed as
@@ -136,6 +131,7 @@ class RadixIndex(RadixTree):
         self._set_l2_count(node, 0)
         self._refresh_sub(node)
         self.l2_pages -= len(freed)
+        self._ev.forget(node, True)
         if False in node.in_l3:
             j = node.in_l3.index(False)
             if j > 0:
@@ -318,17 +314,13 @@ class RadixIndex(RadixTree):
         assert locked == self.locked_pages, (locked, self.locked_pages)
         locked_l2 = sum(n.l2_count for n in self._iter_nodes() if n.lock_ref > 0)
         assert locked_l2 == self.locked_l2_pages, (locked_l2, self.locked_l2_pages)
-        assert len(self._heap) <= 4 * self.num_nodes + 1025 and len(self._l3_heap) <= 4 * self.num_nodes + 1025
+        assert self._ev.queued() <= 2 * (4 * self.num_nodes + 1025) and len(self._l3_heap) <= 4 * self.num_nodes + 1025
+        self._ev.check()
 
     # ------------------------------------------------------------------ internals
     def _evictable(self, node: RadixNode) -> bool:
         return (node is not self.root and node.parent is not None and not node.children and node.lock_ref == 0
                 and node.parent.children.get(node.keys[0]) is node)
-
-    def _priority(self, node: RadixNode) -> tuple:
-        if self.policy == "lfu":
-            return (node.hit_count, node.last_access)
-        return (node.last_access,)
 
     def _l2_evictable(self, node: RadixNode) -> bool:
         # unlocked, holds L2 copies, and none of its children does: the deepest L2 copies on their path. O(1).
@@ -345,11 +337,7 @@ class RadixIndex(RadixTree):
 
     def _push(self, node: RadixNode) -> None:
         if self._l2_evictable(node):
-            if len(self._heap) > 4 * self.num_nodes + 1024:
-                self._compact_heap()
-            stamp = next(self._clock)
-            node._heap_stamp = stamp
-            heapq.heappush(self._heap, (self._priority(node), stamp, node.id, node))
+            self._ev.push(node)
         elif self._l3_evictable(node):
             self._push_l3(node)
 
@@ -362,15 +350,11 @@ class RadixIndex(RadixTree):
             node._l3_stamp = stamp
             heapq.heappush(self._l3_heap, (node.last_access, stamp, node.id, node))
 
-    def _compact_heap(self) -> None:
-        # drop stale entries so the heap stays O(nodes) over long runs (no slow leak)
-        self._heap = [e for e in self._heap if e[3]._heap_stamp == e[1] and self._l2_evictable(e[3])]
-        heapq.heapify(self._heap)
-
     def _remove_leaf(self, node: RadixNode) -> None:
         if self.events is not None:
             self.events.removed(_L2, [k for k, s in zip(node.keys, node.host_slots) if s != NO_SLOT])
             self.events.forgotten(node.keys)
+        self._ev.forget(node, False)
         parent = node.parent
         del parent.children[node.keys[0]]
         if node.l2_count:

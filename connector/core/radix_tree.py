@@ -24,11 +24,13 @@ class RadixNode:
 
     Bookkeeping kept by :class:`RadixIndex`: ``depth`` (pages from the root to the end of this edge; a split keeps it
     for the lower part, which stays this object), ``l2_count`` (pages with a slot), ``l2_children`` (children with
-    ``l2_count > 0``), ``l2_sub`` (children whose subtree holds an L2 page; ``has_l2``: this subtree does), ``gen`` (bumped whenever this node loses L2 copies, so cached matches through it are redone).
+    ``l2_count > 0``), ``l2_sub`` (children whose subtree holds an L2 page; ``has_l2``: this subtree does), ``gen`` (bumped whenever this node loses L2 copies, so cached matches through it are redone). ``ev_*``: the eviction policy's
+    state (:mod:`tierkv.connector.core.node_eviction`).
     """
 
     __slots__ = ("id", "parent", "children", "keys", "host_slots", "in_l3", "lock_ref", "last_access",
-                 "hit_count", "_heap_stamp", "_l3_stamp", "depth", "l2_count", "l2_children", "l2_sub", "has_l2", "gen")
+                 "hit_count", "_heap_stamp", "_l3_stamp", "depth", "l2_count", "l2_children", "l2_sub", "has_l2", "gen",
+                 "ev_seg", "ev_stamp", "ev_freq", "ev_pages")
 
     def __init__(self, node_id: int, parent: Optional["RadixNode"], keys: list[bytes], host_slots: list[int],
                  in_l3: list[bool]):
@@ -49,6 +51,7 @@ class RadixNode:
         self.l2_sub = 0
         self.has_l2 = self.l2_count > 0
         self.gen = 0
+        self.ev_seg = self.ev_stamp = self.ev_freq = self.ev_pages = 0
 
     @property
     def num_pages(self) -> int:
@@ -372,10 +375,12 @@ class RadixTree:
 
     def _touch(self, path: list[RadixNode], hit: bool) -> None:
         # strictly increasing stamps from root to leaf: a leaf is never older than its ancestors
+        touched = self._ev.touched
         for n in path:
             n.last_access = next(self._clock)
             if hit:
                 n.hit_count += 1
+            touched(n, hit)
         # re-queue the deepest L2 holder of the path with its new stamp (its old heap entry is stale now)
         for n in reversed(path):
             if n.l2_count:
@@ -412,6 +417,7 @@ class RadixTree:
         parent.children[top.keys[0]] = top
         self.num_nodes += 1
         self.splits += 1
+        self._ev.split(top, child)
         self._push(top)
         return top
 

@@ -44,7 +44,7 @@ class CacheScheduler:
             except that a load skips the blocks of its first page the engine already holds in L1).
         block_size: the engine's block size in tokens.
         num_slots: pages in the L2 host pool (same number on every worker rank).
-        eviction_policy: ``"lru"`` or ``"lfu"`` for the radix index.
+        eviction_policy: ``"lru"``, ``"lfu"``, ``"slru"`` or ``"s3fifo"`` for the radix index.
         controller: keyword arguments of :class:`~tierkv.connector.l3.controller.Controller` (policies, deadlines,
             ``world_size``) when an L3 store is configured; None = L1 <-> L2 only.
         plan_type: the class :meth:`build_plan` returns, :class:`~tierkv.connector.core.plan.StepPlan` or a subclass
