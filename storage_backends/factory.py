@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from tierkv.storage_backends.base import StorageBackend
 from tierkv.storage_backends.common import ConfigError, config_error
+from tierkv.storage_backends.eviction import SELF_EVICTING, self_evicting_error
 from tierkv.storage_backends.faulty import FaultsConfig, FaultyBackend
 
 
@@ -127,12 +128,19 @@ def backend_section(name: str, section: dict, selected: bool = True) -> BaseMode
         ConfigError: naming ``l3.<name>.<key>`` and what is allowed, or the backend's module cannot be imported.
     """
     backend = BACKENDS[name]
+    _no_policy(name, section)
     model = backend.config_model(name)
     sub = dict(section) if selected else {**backend.placeholders, **section}
     try:
         return model.model_validate(sub)
     except ValidationError as e:
         raise config_error(e, f"l3.{name}", model) from None
+
+
+def _no_policy(name: str, section: dict) -> None:
+    # a store that evicts by itself: an eviction policy here would do nothing, so it stops start-up
+    if name in SELF_EVICTING and "eviction_policy" in (section or {}):
+        raise ConfigError(self_evicting_error(name))
 
 
 def build_backend(l3_cfg: Union[dict, L3Config, None], namespace: bytes, page_bytes: int) -> Optional[StorageBackend]:
@@ -163,6 +171,7 @@ def build_backend(l3_cfg: Union[dict, L3Config, None], namespace: bytes, page_by
                               f"{', '.join(BACKENDS)}")
         return None
     backend = BACKENDS[name]
+    _no_policy(name, getattr(cfg, name))
     mod = backend.import_module(name)
     try:
         cls = getattr(mod, backend.cls)

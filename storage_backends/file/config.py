@@ -11,6 +11,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tierkv.storage_backends.common import parse_bytes
+from tierkv.storage_backends.eviction import DEFAULT_PROTECTED_FRACTION, DEFAULT_SMALL_FRACTION, POLICIES
 
 
 class FileStoreConfig(BaseModel):
@@ -49,6 +50,9 @@ class FileStoreConfig(BaseModel):
             ``read_only``). The files under ``root`` then take up to that much more than ``capacity_bytes``;
             ``close`` and a full filesystem remove them. Counted in ``recycled``.
         default_capacity_fraction: see ``capacity_bytes``.
+        eviction_policy: the order in which records go beyond the capacity: ``lru`` (default), ``lfu``, ``slru`` or
+            ``s3fifo`` (:mod:`tierkv.storage_backends.eviction`). Only lru's order survives a restart (mtimes).
+        slru_protected_fraction, s3fifo_small_fraction: slru's protected and s3fifo's small share of the records.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -67,6 +71,9 @@ class FileStoreConfig(BaseModel):
     enospc_evict_pages: int = Field(default=8, ge=1)
     recycle_evicted: bool = True
     default_capacity_fraction: float = Field(default=0.9, gt=0, le=1.0)
+    eviction_policy: Literal[POLICIES] = "lru"
+    slru_protected_fraction: float = Field(default=DEFAULT_PROTECTED_FRACTION, gt=0, lt=1)
+    s3fifo_small_fraction: float = Field(default=DEFAULT_SMALL_FRACTION, gt=0, lt=1)
 
     @field_validator("root")
     @classmethod

@@ -1,8 +1,11 @@
-"""The file store's LRU index and capacity accounting: which record files this process knows, in recency order, how
+"""The file store's index and capacity accounting: which record files this process knows, in eviction order, how
 many bytes they take, which writes are in flight, which hits still have to be stamped on their files, and which
 evicted files are kept for reuse.
 
-Paths map to file sizes in bytes, least recently used first. Every method that ends in ``_locked`` expects the
+Paths map to file sizes in bytes; the order is the ``eviction_policy``'s (:mod:`tierkv.storage_backends.eviction`:
+lru, lfu, slru, s3fifo; writes in flight and the path being written are never victims). After a restart the index is
+rebuilt from the files' mtimes (least recent first): lru's order survives; lfu's hit counts, slru's segments and
+s3fifo's queues and ghost are not persisted and start over from that order. Every method that ends in ``_locked`` expects the
 caller to hold :attr:`Evictor.lock` (the store's one lock, so an index update and the file operation it stands for
 are atomic for the threads of one process); the others take it themselves. Nothing here raises for a file that
 vanished or cannot be removed: that is logged (rate-limited) and the index follows the directory.
@@ -14,10 +17,10 @@ import math
 import os
 import threading
 import time
-from collections import OrderedDict
 from typing import Iterable, Optional
 
 from tierkv.storage_backends.common import Counters, RateLimitedLog
+from tierkv.storage_backends.eviction import DEFAULT_PROTECTED_FRACTION, DEFAULT_SMALL_FRACTION, make_key_policy
 from tierkv.storage_backends.file.layout import TMP_PREFIX
 
 #: evicted record files kept for reuse (``recycle_evicted``), at most this many bytes and this many files per store
@@ -37,7 +40,7 @@ def apply_touches(touches: dict) -> None:
 
 
 class Evictor:
-    """LRU order and capacity of the record files one file store has seen.
+    """Eviction order and capacity of the record files one file store has seen.
 
     Args:
         lock: the store's lock (held around every index change).
@@ -47,17 +50,22 @@ class Evictor:
         counters: the store's counters (``evictions`` is counted here).
         warn: the store's rate-limited logger.
         tmp_seq: the store's counter for temporary file names.
+        policy, protected_fraction, small_fraction: the eviction policy and its parameters.
     """
 
     def __init__(self, lock: threading.Lock, root: str, record_bytes: int, spare_max: int, counters: Counters,
-                 warn: RateLimitedLog, tmp_seq: "itertools.count"):
+                 warn: RateLimitedLog, tmp_seq: "itertools.count", policy: str = "lru",
+                 protected_fraction: float = DEFAULT_PROTECTED_FRACTION,
+                 small_fraction: float = DEFAULT_SMALL_FRACTION):
         self.lock = lock
         self.root = root
         self.record_bytes = record_bytes
         self.counters = counters
         self._warn = warn
         self._tmp_seq = tmp_seq
-        self.index: "OrderedDict[str, int]" = OrderedDict()  # path -> file bytes, least recently used first
+        self.index: dict[str, int] = {}  # path -> file bytes
+        self.policy = (policy, protected_fraction, small_fraction)
+        self.order = make_key_policy(*self.policy)  # the paths of ``index``, in eviction order
         self.usage = 0
         self.writing: dict[str, int] = {}  # paths with a write in flight in this process -> writers
         self.last_stamp = 0
@@ -69,16 +77,20 @@ class Evictor:
 
     # ------------------------------------------------------------------ eviction
     def evict_locked(self, need: int = 0, count: Optional[int] = None, keep: str = "", free: bool = False) -> int:
-        """Evict least recently used records (pop and remove, holding the lock so no reader re-indexes a file being
+        """Evict records in policy order (pop and remove, holding the lock so no reader re-indexes a file being
         removed) until ``usage + need <= capacity`` or, with ``count``, exactly ``count`` records. Records being
         written and ``keep`` are skipped. A removed record is unlinked, or with ``recycle_evicted`` (and not
         ``free``, which must give space back) renamed to a spare temporary file that a later write overwrites
         (:meth:`spare_locked`). Returns the number evicted."""
-        skipped, n = [], 0
+        n = 0
+        writing = self.writing
+        busy = (lambda p: p in writing or p == keep) if keep else writing.__contains__
         while self.index and (self.usage + need > self.capacity_bytes if count is None else n < count):
-            p, size = self.index.popitem(last=False)
-            if p in self.writing or p == keep:
-                skipped.append((p, size))
+            p = self.order.pop_victim(busy)
+            if p is None:
+                break
+            size = self.index.pop(p, None)
+            if size is None:
                 continue
             self.usage -= size
             self.touches.pop(p, None)
@@ -90,9 +102,6 @@ class Evictor:
                 pass
             except OSError as e:
                 self._warn.warning("evict", "file store %s: cannot evict %s: %s", self.root, p, e)
-        for p, size in reversed(skipped):  # back to the least recently used end, in their order
-            self.index[p] = size
-            self.index.move_to_end(p, last=False)
         self.counters["evictions"] += n
         return n
 
@@ -142,6 +151,7 @@ class Evictor:
             if path in self.writing or path not in self.index or os.path.exists(path):
                 return
             size = self.index.pop(path, None)
+            self.order.remove(path)
             if size is not None:
                 self.usage -= size
 
@@ -150,11 +160,13 @@ class Evictor:
         with self.lock:
             if path not in self.index and os.path.exists(path):
                 self.index[path] = size
+                self.order.insert(path)
                 self.usage += size
 
     def drop_locked(self, path: str) -> None:
         """Forget ``path`` (deleted or quarantined by the caller): its index entry, its bytes, its pending stamp."""
         size = self.index.pop(path, None)
+        self.order.remove(path)
         if size is not None:
             self.usage -= size
         self.touches.pop(path, None)
@@ -164,6 +176,7 @@ class Evictor:
         mine = [p for p in self.index if p.startswith(prefix)]
         for p in mine:
             self.usage -= self.index.pop(p)
+            self.order.remove(p)
         for p in [p for p in self.touches if p.startswith(prefix)]:
             del self.touches[p]
         return mine
@@ -171,25 +184,28 @@ class Evictor:
     def replace_index_locked(self, entries: Iterable[tuple[str, int]]) -> None:
         """Make ``entries`` (path, size; least recently used first) the index, keeping entries indexed meanwhile
         whose file exists (written or found while a background scan walked) and the reservations of writes in
-        flight."""
-        index = OrderedDict(entries)
+        flight. The policy starts over from that order (hit counts, segments and queues are not kept)."""
+        index = dict(entries)
         for p, size in self.index.items():
             if p not in index and os.path.exists(p):
                 index[p] = size
         for p in self.writing:
             index[p] = self.record_bytes
         self.index = index
+        self.order = make_key_policy(*self.policy, keys=index)
         self.usage = sum(index.values())
 
     # ------------------------------------------------------------------ writes
     def reserve_locked(self, path: str) -> int:
-        """Make room for one record at ``path`` and reserve it at the most recently used end, counted as a write in
-        flight until :meth:`release`. Returns the write's mtime stamp (ns, later than every earlier stamp)."""
+        """Make room for one record at ``path`` and reserve it (a new entry of the policy: the most recently used end
+        for lru), counted as a write in flight until :meth:`release`. Returns the write's mtime stamp (ns, later than every earlier stamp)."""
         old = self.index.pop(path, None)
         if old is not None:
             self.usage -= old
+            self.order.remove(path)
         self.evict_locked(self.record_bytes)
         self.index[path] = self.record_bytes
+        self.order.insert(path)
         self.usage += self.record_bytes
         self.writing[path] = self.writing.get(path, 0) + 1
         self.touches.pop(path, None)  # the write's own stamp is newer
@@ -207,7 +223,8 @@ class Evictor:
 
     # ------------------------------------------------------------------ hits and their stamps
     def note_hits_locked(self, paths: list[str], touch: bool, flush_s: float) -> bool:
-        """Move the records just read to the most recently used end (indexing ones another process wrote) and, with
+        """Count a hit on each record just read (lru: to the most recently used end; indexing ones another process
+        wrote) and, with
         ``touch``, stamp each with the hit time for :meth:`flush_touches`. True when the stamps are due."""
         idx = self.index
         rec = self.record_bytes
@@ -217,11 +234,13 @@ class Evictor:
             if not touches:
                 self.touch_due = time.monotonic() + flush_s
             t = max(time.time_ns(), self.last_stamp + 1)
+        order = self.order
         for p in paths:
             if p in idx:
-                idx.move_to_end(p)
+                order.hit(p)
             elif os.path.exists(p):  # written by another process (or evicted while we read it: not re-added)
                 idx[p] = rec
+                order.insert(p)
                 self.usage += rec
             else:
                 continue

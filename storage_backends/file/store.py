@@ -4,8 +4,9 @@
 :mod:`.layout`, the options in :mod:`.config`, the LRU index and capacity in :mod:`.evictor`, the start-up scan in
 :mod:`.scan`, single-record writes and quarantine in :mod:`.records`. Every read checks the record's header and payload
 XXH3-64: a bad record is a miss (counted, quarantined), never data. The index is rebuilt from the directory at start
-(mtime order; hit stamps are written to mtimes lazily), so LRU order survives restarts. Capacity is enforced by LRU
-eviction (default 90 % of what the filesystem offers at start); ``ENOSPC`` evicts a few records and retries once.
+(mtime order; hit stamps are written to mtimes lazily), so LRU order survives restarts. Capacity is enforced by
+eviction in ``eviction_policy`` order (default lru; default 90 % of what the filesystem offers at start); ``ENOSPC``
+evicts a few records and retries once.
 
 Thread-safe; several processes may share ``root`` (``write temp; [fsync]; rename``: a reader sees a whole old or
 new record). Bad keys and buffer sizes raise ``ValueError``; an unwritable root raises ``ConfigError`` at
@@ -20,7 +21,6 @@ import os
 import struct
 import threading
 import weakref
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Sequence
 
@@ -155,7 +155,8 @@ class FileStore(StorageBackend):
         spare_max = (min(SPARE_MAX_FILES, max(1, SPARE_MAX_BYTES // self.record_bytes))
                      if self.cfg.recycle_evicted and not self.cfg.fsync and not self.cfg.read_only else 0)
         self._ev = Evictor(self._lock, self.root, self.record_bytes, spare_max, self.counters, self._warn,
-                           self._tmp_seq)
+                           self._tmp_seq, self.cfg.eviction_policy, self.cfg.slru_protected_fraction,
+                           self.cfg.s3fifo_small_fraction)
         weakref.finalize(self, apply_touches, self._ev.touches)  # a store dropped without close() still persists them
         if self.cfg.capacity_bytes is not None and self.cfg.capacity_bytes < self.record_bytes:
             raise ConfigError(f"bad value {self.cfg.capacity_bytes!r} for 'l3.file.capacity_bytes': smaller than one "
@@ -181,7 +182,7 @@ class FileStore(StorageBackend):
         self._ev.capacity_bytes = value
 
     @property
-    def _index(self) -> "OrderedDict[str, int]":
+    def _index(self) -> dict[str, int]:
         return self._ev.index
 
     @property
@@ -361,8 +362,8 @@ class FileStore(StorageBackend):
         contiguous runs adding up to it: :attr:`vectored_sources`).
 
         Each record is written to a temporary file in its final directory, optionally fsynced, and renamed over the
-        key's path (an existing record of the key is replaced). Capacity is made by evicting least recently used
-        records first; on ``ENOSPC`` ``enospc_evict_pages`` more are evicted and the write retried once. Returns one
+        key's path (an existing record of the key is replaced). Capacity is made by evicting records in
+        ``eviction_policy`` order (lru: least recently used first); on ``ENOSPC`` ``enospc_evict_pages`` more are evicted and the write retried once. Returns one
         bool per key; ``False`` leaves no file behind. ``checksums``: one XXH3-64 per source (see
         :meth:`StorageBackend.batch_set`), written into the headers instead of hashing the payloads; a wrong one
         makes that record fail verification on read (a miss; the record is quarantined). Raises ValueError for a bad
