@@ -21,6 +21,7 @@ from tierkv.cli_common import EXIT_OK, EXIT_REFUSED, CliError, fail
 from tierkv.storage_backends.zmq import protocol as P
 from tierkv.storage_backends.zmq import server as zmq_server
 from tierkv.storage_backends.common import parse_bytes
+from tierkv.storage_backends.eviction import POLICIES
 
 log = logging.getLogger("tierkv.zmq_server")
 
@@ -81,6 +82,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--allow-unauthenticated", action="store_true",
                    help="allow a --host beyond loopback without a token (any client that reaches the port may read, "
                         f"write and clear pages); without it such a server refuses to start (exit {EXIT_REFUSED})")
+    p.add_argument("--eviction-policy", default="lru", choices=POLICIES,
+                   help="order in which a tenant's pages are evicted when over its quota or the capacity: lru "
+                        "(default), lfu, slru (scan-resistant: probation + protected), s3fifo (small + main FIFO + "
+                        "ghost)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--enable-test-ops", action="store_true", help=argparse.SUPPRESS)
     return p
@@ -126,7 +131,8 @@ def serve(args: argparse.Namespace) -> int:
                                      spill_dir=args.spill_dir, spill_capacity_bytes=args.spill_capacity_bytes,
                                      max_message_bytes=args.max_message_bytes, token=token,
                                      enable_test_ops=args.enable_test_ops, tokens_file=tokens_file,
-                                     evict=not getattr(args, "no_evict", False))
+                                     evict=not getattr(args, "no_evict", False),
+                                     eviction_policy=getattr(args, "eviction_policy", "lru"))
     except zmq_server.TokensFileError as e:
         raise CliError(EXIT_REFUSED, str(e)) from None
     except zmq_server.zmq.ZMQError as e:  # address in use, unknown host: the operator's input, not a bug
@@ -135,8 +141,8 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, srv.stop)
     signal.signal(signal.SIGHUP, srv.hup)
     print(f"tierkv-server ready {srv.endpoint}", flush=True)
-    log.info("serving on %s, capacity %d bytes, spill %s, malloc tuned %s, token %s", srv.endpoint,
-             srv.capacity_bytes, args.spill_dir, tuned,
+    log.info("serving on %s, capacity %d bytes, eviction %s, spill %s, malloc tuned %s, token %s", srv.endpoint,
+             srv.capacity_bytes, srv.store.eviction_policy, args.spill_dir, tuned,
              f"tenants from {tokens_file} ({len(srv.table.tenants)})" if tokens_file
              else ("required" if token else "none"))
     try:

@@ -76,14 +76,16 @@ class CacheServer(ShmOps, AdminOps):
         evict: False = a tenant over its quota (or a full server) has its writes refused, not its pages evicted
             (the default of tenants whose entry has no ``evict``).
         enable_test_ops: answer test-only ops (``t_corrupt``) used by the test-suite.
+        eviction_policy: the order each tenant's records are evicted in: lru (default), lfu, slru or s3fifo.
     Raises:
-        ValueError: a non-positive capacity or message bound; :class:`.tenants.TokensFileError`.
+        ValueError: a non-positive capacity or message bound, an unknown policy; :class:`.tenants.TokensFileError`.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, capacity_bytes: int = DEFAULT_CAPACITY_BYTES,
                  spill_dir: Optional[str] = None, max_message_bytes: int = P.DEFAULT_MAX_MESSAGE_BYTES,
                  token: Optional[str] = None, enable_test_ops: bool = False,
-                 spill_capacity_bytes: Optional[int] = None, tokens_file: Optional[str] = None, evict: bool = True):
+                 spill_capacity_bytes: Optional[int] = None, tokens_file: Optional[str] = None, evict: bool = True,
+                 eviction_policy: str = "lru"):
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
         if max_message_bytes <= 0:
@@ -98,7 +100,7 @@ class CacheServer(ShmOps, AdminOps):
         table = load_tokens_file(tokens_file, evict) if tokens_file else single_tenant(token, capacity_bytes, evict)
         self.table = table
         self._redact_tokens(table)
-        self.store = PageStore(table, capacity_bytes, spill_dir, spill_capacity_bytes)
+        self.store = PageStore(table, capacity_bytes, spill_dir, spill_capacity_bytes, eviction_policy)
         self.spill = bool(spill_dir)
         self.enable_test_ops = enable_test_ops
         self.pending_writes = 0

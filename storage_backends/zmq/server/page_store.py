@@ -1,9 +1,10 @@
-"""The page store of ``tierkv server``: one namespace per tenant, each an LRU of records under a quota.
+"""The page store of ``tierkv server``: one namespace per tenant, each a set of records under a quota.
 
 A record is ``(client namespace, key) -> (page record header, payload frame)`` inside its tenant's
 :class:`TenantPages`; the same key written by two tenants is two records, and a tenant's requests (get, exists,
 delete, clear, scan, verify) only ever see its own. Bytes = record header + payload.
-Writes: over its ``quota_bytes`` a tenant evicts its own least-recently-used records; over the server's
+Writes: over its ``quota_bytes`` a tenant evicts its own records in ``eviction_policy`` order (lru, the default:
+least recently used first; lfu, slru, s3fifo: :mod:`tierkv.storage_backends.eviction`); over the server's
 ``capacity_bytes`` the store evicts from the tenant using the largest share of its quota (so a tenant that writes much
 evicts itself first). A tenant with ``evict`` off never loses a record to make room for its own writes: they are
 refused (``refused``) instead. Evicted records optionally go to a per-tenant :class:`.spill.SpillTier`.
@@ -23,6 +24,7 @@ import zmq
 
 from tierkv.storage_backends.zmq import protocol as P
 from tierkv.storage_backends.common import Counters
+from tierkv.storage_backends.eviction import make_key_policy
 from tierkv.storage_backends.zmq.presence_table import PRESENCE_NAME_RE, PRESENCE_PREFIX, PresenceTable, fingerprint
 from tierkv.storage_backends.shm_segment import sweep_dead_files
 from tierkv.storage_backends.zmq.server.spill import SpillTier
@@ -48,11 +50,13 @@ def _size(hdr: bytes, payload: Any) -> int:
 
 
 class TenantPages:
-    """One tenant's records (LRU order: oldest first), their write times, bytes and counters."""
+    """One tenant's records (least recently used first), their eviction order (``order``, the store's policy), write
+    times, bytes and counters."""
 
-    def __init__(self, tenant: Tenant):
+    def __init__(self, tenant: Tenant, policy: str = "lru"):
         self.tenant = tenant
         self.records: "OrderedDict[tuple[bytes, str], tuple[bytes, Any]]" = OrderedDict()
+        self.order = make_key_policy(policy)
         self.written: dict[tuple[bytes, str], float] = {}  # time.time() of each record's last set (scan ages)
         self.used = 0
         self.counters = Counters(*TENANT_COUNTERS)
@@ -75,10 +79,14 @@ class PageStore:
         table: the tenants (:func:`.tenants.single_tenant` or :func:`.tenants.load_tokens_file`).
         capacity_bytes: bound on the bytes of all tenants together. ``spill_dir``, ``spill_capacity_bytes``: the
             optional spill tier (see :class:`.spill.SpillTier`).
+        eviction_policy: the order in which each tenant's records are evicted (one of
+            :data:`tierkv.storage_backends.eviction.POLICIES`; ValueError otherwise).
     """
 
     def __init__(self, table: TenantTable, capacity_bytes: int, spill_dir: Optional[str] = None,
-                 spill_capacity_bytes: Optional[int] = None):
+                 spill_capacity_bytes: Optional[int] = None, eviction_policy: str = "lru"):
+        make_key_policy(eviction_policy)  # checks the name
+        self.eviction_policy = eviction_policy
         self.capacity_bytes = int(capacity_bytes)
         self.spill_dir, self.spill_capacity_bytes = spill_dir, spill_capacity_bytes
         self.tenants: dict[str, TenantPages] = {}
@@ -103,7 +111,7 @@ class PageStore:
         for name, t in table.tenants.items():
             tp = self.tenants.get(name)
             if tp is None:
-                tp = self.tenants[name] = TenantPages(t)
+                tp = self.tenants[name] = TenantPages(t, self.eviction_policy)
                 if self.spill_dir:
                     root = self.spill_dir if name == DEFAULT_TENANT else os.path.join(self.spill_dir, "tenants", name)
                     tp.spill = SpillTier(root, self.spill_capacity_bytes)
@@ -123,6 +131,7 @@ class PageStore:
         rec = tp.records.pop(k, None)
         if rec is not None:
             tp.written.pop(k, None)
+            tp.order.remove(k)
             n = _size(*rec)
             tp.used -= n
             self.used_bytes -= n
@@ -130,7 +139,7 @@ class PageStore:
         return rec
 
     def _evict_one(self, tp: TenantPages) -> None:
-        k = next(iter(tp.records))
+        k = tp.order.pop_victim()
         hdr, payload = self._remove(tp, k)
         tp.counters["evictions"] += 1
         if tp.spill is not None and tp.spill.put(k[0], k[1], hdr, payload):
@@ -180,6 +189,7 @@ class PageStore:
 
     def _insert(self, tp: TenantPages, k: tuple, hdr: bytes, payload: Any, born: Optional[float]) -> None:
         tp.records[k] = (hdr, payload)
+        tp.order.insert(k)
         tp.written[k] = time.time() if born is None else born
         n = _size(hdr, payload)
         tp.used += n
@@ -195,6 +205,7 @@ class PageStore:
         rec = tp.records.get(k)
         if rec is not None:
             tp.records.move_to_end(k)
+            tp.order.hit(k)
             return rec
         if tp.spill is not None:
             got = tp.spill.get(ns, key)
