@@ -1,10 +1,11 @@
 """``tierkv plan TRACE --l2 SIZES --l3 SIZES``: size L2 and L3 by replaying a request trace.
 
 Each request goes through tierkv's own scheduler side (:class:`tierkv.connector.core.scheduler.CacheScheduler`: its
-radix index, slot allocator and LRU/LFU eviction, ``num_slots`` = the L2 size) as the test fake engine drives it: add,
-look up, allocate, save full pages, plan, finish; no engine, no page bytes. Modelled, not tierkv's code: L3
-(:mod:`tierkv.plan_l3`: the engine's controller over an LRU of page keys refreshed by L3 reads and writes only; no L2,
-no L3); one request at a time in file order; L1 none by default (``--l1 PAGES``: an LRU of blocks, ``--l1 recorded``:
+radix index, slot allocator and eviction policy, ``num_slots`` = the L2 size) as the test fake engine drives it: add,
+look up, allocate, save full pages, plan, finish; no engine, no page bytes. ``--policy`` takes several policies (or
+``all``): each is replayed, for L2 and for the L3 model alike. Modelled, not tierkv's code: L3
+(:mod:`tierkv.plan_l3`: the engine's controller over page keys in the file store's eviction order, refreshed by L3
+reads and writes only; no L2, no L3); one request at a time in file order; L1 none by default (``--l1 PAGES``: an LRU of blocks, ``--l1 recorded``:
 each lookup's recorded L1 hit).
 
 Traces (JSON lines): vLLM's ``timed_trace`` (``hash_ids`` one per chunk, ``input_length``, ``output_length``; the page
@@ -15,6 +16,7 @@ A malformed line is one error naming the file and line (exit 2, :mod:`tierkv.cli
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
 import json
 import os
@@ -94,8 +96,15 @@ def _chain(prev: bytes, item: bytes) -> bytes:
     return hashlib.blake2b(item, digest_size=16, key=prev).digest()
 
 
+def _lines(f, path: str):
+    try:
+        yield from f
+    except (OSError, EOFError) as e:  # a damaged or truncated .gz
+        raise CliError(EXIT_USAGE, f"cannot read trace {path}: {e}") from None
+
+
 def read_trace(path: str, page_size: Optional[int] = None, output_pages: bool = True) -> Trace:
-    """Parse a trace file (either format, see the module docstring).
+    """Parse a trace file (either format, see the module docstring; gzip-compressed when its name ends in ``.gz``).
 
     Raises:
         CliError(EXIT_USAGE): an unreadable or empty file, or a malformed line (the message names its number).
@@ -103,7 +112,7 @@ def read_trace(path: str, page_size: Optional[int] = None, output_pages: bool = 
     from tierkv.connector.obs.lookup_trace import FORMAT, HEADER_KEY
 
     try:
-        f = open(path, "rb")
+        f = gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
     except OSError as e:
         raise CliError(EXIT_USAGE, f"cannot read trace {path}: {e.strerror or e}") from None
     kind: Optional[str] = None
@@ -112,7 +121,7 @@ def read_trace(path: str, page_size: Optional[int] = None, output_pages: bool = 
     reqs: list[TraceRequest] = []
     timed: list[tuple[int, list, int, int]] = []  # (line, hash_ids, input_length, output_length)
     with f:
-        for lineno, raw in enumerate(f, 1):
+        for lineno, raw in enumerate(_lines(f, path), 1):
             if not raw.strip():
                 continue
             try:
@@ -223,8 +232,8 @@ def timed_request(ids: list, n_in: int, n_out: int, ps: int, i: int, lineno: int
 
 # --------------------------------------------------------------------------------------------- replay
 def replay(trace: Trace, l2_pages: int, l3_pages: int = 0, policy: str = "lru", l1=None) -> dict:
-    """Replay ``trace`` through a :class:`CacheScheduler` of ``l2_pages`` slots and, with ``l3_pages``, its L3
-    controller over an LRU store of that many pages (:mod:`tierkv.plan_l3`).
+    """Replay ``trace`` through a :class:`CacheScheduler` of ``l2_pages`` slots evicting in ``policy`` order and, with
+    ``l3_pages``, its L3 controller over a store of that many pages evicting in the same order (:mod:`tierkv.plan_l3`).
 
     ``l1``: None (no L1 model), a number of pages (vLLM's prefix cache as an LRU of blocks: a request hits the
     longest run of its first pages held there, and afterwards holds all of its pages, its first ones freed last), or
@@ -237,10 +246,10 @@ def replay(trace: Trace, l2_pages: int, l3_pages: int = 0, policy: str = "lru", 
     from tierkv.connector.core.page_hash import ModelNamespace
     from tierkv.connector.core.scheduler import CacheScheduler
 
-    from tierkv.plan_l3 import LruStore, controller_kwargs, run_jobs
+    from tierkv.plan_l3 import PolicyStore, controller_kwargs, run_jobs
 
     ps = trace.page_size
-    store = LruStore(l3_pages) if l3_pages and l2_pages else None  # tierkv reads L3 only through L2: no L2, no L3
+    store = PolicyStore(l3_pages, policy) if l3_pages and l2_pages else None  # tierkv reads L3 only through L2: no L2, no L3
     sched = CacheScheduler(ModelNamespace("tierkv-plan", "-", "-", ps, 1, 1, 1), ps, ps, l2_pages, policy,
                            controller=None if store is None else controller_kwargs(store))
     l1_lru: "OrderedDict[bytes, None]" = OrderedDict()
@@ -290,7 +299,7 @@ def replay(trace: Trace, l2_pages: int, l3_pages: int = 0, policy: str = "lru", 
     c, got = sched.counters, sched.lookup_stats.tokens
     tot = {"lookup_tokens": lookup, "l1_tokens": got["l1"], "l2_tokens": got["l2"], "l3_tokens": got["l3"]}
     tot["miss_tokens"] = lookup - tot["l1_tokens"] - tot["l2_tokens"] - tot["l3_tokens"]
-    tot.update(l2_pages=l2_pages, l3_pages=l3_pages,
+    tot.update(policy=policy, l2_pages=l2_pages, l3_pages=l3_pages,
                hit_rate=(tot["l1_tokens"] + tot["l2_tokens"] + tot["l3_tokens"]) / lookup if lookup else 0.0,
                evicted_pages=c.evicted_pages, save_skipped_pages=c.save_skipped_pages)
     return tot
@@ -354,19 +363,43 @@ def parse_page_bytes(text: Optional[str]) -> Optional[int]:
     return v
 
 
+def parse_policies(text: Optional[str], default: str) -> list[str]:
+    """``--policy``: ``"lru"``, ``"lru,slru"`` or ``"all"`` -> the policies to replay (duplicates dropped, order kept);
+    ``default`` when not given.
+
+    Raises:
+        CliError(EXIT_USAGE): a name that is not a policy (the message lists them).
+    """
+    from tierkv.storage_backends.eviction import POLICIES
+
+    if text is None:
+        text = default
+    names = list(POLICIES) if text.strip() == "all" else [p.strip() for p in text.split(",")]
+    bad = [n for n in names if n not in POLICIES]
+    if bad or not names:
+        raise CliError(EXIT_USAGE, f"--policy {text!r}: eviction policies separated by commas, or all; each one of "
+                                   f"{', '.join(POLICIES)}")
+    return list(dict.fromkeys(names))
+
+
 def format_table(rows: list[dict], l1: bool = False) -> str:
-    """One line per pair of sizes; the L1 tokens column only with an L1 model."""
-    head = f"{'L2 pages':>9} {'L3 pages':>9} {'hit rate':>9}" + (f" {'L1 tokens':>12}" if l1 else "")
+    """One line per pair of sizes (and policy, when the rows have several); the L1 tokens column only with an L1
+    model."""
+    many = len({r.get("policy") for r in rows}) > 1
+    head = (f"{'policy':>7} " if many else "") + f"{'L2 pages':>9} {'L3 pages':>9} {'hit rate':>9}" + (
+        f" {'L1 tokens':>12}" if l1 else "")
     lines = [head + f" {'L2 tokens':>12} {'L3 tokens':>12} {'miss tokens':>12}"]
     for r in rows:
-        lines.append(f"{r['l2_pages']:>9} {r['l3_pages']:>9} {100 * r['hit_rate']:>8.1f}%"
+        lines.append((f"{r['policy']:>7} " if many else "") + f"{r['l2_pages']:>9} {r['l3_pages']:>9} "
+                     f"{100 * r['hit_rate']:>8.1f}%"
                      + (f" {r['l1_tokens']:>12,}" if l1 else "")
                      + f" {r['l2_tokens']:>12,} {r['l3_tokens']:>12,} {r['miss_tokens']:>12,}")
     return "\n".join(lines)
 
 
 def write_chart(rows: list[dict], path: str, title: str) -> None:
-    """Hit rate against L2 size, one line per L3 size, plus each pair's tokens per tier as stacked bars."""
+    """Hit rate against L2 size, one line per L3 size (and policy: one line style each), plus each pair's tokens per
+    tier as stacked bars (of the first policy)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -375,10 +408,16 @@ def write_chart(rows: list[dict], path: str, title: str) -> None:
 
     l3s = sorted({r["l3_pages"] for r in rows})
     l2s = sorted({r["l2_pages"] for r in rows})
+    pols = list(dict.fromkeys(r.get("policy", "") for r in rows))
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for l3 in l3s:
-        pts = sorted((r["l2_pages"], 100 * r["hit_rate"]) for r in rows if r["l3_pages"] == l3)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"L3 {l3} pages")
+    styles = ("-", "--", ":", "-.")
+    for li, l3 in enumerate(l3s):
+        for pi, pol in enumerate(pols):
+            pts = sorted((r["l2_pages"], 100 * r["hit_rate"]) for r in rows
+                         if r["l3_pages"] == l3 and r.get("policy", "") == pol)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=f"C{li}",
+                    linestyle=styles[pi % len(styles)],
+                    label=f"L3 {l3} pages" + (f", {pol}" if len(pols) > 1 else ""))
     if len(l2s) > 1 and min(l2s) > 0 and max(l2s) / min(l2s) >= 10:
         ax.set_xscale("log")
     # one label per planned size, in plain numbers (a log axis labels every minor tick in powers of ten, which
@@ -391,7 +430,8 @@ def write_chart(rows: list[dict], path: str, title: str) -> None:
     ax.set_ylabel("hit rate (% of lookup tokens)")
     ax.set_ylim(0, 100)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize="small")
+    rows = [r for r in rows if r.get("policy", "") == pols[0]]
     labels = [f"{r['l2_pages']}/{r['l3_pages']}" for r in rows]
     x = range(len(rows))
     bottom = [0] * len(rows)
@@ -404,7 +444,7 @@ def write_chart(rows: list[dict], path: str, title: str) -> None:
         bottom = [b + v for b, v in zip(bottom, vals)]
     bx.set_xticks(list(x))
     bx.set_xticklabels(labels, rotation=45, ha="right")
-    bx.set_xlabel("L2 / L3 pages")
+    bx.set_xlabel("L2 / L3 pages" + (f" ({pols[0]})" if len(pols) > 1 else ""))
     bx.set_ylabel("lookup tokens")
     bx.legend()
     fig.suptitle(title)
@@ -446,20 +486,20 @@ def cmd_plan(args) -> int:
         if not args.l1.isdigit():
             raise CliError(EXIT_USAGE, f"--l1 {args.l1!r}: a number of pages, or 'recorded'")
         l1 = int(args.l1) or None
-    policy = args.policy or trace.header.get("eviction_policy", "lru")
-    if policy not in ("lru", "lfu"):
-        raise CliError(EXIT_USAGE, f"eviction policy {policy!r}: lru or lfu")
+    policies = parse_policies(args.policy, trace.header.get("eviction_policy", "lru"))
+    policy = ",".join(policies)
     rows = []
-    bar = progress(len(l2s) * len(l3s), "replaying", quiet=args.json, unit="replay")
+    bar = progress(len(l2s) * len(l3s) * len(policies), "replaying", quiet=args.json, unit="replay")
     with bar:
-        for l3 in l3s:
-            for l2 in l2s:
-                rows.append(replay(trace, l2, l3, policy, l1))
-                bar.update(1)
+        for pol in policies:
+            for l3 in l3s:
+                for l2 in l2s:
+                    rows.append(replay(trace, l2, l3, pol, l1))
+                    bar.update(1)
     desc = (f"{args.trace}: {trace.kind}, {len(trace.requests)} requests, page {trace.page_size} tokens"
             f"{page_size_note(trace)}, policy "
-            f"{policy}; replayed one request at a time through tierkv's scheduler side and L3 controller (L3 an LRU written "
-            "through, refreshed by L3 reads and writes, not by L2 hits), "
+            f"{policy}; replayed one request at a time through tierkv's scheduler side and L3 controller (L3 written "
+            "through, evicting in the same policy's order, refreshed by L3 reads and writes, not by L2 hits), "
             + ("no L1 model" if l1 is None else "L1 as recorded" if l1 == "recorded" else
                f"L1 an LRU of {l1} pages"))
     if page_bytes:
@@ -476,7 +516,7 @@ def cmd_plan(args) -> int:
     if args.json:
         print(json.dumps({"trace": args.trace, "format": trace.kind, "requests": len(trace.requests),
                           "page_size": trace.page_size, "page_size_from": trace.page_size_from,
-                          "page_bytes": page_bytes, "policy": policy, "l1": l1, "recorded": rec or None, "results": rows},
+                          "page_bytes": page_bytes, "policy": policy, "policies": policies, "l1": l1, "recorded": rec or None, "results": rows},
                          indent=1))
         return EXIT_OK
     print(desc)
@@ -505,8 +545,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--page-bytes", default=None, metavar="BYTES",
                    help="bytes of one page of the trace's page size, all layers of one rank (vLLM: the engine's "
                         "start-up line 'L2 N pages x B B' for its page size); needed for sizes in bytes")
-    p.add_argument("--policy", choices=("lru", "lfu"), default=None,
-                   help="L2 eviction policy (default: the recorded trace's, else lru)")
+    p.add_argument("--policy", default=None, metavar="POLICIES",
+                   help="eviction policies of L2 and of the L3 model, comma-separated, or all: lru, lfu, slru, s3fifo; "
+                        "each is replayed and reported (default: the recorded trace's, else lru)")
     p.add_argument("--page-size", type=int, default=None,
                    help="tokens per page = per hash id of a timed_trace (default: detected from the trace, the size "
                         "for which each request has ceil(input_length / size) hash ids, e.g. 512 for Mooncake's "

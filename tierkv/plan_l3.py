@@ -3,35 +3,40 @@
 Each request goes through :class:`~tierkv.connector.core.scheduler.CacheScheduler` with its
 :class:`~tierkv.connector.l3.controller.Controller` (write-through backups, existence answered at once as the file
 store does from the scheduler's process, asynchronous loads, failed reads recomputed and backed up again), as an
-engine runs it one request at a time. Only the worker's I/O is modelled, by :class:`LruStore`: the file store's and
-``tierkv server``'s capacity rule. A write puts a page at the most recently used end and evicts least recently used
-pages beyond the capacity; a read hit moves the page to that end; an existence check or an L2 hit does not touch it.
+engine runs it one request at a time. Only the worker's I/O is modelled, by :class:`PolicyStore`: the file store's and
+``tierkv server``'s capacity rule, with their eviction code (:mod:`tierkv.storage_backends.eviction`). A write is a
+new entry of the policy (lru: the most recently used end) and evicts in policy order beyond the capacity; a read hit
+counts as a hit (lru: to that end); an existence check or an L2 hit does not touch it.
 So a page hot in L2 ages in L3 and may be gone when L2 drops it; the index still takes it for stored, and the read
 that finds it missing is a load error (recomputed, counted as a miss) that clears the mark and backs it up again.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Sequence
 
+from tierkv.storage_backends.eviction import make_key_policy
 
-class LruStore:
-    """Page keys held by an L3 of ``capacity`` pages, least recently used first (no bytes)."""
 
-    def __init__(self, capacity: int):
+class PolicyStore:
+    """Page keys held by an L3 of ``capacity`` pages in ``policy``'s eviction order (no bytes), as the file store
+    keeps them: a write of a held key is a new entry."""
+
+    def __init__(self, capacity: int, policy: str = "lru"):
         self.capacity = capacity
-        self.pages: "OrderedDict[bytes, None]" = OrderedDict()
+        self.policy = policy
+        self.pages = make_key_policy(policy)
 
     def write(self, key: bytes) -> bool:
-        self.pages.pop(key, None)
-        while len(self.pages) >= self.capacity and self.pages:
-            self.pages.popitem(last=False)
-        self.pages[key] = None
+        pages = self.pages
+        pages.remove(key)
+        while len(pages) >= self.capacity and pages.pop_victim() is not None:
+            pass
+        pages.insert(key)
         return True
 
     def read(self, key: bytes) -> bool:
         if key in self.pages:
-            self.pages.move_to_end(key)
+            self.pages.hit(key)
             return True
         return False
 
@@ -43,7 +48,10 @@ class LruStore:
         return len(keys)
 
 
-def run_jobs(sched, plan, store: LruStore) -> list[int]:
+LruStore = PolicyStore  # the name it had when it was an LRU only
+
+
+def run_jobs(sched, plan, store: PolicyStore) -> list[int]:
     """Do the L3 jobs of ``plan`` as one worker rank would and hand their reports to ``sched``. Returns the blocks of
     prefetched pages that did not arrive (vLLM's invalid block ids)."""
     from tierkv.connector.core.plan import JOB_BACKUP, JOB_PREFETCH, JobReport
@@ -64,7 +72,7 @@ def run_jobs(sched, plan, store: LruStore) -> list[int]:
     return bad
 
 
-def controller_kwargs(store: LruStore) -> dict:
+def controller_kwargs(store: PolicyStore) -> dict:
     """The controller of a write-through engine whose L3 answers existence in the scheduler's process (the file
     store) and whose every L3 hit is an asynchronous load (the planner has no clock)."""
     return {"write_policy": "write_through", "sync_load_max_s": 0.0, "exists_fn": store.leading}
