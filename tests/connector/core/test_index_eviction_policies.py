@@ -3,6 +3,7 @@ insert/match(touch)/lock/unlock/evict/pop-lock-drop with the invariants and "no 
 and behaviour that tells the policies apart."""
 import pytest
 from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule
 
 from tierkv.connector.core.node_eviction import FIRST, SECOND
@@ -22,6 +23,14 @@ class _PolicyMachine(IndexMachine):
     def hit(self, tokens):  # a lookup that counts: stamps, hits, promotions
         m = self.idx.match_prefix(keys_of(tokens), touch=True)
         assert m.num_pages <= len(tokens) // 2
+
+    @rule(tokens=TOKENS, i=st.integers(0, 4))
+    def remove_from(self, tokens, i):  # pages computed on a broken prefix leave the index, L2 copies and all
+        keys = keys_of(tokens)
+        if i < len(keys):
+            freed = self.idx.remove_from(keys, i)
+            if freed is not None:
+                self.free.update(freed)
 
     @rule()
     def pop_lock_drop(self):  # the write_back shape: take a victim, lock it while its backup runs, then drop it
@@ -170,3 +179,56 @@ def test_config_accepts_the_four_policies_and_names_them_when_wrong():
         assert load_config(overrides={"eviction_policy": name}).eviction_policy == name
     with pytest.raises(ConfigError, match=r"eviction_policy(.|\n)*'lru'(.|\n)*'s3fifo'"):
         load_config(overrides={"eviction_policy": "arc"})
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "slru", "s3fifo"])
+@pytest.mark.parametrize("seed", range(3))
+def test_random_sequence_keeps_invariants_and_every_locked_page(policy, seed):
+    import random
+
+    rng = random.Random(seed)
+    idx = RadixIndex(policy)
+    free = set(range(12))
+    locks = []  # (node, keys, slots) held, or (victim, None, None) in write_back shape
+    for _step in range(1500):
+        keys = keys_of([rng.randrange(3) for _ in range(rng.randrange(0, 11))])
+        r = rng.random()
+        if r < 0.35:  # save: lock the match, evict for room, insert
+            m = idx.match_prefix(keys, split=True)
+            guard = idx.lock(m.last_node) if m.num_pages else None
+            need = len(keys) - m.num_pages
+            if len(free) < need:
+                free.update(idx.evict(need - len(free)))
+            if guard is not None:
+                idx.unlock(guard)
+            got = sorted(free)[:need]
+            free.difference_update(got)
+            idx.insert(keys[:m.num_pages + len(got)], got, start=m.num_pages)
+        elif r < 0.55:
+            idx.match_prefix(keys, touch=True)
+        elif r < 0.65:
+            m = idx.match_prefix(keys, split=True, touch=True)
+            if m.num_pages:
+                locks.append((idx.lock(m.last_node), keys[:m.num_pages], list(m.host_slots)))
+        elif r < 0.75 and locks:
+            node, k, _s = locks.pop(rng.randrange(len(locks)))
+            idx.unlock(node)
+            if k is None and node.parent is not None and not node.lock_ref:
+                free.update(idx.drop_l2(node))
+        elif r < 0.82:
+            free.update(idx.evict(rng.randrange(1, 6)))
+        elif r < 0.87:
+            v = idx.pop_l2_victim()
+            if v is not None:
+                locks.append((idx.lock(v), None, None))
+        elif r < 0.93 and keys:
+            freed = idx.remove_from(keys, rng.randrange(len(keys)))
+            free.update(freed or [])
+        else:
+            idx.set_in_l3(keys, [rng.random() < 0.6 for _ in keys])
+        idx.check_invariants()
+        assert len(idx.all_slots()) + len(free) == 12
+        for _node, k, slots in locks:
+            if k is not None:
+                m = idx.match_prefix(k)
+                assert m.num_pages == len(k) and m.host_slots == slots, "a locked page was lost"

@@ -7,11 +7,15 @@
   fresh one.
 """
 import random
+from typing import Optional
+
+import pytest
 
 from tests.helpers.namespace import make_namespace
 from tierkv.connector.core.page_hash import page_keys, request_root
 from tierkv.connector.core.radix_index import NO_SLOT, RadixIndex
 from tierkv.connector.core.scheduler import CacheScheduler
+from tierkv.storage_backends.eviction import POLICIES
 
 P = 4
 NS = make_namespace(dtype="float16", page_size=P, num_kv_heads=1)
@@ -61,8 +65,9 @@ def test_waiting_request_lookup_is_o1_after_the_first():
     s.check_invariants()
 
 
-def test_eviction_work_is_proportional_to_pages_evicted():
-    idx = RadixIndex()
+@pytest.mark.parametrize("policy", POLICIES)
+def test_eviction_work_is_proportional_to_pages_evicted(policy):
+    idx = RadixIndex(policy)
     root = request_root(bytes(16))
     slot = 0
     prefixes = [page_keys(root, [r] * (8 * P), P) for r in range(50)]
@@ -84,14 +89,14 @@ def test_eviction_work_is_proportional_to_pages_evicted():
     idx.pop_l2_victim = counting_pop
     freed = idx.evict(8 * 3)  # three leaves
     assert len(freed) == 24 and len(popped) == 3
-    assert len(idx._heap) <= 4 * idx.num_nodes + 1025
+    assert idx._ev.queued() <= 2 * (4 * idx.num_nodes + 1025)
     # the victims' siblings were not rescanned: removing a leaf costs O(1) bookkeeping in its parent
     parent = idx.match_prefix(prefixes[0]).last_node
     assert parent.l2_children == sum(1 for c in parent.children.values() if c.l2_count)
     idx.check_invariants()
 
 
-def _long_run(ops: int, seed: int) -> RadixIndex:
+def _long_run(ops: int, seed: int, policy: Optional[str] = None, check_every: int = 5000) -> RadixIndex:
     rng = random.Random(seed)
     root = request_root(bytes(16))
     # a family of sequences that share prefixes at many depths
@@ -104,7 +109,8 @@ def _long_run(ops: int, seed: int) -> RadixIndex:
     seqs = [k for k in seqs if k]
     num_slots = 400
     free = list(range(num_slots))
-    idx = RadixIndex(rng.choice(["lru", "lfu"]))
+    drawn = rng.choice(["lru", "lfu"])
+    idx = RadixIndex(policy or drawn)
     locks: list = []
     cursors: dict = {}
     for op in range(ops):
@@ -164,7 +170,7 @@ def _long_run(ops: int, seed: int) -> RadixIndex:
                 n = rng.randrange(len(keys) + 1) if rng.random() < 0.1 else len(keys)
                 got, cursors[cid] = idx.match_len(keys, n, require_l2=req, cursor=cursors.get(cid))
                 assert got == idx.match_prefix(keys[:n], require_l2=req).num_pages, (op, req)
-        if op % 5000 == 0:
+        if op % check_every == 0:
             idx.check_invariants()
             assert len(idx.all_slots()) + len(free) == num_slots
             for node, k, slots in locks:  # locked prefixes stay whole
@@ -174,6 +180,13 @@ def _long_run(ops: int, seed: int) -> RadixIndex:
     idx.check_invariants()
     assert len(set(idx.all_slots())) + len(set(free)) == num_slots and len(free) == len(set(free))
     return idx
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_long_run_of_each_policy_keeps_invariants_and_locked_pages(policy):
+    # invariants (the policy's segment counters recounted too) and every locked prefix whole, every 50 operations
+    idx = _long_run(20_000, seed=7, policy=policy, check_every=50)
+    assert idx.evicted_pages > 200 and idx.splits > 20
 
 
 def test_long_run_100k_operations_keeps_invariants():
