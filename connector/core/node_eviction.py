@@ -35,6 +35,7 @@ class NodePolicy:
     ``_l2_evictable`` check, its node and L2 page counts)."""
 
     name = "lru"
+    segmented = False  # True: the index calls :meth:`touched` for every node of a touched path
 
     def __init__(self, index) -> None:
         self.ix = index
@@ -98,6 +99,8 @@ class LfuPolicy(NodePolicy):
 
 class _Segmented(NodePolicy):
     """Two segments (``FIRST``, ``SECOND``) with their L2 pages counted in ``pages``."""
+
+    segmented = True
 
     def __init__(self, index) -> None:
         super().__init__(index)

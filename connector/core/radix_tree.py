@@ -375,12 +375,13 @@ class RadixTree:
 
     def _touch(self, path: list[RadixNode], hit: bool) -> None:
         # strictly increasing stamps from root to leaf: a leaf is never older than its ancestors
-        touched = self._ev.touched
         for n in path:
             n.last_access = next(self._clock)
             if hit:
                 n.hit_count += 1
-            touched(n, hit)
+        if self._ev.segmented:  # slru, s3fifo: per-node segment state
+            for n in path:
+                self._ev.touched(n, hit)
         # re-queue the deepest L2 holder of the path with its new stamp (its old heap entry is stale now)
         for n in reversed(path):
             if n.l2_count:
