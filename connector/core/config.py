@@ -92,6 +92,8 @@ class TierKVConfig(_Strict):
     namespace_salt: Optional[str] = Field(default=None, repr=False)
     host_pool: HostPoolConfig = Field(default_factory=HostPoolConfig)
     eviction_policy: Literal[EVICTION_POLICIES] = "lru"
+    slru_protected_fraction: float = Field(default=0.8, gt=0, lt=1)
+    s3fifo_small_fraction: float = Field(default=0.1, gt=0, lt=1)
     l3: L3Config = Field(default_factory=L3Config)
     controller: ControllerConfig = Field(default_factory=ControllerConfig)
     layerwise_load: bool = False

@@ -44,7 +44,8 @@ class CacheScheduler:
             except that a load skips the blocks of its first page the engine already holds in L1).
         block_size: the engine's block size in tokens.
         num_slots: pages in the L2 host pool (same number on every worker rank).
-        eviction_policy: ``"lru"``, ``"lfu"``, ``"slru"`` or ``"s3fifo"`` for the radix index.
+        eviction_policy: ``"lru"``, ``"lfu"``, ``"slru"`` or ``"s3fifo"`` for the radix index; ``eviction_params``:
+            its ``protected_fraction`` (slru) and ``small_fraction`` (s3fifo).
         controller: keyword arguments of :class:`~tierkv.connector.l3.controller.Controller` (policies, deadlines,
             ``world_size``) when an L3 store is configured; None = L1 <-> L2 only.
         plan_type: the class :meth:`build_plan` returns, :class:`~tierkv.connector.core.plan.StepPlan` or a subclass
@@ -54,7 +55,8 @@ class CacheScheduler:
     """
 
     def __init__(self, namespace: ModelNamespace, page_size: int, block_size: int, num_slots: int,
-                 eviction_policy: str = "lru", controller: Optional[dict] = None, plan_type: type = StepPlan):
+                 eviction_policy: str = "lru", controller: Optional[dict] = None, plan_type: type = StepPlan,
+                 eviction_params: Optional[dict] = None):
         check_page_size(page_size, block_size)
         if num_slots < 0:
             raise ValueError(f"num_slots must be >= 0, got {num_slots}")
@@ -64,7 +66,7 @@ class CacheScheduler:
         self.block_size = block_size
         self.blocks_per_page = page_size // block_size
         self.num_slots = num_slots
-        self.index = RadixIndex(eviction_policy)
+        self.index = RadixIndex(eviction_policy, **(eviction_params or {}))
         warm_up()  # load the compiled page hash now, not in the first request's lookup
         self.allocator = SlotAllocator(num_slots) if num_slots > 0 else NoSlots()
         self.lookup_stats = LookupStats(num_slots, (controller or {}).get("clock", time.monotonic))

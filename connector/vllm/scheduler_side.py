@@ -324,7 +324,8 @@ def build_scheduler_side(vllm_config, kv_cache_config, kv_transfer_config, cfg: 
                            "--kv-transfer-config; with \"fail\" a page that arrives late or corrupt from L3 "
                            "ends its request with an error instead of being recomputed")
     sched = CacheScheduler(namespace, geo.page_size, geo.block_size, num_slots, cfg.eviction_policy, controller=ctl,
-                           plan_type=plan_type)
+                           plan_type=plan_type, eviction_params={"protected_fraction": cfg.slru_protected_fraction,
+                                                                 "small_fraction": cfg.s3fifo_small_fraction})
     requests: dict[str, Any] = {}
     events = _tier_events(vllm_config, kv_cache_config, cfg, geo, num_slots, requests)
     if events is not None:

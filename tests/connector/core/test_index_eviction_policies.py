@@ -232,3 +232,22 @@ def test_random_sequence_keeps_invariants_and_every_locked_page(policy, seed):
             if k is not None:
                 m = idx.match_prefix(k)
                 assert m.num_pages == len(k) and m.host_slots == slots, "a locked page was lost"
+
+
+@pytest.mark.parametrize("key", ["slru_protected_fraction", "s3fifo_small_fraction"])
+@pytest.mark.parametrize("value", [0, 1, -0.5])
+def test_config_fractions_must_be_inside_zero_one(key, value):
+    from tierkv.connector.core.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=key):
+        load_config(overrides={key: value})
+
+
+def test_the_fractions_reach_the_index_through_the_scheduler():
+    from tests.helpers.namespace import make_namespace
+    from tierkv.connector.core.scheduler import CacheScheduler
+
+    s = CacheScheduler(make_namespace(), 16, 16, 8, "slru", eviction_params={"protected_fraction": 0.5})
+    assert s.index._ev.fraction == 0.5
+    s = CacheScheduler(make_namespace(), 16, 16, 8, "s3fifo", eviction_params={"small_fraction": 0.25})
+    assert s.index._ev.fraction == 0.25
