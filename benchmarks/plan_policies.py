@@ -4,7 +4,8 @@ Runs the real ``tierkv plan`` command once per trace of ``benchmarks/traces/`` (
 scheduler side: the radix index evicting in each policy's order, the L3 controller over a store evicting with the
 file store's code), collects the hit rate per policy and pair of sizes, and writes
 ``benchmarks/results/plan_policies.json`` (the commands included) and ``plan_policies.png`` (hit rate against L2
-size, one panel per trace and L3 size, one line per policy). Pages are the traces' 512-token blocks.
+size, one panel per trace and L3 size, one line per policy; dashed: the same L2 policies over an L3 that stays lru,
+``--l3-policy lru``). Pages are the traces' 512-token blocks.
 
 Usage: ``python -m benchmarks.plan_policies [--l2 1024,4096,16384] [--l3 0,16384,65536]``.
 """
@@ -22,9 +23,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TRACES = ("mooncake_conversation", "mooncake_synthetic")
 
 
-def run_plan(trace: str, l2: str, l3: str) -> tuple[list[str], dict, float]:
+def run_plan(trace: str, l2: str, l3: str, *extra: str) -> tuple[list[str], dict, float]:
     exe = shutil.which("tierkv", path=os.path.dirname(sys.executable)) or "tierkv"
-    cmd = [exe, "plan", trace, "--l2", l2, "--l3", l3, "--policy", "all", "--json"]
+    cmd = [exe, "plan", trace, "--l2", l2, "--l3", l3, "--policy", "all", *extra, "--json"]
     t0 = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return cmd, json.loads(out), time.perf_counter() - t0
@@ -41,7 +42,7 @@ def best(rows: list[dict]) -> dict:
     return out
 
 
-def chart(results: dict, path: str) -> None:
+def chart(results: dict, path: str, l3_lru: dict) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -58,7 +59,12 @@ def chart(results: dict, path: str) -> None:
             for k, pol in enumerate(pols):
                 pts = sorted((r["l2_pages"], 100 * r["hit_rate"]) for r in rows
                              if r["l3_pages"] == l3 and r["policy"] == pol)
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="os^D"[k % 4], label=pol)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="os^D"[k % 4], color=f"C{k}", label=pol)
+                alt = sorted((r["l2_pages"], 100 * r["hit_rate"]) for r in l3_lru.get(name, {}).get("results", [])
+                             if r["l3_pages"] == l3 and r["policy"] == pol and pol != "lru")
+                if alt:
+                    ax.plot([p[0] for p in alt], [p[1] for p in alt], marker="os^D"[k % 4], color=f"C{k}",
+                            linestyle="--", alpha=0.7, label=f"{pol} (L3 lru)")
             l2s = sorted({r["l2_pages"] for r in rows})
             ax.set_xscale("log")
             ax.set_xticks(l2s)
@@ -81,21 +87,27 @@ def main() -> None:
     p.add_argument("--l3", default="0,16384,65536")
     p.add_argument("--out", default=os.path.join(HERE, "results", "plan_policies.json"))
     a = p.parse_args()
-    results, meta = {}, {}
+    results, meta, l3_lru = {}, {}, {}
+    l3_cached = ",".join(x for x in a.l3.split(",") if x.strip() != "0")
     for name in TRACES:
         trace = os.path.relpath(os.path.join(HERE, "traces", f"{name}.jsonl.gz"))
         cmd, out, dt = run_plan(trace, a.l2, a.l3)
         results[name] = out
         meta[name] = {"command": " ".join(["tierkv", *cmd[1:]]), "seconds": round(dt, 1), "best": best(out["results"])}
+        if l3_cached:
+            cmd2, out2, dt2 = run_plan(trace, a.l2, l3_cached, "--l3-policy", "lru")
+            l3_lru[name] = out2
+            meta[name]["l3_lru"] = {"command": " ".join(["tierkv", *cmd2[1:]]), "seconds": round(dt2, 1),
+                                    "best": best(out2["results"])}
         print(f"{name}: {dt:.0f} s", file=sys.stderr)
         for r in out["results"]:
             print(f"  {r['policy']:>7} L2 {r['l2_pages']:>6} L3 {r['l3_pages']:>6} {100 * r['hit_rate']:6.2f} %",
                   file=sys.stderr)
     doc = {"what": "hit rate per eviction policy and pair of sizes, tierkv plan on Mooncake's public traces",
-           "page_tokens": 512, "runs": meta, "results": results}
+           "page_tokens": 512, "runs": meta, "results": results, "results_l3_lru": l3_lru}
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)
-    chart(results, a.out[:-len(".json")] + ".png")
+    chart(results, a.out[:-len(".json")] + ".png", l3_lru)
     print(f"wrote {a.out} and {a.out[:-len('.json')]}.png", file=sys.stderr)
 
 

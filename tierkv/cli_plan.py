@@ -26,6 +26,7 @@ from typing import Optional
 
 from tierkv.cli_common import EXIT_OK, EXIT_USAGE, CliError, fail, progress
 from tierkv.plan_chunks import ChunkFit, agreeing, detect
+from tierkv.storage_backends.eviction import POLICIES
 
 DEFAULT_PAGE_SIZE = 32
 
@@ -231,9 +232,11 @@ def timed_request(ids: list, n_in: int, n_out: int, ps: int, i: int, lineno: int
 
 
 # --------------------------------------------------------------------------------------------- replay
-def replay(trace: Trace, l2_pages: int, l3_pages: int = 0, policy: str = "lru", l1=None) -> dict:
+def replay(trace: Trace, l2_pages: int, l3_pages: int = 0, policy: str = "lru", l1=None,
+           l3_policy: Optional[str] = None) -> dict:
     """Replay ``trace`` through a :class:`CacheScheduler` of ``l2_pages`` slots evicting in ``policy`` order and, with
-    ``l3_pages``, its L3 controller over a store of that many pages evicting in the same order (:mod:`tierkv.plan_l3`).
+    ``l3_pages``, its L3 controller over a store of that many pages evicting in the same order, or in ``l3_policy``'s
+    (:mod:`tierkv.plan_l3`).
 
     ``l1``: None (no L1 model), a number of pages (vLLM's prefix cache as an LRU of blocks: a request hits the
     longest run of its first pages held there, and afterwards holds all of its pages, its first ones freed last), or
@@ -249,7 +252,7 @@ def replay(trace: Trace, l2_pages: int, l3_pages: int = 0, policy: str = "lru", 
     from tierkv.plan_l3 import PolicyStore, controller_kwargs, run_jobs
 
     ps = trace.page_size
-    store = PolicyStore(l3_pages, policy) if l3_pages and l2_pages else None  # tierkv reads L3 only through L2: no L2, no L3
+    store = PolicyStore(l3_pages, l3_policy or policy) if l3_pages and l2_pages else None  # tierkv reads L3 only through L2: no L2, no L3
     sched = CacheScheduler(ModelNamespace("tierkv-plan", "-", "-", ps, 1, 1, 1), ps, ps, l2_pages, policy,
                            controller=None if store is None else controller_kwargs(store))
     l1_lru: "OrderedDict[bytes, None]" = OrderedDict()
@@ -299,7 +302,7 @@ def replay(trace: Trace, l2_pages: int, l3_pages: int = 0, policy: str = "lru", 
     c, got = sched.counters, sched.lookup_stats.tokens
     tot = {"lookup_tokens": lookup, "l1_tokens": got["l1"], "l2_tokens": got["l2"], "l3_tokens": got["l3"]}
     tot["miss_tokens"] = lookup - tot["l1_tokens"] - tot["l2_tokens"] - tot["l3_tokens"]
-    tot.update(policy=policy, l2_pages=l2_pages, l3_pages=l3_pages,
+    tot.update(policy=policy, l3_policy=l3_policy or policy, l2_pages=l2_pages, l3_pages=l3_pages,
                hit_rate=(tot["l1_tokens"] + tot["l2_tokens"] + tot["l3_tokens"]) / lookup if lookup else 0.0,
                evicted_pages=c.evicted_pages, save_skipped_pages=c.save_skipped_pages)
     return tot
@@ -370,8 +373,6 @@ def parse_policies(text: Optional[str], default: str) -> list[str]:
     Raises:
         CliError(EXIT_USAGE): a name that is not a policy (the message lists them).
     """
-    from tierkv.storage_backends.eviction import POLICIES
-
     if text is None:
         text = default
     names = list(POLICIES) if text.strip() == "all" else [p.strip() for p in text.split(",")]
@@ -494,12 +495,13 @@ def cmd_plan(args) -> int:
         for pol in policies:
             for l3 in l3s:
                 for l2 in l2s:
-                    rows.append(replay(trace, l2, l3, pol, l1))
+                    rows.append(replay(trace, l2, l3, pol, l1, args.l3_policy))
                     bar.update(1)
     desc = (f"{args.trace}: {trace.kind}, {len(trace.requests)} requests, page {trace.page_size} tokens"
             f"{page_size_note(trace)}, policy "
             f"{policy}; replayed one request at a time through tierkv's scheduler side and L3 controller (L3 written "
-            "through, evicting in the same policy's order, refreshed by L3 reads and writes, not by L2 hits), "
+            f"through, evicting in {'the same policy' if not args.l3_policy else args.l3_policy}'s order, refreshed by "
+            "L3 reads and writes, not by L2 hits), "
             + ("no L1 model" if l1 is None else "L1 as recorded" if l1 == "recorded" else
                f"L1 an LRU of {l1} pages"))
     if page_bytes:
@@ -516,7 +518,8 @@ def cmd_plan(args) -> int:
     if args.json:
         print(json.dumps({"trace": args.trace, "format": trace.kind, "requests": len(trace.requests),
                           "page_size": trace.page_size, "page_size_from": trace.page_size_from,
-                          "page_bytes": page_bytes, "policy": policy, "policies": policies, "l1": l1, "recorded": rec or None, "results": rows},
+                          "page_bytes": page_bytes, "policy": policy, "policies": policies,
+                          "l3_policy": args.l3_policy, "l1": l1, "recorded": rec or None, "results": rows},
                          indent=1))
         return EXIT_OK
     print(desc)
@@ -548,6 +551,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--policy", default=None, metavar="POLICIES",
                    help="eviction policies of L2 and of the L3 model, comma-separated, or all: lru, lfu, slru, s3fifo; "
                         "each is replayed and reported (default: the recorded trace's, else lru)")
+    p.add_argument("--l3-policy", default=None, choices=POLICIES,
+                   help="eviction policy of the L3 model for every replay (default: each replay's --policy)")
     p.add_argument("--page-size", type=int, default=None,
                    help="tokens per page = per hash id of a timed_trace (default: detected from the trace, the size "
                         "for which each request has ceil(input_length / size) hash ids, e.g. 512 for Mooncake's "

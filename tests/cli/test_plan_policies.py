@@ -89,3 +89,27 @@ def test_the_l3_model_evicts_with_the_file_stores_policy_code():
         m.read(k.encode())
     m.write(b"e")
     assert m.leading([b"a"]) == 0 and m.leading([b"b", b"c", b"d", b"e"]) == 4
+
+
+def test_l3_policy_sets_the_l3_model_alone(tmp_path, monkeypatch):
+    import tierkv.plan_l3 as plan_l3
+
+    p = tmp_path / "scan.jsonl"
+    scan_trace(p, cycles=2)
+    trace = read_trace(str(p), output_pages=False)
+    built = []
+
+    class Spy(PolicyStore):
+        def __init__(self, capacity, policy="lru"):
+            built.append(policy)
+            super().__init__(capacity, policy)
+
+    monkeypatch.setattr(plan_l3, "PolicyStore", Spy)
+    row = replay(trace, 16, 64, "s3fifo", l3_policy="lru")
+    assert built == ["lru"] and row["policy"] == "s3fifo" and row["l3_policy"] == "lru"
+    assert replay(trace, 16, 64, "slru")["l3_policy"] == "slru" and built[-1] == "slru"
+    r, out = tierkv("plan", str(p), "--l2", "16", "--l3", "64", "--policy", "slru,s3fifo", "--l3-policy", "lru",
+                    "--json", json_out=True)
+    assert r.returncode == 0, r.stderr
+    assert out["l3_policy"] == "lru" and [x["l3_policy"] for x in out["results"]] == ["lru", "lru"]
+    assert tierkv("plan", str(p), "--l3-policy", "arc").returncode == 2
