@@ -75,7 +75,8 @@ def chart(results: dict, path: str, l3_lru: dict) -> None:
             ax.set_ylabel("hit rate (% of lookup tokens)")
             ax.grid(alpha=0.3)
             ax.legend(fontsize="small")
-    fig.suptitle("tierkv plan: eviction policies on Mooncake's traces (L2 and L3 evict with the same policy)")
+    fig.suptitle("tierkv plan: eviction policies on Mooncake's traces (solid: L2 and L3 evict with the same policy; "
+                 "dashed: that policy in L2 over an lru L3)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
