@@ -317,7 +317,8 @@ def build_scheduler_side(vllm_config, kv_cache_config, kv_transfer_config, cfg: 
     ctl, exists_stores = None, ()
     if cfg.l3.backend != "none":
         exists, exists_stores = scheduler_exists_for(cfg, namespace, num_slots, geo.page_bytes)
-        ctl = dict(cfg.controller.scheduler_kwargs(), world_size=geo.world_size, exists_fn=exists)
+        ctl = dict(cfg.controller.scheduler_kwargs(), world_size=geo.world_size, exists_fn=exists,
+                   admission=cfg.l3.admission, admission_window_pages=cfg.l3.admission_window_pages)
         LoadPolicy.hybrid_override(ctl, geo.hybrid)
         if getattr(kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
             logger.warning("tierkv: with an L3 store set \"kv_load_failure_policy\": \"recompute\" in "
