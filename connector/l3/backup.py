@@ -78,23 +78,24 @@ class BackupPolicy:
 
     def _backup_admitted(self, path: Sequence[bytes], idxs: list, victim: Optional[RadixNode] = None,
                          count_rejects: bool = True) -> list:
-        """Back up the leading run of ``idxs`` (positions in ``path``) the admission admits; returns that run (empty
-        when nothing was admitted or the backup could not start)."""
-        n = self.admission.admit_run([path[i] for i in idxs], count_rejects)
-        if n and self._backup(path, idxs[:n], victim=victim):
-            return idxs[:n]
-        return []
+        """Back up the pages at ``idxs`` (positions in ``path``, in order) that can be backed up (an L2 copy, not in
+        L3, not being backed up) and that the admission admits (a leading run of them); returns the positions
+        backed up (empty when none)."""
+        return self._backup(path, idxs, victim=victim,
+                            admit=lambda keys: self.admission.admit_run(keys, count_rejects))
 
-    def _backup(self, path: Sequence[bytes], idxs, victim: Optional[RadixNode] = None) -> bool:
+    def _backup(self, path: Sequence[bytes], idxs, victim: Optional[RadixNode] = None, admit=None) -> list:
         path = list(path)
         idxs = [i for i in idxs if path[i] not in self._backing_up]
         if not idxs:
-            return False
+            return []
         last = max(idxs) + 1
         m = self.index.match_prefix(path[:last], require_l2=False, split=True)
         idxs = [i for i in idxs if i < m.num_pages and m.host_slots[i] != NO_SLOT and not m.in_l3[i]]
+        if idxs and admit is not None:
+            idxs = idxs[:admit([path[i] for i in idxs])]
         if not idxs:
-            return False
+            return []
         lock = self.index.lock(m.last_node)
         keys = [path[i] for i in idxs]
         self._backing_up.update(keys)
@@ -102,7 +103,7 @@ class BackupPolicy:
         self._order(_JobState(job, lock=lock, path=path[: m.num_pages], idx=idxs, victim=victim))
         self.counters.backup_jobs += 1
         self.counters.backup_ordered_pages += len(keys)
-        return True
+        return idxs
 
     def _end_backup(self, st: _JobState, r: JobReport) -> None:
         if st.cancelled:  # cancel_backups released everything; its pages left the index
