@@ -76,6 +76,14 @@ class BackupPolicy:
             if due:
                 self._backup_admitted(path, due, count_rejects=False)
 
+    @property
+    def l1_hits_offer(self) -> bool:
+        """Whether a prefix the engine's own cache (L1) served is a hit that may start backups
+        (:meth:`after_hit`): under ``write_through_selective``, and under ``write_through`` with ``second_sight``
+        (a second request served from L1 is a second sight of those pages)."""
+        return self.write_policy == "write_through_selective" or (
+            self.write_policy == "write_through" and self.admission.mode == "second_sight")
+
     def _backup_admitted(self, path: Sequence[bytes], idxs: list, victim: Optional[RadixNode] = None,
                          count_rejects: bool = True) -> list:
         """Back up the pages at ``idxs`` (positions in ``path``, in order) that can be backed up (an L2 copy, not in

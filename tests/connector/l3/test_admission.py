@@ -183,3 +183,20 @@ def test_config_defaults_and_the_warn_key_without_l3():
     # read for L2 too: not refused as a controller key that does nothing without an L3 store
     assert load_config(overrides={"controller.write_only_warn_bytes": 5}).controller.write_only_warn_bytes == 5
     assert "write_only_warn_bytes" not in cfg.controller.scheduler_kwargs()
+
+
+def test_a_second_request_served_from_l1_admits_the_pages_it_shares(tmp_path):
+    e = engine(tmp_path, "second_sight")
+    run(e, Req("a", D + [1]))
+    assert e.sched.ctl.counters.backup_ordered_pages == 0
+    b = Req("b", D + [2])
+    e.sched.add_request("b", b.tokens)
+    assert e.sched.lookup("b", 4 * P) == 0  # vLLM's own prefix cache (L1) holds D: tierkv adds nothing
+    b.blocks = [e.free_blocks.pop(0) for _ in range(5)]
+    e.sched.on_alloc("b", b.blocks, 0)
+    e.sched.on_finished("b")
+    e.free_blocks.extend(b.blocks)
+    e.settle()
+    assert e.sched.ctl.counters.backup_stored_pages == 4 and l3_has(e, Req("x", D), 4) == 4
+    e.idle_check()
+    e.close()
