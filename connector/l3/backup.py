@@ -132,9 +132,9 @@ class BackupPolicy:
             self.index.unlock(st.lock)
         v = st.victim
         if v is not None and v.parent is not None and v.lock_ref == 0 and any(s != NO_SLOT for s in v.host_slots):
-            # write_back: the eviction that started this backup goes on now; pages whose backup failed are
-            # dropped with it, never marked as stored
-            self.counters.write_back_dropped_pages += sum(1 for f in v.in_l3 if not f)
+            # write_back: the eviction that started this backup goes on now; pages whose backup failed (or that
+            # admission did not let into it) are dropped with it, never marked as stored
+            self.counters.write_back_dropped_pages += len(r.ok) - stored  # not those admission turned away
             self.allocator.free(self.index.drop_l2(v))
 
     def cancel_backups(self, keys: set[bytes]) -> None:

@@ -116,6 +116,7 @@ def test_write_back_victims_pass_second_sight(tmp_path):
     run(e, Req("f", toks(9000, 4 * P) + [1]), Req("g", toks(12000, 4 * P) + [1]))  # both leave L2
     assert l3_has(e, Req("x", D), 4) == 4 and l3_has(e, Req("x", E), 4) == 0
     assert e.sched.ctl.counters.backup_stored_pages == 4
+    assert e.sched.ctl.counters.write_back_dropped_pages == 0  # E was turned away, not a failed backup
     e.idle_check()
     e.close()
 
