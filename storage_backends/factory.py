@@ -61,6 +61,9 @@ BACKENDS: dict[str, Backend] = {
 #: the values of ``l3.backend``
 L3_BACKENDS = ("none", *BACKENDS)
 
+#: the values of ``l3.admission`` (:mod:`tierkv.connector.l3.admission`)
+L3_ADMISSIONS = ("always", "second_sight", "reused_in_l2")
+
 
 class _L3Base(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -75,6 +78,8 @@ L3Config = create_model(
     backend=(Literal[L3_BACKENDS], "none"),
     **{name: (dict[str, Any], Field(default_factory=dict)) for name in BACKENDS},
     faults=(dict[str, Any], Field(default_factory=dict)),
+    admission=(Literal[L3_ADMISSIONS], "always"),
+    admission_window_pages=(int, Field(1 << 18, gt=0)),
 )
 
 

@@ -166,7 +166,7 @@ def config_keys() -> list[dict]:
             ann = field.annotation
             if typing.get_origin(ann) is None and isinstance(ann, type) and hasattr(ann, "model_fields"):
                 continue  # a nested section: its keys are listed under their own prefix
-            if prefix == "l3" and name != "backend":
+            if prefix == "l3" and typing.get_origin(ann) is dict:
                 continue  # a backend's section or faults: its keys are listed under their own prefix
             rows.append({"key": key, "type": _type_name(ann), "default": _default(field),
                          "meaning": field.description or meanings.get(key, "")})

@@ -233,10 +233,10 @@ def timed_request(ids: list, n_in: int, n_out: int, ps: int, i: int, lineno: int
 
 # --------------------------------------------------------------------------------------------- replay
 def replay(trace: Trace, l2_pages: int, l3_pages: int = 0, policy: str = "lru", l1=None,
-           l3_policy: Optional[str] = None) -> dict:
+           l3_policy: Optional[str] = None, admission: str = "always") -> dict:
     """Replay ``trace`` through a :class:`CacheScheduler` of ``l2_pages`` slots evicting in ``policy`` order and, with
-    ``l3_pages``, its L3 controller over a store of that many pages evicting in the same order, or in ``l3_policy``'s
-    (:mod:`tierkv.plan_l3`).
+    ``l3_pages``, its L3 controller (admitting pages by ``admission``) over a store of that many pages evicting in the
+    same order, or in ``l3_policy``'s (:mod:`tierkv.plan_l3`).
 
     ``l1``: None (no L1 model), a number of pages (vLLM's prefix cache as an LRU of blocks: a request hits the
     longest run of its first pages held there, and afterwards holds all of its pages, its first ones freed last), or
@@ -245,7 +245,8 @@ def replay(trace: Trace, l2_pages: int, l3_pages: int = 0, policy: str = "lru", 
 
     Returns the tokens of every lookup per tier: ``lookup_tokens``, ``l1_tokens``, ``l2_tokens``, ``l3_tokens``,
     ``miss_tokens``, ``hit_rate`` ((L1 + L2 + L3) / lookup), and the scheduler's ``evicted_pages`` and
-    ``save_skipped_pages``."""
+    ``save_skipped_pages``; with L3 also ``l3_written_pages`` (pages backed up, under ``admission``:
+    :mod:`tierkv.plan_admission`)."""
     from tierkv.connector.core.page_hash import ModelNamespace
     from tierkv.connector.core.scheduler import CacheScheduler
 
@@ -254,7 +255,7 @@ def replay(trace: Trace, l2_pages: int, l3_pages: int = 0, policy: str = "lru", 
     ps = trace.page_size
     store = PolicyStore(l3_pages, l3_policy or policy) if l3_pages and l2_pages else None  # tierkv reads L3 only through L2: no L2, no L3
     sched = CacheScheduler(ModelNamespace("tierkv-plan", "-", "-", ps, 1, 1, 1), ps, ps, l2_pages, policy,
-                           controller=None if store is None else controller_kwargs(store))
+                           controller=None if store is None else controller_kwargs(store, admission))
     l1_lru: "OrderedDict[bytes, None]" = OrderedDict()
     lookup = 0
     for i, r in enumerate(trace.requests):
@@ -305,6 +306,8 @@ def replay(trace: Trace, l2_pages: int, l3_pages: int = 0, policy: str = "lru", 
     tot.update(policy=policy, l3_policy=l3_policy or policy, l2_pages=l2_pages, l3_pages=l3_pages,
                hit_rate=(tot["l1_tokens"] + tot["l2_tokens"] + tot["l3_tokens"]) / lookup if lookup else 0.0,
                evicted_pages=c.evicted_pages, save_skipped_pages=c.save_skipped_pages)
+    if sched.ctl is not None:
+        tot.update(l3_written_pages=sched.ctl.counters.backup_stored_pages, **sched.ctl.admission.stats())
     return tot
 
 
@@ -489,6 +492,12 @@ def cmd_plan(args) -> int:
         l1 = int(args.l1) or None
     policies = parse_policies(args.policy, trace.header.get("eviction_policy", "lru"))
     policy = ",".join(policies)
+    if args.admission is not None:  # one replay per admission mode and pair of sizes (tierkv/plan_admission.py)
+        if len(policies) != 1:
+            raise CliError(EXIT_USAGE, "--admission compares admission modes under one eviction policy: give one "
+                           f"--policy, not {policy!r}")
+        from tierkv.plan_admission import cmd_admission
+        return cmd_admission(args, trace, l2s, l3s, page_bytes, policy, l1)
     rows = []
     bar = progress(len(l2s) * len(l3s) * len(policies), "replaying", quiet=args.json, unit="replay")
     with bar:
@@ -562,6 +571,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "from a recorded trace; default: no L1 model (what L1 would serve counts as L2 or L3 hits)")
     p.add_argument("--no-output-pages", action="store_true",
                    help="timed_trace: do not model the pages of generated tokens (the engine saves them too)")
+    p.add_argument("--admission", metavar="LIST", default=None,
+                   help="L3 admission modes to compare, comma-separated (always, second_sight, reused_in_l2): per "
+                        "mode the hit rate, pages (and with --page-bytes bytes) written to L3 and tokens per tier")
     p.add_argument("--chart", metavar="PATH", default=None, help="write a chart (PNG, matplotlib) to PATH")
     p.add_argument("--json", action="store_true", help="print JSON")
     return p

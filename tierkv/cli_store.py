@@ -317,7 +317,47 @@ def _stats_zmq(args) -> dict:
     out["pages"] = sum(d["pages"] for d in ns)  # memory and spill
     out["bytes"] = sum(d["bytes"] for d in ns)
     out["namespaces"] = sorted(ns, key=lambda d: -d["bytes"])
+    out["traffic"] = _server_traffic(st, ns)
     return out
+
+
+def _server_traffic(st: dict, ns: list) -> dict:
+    """What a tierkv server counted since it started: pages written (``sets``) and read (``hits``), and their bytes
+    when every namespace holds pages of one payload size."""
+    sizes = {b for d in ns for b in d.get("payload_bytes", [])}
+    out = {"written_pages": int(st.get("sets", 0) or 0), "read_pages": int(st.get("hits", 0) or 0)}
+    if len(sizes) == 1:
+        pb = sizes.pop()
+        out.update(written_bytes=out["written_pages"] * pb, read_bytes=out["read_pages"] * pb)
+    return out
+
+
+def _engine_tiers(path: str) -> dict:
+    """Per tier (L2, L3) bytes written and served, from an engine scheduler's stats file (``stats_path``), and
+    whether the tier only writes (served under 1 % of what it wrote, :mod:`tierkv.connector.obs.tier_bytes`)."""
+    from tierkv.connector.obs.tier_bytes import SERVED_FRACTION
+
+    try:
+        with open(path) as f:
+            st = json.load(f)
+    except OSError as e:
+        raise CliError(EXIT_USAGE, f"--engine-stats {path}: cannot read it: {e.strerror or e}") from None
+    except ValueError:
+        raise CliError(EXIT_USAGE, f"--engine-stats {path}: not a JSON stats file") from None
+    if not isinstance(st, dict) or "l2_written_bytes" not in st:
+        role = st.get("role") if isinstance(st, dict) else None
+        raise CliError(EXIT_USAGE, f"--engine-stats {path}: no per-tier byte counters in it"
+                                   + (" (a worker's file: give the scheduler's)" if role == "worker" else
+                                      " (give an engine scheduler's stats_path file)"))
+    out = {}
+    for tier in ("l2", "l3"):
+        if f"{tier}_written_bytes" not in st:
+            continue
+        w, sv = int(st[f"{tier}_written_bytes"]), int(st.get(f"{tier}_served_bytes", 0))
+        out[tier.upper()] = {"written_bytes": w, "served_bytes": sv,
+                             "served_fraction": sv / w if w else None,
+                             "write_only": bool(w) and sv < SERVED_FRACTION * w}
+    return {"file": path, "tiers": out}
 
 
 def _page_version() -> int:
@@ -578,13 +618,27 @@ def _print_stats(d: dict) -> None:
         if ns.get("describe"):
             print("  " + ", ".join(f"{k}={v}" for k, v in ns["describe"].items()))
         print("  age: " + "  ".join(f"{lab} {n}" for lab, n in zip(d["age_labels"], ns["ages"])))
+    t = d.get("traffic")
+    if t:
+        print(f"  written: {t['written_pages']} pages" + (f" ({human_bytes(t['written_bytes'])})" if "written_bytes" in t
+                                                         else "")
+              + f", read: {t['read_pages']} pages" + (f" ({human_bytes(t['read_bytes'])})" if "read_bytes" in t else ""))
+    eng = d.get("engine")
+    if eng:
+        for tier, v in eng["tiers"].items():
+            frac = "" if v["served_fraction"] is None else f" ({100 * v['served_fraction']:.2f} %)"
+            print(f"engine {tier}: wrote {human_bytes(v['written_bytes'])}, served {human_bytes(v['served_bytes'])}"
+                  f"{frac}" + (": writes only; for L3 consider l3.admission: second_sight" if v["write_only"] else ""))
     if d.get("note"):
         print(f"note: {d['note']}")
 
 
 def cmd_stats(args) -> int:
+    engine = _engine_tiers(args.engine_stats) if args.engine_stats else None  # bad input before the store
     d = {"file": _stats_file, "zmq": _stats_zmq, "mooncake": _stats_mooncake,
          "lmcache": _stats_lmcache, "redis": _stats_redis}[args._target.kind](args)
+    if engine is not None:
+        d["engine"] = engine
     if args.json:
         print(json.dumps(d, indent=1, default=list))
     else:
@@ -846,6 +900,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _common(s, _ADDR)
     s.add_argument("--json", action="store_true", help="print JSON instead of text")
     s.add_argument("--key-prefix", default="tierkv", help="key prefix of a redis store (l3.redis.key_prefix)")
+    s.add_argument("--engine-stats", metavar="FILE", default=None,
+                   help="an engine scheduler's stats file (config stats_path): also print the bytes each tier (L2, "
+                        "L3) wrote and served, and flag a tier that only writes")
     s.set_defaults(_store_run=cmd_stats)
     v = sub.add_parser("verify", help="read every record and check its checksums",
                        description="Read every record, check header and payload checksums, namespace, key and "

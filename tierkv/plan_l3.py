@@ -72,7 +72,9 @@ def run_jobs(sched, plan, store: PolicyStore) -> list[int]:
     return bad
 
 
-def controller_kwargs(store: PolicyStore) -> dict:
+def controller_kwargs(store: PolicyStore, admission: str = "always") -> dict:
     """The controller of a write-through engine whose L3 answers existence in the scheduler's process (the file
-    store) and whose every L3 hit is an asynchronous load (the planner has no clock)."""
-    return {"write_policy": "write_through", "sync_load_max_s": 0.0, "exists_fn": store.leading}
+    store) and whose every L3 hit is an asynchronous load (the planner has no clock), with ``l3.admission``
+    ``admission``."""
+    return {"write_policy": "write_through", "sync_load_max_s": 0.0, "exists_fn": store.leading,
+            "admission": admission}

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tierkv.storage_backends.common import ConfigError, unknown_key  # noqa: F401 - re-exported: ConfigError
 from tierkv.storage_backends.eviction import POLICIES as EVICTION_POLICIES
-from tierkv.storage_backends.factory import L3Config, validate_l3  # noqa: F401 - re-exported
+from tierkv.storage_backends.factory import L3_ADMISSIONS, L3Config, validate_l3  # noqa: F401 - re-exported
 from tierkv.connector.core.page_hash import check_salt, resolve_salt
 from tierkv.connector.cpu.thread_priority import WRITER_PRIORITIES
 
@@ -77,11 +77,14 @@ class ControllerConfig(_Strict):
     shutdown_drain_s: float = Field(default=10.0, ge=0)
     gil_switch_interval_s: float = Field(default=0.05, ge=0, le=1.0)
     writer_priority: Literal[WRITER_PRIORITIES] = "normal"
+    #: a tier (L2 or L3) that wrote more than this and served under 1 % of it is warned about (0 = never); read by
+    #: :mod:`tierkv.connector.obs.tier_bytes`, with or without an L3 store
+    write_only_warn_bytes: int = Field(default=1 << 30, ge=0)
 
     def scheduler_kwargs(self) -> dict:
         """Keyword arguments of :class:`tierkv.connector.l3.controller.Controller`."""
         return self.model_dump(exclude={"batch_pages", "read_threads", "max_backup_pages", "gil_switch_interval_s",
-                                        "writer_priority"})
+                                        "writer_priority", "write_only_warn_bytes"})
 
 
 class TierKVConfig(_Strict):
@@ -303,6 +306,10 @@ def load_config(config_file: Optional[str | os.PathLike] = None, overrides: Opti
     return cfg
 
 
+#: ``controller`` keys read without an L3 store too (the L2 tier's write-only warning)
+USED_WITHOUT_L3 = ("write_only_warn_bytes",)
+
+
 def check_controller_used(cfg: TierKVConfig) -> None:
     """Refuse ``controller.*`` values other than the defaults when ``l3.backend`` is ``none``: nothing reads them
     then (the controller runs only with an L3 store), so a set value would silently do nothing.
@@ -313,7 +320,8 @@ def check_controller_used(cfg: TierKVConfig) -> None:
     if cfg.l3.backend != "none":
         return
     defaults = ControllerConfig()
-    unused = [k for k in ControllerConfig.model_fields if getattr(cfg.controller, k) != getattr(defaults, k)]
+    unused = [k for k in ControllerConfig.model_fields if getattr(cfg.controller, k) != getattr(defaults, k)
+              and k not in USED_WITHOUT_L3]
     if not unused:
         return
     lines = [f"bad value {getattr(cfg.controller, k)!r} for 'controller.{k}': the controller.* keys have no "

@@ -78,6 +78,8 @@ class CacheScheduler:
         self._l3_since: dict[str, int] = {}  # request -> plans built when its lookup first waited for / hit L3
         #: the lookup trace writer (config ``trace_path``, :class:`tierkv.connector.obs.lookup_trace.LookupTrace`) or None
         self.trace = None
+        #: per-tier bytes written and served, and the write-only warning (:mod:`tierkv.connector.obs.tier_bytes`) or None
+        self.tier_bytes = None
         self.ctl: Optional[Controller] = None
         if controller is not None and num_slots > 0:
             self.ctl = Controller(self.index, self.allocator, page_size=page_size, lookup_stats=self.lookup_stats,
@@ -326,6 +328,8 @@ class CacheScheduler:
                  locked_pages=s.locked_pages,
                  free_slots=self.allocator.num_free, num_slots=self.num_slots,
                  live_requests=len(self.requests))
+        if self.tier_bytes is not None:
+            self.tier_bytes.add_to(d)
         return d
 
     def check_invariants(self) -> None:

@@ -4,7 +4,9 @@
 is backed up once its node was hit ``write_through_threshold`` times. ``write_back``: a page is backed up only when L2
 eviction picks it (on demand, and ahead of demand to keep a quarter of the slots free or being freed); its slot is
 freed only after the store acknowledged the page, and a page whose backup failed is dropped, never marked as stored.
-While a backup runs, the index node holding its pages is locked (its slots cannot be evicted or reused).
+While a backup runs, the index node holding its pages is locked (its slots cannot be evicted or reused). Every page a
+policy offers passes the controller's admission (:mod:`~tierkv.connector.l3.admission`, ``l3.admission``) first;
+``reused_in_l2`` moves the offer to L2 eviction, as ``write_back`` does, whatever the write policy.
 """
 from __future__ import annotations
 
@@ -42,31 +44,66 @@ class BackupPolicy:
     """Mixin of :class:`~tierkv.connector.l3.controller.Controller`: when pages go to L3, and how L2 makes room
     (``write_back`` victims are backed up before their slots are freed)."""
 
-    def after_save(self, path: Sequence[bytes], start: int) -> None:
-        """Pages ``path[start:]`` were just given L2 slots and saved (in this step's plan)."""
-        if self.write_policy == "write_through" and start < len(path):
-            self._backup(path, range(start, len(path)))
+    def after_save(self, path: Sequence[bytes], start: int, req_id: Optional[str] = None) -> None:
+        """Pages ``path[start:]`` were just given L2 slots and saved (in this step's plan), by request ``req_id``
+        (None: pages back in L2 for another reason; the admission does not count them as seen)."""
+        if start >= len(path):
+            return
+        adm = self.admission
+        if req_id is not None:
+            adm.seen(req_id, path, start)
+        if self.write_policy == "write_through" and not adm.on_eviction:
+            self._backup_admitted(path, list(range(start, len(path))))
 
     def after_hit(self, path: Sequence[bytes], upto: int) -> None:
         """Pages ``path[:upto]`` were hit (matched and loaded or kept): under ``write_through_selective``, back up
-        those whose node reached the hit threshold."""
-        if self.write_policy != "write_through_selective" or upto <= 0:
+        those whose node reached the hit threshold; under ``write_through`` with ``second_sight``, those rejected at
+        their save that a second request has seen now."""
+        if upto <= 0:
             return
-        due = [i for node, j, i in self.index.walk(path[:upto])
-               if node.hit_count >= self.threshold and not node.in_l3[j] and node.host_slots[j] != NO_SLOT]
-        if due:
-            self._backup(path, due)
+        adm = self.admission
+        adm.hit(path[:upto])
+        if adm.on_eviction:
+            return
+        if self.write_policy == "write_through_selective":
+            due = [i for node, j, i in self.index.walk(path[:upto])
+                   if node.hit_count >= self.threshold and not node.in_l3[j] and node.host_slots[j] != NO_SLOT]
+            if due:
+                self._backup_admitted(path, due)
+        elif self.write_policy == "write_through" and adm.mode == "second_sight":
+            due = [i for node, j, i in self.index.walk(path[:upto])
+                   if not node.in_l3[j] and node.host_slots[j] != NO_SLOT and path[i] not in self._backing_up]
+            if due:
+                self._backup_admitted(path, due, count_rejects=False)
 
-    def _backup(self, path: Sequence[bytes], idxs, victim: Optional[RadixNode] = None) -> bool:
+    @property
+    def l1_hits_offer(self) -> bool:
+        """Whether a prefix the engine's own cache (L1) served is a hit that may start backups
+        (:meth:`after_hit`): under ``write_through_selective``, and under ``write_through`` with ``second_sight``
+        (a second request served from L1 is a second sight of those pages)."""
+        return self.write_policy == "write_through_selective" or (
+            self.write_policy == "write_through" and self.admission.mode == "second_sight")
+
+    def _backup_admitted(self, path: Sequence[bytes], idxs: list, victim: Optional[RadixNode] = None,
+                         count_rejects: bool = True) -> list:
+        """Back up the pages at ``idxs`` (positions in ``path``, in order) that can be backed up (an L2 copy, not in
+        L3, not being backed up) and that the admission admits (a leading run of them); returns the positions
+        backed up (empty when none)."""
+        return self._backup(path, idxs, victim=victim,
+                            admit=lambda keys: self.admission.admit_run(keys, count_rejects))
+
+    def _backup(self, path: Sequence[bytes], idxs, victim: Optional[RadixNode] = None, admit=None) -> list:
         path = list(path)
         idxs = [i for i in idxs if path[i] not in self._backing_up]
         if not idxs:
-            return False
+            return []
         last = max(idxs) + 1
         m = self.index.match_prefix(path[:last], require_l2=False, split=True)
         idxs = [i for i in idxs if i < m.num_pages and m.host_slots[i] != NO_SLOT and not m.in_l3[i]]
+        if idxs and admit is not None:
+            idxs = idxs[:admit([path[i] for i in idxs])]
         if not idxs:
-            return False
+            return []
         lock = self.index.lock(m.last_node)
         keys = [path[i] for i in idxs]
         self._backing_up.update(keys)
@@ -74,7 +111,7 @@ class BackupPolicy:
         self._order(_JobState(job, lock=lock, path=path[: m.num_pages], idx=idxs, victim=victim))
         self.counters.backup_jobs += 1
         self.counters.backup_ordered_pages += len(keys)
-        return True
+        return idxs
 
     def _end_backup(self, st: _JobState, r: JobReport) -> None:
         if st.cancelled:  # cancel_backups released everything; its pages left the index
@@ -95,9 +132,9 @@ class BackupPolicy:
             self.index.unlock(st.lock)
         v = st.victim
         if v is not None and v.parent is not None and v.lock_ref == 0 and any(s != NO_SLOT for s in v.host_slots):
-            # write_back: the eviction that started this backup goes on now; pages whose backup failed are
-            # dropped with it, never marked as stored
-            self.counters.write_back_dropped_pages += sum(1 for f in v.in_l3 if not f)
+            # write_back: the eviction that started this backup goes on now; pages whose backup failed (or that
+            # admission did not let into it) are dropped with it, never marked as stored
+            self.counters.write_back_dropped_pages += len(r.ok) - stored  # not those admission turned away
             self.allocator.free(self.index.drop_l2(v))
 
     def cancel_backups(self, keys: set[bytes]) -> None:
@@ -135,17 +172,19 @@ class BackupPolicy:
         reclaim_l2(self.index, self.allocator, target, back_up=self._write_back_victim, freeing=freeing)
 
     def _write_back_victim(self, v: RadixNode) -> Optional[int]:
-        """:func:`reclaim_l2`'s ``back_up`` under ``write_back``: back up the victim's pages L3 lacks and keep its L2
-        copy until the report; returns how many of its slots that will free, or None (nothing to back up, another
-        policy, or the backup could not start: drop it now)."""
+        """:func:`reclaim_l2`'s ``back_up`` under ``write_back`` (or admission ``reused_in_l2``): back up the
+        victim's pages L3 lacks that the admission admits and keep its L2 copy until the report; returns how many of
+        its slots that will free, or None (nothing to back up or admitted, another policy, or the backup could not
+        start: drop it now)."""
         missing = [j for j, f in enumerate(v.in_l3) if not f]
-        if self.write_policy != "write_back" or not missing:
+        if (self.write_policy != "write_back" and not self.admission.on_eviction) or not missing:
             return None
         path = self.index.path_keys(v)
         off = len(path) - v.num_pages
-        if not self._backup(path, [off + j for j in missing], victim=v):
+        started = self._backup_admitted(path, [off + j for j in missing], victim=v)
+        if not started:
             return None
-        self.counters.write_back_pages += len(missing)
+        self.counters.write_back_pages += len(started)
         return sum(1 for sl in v.host_slots if sl != NO_SLOT)
 
     def room_possible(self, need: int) -> bool:

@@ -21,6 +21,7 @@ from tierkv.connector.core.config import WRITE_POLICIES
 from tierkv.connector.core.plan import Job
 from tierkv.connector.core.radix_index import RadixIndex
 from tierkv.connector.l2.slot_allocator import SlotAllocator
+from tierkv.connector.l3.admission import DEFAULT_WINDOW_PAGES, Admission
 from tierkv.connector.l3.backup import BackupPolicy, reclaim_l2
 from tierkv.connector.l3.existence import Existence
 from tierkv.connector.l3.hit_estimates import HitEstimates, _Ewma
@@ -62,11 +63,14 @@ class Controller(JobTable, BackupPolicy, Existence, Prefetch, HitEstimates, Outc
         shutdown_drain_s: a backup or prefetch out longer than this (seconds) no longer keeps the engine stepping
             (:meth:`pins_pending`), so that vLLM's shutdown, which waits for that, ends within it on a store that
             stalls; the workers give queued backups the same time at shutdown.
+        admission / admission_window_pages: the ``l3.admission`` and ``l3.admission_window_pages`` config keys
+            (:class:`~tierkv.connector.l3.admission.Admission`).
         clock: monotonic seconds.
         lookup_stats: the scheduler's :class:`LookupStats` (the controller resolves the outcome of L3 loads and
             records L3 store times into it); None = its own.
     Raises:
-        ValueError: an unknown policy (naming the allowed ones), a deadline <= 0, world_size < 1.
+        ValueError: an unknown policy or admission (naming the allowed ones), a deadline <= 0, world_size < 1, a
+            window <= 0.
     """
 
     def __init__(self, index: RadixIndex, allocator: SlotAllocator, *, page_size: int, world_size: int = 1,
@@ -76,7 +80,8 @@ class Controller(JobTable, BackupPolicy, Existence, Prefetch, HitEstimates, Outc
                  negative_ttl_s: float = 2.0, room_retry_steps: int = 8, room_wait_s: float = 0.5,
                  probe_interval_s: float = 5.0, sync_load_max_s: float = 0.02, exists_in_scheduler: bool = True,
                  exists_fn: Optional[Callable[[Sequence[bytes]], Optional[int]]] = None,
-                 max_index_pages: int = 1 << 22, shutdown_drain_s: float = 10.0,
+                 max_index_pages: int = 1 << 22, shutdown_drain_s: float = 10.0, admission: str = "always",
+                 admission_window_pages: int = DEFAULT_WINDOW_PAGES,
                  clock: Callable[[], float] = time.monotonic, lookup_stats: Optional[LookupStats] = None):
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"bad value {write_policy!r} for 'controller.write_policy': allowed values are "
@@ -107,6 +112,7 @@ class Controller(JobTable, BackupPolicy, Existence, Prefetch, HitEstimates, Outc
         self.shutdown_drain_s = shutdown_drain_s
         self.clock = clock
         self.counters = ControllerCounters()
+        self.admission = Admission(admission, admission_window_pages)
         self._next_id = 1
         self._outbox: list[Job] = []
         self._jobs: dict[int, _JobState] = {}
@@ -130,6 +136,8 @@ class Controller(JobTable, BackupPolicy, Existence, Prefetch, HitEstimates, Outc
         None = not known yet (another request is fetching these pages, an existence answer or L2 staging room is
         pending): vLLM asks again next step. Counts the deferred lookups and the hits declined as slow."""
         m = self.index.match_prefix(keys, require_l2=False)
+        if m.num_pages < len(keys):  # pages no tier holds: did admission turn them away?
+            self.admission.wanted(keys[m.num_pages:])
         avail = self.usable_pages(keys, m.host_slots, m.in_l3)
         lo = max(first, l2_run)
         i, wait = self.fetch_state(keys[lo:avail + 1], req_id)
@@ -187,8 +195,14 @@ class Controller(JobTable, BackupPolicy, Existence, Prefetch, HitEstimates, Outc
         """:meth:`LoadPolicy.deadline_s`: seconds a prefetch may run before its request is released."""
         return self.load_policy.deadline_s(fetch_pages)
 
+    def end_request(self, req_id: str) -> bool:
+        """:meth:`Prefetch.end_request`, and the admission forgets the request's lookups."""
+        self.admission.end_request(req_id)
+        return super().end_request(req_id)
+
     def stats(self) -> dict:
         d = self.counters.as_dict()
+        d.update(self.admission.stats())
         d.update(ctl_pending_jobs=self.pending_jobs(), ctl_backing_up_pages=len(self._backing_up),
                  ctl_fetching_pages=len(self._fetching),
                  ctl_fetch_ms_per_page=None if self.fetch_s_per_page.value is None

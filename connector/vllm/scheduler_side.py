@@ -317,7 +317,8 @@ def build_scheduler_side(vllm_config, kv_cache_config, kv_transfer_config, cfg: 
     ctl, exists_stores = None, ()
     if cfg.l3.backend != "none":
         exists, exists_stores = scheduler_exists_for(cfg, namespace, num_slots, geo.page_bytes)
-        ctl = dict(cfg.controller.scheduler_kwargs(), world_size=geo.world_size, exists_fn=exists)
+        ctl = dict(cfg.controller.scheduler_kwargs(), world_size=geo.world_size, exists_fn=exists,
+                   admission=cfg.l3.admission, admission_window_pages=cfg.l3.admission_window_pages)
         LoadPolicy.hybrid_override(ctl, geo.hybrid)
         if getattr(kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
             logger.warning("tierkv: with an L3 store set \"kv_load_failure_policy\": \"recompute\" in "
@@ -330,6 +331,11 @@ def build_scheduler_side(vllm_config, kv_cache_config, kv_transfer_config, cfg: 
     events = _tier_events(vllm_config, kv_cache_config, cfg, geo, num_slots, requests)
     if events is not None:
         sched.index.events = events
+    if num_slots > 0:  # bytes per tier written and served, and the write-only warning (connector/obs/tier_bytes.py)
+        from tierkv.connector.obs.tier_bytes import TierBytes
+        sched.tier_bytes = TierBytes(geo.page_bytes * geo.world_size,
+                                     geo.page_bytes * (1 if geo.use_mla else geo.world_size), geo.page_size,
+                                     cfg.controller.write_only_warn_bytes)
     if cfg.trace_path:  # the lookup trace for `tierkv plan` (connector/obs/lookup_trace.py)
         from tierkv.connector.obs.lookup_trace import LookupTrace
         sched.trace = LookupTrace(cfg.trace_path, geo.page_size, num_slots, cfg.eviction_policy)

@@ -47,7 +47,7 @@ class LoadPlanner:
         l3_hit = (st.async_hit or st.sync_hit) and self.ctl is not None
         from_l2 = 0 if l3_hit else num_external_tokens  # L3 hits: the controller's counters
         self.counters.l2_hit_tokens += from_l2
-        if c >= self.page_size and self.ctl is not None and self.ctl.write_policy == "write_through_selective":
+        if c >= self.page_size and self.ctl is not None and self.ctl.l1_hits_offer:
             # a prefix the engine's own cache (L1) served is a hit too: without this, pages vLLM keeps hitting in
             # L1 never reach the threshold and are never backed up
             dev = st.keys.extend(st.tokens)[: c // self.page_size]

@@ -51,6 +51,8 @@ class PrefixLookup:
         # the L2 run, resumed from the last lookup's cursor: O(1) when nothing on the path changed
         l2_run, st.cursor = self.index.match_len(all_keys, cap_pages, require_l2=True, cursor=st.cursor)
         first = num_computed_tokens // self.page_size
+        if self.ctl is not None:  # l3.admission second_sight: the request saw these keys
+            self.ctl.admission.seen_lookup(req_id, all_keys, cap_pages)
         if self.ctl is None or l2_run == cap_pages:  # with L3 too: nothing more to find when L2 holds every page
             return max(0, l2_run * self.page_size - num_computed_tokens)
         if self.index.events is not None:  # KV events: pages an L3 existence answer may index (kv_events.py)

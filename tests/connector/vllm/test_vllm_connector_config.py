@@ -221,7 +221,7 @@ NON_DEFAULT = {"write_policy": "write_back", "write_through_threshold": 5, "pref
                "negative_ttl_s": 3.5, "room_retry_steps": 3, "room_wait_s": 0.25, "probe_interval_s": 2.5,
                "sync_load_max_s": 0.05, "exists_in_scheduler": False, "max_index_pages": 1000, "batch_pages": 8, "read_threads": 3,
                "max_backup_pages": 100, "shutdown_drain_s": 0.5, "gil_switch_interval_s": 0.02,
-               "writer_priority": "idle"}
+               "writer_priority": "idle", "write_only_warn_bytes": 5}
 # where each key ends up: the scheduler's Controller, the worker's L3IO or the worker's process (the GIL switch interval
 # while the worker runs; shutdown_drain_s: also the worker's shutdown, checked below)
 READ_BY = {"write_policy": ("ctl", "write_policy"), "write_through_threshold": ("ctl", "threshold"),
@@ -234,7 +234,8 @@ READ_BY = {"write_policy": ("ctl", "write_policy"), "write_through_threshold": (
            "max_index_pages": ("ctl", "max_index_pages"), "batch_pages": ("l3io", "batch_pages"),
            "read_threads": ("l3io", "read_threads"),
            "max_backup_pages": ("l3io", "max_backup_pages"), "shutdown_drain_s": ("ctl", "shutdown_drain_s"),
-           "gil_switch_interval_s": ("process", "switchinterval"), "writer_priority": ("l3io", "writer_priority")}
+           "gil_switch_interval_s": ("process", "switchinterval"), "writer_priority": ("l3io", "writer_priority"),
+           "write_only_warn_bytes": ("tier_bytes", "warn_bytes")}
 
 
 def test_every_controller_key_reaches_what_reads_it(model, tmp_path, monkeypatch):
@@ -242,6 +243,7 @@ def test_every_controller_key_reaches_what_reads_it(model, tmp_path, monkeypatch
     defaults = ControllerConfig()
     assert all(getattr(defaults, k) != v for k, v in NON_DEFAULT.items())
     extra = {"host_pool.num_pages": 8, "l3.backend": "file", "l3.file.root": str(tmp_path / "l3"),
+             "l3.admission": "reused_in_l2", "l3.admission_window_pages": 77,
              **{f"controller.{k}": v for k, v in NON_DEFAULT.items()}}
     s = connector(model, SCHEDULER, extra)
     before = sys.getswitchinterval()
@@ -259,7 +261,9 @@ def test_every_controller_key_reaches_what_reads_it(model, tmp_path, monkeypatch
     finally:
         sys.setswitchinterval(before)
     for key, (where, attr) in READ_BY.items():
-        got = {"ctl": lambda: getattr(ctl, attr), "l3io": lambda: getattr(l3io, attr), "process": lambda: running[attr]}
+        got = {"ctl": lambda: getattr(ctl, attr), "l3io": lambda: getattr(l3io, attr), "process": lambda: running[attr],
+               "tier_bytes": lambda: getattr(s._sched.tier_bytes, attr)}
         want = NON_DEFAULT[key]
         assert got[where]() == (pytest.approx(want) if where == "process" else want), key
     assert drains == [0.5]
+    assert (ctl.admission.mode, ctl.admission.window_pages) == ("reused_in_l2", 77)

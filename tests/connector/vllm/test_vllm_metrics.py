@@ -408,5 +408,40 @@ def test_controller_counters_the_docs_name_reach_the_prometheus_counters():
                       "hook_errors": 1}
 
 
+
+def test_tier_bytes_and_admission_counters_reach_prometheus():
+    """A scheduler snapshot's per-tier bytes and admission counters go out as deltas and become
+    ``vllm:tierkv_<key>_total`` series."""
+    from tierkv.connector.l3.admission import Admission
+    from tierkv.connector.obs.tier_bytes import TierBytes
+
+    reg = CollectorRegistry()
+
+    def own(cls):  # every metric in this test's registry: the default one already holds another test's
+        class Mine(cls):
+            def __init__(self, *a, **kw):
+                super().__init__(*a, registry=reg, **kw)
+        return Mine
+
+    class VC:
+        kv_transfer_config = None
+
+    m = TierKVPromMetrics(VC(), {Gauge: own(Gauge), Counter: own(Counter), Histogram: own(Histogram)},
+                          ["model_name", "engine"], {0: ["m", "0"]})
+    adm = Admission("second_sight", 8)
+    adm.admit_run([b"k" * 16, b"j" * 16])   # neither seen twice: both rejected
+    snap = {"save_pages": 3, "l2_hit_tokens": 16, "ctl_backup_stored_pages": 2, "ctl_l3_hit_tokens": 0,
+            **adm.stats()}
+    TierBytes(100, 50, 16, warn_bytes=0).add_to(snap)
+    d = CounterDeltas()
+    m.observe(d.take(snap).data, engine_idx=0)
+    lab = {"model_name": "m", "engine": "0"}
+    got = {k: reg.get_sample_value(f"vllm:tierkv_{k}_total", lab)
+           for k in ("l2_written_bytes", "l2_served_bytes", "l3_written_bytes", "l3_served_bytes",
+                     "ctl_admission_offered_pages", "ctl_admission_rejected_pages", "ctl_admission_admitted_pages")}
+    assert got == {"l2_written_bytes": 300, "l2_served_bytes": 100, "l3_written_bytes": 100, "l3_served_bytes": 0,
+                   "ctl_admission_offered_pages": 2, "ctl_admission_rejected_pages": 2,
+                   "ctl_admission_admitted_pages": 0}
+
 # every test here starts its objects on a machine booted a moment ago (both clocks at 0.0)
 pytestmark = pytest.mark.usefixtures("young_clock")
