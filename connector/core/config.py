@@ -30,6 +30,8 @@ from tierkv.connector.cpu.thread_priority import WRITER_PRIORITIES
 HOST_POOL_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+#: which forwards the L3 writer starts no backup batch during (:class:`tierkv.connector.l2.step.WorkerStep`)
+BACKUP_PAUSES = ("prefill", "forward", "never")
 
 
 class _Strict(BaseModel):
@@ -76,11 +78,12 @@ class ControllerConfig(_Strict):
     shutdown_drain_s: float = Field(default=10.0, ge=0)
     gil_switch_interval_s: float = Field(default=0.05, ge=0, le=1.0)
     writer_priority: Literal[WRITER_PRIORITIES] = "normal"
+    backup_pause: Literal[BACKUP_PAUSES] = "prefill"
 
     def scheduler_kwargs(self) -> dict:
         """Keyword arguments of :class:`tierkv.connector.l3.controller.Controller`."""
         return self.model_dump(exclude={"batch_pages", "read_threads", "max_backup_pages", "gil_switch_interval_s",
-                                        "writer_priority"})
+                                        "writer_priority", "backup_pause"})
 
 
 class TierKVConfig(_Strict):
