@@ -142,6 +142,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default="", metavar="CONFIGS",
                     help="record the servers of these configurations (comma-separated) with py-spy during their "
                     "blocks (raw stacks by thread, runs/.../pyspy-*.txt) and print their top frames")
+    ap.add_argument("--profile-repeats", type=int, default=1,
+                    help="with --profile: record only the first N repeats, left out of the summary (default 1)")
     ap.add_argument("--profile-args", default="--rate 100", help="extra py-spy record arguments (e.g. --native, --gil)")
     ap.add_argument("--top-of", default=None, metavar="PYSPY_TXT", help="only print the top frames of a py-spy file")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "first_sight.json"))
@@ -179,7 +181,7 @@ def main(argv=None) -> int:
             docs = documents(rep, args.docs, args.doc_len, vocab)
             for c in results.rotated(configs, rep):
                 spy = None
-                if c in profile:
+                if c in profile and rep < args.profile_repeats:
                     spy = subprocess.Popen([str(REPO / ".venv" / "bin" / "py-spy"), "record", "--threads",
                                             "--subprocesses", "--format", "raw", *args.profile_args.split(),
                                             "-p", str(servers[c].proc.pid),
@@ -188,8 +190,8 @@ def main(argv=None) -> int:
                     time.sleep(1.0)  # py-spy attaches to the server's processes
                 load0 = loadavg()
                 for i, d in enumerate(docs):
-                    runs.append({"config": c, "repeat": rep, "doc": i, "ttft_s": ttft(servers[c].url, model_dir, d,
-                                                                                      args.max_tokens)})
+                    runs.append({"config": c, "repeat": rep, "doc": i, "profiled": spy is not None,
+                                 "ttft_s": ttft(servers[c].url, model_dir, d, args.max_tokens)})
                 if spy is not None:
                     time.sleep(1.0)
                     spy.send_signal(2)
@@ -202,7 +204,7 @@ def main(argv=None) -> int:
         stops = {c: s.stop() for c, s in servers.items()}
     data = {"benchmark": "first_sight", "code": dict(results.code_state(), source="working tree"),
             "old_rev": args.old_rev, "machine": machine(), "args": vars(args), "runs": runs, "blocks": blocks,
-            "summary": summary(runs, configs), "stats": {c: stats_of(work / c) for c in configs if c != "none"},
+            "summary": summary([r for r in runs if not (profile and r["repeat"] < args.profile_repeats)], configs), "stats": {c: stats_of(work / c) for c in configs if c != "none"},
             "run_dir": str(work.relative_to(REPO)), "stops": {c: str(v) for c, v in stops.items()}}
     results.write_result(Path(args.out), data)
     print(json.dumps(data["summary"], indent=1))
