@@ -23,7 +23,8 @@ BLOCK = 32
 CONFIGS = ["ideal", "none", "tierkv_l2", "tierkv_l3_file", "tierkv_l3_zmq", "tierkv_write_back",
            "tierkv_l3_file_shm", "tierkv_l3_file_p4", "noop_connector", "tierkv_l3_file_selective",
            "tierkv_l3_file_gil_default", "tierkv_l3_file_full", "tierkv_l3_zmq_full",
-           "tierkv_l3_file_full_writer_normal", "tierkv_l3_redis"]
+           "tierkv_l3_file_full_writer_normal", "tierkv_l3_redis", "tierkv_l3_file_pause_prefill",
+           "tierkv_l3_file_pause_forward"]
 
 
 P4_BLOCKS = 4   # blocks per page of tierkv_l3_file_p4
@@ -31,7 +32,7 @@ P4_BLOCKS = 4   # blocks per page of tierkv_l3_file_p4
 
 FILE_L3_CONFIGS = ("tierkv_l3_file", "tierkv_write_back", "tierkv_l3_file_shm", "tierkv_l3_file_p4",
                    "tierkv_l3_file_selective", "tierkv_l3_file_gil_default", "tierkv_l3_file_full",
-                   "tierkv_l3_file_full_writer_normal")
+                   "tierkv_l3_file_full_writer_normal", "tierkv_l3_file_pause_prefill", "tierkv_l3_file_pause_forward")
 
 
 #: file-L3 configurations whose store is ``FULL_L3_BYTES``
@@ -49,7 +50,9 @@ WRITE_POLICY = {"tierkv_write_back": "write_back", "tierkv_l3_file_selective": "
 
 #: other controller keys of a file-L3 configuration
 CONTROLLER_KEYS = {"tierkv_l3_file_gil_default": {"gil_switch_interval_s": 0.0},
-                   "tierkv_l3_file_full_writer_normal": {"writer_priority": "normal"}}
+                   "tierkv_l3_file_full_writer_normal": {"writer_priority": "normal"},
+                   "tierkv_l3_file_pause_prefill": {"backup_pause": "prefill"},
+                   "tierkv_l3_file_pause_forward": {"backup_pause": "forward"}}
 
 
 WORKLOADS = ["prefix_repetition", "multiturn", "random"]
@@ -75,6 +78,10 @@ CONFIG_TEXT = {
                           "auto; soon at capacity: each write evicts a record), write_through",
     "tierkv_l3_file_full_writer_normal": "as tierkv_l3_file_full, the L3 writer thread always in the normal "
                                          "scheduling class (`controller.writer_priority: normal`)",
+    "tierkv_l3_file_pause_prefill": "as tierkv_l3_file, the L3 writer paused during a forward computing "
+                                    "prompt tokens (`controller.backup_pause: prefill`)",
+    "tierkv_l3_file_pause_forward": "as tierkv_l3_file, the L3 writer paused during every forward "
+                                    "(`controller.backup_pause: forward`)",
     "tierkv_l3_redis": "L1 {l1_blocks} + L2 {l3_l2_pages} pages + redis L3 (`redis-server` on loopback, 4 GiB "
                        "allkeys-lru), write_through",
 }

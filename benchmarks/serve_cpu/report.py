@@ -63,7 +63,8 @@ def table(data: dict) -> str:
 TARGETS = {"tierkv_l2": 0.95, "tierkv_l3_file": 0.9, "tierkv_l3_zmq": 0.9, "tierkv_write_back": 0.9,
            "tierkv_l3_file_shm": 0.9, "tierkv_l3_file_p4": 0.9, "tierkv_l3_file_selective": 0.9,
            "tierkv_l3_file_gil_default": 0.9, "tierkv_l3_file_full": 0.9, "tierkv_l3_zmq_full": 0.9,
-           "tierkv_l3_file_full_writer_normal": 0.9, "tierkv_l3_redis": 0.9}
+           "tierkv_l3_file_full_writer_normal": 0.9, "tierkv_l3_redis": 0.9, "tierkv_l3_file_pause_prefill": 0.9,
+           "tierkv_l3_file_pause_forward": 0.9}
 
 
 NO_REUSE_TARGET = 0.97

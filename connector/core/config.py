@@ -31,6 +31,8 @@ from tierkv.connector.cpu.thread_priority import WRITER_PRIORITIES
 HOST_POOL_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+#: which forwards the L3 writer starts no backup batch during (:class:`tierkv.connector.l2.step.WorkerStep`)
+BACKUP_PAUSES = ("prefill", "forward", "never")
 
 
 class _Strict(BaseModel):
@@ -80,11 +82,12 @@ class ControllerConfig(_Strict):
     #: a tier (L2 or L3) that wrote more than this and served under 1 % of it is warned about (0 = never); read by
     #: :mod:`tierkv.connector.obs.tier_bytes`, with or without an L3 store
     write_only_warn_bytes: int = Field(default=1 << 30, ge=0)
+    backup_pause: Literal[BACKUP_PAUSES] = "never"
 
     def scheduler_kwargs(self) -> dict:
         """Keyword arguments of :class:`tierkv.connector.l3.controller.Controller`."""
         return self.model_dump(exclude={"batch_pages", "read_threads", "max_backup_pages", "gil_switch_interval_s",
-                                        "writer_priority", "write_only_warn_bytes"})
+                                        "writer_priority", "write_only_warn_bytes", "backup_pause"})
 
 
 class TierKVConfig(_Strict):

@@ -7,6 +7,8 @@ synchronous loads, after it otherwise), :meth:`WorkerStep.layer_ready` (layer by
 :meth:`WorkerStep.after_forward` (loads finished, L1 -> L2 saves run, backups handed to the writer) and
 :meth:`WorkerStep.end_step` (reads of this step waited for at most :data:`STEP_READ_WAIT_FRACTION` of the step so
 far, then the requests whose asynchronous load ended, and those whose load failed with several KV cache groups).
+With ``backup_pause`` ``prefill`` (``forward``) the L3 writer starts no backup batch from ``before_forward`` of a
+step that computes prompt tokens (of every step) to the end of its ``after_forward`` (``L3IO.pause_backups``).
 :meth:`WorkerStep.take_result` hands the job reports and timed forwards over, :meth:`WorkerStep.failed_blocks` the
 blocks to recompute. An exception inside a call goes to ``on_error(counters, call, err)`` and becomes failed pages
 or a miss, never an engine error. Times are ``time.perf_counter`` seconds.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
+from tierkv.connector.core.config import BACKUP_PAUSES
 from tierkv.connector.core.plan import JobReport, StepPlan
 from tierkv.connector.l3.load_policy import STEP_READ_WAIT_FRACTION, LoadPolicy  # noqa: F401  (re-exported)
 
@@ -28,11 +31,17 @@ TIMED_STEP_PAGES = 4
 class WorkerStep:
     """Drives ``worker`` through each step (see the module docstring). ``page_size``: tokens per page;
     ``hybrid``: several KV cache groups (failed loads are reported as requests); ``on_error(counters, call, err)``:
-    counts and logs an exception caught in a call."""
+    counts and logs an exception caught in a call; ``backup_pause``: one of :data:`BACKUP_PAUSES`.
+
+    Raises:
+        ValueError: an unknown ``backup_pause``."""
 
     def __init__(self, worker: CacheWorker, page_size: int, hybrid: bool,
-                 on_error: Callable[[object, str, BaseException], None]):
+                 on_error: Callable[[object, str, BaseException], None], backup_pause: str = "never"):
+        if backup_pause not in BACKUP_PAUSES:
+            raise ValueError(f"backup_pause must be one of {', '.join(BACKUP_PAUSES)}, got {backup_pause!r}")
         self.worker, self.page_size, self.hybrid, self.on_error = worker, page_size, hybrid, on_error
+        self.backup_pause = backup_pause
         self.bound_at: Optional[float] = None             # perf_counter time the current plan was bound
         self._fwd: Optional[tuple[int, int, float]] = None  # (step, prompt tokens, start) of this forward
         self._forwards: list[tuple[int, int, float]] = []   # timed forwards not reported yet
@@ -43,6 +52,8 @@ class WorkerStep:
         if not isinstance(plan, StepPlan):
             return
         self.bound_at = time.perf_counter()
+        if self.backup_pause == "forward" or (self.backup_pause == "prefill" and plan.prefill_tokens > 0):
+            self.worker.l3.pause_backups()  # until after_forward: the writer leaves this forward's CPU alone
         if plan.prefill_tokens >= TIMED_STEP_PAGES * self.page_size:  # timed until after_forward
             self._fwd = (plan.step, plan.prefill_tokens, time.perf_counter())
         if plan.jobs:
@@ -94,13 +105,16 @@ class WorkerStep:
         except Exception as e:  # those pages are not in L2; a later hit on them recomputes
             self.on_error(w.counters, "wait_for_save", e)
             w.forget_saves(plan.saves)
-        if plan.jobs:
-            todo = w.unsubmitted(plan)
-            try:
-                w.submit_jobs(plan)
-            except Exception as e:  # answered "not done" at once, so the scheduler side never waits for them
-                self.on_error(w.counters, "wait_for_save", e)
-                w.fail_jobs(todo)
+        try:
+            if plan.jobs:
+                todo = w.unsubmitted(plan)
+                try:
+                    w.submit_jobs(plan)
+                except Exception as e:  # answered "not done" at once, so the scheduler side never waits for them
+                    self.on_error(w.counters, "wait_for_save", e)
+                    w.fail_jobs(todo)
+        finally:
+            w.l3.resume_backups()  # the forward and its saves are done: the writer goes on
 
     def end_step(self, finished_req_ids: set[str], with_failed: bool = False
                  ) -> tuple[Optional[set[str]], set[str]]:

@@ -267,7 +267,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker, self._switch_prev = build_worker(self._vllm_config, self.kv_cache_config, self.cfg, self.geo,
                                                        self.namespace, self.num_slots, self._size_from, kv_caches)
         if self._worker is not None:
-            self._step = WorkerStep(self._worker, self.page_size, self.hybrid, _hook_error)
+            self._step = WorkerStep(self._worker, self.page_size, self.hybrid, _hook_error,
+                                    backup_pause=self.cfg.controller.backup_pause)
             self._stats.start_polling()  # counters moved by the L3 I/O threads between steps reach stats_path too
 
     @_timed_hook

@@ -416,13 +416,16 @@ def test_every_tierkv_configuration_is_a_valid_connector_config(name, tmp_path):
     assert (cfg.l3.backend == "file") == (name in ("tierkv_l3_file", "tierkv_write_back", "tierkv_l3_file_shm",
                                                     "tierkv_l3_file_p4", "tierkv_l3_file_selective",
                                                     "tierkv_l3_file_gil_default", "tierkv_l3_file_full",
-                                                    "tierkv_l3_file_full_writer_normal"))
+                                                    "tierkv_l3_file_full_writer_normal", "tierkv_l3_file_pause_never",
+                                                    "tierkv_l3_file_pause_forward"))
     assert (cfg.l3.file or {}).get("capacity_bytes") == ("64MiB" if name.startswith("tierkv_l3_file_full") else None)
     assert cfg.controller.write_policy == {"tierkv_write_back": "write_back",
                                            "tierkv_l3_file_selective": "write_through_selective"}.get(
                                                name, "write_through")
     assert cfg.controller.gil_switch_interval_s == (0.0 if name == "tierkv_l3_file_gil_default" else 0.05)
     assert cfg.controller.writer_priority == "normal"  # (the default since session 33; _writer_normal says so)
+    assert cfg.controller.backup_pause == name.removeprefix("tierkv_l3_file_pause_") if "_pause_" in name \
+        else cfg.controller.backup_pause == "prefill"
 
 
 def test_every_server_gets_tcmalloc_preloaded_or_the_allocator_named(monkeypatch, tmp_path):

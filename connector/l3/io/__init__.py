@@ -9,8 +9,10 @@ them). A job's :class:`~tierkv.connector.core.plan.JobReport` waits in :meth:`L3
 step's worker metadata; it is sent once no thread touches the job's slots.
 
 Store errors never reach the engine: counted, logged, pages not done. Queued backup work is bounded
-(``max_backup_pages``); a backup that does not fit is reported failed at once. The design in full:
-docs/developer-guide.md, section "connector/l3/io".
+(``max_backup_pages``); a backup that does not fit is reported failed at once. Between :meth:`L3IO.pause_backups`
+and :meth:`L3IO.resume_backups` (a forward that computes prompt tokens) the writer starts no backup batch, for at
+most :data:`BACKUP_PAUSE_MAX_S` and while its backlog is short. The design in full: docs/developer-guide.md,
+section "connector/l3/io".
 """
 from __future__ import annotations
 
@@ -28,14 +30,14 @@ from tierkv.connector.core.page_checksums import SlotChecksums
 from tierkv.connector.core.plan import JOB_BACKUP, JOB_PREFETCH, Job, JobReport, PageOrder
 from tierkv.connector.cpu.thread_priority import WRITER_PRIORITIES, BackgroundPriority, can_return_from_idle
 from tierkv.connector.l3.io.types import L3Counters, PollResult, _Prefetch, default_read_threads, l3_key
-from tierkv.connector.l3.io.runners import CREDIT_FIRST_BATCH, L3JobRunners
+from tierkv.connector.l3.io.runners import BACKUP_PAUSE_MAX_S, CREDIT_FIRST_BATCH, L3JobRunners
 from tierkv.connector.l3.io.no_l3 import NoL3
 from tierkv.connector.l3.io.switch_interval import raise_switch_interval, restore_switch_interval
 
 logger = logging.getLogger("tierkv.l3")
 
 #: what this module exports (some names now live in modules beside it and are re-exported here)
-__all__ = ["CREDIT_FIRST_BATCH", "L3Counters", "L3IO", "NoL3", "PollResult", "VECTORED_MIN_RUN_BYTES",
+__all__ = ["BACKUP_PAUSE_MAX_S", "CREDIT_FIRST_BATCH", "L3Counters", "L3IO", "NoL3", "PollResult", "VECTORED_MIN_RUN_BYTES",
            "WRITER_IDLE_BACKLOG_FRACTION", "default_read_threads", "l3_key", "raise_switch_interval",
            "restore_switch_interval"]
 
@@ -50,6 +52,11 @@ VECTORED_MIN_RUN_BYTES = 32 << 10
 #: ``max_backup_pages``) wait for backup, each locking its slot, so that saves keep finding free slots under sustained
 #: load; it returns to SCHED_IDLE at half that
 WRITER_IDLE_BACKLOG_FRACTION = 0.5
+
+#: ``BACKUP_PAUSE_MAX_S``: the longest (s) a pause (:meth:`L3IO.pause_backups`) holds the writer back, counted from
+#: its start: a forward that never ends its pause (a hook that was not called) delays backups by at most this; the
+#: writer also goes on at once while more than :data:`WRITER_IDLE_BACKLOG_FRACTION` of the L2 slots (or of
+#: ``max_backup_pages``) wait for it
 
 
 class L3IO(L3JobRunners):
@@ -113,6 +120,8 @@ class L3IO(L3JobRunners):
         self._prefetches: dict[int, _Prefetch] = {}
         self._warm = False  # a prefetch read has ended in this process (later reads time the store, not its set-up)
         self._queued_backup_pages = 0
+        self._gate = threading.Condition(self._lock)  # the writer waits here while backups are paused
+        self._paused_since: Optional[float] = None    # perf_counter time of pause_backups, None = not paused
         self._skip: dict[int, set[int]] = {}  # backup job id -> page indices not to send
         self._busy = 0                      # jobs queued or running
         self._closed = False
@@ -143,6 +152,7 @@ class L3IO(L3JobRunners):
                         "RLIMIT_NICE < 20): the writer thread keeps the normal scheduling class")
         high = max(1, int(min(host.num_slots, max_backup_pages) * WRITER_IDLE_BACKLOG_FRACTION))
         self._writer_prio = BackgroundPriority(idle, high, high // 2)
+        self._pause_backlog = high  # above this many queued pages a pause no longer holds the writer back
         self._threads.append(threading.Thread(target=self._serve, args=(self._write_q, self._wstage,
                                                                         self._writer_prio),
                                               name="tierkv-l3-write", daemon=True))
@@ -207,6 +217,24 @@ class L3IO(L3JobRunners):
                             job, time.perf_counter(), None if job.deadline_s is None else now + job.deadline_s,
                             ok=[(not f) and s >= 0 for f, s in zip(job.fetch, job.slots)])
                 self._read_q.put(job)
+
+    def pause_backups(self) -> None:
+        """Hold back the backup batches not started yet (engine thread, before a forward that computes prompt
+        tokens) until :meth:`resume_backups`: on a host whose cores the forward keeps busy, a page written meanwhile
+        costs the forward more than its own CPU time. A batch already in a store call finishes. The pause ends on its
+        own after :data:`BACKUP_PAUSE_MAX_S`, and holds nothing back while more than half the L2 slots (or of
+        ``max_backup_pages``) wait for backup, so no page waits unbounded and saves keep finding free slots."""
+        if self._paused_since is None:  # (only the engine thread sets it; the writer reads it under the lock)
+            self._paused_since = time.perf_counter()
+
+    def resume_backups(self) -> None:
+        """End a pause of :meth:`pause_backups` (engine thread, after the forward and its saves): the writer goes on
+        with the batches it held back."""
+        if self._paused_since is None:
+            return
+        with self._gate:
+            self._paused_since = None
+            self._gate.notify_all()
 
     def poll(self, finished_req_ids: Sequence[str] = ()) -> PollResult:
         """Serve the request side of prefetches (engine thread, once per step). ``finished_req_ids``: requests
@@ -318,11 +346,13 @@ class L3IO(L3JobRunners):
         whole or not at all. Reads are not waited for (no request will use them):
         their batches not started are skipped, and a reader blocked in a store call is left to end on its own
         (the threads are daemons), so a store whose reads stall does not hold up shutdown."""
-        with self._lock:
+        with self._gate:
             if self._closed:
                 return 0
             for p in self._prefetches.values():
                 p.cancel = True
+            self._paused_since = None  # queued backups drain now, whatever the last step said
+            self._gate.notify_all()
         with self._idle:
             drained = self._idle.wait_for(lambda: self._queued_backup_pages == 0, drain_s)
         with self._lock:

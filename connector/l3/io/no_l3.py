@@ -31,6 +31,12 @@ class NoL3:
                 self._ended.finished.add(job.req_id)
                 self._ended.failed_blocks.update(job.block_ids)
 
+    def pause_backups(self) -> None:
+        return None
+
+    def resume_backups(self) -> None:
+        return None
+
     def release(self, job_ids: Sequence[int]) -> list[tuple[int, PageOrder, list[int]]]:
         out = []
         for jid in job_ids:

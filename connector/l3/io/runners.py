@@ -3,7 +3,9 @@ runner of each job kind (existence query, backup, prefetch) with its report.
 
 Pages move between L2 slots and the store in batches of ``batch_pages`` pages. A failed batch fails only its own
 pages; later batches still run (a page is done only if the store acknowledged it). Errors from the store never
-reach the engine: they are counted, logged at most once per burst and turn into pages not done.
+reach the engine: they are counted, logged at most once per burst and turn into pages not done. While backups are
+paused (``L3IO.pause_backups``) the writer starts no batch: it waits for the pause to end, at most until
+``BACKUP_PAUSE_MAX_S`` after it began, and not at all while its backlog is long or the object is closing.
 """
 from __future__ import annotations
 
@@ -20,6 +22,9 @@ from tierkv.connector.obs.thread_names import name_this_thread
 from tierkv.connector.cpu.thread_priority import BackgroundPriority
 from tierkv.connector.l3.io.types import _Prefetch, l3_key
 
+#: see ``tierkv.connector.l3.io.BACKUP_PAUSE_MAX_S`` (defined here, where the writer waits, and re-exported there)
+BACKUP_PAUSE_MAX_S = 2.0
+
 #: pages in the first store call of a prefetch whose deadline earns credit (``Job.deadline_credit_s``): a whole
 #: ``batch_pages`` batch arrives at once, and one slower than the first deadline would be cut before it earned any
 CREDIT_FIRST_BATCH = 4
@@ -28,8 +33,8 @@ CREDIT_FIRST_BATCH = 4
 class L3JobRunners:
     """Mixin of :class:`~tierkv.connector.l3.io.L3IO` with what runs on its I/O threads. It uses the state that
     ``L3IO.__init__`` sets up: ``store``, ``host``, ``rank_namespace``, ``checksums``, ``batch_pages``, ``rank``,
-    ``clock``, ``counters``, ``_log``, ``_lock``, ``_idle``, ``_reports``, ``_prefetches``, ``_warm``, ``_skip``,
-    ``_busy``, ``_closed``, ``_queued_backup_pages`` and the staging choices ``_direct``, ``_vectored``,
+    ``clock``, ``counters``, ``_log``, ``_lock``, ``_idle``, ``_gate``, ``_paused_since``, ``_pause_backlog``,
+    ``_reports``, ``_prefetches``, ``_warm``, ``_skip``, ``_busy``, ``_closed``, ``_queued_backup_pages`` and the staging choices ``_direct``, ``_vectored``,
     ``_vectored_read``, ``_store_sums``, ``_wstage``."""
 
     def _serve(self, q: "queue.Queue[Optional[Job]]", stage: torch.Tensor,
@@ -95,6 +100,8 @@ class L3JobRunners:
             skip = self._skip.pop(job.job_id, set())
         send = [i for i in range(job.num_pages) if i not in skip]
         for s in range(0, len(send), self.batch_pages):
+            if self._paused_since is not None:
+                self._wait_unpaused()
             if self._closed:  # shut down: the batches not started are dropped (close() counted them)
                 break
             e = min(len(send), s + self.batch_pages)
@@ -127,6 +134,23 @@ class L3JobRunners:
                                   sum(1 for r in res if not r),
                                   e - s, self.store)
         self._end_backup(job, ok, nbytes, time.perf_counter() - t0)
+
+    def _wait_unpaused(self) -> None:
+        """Writer: wait while backups are paused, the pause is younger than ``BACKUP_PAUSE_MAX_S``, at most
+        ``_pause_backlog`` pages are queued and the object is open; counted when it waited."""
+        t0, waited = time.perf_counter(), False
+        with self._gate:
+            while self._paused_since is not None and not self._closed:
+                if self._queued_backup_pages > self._pause_backlog:
+                    break
+                left = self._paused_since + BACKUP_PAUSE_MAX_S - time.perf_counter()
+                if left <= 0:
+                    break
+                waited = True
+                self._gate.wait(left)
+        if waited:
+            self.counters.backup_pauses += 1
+            self.counters.backup_pause_seconds += time.perf_counter() - t0
 
     def _end_backup(self, job: Job, ok: list[bool], nbytes: int, dt: float) -> None:
         c = self.counters

@@ -40,6 +40,8 @@ class L3Counters:
     backup_other_rank_pages: int = 0   # not sent, reported done: another rank writes the one shared record (MLA)
     backup_bytes: int = 0
     backup_seconds: float = 0.0
+    backup_pauses: int = 0             # backup batches held back by a pause (a forward computing prompt tokens)
+    backup_pause_seconds: float = 0.0  # the writer's time held back by those pauses
     prefetch_jobs: int = 0
     prefetch_pages: int = 0
     prefetch_failed_pages: int = 0     # read and missing, corrupt or failed (not the cancelled ones)

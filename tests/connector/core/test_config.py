@@ -187,7 +187,8 @@ NON_DEFAULT = {"write_policy": "write_back", "write_through_threshold": 5, "pref
                "negative_ttl_s": 3.5, "room_retry_steps": 3, "room_wait_s": 0.25, "probe_interval_s": 2.5,
                "sync_load_max_s": 0.0, "exists_in_scheduler": False, "max_index_pages": 1000, "batch_pages": 8, "read_threads": 3,
                "max_backup_pages": 100, "shutdown_drain_s": 0.5, "gil_switch_interval_s": 0.02,
-               "writer_priority": "idle", "write_only_warn_bytes": 5}
+               "writer_priority": "idle", "write_only_warn_bytes": 5,
+               "backup_pause": "prefill"}
 
 
 @pytest.mark.parametrize("key", sorted(set(ControllerConfig.model_fields) - set(USED_WITHOUT_L3)))
