@@ -79,7 +79,7 @@ def test_metrics_are_summed_over_engines_and_keep_other_labels():
 
 
 #: the current result of the serving claim and of the soak (benchmarks/README.md names them)
-CURRENT = "serve_cpu_rerun_full_fp32.json"
+CURRENT = "serve_cpu_house_fp32.json"
 CURRENT_SOAK = "serve_cpu_soak_fp32_onednn0.json"
 
 
@@ -279,7 +279,7 @@ def test_the_command_names_the_changed_sizes_and_the_server_flags():
     data["conditions"]["server_env"] = {k: v for k, v in data["conditions"]["server_env"].items() if k != "LD_PRELOAD"}
     cmd = report.command(data, "serve_cpu_long.json")
     assert cmd.startswith(".venv/bin/python -m benchmarks.serve_cpu --preset demo --configs ideal,none,")
-    assert "--rounds 3 --set pr_prefix_len=1536 --dtype float32 --allocator glibc " in cmd
+    assert "--rounds 2 --set pr_prefix_len=1536 --dtype float32 --allocator glibc " in cmd
     assert cmd.endswith("--out benchmarks/results/serve_cpu_long.json")
 
 
@@ -416,7 +416,7 @@ def test_every_tierkv_configuration_is_a_valid_connector_config(name, tmp_path):
     assert (cfg.l3.backend == "file") == (name in ("tierkv_l3_file", "tierkv_write_back", "tierkv_l3_file_shm",
                                                     "tierkv_l3_file_p4", "tierkv_l3_file_selective",
                                                     "tierkv_l3_file_gil_default", "tierkv_l3_file_full",
-                                                    "tierkv_l3_file_full_writer_normal", "tierkv_l3_file_pause_never",
+                                                    "tierkv_l3_file_full_writer_normal", "tierkv_l3_file_pause_prefill",
                                                     "tierkv_l3_file_pause_forward"))
     assert (cfg.l3.file or {}).get("capacity_bytes") == ("64MiB" if name.startswith("tierkv_l3_file_full") else None)
     assert cfg.controller.write_policy == {"tierkv_write_back": "write_back",
@@ -425,7 +425,7 @@ def test_every_tierkv_configuration_is_a_valid_connector_config(name, tmp_path):
     assert cfg.controller.gil_switch_interval_s == (0.0 if name == "tierkv_l3_file_gil_default" else 0.05)
     assert cfg.controller.writer_priority == "normal"  # (the default since session 33; _writer_normal says so)
     assert cfg.controller.backup_pause == name.removeprefix("tierkv_l3_file_pause_") if "_pause_" in name \
-        else cfg.controller.backup_pause == "prefill"
+        else cfg.controller.backup_pause == "never"
 
 
 def test_every_server_gets_tcmalloc_preloaded_or_the_allocator_named(monkeypatch, tmp_path):
