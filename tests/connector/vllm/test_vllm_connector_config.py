@@ -221,7 +221,7 @@ NON_DEFAULT = {"write_policy": "write_back", "write_through_threshold": 5, "pref
                "negative_ttl_s": 3.5, "room_retry_steps": 3, "room_wait_s": 0.25, "probe_interval_s": 2.5,
                "sync_load_max_s": 0.05, "exists_in_scheduler": False, "max_index_pages": 1000, "batch_pages": 8, "read_threads": 3,
                "max_backup_pages": 100, "shutdown_drain_s": 0.5, "gil_switch_interval_s": 0.02,
-               "writer_priority": "idle", "write_only_warn_bytes": 5}
+               "writer_priority": "idle", "write_only_warn_bytes": 5, "backup_pause": "prefill"}
 # where each key ends up: the scheduler's Controller, the worker's L3IO or the worker's process (the GIL switch interval
 # while the worker runs; shutdown_drain_s: also the worker's shutdown, checked below)
 READ_BY = {"write_policy": ("ctl", "write_policy"), "write_through_threshold": ("ctl", "threshold"),
@@ -235,7 +235,7 @@ READ_BY = {"write_policy": ("ctl", "write_policy"), "write_through_threshold": (
            "read_threads": ("l3io", "read_threads"),
            "max_backup_pages": ("l3io", "max_backup_pages"), "shutdown_drain_s": ("ctl", "shutdown_drain_s"),
            "gil_switch_interval_s": ("process", "switchinterval"), "writer_priority": ("l3io", "writer_priority"),
-           "write_only_warn_bytes": ("tier_bytes", "warn_bytes")}
+           "write_only_warn_bytes": ("tier_bytes", "warn_bytes"), "backup_pause": ("step", "backup_pause")}
 
 
 def test_every_controller_key_reaches_what_reads_it(model, tmp_path, monkeypatch):
@@ -262,7 +262,7 @@ def test_every_controller_key_reaches_what_reads_it(model, tmp_path, monkeypatch
         sys.setswitchinterval(before)
     for key, (where, attr) in READ_BY.items():
         got = {"ctl": lambda: getattr(ctl, attr), "l3io": lambda: getattr(l3io, attr), "process": lambda: running[attr],
-               "tier_bytes": lambda: getattr(s._sched.tier_bytes, attr)}
+               "tier_bytes": lambda: getattr(s._sched.tier_bytes, attr), "step": lambda: getattr(w._step, attr)}
         want = NON_DEFAULT[key]
         assert got[where]() == (pytest.approx(want) if where == "process" else want), key
     assert drains == [0.5]
