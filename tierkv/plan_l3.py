@@ -48,9 +48,6 @@ class PolicyStore:
         return len(keys)
 
 
-LruStore = PolicyStore  # the name it had when it was an LRU only
-
-
 def run_jobs(sched, plan, store: PolicyStore) -> list[int]:
     """Do the L3 jobs of ``plan`` as one worker rank would and hand their reports to ``sched``. Returns the blocks of
     prefetched pages that did not arrive (vLLM's invalid block ids)."""
