@@ -40,7 +40,7 @@ setup(
         "gpu": ["vllm"],
         "mooncake": ["mooncake-transfer-engine-non-cuda"],
         "test": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3", "hypothesis>=6.100", "transformers", "requests", "matplotlib>=3.7", "ruff"],
-        "bench": ["matplotlib>=3.7"],
+        "bench": ["matplotlib>=3.7", "py-spy>=0.3"],  # py-spy: benchmarks/first_sight.py --profile
         # SGLang HiCache backend (connector/sglang/hicache.py). On a GPU machine SGLang itself is installed as usual
         # (with its own torch); these are the packages its storage, host-pool and server-args modules import that a
         # `pip install --no-deps sglang==0.5.23` leaves out (the CPU install: README "Using it with SGLang").

