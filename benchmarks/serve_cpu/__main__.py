@@ -9,7 +9,7 @@ runs the soak instead (:mod:`benchmarks.serve_cpu.soak`). Output: the result JSO
 the run's logs under ``runs/``, and the README block printed (``--readme-from JSON`` prints it again).
 
     .venv/bin/python -m benchmarks.serve_cpu --quick            # a few minutes: small prompts, demo model
-    .venv/bin/python -m benchmarks.serve_cpu                    # full pass (demo model, 3 workloads, c=1,4,8)
+    .venv/bin/python -m benchmarks.serve_cpu                    # full pass (demo model, every workload, c=1,4,8)
     .venv/bin/python -m benchmarks.serve_cpu --soak             # 2,000 requests with L3 faults and a killed server
 """
 from __future__ import annotations
@@ -29,6 +29,7 @@ from benchmarks.serve_cpu.configs import (
 from benchmarks.serve_cpu.passes import prepare, round_meta, round_order, run_config, run_interleaved
 from benchmarks.serve_cpu.report import SECTION, SOAK_JSON, details, failures_text, plot, render_section, render_soak
 from benchmarks.serve_cpu.soak import soak_main
+from benchmarks.serve_cpu import trace as mooncake
 from tierkv.engine_env import ALLOCATORS, preload_env
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -146,18 +147,24 @@ def main(argv=None) -> int:
         return soak_main(args, p)
 
     started, work, model_dir, pythonpath, code = prepare(args, p, "serve_cpu")
-    traces: dict[tuple[int, int], tuple[Path, list[dict]]] = {}
-    trace_info = {}
-    if "multiturn" in args.workloads:
+    traces: dict[tuple[str, int, int], tuple[Path, list[dict]]] = {}
+    trace_info: dict[str, dict] = {"multiturn": {}, "trace": {}}
+    for w in ("multiturn", "trace"):
+        if w not in args.workloads:
+            continue
         for c in args.concurrency:
             for r in range(args.repeats * args.rounds):
-                seed = run_seed("multiturn", c, r)
-                rows = trace_gen.make_trace(seed=seed, conversations=p["mt_conversations"], turns=p["mt_turns"],
-                                            first_chunks=p["mt_first_chunks"], turn_chunks=p["mt_turn_chunks"],
-                                            output_len=p["mt_output_len"])
-                path = trace_gen.write_trace(work / "traces" / f"multiturn-c{c}-r{r}.jsonl", rows)
-                traces[(c, r)] = (path, rows)
-                trace_info[f"c{c}-r{r}"] = trace_gen.reuse_stats(rows)
+                seed = run_seed(w, c, r)
+                if w == "trace":  # a window of Mooncake's conversation trace, its ids offset by the seed
+                    rows, stats = mooncake.make_trace(p, seed), mooncake.reuse_stats
+                else:
+                    rows = trace_gen.make_trace(seed=seed, conversations=p["mt_conversations"], turns=p["mt_turns"],
+                                                first_chunks=p["mt_first_chunks"], turn_chunks=p["mt_turn_chunks"],
+                                                output_len=p["mt_output_len"])
+                    stats = trace_gen.reuse_stats
+                path = trace_gen.write_trace(work / "traces" / f"{w}-c{c}-r{r}.jsonl", rows)
+                traces[(w, c, r)] = (path, rows)
+                trace_info[w][f"c{c}-r{r}"] = stats(rows)
     args.random_seeds = {}
     if "random" in args.workloads:  # prompts with no page in common, in a run and between runs
         args.random_seeds = random_seeds(p, model_dir, args.concurrency, args.repeats * args.rounds)
@@ -166,7 +173,7 @@ def main(argv=None) -> int:
             "selection": {"configs": args.configs, "workloads": args.workloads, "concurrency": args.concurrency,
                           "repeats": args.repeats, "rounds": args.rounds,
                           "order": "interleaved" if args.interleave else "rotated"},
-            "multiturn_traces": trace_info, "configs": {}, "readme_note": args.note,
+            "multiturn_traces": trace_info["multiturn"], "trace_windows": trace_info["trace"], "configs": {}, "readme_note": args.note,
             "random_seeds": {f"c{c}-r{r}": v for (_, c, r), v in args.random_seeds.items()}}
     out = Path(args.out) if args.out else RESULTS / "serve_cpu.json"
     if args.interleave:

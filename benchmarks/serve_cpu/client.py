@@ -42,16 +42,18 @@ def client_main(argv: list[str]) -> int:
 
 
 def workload_args(p: dict, workload: str, seed: int, trace: Path | None) -> list[str]:
+    """``vllm bench serve``'s dataset arguments of one run; ``trace``: the run's timed_trace file (multiturn, trace)."""
     if workload == "prefix_repetition":
         return ["--dataset-name", "prefix_repetition", "--num-prompts", str(p["pr_num_prompts"]),
                 "--prefix-repetition-prefix-len", str(p["pr_prefix_len"]),
                 "--prefix-repetition-suffix-len", str(p["pr_suffix_len"]),
                 "--prefix-repetition-num-prefixes", str(p["pr_num_prefixes"]),
                 "--prefix-repetition-output-len", str(p["pr_output_len"]), "--seed", str(seed)]
-    if workload == "multiturn":
+    if workload in ("multiturn", "trace"):  # a timed_trace file (make_multiturn_trace / serve_cpu.trace)
+        n = p["mt_conversations"] * p["mt_turns"] if workload == "multiturn" else p["tr_requests"]
         return ["--dataset-name", "timed_trace", "--dataset-path", str(trace),
-                "--timed-trace-chunk-hash-size", str(BLOCK), "--no-self-timed",
-                "--num-prompts", str(p["mt_conversations"] * p["mt_turns"]), "--seed", str(seed)]
+                "--timed-trace-chunk-hash-size", str(BLOCK), "--no-self-timed", "--num-prompts", str(n),
+                "--seed", str(seed)]
     if workload == "random":
         return ["--dataset-name", "random", "--num-prompts", str(p["rnd_num_prompts"]),
                 "--random-input-len", str(p["rnd_input_len"]), "--random-output-len", str(p["rnd_output_len"]),
@@ -130,7 +132,8 @@ def client_prompts(model_dir: str, args: list[str]) -> list[list[int]]:
             samples = get_samples(ns, tok)
     finally:
         quiet.setLevel(level)
-    return [tok(s.prompt).input_ids for s in samples]
+    # timed_trace samples are token ids already, sent as such (no special tokens added)
+    return [list(s.prompt) if isinstance(s.prompt, list) else tok(s.prompt).input_ids for s in samples]
 
 
 @functools.lru_cache(maxsize=4)

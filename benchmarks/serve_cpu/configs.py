@@ -55,7 +55,7 @@ CONTROLLER_KEYS = {"tierkv_l3_file_gil_default": {"gil_switch_interval_s": 0.0},
                    "tierkv_l3_file_pause_forward": {"backup_pause": "forward"}}
 
 
-WORKLOADS = ["prefix_repetition", "multiturn", "random"]
+WORKLOADS = ["prefix_repetition", "multiturn", "random", "trace"]
 
 
 CONFIG_TEXT = {
@@ -162,13 +162,15 @@ CLIENT_ENV = {"PYTHONHASHSEED": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLIN
 QUICK = dict(preset="demo", max_model_len=1024, l1_blocks=128, ideal_blocks=2048, l2_pages=4096, l3_l2_pages=96,
              pr_prefix_len=384, pr_suffix_len=32, pr_num_prefixes=16, pr_num_prompts=32, pr_output_len=8,
              mt_conversations=16, mt_turns=3, mt_first_chunks=8, mt_turn_chunks=2, mt_output_len=8,
-             rnd_num_prompts=16, rnd_input_len=320, rnd_output_len=8)
+             rnd_num_prompts=16, rnd_input_len=320, rnd_output_len=8, tr_offset=6000, tr_requests=24, tr_sample=64,
+             tr_output_len=8)
 
 
 FULL = dict(preset="demo", max_model_len=2048, l1_blocks=384, ideal_blocks=4096, l2_pages=8192, l3_l2_pages=384,
             pr_prefix_len=1024, pr_suffix_len=64, pr_num_prefixes=16, pr_num_prompts=64, pr_output_len=16,
             mt_conversations=16, mt_turns=4, mt_first_chunks=32, mt_turn_chunks=4, mt_output_len=16,
-            rnd_num_prompts=32, rnd_input_len=1088, rnd_output_len=16)
+            rnd_num_prompts=32, rnd_input_len=1088, rnd_output_len=16, tr_offset=6000, tr_requests=96, tr_sample=16,
+            tr_output_len=16)
 
 
 #: the soak's sizes and limits (``--soak``)

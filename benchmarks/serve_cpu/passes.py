@@ -69,7 +69,7 @@ class ConfigServer:
     stats files). Round ``round_no`` > 0 works in its own directory."""
 
     def __init__(self, name: str, p: dict, args, model_dir: str, work: Path, pythonpath: str,
-                 traces: dict[tuple[int, int], tuple[Path, list[dict]]], round_no: int = 0):
+                 traces: dict[tuple[str, int, int], tuple[Path, list[dict]]], round_no: int = 0):
         self.name, self.p, self.args, self.model_dir, self.traces = name, p, args, model_dir, traces
         self.pythonpath = pythonpath
         self.cdir = work / (name if round_no == 0 else f"{name}-round{round_no}")
@@ -129,7 +129,7 @@ class ConfigServer:
             out["failures"].append({"run": label, "error": "server not running (exited "
                                     f"{srv.proc.returncode if srv else None}) before the run"})
             return None
-        trace, rows = self.traces.get((c, r), (None, None)) if workload == "multiturn" else (None, None)
+        trace, rows = self.traces.get((workload, c, r), (None, None))
         before = srv.metrics()
         st0 = settled_stats(self.cdir / "stats") if self.has_stats else None
         load0 = loadavg()
@@ -158,7 +158,7 @@ class ConfigServer:
             run["client_error"] = err
             out["failures"].append({"run": label, "error": err, "server_alive": srv.alive()})
         else:
-            run.update(summarise_run(res, deltas(after, before), rows))
+            run.update(summarise_run(res, deltas(after, before), rows if workload == "multiturn" else None))
             if run.get("failed"):
                 out["failures"].append({"run": label, "failed_requests": run["failed"],
                                         "errors": run["errors"], "server_alive": srv.alive()})
@@ -198,7 +198,7 @@ class ConfigServer:
 
 
 def run_config(name: str, p: dict, args, model_dir: str, work: Path, pythonpath: str,
-               traces: dict[tuple[int, int], tuple[Path, list[dict]]], repeats: Optional[list[int]] = None,
+               traces: dict[tuple[str, int, int], tuple[Path, list[dict]]], repeats: Optional[list[int]] = None,
                round_no: int = 0) -> dict:
     """One server of configuration ``name`` and every (workload, concurrency, repeat in ``repeats``) run on it
     (``repeats`` default ``range(args.repeats)``); round ``round_no`` > 0 works in its own directory."""
@@ -236,7 +236,7 @@ def wait_quiet(servers: list["ConfigServer"], cpu_s: float = 0.02, every_s: floa
 
 
 def run_interleaved(p: dict, args, model_dir: str, work: Path, pythonpath: str,
-                    traces: dict[tuple[int, int], tuple[Path, list[dict]]]) -> dict[str, dict]:
+                    traces: dict[tuple[str, int, int], tuple[Path, list[dict]]]) -> dict[str, dict]:
     """``--interleave``: every configuration's server up at once, then for each repeat, workload and concurrency
     one run per configuration, back to back, in an order rotated from one such cell to the next (:func:`round_order`),
     so the runs a ratio pairs (same seed) are seconds apart instead of a whole configuration's runs apart and the
