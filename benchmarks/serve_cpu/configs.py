@@ -24,7 +24,9 @@ CONFIGS = ["ideal", "none", "tierkv_l2", "tierkv_l3_file", "tierkv_l3_zmq", "tie
            "tierkv_l3_file_shm", "tierkv_l3_file_p4", "noop_connector", "tierkv_l3_file_selective",
            "tierkv_l3_file_gil_default", "tierkv_l3_file_full", "tierkv_l3_zmq_full",
            "tierkv_l3_file_full_writer_normal", "tierkv_l3_redis", "tierkv_l3_file_pause_prefill",
-           "tierkv_l3_file_pause_forward"]
+           "tierkv_l3_file_pause_forward", "tierkv_l3_file_small", "tierkv_l3_file_small_s3fifo",
+           "tierkv_l3_file_small_slru", "tierkv_l3_file_small_lfu", "tierkv_l3_file_small_second_sight",
+           "tierkv_l3_file_small_reused_in_l2"]
 
 
 P4_BLOCKS = 4   # blocks per page of tierkv_l3_file_p4
@@ -32,7 +34,9 @@ P4_BLOCKS = 4   # blocks per page of tierkv_l3_file_p4
 
 FILE_L3_CONFIGS = ("tierkv_l3_file", "tierkv_write_back", "tierkv_l3_file_shm", "tierkv_l3_file_p4",
                    "tierkv_l3_file_selective", "tierkv_l3_file_gil_default", "tierkv_l3_file_full",
-                   "tierkv_l3_file_full_writer_normal", "tierkv_l3_file_pause_prefill", "tierkv_l3_file_pause_forward")
+                   "tierkv_l3_file_full_writer_normal", "tierkv_l3_file_pause_prefill", "tierkv_l3_file_pause_forward",
+                   "tierkv_l3_file_small", "tierkv_l3_file_small_s3fifo", "tierkv_l3_file_small_slru",
+                   "tierkv_l3_file_small_lfu", "tierkv_l3_file_small_second_sight", "tierkv_l3_file_small_reused_in_l2")
 
 
 #: file-L3 configurations whose store is ``FULL_L3_BYTES``
@@ -42,6 +46,35 @@ FULL_FILE_L3_CONFIGS = ("tierkv_l3_file_full", "tierkv_l3_file_full_writer_norma
 #: L3 capacity of ``tierkv_l3_file_full`` and ``tierkv_l3_zmq_full`` (less than one no_reuse_cost repeat writes: the
 #: store runs at capacity)
 FULL_L3_BYTES = "64MiB"
+
+
+#: the bounded-L3 configurations: (eviction policy of the index, L2 and file store, ``l3.admission``). Their L2 is
+#: ``small_l2_pages`` and their store holds ``l3_small_pages`` pages (:func:`small_l3_bytes`), chosen from the
+#: distinct pages of one run: multiturn 704 (FULL; 192 QUICK), trace 1,230 (FULL; 321 QUICK), so about half of a
+#: multiturn run and a third of a trace run fit L3 and a quarter or less L2: which pages stay decides the hits
+SMALL_L3 = {"tierkv_l3_file_small": ("lru", "always"), "tierkv_l3_file_small_s3fifo": ("s3fifo", "always"),
+            "tierkv_l3_file_small_slru": ("slru", "always"), "tierkv_l3_file_small_lfu": ("lfu", "always"),
+            "tierkv_l3_file_small_second_sight": ("lru", "second_sight"),
+            "tierkv_l3_file_small_reused_in_l2": ("lru", "reused_in_l2")}
+
+
+def page_bytes(preset: str, dtype: str) -> int:
+    """Bytes of one page (:data:`BLOCK` tokens, K and V of every layer) of a ``make_tiny_model`` preset's model."""
+    from benchmarks.harness import make_tiny_model
+
+    spec = make_tiny_model().PRESETS[preset]
+    per_token = (spec["kv_lora_rank"] + spec["qk_rope_head_dim"] if "kv_lora_rank" in spec else
+                 2 * spec["num_key_value_heads"] * spec.get("head_dim",
+                                                            spec["hidden_size"] // spec["num_attention_heads"]))
+    return per_token * spec["num_hidden_layers"] * BLOCK * (4 if dtype == "float32" else 2)
+
+
+def small_l3_bytes(p: dict) -> int:
+    """``l3.file.capacity_bytes`` of the bounded-L3 configurations: ``l3_small_pages`` records (page + 64-byte header)
+    of this run's model and dtype."""
+    from tierkv.storage_backends.page_format import HEADER_BYTES
+
+    return p["l3_small_pages"] * (page_bytes(p["preset"], SERVER_DTYPE[0]) + HEADER_BYTES)
 
 
 #: write policy of each file-L3 configuration that does not write through
@@ -84,6 +117,13 @@ CONFIG_TEXT = {
                                     "(`controller.backup_pause: forward`)",
     "tierkv_l3_redis": "L1 {l1_blocks} + L2 {l3_l2_pages} pages + redis L3 (`redis-server` on loopback, 4 GiB "
                        "allkeys-lru), write_through",
+    "tierkv_l3_file_small": "L1 {l1_blocks} + L2 {small_l2_pages} pages + file L3 of {l3_small_pages} pages (about half "
+                            "a multiturn run's distinct pages, a third of a trace run's), lru, every page admitted, "
+                            "write_through",
+    **{n: f"as tierkv_l3_file_small, {pol} eviction in the index, L2 and L3 (`eviction_policy`, "
+          "`l3.file.eviction_policy`)" for n, (pol, adm) in SMALL_L3.items() if pol != "lru"},
+    **{n: f"as tierkv_l3_file_small, L3 admission `{adm}` (`l3.admission`)" for n, (pol, adm) in SMALL_L3.items()
+       if adm != "always"},
 }
 
 
@@ -162,15 +202,15 @@ CLIENT_ENV = {"PYTHONHASHSEED": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLIN
 QUICK = dict(preset="demo", max_model_len=1024, l1_blocks=128, ideal_blocks=2048, l2_pages=4096, l3_l2_pages=96,
              pr_prefix_len=384, pr_suffix_len=32, pr_num_prefixes=16, pr_num_prompts=32, pr_output_len=8,
              mt_conversations=16, mt_turns=3, mt_first_chunks=8, mt_turn_chunks=2, mt_output_len=8,
-             rnd_num_prompts=16, rnd_input_len=320, rnd_output_len=8, tr_offset=6000, tr_requests=24, tr_sample=64,
-             tr_output_len=8)
+             rnd_num_prompts=16, rnd_input_len=320, rnd_output_len=8, small_l2_pages=48, l3_small_pages=96,
+             tr_offset=6000, tr_requests=24, tr_sample=64, tr_output_len=8)
 
 
 FULL = dict(preset="demo", max_model_len=2048, l1_blocks=384, ideal_blocks=4096, l2_pages=8192, l3_l2_pages=384,
             pr_prefix_len=1024, pr_suffix_len=64, pr_num_prefixes=16, pr_num_prompts=64, pr_output_len=16,
             mt_conversations=16, mt_turns=4, mt_first_chunks=32, mt_turn_chunks=4, mt_output_len=16,
-            rnd_num_prompts=32, rnd_input_len=1088, rnd_output_len=16, tr_offset=6000, tr_requests=96, tr_sample=16,
-            tr_output_len=16)
+            rnd_num_prompts=32, rnd_input_len=1088, rnd_output_len=16, small_l2_pages=128, l3_small_pages=384,
+            tr_offset=6000, tr_requests=96, tr_sample=16, tr_output_len=16)
 
 
 #: the soak's sizes and limits (``--soak``)
@@ -235,6 +275,7 @@ def kv_config(name: str, p: dict, cdir: Path, zmq_endpoint: str | None, l3_root:
         extra.update({"config_file": "l3_file.yaml", "l3.file.root": l3_root or str(cdir / "l3"),
                       "host_pool": {"num_pages": p["l3_l2_pages"] // k},
                       **({"l3.file.capacity_bytes": FULL_L3_BYTES} if name in FULL_FILE_L3_CONFIGS else {}),
+                      **(small_l3_keys(name, p) if name in SMALL_L3 else {}),
                       "controller": {"write_policy": WRITE_POLICY.get(name, "write_through"),
                                      **CONTROLLER_KEYS.get(name, {})}})
     elif name == "tierkv_l3_redis":
@@ -250,6 +291,13 @@ def kv_config(name: str, p: dict, cdir: Path, zmq_endpoint: str | None, l3_root:
         raise ValueError(name)
     return {"kv_connector": "TierKVConnector", "kv_connector_module_path": "tierkv.connector.vllm.connector",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+
+
+def small_l3_keys(name: str, p: dict) -> dict:
+    """The keys a bounded-L3 configuration adds to the file-L3 ones: small L2, bounded store, policy, admission."""
+    pol, adm = SMALL_L3[name]
+    return {"host_pool": {"num_pages": p["small_l2_pages"]}, "l3.file.capacity_bytes": small_l3_bytes(p),
+            "eviction_policy": pol, "l3.file.eviction_policy": pol, "l3.admission": adm}
 
 
 def parse_sets(items: list[str], p: dict) -> dict[str, int]:

@@ -412,13 +412,15 @@ def test_every_tierkv_configuration_is_a_valid_connector_config(name, tmp_path):
     blocks = 1 if cfg.page_size is None else cfg.page_size // configs.BLOCK
     assert blocks == (configs.P4_BLOCKS if name == "tierkv_l3_file_p4" else 1)
     l2_blocks = cfg.host_pool.num_pages * blocks
-    assert l2_blocks == (p["l2_pages"] if name == "tierkv_l2" else p["l3_l2_pages"])
+    small = name.startswith("tierkv_l3_file_small")
+    assert l2_blocks == (p["l2_pages"] if name == "tierkv_l2" else p["small_l2_pages"] if small else p["l3_l2_pages"])
     assert (cfg.l3.backend == "file") == (name in ("tierkv_l3_file", "tierkv_write_back", "tierkv_l3_file_shm",
                                                     "tierkv_l3_file_p4", "tierkv_l3_file_selective",
                                                     "tierkv_l3_file_gil_default", "tierkv_l3_file_full",
                                                     "tierkv_l3_file_full_writer_normal", "tierkv_l3_file_pause_prefill",
-                                                    "tierkv_l3_file_pause_forward"))
-    assert (cfg.l3.file or {}).get("capacity_bytes") == ("64MiB" if name.startswith("tierkv_l3_file_full") else None)
+                                                    "tierkv_l3_file_pause_forward") or small)
+    assert (cfg.l3.file or {}).get("capacity_bytes") == ("64MiB" if name.startswith("tierkv_l3_file_full") else
+                                                         configs.small_l3_bytes(p) if small else None)
     assert cfg.controller.write_policy == {"tierkv_write_back": "write_back",
                                            "tierkv_l3_file_selective": "write_through_selective"}.get(
                                                name, "write_through")

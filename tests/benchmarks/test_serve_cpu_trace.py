@@ -1,8 +1,9 @@
-"""``benchmarks.serve_cpu``'s ``trace`` workload: a window of Mooncake's conversation trace as vLLM ``timed_trace``."""
+"""``benchmarks.serve_cpu``'s ``trace`` workload (a window of Mooncake's conversation trace as vLLM ``timed_trace``)
+and its bounded-L3 configurations (eviction policy and L3 admission on a small file store)."""
 import pytest
 
 from benchmarks import make_multiturn_trace
-from benchmarks.serve_cpu import client, configs
+from benchmarks.serve_cpu import client, configs, report
 from benchmarks.serve_cpu import trace as mooncake
 
 # three conversations: key 5 (turns at 0, 3), key 9 (1, 4), key 12 (2); every request starts with the shared id 0
@@ -85,3 +86,40 @@ def test_client_prompts_of_the_trace_repeat_the_pages_of_equal_ids(tmp_path):
             chunks.setdefault(h, prompt[32 * k:32 * k + 32])
             assert prompt[32 * k:32 * k + 32] == chunks[h]
     assert len({tuple(c) for c in chunks.values()}) == len(chunks) == mooncake.reuse_stats(rows)["distinct_pages"]
+
+
+#: what each bounded-L3 configuration must carry (eviction policy of index/L2 and L3, L3 admission)
+SMALL = {"tierkv_l3_file_small": ("lru", "always"), "tierkv_l3_file_small_s3fifo": ("s3fifo", "always"),
+         "tierkv_l3_file_small_slru": ("slru", "always"), "tierkv_l3_file_small_lfu": ("lfu", "always"),
+         "tierkv_l3_file_small_second_sight": ("lru", "second_sight"),
+         "tierkv_l3_file_small_reused_in_l2": ("lru", "reused_in_l2")}
+
+
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_each_bounded_l3_configuration_carries_its_policy_admission_and_bound(name, tmp_path, monkeypatch):
+    from tierkv.connector.core.config import config_from_extra
+
+    monkeypatch.setattr(configs, "SERVER_DTYPE", ["float32"])
+    p = dict(configs.FULL)
+    extra = configs.kv_config(name, p, tmp_path, None, l3_root=str(tmp_path / "l3"))["kv_connector_extra_config"]
+    pol, adm = SMALL[name]
+    # the keys are set, not left to defaults: lru / always are the defaults too
+    assert (extra["eviction_policy"], extra["l3.file.eviction_policy"], extra["l3.admission"]) == (pol, pol, adm)
+    cfg = config_from_extra(extra)
+    assert (cfg.eviction_policy, cfg.l3.file["eviction_policy"], cfg.l3.admission) == (pol, pol, adm)
+    assert cfg.l3.backend == "file" and cfg.host_pool.num_pages == p["small_l2_pages"] == 128
+    # demo model in float32: 2 (K, V) x 4 layers x 2 KV heads x 64 x 32 tokens x 4 bytes, and a 64-byte header
+    assert cfg.l3.file["capacity_bytes"] == 384 * (131072 + 64) == p["l3_small_pages"] * (131072 + 64)
+    assert name in configs.CONFIGS and name in configs.CONFIG_TEXT and name in report.TARGETS
+
+
+def test_the_bound_holds_part_of_each_workloads_distinct_pages():
+    """About half of a multiturn run's distinct pages and a third of a trace run's fit the bounded L3, and L2 holds
+    less than L3, in both sizes: so evictions happen and the policy decides which pages stay."""
+    for p in (configs.QUICK, configs.FULL):
+        mt = make_multiturn_trace.reuse_stats(make_multiturn_trace.make_trace(
+            seed=1, conversations=p["mt_conversations"], turns=p["mt_turns"], first_chunks=p["mt_first_chunks"],
+            turn_chunks=p["mt_turn_chunks"], output_len=p["mt_output_len"]))["distinct_blocks"]
+        tr = mooncake.reuse_stats(mooncake.make_trace(p, 1))["distinct_pages"]
+        assert 0.4 < p["l3_small_pages"] / mt < 0.6 and 0.25 < p["l3_small_pages"] / tr < 0.4
+        assert p["small_l2_pages"] <= p["l3_small_pages"] / 2
