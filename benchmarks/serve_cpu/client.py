@@ -203,6 +203,9 @@ def summarise_run(res: dict, delta: dict, trace_rows: list[dict] | None) -> dict
         "external_hit": int(metric(delta, "vllm:external_prefix_cache_hits_total")),
         "l2_hit": int(metric(delta, "vllm:tierkv_l2_hit_tokens_total")),
         "l3_hit": int(metric(delta, "vllm:tierkv_ctl_l3_hit_tokens_total")),
+        # of those, tokens whose L3 read failed (missing: a bounded store evicted what the index still lists) and
+        # were recomputed
+        "l3_failed": int(metric(delta, "vllm:tierkv_lookup_failed_tokens_total")),
         "preemptions": int(metric(delta, "vllm:num_preemptions_total")),
         "requests_counted": int(metric(delta, "vllm:request_success_total")),
     }

@@ -169,7 +169,7 @@ class ConfigServer:
             f"{run.get('request_throughput', 0):.2f} req/s, TTFT p50 "
             f"{run.get('p50_ttft_ms') or 0:.0f} ms p99 {run.get('p99_ttft_ms') or 0:.0f} ms, "
             f"tokens prompt {t.get('prompt')} L1 {t.get('l1_hit')} L2 {t.get('l2_hit')} "
-            f"L3 {t.get('l3_hit')}" if res else f"FAILED: {err[:300]}"), flush=True)
+            f"L3 {t.get('l3_hit')} (failed {t.get('l3_failed')})" if res else f"FAILED: {err[:300]}"), flush=True)
         if not srv.alive():
             out["failures"].append({"run": label, "error": f"server exited with code "
                                     f"{srv.proc.returncode} during the run"})

@@ -123,3 +123,12 @@ def test_the_bound_holds_part_of_each_workloads_distinct_pages():
         tr = mooncake.reuse_stats(mooncake.make_trace(p, 1))["distinct_pages"]
         assert 0.4 < p["l3_small_pages"] / mt < 0.6 and 0.25 < p["l3_small_pages"] / tr < 0.4
         assert p["small_l2_pages"] <= p["l3_small_pages"] / 2
+
+
+def test_a_run_records_the_l3_hit_tokens_whose_read_failed_apart():
+    """A bounded store evicts pages the index still lists: the lookup counts them as L3 hits, the read fails and the
+    engine recomputes them; the run keeps those tokens apart (``l3_failed``) so that loaded = l3_hit - l3_failed."""
+    delta = {"vllm:tierkv_ctl_l3_hit_tokens_total": 672.0, "vllm:tierkv_lookup_failed_tokens_total": 96.0,
+             "vllm:prompt_tokens_total": 12576.0}
+    t = client.summarise_run({"completed": 24}, delta, None)["tokens"]
+    assert (t["prompt"], t["l3_hit"], t["l3_failed"], t["l2_hit"]) == (12576, 672, 96, 0)
