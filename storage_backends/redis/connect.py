@@ -122,6 +122,14 @@ class StandaloneTransport:
         finally:
             pipe.reset()
 
+    def get_many(self, names: Sequence[str]) -> list:
+        """One ``MGET`` of ``names``: a value (bytes) or None per name (a key of another type reads as None), or the
+        exception once per name when the call failed. One reply for the batch instead of one parsed per command."""
+        try:
+            return self.client.execute_command("MGET", *names)
+        except (RedisError, OSError) as e:
+            return [e] * len(names)
+
     def raw(self) -> redis.Redis:
         return self.client
 

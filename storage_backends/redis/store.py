@@ -2,13 +2,15 @@
 
 A page is one string value ``header || payload`` (:mod:`..page_format`: 64-byte header with namespace, key, length and
 XXH3-64) under the key ``<key_prefix>:<namespace hex>:<page key>``; every read checks it, so a value of the wrong
-length, a bad checksum, another namespace's header or a value of another type (planted by another client) is a miss
-and ``corrupt`` +1, never data. A batch is one pipelined round trip (cluster: one per node, in parallel; :mod:`.connect`):
-``batch_get`` = GETs, ``batch_set`` = SETs (``PX`` with ``ttl_s``), ``batch_exists`` = STRLENs (no value moves; a key
-counts when its value has the length of a page). A key the server evicted (``maxmemory`` with an LRU policy) or that
-expired is a miss. Faults never raise: a refused write (``OOM`` under ``noeviction``) is ``False``, ``refused`` +1 and
-one warning; an unreachable server gives misses, ``errors`` +1 and, after a failure, ``reconnect_backoff_s`` (doubling
-to ``max_backoff_s``) of calls answered at once without I/O (``unavailable``). A server unreachable at start-up is one
+length, a bad checksum or another namespace's header (planted by another client) is a miss and ``corrupt`` +1, never
+data; a value of another type is a miss. A batch is one round trip (cluster: one per node, in parallel;
+:mod:`.connect`): ``batch_get`` = one ``MGET`` (cluster: pipelined GETs, a multi-key command must stay in one slot),
+``batch_set`` = pipelined SETs (``PX`` with ``ttl_s``; one MSET measured slower: benchmarks/README.md "Redis store"),
+``batch_exists`` = STRLENs (no value moves; a key counts when its value has the length of a page). A key the server
+evicted (``maxmemory`` with an LRU policy) or that expired is a miss. Faults never raise: a refused write (``OOM``
+under ``noeviction``) is ``False``, ``refused`` +1 and one warning; an unreachable server gives misses, ``errors`` +1
+and, after a failure, ``reconnect_backoff_s`` (doubling to ``max_backoff_s``) of calls answered at once without I/O
+(``unavailable``). A server unreachable at start-up is one
 warning (the store connects when it answers); a wrong or missing password, a non-cluster server named by
 ``l3.redis.nodes`` or a bad URL raise :class:`ConfigError` naming the key.
 """
@@ -119,9 +121,20 @@ class RedisStore(StorageBackend):
 
     def _run(self, cmds: list) -> Optional[list]:
         """Send ``cmds``; None when every command failed for the connection (counted, backoff started)."""
-        res = self._transport.run(cmds, self._stats)
+        return self._checked(self._transport.run(cmds, self._stats), cmds[0][0])
+
+    def _get(self, keys: Sequence[str]) -> Optional[list]:
+        """The values of ``keys``: one ``MGET`` on a standalone server, GETs in per-node pipelines on a cluster (an
+        ``MGET`` there must stay within one slot); None as :meth:`_run`."""
+        names = [self._name(k) for k in keys]
+        get_many = getattr(self._transport, "get_many", None)
+        if get_many is not None:
+            return self._checked(get_many(names), "MGET")
+        return self._run([("GET", n) for n in names])
+
+    def _checked(self, res: list, what: str) -> Optional[list]:
         if res and all(_is_conn_error(r) for r in res):
-            self._failed(f"{cmds[0][0]} batch to {self._where} failed", res[0])
+            self._failed(f"{what} batch to {self._where} failed", res[0])
             return None
         with self._lock:
             self._backoff = self.cfg.reconnect_backoff_s
@@ -156,7 +169,7 @@ class RedisStore(StorageBackend):
             with self._lock:
                 self._stats.add(misses=len(keys))
             return out
-        res = self._run([("GET", self._name(k)) for k in keys]) or [None] * len(keys)
+        res = self._get(keys) or [None] * len(keys)
         hits = misses = corrupt = errors = 0
         for i, (k, r) in enumerate(zip(keys, res)):
             if isinstance(r, (bytes, bytearray)):
