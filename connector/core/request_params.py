@@ -7,7 +7,8 @@ connector as ``request.kv_transfer_params``. Fields, all optional (other keys be
 - ``save`` (bool): false = none of its pages are saved into L2 (hence none reach L3);
 - ``load_max_tokens`` (int >= 0): load at most the pages that end within the first N tokens;
 - ``save_max_tokens`` (int >= 0): save only the pages that end within the first N tokens (the reusable prefix: a
-  system prompt or a document, not the private suffix).
+  system prompt or a document, not the private suffix);
+- ``keep`` (bool): true = the pages it saves bypass L3 admission (``l3.admission``): a document kept for a restart.
 
 A wrong type, a negative count or an unknown field raises :class:`RequestParamsError` naming the field.
 Engine-free: pydantic only.
@@ -35,6 +36,7 @@ class RequestControls(BaseModel):
     save: bool = True
     load_max_tokens: Optional[NonNegativeInt] = None
     save_max_tokens: Optional[NonNegativeInt] = None
+    keep: bool = False
 
     def load_pages(self, page_size: int) -> Optional[int]:
         """Most pages tierkv may load for the request (None = no limit)."""

@@ -94,7 +94,7 @@ class CacheScheduler:
     def add_request(self, req_id: str, tokens: Sequence[int], lora: Optional[str] = None,
                     cache_salt: Optional[str] = None, controls: Optional[RequestControls] = None) -> None:
         """Register a request (idempotent). ``tokens`` is a live sequence of all its token ids; ``controls`` its
-        per-request controls (what tierkv may load and save for it)."""
+        per-request controls (what tierkv may load and save for it, whether its saved pages bypass L3 admission)."""
         st = self.requests.get(req_id)
         if st is None:
             root = request_root(self.ns_digest, lora, cache_salt)
@@ -102,6 +102,7 @@ class CacheScheduler:
             self.counters.requests += 1
             if controls is not None:
                 st.load_cap, st.save_cap = controls.load_pages(self.page_size), controls.save_pages(self.page_size)
+                st.keep = controls.keep
         else:
             st.tokens = tokens
 

@@ -6,8 +6,10 @@ into L2. The ghost is an LRU of the last ``l3.admission_window_pages`` keys seen
 saw it. ``reused_in_l2``: pages are offered when L2 evicts them and written only if a later request found them in L2
 (an L2 hit, remembered per key in an LRU of the same bound). Offers are leading runs of a request's path, so the
 decision is a leading run too: an L3 copy after a gap would leave the index with the gap. A rejected key is kept (same
-bound) until a lookup wants it again while no tier holds it: ``rejected_hit_pages``, what admission cost.
-Memory: at most three LRUs of ``window_pages`` 16-byte keys; O(1) per key. Raises ValueError for a bad setting.
+bound) until a lookup wants it again while no tier holds it: ``rejected_hit_pages``, what admission cost. A page a
+request keeps (request control ``keep``: it must survive for a restart) bypasses both modes: its key is remembered
+(same bound) and admitted whenever offered; ``kept_pages`` counts those admission alone would have turned away.
+Memory: at most four LRUs of ``window_pages`` 16-byte keys; O(1) per key. Raises ValueError for a bad setting.
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from typing import Sequence
 
 from tierkv.connector.core.config import L3_ADMISSIONS
 
-#: ``l3.admission_window_pages`` default: 262144 keys per LRU (about 30 MB for the three)
+#: ``l3.admission_window_pages`` default: 262144 keys per LRU (about 30 MB for the three a mode fills; the kept keys'
+#: LRU only holds what requests keep)
 DEFAULT_WINDOW_PAGES = 1 << 18
 
 #: the ghost's mark of a key seen by two different requests
@@ -45,7 +48,7 @@ class Admission:
 
     Args:
         mode: one of :data:`~tierkv.connector.core.config.L3_ADMISSIONS`.
-        window_pages: keys each LRU (ghost, reused, rejected) remembers, > 0.
+        window_pages: keys each LRU (ghost, reused, rejected, kept) remembers, > 0.
     Raises:
         ValueError: an unknown mode (naming ``l3.admission`` and the allowed values), ``window_pages`` <= 0.
     """
@@ -60,11 +63,13 @@ class Admission:
         self.ghost = _Lru(window_pages)      # key -> the first request that saw it, or _TWICE
         self.reused = _Lru(window_pages)     # keys a request found in L2
         self.rejected = _Lru(window_pages)   # keys admission turned away, until a lookup wants them again
+        self.kept = _Lru(window_pages)       # keys a request keeps (request control ``keep``): always admitted
         self._looked: dict[str, int] = {}    # live request -> keys of its lookups already seen
         self.offered_pages = 0
         self.admitted_pages = 0
         self.rejected_pages = 0
         self.rejected_hit_pages = 0
+        self.kept_pages = 0
 
     @property
     def on_eviction(self) -> bool:
@@ -98,6 +103,13 @@ class Admission:
             for k in keys:
                 self.reused.put(k)
 
+    def keep(self, keys: Sequence[bytes]) -> None:
+        """A request keeps ``keys`` (request control ``keep``): admitted whenever offered while remembered (not
+        under ``always``, which admits everything anyway)."""
+        if self.mode != "always":
+            for k in keys:
+                self.kept.put(k)
+
     def end_request(self, req_id: str) -> None:
         self._looked.pop(req_id, None)
 
@@ -129,8 +141,13 @@ class Admission:
 
     def _admits(self, key: bytes) -> bool:
         if self.mode == "second_sight":
-            return self.ghost.d.get(key) is _TWICE
-        return key in self.reused.d
+            ok = self.ghost.d.get(key) is _TWICE
+        else:
+            ok = key in self.reused.d
+        if not ok and key in self.kept.d:
+            self.kept_pages += 1
+            return True
+        return ok
 
     def wanted(self, keys: Sequence[bytes]) -> int:
         """A lookup wants ``keys`` (in path order), which no tier holds: counts (once) the leading ones admission
@@ -153,9 +170,10 @@ class Admission:
                 "ctl_admission_admitted_pages": self.admitted_pages,
                 "ctl_admission_rejected_pages": self.rejected_pages,
                 "ctl_admission_rejected_hit_pages": self.rejected_hit_pages,
+                "ctl_admission_kept_pages": self.kept_pages,
                 "ctl_admission_ghost_pages": len(self.ghost.d) if self.mode == "second_sight" else 0}
 
     def memory_keys(self) -> int:
-        """Keys held in all three LRUs (each at most ``window_pages``)."""
-        return len(self.ghost.d) + len(self.reused.d) + len(self.rejected.d)
+        """Keys held in all four LRUs (each at most ``window_pages``)."""
+        return len(self.ghost.d) + len(self.reused.d) + len(self.rejected.d) + len(self.kept.d)
 

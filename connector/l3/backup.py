@@ -5,8 +5,9 @@ is backed up once its node was hit ``write_through_threshold`` times. ``write_ba
 eviction picks it (on demand, and ahead of demand to keep a quarter of the slots free or being freed); its slot is
 freed only after the store acknowledged the page, and a page whose backup failed is dropped, never marked as stored.
 While a backup runs, the index node holding its pages is locked (its slots cannot be evicted or reused). Every page a
-policy offers passes the controller's admission (:mod:`~tierkv.connector.l3.admission`, ``l3.admission``) first;
-``reused_in_l2`` moves the offer to L2 eviction, as ``write_back`` does, whatever the write policy.
+policy offers passes the controller's admission (:mod:`~tierkv.connector.l3.admission`, ``l3.admission``) first
+(pages a request keeps, request control ``keep``, pass it whatever it decides); ``reused_in_l2`` moves the offer to
+L2 eviction, as ``write_back`` does, whatever the write policy.
 """
 from __future__ import annotations
 
@@ -44,14 +45,17 @@ class BackupPolicy:
     """Mixin of :class:`~tierkv.connector.l3.controller.Controller`: when pages go to L3, and how L2 makes room
     (``write_back`` victims are backed up before their slots are freed)."""
 
-    def after_save(self, path: Sequence[bytes], start: int, req_id: Optional[str] = None) -> None:
+    def after_save(self, path: Sequence[bytes], start: int, req_id: Optional[str] = None, keep: bool = False) -> None:
         """Pages ``path[start:]`` were just given L2 slots and saved (in this step's plan), by request ``req_id``
-        (None: pages back in L2 for another reason; the admission does not count them as seen)."""
+        (None: pages back in L2 for another reason; the admission does not count them as seen). ``keep``: the
+        request keeps them (request control ``keep``): admission lets them through whenever they are offered."""
         if start >= len(path):
             return
         adm = self.admission
         if req_id is not None:
             adm.seen(req_id, path, start)
+        if keep:
+            adm.keep(path[start:])
         if self.write_policy == "write_through" and not adm.on_eviction:
             self._backup_admitted(path, list(range(start, len(path))))
 

@@ -80,6 +80,8 @@ COUNTERS = {
     "ctl_admission_rejected_pages": "Pages L3 admission turned away (pages).",
     "ctl_admission_rejected_hit_pages": "Pages turned away by L3 admission that a later lookup wanted while no tier "
                                         "held them: what admission cost (pages).",
+    "ctl_admission_kept_pages": "Pages L3 admission let through only because a request kept them (request control "
+                                "keep), where l3.admission alone would have turned them away (pages).",
     "trace_lines": "Lookup lines written to the trace_path file.",
     "trace_errors": "Write errors of the trace_path file.",
     "trace_dropped_lines": "Lookup lines not written to the trace_path file (after a write error).",

@@ -211,6 +211,7 @@ def test_request_controls_and_malformed_ones(server, scrapes):
     m2 = _scrape(base)
     assert _v(m2, "vllm:tierkv_lookup_tokens_total") == 4 * tokens and _outcomes(m2) == _outcomes(m)
     for bad, field in (({"save": "no"}, "kv_transfer_params.tierkv.save"),
+                       ({"keep": "yes"}, "kv_transfer_params.tierkv.keep"),
                        ({"load_max_token": 64}, "kv_transfer_params.tierkv.load_max_token")):
         r = requests.post(f"{base}/v1/completions", timeout=60, json={
             "model": model, "prompt": doc, "max_tokens": 4, "kv_transfer_params": {"tierkv": bad}})

@@ -120,7 +120,7 @@ class SavePlanner:
         st.num_indexed = full if k == need else end
         note_save(st, step, start, end)
         if self.ctl is not None:
-            self.ctl.after_save(keys[:end], start, req_id)
+            self.ctl.after_save(keys[:end], start, req_id, keep=st.keep)
 
     def live_pages(self, missing: list[int], indexed: int, full: int,
                    groups: Sequence[Sequence[int]]) -> tuple[list[int], int]:

@@ -29,6 +29,7 @@ class RequestState:
     reads: bool = True                    # False: the engine never lets it read a cache (not counted)
     load_cap: Optional[int] = None        # most pages tierkv may load for it (its kv_transfer_params), None = all
     save_cap: Optional[int] = None        # most leading pages tierkv may save for it, None = all
+    keep: bool = False                    # the pages it saves go to L3 whatever L3 admission decides
     # why the pages after the last lookup's hit are not a hit: (reason, end page) segments (LookupAnswer.rest)
     rest: list[tuple[str, int]] = field(default_factory=list)
     async_hit: bool = False               # the last lookup's answer needs an L3 read (an asynchronous load)

@@ -9,6 +9,7 @@ import pytest
 from tests.connector.l3.test_controller import file_store, l3_has, toks
 from tests.helpers.fake_engine import P, FakeEngine, Req
 from tierkv.connector.core.config import ConfigError, load_config
+from tierkv.connector.core.request_params import RequestControls
 from tierkv.connector.l3.admission import Admission
 
 D, E = toks(100, 4 * P), toks(5000, 4 * P)
@@ -19,12 +20,12 @@ def engine(tmp_path, admission, num_slots=64, **ctl):
                       controller={"admission": admission, **ctl})
 
 
-def counters(e):
+def counters(e, *more):
     s = e.sched.stats()
     return {k.removeprefix("ctl_admission_"): s[k] for k in ("ctl_admission_offered_pages",
                                                              "ctl_admission_admitted_pages",
                                                              "ctl_admission_rejected_pages",
-                                                             "ctl_admission_rejected_hit_pages")}
+                                                             "ctl_admission_rejected_hit_pages", *more)}
 
 
 def run(e, *reqs):
@@ -121,6 +122,59 @@ def test_write_back_victims_pass_second_sight(tmp_path):
     e.close()
 
 
+# ---------------------------------------------------------------- request control ``keep``
+def run_kept(e, req, **controls):
+    """Run ``req`` with the request controls ``controls`` (the scheduler keeps those of its first add_request)."""
+    e.sched.add_request(req.req_id, req.tokens, controls=RequestControls(**controls))
+    run(e, req)
+
+
+@pytest.mark.parametrize("mode, ctl", [
+    ("second_sight", {}),                             # write-through offer at the save
+    ("second_sight", {"write_policy": "write_back"}),  # offer when L2 evicts
+    ("reused_in_l2", {}),                             # offer when L2 evicts, never hit in L2
+])
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_kept_request_writes_its_pages_on_first_sight(tmp_path, mode, ctl, keep):
+    """One request reads D once, then two other one-time documents push it out of L2: D reaches L3 (and is served
+    from it after L2 is flushed, as after a restart) only when the request keeps it."""
+    e = engine(tmp_path, mode, num_slots=8, **ctl)
+    run_kept(e, Req("a", D + [1]), keep=keep)
+    run(e, Req("f", toks(9000, 4 * P) + [1]), Req("g", toks(12000, 4 * P) + [1]))  # L2 holds 8 pages: D leaves
+    c = e.sched.ctl.counters
+    assert c.backup_stored_pages == (4 if keep else 0)
+    assert l3_has(e, Req("x", D), 4) == (4 if keep else 0)
+    assert counters(e, "ctl_admission_kept_pages")["kept_pages"] == (4 if keep else 0)
+    e.sched.reset()
+    assert e.run_l3(Req("b", D + [2])) == (4 * P if keep else 0)
+    e.settle()
+    e.idle_check()
+    e.close()
+
+
+def test_keep_writes_only_what_the_request_saves(tmp_path):
+    """``keep`` with ``save_max_tokens``: only the saved leading pages are kept and written; with ``save: false``
+    nothing is saved, so nothing is written."""
+    e = engine(tmp_path, "second_sight")
+    run_kept(e, Req("a", D + [1]), keep=True, save_max_tokens=2 * P + 5)
+    assert e.sched.ctl.counters.backup_stored_pages == 2 and l3_has(e, Req("x", D), 4) == 2
+    run_kept(e, Req("n", E + [1]), keep=True, save=False)
+    assert e.sched.counters.save_pages == 2 and e.sched.ctl.counters.backup_stored_pages == 2
+    assert l3_has(e, Req("x", E), 4) == 0 and len(e.sched.ctl.admission.kept.d) == 2
+    e.close()
+
+
+def test_keep_changes_nothing_under_always(tmp_path):
+    e = engine(tmp_path, "always")
+    run_kept(e, Req("a", D + [1]), keep=True)
+    run(e, Req("b", E + [1]))
+    assert e.sched.ctl.counters.backup_stored_pages == 8
+    assert counters(e, "ctl_admission_kept_pages") == {"offered_pages": 8, "admitted_pages": 8, "rejected_pages": 0,
+                                                       "rejected_hit_pages": 0, "kept_pages": 0}
+    assert e.sched.ctl.admission.memory_keys() == 0
+    e.close()
+
+
 # ---------------------------------------------------------------- the ghost on its own
 def keys(n, base=0):
     return [bytes([0] * 12) + (base + i).to_bytes(4, "big") for i in range(n)]
@@ -157,6 +211,44 @@ def test_seen_lookup_costs_only_new_keys_and_is_forgotten_at_the_end():
     assert a._looked == {"r1": 6} and len(a.ghost.d) == 6
     a.end_request("r1")
     assert a._looked == {}
+
+
+@pytest.mark.parametrize("mode", ["second_sight", "reused_in_l2"])
+def test_a_kept_page_is_admitted_where_the_mode_rejects_it(mode):
+    a = Admission(mode, window_pages=64)
+    ks = keys(4)
+    a.seen("r1", ks)                      # first sight, never hit in L2
+    assert a.admit_run(ks[:2]) == 0 and a.kept_pages == 0
+    a.keep(ks[1:3])                       # a request keeps keys 1 and 2 (not 0)
+    assert a.admit_run(ks[:3]) == 0       # key 0 heads the run: a leading run, kept or not
+    assert a.admit_run(ks[1:]) == 2       # 1 and 2 bypass admission, 3 is still turned away
+    assert (a.kept_pages, a.admitted_pages) == (2, 2)
+    assert a.stats()["ctl_admission_kept_pages"] == 2
+    assert ks[1] not in a.rejected.d and ks[3] in a.rejected.d
+
+
+def test_a_kept_page_admitted_by_the_mode_is_not_counted_as_kept():
+    a = Admission("second_sight", window_pages=64)
+    ks = keys(2)
+    a.seen("r1", ks)
+    a.seen("r2", ks[:1])                  # key 0 seen twice: the mode admits it
+    a.keep(ks)
+    assert a.admit_run(ks) == 2 and a.kept_pages == 1
+
+
+def test_always_remembers_no_kept_key():
+    a = Admission("always", window_pages=64)
+    a.keep(keys(8))
+    assert a.memory_keys() == 0 and a.admit_run(keys(8)) == 8 and a.stats()["ctl_admission_kept_pages"] == 0
+
+
+def test_kept_keys_are_bounded_by_the_window_and_counted_in_memory():
+    a = Admission("reused_in_l2", window_pages=4)
+    ks = keys(10)
+    a.keep(ks)
+    assert len(a.kept.d) == 4 and a.memory_keys() == 4
+    assert a.admit_run(ks[:1]) == 0       # key 0 fell out of the window: the mode decides again
+    assert a.admit_run(ks[6:]) == 4 and a.kept_pages == 4
 
 
 def test_bad_modes_and_windows_are_refused_naming_the_key():

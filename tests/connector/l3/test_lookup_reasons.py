@@ -187,6 +187,8 @@ def test_load_controls_without_l3():
     ({"tierkv": {"load_max_tokens": True}}, "kv_transfer_params.tierkv.load_max_tokens"),
     ({"tierkv": {"load_max_tokens": 1.5}}, "kv_transfer_params.tierkv.load_max_tokens"),
     ({"tierkv": {"lod": False}}, "kv_transfer_params.tierkv.lod"),
+    ({"tierkv": {"keep": "yes"}}, "kv_transfer_params.tierkv.keep"),
+    ({"tierkv": {"keep": 1}}, "kv_transfer_params.tierkv.keep"),
     ({"tierkv": [False]}, "kv_transfer_params.tierkv"),
 ])
 def test_malformed_controls_are_refused_naming_the_field(raw, field):
@@ -201,6 +203,9 @@ def test_wellformed_controls():
     assert c == RequestControls(save=False, load_max_tokens=64)
     assert (c.load_pages(32), c.save_pages(32)) == (2, 0)
     assert parse_controls({"tierkv": {}}).load_pages(32) is None
+    assert parse_controls({"tierkv": {}}).keep is False
+    assert parse_controls({"tierkv": {"keep": True, "save_max_tokens": 64}}) == RequestControls(keep=True,
+                                                                                              save_max_tokens=64)
 
 
 # ------------------------------------------------------------------ the connector's side (vLLM objects)
@@ -223,10 +228,10 @@ def sched_connector(tmp_path, monkeypatch):
 def test_the_connector_reads_controls_from_kv_transfer_params(sched_connector):
     c = sched_connector
     T = list(range(1, 3 * 32 + 2))
-    r = _vllm_request("r", T, {"tierkv": {"save_max_tokens": 40}})
-    assert r.kv_transfer_params == {"tierkv": {"save_max_tokens": 40}}   # vLLM's plumbing: extra_args -> request
+    r = _vllm_request("r", T, {"tierkv": {"save_max_tokens": 40, "keep": True}})
+    assert r.kv_transfer_params == {"tierkv": {"save_max_tokens": 40, "keep": True}}  # vLLM: extra_args -> request
     c.on_new_request(r)
-    assert c._sched.requests["r"].save_cap == 1
+    assert c._sched.requests["r"].save_cap == 1 and c._sched.requests["r"].keep is True
     assert c.request_finished(r, []) == (False, None)
 
 

@@ -430,6 +430,8 @@ def test_tier_bytes_and_admission_counters_reach_prometheus():
                           ["model_name", "engine"], {0: ["m", "0"]})
     adm = Admission("second_sight", 8)
     adm.admit_run([b"k" * 16, b"j" * 16])   # neither seen twice: both rejected
+    adm.keep([b"i" * 16])                    # a request keeps i (request control keep): admitted all the same
+    adm.admit_run([b"i" * 16])
     snap = {"save_pages": 3, "l2_hit_tokens": 16, "ctl_backup_stored_pages": 2, "ctl_l3_hit_tokens": 0,
             **adm.stats()}
     TierBytes(100, 50, 16, warn_bytes=0).add_to(snap)
@@ -438,10 +440,11 @@ def test_tier_bytes_and_admission_counters_reach_prometheus():
     lab = {"model_name": "m", "engine": "0"}
     got = {k: reg.get_sample_value(f"vllm:tierkv_{k}_total", lab)
            for k in ("l2_written_bytes", "l2_served_bytes", "l3_written_bytes", "l3_served_bytes",
-                     "ctl_admission_offered_pages", "ctl_admission_rejected_pages", "ctl_admission_admitted_pages")}
+                     "ctl_admission_offered_pages", "ctl_admission_rejected_pages", "ctl_admission_admitted_pages",
+                     "ctl_admission_kept_pages")}
     assert got == {"l2_written_bytes": 300, "l2_served_bytes": 100, "l3_written_bytes": 100, "l3_served_bytes": 0,
-                   "ctl_admission_offered_pages": 2, "ctl_admission_rejected_pages": 2,
-                   "ctl_admission_admitted_pages": 0}
+                   "ctl_admission_offered_pages": 3, "ctl_admission_rejected_pages": 2,
+                   "ctl_admission_admitted_pages": 1, "ctl_admission_kept_pages": 1}
 
 # every test here starts its objects on a machine booted a moment ago (both clocks at 0.0)
 pytestmark = pytest.mark.usefixtures("young_clock")
