@@ -34,13 +34,15 @@ DEFAULT_PAGE_SIZE = 32
 @dataclass
 class TraceRequest:
     """One request to replay: ``keys`` of every full page it saves, the first ``lookup_pages`` of which its lookup
-    offers; the per-request caps of a recorded trace; the outcome the recording engine saw (recorded traces)."""
+    offers; the per-request caps and ``keep`` of a recorded trace; the outcome the recording engine saw (recorded
+    traces)."""
 
     keys: list[bytes]
     lookup_pages: int
     load_cap: Optional[int] = None
     save_cap: Optional[int] = None
     recorded: dict = field(default_factory=dict)
+    keep: bool = False  # its pages bypass L3 admission (request control ``keep``)
 
 
 @dataclass
@@ -172,7 +174,10 @@ def read_trace(path: str, page_size: Optional[int] = None, output_pages: bool = 
                 out = rec.get("outcome", {})
                 if not isinstance(out, dict) or not all(isinstance(v, int) for v in out.values()):
                     raise _bad(path, lineno, "'outcome' must map parts to token counts")
-                reqs.append(TraceRequest(keys, lp, caps[0], caps[1], out))
+                keep = rec.get("keep", False)
+                if not isinstance(keep, bool):
+                    raise _bad(path, lineno, "'keep' must be true or false")
+                reqs.append(TraceRequest(keys, lp, caps[0], caps[1], out, keep))
                 continue
             raise _bad(path, lineno, "neither a timed_trace line ('hash_ids') nor a tierkv lookup record ('keys')")
     source = "recorded" if kind == "tierkv" else "given" if page_size is not None else "default"
@@ -266,7 +271,7 @@ def replay(trace: Trace, l2_pages: int, l3_pages: int = 0, policy: str = "lru", 
         sched.add_request(rid, tokens)
         st = sched.requests[rid]
         st.keys = _GivenKeys(r.keys, ps)
-        st.load_cap, st.save_cap = r.load_cap, r.save_cap
+        st.load_cap, st.save_cap, st.keep = r.load_cap, r.save_cap, r.keep
         n1 = 0  # pages the engine's own cache (L1) serves
         if l1 == "recorded":
             n1 = min(r.lookup_pages, r.recorded.get("l1", 0) // ps)

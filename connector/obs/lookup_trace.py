@@ -7,7 +7,8 @@ a cache, once, when its lookup is counted at first admission. The file holds:
 - per lookup ``{"t": seconds since the header, "keys": [hex page keys], "lookup_pages": n, "outcome": {...}}``:
   ``keys`` every full page of the request at admission, ``lookup_pages`` how many of them the lookup offered,
   ``outcome`` the nonzero tokens per part (``l1``, ``l2``, ``l3``, the miss reasons ``MISS_REASONS`` of
-  :mod:`tierkv.connector.l3.controller`), and ``load_cap`` / ``save_cap`` (pages) when the controls limit them.
+  :mod:`tierkv.connector.l3.controller`), ``load_cap`` / ``save_cap`` (pages) when the controls limit them, and
+  ``keep: true`` when they keep its pages (they bypass L3 admission).
 
 No token ids are written (keys are one-way hashes). Lines are buffered (:data:`FLUSH_LINES`, :data:`FLUSH_S`) and
 the writer never fails the engine: an ``OSError`` is counted (``trace_errors``) and logged once, later lines are only
@@ -57,7 +58,7 @@ class LookupTrace:
         atexit.register(self.close)
 
     def lookup(self, keys, lookup_pages: int, outcome: dict, load_cap: Optional[int] = None,
-               save_cap: Optional[int] = None) -> None:
+               save_cap: Optional[int] = None, keep: bool = False) -> None:
         """Record one counted lookup (see the module docstring). Never raises."""
         try:
             rec = {"t": round(self.clock() - self.t0, 6), "keys": [k.hex() for k in keys],
@@ -66,6 +67,8 @@ class LookupTrace:
                 rec["load_cap"] = load_cap
             if save_cap is not None:
                 rec["save_cap"] = save_cap
+            if keep:
+                rec["keep"] = True
             line = json.dumps(rec, separators=(",", ":")) + "\n"
         except Exception as e:  # never the engine's problem
             self._error(e)

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from tests.helpers.cli import one_line_error, tierkv
+from tierkv.cli_common import CliError
 from tierkv.cli_plan import read_trace, replay
 
 PS = 32
@@ -61,3 +62,34 @@ def test_plan_bad_admission_is_one_line(tmp_path):
     r = tierkv("plan", str(f), "--l3", "64", "--admission", "always,never")
     line = one_line_error(r)
     assert r.returncode == 2 and "--admission 'never'" in line and "second_sight" in line
+
+
+def recorded(path, keep_first):
+    """A recorded lookup trace (``trace_path``): document D (4 pages) then 3 one-time prompts, each once; the first
+    request keeps its pages (request control ``keep``) when ``keep_first``."""
+    head = {"tierkv_lookup_trace": 1, "page_size": PS, "l2_pages": 4, "eviction_policy": "lru"}
+    recs = [{"keys": [f"{i:02x}{j:02x}" * 8 for j in range(4)], "lookup_pages": 3, "outcome": {"miss": 3 * PS}}
+            for i in range(4)]
+    if keep_first:
+        recs[0]["keep"] = True
+    path.write_text("".join(json.dumps(x) + "\n" for x in [head, *recs]))
+
+
+@pytest.mark.parametrize("mode", ["second_sight", "reused_in_l2"])
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_kept_request_of_a_recorded_trace_is_written_on_first_sight(tmp_path, mode, keep):
+    f = tmp_path / "rec.jsonl"
+    recorded(f, keep)
+    trace = read_trace(str(f))
+    assert [r.keep for r in trace.requests] == [keep, False, False, False]
+    r = replay(trace, 4, 1024, admission=mode)
+    assert r["l3_written_pages"] == r["ctl_admission_kept_pages"] == (4 if keep else 0)
+
+
+def test_a_recorded_keep_that_is_not_a_bool_is_named(tmp_path):
+    f = tmp_path / "rec.jsonl"
+    recorded(f, True)
+    f.write_text(f.read_text().replace('"keep": true', '"keep": 1'))
+    with pytest.raises(CliError) as ei:
+        read_trace(str(f))
+    assert f"{f}:2:" in str(ei.value) and "'keep'" in str(ei.value)

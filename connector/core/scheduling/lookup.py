@@ -99,4 +99,4 @@ class PrefixLookup:
         outcome = {k: v - before[k] for k, v in ls.tokens.items()}
         outcome["l3"] += ls.waiting - waiting
         trace.lookup(st.keys.extend(st.tokens), max(0, (len(st.tokens) - 1) // self.page_size),
-                     outcome, st.load_cap, st.save_cap)
+                     outcome, st.load_cap, st.save_cap, st.keep)

@@ -202,3 +202,18 @@ def test_trace_path_config_key(tmp_path):
     for bad in (str(tmp_path), str(tmp_path / "missing" / "t.jsonl"), "", 5):
         with pytest.raises(ConfigError, match="'trace_path'"):
             load_config(None, {"trace_path": bad})
+
+
+def test_a_kept_request_is_recorded_with_keep(tmp_path):
+    from tierkv.connector.core.request_params import RequestControls
+    path = tmp_path / "trace.jsonl"
+    e = FakeEngine(num_blocks=64, num_slots=16)
+    e.sched.trace = LookupTrace(str(path), P, 16, "lru")
+    doc = list(range(1, 2 * P + 2))
+    e.sched.add_request("k", doc, controls=RequestControls(keep=True, save_max_tokens=P))
+    e.run(Req("k", doc))
+    e.run(Req("n", doc[:-1] + [7]))
+    e.sched.trace.close()
+    recs = [json.loads(ln) for ln in path.read_text().splitlines()[1:]]
+    assert [(r.get("keep"), r.get("save_cap")) for r in recs] == [(True, 1), (None, None)]
+    assert [r.keep for r in read_trace(str(path)).requests] == [True, False]
