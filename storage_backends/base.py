@@ -40,6 +40,18 @@ class PageTokens(NamedTuple):
     root: bytes
 
 
+class EvictedKeys(NamedTuple):
+    """What :meth:`StorageBackend.take_evicted` hands back: the keys the store evicted since the last call, oldest
+    first, and ``lost``: evictions left out of ``keys`` because the store's buffer of them overflowed."""
+
+    keys: list[str]
+    lost: int = 0
+
+
+#: evicted keys a store keeps for :meth:`StorageBackend.take_evicted` between two calls (more are counted as lost)
+EVICTED_BUFFER_MAX = 1 << 16
+
+
 class StorageBackend(abc.ABC):
     """One L3 store. Attributes: ``page_bytes`` (bytes of one page payload), ``namespace`` (16-byte digest
     written into and checked against every stored page's header)."""
@@ -64,6 +76,9 @@ class StorageBackend(abc.ABC):
     #: (the payload checksum it verified against the record; None for a miss), so the caller need not hash the page
     #: again
     verified_checksums: bool = False
+    #: :meth:`take_evicted` names the pages this store object evicted (stores that manage their capacity in the
+    #: caller's process); the others, whose server evicts by itself (zmq, redis, mooncake, lmcache), keep False
+    reports_evictions: bool = False
 
     @abc.abstractmethod
     def batch_exists(self, keys: Sequence[str], tokens: Optional[Sequence[PageTokens]] = None) -> int:
@@ -177,6 +192,13 @@ class StorageBackend(abc.ABC):
         tools such as ``tierkv store stats``; the digest itself cannot be decoded. Never read back by the store,
         so it cannot change what matches. Optional: the default records nothing and returns ``False``."""
         return False
+
+    def take_evicted(self) -> EvictedKeys:
+        """The keys this store object evicted to stay within its capacity since the last call (then forgotten), at
+        most :data:`EVICTED_BUFFER_MAX` of them (``lost`` counts the rest). Optional: the default names none. A store
+        whose server evicts by itself (zmq, redis, mooncake, lmcache) keeps it: its evictions are found by a read
+        that misses."""
+        return EvictedKeys([], 0)
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tierkv.storage_backends.base import Buffer, PageTokens, StorageBackend
+from tierkv.storage_backends.base import Buffer, EvictedKeys, PageTokens, StorageBackend
 from tierkv.storage_backends.page_format import check_checksums
 
 _OPS = ("get", "set", "exists")
@@ -153,6 +153,15 @@ class FaultyBackend(StorageBackend):
         """The inner store's :attr:`StorageBackend.verified_checksums` (its answers are passed through as given; a
         page this wrapper fails gets None)."""
         return bool(getattr(self.inner, "verified_checksums", False))
+
+    @property
+    def reports_evictions(self) -> bool:
+        """The inner store's :attr:`StorageBackend.reports_evictions`."""
+        return bool(getattr(self.inner, "reports_evictions", False))
+
+    def take_evicted(self) -> EvictedKeys:
+        """The inner store's :meth:`StorageBackend.take_evicted`."""
+        return self.inner.take_evicted()
 
     @property
     def local_exists(self) -> bool:

@@ -19,9 +19,10 @@ import threading
 import time
 from typing import Iterable, Optional
 
+from tierkv.storage_backends.base import EVICTED_BUFFER_MAX, EvictedKeys
 from tierkv.storage_backends.common import Counters, RateLimitedLog
 from tierkv.storage_backends.eviction import DEFAULT_PROTECTED_FRACTION, DEFAULT_SMALL_FRACTION, make_key_policy
-from tierkv.storage_backends.file.layout import TMP_PREFIX
+from tierkv.storage_backends.file.layout import PAGE_SUFFIX, TMP_PREFIX
 
 #: evicted record files kept for reuse (``recycle_evicted``), at most this many bytes and this many files per store
 SPARE_MAX_BYTES = 64 << 20
@@ -74,6 +75,8 @@ class Evictor:
         # evicted record files renamed out of the key space, to be overwritten by the next writes (recycle_evicted)
         self.spares: list[str] = []
         self.spare_max = spare_max
+        self.evicted: list[str] = []  # paths evicted since the last take_evicted (at most EVICTED_BUFFER_MAX)
+        self.evicted_lost = 0         # evictions since then left out of ``evicted`` (it was full)
 
     # ------------------------------------------------------------------ eviction
     def evict_locked(self, need: int = 0, count: Optional[int] = None, keep: str = "", free: bool = False) -> int:
@@ -95,6 +98,10 @@ class Evictor:
             self.usage -= size
             self.touches.pop(p, None)
             n += 1
+            if len(self.evicted) < EVICTED_BUFFER_MAX:
+                self.evicted.append(p)
+            else:
+                self.evicted_lost += 1
             try:
                 if free or size != self.record_bytes or not self.spare_locked(p):
                     os.unlink(p)
@@ -104,6 +111,15 @@ class Evictor:
                 self._warn.warning("evict", "file store %s: cannot evict %s: %s", self.root, p, e)
         self.counters["evictions"] += n
         return n
+
+    def take_evicted(self) -> EvictedKeys:
+        """The keys of the records :meth:`evict_locked` removed since the last call (every path: capacity, forced by
+        ``ENOSPC``, recycled as spares), oldest first, and how many were left out because the buffer was full."""
+        with self.lock:
+            paths, self.evicted = self.evicted, []
+            lost, self.evicted_lost = self.evicted_lost, 0
+        cut = len(PAGE_SUFFIX)
+        return EvictedKeys([os.path.basename(p)[:-cut] for p in paths], lost)
 
     def spare_locked(self, path: str) -> bool:
         """Rename the evicted record ``path`` to a spare temporary file in its directory, if fewer than the spare

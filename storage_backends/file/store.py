@@ -27,7 +27,7 @@ from typing import Any, Optional, Sequence
 import xxhash
 from pydantic import ValidationError
 
-from tierkv.storage_backends.base import Buffer, PageTokens, StorageBackend
+from tierkv.storage_backends.base import Buffer, EvictedKeys, PageTokens, StorageBackend
 from tierkv.storage_backends.common import (  # noqa: F401 - parse_bytes, as_byte_view: also imported from here
     ConfigError,
     Counters,
@@ -124,6 +124,7 @@ class FileStore(StorageBackend):
     vectored_sources = True   # a page given as runs is written with one writev (header + runs), never joined
     vectored_destinations = True  # a page read into runs with one preadv (header + runs + a byte past the end)
     verified_checksums = True     # batch_get(checksums=) hands back the payload checksum each read was verified by
+    reports_evictions = True      # take_evicted names the records this object evicted
 
     def __init__(self, namespace: bytes, page_bytes: int, root: Optional[str] = None, **cfg: Any):
         check_store_identity(namespace, page_bytes)
@@ -196,6 +197,11 @@ class FileStore(StorageBackend):
     def _evict_locked(self, need: int = 0, count: Optional[int] = None, keep: str = "", free: bool = False) -> int:
         """:meth:`Evictor.evict_locked` (the caller holds ``_lock``)."""
         return self._ev.evict_locked(need, count, keep, free)
+
+    def take_evicted(self) -> EvictedKeys:
+        """The keys of the records this object evicted since the last call (:meth:`Evictor.take_evicted`). Records
+        other processes sharing ``root`` evicted are not named: a read finds them missing."""
+        return self._ev.take_evicted()
 
     def wait_scan(self, timeout_s: Optional[float] = None) -> bool:
         """True once the start-up scan has finished (at once without ``background_scan``)."""

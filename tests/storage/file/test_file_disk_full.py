@@ -89,13 +89,16 @@ def test_capacity_enforced_by_lru_eviction(tmp_path, monkeypatch):
         cap_pages = (6 * MiB) // REC
         assert cap_pages == 23  # 24 payloads of 256 KiB, minus room for the 64-byte headers
         model: OrderedDict[str, int] = OrderedDict()  # expected LRU order: key -> page seed
+        evicted: list[str] = []
         rng = random.Random(0)
         for i in range(200):
             k = f"{i:032x}"
             assert s.batch_set([k], [page(i)]) == [True]
             model[k] = i
             while len(model) > cap_pages:
-                model.popitem(last=False)
+                evicted.append(model.popitem(last=False)[0])
+            assert s.take_evicted() == (evicted, 0)  # exactly this write's victims, then nothing more
+            evicted = []
             assert s.stats()["usage_pages"] <= 24
             assert len(files(root)) <= 24
             if i % 10 == 9:
@@ -161,6 +164,8 @@ def test_full_disk_filled_by_another_tenant(tmp_path, monkeypatch):
         # s evicts its own page to make room, then stores
         assert s.batch_set(["bb" * 16], [page(2)]) == [True]
         assert s.stats()["forced_evictions"] == 1 and s.batch_exists(["aa" * 16]) == 0
+        assert s.take_evicted() == (["aa" * 16], 0)  # the forced eviction is named like any other
+        assert s.take_evicted() == ([], 0)
         dst = torch.empty(PAGE, dtype=torch.uint8)
         assert s.batch_get(["bb" * 16], [dst]) == [True] and torch.equal(dst, page(2))
         assert_clean(root)

@@ -119,3 +119,33 @@ def test_fsync_and_read_only_stores_do_not_recycle(tmp_path):
     assert s.batch_set([_key(i) for i in range(2 * CAP)], [_page(i) for i in range(2 * CAP)]) == [True] * (2 * CAP)
     assert s.stats()["recycled"] == 0 and _files(tmp_path / "l3")[1] == []
     s.close()
+
+
+@pytest.mark.parametrize("recycle", [True, False])
+def test_take_evicted_names_each_eviction_once(tmp_path, recycle):
+    """Every record evicted for capacity, its file recycled as a spare or unlinked, is named by ``take_evicted``
+    once, least recently used first; a page written again after its eviction is named only if evicted again."""
+    s = FileStore(NS, PAGE, root=str(tmp_path / "l3"), capacity_bytes=CAP * REC, recycle_evicted=recycle)
+    keys = [_key(i) for i in range(3 * CAP)]
+    assert s.batch_set(keys[:CAP], [_page(i) for i in range(CAP)]) == [True] * CAP
+    assert s.take_evicted() == ([], 0)                   # within capacity: nothing evicted
+    out = [np.zeros(PAGE, np.uint8)]
+    assert s.batch_get([keys[0]], out) == [True]         # a hit: keys[0] is now the most recently used
+    assert s.batch_set(keys[CAP:CAP + 2], [_page(i) for i in range(CAP, CAP + 2)]) == [True] * 2
+    assert s.take_evicted() == ([keys[1], keys[2]], 0)
+    assert s.take_evicted() == ([], 0)                   # taken: forgotten
+    assert s.batch_set([keys[1]], [_page(1)]) == [True]   # written again: evicts keys[3]
+    assert s.take_evicted() == ([keys[3]], 0)
+    assert s.stats()["evictions"] == 3
+    assert s.batch_exists([keys[1]]) == 1 and s.batch_exists([keys[2]]) == 0
+
+
+def test_take_evicted_counts_what_its_buffer_lost(tmp_path, monkeypatch):
+    """Past ``EVICTED_BUFFER_MAX`` keys between two calls the rest are counted as lost, not named."""
+    monkeypatch.setattr("tierkv.storage_backends.file.evictor.EVICTED_BUFFER_MAX", 2)
+    s = FileStore(NS, PAGE, root=str(tmp_path / "l3"), capacity_bytes=CAP * REC)
+    keys = [_key(i) for i in range(CAP + 3)]
+    for i, k in enumerate(keys):  # one write at a time (a batch's own records are being written: never victims)
+        assert s.batch_set([k], [_page(i)]) == [True]
+    assert s.take_evicted() == (keys[:2], 1)
+    assert s.take_evicted() == ([], 0)
