@@ -224,7 +224,8 @@ class JobReport:
     ``seconds`` include the store client's set-up in this process (connections, first-touch allocations) and say
     nothing of the store's speed. ``served``: for a synchronous prefetch, the leading pages the rank copied into
     the request's blocks before the forward (at most ``leading``; pages that arrived later are in L2 but were
-    recomputed); None for every other job."""
+    recomputed); None for every other job. ``evicted``: for a backup, the page keys the rank's store evicted while
+    it ran (or since its last backup), net of the pages the job stored after their eviction."""
 
     job_id: int
     kind: str
@@ -235,6 +236,7 @@ class JobReport:
     cancelled: int = 0
     cold: bool = False
     served: Optional[int] = None
+    evicted: list[bytes] = field(default_factory=list)
 
     @property
     def leading(self) -> int:
@@ -248,7 +250,8 @@ class JobReport:
 def merge_reports(reports: list[JobReport]) -> JobReport:
     """One report from every rank's report of the same job: a page is done only where every rank did it;
     ``seconds`` is the slowest rank's, ``bytes`` the sum, ``cold`` whether any rank's was, ``served`` the least
-    (None unless every rank gave one).
+    (None unless every rank gave one), ``evicted`` every rank's (a page is whole in L3 only while every rank's
+    shard is).
 
     Raises:
         ValueError: empty list, or reports of different jobs or page counts.
@@ -264,7 +267,8 @@ def merge_reports(reports: list[JobReport]) -> JobReport:
     return JobReport(first.job_id, first.kind, ok, rank=-1, seconds=max(r.seconds for r in reports),
                      bytes=sum(r.bytes for r in reports), cancelled=max(r.cancelled for r in reports),
                      cold=any(r.cold for r in reports),
-                     served=None if any(r.served is None for r in reports) else min(r.served for r in reports))
+                     served=None if any(r.served is None for r in reports) else min(r.served for r in reports),
+                     evicted=list(dict.fromkeys(k for r in reports for k in r.evicted)))
 
 
 @dataclass

@@ -119,6 +119,7 @@ class BackupPolicy:
 
     def _end_backup(self, st: _JobState, r: JobReport) -> None:
         if st.cancelled:  # cancel_backups released everything; its pages left the index
+            self._note_evicted(r.evicted)
             return
         self._backing_up.difference_update(st.job.keys)
         flags = [False] * len(st.path)
@@ -128,6 +129,10 @@ class BackupPolicy:
         for k, ok in zip(st.job.keys, r.ok):
             if ok:
                 self._absent.pop(k, None)  # an earlier "absent" answer is stale now
+                self._l3_evicted.pop(k, None)  # so is an earlier eviction
+        # after the stored pages: the worker left out pages written again after their eviction, so a page named
+        # here was evicted after its last write
+        self._note_evicted(r.evicted)
         self.lookup_stats.stored_l3([k for k, ok in zip(st.job.keys, r.ok) if ok])
         stored = sum(r.ok)
         self.counters.backup_stored_pages += stored

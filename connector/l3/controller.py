@@ -120,6 +120,7 @@ class Controller(JobTable, BackupPolicy, Existence, Prefetch, HitEstimates, Outc
         self._fetching: dict[bytes, int] = {}
         self._exists_pending: dict[bytes, int] = {}
         self._absent: "OrderedDict[bytes, float]" = OrderedDict()
+        self._l3_evicted: "OrderedDict[bytes, None]" = OrderedDict()  # pages L3 evicted, flag not yet cleared
         self._req_prefetch: dict[str, int] = {}   # request -> its prefetch job, until the job's report (I/O side)
         self._recv_open: set[str] = set()          # requests whose load the workers have not named as ended yet
         self._plans = 0                            # plans handed out (take_jobs): one per engine step
@@ -136,6 +137,8 @@ class Controller(JobTable, BackupPolicy, Existence, Prefetch, HitEstimates, Outc
         None = not known yet (another request is fetching these pages, an existence answer or L2 staging room is
         pending): vLLM asks again next step. Counts the deferred lookups and the hits declined as slow."""
         m = self.index.match_prefix(keys, require_l2=False)
+        if self._l3_evicted:
+            m = self._forget_evicted(keys, m)
         if m.num_pages < len(keys):  # pages no tier holds: did admission turn them away?
             self.admission.wanted(keys[m.num_pages:])
         avail = self.usable_pages(keys, m.host_slots, m.in_l3)

@@ -5,7 +5,8 @@ from the scheduler's process at once (``exists_fn``: one ``stat`` per key and ra
 used in the same lookup. Otherwise the workers (all ranks) are asked with a job: while it is pending
 :meth:`Existence.l3_extend` returns None (vLLM asks again next step), for at most ``exists_wait_s``; then the request
 goes on without L3 and the late answer still fills the index. Found pages are inserted as L3-only; the first absent
-page is remembered for ``negative_ttl_s`` (one query per miss).
+page is remembered for ``negative_ttl_s`` (one query per miss). Pages the workers' stores report evicted (backup
+reports) are remembered until a lookup of their path clears their L3 flag (:meth:`Existence._forget_evicted`).
 """
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ from typing import Optional, Sequence
 from tierkv.connector.core.plan import JOB_EXISTS, Job, JobReport
 from tierkv.connector.core.radix_index import NO_SLOT
 from tierkv.connector.l3.jobs import _JobState, _rate_limited
+
+#: page keys reported evicted from L3 that the controller remembers until a lookup clears their flag (oldest go first:
+#: a read of such a page then fails, as without the report)
+EVICTED_KEYS_MAX = 1 << 18
 
 
 class Existence:
@@ -36,11 +41,42 @@ class Existence:
             self._absent.popitem(last=False)
 
     def usable_pages(self, path: Sequence[bytes], m_host_slots: Sequence[int], m_in_l3: Sequence[bool]) -> int:
-        """Leading pages of a ``require_l2=False`` match that can be loaded: in L2, or in L3 and not known bad."""
+        """Leading pages of a ``require_l2=False`` match that can be loaded: in L2, or in L3 and not known bad or
+        evicted."""
+        evicted = self._l3_evicted
         for i, (s, f) in enumerate(zip(m_host_slots, m_in_l3)):
-            if s == NO_SLOT and (not f or self._is_absent(path[i])):
+            if s == NO_SLOT and (not f or self._is_absent(path[i]) or path[i] in evicted):
                 return i
         return len(m_host_slots)
+
+    def _note_evicted(self, keys: Sequence[bytes]) -> None:
+        """The workers' stores evicted the pages ``keys`` (a backup report): remember them for lookups."""
+        ev = self._l3_evicted
+        for k in keys:
+            ev[k] = None
+            ev.move_to_end(k)
+        self.counters.l3_evicted_pages += len(keys)
+        while len(ev) > EVICTED_KEYS_MAX:
+            ev.popitem(last=False)
+
+    def _forget_evicted(self, path: Sequence[bytes], m):
+        """Clear the L3 flag of the pages of ``m`` (``path``'s ``require_l2=False`` match) that L3 evicted, the way a
+        failed read does (:meth:`RadixIndex.clear_l3`: an L3-only page leaves the index with the rest of its path,
+        unless that is locked), and back up again what L2 still holds. Returns the match after that."""
+        ev = self._l3_evicted
+        pos = [i for i, f in enumerate(m.in_l3) if f and path[i] in ev]
+        if not pos:
+            return m
+        freed = self.index.clear_l3(path[: m.num_pages], pos)
+        if freed:
+            self.allocator.free(freed)
+        n, _cursor = self.index.match_len(path, require_l2=False)
+        self.after_save(path[:n], 0)  # write_through: back up again what is in L2 and not in L3
+        m = self.index.match_prefix(path, require_l2=False)
+        for i in pos:  # a page still flagged (its path is locked) stays remembered
+            if i >= m.num_pages or not m.in_l3[i]:
+                del ev[path[i]]
+        return m
 
     def l3_extend(self, path: Sequence[bytes], start: int) -> Optional[int]:
         """How many pages after ``path[:start]`` (indexed) are in L3 beyond what the index knows: 0 when known
@@ -94,6 +130,8 @@ class Existence:
         if n == 0:
             return
         self.counters.exists_found_pages += n
+        for k in keys[:n]:
+            self._l3_evicted.pop(k, None)  # written again since it was reported evicted
         start = len(prefix)
         m = self.index.match_prefix(prefix, require_l2=False)
         if m.num_pages < start:

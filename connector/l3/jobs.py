@@ -45,6 +45,7 @@ class ControllerCounters:
     l3_declined_room_pages: int = 0     # hits declined after waiting for L2 room
     index_l3_evicted_pages: int = 0     # L3-only pages dropped from the index to bound it
     backup_cancelled_pages: int = 0     # backups cancelled: their pages were computed on a failed load
+    l3_evicted_pages: int = 0           # pages the workers' stores reported evicted (their L3 flag is cleared)
 
     def as_dict(self) -> dict:
         """Every counter under its stats key, ``ctl_<field>`` (one snapshot a step: the keys are made once)."""

@@ -50,6 +50,8 @@ COUNTERS = {
     "ctl_backup_stored_pages": "Pages whose L2 -> L3 backup every rank confirmed (pages).",
     "ctl_prefetch_sync_jobs": "L3 hits loaded before the forward of the step that admitted them, like an L2 hit.",
     "ctl_l3_probe_hits": "L3 hits read although estimated slower than recomputing, to refresh a stale estimate.",
+    "ctl_l3_evicted_pages": "Pages the L3 store reported evicted (file store): their L3 flag is cleared, so they are "
+                            "not taken for L3 hits (pages).",
     "hook_errors": "Exceptions caught at a vLLM hook, each turned into a miss or recomputed pages.",
     "l3_writer_raised": "Times the idle-class L3 writer thread was raised to the normal class (backlog).",
     "l3_hits": "Requests whose L3 load ended (asynchronous loads).",
@@ -65,6 +67,9 @@ COUNTERS = {
     "l3_prefetch_bytes": "Bytes read L3 -> L2 (bytes).",
     "l3_prefetch_deadline_misses": "Requests released at their prefetch deadline with pages still missing.",
     "l3_store_errors": "L3 store calls that raised (connection, timeout, I/O errors).",
+    "l3_evicted_pages": "Pages the L3 store evicted that the workers named in their backup reports, summed over the "
+                        "workers (pages).",
+    "l3_evicted_unnamed_pages": "L3 store evictions the workers could not name (a read finds those pages missing).",
     "l3_errors": "L3 store failures: calls that raised plus errors the store absorbed (I/O, connection).",
     "l3_timeouts": "L3 store calls abandoned after the store's timeout_s (ZMQ, Mooncake).",
     "kv_events_stored_pages": "L2/L3 pages announced to vLLM's KV event publisher as stored (pages).",

@@ -29,6 +29,7 @@ from tierkv.storage_backends.common import RateLimitedLog
 from tierkv.connector.core.page_checksums import SlotChecksums
 from tierkv.connector.core.plan import JOB_BACKUP, JOB_PREFETCH, Job, JobReport, PageOrder
 from tierkv.connector.cpu.thread_priority import WRITER_PRIORITIES, BackgroundPriority, can_return_from_idle
+from tierkv.connector.l3.io.evicted import EvictedNames
 from tierkv.connector.l3.io.types import L3Counters, PollResult, _Prefetch, default_read_threads, l3_key
 from tierkv.connector.l3.io.runners import BACKUP_PAUSE_MAX_S, CREDIT_FIRST_BATCH, L3JobRunners
 from tierkv.connector.l3.io.no_l3 import NoL3
@@ -143,6 +144,8 @@ class L3IO(L3JobRunners):
                                and host.page_bytes >= runs * VECTORED_MIN_RUN_BYTES)
         # a store that hands back the checksum it verified each page by: the readers do not hash the page again
         self._store_sums = bool(getattr(store, "verified_checksums", False))
+        # a store that names what it evicted: the writer names those pages in its backup reports, for the index
+        self._evicted_names = EvictedNames(store) if getattr(store, "reports_evictions", False) else None
         rstage = 0 if self._vectored_read else batch_pages
         self._threads = [threading.Thread(target=self._serve, args=(self._read_q, self._staging(rstage)),
                                           name=f"tierkv-l3-read-{i}", daemon=True) for i in range(read_threads)]

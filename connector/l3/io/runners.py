@@ -34,7 +34,8 @@ class L3JobRunners:
     """Mixin of :class:`~tierkv.connector.l3.io.L3IO` with what runs on its I/O threads. It uses the state that
     ``L3IO.__init__`` sets up: ``store``, ``host``, ``rank_namespace``, ``checksums``, ``batch_pages``, ``rank``,
     ``clock``, ``counters``, ``_log``, ``_lock``, ``_idle``, ``_gate``, ``_paused_since``, ``_pause_backlog``,
-    ``_reports``, ``_prefetches``, ``_warm``, ``_skip``, ``_busy``, ``_closed``, ``_queued_backup_pages`` and the staging choices ``_direct``, ``_vectored``,
+    ``_reports``, ``_prefetches``, ``_warm``, ``_skip``, ``_busy``, ``_closed``, ``_queued_backup_pages``,
+    ``_evicted_names`` and the staging choices ``_direct``, ``_vectored``,
     ``_vectored_read``, ``_store_sums``, ``_wstage``."""
 
     def _serve(self, q: "queue.Queue[Optional[Job]]", stage: torch.Tensor,
@@ -95,6 +96,7 @@ class L3JobRunners:
         t0 = time.perf_counter()
         ok = [False] * job.num_pages
         nbytes = 0
+        evicted: dict[bytes, None] = {}  # page keys the store evicted (net of those stored again since)
         pb = self.host.page_bytes
         with self._lock:
             skip = self._skip.pop(job.job_id, set())
@@ -119,12 +121,16 @@ class L3JobRunners:
                     c = self.host.page_checksum(slot)
                 srcs.append(src)
                 sums.append(c)
+            keys = [job.keys[i] for i in send[s:e]]
+            l3_keys = self._keys(keys)
             try:
-                res = self.store.batch_set(self._keys([job.keys[i] for i in send[s:e]]), srcs, checksums=sums)
+                res = self.store.batch_set(l3_keys, srcs, checksums=sums)
             except Exception as ex:
                 res = [False] * (e - s)
                 self.counters.store_errors += 1
                 self._log.warning("backup", "tierkv L3: backup of %d pages failed: %r", e - s, ex)
+            if self._evicted_names is not None:
+                self._evicted_names.after_batch(l3_keys, keys, res, evicted)
             for i, r in zip(send[s:e], res):
                 if r:
                     ok[i] = True
@@ -133,7 +139,7 @@ class L3JobRunners:
                 self._log.warning("backup_pages", "tierkv L3: %d of %d pages not stored by %r",
                                   sum(1 for r in res if not r),
                                   e - s, self.store)
-        self._end_backup(job, ok, nbytes, time.perf_counter() - t0)
+        self._end_backup(job, ok, nbytes, time.perf_counter() - t0, list(evicted))
 
     def _wait_unpaused(self) -> None:
         """Writer: wait while backups are paused, the pause is younger than ``BACKUP_PAUSE_MAX_S``, at most
@@ -152,8 +158,11 @@ class L3JobRunners:
             self.counters.backup_pauses += 1
             self.counters.backup_pause_seconds += time.perf_counter() - t0
 
-    def _end_backup(self, job: Job, ok: list[bool], nbytes: int, dt: float) -> None:
+    def _end_backup(self, job: Job, ok: list[bool], nbytes: int, dt: float, evicted: Sequence[bytes] = ()) -> None:
         c = self.counters
+        c.evicted_pages += len(evicted)
+        if self._evicted_names is not None:
+            c.evicted_unnamed_pages = self._evicted_names.unnamed
         c.backup_jobs += 1
         c.backup_pages += sum(ok)
         c.backup_failed_pages += len(ok) - sum(ok)
@@ -161,7 +170,7 @@ class L3JobRunners:
         c.backup_seconds += dt
         with self._lock:
             self._queued_backup_pages -= job.num_pages
-        self._report(JobReport(job.job_id, job.kind, ok, seconds=dt, bytes=nbytes))
+        self._report(JobReport(job.job_id, job.kind, ok, seconds=dt, bytes=nbytes, evicted=list(evicted)))
 
     def _run_prefetch(self, job: Job, stage: torch.Tensor) -> None:
         with self._lock:

@@ -53,6 +53,8 @@ class L3Counters:
     exists_jobs: int = 0
     exists_seconds: float = 0.0
     store_errors: int = 0
+    evicted_pages: int = 0             # pages the store evicted, named in backup reports (the index drops them)
+    evicted_unnamed_pages: int = 0     # evictions the writer could not name (a read finds those pages missing)
 
     def as_dict(self) -> dict:
         return {f"l3_{k}": v for k, v in self.__dict__.items()}
