@@ -100,3 +100,24 @@ def test_a_page_evicted_and_written_again_in_one_batch_is_reported_in_l3(tmp_pat
     batch("e", job3)                                     # evicts a
     assert list(job3) == [pk["c"], pk["a"]]
     assert names.unnamed == 0 and set(names.names) == {lk["d"], lk["e"]}
+
+
+def test_pages_stored_then_evicted_by_one_backup_job_are_not_l3_hits(tmp_path):
+    """One backup job of 4 pages in batches of 2 into a store of 2 records: its second batch evicts its first. The
+    report says all 4 stored and names the first 2 evicted; the controller applies the eviction after the stores,
+    so a later lookup reads nothing (applied the other way round, pages 0-1 would stay flagged: a failed read)."""
+    def make(rank, ns, page_bytes):
+        return FileStore(ns, page_bytes, root=str(tmp_path), capacity_bytes=2 * (HEADER_BYTES + page_bytes))
+    e = FakeEngine(num_slots=DOC_PAGES, store=make, batch_pages=2)
+    ctl = e.sched.ctl
+    assert e.run_l3(Req("w0", _doc(0) + [1])) == 0
+    e.settle()
+    assert ctl.counters.backup_jobs == 1 and ctl.counters.backup_stored_pages == DOC_PAGES
+    assert ctl.counters.l3_evicted_pages == 2
+    assert e.run_l3(Req("w1", _doc(1) + [1])) == 0        # takes doc 0's L2 slots
+    e.settle()
+    assert e.run_l3(Req("r0", _doc(0) + [2])) == 0
+    e.settle()
+    assert ctl.counters.prefetch_jobs == 0 and ctl.counters.prefetch_failed_pages == 0
+    e.idle_check()
+    e.close()
