@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 
+from benchmarks.plots import quantize_png
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRACES = ("mooncake_conversation", "mooncake_synthetic")
 
@@ -80,6 +82,7 @@ def chart(results: dict, path: str, l3_lru: dict) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    quantize_png(path)
 
 
 def main() -> None:

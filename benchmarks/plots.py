@@ -45,7 +45,18 @@ def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    return path
+    return quantize_png(path)
+
+
+def quantize_png(path) -> Path:
+    """Rewrite the PNG at ``path`` with a 64-colour palette (a chart's few colours survive; the file shrinks 3-4x, so
+    ``results/`` stays within its budget)."""
+    from PIL import Image
+
+    with Image.open(path) as im:
+        small = im.convert("RGB").quantize(colors=64)
+    small.save(path, optimize=True)
+    return Path(path)
 
 
 def plot_e2e(data: dict, out: Path) -> list[Path]:
