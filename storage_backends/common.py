@@ -76,14 +76,17 @@ def unknown_key(key: str, allowed, list_allowed: bool = True) -> str:
 def config_error(err: ValidationError, prefix: str, model: Optional[type] = None) -> ConfigError:
     """A :class:`ConfigError` naming each bad key as ``<prefix>.<key>`` and what is allowed (for an unknown key, the
     allowed keys when ``model``, the pydantic model that failed, is given). The value of a field declared with
-    ``repr=False`` (a secret such as ``l3.zmq.token``) is shown as ``'<hidden>'``."""
+    ``repr=False`` (a secret such as ``l3.zmq.token``) is shown as ``'<hidden>'``; an error of the whole section (a
+    rule between its keys) does not echo the section, which may hold such a secret."""
     lines = []
     for e in err.errors():
         key = ".".join([prefix] + [str(p) for p in e["loc"]])
         field = model.model_fields.get(str(e["loc"][0])) if model is not None and e["loc"] else None
         if field is not None and not field.repr:
             e["input"] = "<hidden>"
-        if e["type"] == "extra_forbidden":
+        if not e["loc"] and e["type"] not in ("extra_forbidden", "literal_error", "missing"):
+            lines.append(f"bad value for '{key}': {e['msg'].removeprefix('Value error, ')}")
+        elif e["type"] == "extra_forbidden":
             lines.append(unknown_key(key, model.model_fields if model is not None else ()))
         elif e["type"] == "literal_error":
             lines.append(f"bad value {e.get('input')!r} for '{key}': allowed values are "

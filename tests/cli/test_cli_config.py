@@ -118,3 +118,15 @@ def test_every_command_has_help_and_bench_runs_the_script():
     assert r.returncode == 2  # the script's own argparse status comes through
     r = tierkv("bench", "nonsense")
     assert r.returncode == EXIT_USAGE and "invalid choice" in one_line_error(r)
+
+
+@pytest.mark.parametrize("rule_broken", ["l3.redis.mode=cluster", "l3.redis.tls_cert_file=/x"])
+def test_a_rule_between_redis_keys_names_it_without_echoing_the_password(capsys, tmp_path, rule_broken):
+    """An error of the whole l3.redis section (cluster mode without nodes, a certificate without its key) once
+    printed the section's dict, password included."""
+    f = tmp_path / "redis.yaml"
+    f.write_text("l3:\n  backend: redis\n  redis:\n    url: redis://127.0.0.1:6390/0\n    password: hunter2\n")
+    assert main(["config", "check", str(f), "--set", rule_broken]) == EXIT_FOUND
+    err = capsys.readouterr().err
+    assert "'l3.redis'" in err and ("nodes" in err or "tls_key_file" in err)
+    assert "hunter2" not in err
