@@ -35,10 +35,11 @@ class EvictedNames:
         self.unnamed += ev.lost
         names = self.names
         now = set(ev.keys)
+        batch = set(l3_keys) if ev.keys else ()
         for lk in ev.keys:
             k = names.pop(lk, None)
             if k is None:
-                self.unnamed += lk not in l3_keys
+                self.unnamed += lk not in batch
             else:
                 evicted[k] = None
         for lk, k, ok in zip(l3_keys, keys, stored):
